@@ -1,0 +1,3 @@
+"""rlhf_dist: RLHF (SFT -> Bradley-Terry reward model -> PPO) on Accelerate + DeepSpeed."""
+
+__version__ = "0.1.0"

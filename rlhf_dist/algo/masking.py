@@ -1,0 +1,72 @@
+"""Statistics over the real (masked-in) positions of a tensor.
+
+Padding must never leak into a statistic (TRL #2022 reported negative entropy because
+padded positions held a sentinel value that was averaged in), so everything here
+multiplies by the mask and divides by the mask's count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `x` over positions where `mask` is True; `x`, `mask` same shape."""
+    # torch.where, not x * mask: a NaN/inf at a padded position must not poison the sum.
+    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x*mask)/sum(mask) over `dim` (all elements if None).
+
+    x, mask: same shape, e.g. (B, T). Returns a 0-dim tensor, or x reduced over `dim`.
+    An empty mask gives 0/0 = NaN, as a plain mean of nothing would.
+    """
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim=dim)
+    return masked_sum(x, mask, dim) / count
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked-in elements of `x` (all dims); Bessel-corrected if unbiased.
+
+    x, mask: same shape. Returns a 0-dim tensor.
+    """
+    mean = masked_mean(x, mask)
+    sq_dev = masked_sum((x - mean) ** 2, mask)
+    count = mask.to(x.dtype).sum()
+    if unbiased:
+        # Bessel's correction n/(n-1); with a single element the variance is undefined.
+        count = count - 1
+    return sq_dev / count
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, keep_mean: bool = False, eps: float = 1e-8
+) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) with the masked, unbiased mean and variance.
+
+    Adds the mean back when `keep_mean` (used for rewards, whose sign matters).
+    x, mask: same shape, e.g. (B, T). Positions outside the mask are 0 in the result.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    return whiten_with(x, mask, mean, var, keep_mean=keep_mean, eps=eps)
+
+
+def whiten_with(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    keep_mean: bool = False,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Whiten `x` with a given mean and variance (e.g. reduced over all ranks).
+
+    x, mask: same shape; mean, var: 0-dim. Positions outside the mask are 0.
+    """
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if keep_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
