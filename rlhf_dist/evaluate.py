@@ -1,0 +1,126 @@
+"""Evaluate a policy: mean score on held-out prompts, gold reward if known, KL to a reference.
+
+KL to the reference is the mean over sampled responses of sum_t (log pi - log ref) at the
+sampling temperature: an unbiased estimate of the sequence-level KL(pi || ref).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import torch
+
+from rlhf_dist.config import ConfigError
+from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.models import load_causal_lm, load_tokenizer
+from rlhf_dist.rollout import (
+    decode_responses,
+    generate,
+    policy_logprobs,
+    scores_with_eos_penalty,
+    sequence_last_index,
+    truncate_after_eos,
+)
+from rlhf_dist.trainers.common import start_run, write_summary
+from rlhf_dist.trainers.ppo import StatSums, build_scorer
+
+
+def load_gold_function(spec: str):
+    """`module:callable(prompts, responses, finished) -> list[float]` (an oracle reward)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"eval.gold_function: cannot import {spec!r} ({e})") from None
+
+
+@torch.no_grad()
+def evaluate_chunk(
+    policy, reference, scorer, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer
+):
+    """Generate for one chunk of prompts and measure it; returns per-sequence tensors."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    response_ids = generate(policy, prompt_ids, prompt_mask, cfg.generation, tokenizer)
+    response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
+    responses = decode_responses(tokenizer, response_ids, response_mask, eos)
+    input_ids = torch.cat([prompt_ids, response_ids], 1)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], 1)
+    last = sequence_last_index(prompt_ids.shape[1], response_mask)
+    raw = scorer(texts, responses, input_ids, attention_mask, last)
+    out = {
+        "score": scores_with_eos_penalty(raw, finished, cfg.reward.missing_eos_penalty),
+        "length": response_mask.sum(1).float(),
+        "eos_rate": finished.float(),
+    }
+    if reference is not None:
+        temperature = cfg.generation.temperature
+        lp, _ = policy_logprobs(policy, input_ids, attention_mask, response_ids, temperature)
+        ref, _ = policy_logprobs(reference, input_ids, attention_mask, response_ids, temperature)
+        out["kl_to_ref"] = ((lp - ref) * response_mask).sum(1)
+    if gold_fn is not None:
+        out["gold_reward"] = torch.tensor(
+            gold_fn(texts, responses, finished.tolist()), dtype=torch.float32
+        )
+    return out, responses
+
+
+def evaluate_policy(runtime, policy, reference, scorer, prompts, cfg, tokenizer, gold_fn=None):
+    """Mean figures over `prompts` (each rank takes every world_size-th) and some samples."""
+    stats, samples = StatSums(), []
+    n = min(cfg.eval.num_prompts, len(prompts.ids))
+    mine = list(range(runtime.rank, n, runtime.world_size))
+    for start in range(0, len(mine), cfg.eval.batch_size):
+        chunk = mine[start : start + cfg.eval.batch_size]
+        ids, mask = left_pad([prompts.ids[i] for i in chunk], tokenizer.pad_token_id)
+        texts = [prompts.texts[i] for i in chunk]
+        out, responses = evaluate_chunk(
+            policy,
+            reference,
+            scorer,
+            gold_fn,
+            ids.to(runtime.device),
+            mask.to(runtime.device),
+            texts,
+            cfg,
+            tokenizer,
+        )
+        for name, values in out.items():
+            stats.add(name, values.sum(), values.numel())
+        samples += [
+            {"prompt": t, "response": r, "score": float(s)}
+            for t, r, s in zip(texts, responses, out["score"])
+        ]
+    return stats.reduce(runtime), samples
+
+
+def run_eval(cfg, runtime) -> dict:
+    """`rlhf-dist eval`: writes summary.json and samples.jsonl under run.output_dir."""
+    out, logger = start_run(cfg, runtime, "eval")
+    m = cfg.model
+    tokenizer = load_tokenizer(m.tokenizer or m.policy, m.trust_remote_code)
+    source = cfg.data.eval or cfg.data.train
+    prompts = prompt_set(
+        load_rows(source, "data.eval" if cfg.data.eval else "data.train"), tokenizer, cfg.data
+    )
+    policy = runtime.prepare_frozen(
+        load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    )
+    reference = None
+    if cfg.eval.reference:
+        reference = runtime.prepare_frozen(
+            load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m.trust_remote_code)
+        )
+    gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
+    runtime.seed_per_rank(cfg.run.seed)
+    summary, samples = evaluate_policy(
+        runtime, policy, reference, build_scorer(cfg, runtime), prompts, cfg, tokenizer, gold_fn
+    )
+    samples = runtime.gather_objects(samples)
+    logger.log(0, {f"eval/{k}": v for k, v in summary.items()}, tuple(f"eval/{k}" for k in summary))
+    if runtime.is_main:
+        with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+    write_summary(runtime, out, summary)
+    logger.close()
+    return summary

@@ -1,0 +1,210 @@
+"""Loading the four models of RLHF and reading scores and values off them.
+
+- policy / actor / reference: `AutoModelForCausalLM`.
+- reward model: `AutoModelForSequenceClassification` (num_labels=1); the score of a
+  sequence is the head applied to the hidden state of its LAST real token.
+- critic: a backbone plus a scalar head, applied at every position (`ValueModel`),
+  initialised from the reward model (N+ study) or from the policy with a zero head.
+- `ActorCritic` holds actor and critic in one module so one engine/optimizer serves both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhf_dist.config import ConfigError
+
+# Names classification heads go by in transformers (Llama/GPT-2/Mistral: score;
+# BERT-likes: classifier). A head missing from a checkpoint must fail loudly
+# (OpenRLHF #209/#428: renamed heads were silently re-initialised).
+HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def quiet_transformers() -> None:
+    """Silence load reports and progress bars that would flood every rank's console."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _load_kwargs(trust_remote_code: bool, dtype: str) -> dict:
+    return {"trust_remote_code": trust_remote_code, "dtype": DTYPES[dtype], "use_safetensors": None}
+
+
+def _from_pretrained(loader, path: str, key: str, **kwargs):
+    """`loader.from_pretrained(path)`, with a missing or unreadable model as a ConfigError."""
+    if not path:
+        raise ConfigError(f"{key}: no model path given")
+    local = Path(path).expanduser()
+    if path.startswith((".", "/", "~")) and not local.exists():
+        raise ConfigError(f"{key}: model path {path!r} does not exist")
+    try:
+        return loader.from_pretrained(str(local) if local.exists() else path, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{key}: cannot load {path!r}: {first}") from None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Tokenizer with a PAD token distinct from EOS (the reward is read at EOS, N+ study)."""
+    from transformers import AutoTokenizer
+
+    tok = _from_pretrained(
+        AutoTokenizer, path, "model.tokenizer", trust_remote_code=trust_remote_code
+    )
+    if tok.eos_token_id is None:
+        raise ConfigError(f"model.tokenizer: tokenizer at {path!r} has no EOS token")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        raise ConfigError(
+            f"model.tokenizer: tokenizer at {path!r} needs a PAD token distinct from EOS "
+            "(add one, e.g. tokenizer.add_special_tokens({'pad_token': '<pad>'}), and save it)"
+        )
+    return tok
+
+
+def load_causal_lm(path: str, key: str, dtype: str = "float32", trust_remote_code: bool = False):
+    """A causal LM with dropout off (dropout makes old and new log-probs disagree at ratio 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(
+        AutoModelForCausalLM, path, key, **_load_kwargs(trust_remote_code, dtype)
+    )
+    return disable_dropout(model)
+
+
+def load_sequence_classifier(
+    path: str,
+    key: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    new_head: bool = False,
+):
+    """A num_labels=1 sequence classifier. Unless `new_head`, its head must come from `path`."""
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = _from_pretrained(
+        AutoModelForSequenceClassification,
+        path,
+        key,
+        num_labels=1,
+        output_loading_info=True,
+        **_load_kwargs(trust_remote_code, dtype),
+    )
+    missing_head = [k for k in info["missing_keys"] if k.split(".")[0] in HEAD_NAMES]
+    if missing_head and not new_head:
+        raise ConfigError(
+            f"{key}: {path!r} has no trained reward head ({', '.join(sorted(missing_head))} "
+            "missing); train one with `rlhf-dist rm` first"
+        )
+    if model.config.pad_token_id is None:
+        raise ConfigError(f"{key}: model config at {path!r} has no pad_token_id")
+    return disable_dropout(model)
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, name):
+            setattr(model.config, name, 0.0)
+    return model
+
+
+def split_classifier(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(backbone, head) of a sequence classifier: backbone gives hidden states (B, L, H)."""
+    backbone = getattr(model, model.base_model_prefix)
+    for name in HEAD_NAMES:
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return backbone, head
+    raise ConfigError(f"model: cannot find the classification head of {type(model).__name__}")
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting real tokens only, so left padding does not shift them; (B, L)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class ValueModel(nn.Module):
+    """Backbone + scalar head applied at every position: per-token values or scores."""
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        split_classifier(classifier)  # fail early if it has no recognisable head
+        # Kept whole (not as backbone + head) so that save_pretrained writes the
+        # AutoModelForSequenceClassification checkpoint users load back.
+        self.classifier = classifier
+
+    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+        """input_ids, attention_mask: (B, L). Returns (B, L) float32 head outputs."""
+        if position_ids is None:
+            position_ids = position_ids_from(attention_mask)
+        backbone, head = split_classifier(self.classifier)
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        return head(hidden).squeeze(-1).float()
+
+
+def sequence_scores(value_model: ValueModel, input_ids, attention_mask, last_index) -> torch.Tensor:
+    """Score of each sequence read at `last_index` (B,), its last real token. Returns (B,)."""
+    per_token = value_model(input_ids, attention_mask)
+    return per_token.gather(1, last_index.long().unsqueeze(1)).squeeze(1)
+
+
+class ActorCritic(nn.Module):
+    """Actor and critic in one module: one `prepare`, one optimizer, one engine (TRL layout)."""
+
+    def __init__(self, actor: nn.Module, critic: ValueModel):
+        super().__init__()
+        self.actor = actor
+        self.critic = critic
+
+    def forward(self, input_ids, attention_mask, response_length: int):
+        """Logits and values at the positions that predict the last `response_length` tokens.
+
+        input_ids, attention_mask: (B, P+T) with left-padded prompt then response.
+        Returns logits (B, T, V) and values (B, T): position P-1+t predicts token P+t, and
+        its value is V(prompt + response[:t]).
+        """
+        position_ids = position_ids_from(attention_mask)
+        out = self.actor(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=response_length + 1,
+        )
+        logits = out.logits[:, :-1]
+        values = self.critic(input_ids, attention_mask, position_ids)[:, -response_length - 1 : -1]
+        return logits, values
+
+
+def build_critic(cfg, dtype: str = "float32") -> ValueModel:
+    """Critic from the reward model (value head = RM head) or from the policy (zero head)."""
+    m = cfg.model
+    if cfg.ppo.critic_init == "reward":
+        if not m.reward:
+            raise ConfigError("ppo.critic_init: 'reward' needs model.reward (or use 'policy')")
+        classifier = load_sequence_classifier(m.reward, "model.reward", dtype, m.trust_remote_code)
+    else:
+        classifier = load_sequence_classifier(
+            m.policy, "model.policy", dtype, m.trust_remote_code, new_head=True
+        )
+        _, head = split_classifier(classifier)
+        # A zero head starts every value at 0: no random value noise in the first advantages.
+        nn.init.zeros_(head.weight)
+        if getattr(head, "bias", None) is not None:
+            nn.init.zeros_(head.bias)
+    return ValueModel(classifier)

@@ -1,0 +1,1 @@
+"""Short training loops (SFT, reward model, PPO) that call the library in order."""

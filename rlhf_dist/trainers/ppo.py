@@ -1,0 +1,310 @@
+"""PPO for RLHF (design.md section 5): rollout -> shaped rewards -> GAE -> clipped updates.
+
+Four models: actor and critic (trained, one module, one optimizer with a param group
+each), reference (frozen SFT policy) and a reward model or reward function (frozen).
+Every statistic is a token or sequence SUM reduced over all ranks and divided once,
+so logged means and the loss do not depend on how batches are split.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from rlhf_dist.algo.advantages import gae
+from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
+from rlhf_dist.algo.logprobs import logprobs_from_logits
+from rlhf_dist.algo.losses import ppo_policy_terms, value_terms
+from rlhf_dist.algo.masking import masked_sum, whiten_with
+from rlhf_dist.algo.rewards import shape_rewards
+from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
+from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.models import (
+    ActorCritic,
+    ValueModel,
+    build_critic,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+)
+from rlhf_dist.rollout import RewardFunction, RolloutModels, Scorer, collect_rollout
+from rlhf_dist.trainers.common import (
+    make_optimizer,
+    make_scheduler,
+    save_pretrained,
+    start_run,
+    write_summary,
+)
+
+
+def make_kl_controller(ppo_cfg):
+    if ppo_cfg.kl_controller == "adaptive":
+        return AdaptiveKLController(ppo_cfg.kl_coef, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
+    return FixedKLController(ppo_cfg.kl_coef)
+
+
+def build_scorer(cfg, runtime) -> Scorer:
+    """The frozen reward: a Python function if reward.function is set, else the reward model."""
+    if cfg.reward.function:
+        return Scorer(reward_fn=RewardFunction(cfg.reward.function))
+    m = cfg.model
+    rm = load_sequence_classifier(m.reward, "model.reward", m.dtype, m.trust_remote_code)
+    return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm)))
+
+
+def build_models(cfg, runtime, total_steps: int):
+    """(actor_critic, optimizer, scheduler, reference, scorer), trainable ones prepared."""
+    m, p = cfg.model, cfg.ppo
+    actor = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    critic = build_critic(cfg, m.dtype)
+    reference = runtime.prepare_frozen(
+        load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    )
+    scorer = build_scorer(cfg, runtime)
+    model = ActorCritic(actor, critic)
+    optimizer = make_optimizer([(actor.parameters(), p.actor), (critic.parameters(), p.critic)])
+    scheduler = make_scheduler(optimizer, [p.actor, p.critic], total_steps)
+    model, optimizer = runtime.prepare(model, optimizer)
+    return model, optimizer, scheduler, reference, scorer
+
+
+class StatSums:
+    """Sums (of tokens or sequences) with their counts, and maxima; reduced over ranks at once."""
+
+    def __init__(self):
+        self.sums = defaultdict(float)
+        self.maxima: dict[str, float] = {}
+
+    def add(self, name: str, total, count) -> None:
+        self.sums[name + "/sum"] += float(total)
+        self.sums[name + "/n"] += float(count)
+
+    def add_max(self, name: str, value) -> None:
+        self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
+
+    def reduce(self, runtime) -> dict[str, float]:
+        """Global means (sum over ranks / count over ranks) and global maxima."""
+        keys = sorted(self.sums)
+        totals = runtime.all_sum(torch.tensor([self.sums[k] for k in keys], dtype=torch.float64))
+        r = dict(zip(keys, totals.tolist()))
+        out = {k[:-4]: r[k] / max(r[k[:-4] + "/n"], 1.0) for k in keys if k.endswith("/sum")}
+        names = sorted(self.maxima)
+        if names:
+            maxima = runtime.all_max(
+                torch.tensor([self.maxima[k] for k in names], dtype=torch.float64)
+            )
+            out |= dict(zip(names, maxima.tolist()))
+        return out
+
+
+def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> torch.Tensor:
+    """Token SUM of policy + vf_coef * value loss for one micro-batch (caller divides)."""
+    p = cfg.ppo
+    T = mb.response_ids.shape[1]
+    logits, values = model(mb.input_ids, mb.attention_mask, T)
+    logprobs = logprobs_from_logits(logits.float() / cfg.generation.temperature, mb.response_ids)
+    pg = ppo_policy_terms(logprobs, mb.old_logprobs, advantages, p.clip_eps)
+    vf = value_terms(values, mb.old_values, returns, p.value_clip_eps)
+    mask = mb.response_mask
+    n = mask.sum()
+    pg_sum, vf_sum = masked_sum(pg["loss"], mask), masked_sum(vf["loss"], mask)
+    stats.add("policy/loss", pg_sum.detach(), n)
+    stats.add("value/loss", vf_sum.detach(), n)
+    for name, key, terms in (
+        ("policy/clipfrac", "clipped", pg),
+        ("policy/approx_kl", "approx_kl", pg),
+        ("policy/ratio_mean", "ratio", pg),
+        ("value/clipfrac", "clipped", vf),
+    ):
+        stats.add(name, masked_sum(terms[key].detach(), mask), n)
+    stats.add_max("policy/ratio_max", torch.where(mask, pg["ratio"], 0.0).max())
+    return pg_sum + p.vf_coef * vf_sum
+
+
+def optimizer_step(runtime, model, optimizer, scheduler, cfg) -> tuple[float, float]:
+    """Clip actor and critic gradients separately (each its own max norm), then step."""
+    inner = runtime.unwrap(model)
+    actor_norm = runtime.clip_grad_norm(inner.actor.parameters(), cfg.ppo.actor.max_grad_norm)
+    critic_norm = runtime.clip_grad_norm(inner.critic.parameters(), cfg.ppo.critic.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return actor_norm, critic_norm
+
+
+def ppo_update(
+    runtime, model, optimizer, scheduler, batch, advantages, returns, cfg, plan: PPOPlan
+) -> dict:
+    """ppo_epochs passes over this rank's rollout in minibatches; returns reduced stats."""
+    stats = StatSums()
+    per_rank, slices = plan.update.per_rank, plan.update.micro_slices()
+    for _ in range(plan.ppo_epochs):
+        order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
+        for start in range(0, order.numel(), per_rank):
+            idx = order[start : start + per_rank]
+            mb, adv, ret = batch.select(idx), advantages[idx], returns[idx]
+            # The loss of this step divides by the tokens of the WHOLE global minibatch.
+            n_tokens = runtime.all_sum(mb.response_mask.sum().float())
+            for i, s in enumerate(slices):
+                with runtime.no_sync(model, sync=i == len(slices) - 1):
+                    loss_sum = micro_batch_loss(model, mb.select(s), adv[s], ret[s], cfg, stats)
+                    # x world_size: data-parallel backends average gradients over ranks.
+                    runtime.backward(loss_sum * runtime.world_size / n_tokens)
+            actor_norm, critic_norm = optimizer_step(runtime, model, optimizer, scheduler, cfg)
+            stats.add("optim/grad_norm_actor", actor_norm, 1)
+            stats.add("optim/grad_norm_critic", critic_norm, 1)
+    return stats.reduce(runtime)
+
+
+def global_mean_var(
+    runtime, x: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked mean and unbiased variance of `x` over ALL ranks' tokens; x, mask (B, T)."""
+    count = runtime.all_sum(mask.sum().to(torch.float64))
+    mean = runtime.all_sum(masked_sum(x.to(torch.float64), mask)) / count
+    sq_dev = runtime.all_sum(masked_sum((x.to(torch.float64) - mean) ** 2, mask))
+    return mean.to(x.dtype), (sq_dev / (count - 1)).to(x.dtype)
+
+
+def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> dict:
+    """Objective, rollout-shape and value statistics over all ranks' sequences."""
+    s = StatSums()
+    mask = batch.response_mask
+    B, lengths = mask.shape[0], mask.sum(1).float()
+    seq_kl = kl.sum(1)
+    for name, per_seq in (
+        ("objective/score", batch.scores),
+        ("objective/raw_score", batch.raw_scores),
+        ("objective/kl", seq_kl),
+        ("objective/rlhf_reward", batch.scores - kl_coef * seq_kl),
+        ("rollout/length", lengths),
+        ("rollout/eos_rate", batch.finished.float()),
+    ):
+        s.add(name, per_seq.sum(), B)
+    s.add("objective/score_sq", (batch.scores**2).sum(), B)
+    s.add("objective/entropy", masked_sum(batch.entropy, mask), mask.sum())
+    for name, x in (
+        ("advantages/raw", advantages),
+        ("value/returns", returns),
+        ("value/values", batch.old_values),
+    ):
+        s.add(name, masked_sum(x, mask), mask.sum())
+        s.add(name + "_sq", masked_sum(x**2, mask), mask.sum())
+    s.add("value/residual_sq", masked_sum((returns - batch.old_values) ** 2, mask), mask.sum())
+    s.add_max("rollout/length_max", lengths.max())
+    s.add_max("rollout/length_min_neg", -lengths.min())
+    out = s.reduce(runtime)
+    out["rollout/length_min"] = -out.pop("rollout/length_min_neg")
+    out["objective/score_std"] = _std(out.pop("objective/score_sq"), out["objective/score"])
+    out["advantages/raw_std"] = _std(out.pop("advantages/raw_sq"), out["advantages/raw"])
+    returns_var = out.pop("value/returns_sq") - out["value/returns"] ** 2
+    out.pop("value/values_sq")
+    # Explained variance 1 - Var(R - V)/Var(R): 1 = the critic predicts returns perfectly.
+    out["value/explained_variance"] = 1.0 - out.pop("value/residual_sq") / max(returns_var, 1e-12)
+    return out
+
+
+def _std(mean_sq: float, mean: float) -> float:
+    return max(mean_sq - mean**2, 0.0) ** 0.5
+
+
+def prompt_stream(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int):
+    """Yield this rank's (prompt_ids, prompt_mask, texts) per iteration, cycling epochs."""
+    n, size = len(prompts.ids), plan.rollout.global_size
+    if n < size:
+        raise SystemExit(f"ppo: {n} prompts is fewer than ppo.rollout_batch_size={size}")
+    for _, idx in global_batches(n, size, seed, epochs=10**9):
+        mine = idx[plan.rollout.rank_slice(runtime.rank)]
+        ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
+        yield ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
+
+
+def ppo_iteration(runtime, parts, prompt_batch, kl_ctl, cfg, plan) -> tuple[dict, list]:
+    """One PPO iteration: rollout, shaped rewards, GAE, whitening, update. Returns stats."""
+    model, optimizer, scheduler, rollout_models, tokenizer = parts
+    p = cfg.ppo
+    t0 = time.time()
+    model.eval()
+    batch, texts = collect_rollout(rollout_models, *prompt_batch, cfg, tokenizer)
+    t1 = time.time()
+    rewards, kl = shape_rewards(
+        batch.scores,
+        batch.old_logprobs,
+        batch.ref_logprobs,
+        batch.response_mask,
+        kl_ctl.coef,
+        p.kl_kind,
+    )
+    advantages, returns = gae(rewards, batch.old_values, batch.response_mask, p.gamma, p.lam)
+    stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_ctl.coef)
+    if p.whiten_advantages:
+        advantages = whiten_with(
+            advantages,
+            batch.response_mask,
+            *global_mean_var(runtime, advantages, batch.response_mask),
+        )
+    model.train()
+    stats |= ppo_update(runtime, model, optimizer, scheduler, batch, advantages, returns, cfg, plan)
+    t2 = time.time()
+    stats |= {
+        "optim/kl_coef": kl_ctl.coef,
+        "optim/lr_actor": scheduler.get_last_lr()[0],
+        "time/rollout": t1 - t0,
+        "time/update": t2 - t1,
+        "time/total": t2 - t0,
+    }
+    kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
+    samples = list(zip(prompt_batch[2], texts, batch.scores.tolist()))[:4]
+    return stats, samples
+
+
+def train_ppo(cfg, runtime) -> dict:
+    """Run PPO as configured; returns the summary written to summary.json."""
+    out, logger = start_run(cfg, runtime, "ppo")
+    m, p = cfg.model, cfg.ppo
+    tokenizer = load_tokenizer(m.tokenizer or m.policy, m.trust_remote_code)
+    prompts = prompt_set(
+        load_rows(cfg.data.train, "data.train", cfg.data.split), tokenizer, cfg.data
+    )
+    runtime.print(prompts.report.summary("prompts"))
+    plan = ppo_plan(p, runtime.world_size)
+    total_steps = p.iterations * plan.optimizer_steps_per_iteration
+    model, optimizer, scheduler, reference, scorer = build_models(cfg, runtime, total_steps)
+    rollout_models = RolloutModels(model, runtime.unwrap(model).actor, reference, scorer)
+    parts = (model, optimizer, scheduler, rollout_models, tokenizer)
+    kl_ctl = make_kl_controller(p)
+    runtime.seed_per_rank(cfg.run.seed)
+    stream = prompt_stream(prompts, plan, runtime, cfg.run.seed, tokenizer.pad_token_id)
+    history = []
+    for it, prompt_batch in zip(range(1, p.iterations + 1), stream):
+        stats, samples = ppo_iteration(runtime, parts, prompt_batch, kl_ctl, cfg, plan)
+        history.append(stats)
+        if it % cfg.run.log_every == 0 or it == p.iterations:
+            logger.log(
+                it,
+                stats,
+                (
+                    "objective/score",
+                    "objective/kl",
+                    "objective/entropy",
+                    "rollout/length",
+                    "policy/clipfrac",
+                    "value/explained_variance",
+                ),
+            )
+    inner = runtime.unwrap(model)
+    save_pretrained(runtime, inner.actor, tokenizer, out / "final")
+    save_pretrained(runtime, inner.critic.classifier, tokenizer, out / "critic")
+    last = history[-1]
+    summary = {
+        "iterations": p.iterations,
+        "score": last["objective/score"],
+        "kl": last["objective/kl"],
+        "first_score": history[0]["objective/score"],
+        "episodes": p.iterations * p.rollout_batch_size,
+    }
+    write_summary(runtime, out, summary)
+    logger.close()
+    return summary

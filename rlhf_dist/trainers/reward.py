@@ -1,0 +1,155 @@
+"""Reward model: Bradley-Terry loss on preference pairs, score at the last real token.
+
+Chosen and rejected sequences of a micro-batch go through ONE forward pass (stacked
+into 2B rows), so both are scored by the same weights with the same padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_dist.algo.losses import pairwise_reward_loss
+from rlhf_dist.batching import BatchPlan, global_batches
+from rlhf_dist.data import collate_pairs, load_rows, preference_pairs
+from rlhf_dist.models import ValueModel, load_sequence_classifier, load_tokenizer, sequence_scores
+from rlhf_dist.trainers.common import (
+    make_optimizer,
+    make_scheduler,
+    save_pretrained,
+    start_run,
+    write_summary,
+)
+
+
+def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen_scores, rejected_scores), each (B,), of a collate_pairs batch."""
+    scores = sequence_scores(
+        value_model, batch["input_ids"], batch["attention_mask"], batch["last_index"]
+    )
+    half = scores.shape[0] // 2
+    return scores[:half], scores[half:]
+
+
+def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float, float]:
+    """Backward over this rank's micro-batches; returns global (mean loss, accuracy)."""
+    share = pairs[plan.rank_slice(runtime.rank)]
+    slices = plan.micro_slices()
+    totals = torch.zeros(2, device=runtime.device)
+    for i, s in enumerate(slices):
+        batch = {k: v.to(runtime.device) for k, v in collate_pairs(share[s], pad_id).items()}
+        with runtime.no_sync(model, sync=i == len(slices) - 1):
+            chosen, rejected = pair_scores(model, batch)
+            loss_sum = -F.logsigmoid(chosen - rejected).sum()
+            # Sum over pairs / global pair count (x world size: ranks' gradients are averaged).
+            runtime.backward(loss_sum * runtime.world_size / plan.global_size)
+        totals += torch.stack([loss_sum.detach(), (chosen > rejected).float().sum()])
+    totals = runtime.all_sum(totals) / plan.global_size
+    return float(totals[0]), float(totals[1])
+
+
+def expected_calibration_error(prob_chosen: torch.Tensor, n_bins: int = 10) -> float:
+    """ECE of P(chosen preferred) = sigmoid(score difference) against the labels.
+
+    prob_chosen: (N,). Each pair is folded to its predicted winner: confidence max(p, 1-p),
+    correct iff p > 0.5; ECE = sum_bins |accuracy - confidence| * share of pairs in the bin.
+    """
+    confidence = torch.maximum(prob_chosen, 1 - prob_chosen)
+    correct = (prob_chosen > 0.5).float()
+    bins = torch.clamp(((confidence - 0.5) * 2 * n_bins).long(), max=n_bins - 1)
+    ece = torch.zeros(())
+    for b in range(n_bins):
+        in_bin = bins == b
+        if in_bin.any():
+            gap = (correct[in_bin].mean() - confidence[in_bin].mean()).abs()
+            ece += gap * in_bin.float().mean()
+    return float(ece)
+
+
+@torch.no_grad()
+def evaluate_pairs(runtime, value_model, pairs, micro_batch_size: int, pad_id: int) -> dict:
+    """Held-out loss, accuracy and calibration over all ranks' shares of `pairs`."""
+    mine = pairs[runtime.rank :: runtime.world_size]
+    diffs = []
+    for i in range(0, len(mine), micro_batch_size):
+        batch = {
+            k: v.to(runtime.device)
+            for k, v in collate_pairs(mine[i : i + micro_batch_size], pad_id).items()
+        }
+        chosen, rejected = pair_scores(value_model, batch)
+        diffs.append((chosen - rejected).float().cpu())
+    diff = torch.tensor(runtime.gather_objects(torch.cat(diffs).tolist() if diffs else []))
+    loss, accuracy = pairwise_reward_loss(diff, torch.zeros_like(diff))
+    return {
+        "accuracy": float(accuracy),
+        "loss": float(loss),
+        "ece": expected_calibration_error(torch.sigmoid(diff)),
+        "pairs": len(diff),
+    }
+
+
+def train_reward_model(cfg, runtime) -> dict:
+    """Train a reward model as configured; returns the summary written to summary.json."""
+    out, logger = start_run(cfg, runtime, "rm")
+    init = cfg.model.reward or cfg.model.policy
+    tokenizer = load_tokenizer(cfg.model.tokenizer or init, cfg.model.trust_remote_code)
+    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
+    train, report = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field)
+    runtime.print(report.summary("preference pairs"))
+    evals = (
+        preference_pairs(
+            load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg.data, cfg.rm.responses_field
+        )[0]
+        if cfg.data.eval
+        else []
+    )
+    key = "model.reward" if cfg.model.reward else "model.policy"
+    classifier = load_sequence_classifier(
+        init, key, cfg.model.dtype, cfg.model.trust_remote_code, new_head=True
+    )
+    rc = cfg.rm
+    plan = BatchPlan(rc.batch_size, runtime.world_size, rc.micro_batch_size)
+    total_steps = rc.epochs * (len(train) // rc.batch_size)
+    if total_steps == 0:
+        raise SystemExit(
+            f"rm: {len(train)} pairs is fewer than one batch (rm.batch_size={rc.batch_size})"
+        )
+    optimizer = make_optimizer([(classifier.parameters(), rc.optim)])
+    scheduler = make_scheduler(optimizer, [rc.optim], total_steps)
+    model, optimizer = runtime.prepare(ValueModel(classifier), optimizer)
+    model.train()
+    for step, (epoch, idx) in enumerate(
+        global_batches(len(train), rc.batch_size, cfg.run.seed, rc.epochs), 1
+    ):
+        loss, acc = rm_step(runtime, model, [train[i] for i in idx], plan, tokenizer.pad_token_id)
+        grad_norm = runtime.clip_grad_norm(model.parameters(), rc.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % cfg.run.log_every == 0 or step == total_steps:
+            metrics = {
+                "rm/loss": loss,
+                "rm/accuracy": acc,
+                "rm/grad_norm": grad_norm,
+                "rm/lr": scheduler.get_last_lr()[0],
+                "rm/epoch": epoch,
+            }
+            logger.log(step, metrics, ("rm/loss", "rm/accuracy"))
+    summary = {
+        "steps": total_steps,
+        "train_loss": loss,
+        "train_accuracy": acc,
+        "train_pairs": len(train),
+    }
+    if evals:
+        ev = evaluate_pairs(runtime, model, evals, rc.micro_batch_size, tokenizer.pad_token_id)
+        summary |= {f"eval_{k}": v for k, v in ev.items()}
+        logger.log(
+            total_steps,
+            {f"rm/eval_{k}": v for k, v in ev.items()},
+            ("rm/eval_accuracy", "rm/eval_ece"),
+        )
+    save_pretrained(runtime, runtime.unwrap(model).classifier, tokenizer, out / "final")
+    write_summary(runtime, out, summary)
+    logger.close()
+    return summary

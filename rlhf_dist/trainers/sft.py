@@ -1,0 +1,130 @@
+"""Supervised fine-tuning: next-token loss on response tokens only.
+
+The loss of one optimizer step is the sum of response-token NLLs divided by the number
+of response tokens in the WHOLE global batch, so its gradient does not depend on how
+the batch is split into ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_dist.algo.logprobs import logprobs_from_logits
+from rlhf_dist.algo.masking import masked_sum
+from rlhf_dist.batching import BatchPlan, global_batches
+from rlhf_dist.data import collate_sft, load_rows, sft_examples
+from rlhf_dist.models import load_causal_lm, load_tokenizer, position_ids_from
+from rlhf_dist.trainers.common import (
+    make_optimizer,
+    make_scheduler,
+    save_pretrained,
+    start_run,
+    write_summary,
+)
+
+
+def token_nll_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of NLL over loss_mask, token count) of one micro-batch."""
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=position_ids_from(batch["attention_mask"]),
+    ).logits[:, :-1]
+    nll = -logprobs_from_logits(logits.float(), batch["input_ids"][:, 1:])
+    return masked_sum(nll, batch["loss_mask"]), batch["loss_mask"].sum()
+
+
+def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> float:
+    """Forward/backward every micro-batch of this rank's share; returns the global mean NLL."""
+    share = examples[plan.rank_slice(runtime.rank)]
+    micro = [collate_sft(share[s], pad_id) for s in plan.micro_slices()]
+    local_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
+    total_tokens = runtime.all_sum(torch.tensor(float(local_tokens), device=runtime.device))
+    loss_sum = torch.zeros((), device=runtime.device)
+    for i, batch in enumerate(micro):
+        batch = {k: v.to(runtime.device) for k, v in batch.items()}
+        with runtime.no_sync(model, sync=i == len(micro) - 1):
+            nll_sum, _ = token_nll_sum(model, batch)
+            # x world_size: data-parallel backends average gradients over ranks.
+            runtime.backward(nll_sum * runtime.world_size / total_tokens)
+        loss_sum += nll_sum.detach()
+    return float(runtime.all_sum(loss_sum) / total_tokens)
+
+
+@torch.no_grad()
+def eval_nll(runtime, model, examples, micro_batch_size: int, pad_id: int) -> float:
+    """Mean response-token NLL over `examples` (each rank takes every world_size-th)."""
+    mine = examples[runtime.rank :: runtime.world_size]
+    totals = torch.zeros(2, device=runtime.device)
+    for i in range(0, len(mine), micro_batch_size):
+        batch = {
+            k: v.to(runtime.device)
+            for k, v in collate_sft(mine[i : i + micro_batch_size], pad_id).items()
+        }
+        nll_sum, count = token_nll_sum(model, batch)
+        totals += torch.stack([nll_sum, count.float()])
+    totals = runtime.all_sum(totals)
+    return float(totals[0] / totals[1])
+
+
+def train_sft(cfg, runtime) -> dict:
+    """Run SFT as configured; returns the summary written to summary.json."""
+    out, logger = start_run(cfg, runtime, "sft")
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.policy, cfg.model.trust_remote_code)
+    train, report = sft_examples(
+        load_rows(cfg.data.train, "data.train", cfg.data.split), tokenizer, cfg.data
+    )
+    runtime.print(report.summary("sft data"))
+    evals = (
+        sft_examples(load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg.data)[0]
+        if cfg.data.eval
+        else []
+    )
+    model = load_causal_lm(
+        cfg.model.policy, "model.policy", cfg.model.dtype, cfg.model.trust_remote_code
+    )
+    sc = cfg.sft
+    plan = BatchPlan(sc.batch_size, runtime.world_size, sc.micro_batch_size)
+    total_steps = sc.epochs * (len(train) // sc.batch_size)
+    if total_steps == 0:
+        raise SystemExit(
+            f"sft: {len(train)} examples is fewer than one batch (sft.batch_size={sc.batch_size})"
+        )
+    optimizer = make_optimizer([(model.parameters(), sc.optim)])
+    scheduler = make_scheduler(optimizer, [sc.optim], total_steps)
+    model, optimizer = runtime.prepare(model, optimizer)
+    model.train()
+    initial_eval = (
+        eval_nll(runtime, model, evals, sc.micro_batch_size, tokenizer.pad_token_id)
+        if evals
+        else None
+    )
+    for step, (epoch, idx) in enumerate(
+        global_batches(len(train), sc.batch_size, cfg.run.seed, sc.epochs), 1
+    ):
+        loss = sft_step(runtime, model, [train[i] for i in idx], plan, tokenizer.pad_token_id)
+        grad_norm = runtime.clip_grad_norm(model.parameters(), sc.optim.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % cfg.run.log_every == 0 or step == total_steps:
+            metrics = {
+                "sft/loss": loss,
+                "sft/grad_norm": grad_norm,
+                "sft/lr": scheduler.get_last_lr()[0],
+                "sft/epoch": epoch,
+            }
+            logger.log(step, metrics, ("sft/loss", "sft/grad_norm"))
+    summary = {"steps": total_steps, "train_loss": loss, "train_examples": len(train)}
+    if evals:
+        summary |= {
+            "eval_loss_before": initial_eval,
+            "eval_loss": eval_nll(
+                runtime, model, evals, sc.micro_batch_size, tokenizer.pad_token_id
+            ),
+        }
+        logger.log(total_steps, {"sft/eval_loss": summary["eval_loss"]})
+    save_pretrained(runtime, runtime.unwrap(model), tokenizer, out / "final")
+    write_summary(runtime, out, summary)
+    logger.close()
+    return summary
