@@ -10,6 +10,7 @@ numbers derived from them (per-rank batch sizes, accumulation steps) live in
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -49,7 +50,11 @@ class ModelConfig:
     reward: str = ""
     # Tokenizer path; empty means the policy's.
     tokenizer: str = ""
+    # Weights of the trained models (actor, critic; SFT/RM model). bfloat16 under DeepSpeed
+    # turns on its bf16 mixed precision (fp32 master weights in the optimizer).
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    # Weights of the frozen reference and reward model; "auto" = model.dtype.
+    frozen_dtype: str = field(default="auto", metadata=_choices("auto", "float32", "bfloat16"))
     trust_remote_code: bool = False
 
 
@@ -156,6 +161,45 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    # LoRA adapters (peft) on the actor; the reference is the same base with adapters
+    # disabled, so the base weights are held once. LoRA dropout is always 0 (dropout off).
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    # Adapters on the critic too (its value head stays fully trainable). With the critic
+    # initialised from the reward model, the frozen reward model is that same base with
+    # adapters disabled: one copy of the reward model's weights.
+    critic: bool = False
+    # What `final/` holds for a LoRA actor: the merged model, and/or the adapter in final_adapter/.
+    export: str = field(default="both", metadata=_choices("merged", "adapter", "both"))
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    # Frozen reference / reward model: "partition" them like ZeRO-3 (inference engines),
+    # "replicate" a full copy per rank, "offload" their partitions to CPU memory;
+    # "auto" = partition under ZeRO-3, replicate otherwise.
+    frozen_models: str = field(
+        default="auto", metadata=_choices("auto", "partition", "replicate", "offload")
+    )
+    # Under ZeRO-3, gather the actor's full weights once per rollout for generation (fast;
+    # needs memory for one full copy). Off: generate through ZeRO-3's per-layer gathers.
+    gather_for_generation: bool = True
+    # Seconds a collective waits for the other ranks before the run fails with an error.
+    timeout_s: int = 1800
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
@@ -166,6 +210,8 @@ class Config:
     generation: GenerationConfig = GenerationConfig()
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
+    lora: LoRAConfig = LoRAConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
 
 # ---------------------------------------------------------------------------- building
@@ -284,12 +330,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"--config {path}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--config {path}: cannot read (not UTF-8 text)") from None
         try:
             tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" at line {where.line + 1}" if where else ""
             raise ConfigError(f"--config {path}: invalid YAML{line}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(
+                f"--config {path}: expected a mapping of sections, got {type(tree).__name__}"
+            )
     for override in overrides:
         tree = apply_override(tree, override)
     return config_from_dict(tree)
@@ -329,7 +381,7 @@ def save_config(cfg: Config, output_dir: str | os.PathLike) -> Path:
 def _positive(cfg: Any, prefix: str, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        if value <= 0:
+        if not (value > 0 and math.isfinite(value)):  # also rejects NaN and inf
             raise ConfigError(f"{prefix}.{name}: must be > 0, got {value}")
 
 
@@ -341,6 +393,7 @@ def _divides(small: tuple[str, int], big: tuple[str, int]) -> None:
 def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     """Check the keys `stage` ("sft", "rm", "ppo", "eval") uses; raise ConfigError naming one."""
     _positive(cfg.run, "run", "log_every")
+    _positive(cfg.distributed, "distributed", "timeout_s")
     if cfg.run.num_threads < 0:
         raise ConfigError(f"run.num_threads: must be >= 0, got {cfg.run.num_threads}")
     for tracker in cfg.run.trackers:
@@ -351,7 +404,10 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         section = getattr(cfg, stage)
         _positive(section, stage, "epochs", "batch_size", "micro_batch_size")
         _divides(
-            (f"{stage}.micro_batch_size", section.micro_batch_size * world_size),
+            (
+                f"{stage}.micro_batch_size x {world_size} ranks",
+                section.micro_batch_size * world_size,
+            ),
             (f"{stage}.batch_size", section.batch_size),
         )
         _validate_optim(section.optim, f"{stage}.optim")
@@ -363,6 +419,9 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             raise ConfigError("model.reward: required (the model to train as reward model)")
     if stage == "ppo":
         _validate_ppo(cfg, world_size)
+    _positive(cfg.lora, "lora", "r", "alpha")
+    if cfg.lora.critic and not cfg.lora.enabled:
+        raise ConfigError("lora.critic: needs lora.enabled=true")
     if stage == "eval":
         _positive(cfg.eval, "eval", "num_prompts", "batch_size")
     if stage in ("ppo", "eval"):

@@ -201,7 +201,8 @@ class PreferencePair:
 
 def _pairs_of_row(row: dict, data_cfg, responses_field: str, report: SkipReport):
     """(chosen, rejected) texts of one row: a pair, or all C(n,2) pairs of a ranked list."""
-    if responses_field in row and "chosen" not in row:
+    # `datasets` fills absent columns with None, so a mixed file has chosen=None on ranked rows.
+    if row.get(responses_field) is not None and row.get("chosen") is None:
         responses = row[responses_field]
         if not isinstance(responses, list) or len(responses) < 2:
             report.skip(f"'{responses_field}' not a list of 2+ texts")
@@ -210,7 +211,13 @@ def _pairs_of_row(row: dict, data_cfg, responses_field: str, report: SkipReport)
             report.skip(f"empty or non-text entry in '{responses_field}'")
             return []
         # Best-first ranking: every earlier response is preferred to every later one.
-        return list(itertools.combinations(responses, 2))
+        pairs = []
+        for better, worse in itertools.combinations(responses, 2):
+            if better.strip() == worse.strip():
+                report.skip("chosen == rejected")
+            else:
+                pairs.append((better, worse))
+        return pairs
     chosen = _text(row, "chosen", report)
     rejected = _text(row, "rejected", report) if chosen is not None else None
     if rejected is None:

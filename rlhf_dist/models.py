@@ -56,18 +56,16 @@ def _from_pretrained(loader, path: str, key: str, **kwargs):
         raise ConfigError(f"{key}: cannot load {path!r}: {first}") from None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.tokenizer"):
     """Tokenizer with a PAD token distinct from EOS (the reward is read at EOS, N+ study)."""
     from transformers import AutoTokenizer
 
-    tok = _from_pretrained(
-        AutoTokenizer, path, "model.tokenizer", trust_remote_code=trust_remote_code
-    )
+    tok = _from_pretrained(AutoTokenizer, path, key, trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
-        raise ConfigError(f"model.tokenizer: tokenizer at {path!r} has no EOS token")
+        raise ConfigError(f"{key}: tokenizer at {path!r} has no EOS token")
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
         raise ConfigError(
-            f"model.tokenizer: tokenizer at {path!r} needs a PAD token distinct from EOS "
+            f"{key}: tokenizer at {path!r} needs a PAD token distinct from EOS "
             "(add one, e.g. tokenizer.add_special_tokens({'pad_token': '<pad>'}), and save it)"
         )
     return tok
@@ -189,6 +187,15 @@ class ActorCritic(nn.Module):
         logits = out.logits[:, :-1]
         values = self.critic(input_ids, attention_mask, position_ids)[:, -response_length - 1 : -1]
         return logits, values
+
+
+def tokenizer_for(cfg, model_key: str = "policy"):
+    """The run's tokenizer: model.tokenizer if set, else the named model's own."""
+    m = cfg.model
+    if m.tokenizer:
+        return load_tokenizer(m.tokenizer, m.trust_remote_code, "model.tokenizer")
+    path = getattr(m, model_key) or m.policy
+    return load_tokenizer(path, m.trust_remote_code, f"model.{model_key}")
 
 
 def build_critic(cfg, dtype: str = "float32") -> ValueModel:

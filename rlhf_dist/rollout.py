@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -115,7 +116,7 @@ class RewardFunction:
         module_name, _, attr = spec.partition(":")
         try:
             fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
+        except (ImportError, AttributeError, ValueError) as e:
             raise ConfigError(f"reward.function: cannot import {spec!r} ({e})") from None
         if not callable(fn):
             raise ConfigError(f"reward.function: {spec!r} is not callable")
@@ -130,12 +131,22 @@ class RewardFunction:
             raise RuntimeError(
                 f"reward.function {self.spec} returned {len(out)} scores for {len(responses)} responses"
             )
-        bad = [v for v in out if not isinstance(v, (int, float)) or not math.isfinite(v)]
+        bad = [v for v in out if not _is_finite_number(v)]
         if bad:
             raise RuntimeError(
                 f"reward.function {self.spec} returned a non-finite or non-number: {bad[0]!r}"
             )
-        return torch.tensor(out, dtype=torch.float32)
+        return torch.tensor([float(v) for v in out], dtype=torch.float32)
+
+
+def _is_finite_number(v) -> bool:
+    """A real, finite number (python, numpy or 0-dim torch), never a bool or a string."""
+    if isinstance(v, (bool, str, bytes)) or not isinstance(v, numbers.Real | torch.Tensor):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -176,11 +187,11 @@ def sequence_last_index(prompt_width: int, response_mask: torch.Tensor) -> torch
 
 @dataclass
 class RolloutModels:
-    """What a rollout reads: the (possibly wrapped) actor-critic for scoring, its unwrapped
-    actor for generation, the frozen reference and the scorer."""
+    """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
+    yielding (actor module, synced flag) for generation, the frozen reference, the scorer."""
 
     actor_critic: torch.nn.Module
-    actor_for_generation: torch.nn.Module
+    generation_context: Callable
     reference: torch.nn.Module | None
     scorer: Scorer
 
@@ -191,10 +202,10 @@ def collect_rollout(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts
     gen, micro = cfg.generation, cfg.ppo.rollout_micro_batch_size
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
-    responses = [
-        generate(models.actor_for_generation, prompt_ids[s], prompt_mask[s], gen, tokenizer)
-        for s in chunks
-    ]
+    with models.generation_context() as (actor, synced):
+        responses = [
+            generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, synced) for s in chunks
+        ]
     width = max(r.shape[1] for r in responses)
     response_ids = torch.cat([pad_columns(r, width, pad) for r in responses])
     response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)

@@ -1,0 +1,98 @@
+"""Unit tests of rlhf_dist.batching: how global batches split over ranks and micro-batches.
+
+Loss normalisation (design.md section 4) relies on every sequence of a global batch being
+seen exactly once across ranks and micro-batches, so that property is checked exhaustively
+over a grid of sizes rather than on one example.
+"""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from rlhf_dist.batching import BatchPlan, PPOPlan, epoch_order, global_batches, ppo_plan
+
+# (world size, per-rank size, micro-batch size); global = world * per-rank, as validate() asks.
+GRID = [
+    (world, per_rank, micro)
+    for world, per_rank, micro in itertools.product([1, 2, 3, 4], [1, 2, 5, 8, 12], [1, 3, 4, 8])
+]
+
+
+@pytest.mark.parametrize(("world", "per_rank", "micro"), GRID)
+def test_batch_plan_covers_every_index_once(world, per_rank, micro):
+    plan = BatchPlan(global_size=world * per_rank, world_size=world, micro_batch_size=micro)
+    assert plan.per_rank == per_rank
+    slices = plan.micro_slices()
+    assert len(slices) == plan.accumulation_steps == -(-per_rank // micro)
+    seen = []
+    for rank in range(world):
+        share = list(range(plan.global_size))[plan.rank_slice(rank)]
+        assert len(share) == per_rank
+        for s in slices:
+            micro_batch = share[s]
+            # Non-empty, never larger than asked; only the last may be smaller.
+            assert 0 < len(micro_batch) <= micro
+            seen.extend(micro_batch)
+        assert all(len(share[s]) == micro for s in slices[:-1])
+    assert sorted(seen) == list(range(plan.global_size))
+    assert len(seen) == plan.global_size
+
+
+def test_batch_plan_by_hand():
+    plan = BatchPlan(global_size=12, world_size=2, micro_batch_size=4)
+    assert plan.per_rank == 6
+    assert plan.accumulation_steps == 2
+    assert plan.micro_slices() == [slice(0, 4), slice(4, 6)]
+    assert plan.rank_slice(0) == slice(0, 6) and plan.rank_slice(1) == slice(6, 12)
+
+
+def test_ppo_plan_counts():
+    cfg = SimpleNamespace(
+        rollout_batch_size=64,
+        rollout_micro_batch_size=8,
+        minibatch_size=16,
+        micro_batch_size=4,
+        ppo_epochs=3,
+    )
+    plan = ppo_plan(cfg, world_size=2)
+    assert isinstance(plan, PPOPlan)
+    assert plan.rollout == BatchPlan(64, 2, 8)
+    assert plan.update == BatchPlan(16, 2, 4)
+    assert plan.rollout.per_rank == 32 and plan.rollout.accumulation_steps == 4
+    assert plan.update.per_rank == 8 and plan.update.accumulation_steps == 2
+    assert plan.minibatches_per_epoch == 4
+    assert plan.optimizer_steps_per_iteration == 12
+
+
+def test_epoch_order_is_a_deterministic_permutation():
+    n = 50
+    first = epoch_order(n, seed=3, epoch=0)
+    assert sorted(first) == list(range(n))
+    # Same (seed, epoch) on another rank or a resumed run: the same order.
+    assert epoch_order(n, seed=3, epoch=0) == first
+    # A shuffle, not the identity (a 50-element identity permutation is ~1/50! likely).
+    assert first != list(range(n))
+    orders = {tuple(epoch_order(n, seed=3, epoch=e)) for e in range(5)}
+    assert len(orders) == 5  # every epoch reshuffles
+    assert epoch_order(n, seed=4, epoch=0) != first  # the seed matters
+
+
+def test_global_batches_yield_only_full_batches():
+    n, batch_size, epochs = 10, 3, 2
+    out = list(global_batches(n, batch_size, seed=0, epochs=epochs))
+    assert [e for e, _ in out] == [0, 0, 0, 1, 1, 1]
+    assert all(len(b) == batch_size for _, b in out)
+    for epoch in range(epochs):
+        idx = [i for e, b in out if e == epoch for i in b]
+        # No index twice within an epoch; exactly n % batch_size left out.
+        assert len(set(idx)) == len(idx) == n - n % batch_size
+        # The batches are consecutive slices of that epoch's order.
+        assert idx == epoch_order(n, 0, epoch)[: len(idx)]
+
+
+def test_global_batches_fewer_rows_than_a_batch():
+    assert list(global_batches(2, 3, seed=0, epochs=4)) == []
+    exact = list(global_batches(6, 3, seed=1, epochs=1))
+    assert len(exact) == 2
+    assert sorted(exact[0][1] + exact[1][1]) == list(range(6))

@@ -1,0 +1,93 @@
+"""Unit tests of the command line (rlhf_dist/cli.py), run as `python -m rlhf_dist`.
+
+The promise under test (cli.py docstring): `--help` works for every command, and a user
+mistake ends as ONE line on stderr starting with `rlhf-dist`, exit status 2, no traceback.
+Each case fails before any model is loaded, so the subprocesses stay fast; they are real
+subprocesses because what a user sees (stderr, exit status) is the contract.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = ["sft", "rm", "ppo", "eval", "demo"]
+
+
+def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_dist", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
+    assert lines[0].strip() and lines[0].startswith("rlhf-dist"), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_exits_zero(command, tmp_path):
+    args = ["--help"] if command is None else [command, "--help"]
+    proc = run_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: rlhf-dist")
+    if command is None:
+        for name in COMMANDS:  # every subcommand is listed at the top level
+            assert name in proc.stdout
+    # --help must not start a run (demo writes runs/demo by default).
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["sft", "ppo.kl_coeff=0.1"], "ppo.kl_coeff"),  # unknown key
+        (["ppo", "ppo.iterations=ten"], "ppo.iterations"),  # wrong type
+        (
+            ["ppo", "model.policy=/p", "data.train=/d.jsonl", "reward.function=m:f"]
+            + ["ppo.rollout_batch_size=64", "ppo.minibatch_size=24"],
+            "ppo.minibatch_size",
+        ),  # divisibility
+        (["rm", "--config", "does_not_exist.yaml"], "does_not_exist.yaml"),
+    ],
+)
+def test_config_mistakes_are_one_line(args, needle, tmp_path):
+    line = assert_one_line_error(run_cli(*args, cwd=tmp_path))
+    assert line.startswith(f"rlhf-dist {args[0]}: error: "), line
+    assert needle in line
+
+
+@pytest.fixture(scope="module")
+def missing_model_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`sft` with an absent policy path; run once (it imports torch/transformers, ~5 s).
+
+    validate() only checks that model.policy is set, so this reaches the model loader.
+    """
+    root = tmp_path_factory.mktemp("cli_missing_model")
+    data = root / "train.jsonl"
+    data.write_text('{"prompt": "review of the food :", "response": "great"}\n')
+    return run_cli(
+        "sft",
+        "model.policy=/nonexistent/policy",
+        f"data.train={data}",
+        f"run.output_dir={root / 'run'}",
+        cwd=root,
+    )
+
+
+def test_missing_model_path_is_one_line(missing_model_run):
+    line = assert_one_line_error(missing_model_run)
+    assert line.startswith("rlhf-dist sft: error: ")
+    assert "/nonexistent/policy" in line
+
+
+def test_missing_model_path_names_the_key_the_user_set(missing_model_run):
+    assert "model.policy" in assert_one_line_error(missing_model_run)

@@ -1,0 +1,362 @@
+"""Unit tests of rlhf_dist.config: YAML + `section.key=value` overrides, validation, save/load.
+
+The contract (config.py docstring, design.md section 3): every user mistake is a
+`ConfigError` whose message is ONE line and names the key; config objects are frozen.
+"""
+
+import dataclasses
+import math
+
+import pytest
+
+from rlhf_dist.config import (
+    Config,
+    ConfigError,
+    OptimConfig,
+    load_config,
+    save_config,
+    validate,
+)
+
+# Enough for validate() to reach the checks under test at each stage.
+PPO_REQUIRED = ["model.policy=/p", "data.train=/d.jsonl", "reward.function=m:f"]
+SFT_REQUIRED = ["model.policy=/p", "data.train=/d.jsonl"]
+
+
+def config_error(fn, *args, **kwargs) -> str:
+    """Run fn, require a ConfigError, and return its message after checking it is one line."""
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert message.strip(), "empty error message"
+    assert "\n" not in message and "\r" not in message, f"multi-line message: {message!r}"
+    return message
+
+
+def write(tmp_path, text: str, name: str = "cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def test_defaults_without_file_or_overrides():
+    assert load_config() == Config()
+
+
+def test_yaml_file_sets_nested_values(tmp_path):
+    path = write(
+        tmp_path,
+        "run:\n  seed: 7\n  trackers: [wandb, tensorboard]\n"
+        "ppo:\n  kl_coef: 0.2\n  actor:\n    lr: 3e-6\n"
+        "reward:\n  missing_eos_penalty: -1\n",
+    )
+    cfg = load_config(path)
+    assert cfg.run.seed == 7
+    assert cfg.run.trackers == ("wandb", "tensorboard")
+    assert cfg.ppo.kl_coef == 0.2
+    # PyYAML (YAML 1.1) reads `3e-6` as a string; the loader must still make it a float.
+    assert cfg.ppo.actor.lr == 3e-6 and isinstance(cfg.ppo.actor.lr, float)
+    # An int where a float is declared is widened, not rejected.
+    assert cfg.reward.missing_eos_penalty == -1.0
+    assert isinstance(cfg.reward.missing_eos_penalty, float)
+    # Keys not in the file keep their defaults, including the section-specific ones.
+    assert cfg.ppo.critic == Config().ppo.critic
+    assert cfg.ppo.iterations == Config().ppo.iterations
+
+
+def test_overrides_parse_like_yaml():
+    cfg = load_config(
+        overrides=[
+            "ppo.actor.lr=1e-5",
+            "ppo.critic.lr=2.5e-4",
+            "ppo.iterations=3",
+            "ppo.whiten_advantages=false",
+            "run.trackers=[wandb]",
+            "run.output_dir=runs/x",
+            "reward.missing_eos_penalty=-1",
+        ]
+    )
+    assert cfg.ppo.actor.lr == 1e-5 and isinstance(cfg.ppo.actor.lr, float)
+    assert cfg.ppo.critic.lr == 2.5e-4
+    assert cfg.ppo.iterations == 3
+    assert cfg.ppo.whiten_advantages is False
+    assert cfg.run.trackers == ("wandb",)
+    assert cfg.run.output_dir == "runs/x"
+    assert cfg.reward.missing_eos_penalty == -1.0
+
+
+def test_nested_override_keeps_the_section_specific_defaults():
+    # ppo.actor defaults to lr=1e-5, not OptimConfig's 1e-4: touching one key of the
+    # nested section must not reset its siblings to the generic dataclass defaults.
+    cfg = load_config(overrides=["ppo.actor.weight_decay=0.1", "sft.optim.warmup_steps=5"])
+    assert cfg.ppo.actor.weight_decay == 0.1
+    assert cfg.ppo.actor.lr == Config().ppo.actor.lr == 1e-5
+    assert cfg.sft.optim.lr == Config().sft.optim.lr == 1e-3
+    assert cfg.sft.optim.warmup_steps == 5
+    assert OptimConfig().lr != 1e-5  # otherwise the check above would prove nothing
+
+
+def test_null_override_for_optional_values(tmp_path):
+    path = write(tmp_path, "reward:\n  missing_eos_penalty: -1\n  clip: 5\n")
+    cfg = load_config(path, ["reward.missing_eos_penalty=null", "ppo.value_clip_eps=None"])
+    assert cfg.reward.missing_eos_penalty is None
+    assert cfg.ppo.value_clip_eps is None
+    assert cfg.reward.clip == 5.0  # untouched by the overrides
+
+
+def test_overrides_apply_after_the_file_in_order(tmp_path):
+    path = write(tmp_path, "run:\n  seed: 1\nppo:\n  kl_coef: 0.3\n")
+    cfg = load_config(path, ["run.seed=2", "run.seed=3"])
+    assert cfg.run.seed == 3
+    assert cfg.ppo.kl_coef == 0.3
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+# --------------------------------------------------------------------- errors: one line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["nonsense.key=1"], "nonsense"),
+        (["typo=1"], "typo"),
+        (["ppo.kl_coeff=0.1"], "ppo.kl_coeff"),
+        (["ppo.actor.learning_rate=1e-5"], "ppo.actor.learning_rate"),
+    ],
+)
+def test_unknown_keys(overrides, key):
+    message = config_error(load_config, None, overrides)
+    assert message.startswith(key + ":"), message
+    assert "unknown" in message
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = write(tmp_path, "ppo:\n  actor:\n    lr: 1e-5\n    betas: [0.9, 0.95]\n")
+    message = config_error(load_config, path)
+    assert "ppo.actor.betas" in message
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("ppo.iterations=ten", "ppo.iterations"),  # int given text
+        ("ppo.iterations=2.5", "ppo.iterations"),  # int given a float
+        ("run.seed=true", "run.seed"),  # bool is not an int here
+        ("ppo.whiten_advantages=3", "ppo.whiten_advantages"),  # bool given an int
+        ("ppo.whiten_advantages=yes please", "ppo.whiten_advantages"),
+        ("ppo.kl_coef=[0.1, 0.2]", "ppo.kl_coef"),  # float given a list
+        ("ppo.kl_coef=abc", "ppo.kl_coef"),  # float given text that is no number
+        ("ppo.clip_eps=true", "ppo.clip_eps"),
+        ("run.trackers=[1, 2]", "run.trackers"),  # list of non-text
+        ("model.policy=null", "model.policy"),  # not optional
+        ("ppo.actor=3", "ppo.actor"),  # a section given a scalar
+        ("ppo=3", "ppo"),
+    ],
+)
+def test_wrong_types(override, key):
+    message = config_error(load_config, None, [override])
+    assert message.startswith(key + ":"), message
+
+
+def test_wrong_type_in_yaml_file(tmp_path):
+    path = write(tmp_path, "ppo:\n  ppo_epochs: [1, 2]\n")
+    assert "ppo.ppo_epochs" in config_error(load_config, path)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("ppo.kl_kind=k4", "ppo.kl_kind"),
+        ("ppo.kl_controller=pid", "ppo.kl_controller"),
+        ("model.dtype=float16", "model.dtype"),
+        ("data.too_long=wrap", "data.too_long"),
+        ("sft.optim.schedule=step", "sft.optim.schedule"),
+    ],
+)
+def test_values_outside_choices(override, key):
+    message = config_error(load_config, None, [override])
+    assert message.startswith(key + ":"), message
+    assert "must be one of" in message
+
+
+def test_malformed_override():
+    assert "section.key=value" in config_error(load_config, None, ["ppo.kl_coef"])
+    assert "section.key=value" in config_error(load_config, None, ["ppo..kl_coef=1"])
+
+
+def test_invalid_yaml_file(tmp_path):
+    path = write(tmp_path, "ppo:\n  kl_coef: [0.1\n  iterations: 3\n")
+    message = config_error(load_config, path)
+    assert str(path) in message and "invalid YAML" in message
+
+
+def test_yaml_file_that_is_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- a\n- b\n")
+    assert "mapping" in config_error(load_config, path)
+
+
+def test_yaml_file_that_is_not_a_mapping_with_overrides(tmp_path):
+    path = write(tmp_path, "- a\n- b\n")
+    config_error(load_config, path, ["run.seed=1"])
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = config_error(load_config, missing)
+    assert str(missing) in message and "cannot read" in message
+    # A directory is a path that exists but cannot be read as a file.
+    assert "cannot read" in config_error(load_config, tmp_path)
+
+
+def test_non_utf8_config_file(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00run:\n  seed: 1\n")
+    assert str(path) in config_error(load_config, path)
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def test_valid_configs_pass_every_stage():
+    validate(load_config(overrides=PPO_REQUIRED), "ppo")
+    validate(load_config(overrides=PPO_REQUIRED), "eval")
+    validate(load_config(overrides=SFT_REQUIRED), "sft")
+    validate(load_config(overrides=SFT_REQUIRED), "rm")
+    # 64 prompts / 2 ranks, 16-sequence minibatches of 2 ranks x 8.
+    cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.micro_batch_size=8"])
+    validate(cfg, "ppo", world_size=2)
+
+
+def test_ppo_minibatch_must_divide_rollout_batch():
+    cfg = load_config(
+        overrides=[*PPO_REQUIRED, "ppo.rollout_batch_size=64", "ppo.minibatch_size=24"]
+    )
+    message = config_error(validate, cfg, "ppo")
+    assert "ppo.minibatch_size" in message and "ppo.rollout_batch_size" in message
+
+
+def test_ppo_micro_batch_times_world_size_must_divide_minibatch():
+    cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.minibatch_size=16", "ppo.micro_batch_size=16"])
+    validate(cfg, "ppo", world_size=1)  # 16 x 1 divides 16
+    message = config_error(validate, cfg, "ppo", world_size=2)  # 16 x 2 does not
+    assert "ppo.micro_batch_size" in message and "ppo.minibatch_size" in message
+
+
+def test_ppo_world_size_must_divide_rollout_batch():
+    cfg = load_config(
+        overrides=[
+            *PPO_REQUIRED,
+            "ppo.rollout_batch_size=6",
+            "ppo.minibatch_size=6",
+            "ppo.micro_batch_size=1",
+        ]
+    )
+    validate(cfg, "ppo", world_size=3)
+    assert "ppo.rollout_batch_size" in config_error(validate, cfg, "ppo", world_size=4)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm"])
+def test_sft_rm_micro_batch_must_divide_batch(stage):
+    bad = load_config(
+        overrides=[*SFT_REQUIRED, f"{stage}.batch_size=12", f"{stage}.micro_batch_size=8"]
+    )
+    message = config_error(validate, bad, stage)
+    assert f"{stage}.micro_batch_size" in message and f"{stage}.batch_size" in message
+    ok = load_config(
+        overrides=[*SFT_REQUIRED, f"{stage}.batch_size=12", f"{stage}.micro_batch_size=6"]
+    )
+    validate(ok, stage)
+    # 6 per micro-batch on each of 4 ranks is 24 sequences, which does not divide 12.
+    assert f"{stage}.batch_size" in config_error(validate, ok, stage, world_size=4)
+
+
+def test_sft_divisibility_message_states_the_users_value():
+    cfg = load_config(overrides=[*SFT_REQUIRED, "sft.batch_size=32", "sft.micro_batch_size=32"])
+    message = config_error(validate, cfg, "sft", world_size=2)
+    assert "sft.micro_batch_size=64" not in message
+
+
+@pytest.mark.parametrize(
+    ("stage", "overrides", "key"),
+    [
+        ("sft", ["data.train=/d.jsonl"], "model.policy"),
+        ("sft", ["model.policy=/p"], "data.train"),
+        ("rm", ["model.policy=/p"], "data.train"),
+        ("rm", ["data.train=/d.jsonl"], "model.reward"),
+        ("ppo", ["data.train=/d.jsonl", "reward.function=m:f"], "model.policy"),
+        ("ppo", ["model.policy=/p", "reward.function=m:f"], "data.train"),
+        ("ppo", ["model.policy=/p", "data.train=/d.jsonl"], "model.reward"),
+        ("eval", ["reward.function=m:f"], "model.policy"),
+    ],
+)
+def test_required_keys_per_stage(stage, overrides, key):
+    message = config_error(validate, load_config(overrides=overrides), stage)
+    assert message.startswith(key + ":"), message
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("ppo.gamma=1.5", "ppo.gamma"),
+        ("ppo.lam=-0.1", "ppo.lam"),
+        ("ppo.clip_eps=0", "ppo.clip_eps"),
+        ("ppo.kl_coef=-1", "ppo.kl_coef"),
+        ("ppo.value_clip_eps=0", "ppo.value_clip_eps"),
+        ("ppo.actor.lr=0", "ppo.actor.lr"),
+        ("generation.top_p=0", "generation.top_p"),
+        ("generation.top_k=-1", "generation.top_k"),
+        ("generation.temperature=0", "generation.temperature"),
+        ("run.trackers=[mlflow]", "run.trackers"),
+        ("reward.function=no_colon", "reward.function"),
+    ],
+)
+def test_ppo_range_checks(override, key):
+    cfg = load_config(overrides=[*PPO_REQUIRED, override])
+    assert key in config_error(validate, cfg, "ppo")
+
+
+def test_nan_learning_rate_is_rejected():
+    cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.actor.lr=nan"])
+    assert math.isnan(cfg.ppo.actor.lr)
+    assert "ppo.actor.lr" in config_error(validate, cfg, "ppo")
+
+
+# ------------------------------------------------------------------- save / frozen objects
+
+
+def test_save_config_round_trip(tmp_path):
+    cfg = load_config(
+        overrides=[
+            "ppo.actor.lr=1e-5",
+            "ppo.critic.lr=3.3e-7",
+            "run.trackers=[wandb, tensorboard]",
+            "reward.missing_eos_penalty=-1",
+            "ppo.value_clip_eps=null",
+            "data.train=/some/file.jsonl",
+            "ppo.kl_horizon=12345.5",
+        ]
+    )
+    path = save_config(cfg, tmp_path / "out" / "run")
+    assert path == tmp_path / "out" / "run" / "config.yaml" and path.is_file()
+    assert load_config(path) == cfg
+    # No temporary file is left next to it.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["config.yaml"]
+    # Saving again over an existing file works (atomic replace).
+    assert load_config(save_config(Config(), path.parent)) == Config()
+
+
+def test_config_objects_are_frozen():
+    cfg = load_config(overrides=["ppo.iterations=3"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ppo.iterations = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ppo.actor.lr = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run = None
+    assert cfg.ppo.iterations == 3

@@ -1,0 +1,209 @@
+"""Unit tests of the model-free parts of rlhf_dist.rollout.
+
+EOS handling decides where the reward lands and which tokens PPO trains on (design.md
+section 3: response_mask is True up to and including the first EOS), so it is checked on
+hand-made rows covering every position of the first EOS.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_dist.config import ConfigError
+from rlhf_dist.demo.task import build_tokenizer, positive_word_reward
+from rlhf_dist.rollout import (
+    RewardFunction,
+    decode_responses,
+    pad_columns,
+    scores_with_eos_penalty,
+    sequence_last_index,
+    truncate_after_eos,
+)
+
+EOS, PAD = 1, 0
+HELPERS = "reward_fns_for_tests"  # tests/unit/reward_fns_for_tests.py
+
+
+@pytest.fixture
+def helpers_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# -------------------------------------------------------------------- truncate_after_eos
+
+
+def test_truncate_after_eos_by_hand():
+    response_ids = torch.tensor(
+        [
+            [EOS, 5, 6, 7],  # EOS first: a one-token (EOS-only) response
+            [5, EOS, 6, 7],  # EOS in the middle: the rest becomes PAD
+            [5, 6, 7, 8],  # no EOS: everything kept, unfinished
+            [5, EOS, EOS, 9],  # several EOS: only the first counts
+            [5, 6, 7, EOS],  # EOS at the last position
+            [5, EOS, PAD, PAD],  # already padded by generate
+        ]
+    )
+    before = response_ids.clone()
+    ids, mask, finished = truncate_after_eos(response_ids, EOS, PAD)
+    assert ids.tolist() == [
+        [EOS, PAD, PAD, PAD],
+        [5, EOS, PAD, PAD],
+        [5, 6, 7, 8],
+        [5, EOS, PAD, PAD],
+        [5, 6, 7, EOS],
+        [5, EOS, PAD, PAD],
+    ]
+    T, F = True, False
+    assert mask.tolist() == [
+        [T, F, F, F],
+        [T, T, F, F],
+        [T, T, T, T],
+        [T, T, F, F],
+        [T, T, T, T],
+        [T, T, F, F],
+    ]
+    assert mask.dtype == torch.bool
+    assert finished.tolist() == [T, T, F, T, T, T]
+    assert torch.equal(response_ids, before)  # inputs are never modified (section 3)
+
+
+def test_truncate_after_eos_random_rows_match_a_loop():
+    g = torch.Generator().manual_seed(0)
+    response_ids = torch.randint(0, 6, (40, 9), generator=g)  # EOS=1 and PAD=0 both occur
+    ids, mask, finished = truncate_after_eos(response_ids, EOS, PAD)
+    for b, row in enumerate(response_ids.tolist()):
+        first = row.index(EOS) if EOS in row else None
+        n = len(row) if first is None else first + 1
+        assert mask[b].tolist() == [t < n for t in range(len(row))]
+        assert ids[b].tolist() == row[:n] + [PAD] * (len(row) - n)
+        assert bool(finished[b]) == (first is not None)
+
+
+# ------------------------------------------------------------------------- small helpers
+
+
+def test_pad_columns():
+    x = torch.tensor([[1, 2], [3, 4]])
+    out = pad_columns(x, 4, 9)
+    assert out.tolist() == [[1, 2, 9, 9], [3, 4, 9, 9]]
+    assert out.dtype == x.dtype
+    mask = pad_columns(torch.ones(2, 1, dtype=torch.bool), 3, False)
+    assert mask.dtype == torch.bool and mask.tolist() == [[True, False, False]] * 2
+    # Already wide enough: unchanged, never cut.
+    assert pad_columns(x, 2, 9).tolist() == x.tolist()
+    assert pad_columns(x, 1, 9).shape == (2, 2)
+
+
+def test_scores_with_eos_penalty():
+    raw = torch.tensor([0.3, -0.2, 0.9, 0.5])
+    finished = torch.tensor([True, False, True, False])
+    assert scores_with_eos_penalty(raw, finished, -1.0).tolist() == pytest.approx(
+        [0.3, -1.0, 0.9, -1.0]
+    )
+    # 0.0 is a penalty, not "no penalty": only None disables it.
+    assert scores_with_eos_penalty(raw, finished, 0.0).tolist() == pytest.approx(
+        [0.3, 0.0, 0.9, 0.0]
+    )
+    assert torch.equal(scores_with_eos_penalty(raw, finished, None), raw)
+    assert raw.tolist() == pytest.approx([0.3, -0.2, 0.9, 0.5])  # input untouched
+
+
+def test_sequence_last_index():
+    mask = torch.tensor(
+        [[True, True, False], [True, True, True], [True, False, False]], dtype=torch.bool
+    )
+    # Position in the (P + T) sequence: prompt width plus the last True response index.
+    assert sequence_last_index(4, mask).tolist() == [5, 6, 4]
+    assert sequence_last_index(0, mask).tolist() == [1, 2, 0]
+
+
+def test_decode_responses_drops_pad_and_eos(tok):
+    vocab = tok.get_vocab()
+    words = [vocab[w] for w in ["the", "food", "was", "great"]]
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    raw = torch.tensor(
+        [
+            words + [eos, vocab["awful"]],  # text after EOS must not leak in
+            words[:2] + [pad] * 4,  # PAD inside a (not finished) row
+            [eos] + [vocab["awful"]] * 5,  # empty response
+            words + [vocab["awful"], vocab["food"]],  # no EOS: all six words
+        ]
+    )
+    ids, mask, _ = truncate_after_eos(raw, eos, pad)
+    texts = decode_responses(tok, ids, mask, eos)
+    assert texts == [
+        "the food was great",
+        "the food",
+        "",
+        "the food was great awful food",
+    ]
+
+
+# ------------------------------------------------------------------------ RewardFunction
+
+
+def test_reward_function_loads_the_demo_reward():
+    fn = RewardFunction("rlhf_dist.demo.task:positive_word_reward")
+    prompts = ["review of the food :"] * 3
+    responses = ["the food was great", "the food was awful", "the food was great and lovely"]
+    scores = fn(prompts, responses)
+    assert scores.dtype == torch.float32 and scores.shape == (3,)
+    assert scores.tolist() == pytest.approx(positive_word_reward(prompts, responses))
+    assert scores[0] > 0 > scores[1]  # the expectation is not trivially zero
+
+
+def test_reward_function_accepts_user_modules(helpers_on_path):
+    fn = RewardFunction(f"{HELPERS}:length_reward")
+    assert fn(["p", "p"], ["a b c", "a"]).tolist() == [3.0, 1.0]
+    assert RewardFunction(f"{HELPERS}:int_reward")(["p"], ["a b"]).tolist() == [2.0]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "no_such_module_for_rlhf_tests:f",
+        "rlhf_dist.demo.task:no_such_function",
+        "rlhf_dist.demo.task:",
+        f"{HELPERS}:NOT_CALLABLE",
+    ],
+)
+def test_reward_function_bad_spec(spec, helpers_on_path):
+    with pytest.raises(ConfigError, match=r"^reward\.function: ") as info:
+        RewardFunction(spec)
+    assert spec in str(info.value) and "\n" not in str(info.value)
+
+
+def test_reward_function_empty_module_name():
+    with pytest.raises(ConfigError, match=r"^reward\.function: "):
+        RewardFunction(":positive_word_reward")
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("raises", "KeyError"),
+        ("one_short", "returned 1 scores for 2 responses"),
+        ("nan_score", "nan"),
+        ("inf_score", "inf"),
+        ("text_score", "'0.5'"),
+        ("none_score", "None"),
+    ],
+)
+def test_reward_function_misbehaving_user_code(name, needle, helpers_on_path):
+    fn = RewardFunction(f"{HELPERS}:{name}")
+    with pytest.raises(RuntimeError) as info:
+        fn(["p", "q"], ["a", "b"])
+    message = str(info.value)
+    # The user must see which function failed and why.
+    assert f"{HELPERS}:{name}" in message and needle in message, message
+
+
+def test_reward_function_numpy_float32_scores(helpers_on_path):
+    fn = RewardFunction(f"{HELPERS}:numpy_float32_scores")
+    assert fn(["p", "q"], ["a", "b"]).tolist() == [0.5, 0.5]
