@@ -1,9 +1,15 @@
-"""The single door to Accelerate (and, through it, DeepSpeed).
+"""The single door to Accelerate and DeepSpeed.
 
-Trainers never import accelerate or deepspeed themselves: they get a `Runtime` and call
-its methods to prepare models, step optimizers and reduce statistics over ranks. Running
-`python -m rlhf_dist ...` gives a one-process runtime; `accelerate launch` gives one
-process per rank with the same code.
+Trainers never import accelerate or deepspeed: they get a `Runtime` and call its methods
+to prepare models, run micro-batch backward passes, step optimizers, generate and reduce
+statistics. `python -m rlhf_dist ...` gives a one-process runtime; `accelerate launch`
+(DDP, ZeRO-2, ZeRO-3, multi-node) gives one process per rank running the same code.
+
+Gradient accumulation is ours, not the backends': a trainer divides each micro-batch's
+loss SUM by the token (or pair) count of the whole global batch, calls
+`micro_backward(..., last=...)` per micro-batch and `optimizer_step` once. The runtime
+makes every backend produce exactly that gradient (DeepSpeed's own 1/GAS loss scaling is
+turned off; its averaging over ranks is undone by the x world_size the trainer applies).
 """
 
 from __future__ import annotations
@@ -11,28 +17,31 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import random
 from collections.abc import Iterator
 
 import torch
 
+from rlhf_dist.config import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 class Runtime:
-    """Rank/world information, device placement and collectives of one training process."""
+    """Rank/world information, device placement, training steps and collectives."""
 
     def __init__(self, seed: int | None = None, num_threads: int = 0, timeout_s: int = 1800):
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
-        kwargs = []
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        handlers = []
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            timeout = datetime.timedelta(seconds=timeout_s)
             # Without an explicit gloo backend on CPU, each process believes it is rank 0
             # of 1 while DeepSpeed partitions across all of them (design.md section 6).
-            kwargs.append(
-                InitProcessGroupKwargs(
-                    backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
-                )
-            )
-        self.accelerator = Accelerator(kwargs_handlers=kwargs)
+            backend = None if torch.cuda.is_available() else "gloo"
+            handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
+        self.accelerator = Accelerator(kwargs_handlers=handlers)
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
@@ -40,10 +49,6 @@ class Runtime:
             # The same seed on every rank: freshly initialised weights (a new value head)
             # must agree everywhere. Samplers that must differ use `seed_per_rank`.
             seed_everything(seed)
-
-    def seed_per_rank(self, seed: int) -> None:
-        """Seed this process's RNGs differently on every rank (rollout sampling)."""
-        seed_everything(seed + 1_000_003 * self.rank)
 
     # --------------------------------------------------------------- who and where
     @property
@@ -62,53 +67,165 @@ class Runtime:
     def device(self) -> torch.device:
         return self.accelerator.device
 
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed ZeRO stage of this run, or None without DeepSpeed."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        if plugin is None:
+            return None
+        return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+    def seed_per_rank(self, seed: int) -> None:
+        """Seed this process's RNGs differently on every rank (rollout sampling)."""
+        seed_everything(seed + 1_000_003 * self.rank)
+
     # ------------------------------------------------------------------- training
-    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        """Wrap a trainable model and its optimizer for this run's backend."""
+    def prepare(
+        self,
+        model,
+        optimizer,
+        micro_batch_size: int,
+        accumulation_steps: int,
+        max_grad_norm: float,
+        dtype: str,
+    ):
+        """Wrap a trainable model and its optimizer for this run's backend.
+
+        Under DeepSpeed the "auto" entries of its config are filled from ours (one place
+        for each value); an explicit value that disagrees is a ConfigError.
+        """
+        if self.zero_stage is not None:
+            self._fill_deepspeed_config(micro_batch_size, accumulation_steps, max_grad_norm, dtype)
+            _fill_zero_buckets(self.accelerator.state.deepspeed_plugin.deepspeed_config, model)
         return self.accelerator.prepare(model, optimizer)
 
-    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Place a frozen inference-only model (reference, reward model) on this rank's device."""
-        model.requires_grad_(False)
-        model.eval()
-        return model.to(self.device)
+    def _fill_deepspeed_config(
+        self, micro: int, accumulation: int, max_grad_norm: float, dtype: str
+    ) -> None:
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        wanted = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accumulation,
+            "train_batch_size": micro * accumulation * self.world_size,
+            "gradient_clipping": max_grad_norm,
+        }
+        for key, value in wanted.items():
+            _fill_auto(ds, key, value, key)
+        bf16 = ds.setdefault("bf16", {})
+        _fill_auto(bf16, "enabled", dtype == "bfloat16", "bf16.enabled")
+
+    def micro_backward(self, model, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch; gradients are reduced over ranks on the `last` one."""
+        if self.zero_stage is not None:
+            engine = model
+            engine.set_gradient_accumulation_boundary(last)
+            # Our loss is already divided by the global count: no 1/GAS scaling on top.
+            engine.backward(loss, scale_wrt_gas=False)
+            return
+        if last or self.world_size == 1:
+            self.accelerator.backward(loss)
+        else:
+            with self.accelerator.no_sync(model):
+                self.accelerator.backward(loss)
+
+    def optimizer_step(self, model, optimizer, clip_groups) -> list[float]:
+        """Clip, step and zero gradients; returns the pre-clip gradient norm of each group.
+
+        clip_groups: [(parameters, max_norm)], e.g. actor and critic each with its own
+        max norm. DeepSpeed clips the global norm of all parameters at one max norm (its
+        gradients are partitioned), so there every group reports that global norm.
+        """
+        if self.zero_stage is not None:
+            model.step()  # clip + optimizer step + zero grad at the boundary we set
+            norm = model.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+            return [norm for _ in clip_groups]
+        norms = [
+            float(self.accelerator.clip_grad_norm_(list(params), max_norm))
+            for params, max_norm in clip_groups
+        ]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norms
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.accelerator.unwrap_model(model)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)
-
     @contextlib.contextmanager
-    def no_sync(self, model: torch.nn.Module, sync: bool) -> Iterator[None]:
-        """Skip the gradient all-reduce on micro-batches before the last of a step."""
-        if sync:
-            yield
-        else:
-            with self.accelerator.no_sync(model):
-                yield
+    def generation_context(
+        self, model, submodule: str | None = None, gather: bool = True
+    ) -> Iterator:
+        """Yield (module, synced) to call `generate` on: `module` is the unwrapped model (or its
+        `submodule`), `synced` whether generate must keep ranks in lock-step.
 
-    def clip_grad_norm(self, parameters, max_norm: float) -> float:
-        """Clip the gradients of `parameters` to `max_norm`; return the norm before clipping."""
-        norm = self.accelerator.clip_grad_norm_(parameters, max_norm)
-        return float(norm)
+        Under ZeRO-3 the parameters are gathered ONCE for the whole rollout and the
+        per-module gather hooks removed (re-added on exit): generation then runs no
+        collective at all, so ranks that finish at different lengths cannot hang each
+        other and no per-token all-reduce (`synced_gpus`) is needed. With gather=False
+        (models larger than one device) generation goes through ZeRO-3's per-layer
+        gathers and every rank keeps stepping until all are done (synced=True).
+        """
+        inner = self.unwrap(model)
+        target = getattr(inner, submodule) if submodule else inner
+        if self.zero_stage != 3:
+            yield target, False
+        elif not gather:
+            yield target, self.world_size > 1
+        else:
+            from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+            with unwrap_model_for_generation(model):
+                yield target, False
+
+    # ------------------------------------------------------------ frozen models
+    def prepare_frozen(
+        self, model: torch.nn.Module, placement: str = "auto", dtype: str = "float32"
+    ):
+        """A frozen inference-only model (reference, reward model) for this backend.
+
+        placement "auto": partitioned like the trainable models under ZeRO-3 (a DeepSpeed
+        inference engine: each rank holds 1/world of the weights), replicated otherwise.
+        "offload" keeps the partitions in CPU memory. Returns a callable module.
+        """
+        model.requires_grad_(False)
+        model.eval()
+        if placement == "auto":
+            placement = "partition" if self.zero_stage == 3 else "replicate"
+        if placement == "replicate":
+            return model.to(self.device)
+        if self.zero_stage is None:
+            raise ConfigError(
+                f"distributed.frozen_models: {placement!r} needs a DeepSpeed launch (accelerate config with DeepSpeed)"
+            )
+        import deepspeed
+
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        if placement == "offload":
+            zero["offload_param"] = {"device": "cpu"}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": zero,
+            "bf16": {"enabled": dtype == "bfloat16"},
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
 
     # ---------------------------------------------------------------- collectives
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over all ranks (any shape); a copy, `x` is untouched."""
+        """Sum of `x` over all ranks (any shape, returned on x's device); `x` is untouched."""
         if self.world_size == 1:
             return x.clone()
-        return self.accelerator.reduce(x.clone(), reduction="sum")
+        out = x.detach().to(self.device, copy=True)
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
+        return out.to(x.device)
 
     def all_max(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return x.clone()
-        out = x.clone()
+        out = x.detach().to(self.device, copy=True)
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-        return out
-
-    def all_min(self, x: torch.Tensor) -> torch.Tensor:
-        return -self.all_max(-x)
+        return out.to(x.device)
 
     def gather_objects(self, items: list) -> list:
         """Concatenate a python list from every rank (in rank order)."""
@@ -118,6 +235,11 @@ class Runtime:
 
         return gather_object(items)
 
+    def full_state_dict(self, model) -> dict | None:
+        """The full (gathered, under ZeRO-3 16-bit) state dict on the main process."""
+        state = self.accelerator.get_state_dict(model)
+        return state if self.is_main else None
+
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
 
@@ -126,10 +248,38 @@ class Runtime:
             print(*args, **kwargs, flush=True)
 
 
+def _fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
+    """Fill ZeRO bucket sizes left "auto" from the largest hidden size in `model` (the
+    sizes Accelerate derives from `model.config`, which our composite modules lack)."""
+    hidden = max(
+        (getattr(getattr(m, "config", None), "hidden_size", 0) or 0 for m in model.modules()),
+        default=0,
+    )
+    if not hidden:
+        return
+    zero = ds.setdefault("zero_optimization", {})
+    sizes = {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+    for key, value in sizes.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+
+
+def _fill_auto(section: dict, key: str, value, name: str) -> None:
+    current = section.get(key, "auto")
+    if current == "auto":
+        section[key] = value
+    elif current != value:
+        raise ConfigError(
+            f'DeepSpeed config {name}={current!r} disagrees with the run config ({value!r}); set it to "auto"'
+        )
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch RNGs of this process."""
-    import random
-
     import numpy as np
 
     random.seed(seed)

@@ -13,7 +13,7 @@ import torch
 
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
-from rlhf_dist.models import load_causal_lm, load_tokenizer
+from rlhf_dist.models import load_causal_lm, tokenizer_for
 from rlhf_dist.rollout import (
     decode_responses,
     generate,
@@ -98,23 +98,32 @@ def run_eval(cfg, runtime) -> dict:
     """`rlhf-dist eval`: writes summary.json and samples.jsonl under run.output_dir."""
     out, logger = start_run(cfg, runtime, "eval")
     m = cfg.model
-    tokenizer = load_tokenizer(m.tokenizer or m.policy, m.trust_remote_code)
+    tokenizer = tokenizer_for(cfg, "policy")
     source = cfg.data.eval or cfg.data.train
     prompts = prompt_set(
         load_rows(source, "data.eval" if cfg.data.eval else "data.train"), tokenizer, cfg.data
     )
-    policy = runtime.prepare_frozen(
-        load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
-    )
+    # Evaluation replicates its models on every rank: ranks may get different numbers of
+    # prompt chunks, which partitioned (ZeRO-3) models could not serve without lock-step.
+    policy = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    policy = runtime.prepare_frozen(policy, "replicate")
     reference = None
     if cfg.eval.reference:
-        reference = runtime.prepare_frozen(
-            load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m.trust_remote_code)
+        reference = load_causal_lm(
+            cfg.eval.reference, "eval.reference", m.dtype, m.trust_remote_code
         )
+        reference = runtime.prepare_frozen(reference, "replicate")
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     runtime.seed_per_rank(cfg.run.seed)
     summary, samples = evaluate_policy(
-        runtime, policy, reference, build_scorer(cfg, runtime), prompts, cfg, tokenizer, gold_fn
+        runtime,
+        policy,
+        reference,
+        build_scorer(cfg, runtime, "replicate"),
+        prompts,
+        cfg,
+        tokenizer,
+        gold_fn,
     )
     samples = runtime.gather_objects(samples)
     logger.log(0, {f"eval/{k}": v for k, v in summary.items()}, tuple(f"eval/{k}" for k in summary))

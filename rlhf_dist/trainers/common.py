@@ -55,15 +55,21 @@ def make_scheduler(optimizer, optim_cfgs, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, [factor(c) for c in optim_cfgs])
 
 
-def save_pretrained(runtime, hf_model, tokenizer, directory: Path) -> None:
+def save_pretrained(runtime, model, tokenizer, directory: Path, submodule: str = "") -> None:
     """Write an HF-format model + tokenizer (safetensors) that from_pretrained loads.
 
-    hf_model: the unwrapped transformers model (e.g. `runtime.unwrap(model).classifier`).
+    model: the prepared model; submodule: dotted path inside it of the transformers model
+    to save (e.g. "actor", "critic.classifier"). Under ZeRO-3 the full 16-bit weights are
+    gathered first (every rank must call this).
     """
-    runtime.barrier()
+    state = runtime.full_state_dict(model)
     if runtime.is_main:
+        target, prefix = runtime.unwrap(model), ""
+        for name in filter(None, submodule.split(".")):
+            target, prefix = getattr(target, name), prefix + name + "."
+        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         directory.mkdir(parents=True, exist_ok=True)
-        hf_model.save_pretrained(directory, safe_serialization=True)
+        target.save_pretrained(directory, state_dict=own, safe_serialization=True)
         tokenizer.save_pretrained(directory)
     runtime.barrier()
 

@@ -20,6 +20,7 @@ from rlhf_dist.algo.losses import ppo_policy_terms, value_terms
 from rlhf_dist.algo.masking import masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
+from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import (
     ActorCritic,
@@ -27,7 +28,7 @@ from rlhf_dist.models import (
     build_critic,
     load_causal_lm,
     load_sequence_classifier,
-    load_tokenizer,
+    tokenizer_for,
 )
 from rlhf_dist.rollout import RewardFunction, RolloutModels, Scorer, collect_rollout
 from rlhf_dist.trainers.common import (
@@ -45,28 +46,44 @@ def make_kl_controller(ppo_cfg):
     return FixedKLController(ppo_cfg.kl_coef)
 
 
-def build_scorer(cfg, runtime) -> Scorer:
+def frozen_dtype(cfg) -> str:
+    return cfg.model.dtype if cfg.model.frozen_dtype == "auto" else cfg.model.frozen_dtype
+
+
+def build_scorer(cfg, runtime, placement: str | None = None) -> Scorer:
     """The frozen reward: a Python function if reward.function is set, else the reward model."""
     if cfg.reward.function:
         return Scorer(reward_fn=RewardFunction(cfg.reward.function))
-    m = cfg.model
-    rm = load_sequence_classifier(m.reward, "model.reward", m.dtype, m.trust_remote_code)
-    return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm)))
+    m, dtype = cfg.model, frozen_dtype(cfg)
+    rm = load_sequence_classifier(m.reward, "model.reward", dtype, m.trust_remote_code)
+    placement = placement or cfg.distributed.frozen_models
+    return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm), placement, dtype))
 
 
-def build_models(cfg, runtime, total_steps: int):
+def build_models(cfg, runtime, plan: PPOPlan, total_steps: int):
     """(actor_critic, optimizer, scheduler, reference, scorer), trainable ones prepared."""
-    m, p = cfg.model, cfg.ppo
+    m, p, dtype = cfg.model, cfg.ppo, frozen_dtype(cfg)
+    if runtime.zero_stage is not None and p.critic.max_grad_norm != p.actor.max_grad_norm:
+        raise ConfigError(
+            "ppo.critic.max_grad_norm: DeepSpeed clips actor and critic together at one norm; "
+            f"set it equal to ppo.actor.max_grad_norm ({p.actor.max_grad_norm})"
+        )
     actor = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
     critic = build_critic(cfg, m.dtype)
-    reference = runtime.prepare_frozen(
-        load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
-    )
+    reference = load_causal_lm(m.policy, "model.policy", dtype, m.trust_remote_code)
+    reference = runtime.prepare_frozen(reference, cfg.distributed.frozen_models, dtype)
     scorer = build_scorer(cfg, runtime)
     model = ActorCritic(actor, critic)
     optimizer = make_optimizer([(actor.parameters(), p.actor), (critic.parameters(), p.critic)])
     scheduler = make_scheduler(optimizer, [p.actor, p.critic], total_steps)
-    model, optimizer = runtime.prepare(model, optimizer)
+    model, optimizer = runtime.prepare(
+        model,
+        optimizer,
+        p.micro_batch_size,
+        plan.update.accumulation_steps,
+        p.actor.max_grad_norm,
+        m.dtype,
+    )
     return model, optimizer, scheduler, reference, scorer
 
 
@@ -124,13 +141,14 @@ def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> to
 
 
 def optimizer_step(runtime, model, optimizer, scheduler, cfg) -> tuple[float, float]:
-    """Clip actor and critic gradients separately (each its own max norm), then step."""
+    """Clip actor and critic gradients (each its own max norm where the backend allows), step."""
     inner = runtime.unwrap(model)
-    actor_norm = runtime.clip_grad_norm(inner.actor.parameters(), cfg.ppo.actor.max_grad_norm)
-    critic_norm = runtime.clip_grad_norm(inner.critic.parameters(), cfg.ppo.critic.max_grad_norm)
-    optimizer.step()
+    groups = [
+        (inner.actor.parameters(), cfg.ppo.actor.max_grad_norm),
+        (inner.critic.parameters(), cfg.ppo.critic.max_grad_norm),
+    ]
+    actor_norm, critic_norm = runtime.optimizer_step(model, optimizer, groups)
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     return actor_norm, critic_norm
 
 
@@ -148,10 +166,11 @@ def ppo_update(
             # The loss of this step divides by the tokens of the WHOLE global minibatch.
             n_tokens = runtime.all_sum(mb.response_mask.sum().float())
             for i, s in enumerate(slices):
-                with runtime.no_sync(model, sync=i == len(slices) - 1):
-                    loss_sum = micro_batch_loss(model, mb.select(s), adv[s], ret[s], cfg, stats)
-                    # x world_size: data-parallel backends average gradients over ranks.
-                    runtime.backward(loss_sum * runtime.world_size / n_tokens)
+                loss_sum = micro_batch_loss(model, mb.select(s), adv[s], ret[s], cfg, stats)
+                # x world_size: data-parallel backends average gradients over ranks.
+                runtime.micro_backward(
+                    model, loss_sum * runtime.world_size / n_tokens, last=i == len(slices) - 1
+                )
             actor_norm, critic_norm = optimizer_step(runtime, model, optimizer, scheduler, cfg)
             stats.add("optim/grad_norm_actor", actor_norm, 1)
             stats.add("optim/grad_norm_critic", critic_norm, 1)
@@ -263,16 +282,20 @@ def ppo_iteration(runtime, parts, prompt_batch, kl_ctl, cfg, plan) -> tuple[dict
 def train_ppo(cfg, runtime) -> dict:
     """Run PPO as configured; returns the summary written to summary.json."""
     out, logger = start_run(cfg, runtime, "ppo")
-    m, p = cfg.model, cfg.ppo
-    tokenizer = load_tokenizer(m.tokenizer or m.policy, m.trust_remote_code)
+    p = cfg.ppo
+    tokenizer = tokenizer_for(cfg, "policy")
     prompts = prompt_set(
         load_rows(cfg.data.train, "data.train", cfg.data.split), tokenizer, cfg.data
     )
     runtime.print(prompts.report.summary("prompts"))
     plan = ppo_plan(p, runtime.world_size)
     total_steps = p.iterations * plan.optimizer_steps_per_iteration
-    model, optimizer, scheduler, reference, scorer = build_models(cfg, runtime, total_steps)
-    rollout_models = RolloutModels(model, runtime.unwrap(model).actor, reference, scorer)
+    model, optimizer, scheduler, reference, scorer = build_models(cfg, runtime, plan, total_steps)
+
+    def generation_context():
+        return runtime.generation_context(model, "actor", cfg.distributed.gather_for_generation)
+
+    rollout_models = RolloutModels(model, generation_context, reference, scorer)
     parts = (model, optimizer, scheduler, rollout_models, tokenizer)
     kl_ctl = make_kl_controller(p)
     runtime.seed_per_rank(cfg.run.seed)
@@ -294,9 +317,8 @@ def train_ppo(cfg, runtime) -> dict:
                     "value/explained_variance",
                 ),
             )
-    inner = runtime.unwrap(model)
-    save_pretrained(runtime, inner.actor, tokenizer, out / "final")
-    save_pretrained(runtime, inner.critic.classifier, tokenizer, out / "critic")
+    save_pretrained(runtime, model, tokenizer, out / "final", "actor")
+    save_pretrained(runtime, model, tokenizer, out / "critic", "critic.classifier")
     last = history[-1]
     summary = {
         "iterations": p.iterations,

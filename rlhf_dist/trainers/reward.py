@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from rlhf_dist.algo.losses import pairwise_reward_loss
 from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.data import collate_pairs, load_rows, preference_pairs
-from rlhf_dist.models import ValueModel, load_sequence_classifier, load_tokenizer, sequence_scores
+from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
 from rlhf_dist.trainers.common import (
     make_optimizer,
     make_scheduler,
@@ -38,11 +38,12 @@ def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float,
     totals = torch.zeros(2, device=runtime.device)
     for i, s in enumerate(slices):
         batch = {k: v.to(runtime.device) for k, v in collate_pairs(share[s], pad_id).items()}
-        with runtime.no_sync(model, sync=i == len(slices) - 1):
-            chosen, rejected = pair_scores(model, batch)
-            loss_sum = -F.logsigmoid(chosen - rejected).sum()
-            # Sum over pairs / global pair count (x world size: ranks' gradients are averaged).
-            runtime.backward(loss_sum * runtime.world_size / plan.global_size)
+        chosen, rejected = pair_scores(model, batch)
+        loss_sum = -F.logsigmoid(chosen - rejected).sum()
+        # Sum over pairs / global pair count (x world size: ranks' gradients are averaged).
+        runtime.micro_backward(
+            model, loss_sum * runtime.world_size / plan.global_size, last=i == len(slices) - 1
+        )
         totals += torch.stack([loss_sum.detach(), (chosen > rejected).float().sum()])
     totals = runtime.all_sum(totals) / plan.global_size
     return float(totals[0]), float(totals[1])
@@ -92,7 +93,7 @@ def train_reward_model(cfg, runtime) -> dict:
     """Train a reward model as configured; returns the summary written to summary.json."""
     out, logger = start_run(cfg, runtime, "rm")
     init = cfg.model.reward or cfg.model.policy
-    tokenizer = load_tokenizer(cfg.model.tokenizer or init, cfg.model.trust_remote_code)
+    tokenizer = tokenizer_for(cfg, "reward" if cfg.model.reward else "policy")
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
     train, report = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field)
     runtime.print(report.summary("preference pairs"))
@@ -116,16 +117,23 @@ def train_reward_model(cfg, runtime) -> dict:
         )
     optimizer = make_optimizer([(classifier.parameters(), rc.optim)])
     scheduler = make_scheduler(optimizer, [rc.optim], total_steps)
-    model, optimizer = runtime.prepare(ValueModel(classifier), optimizer)
+    model, optimizer = runtime.prepare(
+        ValueModel(classifier),
+        optimizer,
+        rc.micro_batch_size,
+        plan.accumulation_steps,
+        rc.optim.max_grad_norm,
+        cfg.model.dtype,
+    )
     model.train()
     for step, (epoch, idx) in enumerate(
         global_batches(len(train), rc.batch_size, cfg.run.seed, rc.epochs), 1
     ):
         loss, acc = rm_step(runtime, model, [train[i] for i in idx], plan, tokenizer.pad_token_id)
-        grad_norm = runtime.clip_grad_norm(model.parameters(), rc.optim.max_grad_norm)
-        optimizer.step()
+        (grad_norm,) = runtime.optimizer_step(
+            model, optimizer, [(model.parameters(), rc.optim.max_grad_norm)]
+        )
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         if step % cfg.run.log_every == 0 or step == total_steps:
             metrics = {
                 "rm/loss": loss,
@@ -149,7 +157,7 @@ def train_reward_model(cfg, runtime) -> dict:
             {f"rm/eval_{k}": v for k, v in ev.items()},
             ("rm/eval_accuracy", "rm/eval_ece"),
         )
-    save_pretrained(runtime, runtime.unwrap(model).classifier, tokenizer, out / "final")
+    save_pretrained(runtime, model, tokenizer, out / "final", "classifier")
     write_summary(runtime, out, summary)
     logger.close()
     return summary

@@ -13,7 +13,7 @@ from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
-from rlhf_dist.models import load_causal_lm, load_tokenizer, position_ids_from
+from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
 from rlhf_dist.trainers.common import (
     make_optimizer,
     make_scheduler,
@@ -43,10 +43,11 @@ def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> float:
     loss_sum = torch.zeros((), device=runtime.device)
     for i, batch in enumerate(micro):
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
-        with runtime.no_sync(model, sync=i == len(micro) - 1):
-            nll_sum, _ = token_nll_sum(model, batch)
-            # x world_size: data-parallel backends average gradients over ranks.
-            runtime.backward(nll_sum * runtime.world_size / total_tokens)
+        nll_sum, _ = token_nll_sum(model, batch)
+        # x world_size: data-parallel backends average gradients over ranks.
+        runtime.micro_backward(
+            model, nll_sum * runtime.world_size / total_tokens, last=i == len(micro) - 1
+        )
         loss_sum += nll_sum.detach()
     return float(runtime.all_sum(loss_sum) / total_tokens)
 
@@ -70,7 +71,7 @@ def eval_nll(runtime, model, examples, micro_batch_size: int, pad_id: int) -> fl
 def train_sft(cfg, runtime) -> dict:
     """Run SFT as configured; returns the summary written to summary.json."""
     out, logger = start_run(cfg, runtime, "sft")
-    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.policy, cfg.model.trust_remote_code)
+    tokenizer = tokenizer_for(cfg, "policy")
     train, report = sft_examples(
         load_rows(cfg.data.train, "data.train", cfg.data.split), tokenizer, cfg.data
     )
@@ -92,7 +93,14 @@ def train_sft(cfg, runtime) -> dict:
         )
     optimizer = make_optimizer([(model.parameters(), sc.optim)])
     scheduler = make_scheduler(optimizer, [sc.optim], total_steps)
-    model, optimizer = runtime.prepare(model, optimizer)
+    model, optimizer = runtime.prepare(
+        model,
+        optimizer,
+        sc.micro_batch_size,
+        plan.accumulation_steps,
+        sc.optim.max_grad_norm,
+        cfg.model.dtype,
+    )
     model.train()
     initial_eval = (
         eval_nll(runtime, model, evals, sc.micro_batch_size, tokenizer.pad_token_id)
@@ -103,10 +111,10 @@ def train_sft(cfg, runtime) -> dict:
         global_batches(len(train), sc.batch_size, cfg.run.seed, sc.epochs), 1
     ):
         loss = sft_step(runtime, model, [train[i] for i in idx], plan, tokenizer.pad_token_id)
-        grad_norm = runtime.clip_grad_norm(model.parameters(), sc.optim.max_grad_norm)
-        optimizer.step()
+        (grad_norm,) = runtime.optimizer_step(
+            model, optimizer, [(model.parameters(), sc.optim.max_grad_norm)]
+        )
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         if step % cfg.run.log_every == 0 or step == total_steps:
             metrics = {
                 "sft/loss": loss,
@@ -124,7 +132,7 @@ def train_sft(cfg, runtime) -> dict:
             ),
         }
         logger.log(total_steps, {"sft/eval_loss": summary["eval_loss"]})
-    save_pretrained(runtime, runtime.unwrap(model), tokenizer, out / "final")
+    save_pretrained(runtime, model, tokenizer, out / "final")
     write_summary(runtime, out, summary)
     logger.close()
     return summary
