@@ -104,6 +104,8 @@ class RMConfig:
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 32
+    # EOS is suppressed until this many tokens were generated (0: no minimum).
+    min_new_tokens: int = 0
     temperature: float = 0.7
     top_k: int = 0
     top_p: float = 1.0
@@ -447,6 +449,10 @@ def _validate_generation(cfg: Config) -> None:
     _positive(g, "generation", "max_new_tokens", "temperature")
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p: must be in (0, 1], got {g.top_p}")
+    if not 0 <= g.min_new_tokens <= g.max_new_tokens:
+        raise ConfigError(
+            f"generation.min_new_tokens: must be in [0, max_new_tokens], got {g.min_new_tokens}"
+        )
     if g.top_k < 0:
         raise ConfigError(f"generation.top_k: must be >= 0, got {g.top_k}")
 

@@ -177,6 +177,24 @@ class Runtime:
             with unwrap_model_for_generation(model):
                 yield target, False
 
+    @staticmethod
+    @contextlib.contextmanager
+    def local_loading() -> Iterator[None]:
+        """Load models whole in this process, even after ZeRO-3 engines exist.
+
+        Once DeepSpeed ZeRO-3 is initialised, transformers' from_pretrained builds models
+        under zero.Init, which partitions them with collectives that every rank must join;
+        a model loaded on one rank only (an export) would hang the others.
+        """
+        import transformers.integrations.deepspeed as hf_ds
+
+        saved = hf_ds._hf_deepspeed_config_weak_ref
+        hf_ds.unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            hf_ds._hf_deepspeed_config_weak_ref = saved
+
     # ------------------------------------------------------------ frozen models
     def prepare_frozen(
         self, model: torch.nn.Module, placement: str = "auto", dtype: str = "float32"
@@ -239,6 +257,17 @@ class Runtime:
         """The full (gathered, under ZeRO-3 16-bit) state dict on the main process."""
         state = self.accelerator.get_state_dict(model)
         return state if self.is_main else None
+
+    def full_gradients(self, model) -> dict[str, torch.Tensor]:
+        """{name: full gradient} of the trainable parameters, after backward and before the
+        optimizer step (under ZeRO-3 the partitions are gathered: every rank must call)."""
+        named = [(n, p) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
+        if self.zero_stage is None:
+            return {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = {n: safe_get_full_grad(p) for n, p in named}
+        return {n: g.detach().float().clone() for n, g in grads.items() if g is not None}
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -23,7 +23,8 @@ from rlhf_dist.rollout import (
     truncate_after_eos,
 )
 from rlhf_dist.trainers.common import start_run, write_summary
-from rlhf_dist.trainers.ppo import StatSums, build_scorer
+from rlhf_dist.trainers.ppo import StatSums
+from rlhf_dist.trainers.ppo_setup import build_scorer
 
 
 def load_gold_function(spec: str):

@@ -122,6 +122,8 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 def split_classifier(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, head) of a sequence classifier: backbone gives hidden states (B, L, H)."""
+    if hasattr(model, "get_base_model"):  # peft: the transformers model with adapters injected
+        model = model.get_base_model()
     backbone = getattr(model, model.base_model_prefix)
     for name in HEAD_NAMES:
         head = getattr(model, name, None)

@@ -74,6 +74,7 @@ def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, synced: bool = 
         top_k=gen_cfg.top_k or None,
         top_p=gen_cfg.top_p,
         max_new_tokens=gen_cfg.max_new_tokens,
+        min_new_tokens=gen_cfg.min_new_tokens or None,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

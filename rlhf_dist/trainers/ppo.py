@@ -20,71 +20,22 @@ from rlhf_dist.algo.losses import ppo_policy_terms, value_terms
 from rlhf_dist.algo.masking import masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import (
-    ActorCritic,
-    ValueModel,
-    build_critic,
-    load_causal_lm,
-    load_sequence_classifier,
     tokenizer_for,
 )
-from rlhf_dist.rollout import RewardFunction, RolloutModels, Scorer, collect_rollout
+from rlhf_dist.rollout import RolloutModels, collect_rollout
 from rlhf_dist.trainers.common import (
-    make_optimizer,
-    make_scheduler,
-    save_pretrained,
     start_run,
     write_summary,
 )
+from rlhf_dist.trainers.ppo_setup import build_models, export_models
 
 
 def make_kl_controller(ppo_cfg):
     if ppo_cfg.kl_controller == "adaptive":
         return AdaptiveKLController(ppo_cfg.kl_coef, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
     return FixedKLController(ppo_cfg.kl_coef)
-
-
-def frozen_dtype(cfg) -> str:
-    return cfg.model.dtype if cfg.model.frozen_dtype == "auto" else cfg.model.frozen_dtype
-
-
-def build_scorer(cfg, runtime, placement: str | None = None) -> Scorer:
-    """The frozen reward: a Python function if reward.function is set, else the reward model."""
-    if cfg.reward.function:
-        return Scorer(reward_fn=RewardFunction(cfg.reward.function))
-    m, dtype = cfg.model, frozen_dtype(cfg)
-    rm = load_sequence_classifier(m.reward, "model.reward", dtype, m.trust_remote_code)
-    placement = placement or cfg.distributed.frozen_models
-    return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm), placement, dtype))
-
-
-def build_models(cfg, runtime, plan: PPOPlan, total_steps: int):
-    """(actor_critic, optimizer, scheduler, reference, scorer), trainable ones prepared."""
-    m, p, dtype = cfg.model, cfg.ppo, frozen_dtype(cfg)
-    if runtime.zero_stage is not None and p.critic.max_grad_norm != p.actor.max_grad_norm:
-        raise ConfigError(
-            "ppo.critic.max_grad_norm: DeepSpeed clips actor and critic together at one norm; "
-            f"set it equal to ppo.actor.max_grad_norm ({p.actor.max_grad_norm})"
-        )
-    actor = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
-    critic = build_critic(cfg, m.dtype)
-    reference = load_causal_lm(m.policy, "model.policy", dtype, m.trust_remote_code)
-    reference = runtime.prepare_frozen(reference, cfg.distributed.frozen_models, dtype)
-    scorer = build_scorer(cfg, runtime)
-    model = ActorCritic(actor, critic)
-    optimizer = make_optimizer([(actor.parameters(), p.actor), (critic.parameters(), p.critic)])
-    scheduler = make_scheduler(optimizer, [p.actor, p.critic], total_steps)
-    model, optimizer = runtime.prepare(
-        model,
-        optimizer,
-        p.micro_batch_size,
-        plan.update.accumulation_steps,
-        p.actor.max_grad_norm,
-        m.dtype,
-    )
-    return model, optimizer, scheduler, reference, scorer
 
 
 class StatSums:
@@ -152,6 +103,21 @@ def optimizer_step(runtime, model, optimizer, scheduler, cfg) -> tuple[float, fl
     return actor_norm, critic_norm
 
 
+def minibatch_backward(runtime, model, mb, advantages, returns, cfg, slices, stats) -> None:
+    """Accumulate the gradient of one optimizer step over this rank's micro-batches.
+
+    mb: this rank's share of the global minibatch. Each micro-batch's loss SUM is divided
+    by the response-token count of the WHOLE global minibatch, so the step's gradient is
+    the same however the minibatch is split into ranks and micro-batches.
+    """
+    n_tokens = runtime.all_sum(mb.response_mask.sum().float())
+    for i, s in enumerate(slices):
+        loss_sum = micro_batch_loss(model, mb.select(s), advantages[s], returns[s], cfg, stats)
+        # x world_size: data-parallel backends average gradients over ranks.
+        scaled = loss_sum * runtime.world_size / n_tokens
+        runtime.micro_backward(model, scaled, last=i == len(slices) - 1)
+
+
 def ppo_update(
     runtime, model, optimizer, scheduler, batch, advantages, returns, cfg, plan: PPOPlan
 ) -> dict:
@@ -162,15 +128,10 @@ def ppo_update(
         order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
         for start in range(0, order.numel(), per_rank):
             idx = order[start : start + per_rank]
-            mb, adv, ret = batch.select(idx), advantages[idx], returns[idx]
-            # The loss of this step divides by the tokens of the WHOLE global minibatch.
-            n_tokens = runtime.all_sum(mb.response_mask.sum().float())
-            for i, s in enumerate(slices):
-                loss_sum = micro_batch_loss(model, mb.select(s), adv[s], ret[s], cfg, stats)
-                # x world_size: data-parallel backends average gradients over ranks.
-                runtime.micro_backward(
-                    model, loss_sum * runtime.world_size / n_tokens, last=i == len(slices) - 1
-                )
+            mb = batch.select(idx)
+            minibatch_backward(
+                runtime, model, mb, advantages[idx], returns[idx], cfg, slices, stats
+            )
             actor_norm, critic_norm = optimizer_step(runtime, model, optimizer, scheduler, cfg)
             stats.add("optim/grad_norm_actor", actor_norm, 1)
             stats.add("optim/grad_norm_critic", critic_norm, 1)
@@ -215,6 +176,7 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
     s.add_max("rollout/length_max", lengths.max())
     s.add_max("rollout/length_min_neg", -lengths.min())
     out = s.reduce(runtime)
+    out["rollout/sequences"] = float(runtime.all_sum(torch.tensor(float(B), dtype=torch.float64)))
     out["rollout/length_min"] = -out.pop("rollout/length_min_neg")
     out["objective/score_std"] = _std(out.pop("objective/score_sq"), out["objective/score"])
     out["advantages/raw_std"] = _std(out.pop("advantages/raw_sq"), out["advantages/raw"])
@@ -290,12 +252,13 @@ def train_ppo(cfg, runtime) -> dict:
     runtime.print(prompts.report.summary("prompts"))
     plan = ppo_plan(p, runtime.world_size)
     total_steps = p.iterations * plan.optimizer_steps_per_iteration
-    model, optimizer, scheduler, reference, scorer = build_models(cfg, runtime, plan, total_steps)
+    built = build_models(cfg, runtime, plan, total_steps)
+    model, optimizer, scheduler = built.model, built.optimizer, built.scheduler
 
     def generation_context():
         return runtime.generation_context(model, "actor", cfg.distributed.gather_for_generation)
 
-    rollout_models = RolloutModels(model, generation_context, reference, scorer)
+    rollout_models = RolloutModels(model, generation_context, built.reference, built.scorer)
     parts = (model, optimizer, scheduler, rollout_models, tokenizer)
     kl_ctl = make_kl_controller(p)
     runtime.seed_per_rank(cfg.run.seed)
@@ -317,8 +280,7 @@ def train_ppo(cfg, runtime) -> dict:
                     "value/explained_variance",
                 ),
             )
-    save_pretrained(runtime, model, tokenizer, out / "final", "actor")
-    save_pretrained(runtime, model, tokenizer, out / "critic", "critic.classifier")
+    export_models(cfg, runtime, model, tokenizer, out)
     last = history[-1]
     summary = {
         "iterations": p.iterations,

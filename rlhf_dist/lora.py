@@ -1,0 +1,108 @@
+"""LoRA (peft) for the actor and, optionally, the critic.
+
+With adapters on the actor, the reference policy is the same base with adapters
+disabled: the base weights are held once (the reason one-GPU 7B PPO fits at all). That
+is exact only while the base is frozen and the adapters start at zero (B = 0, peft's
+default), which `add_adapters` guarantees (TRL PR #4723 learned this the hard way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from rlhf_dist.config import ConfigError
+
+
+def add_adapters(model: nn.Module, lora_cfg, task_type: str, trainable_head: str | None = None):
+    """Wrap `model` in a fresh peft LoRA model (dropout 0; B initialised to 0).
+
+    task_type: "CAUSAL_LM" or "SEQ_CLS"; trainable_head: a module trained in full next
+    to the adapters (the critic's value head).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.split(".")[-1] for name, _ in model.named_modules()}
+    missing = [t for t in lora_cfg.target_modules if t not in names]
+    if missing:
+        raise ConfigError(f"lora.target_modules: {missing} not found in {type(model).__name__}")
+    config = LoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=0.0,  # dropout makes old and new log-probs disagree at ratio 1
+        target_modules=list(lora_cfg.target_modules),
+        task_type=task_type,
+        modules_to_save=[trainable_head] if trainable_head else None,
+    )
+    return get_peft_model(model, config)
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run `model` as its frozen base (the reference policy / frozen reward model)."""
+    with model.disable_adapter():
+        yield model
+
+
+class AdapterOffReference(nn.Module):
+    """The reference policy as the actor's base with adapters off: no second weight copy.
+
+    Calls `actor_fn()` for the current (possibly ZeRO-3-hooked) actor module each time.
+    """
+
+    def __init__(self, actor_fn):
+        super().__init__()
+        self._actor_fn = actor_fn
+
+    @torch.no_grad()
+    def forward(self, **kwargs):
+        actor = self._actor_fn()
+        with adapters_disabled(actor):
+            return actor(**kwargs)
+
+
+def unique_parameter_bytes(*modules: nn.Module) -> int:
+    """Bytes of distinct parameter storages across `modules` (shared weights count once)."""
+    seen, total = set(), 0
+    for module in modules:
+        for p in module.parameters():
+            storage = p.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def export_lora(
+    state: dict,
+    prefix: str,
+    build_base,
+    lora_cfg,
+    task_type: str,
+    head: str | None,
+    directory_merged,
+    directory_adapter,
+):
+    """Rebuild the trained peft model on CPU from a (gathered) state dict and export it.
+
+    state: full state dict of the training module; prefix: its key prefix for this model
+    (e.g. "actor."); build_base(): a fresh copy of the base model. Writes the merged model
+    (plain transformers checkpoint) and/or the adapter (PeftModel.from_pretrained).
+    """
+    model = add_adapters(build_base(), lora_cfg, task_type, head)
+    own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    result = model.load_state_dict(own, strict=False)
+    lost = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
+    if lost:
+        raise RuntimeError(f"LoRA export: trained weights missing from the state dict: {lost[:3]}")
+    if directory_adapter is not None:
+        model.save_pretrained(directory_adapter, safe_serialization=True)
+    if directory_merged is not None:
+        merged = model.merge_and_unload()
+        merged.save_pretrained(directory_merged, safe_serialization=True)

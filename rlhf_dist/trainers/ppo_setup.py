@@ -1,0 +1,169 @@
+"""Building PPO's four models for a run and exporting the trained ones.
+
+Full fine-tuning: actor and critic are their own models; the reference and the reward
+model are frozen copies (partitioned under ZeRO-3, bf16 if configured). With LoRA, the
+reference is the actor's base with adapters off; with a LoRA critic initialised from the
+reward model, the frozen reward model is the critic's base with adapters off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from rlhf_dist.config import ConfigError
+from rlhf_dist.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
+from rlhf_dist.models import (
+    ActorCritic,
+    ValueModel,
+    build_critic,
+    load_causal_lm,
+    load_sequence_classifier,
+    split_classifier,
+)
+from rlhf_dist.rollout import RewardFunction, Scorer
+from rlhf_dist.trainers.common import make_optimizer, make_scheduler, save_pretrained
+
+
+def frozen_dtype(cfg) -> str:
+    return cfg.model.dtype if cfg.model.frozen_dtype == "auto" else cfg.model.frozen_dtype
+
+
+@dataclass
+class PPOModels:
+    model: nn.Module  # prepared ActorCritic (DeepSpeed engine, DDP wrapper or itself)
+    optimizer: object
+    scheduler: object
+    reference: nn.Module
+    scorer: Scorer
+
+
+class AdapterOffValue(nn.Module):
+    """The frozen reward model as the LoRA critic's base with adapters off."""
+
+    def __init__(self, critic_fn):
+        super().__init__()
+        self._critic_fn = critic_fn
+
+    def forward(self, input_ids, attention_mask, position_ids=None):
+        critic = self._critic_fn()
+        with adapters_disabled(critic.classifier):
+            return critic(input_ids, attention_mask, position_ids)
+
+
+def build_scorer(cfg, runtime, placement: str | None = None) -> Scorer:
+    """The frozen reward: a Python function if reward.function is set, else the reward model."""
+    if cfg.reward.function:
+        return Scorer(reward_fn=RewardFunction(cfg.reward.function))
+    m, dtype = cfg.model, frozen_dtype(cfg)
+    with runtime.local_loading():
+        rm = load_sequence_classifier(m.reward, "model.reward", dtype, m.trust_remote_code)
+    placement = placement or cfg.distributed.frozen_models
+    return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm), placement, dtype))
+
+
+def _trainable_actor_critic(cfg) -> ActorCritic:
+    m, lora = cfg.model, cfg.lora
+    actor = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    critic = build_critic(cfg, m.dtype)
+    if lora.enabled:
+        actor = add_adapters(actor, lora, "CAUSAL_LM")
+    if lora.critic:
+        head_name = _head_name(critic.classifier)
+        critic = ValueModel(add_adapters(critic.classifier, lora, "SEQ_CLS", head_name))
+    return ActorCritic(actor, critic)
+
+
+def _head_name(classifier: nn.Module) -> str:
+    _, head = split_classifier(classifier)
+    return next(name for name, module in classifier.named_children() if module is head)
+
+
+def shares_reward_with_critic(cfg) -> bool:
+    """A LoRA critic from the RM serves as the frozen RM too (adapters off)."""
+    return cfg.lora.critic and cfg.ppo.critic_init == "reward" and not cfg.reward.function
+
+
+def build_models(cfg, runtime, plan, total_steps: int) -> PPOModels:
+    """Load, wrap and prepare the four models of a PPO run."""
+    m, p = cfg.model, cfg.ppo
+    if runtime.zero_stage is not None and p.critic.max_grad_norm != p.actor.max_grad_norm:
+        raise ConfigError(
+            "ppo.critic.max_grad_norm: DeepSpeed clips actor and critic together at one norm; "
+            f"set it equal to ppo.actor.max_grad_norm ({p.actor.max_grad_norm})"
+        )
+    # Every model is loaded whole on every rank first; DeepSpeed partitions it afterwards.
+    with runtime.local_loading():
+        net = _trainable_actor_critic(cfg)
+        reference = None if cfg.lora.enabled else _load_reference(cfg)
+        scorer = None if shares_reward_with_critic(cfg) else build_scorer(cfg, runtime)
+    optimizer = make_optimizer(
+        [(net.actor.parameters(), p.actor), (net.critic.parameters(), p.critic)]
+    )
+    scheduler = make_scheduler(optimizer, [p.actor, p.critic], total_steps)
+    accumulation = plan.update.accumulation_steps
+    model, optimizer = runtime.prepare(
+        net, optimizer, p.micro_batch_size, accumulation, p.actor.max_grad_norm, m.dtype
+    )
+    if reference is None:
+        reference = AdapterOffReference(lambda: runtime.unwrap(model).actor)
+    else:
+        reference = runtime.prepare_frozen(
+            reference, cfg.distributed.frozen_models, frozen_dtype(cfg)
+        )
+    if scorer is None:
+        scorer = Scorer(reward_model=AdapterOffValue(lambda: runtime.unwrap(model).critic))
+    return PPOModels(model, optimizer, scheduler, reference, scorer)
+
+
+def _load_reference(cfg) -> nn.Module:
+    m = cfg.model
+    return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg), m.trust_remote_code)
+
+
+def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
+    """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
+    lora = cfg.lora
+    if not lora.enabled:
+        save_pretrained(runtime, model, tokenizer, out / "final", "actor")
+        save_pretrained(runtime, model, tokenizer, out / "critic", "critic.classifier")
+        return
+    state = runtime.full_state_dict(model)
+    if runtime.is_main:
+        with runtime.local_loading():
+            _export_lora_models(cfg, runtime, model, tokenizer, out, state)
+    runtime.barrier()
+
+
+def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) -> None:
+    """On the main process: rebuild the LoRA actor (and critic) on CPU from `state`, export."""
+    m, lora = cfg.model, cfg.lora
+    merged = out / "final" if lora.export in ("merged", "both") else None
+    adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
+
+    def policy_base():
+        return load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+
+    export_lora(state, "actor.", policy_base, lora, "CAUSAL_LM", None, merged, adapter)
+    if lora.critic:
+        critic_base = build_critic(cfg, m.dtype).classifier
+        head = _head_name(critic_base)
+        export_lora(
+            state,
+            "critic.classifier.",
+            lambda: critic_base,
+            lora,
+            "SEQ_CLS",
+            head,
+            out / "critic",
+            None,
+        )
+    else:
+        prefix = "critic.classifier."
+        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        critic = runtime.unwrap(model).critic.classifier
+        critic.save_pretrained(out / "critic", state_dict=own, safe_serialization=True)
+    for directory in filter(None, (merged, adapter, out / "critic")):
+        tokenizer.save_pretrained(directory)

@@ -1,0 +1,78 @@
+"""Gradient of ONE PPO optimizer step on a fixed global minibatch of 8 sequences.
+
+Usage: grad_probe.py POLICY REWARD OUT MICRO_BATCH_SIZE
+Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
+global minibatch with ragged response lengths, takes its share, and accumulates the
+gradient over its micro-batches with the trainer's own `minibatch_backward`. Rank 0
+writes {name: full gradient} to OUT, so tests can compare splits.
+"""
+
+import sys
+
+import torch
+
+from rlhf_dist.batching import ppo_plan
+from rlhf_dist.config import config_from_dict
+from rlhf_dist.distributed import Runtime
+from rlhf_dist.models import quiet_transformers
+from rlhf_dist.rollout import RolloutBatch
+from rlhf_dist.trainers.ppo import StatSums, minibatch_backward
+from rlhf_dist.trainers.ppo_setup import build_models
+
+B, P, T, VOCAB = 8, 5, 7, 100
+
+
+def fixed_minibatch():
+    g = torch.Generator().manual_seed(1234)
+    lengths = torch.tensor([1, 7, 3, 5, 2, 7, 4, 6])  # ragged: token counts differ per rank
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[::3, :2] = 0  # some left padding
+    batch = RolloutBatch(
+        prompt_ids=torch.randint(4, VOCAB, (B, P), generator=g) * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=torch.where(mask, torch.randint(4, VOCAB, (B, T), generator=g), 0),
+        response_mask=mask,
+        old_logprobs=-torch.rand(B, T, generator=g) * 3,
+        ref_logprobs=-torch.rand(B, T, generator=g) * 3,
+        old_values=torch.randn(B, T, generator=g),
+        scores=torch.randn(B, generator=g),
+        raw_scores=torch.randn(B, generator=g),
+        finished=torch.ones(B, dtype=torch.bool),
+        entropy=torch.zeros(B, T),
+    )
+    return batch, torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+
+
+def main():
+    policy, reward, out, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    quiet_transformers()
+    runtime = Runtime(seed=0, num_threads=1)
+    tree = {
+        "model": {"policy": policy, "reward": reward},
+        "data": {"train": "unused.jsonl"},
+        "ppo": {
+            "rollout_batch_size": B,
+            "minibatch_size": B,
+            "micro_batch_size": micro,
+            "value_clip_eps": 0.2,
+        },
+    }
+    cfg = config_from_dict(tree)
+    plan = ppo_plan(cfg.ppo, runtime.world_size)
+    built = build_models(cfg, runtime, plan, total_steps=1)
+    batch, advantages, returns = fixed_minibatch()
+    share = plan.update.rank_slice(runtime.rank)
+    mb = batch.select(share)
+    slices = plan.update.micro_slices()
+    minibatch_backward(
+        runtime, built.model, mb, advantages[share], returns[share], cfg, slices, StatSums()
+    )
+    grads = runtime.full_gradients(built.model)
+    if runtime.is_main:
+        torch.save(grads, out)
+    runtime.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Ranks that stop generating at different steps must not hang each other (ZeRO-3).
+
+Usage: uneven_generation.py POLICY REWARD PROMPTS GATHER(0|1)
+Rank 0 generates ONE token per prompt; rank 1 is forced to run to 16 tokens. Then both
+score the rollout and take an optimizer step (collectives that need every rank), and
+print a line the test looks for.
+"""
+
+import sys
+
+import torch
+
+from rlhf_dist.batching import ppo_plan
+from rlhf_dist.config import config_from_dict
+from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.distributed import Runtime
+from rlhf_dist.models import load_tokenizer, quiet_transformers
+from rlhf_dist.rollout import RolloutModels, collect_rollout
+from rlhf_dist.trainers.ppo import StatSums, minibatch_backward, optimizer_step
+from rlhf_dist.trainers.ppo_setup import build_models
+
+
+def main():
+    policy, reward, prompts_path, gather = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    quiet_transformers()
+    runtime = Runtime(seed=0, num_threads=1)
+    new_tokens = 1 if runtime.rank == 0 else 16
+    tree = {
+        "model": {"policy": policy, "reward": reward},
+        "data": {"train": prompts_path},
+        # Rank 1 may not emit EOS before 16 tokens, so it runs all 16 steps while rank 0
+        # stops after 1.
+        "generation": {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens},
+        "ppo": {
+            "rollout_batch_size": 8,
+            "rollout_micro_batch_size": 4,
+            "minibatch_size": 8,
+            "micro_batch_size": 2,
+        },
+        "distributed": {"gather_for_generation": gather},
+    }
+    cfg = config_from_dict(tree)
+    plan = ppo_plan(cfg.ppo, runtime.world_size)
+    built = build_models(cfg, runtime, plan, total_steps=1)
+    tokenizer = load_tokenizer(policy)
+    prompts = prompt_set(load_rows(prompts_path, "data.train")[:8], tokenizer, cfg.data)
+    mine = list(range(8))[plan.rollout.rank_slice(runtime.rank)]
+    ids, mask = left_pad([prompts.ids[i] for i in mine], tokenizer.pad_token_id)
+
+    def context():
+        return runtime.generation_context(built.model, "actor", gather)
+
+    models = RolloutModels(built.model, context, built.reference, built.scorer)
+    batch, _ = collect_rollout(models, ids, mask, [prompts.texts[i] for i in mine], cfg, tokenizer)
+    width = batch.response_ids.shape[1]
+    widths = runtime.gather_objects([width])
+    adv = torch.randn_like(batch.old_values)
+    stats = StatSums()
+    minibatch_backward(
+        runtime, built.model, batch, adv, adv, cfg, plan.update.micro_slices(), stats
+    )
+    optimizer_step(runtime, built.model, built.optimizer, built.scheduler, cfg)
+    runtime.print(f"UNEVEN-OK widths={widths}")
+
+
+if __name__ == "__main__":
+    main()
