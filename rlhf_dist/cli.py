@@ -68,7 +68,8 @@ def _run_stage(name: str, args) -> int:
     quiet_transformers()
     module_name, _, fn_name = STAGES[name][1].partition(":")
     runner = getattr(importlib.import_module(module_name), fn_name)
-    runner(cfg, Runtime(seed=cfg.run.seed, num_threads=cfg.run.num_threads))
+    runtime = Runtime(cfg.run.seed, cfg.run.num_threads, cfg.distributed.timeout_s, cfg.model.dtype)
+    runner(cfg, runtime)
     return 0
 
 

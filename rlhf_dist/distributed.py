@@ -30,7 +30,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class Runtime:
     """Rank/world information, device placement, training steps and collectives."""
 
-    def __init__(self, seed: int | None = None, num_threads: int = 0, timeout_s: int = 1800):
+    def __init__(
+        self,
+        seed: int | None = None,
+        num_threads: int = 0,
+        timeout_s: int = 1800,
+        dtype: str = "float32",
+    ):
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
 
@@ -41,7 +47,10 @@ class Runtime:
             # of 1 while DeepSpeed partitions across all of them (design.md section 6).
             backend = None if torch.cuda.is_available() else "gloo"
             handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
-        self.accelerator = Accelerator(kwargs_handlers=handlers)
+        # bf16 weights -> the backends' bf16 mixed precision (DeepSpeed: bf16.enabled, with
+        # fp32 master weights in the optimizer); decided here, once, from our config.
+        precision = "bf16" if dtype == "bfloat16" else None
+        self.accelerator = Accelerator(kwargs_handlers=handlers, mixed_precision=precision)
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
