@@ -50,7 +50,11 @@ class Runtime:
         # bf16 weights -> the backends' bf16 mixed precision (DeepSpeed: bf16.enabled, with
         # fp32 master weights in the optimizer); decided here, once, from our config.
         precision = "bf16" if dtype == "bfloat16" else None
-        self.accelerator = Accelerator(kwargs_handlers=handlers, mixed_precision=precision)
+        # Without a GPU and without DeepSpeed, tell Accelerate so: otherwise torchrun-started
+        # CPU ranks are not wrapped in DDP and silently drift apart.
+        use_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        cpu = not torch.cuda.is_available() and not use_ds
+        self.accelerator = Accelerator(kwargs_handlers=handlers, mixed_precision=precision, cpu=cpu)
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(num_threads or max(1, _usable_cores() // local))

@@ -24,18 +24,22 @@ def probe_single(assets, out, micro: int) -> dict:
     return torch.load(out)
 
 
-def test_gradient_same_for_1x1_1x4_and_2x2_zero3(assets, tmp_path):
+def test_gradient_same_for_1x1_1x4_2x2_zero3_and_2x2_ddp(assets, tmp_path):
     whole = probe_single(assets, tmp_path / "1x1.pt", micro=8)
     split = probe_single(assets, tmp_path / "1x4.pt", micro=2)
     cmd = [PROBE, assets["policy"], assets["reward"], str(tmp_path / "2x2.pt"), "2"]
     run_launch(launch_args("cpu_zero3.yaml", free_port(), *cmd))
     zero3 = torch.load(tmp_path / "2x2.pt")
-    assert whole.keys() == split.keys() == zero3.keys()
+    cmd = [PROBE, assets["policy"], assets["reward"], str(tmp_path / "ddp.pt"), "2"]
+    run_launch(launch_args("cpu_ddp.yaml", free_port(), *cmd))
+    ddp = torch.load(tmp_path / "ddp.pt")
+    assert whole.keys() == split.keys() == zero3.keys() == ddp.keys()
     assert any(g.abs().sum() > 0 for g in whole.values())
     for name, g in whole.items():
         scale = g.abs().max().clamp(min=1e-6)
         assert (split[name] - g).abs().max() / scale < 1e-5, f"1x4 differs at {name}"
         assert (zero3[name] - g).abs().max() / scale < 1e-4, f"2x2 ZeRO-3 differs at {name}"
+        assert (ddp[name] - g).abs().max() / scale < 1e-4, f"2x2 DDP differs at {name}"
 
 
 UNEVEN = str(REPO / "tests" / "distributed" / "scripts" / "uneven_generation.py")
