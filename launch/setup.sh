@@ -17,3 +17,12 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install --quiet -e ".[dev]"
+# DeepSpeed JIT-compiles its CPU shared-memory collective op the first time a CPU process
+# group starts (about a minute, cached under ~/.cache/torch_extensions). Build it here, once,
+# so the first 2-rank run or test does not pay for it inside its time limit.
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  python - <<'PY' 2>/dev/null || echo "setup: could not prebuild DeepSpeed's CPU comm op (it builds on first use)"
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+PY
+fi

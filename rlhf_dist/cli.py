@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--config",
             help="YAML config file (sections: run, model, data, sft, rm, ppo, generation, reward, eval)",
         )
+        if name != "eval":
+            p.add_argument(
+                "--resume",
+                metavar="auto|PATH",
+                help="continue from the latest checkpoint in run.output_dir (auto) or from PATH",
+            )
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     demo = sub.add_parser(
         "demo",
@@ -59,7 +65,10 @@ def _run_stage(name: str, args) -> int:
 
     from rlhf_dist.config import load_config, validate
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides) + (
+        [f"run.resume={args.resume}"] if getattr(args, "resume", None) else []
+    )
+    cfg = load_config(args.config, overrides)
     # Checked before anything heavy: world size comes from the launcher's environment.
     validate(cfg, name, int(os.environ.get("WORLD_SIZE", "1")))
     from rlhf_dist.distributed import Runtime
@@ -76,6 +85,7 @@ def _run_stage(name: str, args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rlhf_dist.config import ConfigError
+    from rlhf_dist.trainers.common import Preempted
 
     try:
         if args.command == "demo":
@@ -87,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlhf-dist {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"rlhf-dist {args.command}: {e}", file=sys.stderr)
+        return 0
     except KeyboardInterrupt:
         print(f"rlhf-dist {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -37,6 +37,12 @@ class RunConfig:
     # Trackers besides metrics.jsonl (always written): "wandb", "tensorboard".
     trackers: tuple[str, ...] = ()
     project: str = "rlhf_dist"
+    # Save a resumable checkpoint every N optimizer steps (SFT/RM) or iterations (PPO); 0 = never
+    # (a SIGTERM still writes one). Only the newest keep_checkpoints are kept.
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    # "auto": continue from <output_dir>/checkpoints/latest if there is one; or a checkpoint path.
+    resume: str = ""
     # CPU threads per process; 0 = the machine's cores divided among the local ranks
     # (oversubscribed OpenMP threads spin-wait and run 10-100x slower).
     num_threads: int = 0
@@ -117,7 +123,8 @@ class RewardConfig:
     function: str = ""
     # Replace the score of a response without EOS by this value (N+ study uses -1).
     missing_eos_penalty: float | None = None
-    # Running normalisation of scores (mean/std over all ranks, updated every iteration).
+    # Running normalisation of scores (mean/std over all ranks, updated every iteration),
+    # then clipping to [-clip, clip]; both after the missing-EOS penalty.
     normalize: bool = False
     clip: float | None = None
 
@@ -148,7 +155,6 @@ class PPOConfig:
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
     whiten_advantages: bool = True
-    eval_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -396,6 +402,8 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     """Check the keys `stage` ("sft", "rm", "ppo", "eval") uses; raise ConfigError naming one."""
     _positive(cfg.run, "run", "log_every")
     _positive(cfg.distributed, "distributed", "timeout_s")
+    if cfg.run.checkpoint_every < 0 or cfg.run.keep_checkpoints < 1:
+        raise ConfigError("run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
     if cfg.run.num_threads < 0:
         raise ConfigError(f"run.num_threads: must be >= 0, got {cfg.run.num_threads}")
     for tracker in cfg.run.trackers:
@@ -481,5 +489,7 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"ppo.value_clip_eps: must be > 0 or null, got {p.value_clip_eps}")
     _validate_optim(p.actor, "ppo.actor")
     _validate_optim(p.critic, "ppo.critic")
+    if cfg.reward.clip is not None and not cfg.reward.clip > 0:
+        raise ConfigError(f"reward.clip: must be > 0 or null, got {cfg.reward.clip}")
     if not cfg.data.train:
         raise ConfigError("data.train: required (a prompt file or a hub dataset name)")

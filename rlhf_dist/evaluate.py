@@ -97,7 +97,7 @@ def evaluate_policy(runtime, policy, reference, scorer, prompts, cfg, tokenizer,
 
 def run_eval(cfg, runtime) -> dict:
     """`rlhf-dist eval`: writes summary.json and samples.jsonl under run.output_dir."""
-    out, logger = start_run(cfg, runtime, "eval")
+    out, logger, _ = start_run(cfg, runtime, "eval")
     m = cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     source = cfg.data.eval or cfg.data.train

@@ -71,7 +71,7 @@ def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, synced: bool = 
     config = GenerationConfig(
         do_sample=True,
         temperature=gen_cfg.temperature,
-        top_k=gen_cfg.top_k or None,
+        top_k=gen_cfg.top_k,  # 0 = off; None would mean transformers' default of 50
         top_p=gen_cfg.top_p,
         max_new_tokens=gen_cfg.max_new_tokens,
         min_new_tokens=gen_cfg.min_new_tokens or None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -20,7 +21,15 @@ def _plain(value):
 
 
 class MetricsLogger:
-    def __init__(self, runtime, output_dir: str | Path, run_cfg, config_dict: dict, stage: str):
+    def __init__(
+        self,
+        runtime,
+        output_dir: str | Path,
+        run_cfg,
+        config_dict: dict,
+        stage: str,
+        resume_step: int = 0,
+    ):
         self.runtime = runtime
         self.stage = stage
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -28,13 +37,28 @@ class MetricsLogger:
         self.start = time.time()
         if runtime.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("", encoding="utf-8")
+            self._keep_rows_up_to(resume_step)
         if self.trackers:
             runtime.accelerator.init_trackers(
                 run_cfg.project,
                 config=config_dict,
                 init_kwargs={"wandb": {"name": f"{Path(output_dir).name}-{stage}"}},
             )
+
+    def _keep_rows_up_to(self, step: int) -> None:
+        """Start metrics.jsonl afresh, or on resume keep the rows of steps <= `step` (rows
+        logged after the checkpoint will be logged again)."""
+        kept = []
+        if step > 0 and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        kept.append(line + "\n")
+                except json.JSONDecodeError:
+                    break  # a line cut short by the kill: it and anything after are dropped
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict, console_keys: tuple[str, ...] = ()) -> None:
         if not self.runtime.is_main:

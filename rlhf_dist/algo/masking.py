@@ -70,3 +70,39 @@ def whiten_with(
     if keep_mean:
         out = out + mean
     return torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+class RunningMoments:
+    """Running mean and variance over a stream of batches (Chan et al. 1979 combination).
+
+    Used for online reward normalisation: scores are divided by a std that keeps adapting
+    as the policy (and so the score distribution) moves. Plain floats; callers reduce each
+    batch's (mean, var, count) over ranks first so every rank holds the same moments.
+    """
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 0.0
+
+    def update(self, batch_mean: float, batch_var: float, batch_count: float) -> None:
+        """Fold in a batch with population variance `batch_var` of `batch_count` values."""
+        if batch_count <= 0:
+            return
+        total = self.count + batch_count
+        delta = batch_mean - self.mean
+        m2 = (
+            self.var * self.count
+            + batch_var * batch_count
+            + delta**2 * self.count * batch_count / total
+        )
+        self.mean += delta * batch_count / total
+        self.var, self.count = m2 / total, total
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = (
+            float(state["mean"]),
+            float(state["var"]),
+            float(state["count"]),
+        )

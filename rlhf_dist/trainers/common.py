@@ -5,21 +5,68 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 from pathlib import Path
 
 import torch
 
+from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
 from rlhf_dist.config import Config, save_config, to_dict
 from rlhf_dist.tracking import MetricsLogger
 
 
-def start_run(cfg: Config, runtime, stage: str) -> tuple[Path, MetricsLogger]:
-    """Create the output directory, write config.yaml and open the metrics sink."""
+class Preempted(Exception):
+    """SIGTERM arrived; a checkpoint was written and the run stopped cleanly (exit 0)."""
+
+
+class PreemptionFlag:
+    """Remembers a SIGTERM (cluster preemption) until the loop reaches a safe point."""
+
+    def __init__(self):
+        self.received = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def any_rank(self, runtime) -> bool:
+        """True on every rank if any rank got SIGTERM (they must checkpoint together)."""
+        flag = torch.tensor(float(self.received))
+        return bool(runtime.all_max(flag) > 0)
+
+
+def start_run(cfg: Config, runtime, stage: str) -> tuple[Path, MetricsLogger, Checkpoint | None]:
+    """Create the output directory, write config.yaml, load the checkpoint to resume from
+    (if any) and open the metrics sink (keeping the rows up to that checkpoint)."""
     out = Path(cfg.run.output_dir)
+    path = find_checkpoint(cfg.run.resume, out)
+    ckpt = Checkpoint(path, runtime) if path else None
     if runtime.is_main:
         save_config(cfg, out)
     runtime.barrier()
-    return out, MetricsLogger(runtime, out, cfg.run, to_dict(cfg), stage)
+    if ckpt:
+        runtime.print(f"{stage}: resuming from {path} (step {ckpt.step})")
+    logger = MetricsLogger(
+        runtime, out, cfg.run, to_dict(cfg), stage, resume_step=ckpt.step if ckpt else 0
+    )
+    return out, logger, ckpt
+
+
+def checkpoint_due(cfg, step: int, last_step: int, preempted: bool) -> bool:
+    every = cfg.run.checkpoint_every
+    return preempted or (every > 0 and (step % every == 0 or step == last_step))
+
+
+def write_checkpoint(
+    cfg, runtime, out: Path, step: int, model, optimizer, trainer_state: dict
+) -> None:
+    """Gather the world-size independent training state and write an atomic checkpoint."""
+    state = runtime.gather_training_state(model, optimizer)
+    save_checkpoint(
+        runtime, out / "checkpoints", step, state, trainer_state, cfg.run.keep_checkpoints
+    )
 
 
 def make_optimizer(groups) -> torch.optim.Optimizer:
@@ -79,3 +126,46 @@ def write_summary(runtime, out: Path, summary: dict) -> None:
         tmp = out / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, out / "summary.json")
+
+
+def resume_into(runtime, ckpt, model, optimizer, scheduler, seed: int) -> None:
+    """After `prepare`: restore optimizer moments, the schedule and this rank's RNG.
+
+    (The weights were copied in before `prepare` with ckpt.load_weights_into.)
+    """
+    runtime.restore_optimizer_state(model, optimizer, ckpt.training)
+    scheduler.load_state_dict(ckpt.trainer["scheduler"])
+    ckpt.restore_rng(seed)
+
+
+def step_loop(
+    cfg, runtime, out, logger, ckpt, trained, batches, step_fn, stage: str, console: tuple
+) -> dict:
+    """The SFT/RM loop: skip to the checkpoint, step, log, checkpoint, stop on SIGTERM.
+
+    trained: (model, optimizer, scheduler); batches: list of (epoch, global indices);
+    step_fn(indices) runs one optimizer step and returns its metrics.
+    """
+    model, optimizer, scheduler = trained
+    start, total = (ckpt.step if ckpt else 0), len(batches)
+    preemption, metrics = PreemptionFlag(), {}
+    for step, (epoch, idx) in enumerate(batches, 1):
+        if step <= start:
+            continue  # done before the checkpoint; the order is a function of the seed
+        metrics = step_fn(idx) | {
+            f"{stage}/epoch": epoch,
+            f"{stage}/lr": scheduler.get_last_lr()[0],
+        }
+        maybe_fault("update", step)
+        if step % cfg.run.log_every == 0 or step == total:
+            logger.log(step, metrics, console)
+        preempted = preemption.any_rank(runtime)
+        if checkpoint_due(cfg, step, total, preempted):
+            write_checkpoint(
+                cfg, runtime, out, step, model, optimizer, {"scheduler": scheduler.state_dict()}
+            )
+        if preempted:
+            raise Preempted(
+                f"SIGTERM: checkpoint written at step {step}; resume with --resume auto"
+            )
+    return metrics

@@ -8,8 +8,10 @@ so logged means and the loss do not depend on how batches are split.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -17,16 +19,21 @@ from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.losses import ppo_policy_terms, value_terms
-from rlhf_dist.algo.masking import masked_sum, whiten_with
+from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
+from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import (
     tokenizer_for,
 )
 from rlhf_dist.rollout import RolloutModels, collect_rollout
 from rlhf_dist.trainers.common import (
+    Preempted,
+    PreemptionFlag,
+    checkpoint_due,
     start_run,
+    write_checkpoint,
     write_summary,
 )
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
@@ -118,11 +125,9 @@ def minibatch_backward(runtime, model, mb, advantages, returns, cfg, slices, sta
         runtime.micro_backward(model, scaled, last=i == len(slices) - 1)
 
 
-def ppo_update(
-    runtime, model, optimizer, scheduler, batch, advantages, returns, cfg, plan: PPOPlan
-) -> dict:
+def ppo_update(runtime, run, batch, advantages, returns, cfg, it: int = 0) -> dict:
     """ppo_epochs passes over this rank's rollout in minibatches; returns reduced stats."""
-    stats = StatSums()
+    stats, plan = StatSums(), run.plan
     per_rank, slices = plan.update.per_rank, plan.update.micro_slices()
     for _ in range(plan.ppo_epochs):
         order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
@@ -130,11 +135,12 @@ def ppo_update(
             idx = order[start : start + per_rank]
             mb = batch.select(idx)
             minibatch_backward(
-                runtime, model, mb, advantages[idx], returns[idx], cfg, slices, stats
+                runtime, run.model, mb, advantages[idx], returns[idx], cfg, slices, stats
             )
-            actor_norm, critic_norm = optimizer_step(runtime, model, optimizer, scheduler, cfg)
-            stats.add("optim/grad_norm_actor", actor_norm, 1)
-            stats.add("optim/grad_norm_critic", critic_norm, 1)
+            norms = optimizer_step(runtime, run.model, run.optimizer, run.scheduler, cfg)
+            stats.add("optim/grad_norm_actor", norms[0], 1)
+            stats.add("optim/grad_norm_critic", norms[1], 1)
+            maybe_fault("update", it)  # killed with the weights half-way through an iteration
     return stats.reduce(runtime)
 
 
@@ -191,102 +197,163 @@ def _std(mean_sq: float, mean: float) -> float:
     return max(mean_sq - mean**2, 0.0) ** 0.5
 
 
-def prompt_stream(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int):
-    """Yield this rank's (prompt_ids, prompt_mask, texts) per iteration, cycling epochs."""
+def prompt_stream(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int, skip: int = 0):
+    """Yield this rank's (prompt_ids, prompt_mask, texts) per iteration, cycling epochs;
+    `skip` iterations are passed over (resume): the order depends only on the seed."""
     n, size = len(prompts.ids), plan.rollout.global_size
     if n < size:
         raise SystemExit(f"ppo: {n} prompts is fewer than ppo.rollout_batch_size={size}")
-    for _, idx in global_batches(n, size, seed, epochs=10**9):
+    batches = global_batches(n, size, seed, epochs=10**9)
+    for _, idx in itertools.islice(batches, skip, None):
         mine = idx[plan.rollout.rank_slice(runtime.rank)]
         ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
         yield ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
 
 
-def ppo_iteration(runtime, parts, prompt_batch, kl_ctl, cfg, plan) -> tuple[dict, list]:
-    """One PPO iteration: rollout, shaped rewards, GAE, whitening, update. Returns stats."""
-    model, optimizer, scheduler, rollout_models, tokenizer = parts
-    p = cfg.ppo
-    t0 = time.time()
-    model.eval()
-    batch, texts = collect_rollout(rollout_models, *prompt_batch, cfg, tokenizer)
-    t1 = time.time()
-    rewards, kl = shape_rewards(
-        batch.scores,
-        batch.old_logprobs,
-        batch.ref_logprobs,
-        batch.response_mask,
-        kl_ctl.coef,
-        p.kl_kind,
-    )
-    advantages, returns = gae(rewards, batch.old_values, batch.response_mask, p.gamma, p.lam)
-    stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_ctl.coef)
-    if p.whiten_advantages:
-        advantages = whiten_with(
-            advantages,
-            batch.response_mask,
-            *global_mean_var(runtime, advantages, batch.response_mask),
+@dataclass
+class PPORun:
+    """The live objects of a PPO run (what one iteration reads and updates)."""
+
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    rollout_models: RolloutModels
+    tokenizer: object
+    kl_ctl: object
+    plan: PPOPlan
+    score_moments: RunningMoments
+
+
+def normalize_scores(
+    runtime, scores: torch.Tensor, moments: RunningMoments, reward_cfg
+) -> torch.Tensor:
+    """Running normalisation (statistics over all ranks) and clipping of the scores, (B,)."""
+    if reward_cfg.normalize:
+        total = runtime.all_sum(
+            torch.stack(
+                [scores.sum(), (scores**2).sum(), torch.tensor(float(scores.numel()))]
+            ).double()
         )
-    model.train()
-    stats |= ppo_update(runtime, model, optimizer, scheduler, batch, advantages, returns, cfg, plan)
+        mean = float(total[0] / total[2])
+        moments.update(mean, max(float(total[1] / total[2]) - mean**2, 0.0), float(total[2]))
+        scores = (scores - moments.mean) / (moments.var + 1e-8) ** 0.5
+    if reward_cfg.clip is not None:
+        scores = scores.clamp(-reward_cfg.clip, reward_cfg.clip)
+    return scores
+
+
+def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> tuple[dict, list]:
+    """One PPO iteration: rollout, shaped rewards, GAE, whitening, update. Returns stats."""
+    p, kl_coef = cfg.ppo, run.kl_ctl.coef
+    t0 = time.time()
+    run.model.eval()
+    batch, texts = collect_rollout(run.rollout_models, *prompt_batch, cfg, run.tokenizer)
+    maybe_fault("rollout", it)
+    t1 = time.time()
+    mask = batch.response_mask
+    batch.scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
+    rewards, kl = shape_rewards(
+        batch.scores, batch.old_logprobs, batch.ref_logprobs, mask, kl_coef, p.kl_kind
+    )
+    advantages, returns = gae(rewards, batch.old_values, mask, p.gamma, p.lam)
+    stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef)
+    if p.whiten_advantages:
+        advantages = whiten_with(advantages, mask, *global_mean_var(runtime, advantages, mask))
+    run.model.train()
+    stats |= ppo_update(runtime, run, batch, advantages, returns, cfg, it)
     t2 = time.time()
     stats |= {
-        "optim/kl_coef": kl_ctl.coef,
-        "optim/lr_actor": scheduler.get_last_lr()[0],
+        "optim/kl_coef": kl_coef,
+        "optim/lr_actor": run.scheduler.get_last_lr()[0],
         "time/rollout": t1 - t0,
         "time/update": t2 - t1,
         "time/total": t2 - t0,
     }
-    kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
+    run.kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
     samples = list(zip(prompt_batch[2], texts, batch.scores.tolist()))[:4]
     return stats, samples
 
 
-def train_ppo(cfg, runtime) -> dict:
-    """Run PPO as configured; returns the summary written to summary.json."""
-    out, logger = start_run(cfg, runtime, "ppo")
+CONSOLE_KEYS = (
+    "objective/score",
+    "objective/kl",
+    "objective/entropy",
+    "rollout/length",
+    "policy/clipfrac",
+    "value/explained_variance",
+)
+
+
+def start_ppo(cfg, runtime, ckpt) -> PPORun:
+    """Load data and models (from a checkpoint if resuming) into a PPORun."""
     p = cfg.ppo
     tokenizer = tokenizer_for(cfg, "policy")
-    prompts = prompt_set(
-        load_rows(cfg.data.train, "data.train", cfg.data.split), tokenizer, cfg.data
-    )
-    runtime.print(prompts.report.summary("prompts"))
     plan = ppo_plan(p, runtime.world_size)
     total_steps = p.iterations * plan.optimizer_steps_per_iteration
-    built = build_models(cfg, runtime, plan, total_steps)
-    model, optimizer, scheduler = built.model, built.optimizer, built.scheduler
+    built = build_models(cfg, runtime, plan, total_steps, ckpt)
+    model = built.model
 
     def generation_context():
         return runtime.generation_context(model, "actor", cfg.distributed.gather_for_generation)
 
     rollout_models = RolloutModels(model, generation_context, built.reference, built.scorer)
-    parts = (model, optimizer, scheduler, rollout_models, tokenizer)
-    kl_ctl = make_kl_controller(p)
+    kl_ctl, moments = make_kl_controller(p), RunningMoments()
+    if ckpt:
+        kl_ctl.load_state_dict(ckpt.trainer["kl_controller"])
+        moments.load_state_dict(ckpt.trainer["score_moments"])
+        built.scheduler.load_state_dict(ckpt.trainer["scheduler"])
+    return PPORun(
+        model, built.optimizer, built.scheduler, rollout_models, tokenizer, kl_ctl, plan, moments
+    )
+
+
+def trainer_state(run: PPORun, first_score: float) -> dict:
+    """Everything besides weights and optimizer that a resumed run must continue from."""
+    return {
+        "kl_controller": run.kl_ctl.state_dict(),
+        "score_moments": run.score_moments.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "first_score": first_score,
+    }
+
+
+def train_ppo(cfg, runtime) -> dict:
+    """Run PPO as configured; returns the summary written to summary.json."""
+    out, logger, ckpt = start_run(cfg, runtime, "ppo")
+    p = cfg.ppo
+    run = start_ppo(cfg, runtime, ckpt)
+    prompts = prompt_set(
+        load_rows(cfg.data.train, "data.train", cfg.data.split), run.tokenizer, cfg.data
+    )
+    runtime.print(prompts.report.summary("prompts"))
+    start = ckpt.step if ckpt else 0
     runtime.seed_per_rank(cfg.run.seed)
-    stream = prompt_stream(prompts, plan, runtime, cfg.run.seed, tokenizer.pad_token_id)
-    history = []
-    for it, prompt_batch in zip(range(1, p.iterations + 1), stream):
-        stats, samples = ppo_iteration(runtime, parts, prompt_batch, kl_ctl, cfg, plan)
-        history.append(stats)
+    if ckpt:
+        ckpt.restore_rng(cfg.run.seed)
+    stream = prompt_stream(
+        prompts, run.plan, runtime, cfg.run.seed, run.tokenizer.pad_token_id, skip=start
+    )
+    first_score = ckpt.trainer["first_score"] if ckpt else None
+    preemption, stats = PreemptionFlag(), {}
+    for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
+        stats, _ = ppo_iteration(runtime, run, prompt_batch, cfg, it)
+        first_score = stats["objective/score"] if first_score is None else first_score
         if it % cfg.run.log_every == 0 or it == p.iterations:
-            logger.log(
-                it,
-                stats,
-                (
-                    "objective/score",
-                    "objective/kl",
-                    "objective/entropy",
-                    "rollout/length",
-                    "policy/clipfrac",
-                    "value/explained_variance",
-                ),
+            logger.log(it, stats, CONSOLE_KEYS)
+        preempted = preemption.any_rank(runtime)
+        if checkpoint_due(cfg, it, p.iterations, preempted):
+            state = trainer_state(run, first_score)
+            write_checkpoint(cfg, runtime, out, it, run.model, run.optimizer, state)
+        if preempted:
+            raise Preempted(
+                f"SIGTERM: checkpoint written at iteration {it}; resume with --resume auto"
             )
-    export_models(cfg, runtime, model, tokenizer, out)
-    last = history[-1]
+    export_models(cfg, runtime, run.model, run.tokenizer, out)
     summary = {
         "iterations": p.iterations,
-        "score": last["objective/score"],
-        "kl": last["objective/kl"],
-        "first_score": history[0]["objective/score"],
+        "score": stats.get("objective/score"),
+        "kl": stats.get("objective/kl"),
+        "first_score": first_score,
         "episodes": p.iterations * p.rollout_batch_size,
     }
     write_summary(runtime, out, summary)

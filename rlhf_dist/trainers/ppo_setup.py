@@ -86,7 +86,7 @@ def shares_reward_with_critic(cfg) -> bool:
     return cfg.lora.critic and cfg.ppo.critic_init == "reward" and not cfg.reward.function
 
 
-def build_models(cfg, runtime, plan, total_steps: int) -> PPOModels:
+def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
     if runtime.zero_stage is not None and p.critic.max_grad_norm != p.actor.max_grad_norm:
@@ -97,6 +97,8 @@ def build_models(cfg, runtime, plan, total_steps: int) -> PPOModels:
     # Every model is loaded whole on every rank first; DeepSpeed partitions it afterwards.
     with runtime.local_loading():
         net = _trainable_actor_critic(cfg)
+        if ckpt:
+            ckpt.load_weights_into(net)  # before prepare: every backend partitions these
         reference = None if cfg.lora.enabled else _load_reference(cfg)
         scorer = None if shares_reward_with_critic(cfg) else build_scorer(cfg, runtime)
     optimizer = make_optimizer(
@@ -107,6 +109,8 @@ def build_models(cfg, runtime, plan, total_steps: int) -> PPOModels:
     model, optimizer = runtime.prepare(
         net, optimizer, p.micro_batch_size, accumulation, p.actor.max_grad_norm, m.dtype
     )
+    if ckpt:
+        runtime.restore_optimizer_state(model, optimizer, ckpt.training)
     if reference is None:
         reference = AdapterOffReference(lambda: runtime.unwrap(model).actor)
     else:

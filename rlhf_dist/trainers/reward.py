@@ -11,13 +11,16 @@ import torch.nn.functional as F
 
 from rlhf_dist.algo.losses import pairwise_reward_loss
 from rlhf_dist.batching import BatchPlan, global_batches
+from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_pairs, load_rows, preference_pairs
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
 from rlhf_dist.trainers.common import (
     make_optimizer,
     make_scheduler,
+    resume_into,
     save_pretrained,
     start_run,
+    step_loop,
     write_summary,
 )
 
@@ -89,71 +92,76 @@ def evaluate_pairs(runtime, value_model, pairs, micro_batch_size: int, pad_id: i
     }
 
 
-def train_reward_model(cfg, runtime) -> dict:
-    """Train a reward model as configured; returns the summary written to summary.json."""
-    out, logger = start_run(cfg, runtime, "rm")
-    init = cfg.model.reward or cfg.model.policy
-    tokenizer = tokenizer_for(cfg, "reward" if cfg.model.reward else "policy")
+def load_pairs(cfg, runtime, tokenizer):
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
     train, report = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field)
     runtime.print(report.summary("preference pairs"))
-    evals = (
-        preference_pairs(
+    evals = []
+    if cfg.data.eval:
+        evals = preference_pairs(
             load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg.data, cfg.rm.responses_field
         )[0]
-        if cfg.data.eval
-        else []
-    )
-    key = "model.reward" if cfg.model.reward else "model.policy"
-    classifier = load_sequence_classifier(
-        init, key, cfg.model.dtype, cfg.model.trust_remote_code, new_head=True
-    )
-    rc = cfg.rm
-    plan = BatchPlan(rc.batch_size, runtime.world_size, rc.micro_batch_size)
-    total_steps = rc.epochs * (len(train) // rc.batch_size)
-    if total_steps == 0:
-        raise SystemExit(
-            f"rm: {len(train)} pairs is fewer than one batch (rm.batch_size={rc.batch_size})"
+    if len(train) < cfg.rm.batch_size:
+        raise ConfigError(
+            f"rm.batch_size: {cfg.rm.batch_size} is more than the {len(train)} usable pairs"
         )
-    optimizer = make_optimizer([(classifier.parameters(), rc.optim)])
-    scheduler = make_scheduler(optimizer, [rc.optim], total_steps)
+    return train, evals
+
+
+def train_reward_model(cfg, runtime) -> dict:
+    """Train a reward model as configured; returns the summary written to summary.json."""
+    out, logger, ckpt = start_run(cfg, runtime, "rm")
+    rc, m = cfg.rm, cfg.model
+    key = "model.reward" if m.reward else "model.policy"
+    tokenizer = tokenizer_for(cfg, key.split(".")[1])
+    train, evals = load_pairs(cfg, runtime, tokenizer)
+    net = ValueModel(
+        load_sequence_classifier(
+            m.reward or m.policy, key, m.dtype, m.trust_remote_code, new_head=True
+        )
+    )
+    if ckpt:
+        ckpt.load_weights_into(net)
+    plan = BatchPlan(rc.batch_size, runtime.world_size, rc.micro_batch_size)
+    batches = list(global_batches(len(train), rc.batch_size, cfg.run.seed, rc.epochs))
+    optimizer = make_optimizer([(net.parameters(), rc.optim)])
+    scheduler = make_scheduler(optimizer, [rc.optim], len(batches))
     model, optimizer = runtime.prepare(
-        ValueModel(classifier),
+        net,
         optimizer,
         rc.micro_batch_size,
         plan.accumulation_steps,
         rc.optim.max_grad_norm,
-        cfg.model.dtype,
+        m.dtype,
     )
+    if ckpt:
+        resume_into(runtime, ckpt, model, optimizer, scheduler, cfg.run.seed)
     model.train()
-    for step, (epoch, idx) in enumerate(
-        global_batches(len(train), rc.batch_size, cfg.run.seed, rc.epochs), 1
-    ):
-        loss, acc = rm_step(runtime, model, [train[i] for i in idx], plan, tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+
+    def step(idx) -> dict:
+        loss, acc = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
         (grad_norm,) = runtime.optimizer_step(
             model, optimizer, [(model.parameters(), rc.optim.max_grad_norm)]
         )
         scheduler.step()
-        if step % cfg.run.log_every == 0 or step == total_steps:
-            metrics = {
-                "rm/loss": loss,
-                "rm/accuracy": acc,
-                "rm/grad_norm": grad_norm,
-                "rm/lr": scheduler.get_last_lr()[0],
-                "rm/epoch": epoch,
-            }
-            logger.log(step, metrics, ("rm/loss", "rm/accuracy"))
+        return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": grad_norm}
+
+    trained = (model, optimizer, scheduler)
+    last = step_loop(
+        cfg, runtime, out, logger, ckpt, trained, batches, step, "rm", ("rm/loss", "rm/accuracy")
+    )
     summary = {
-        "steps": total_steps,
-        "train_loss": loss,
-        "train_accuracy": acc,
+        "steps": len(batches),
+        "train_loss": last.get("rm/loss"),
+        "train_accuracy": last.get("rm/accuracy"),
         "train_pairs": len(train),
     }
     if evals:
-        ev = evaluate_pairs(runtime, model, evals, rc.micro_batch_size, tokenizer.pad_token_id)
+        ev = evaluate_pairs(runtime, model, evals, rc.micro_batch_size, pad)
         summary |= {f"eval_{k}": v for k, v in ev.items()}
         logger.log(
-            total_steps,
+            len(batches),
             {f"rm/eval_{k}": v for k, v in ev.items()},
             ("rm/eval_accuracy", "rm/eval_ece"),
         )

@@ -12,13 +12,16 @@ import torch
 from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.batching import BatchPlan, global_batches
+from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
 from rlhf_dist.trainers.common import (
     make_optimizer,
     make_scheduler,
+    resume_into,
     save_pretrained,
     start_run,
+    step_loop,
     write_summary,
 )
 
@@ -68,70 +71,77 @@ def eval_nll(runtime, model, examples, micro_batch_size: int, pad_id: int) -> fl
     return float(totals[0] / totals[1])
 
 
-def train_sft(cfg, runtime) -> dict:
-    """Run SFT as configured; returns the summary written to summary.json."""
-    out, logger = start_run(cfg, runtime, "sft")
-    tokenizer = tokenizer_for(cfg, "policy")
-    train, report = sft_examples(
-        load_rows(cfg.data.train, "data.train", cfg.data.split), tokenizer, cfg.data
-    )
+def load_sft_data(cfg, runtime, tokenizer):
+    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
+    train, report = sft_examples(rows, tokenizer, cfg.data)
     runtime.print(report.summary("sft data"))
     evals = (
         sft_examples(load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg.data)[0]
         if cfg.data.eval
         else []
     )
-    model = load_causal_lm(
-        cfg.model.policy, "model.policy", cfg.model.dtype, cfg.model.trust_remote_code
-    )
-    sc = cfg.sft
-    plan = BatchPlan(sc.batch_size, runtime.world_size, sc.micro_batch_size)
-    total_steps = sc.epochs * (len(train) // sc.batch_size)
-    if total_steps == 0:
-        raise SystemExit(
-            f"sft: {len(train)} examples is fewer than one batch (sft.batch_size={sc.batch_size})"
+    if len(train) < cfg.sft.batch_size:
+        raise ConfigError(
+            f"sft.batch_size: {cfg.sft.batch_size} is more than the {len(train)} usable examples"
         )
+    return train, evals
+
+
+def train_sft(cfg, runtime) -> dict:
+    """Run SFT as configured; returns the summary written to summary.json."""
+    out, logger, ckpt = start_run(cfg, runtime, "sft")
+    sc, m = cfg.sft, cfg.model
+    tokenizer = tokenizer_for(cfg, "policy")
+    train, evals = load_sft_data(cfg, runtime, tokenizer)
+    model = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    if ckpt:
+        ckpt.load_weights_into(model)
+    plan = BatchPlan(sc.batch_size, runtime.world_size, sc.micro_batch_size)
+    batches = list(global_batches(len(train), sc.batch_size, cfg.run.seed, sc.epochs))
     optimizer = make_optimizer([(model.parameters(), sc.optim)])
-    scheduler = make_scheduler(optimizer, [sc.optim], total_steps)
+    scheduler = make_scheduler(optimizer, [sc.optim], len(batches))
     model, optimizer = runtime.prepare(
         model,
         optimizer,
         sc.micro_batch_size,
         plan.accumulation_steps,
         sc.optim.max_grad_norm,
-        cfg.model.dtype,
+        m.dtype,
     )
+    if ckpt:
+        resume_into(runtime, ckpt, model, optimizer, scheduler, cfg.run.seed)
     model.train()
-    initial_eval = (
-        eval_nll(runtime, model, evals, sc.micro_batch_size, tokenizer.pad_token_id)
-        if evals
-        else None
-    )
-    for step, (epoch, idx) in enumerate(
-        global_batches(len(train), sc.batch_size, cfg.run.seed, sc.epochs), 1
-    ):
-        loss = sft_step(runtime, model, [train[i] for i in idx], plan, tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+
+    def step(idx) -> dict:
+        loss = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
         (grad_norm,) = runtime.optimizer_step(
             model, optimizer, [(model.parameters(), sc.optim.max_grad_norm)]
         )
         scheduler.step()
-        if step % cfg.run.log_every == 0 or step == total_steps:
-            metrics = {
-                "sft/loss": loss,
-                "sft/grad_norm": grad_norm,
-                "sft/lr": scheduler.get_last_lr()[0],
-                "sft/epoch": epoch,
-            }
-            logger.log(step, metrics, ("sft/loss", "sft/grad_norm"))
-    summary = {"steps": total_steps, "train_loss": loss, "train_examples": len(train)}
+        return {"sft/loss": loss, "sft/grad_norm": grad_norm}
+
+    trained = (model, optimizer, scheduler)
+    last = step_loop(
+        cfg,
+        runtime,
+        out,
+        logger,
+        ckpt,
+        trained,
+        batches,
+        step,
+        "sft",
+        ("sft/loss", "sft/grad_norm"),
+    )
+    summary = {
+        "steps": len(batches),
+        "train_loss": last.get("sft/loss"),
+        "train_examples": len(train),
+    }
     if evals:
-        summary |= {
-            "eval_loss_before": initial_eval,
-            "eval_loss": eval_nll(
-                runtime, model, evals, sc.micro_batch_size, tokenizer.pad_token_id
-            ),
-        }
-        logger.log(total_steps, {"sft/eval_loss": summary["eval_loss"]})
+        summary["eval_loss"] = eval_nll(runtime, model, evals, sc.micro_batch_size, pad)
+        logger.log(len(batches), {"sft/eval_loss": summary["eval_loss"]}, ("sft/eval_loss",))
     save_pretrained(runtime, model, tokenizer, out / "final")
     write_summary(runtime, out, summary)
     logger.close()

@@ -1,0 +1,185 @@
+"""Atomic, resumable checkpoints that do not depend on the number of ranks.
+
+Layout under <output_dir>/checkpoints/:
+
+    step-000012/
+      training.pt        fp32 weights + Adam moments + step of every trainable parameter
+      trainer.pt         loop position, scheduler, KL controller, ... (plain data)
+      rng-rank00000.pt   each rank's RNG states (python, numpy, torch)
+      meta.json          world size, format version, step
+    latest               text: the name of the newest complete checkpoint
+
+A checkpoint is written into a `.tmp-*` directory, every file fsynced, then renamed into
+place; `latest` moves only after that. A process killed at any moment leaves either the
+previous complete checkpoint or the new one, never a half-written one under a real name.
+Everything is loaded with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlhf_dist.config import ConfigError
+
+FORMAT = 1
+FAULT_ENV = "RLHF_DIST_FAULT"
+
+
+def maybe_fault(point: str, step: int) -> None:
+    """Fault injection for the kill-and-resume tests: RLHF_DIST_FAULT=point:step SIGKILLs
+    this process when it reaches `point` at `step` (as an OOM killer or preemption would)."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save(obj, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync_file(path)
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "gauss": (int(np_state[3]), float(np_state[4])),
+        },
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state(
+        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["gauss"][0], n["gauss"][1])
+    )
+    torch.set_rng_state(state["torch"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save_checkpoint(
+    runtime, root: Path, step: int, training_state: dict | None, trainer_state: dict, keep: int
+) -> Path:
+    """Write checkpoint `step` atomically under `root` (all ranks call); returns its path."""
+    name = f"step-{step:06d}"
+    final, tmp = root / name, root / f".tmp-{name}"
+    if runtime.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    runtime.barrier()
+    _save(rng_state(), tmp / f"rng-rank{runtime.rank:05d}.pt")
+    if runtime.is_main:
+        _save(training_state, tmp / "training.pt")
+        maybe_fault("checkpoint", step)  # half-written: only the .tmp directory may exist
+        _save(trainer_state, tmp / "trainer.pt")
+        meta = {"format": FORMAT, "step": step, "world_size": runtime.world_size}
+        (tmp / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+        _fsync_file(tmp / "meta.json")
+    runtime.barrier()
+    if runtime.is_main:
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _point_latest(root, name)
+        _prune(root, keep)
+    runtime.barrier()
+    return final
+
+
+def _point_latest(root: Path, name: str) -> None:
+    pointer = root / "latest.tmp"
+    pointer.write_text(name + "\n", encoding="utf-8")
+    _fsync_file(pointer)
+    os.replace(pointer, root / "latest")
+    _fsync_dir(root)
+
+
+def _prune(root: Path, keep: int) -> None:
+    checkpoints = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in checkpoints[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
+    """The checkpoint `run.resume` names: "auto" = the latest under output_dir (None if
+    there is none yet), or a path to a checkpoint directory."""
+    if not resume:
+        return None
+    if resume == "auto":
+        pointer = output_dir / "checkpoints" / "latest"
+        if not pointer.exists():
+            return None
+        path = output_dir / "checkpoints" / pointer.read_text(encoding="utf-8").strip()
+    else:
+        path = Path(resume).expanduser()
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"run.resume: {str(path)!r} is not a complete checkpoint (no meta.json)")
+    return path
+
+
+class Checkpoint:
+    """A loaded checkpoint: training state, trainer state and this rank's RNG."""
+
+    def __init__(self, path: Path, runtime):
+        self.path = path
+        self.meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        if self.meta.get("format") != FORMAT:
+            raise ConfigError(
+                f"run.resume: {str(path)!r} has checkpoint format {self.meta.get('format')}, expected {FORMAT}"
+            )
+        self.step = int(self.meta["step"])
+        self.training = torch.load(path / "training.pt", weights_only=True, map_location="cpu")
+        self.trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
+        self.same_world = self.meta["world_size"] == runtime.world_size
+        self.runtime = runtime
+
+    def restore_rng(self, seed: int) -> None:
+        """This rank's RNG as saved; on a different world size there is no saved state for
+        the new ranks, so every rank re-seeds from (seed, step) instead: training continues
+        correctly but is not bitwise the run that would have continued on the old ranks."""
+        if self.same_world:
+            set_rng_state(
+                torch.load(self.path / f"rng-rank{self.runtime.rank:05d}.pt", weights_only=True)
+            )
+        else:
+            self.runtime.seed_per_rank(seed + 7919 * self.step)
+
+    def load_weights_into(self, module: torch.nn.Module) -> None:
+        """Copy the saved fp32 weights into an unprepared module (before partitioning)."""
+        params = dict(module.named_parameters())
+        missing = [n for n in self.training["params"] if n not in params]
+        if missing:
+            raise ConfigError(
+                f"run.resume: checkpoint has weights the model lacks, e.g. {missing[0]!r}"
+            )
+        with torch.no_grad():
+            for name, value in self.training["params"].items():
+                params[name].copy_(value.to(params[name].dtype))

@@ -1,0 +1,90 @@
+"""Rollout against plain transformers: what PPO samples and the numbers it attaches to them.
+
+PPO's importance ratios and KL penalty are only right if (a) responses are sampled from the
+same distribution whose log-probs it computes, and (b) log-probs, values and scores computed
+on left-padded batches equal those of each sequence on its own, as a user would compute them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rlhf_dist.config import config_from_dict
+from rlhf_dist.models import load_causal_lm
+from rlhf_dist.rollout import generate
+from rlhf_dist.trainers import ppo
+
+
+def test_sampling_with_top_k_0_draws_from_the_full_distribution(task_env):
+    tok = task_env.tokenizer
+    # The random-init policy is close to uniform over the whole vocabulary (~100 words),
+    # so a top-50 truncation removes about half of the tokens it should sample.
+    policy = load_causal_lm(str(task_env.policy), "model.policy")
+    gen = config_from_dict({"generation": {"temperature": 1.0, "max_new_tokens": 1}}).generation
+    assert gen.top_k == 0 and gen.top_p == 1.0  # the defaults: no truncation asked for
+    n = 2000
+    prompt = torch.tensor([tok("review of the hotel :")["input_ids"]])
+    with torch.no_grad():
+        probs = torch.softmax(policy(input_ids=prompt).logits[0, -1].float(), -1)
+    torch.manual_seed(0)
+    first = generate(policy, prompt.repeat(n, 1), torch.ones(n, prompt.shape[1]), gen, tok)[:, 0]
+    counts = torch.bincount(first, minlength=probs.numel())
+    # A token expected >= 10 times in n draws is absent with probability < e^-10.
+    common = probs * n >= 10
+    assert int(common.sum()) > 60, "precondition: the policy spreads over many tokens"
+    never_drawn = (common & (counts == 0)).nonzero().flatten().tolist()
+    assert never_drawn == [], f"{len(never_drawn)} likely tokens never sampled"
+
+
+def test_rollout_logprobs_values_and_scores_match_each_sequence_alone(
+    sft_run, rm_run, task_env, runtime, tmp_path, monkeypatch, data_cfg
+):
+    rollouts = []
+    collect = ppo.collect_rollout
+
+    def keep_batch(*args, **kwargs):
+        batch, texts = collect(*args, **kwargs)
+        rollouts.append(batch)
+        return batch, texts
+
+    monkeypatch.setattr(ppo, "collect_rollout", keep_batch)
+    policy, reward = sft_run.out / "final", rm_run.out / "final"
+    tree = {
+        "run": {"output_dir": str(tmp_path / "ppo"), "seed": 0},
+        "model": {"policy": str(policy), "reward": str(reward)},
+        "data": data_cfg(train=str(task_env.files.prompts)),
+        "generation": {"max_new_tokens": 24, "temperature": 0.7},
+        "ppo": {
+            "iterations": 1,
+            "rollout_batch_size": 16,
+            "rollout_micro_batch_size": 16,
+            "ppo_epochs": 1,
+            "minibatch_size": 16,
+            "micro_batch_size": 16,
+        },
+    }
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    (batch,) = rollouts  # iteration 1: actor = reference = SFT policy, critic = RM
+
+    # The batch exercises left padding (prompts of different lengths) and ragged responses.
+    assert (batch.prompt_mask == 0).any() and len(set(batch.response_mask.sum(1).tolist())) > 2
+    lm = AutoModelForCausalLM.from_pretrained(policy).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1).eval()
+    for b in range(batch.prompt_ids.shape[0]):
+        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()]
+        response = batch.response_ids[b][batch.response_mask[b]]
+        seq = torch.cat([prompt, response]).unsqueeze(0)
+        P, T = prompt.numel(), response.numel()
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(input_ids=seq).logits[0].float() / 0.7, -1)
+            per_token = rm.score(rm.model(input_ids=seq).last_hidden_state)[0, :, 0]
+            score = rm(input_ids=seq).logits[0, 0]
+        # Position P-1+t predicts response token t and holds the value of its prefix.
+        expected_lp = logp[P - 1 : P - 1 + T].gather(1, response.unsqueeze(1)).squeeze(1)
+        close = dict(atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(batch.old_logprobs[b, :T], expected_lp, **close)
+        torch.testing.assert_close(batch.ref_logprobs[b, :T], expected_lp, **close)
+        torch.testing.assert_close(batch.old_values[b, :T], per_token[P - 1 : P - 1 + T], **close)
+        # The reward model's score is read at the last real token (EOS when finished).
+        torch.testing.assert_close(batch.raw_scores[b], score, **close)
