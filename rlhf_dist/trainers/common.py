@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
 from rlhf_dist.config import Config, save_config, to_dict
 from rlhf_dist.tracking import MetricsLogger
@@ -169,3 +170,30 @@ def step_loop(
                 f"SIGTERM: checkpoint written at step {step}; resume with --resume auto"
             )
     return metrics
+
+
+def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
+    """Plan, global batches and the prepared (model, optimizer, scheduler) of an SFT or RM
+    run whose config section is `section`; resumed from `ckpt` if given."""
+    if ckpt:
+        ckpt.load_weights_into(net)  # before prepare: every backend partitions these
+    plan = BatchPlan(section.batch_size, runtime.world_size, section.micro_batch_size)
+    batches = list(global_batches(n_examples, section.batch_size, cfg.run.seed, section.epochs))
+    optimizer = make_optimizer([(net.parameters(), section.optim)])
+    scheduler = make_scheduler(optimizer, [section.optim], len(batches))
+    accumulation, clip = plan.accumulation_steps, section.optim.max_grad_norm
+    model, optimizer = runtime.prepare(
+        net, optimizer, section.micro_batch_size, accumulation, clip, cfg.model.dtype
+    )
+    if ckpt:
+        resume_into(runtime, ckpt, model, optimizer, scheduler, cfg.run.seed)
+    model.train()
+    return (model, optimizer, scheduler), plan, batches
+
+
+def step_and_schedule(runtime, trained, max_grad_norm: float) -> float:
+    """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm."""
+    model, optimizer, scheduler = trained
+    (norm,) = runtime.optimizer_step(model, optimizer, [(model.parameters(), max_grad_norm)])
+    scheduler.step()
+    return norm

@@ -10,16 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_dist.algo.losses import pairwise_reward_loss
-from rlhf_dist.batching import BatchPlan, global_batches
+from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_pairs, load_rows, preference_pairs
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
 from rlhf_dist.trainers.common import (
-    make_optimizer,
-    make_scheduler,
-    resume_into,
+    prepare_single_model,
     save_pretrained,
     start_run,
+    step_and_schedule,
     step_loop,
     write_summary,
 )
@@ -120,34 +119,14 @@ def train_reward_model(cfg, runtime) -> dict:
             m.reward or m.policy, key, m.dtype, m.trust_remote_code, new_head=True
         )
     )
-    if ckpt:
-        ckpt.load_weights_into(net)
-    plan = BatchPlan(rc.batch_size, runtime.world_size, rc.micro_batch_size)
-    batches = list(global_batches(len(train), rc.batch_size, cfg.run.seed, rc.epochs))
-    optimizer = make_optimizer([(net.parameters(), rc.optim)])
-    scheduler = make_scheduler(optimizer, [rc.optim], len(batches))
-    model, optimizer = runtime.prepare(
-        net,
-        optimizer,
-        rc.micro_batch_size,
-        plan.accumulation_steps,
-        rc.optim.max_grad_norm,
-        m.dtype,
-    )
-    if ckpt:
-        resume_into(runtime, ckpt, model, optimizer, scheduler, cfg.run.seed)
-    model.train()
-    pad = tokenizer.pad_token_id
+    trained, plan, batches = prepare_single_model(cfg, runtime, net, rc, len(train), ckpt)
+    model, pad = trained[0], tokenizer.pad_token_id
 
     def step(idx) -> dict:
         loss, acc = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
-        (grad_norm,) = runtime.optimizer_step(
-            model, optimizer, [(model.parameters(), rc.optim.max_grad_norm)]
-        )
-        scheduler.step()
-        return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": grad_norm}
+        norm = step_and_schedule(runtime, trained, rc.optim.max_grad_norm)
+        return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": norm}
 
-    trained = (model, optimizer, scheduler)
     last = step_loop(
         cfg, runtime, out, logger, ckpt, trained, batches, step, "rm", ("rm/loss", "rm/accuracy")
     )

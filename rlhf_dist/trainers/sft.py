@@ -11,16 +11,15 @@ import torch
 
 from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.masking import masked_sum
-from rlhf_dist.batching import BatchPlan, global_batches
+from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
 from rlhf_dist.trainers.common import (
-    make_optimizer,
-    make_scheduler,
-    resume_into,
+    prepare_single_model,
     save_pretrained,
     start_run,
+    step_and_schedule,
     step_loop,
     write_summary,
 )
@@ -93,35 +92,17 @@ def train_sft(cfg, runtime) -> dict:
     sc, m = cfg.sft, cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     train, evals = load_sft_data(cfg, runtime, tokenizer)
-    model = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
-    if ckpt:
-        ckpt.load_weights_into(model)
-    plan = BatchPlan(sc.batch_size, runtime.world_size, sc.micro_batch_size)
-    batches = list(global_batches(len(train), sc.batch_size, cfg.run.seed, sc.epochs))
-    optimizer = make_optimizer([(model.parameters(), sc.optim)])
-    scheduler = make_scheduler(optimizer, [sc.optim], len(batches))
-    model, optimizer = runtime.prepare(
-        model,
-        optimizer,
-        sc.micro_batch_size,
-        plan.accumulation_steps,
-        sc.optim.max_grad_norm,
-        m.dtype,
-    )
-    if ckpt:
-        resume_into(runtime, ckpt, model, optimizer, scheduler, cfg.run.seed)
-    model.train()
-    pad = tokenizer.pad_token_id
+    net = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
+    model, pad = trained[0], tokenizer.pad_token_id
 
     def step(idx) -> dict:
         loss = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
-        (grad_norm,) = runtime.optimizer_step(
-            model, optimizer, [(model.parameters(), sc.optim.max_grad_norm)]
-        )
-        scheduler.step()
-        return {"sft/loss": loss, "sft/grad_norm": grad_norm}
+        return {
+            "sft/loss": loss,
+            "sft/grad_norm": step_and_schedule(runtime, trained, sc.optim.max_grad_norm),
+        }
 
-    trained = (model, optimizer, scheduler)
     last = step_loop(
         cfg,
         runtime,
