@@ -84,7 +84,7 @@ def _run_stage(name: str, args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from rlhf_dist.config import ConfigError
+    from rlhf_dist.config import UserError
     from rlhf_dist.trainers.common import Preempted
 
     try:
@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             run_demo(args.output_dir, seed=args.seed, quick=args.quick)
             return 0
         return _run_stage(args.command, args)
-    except ConfigError as e:
-        print(f"rlhf-dist {args.command}: error: {e}", file=sys.stderr)
+    except UserError as e:
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
         return 2
     except Preempted as e:
         print(f"rlhf-dist {args.command}: {e}", file=sys.stderr)

@@ -21,8 +21,16 @@ from typing import Any
 import yaml
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A mistake of the user's (config, data, their code); the CLI prints it as one line."""
+
+
+class ConfigError(UserError, ValueError):
     """A user mistake in the configuration; its message is one line naming the key."""
+
+
+class RewardFunctionError(UserError, RuntimeError):
+    """The user's reward function raised or returned something unusable."""
 
 
 def _choices(*values: str) -> dict:

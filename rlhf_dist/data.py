@@ -58,12 +58,12 @@ def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
             raise ConfigError(f"{key}: {source!r} is not a .jsonl/.json/.parquet/.csv file")
         else:
             ds = datasets.load_dataset(source, split=split)
+        return list(ds)  # inside the try: undecodable text only fails here
     except ConfigError:
         raise
     except Exception as e:  # datasets raises many types for unreadable/absent data
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{key}: cannot load {source!r}: {first}") from None
-    return list(ds)
 
 
 def _text(row: dict, name: str, report: SkipReport) -> str | None:

@@ -22,7 +22,7 @@ from rlhf_dist.rollout import (
     sequence_last_index,
     truncate_after_eos,
 )
-from rlhf_dist.trainers.common import start_run, write_summary
+from rlhf_dist.trainers.common import open_run, write_summary
 from rlhf_dist.trainers.ppo import StatSums
 from rlhf_dist.trainers.ppo_setup import build_scorer
 
@@ -97,7 +97,6 @@ def evaluate_policy(runtime, policy, reference, scorer, prompts, cfg, tokenizer,
 
 def run_eval(cfg, runtime) -> dict:
     """`rlhf-dist eval`: writes summary.json and samples.jsonl under run.output_dir."""
-    out, logger, _ = start_run(cfg, runtime, "eval")
     m = cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     source = cfg.data.eval or cfg.data.train
@@ -115,6 +114,7 @@ def run_eval(cfg, runtime) -> dict:
         )
         reference = runtime.prepare_frozen(reference, "replicate")
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
+    out, logger = open_run(cfg, runtime, "eval", None)
     runtime.seed_per_rank(cfg.run.seed)
     summary, samples = evaluate_policy(
         runtime,

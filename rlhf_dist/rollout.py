@@ -17,7 +17,7 @@ import torch
 
 from rlhf_dist.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhf_dist.algo.rewards import last_token_index
-from rlhf_dist.config import ConfigError
+from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.models import ValueModel, position_ids_from, sequence_scores
 
 
@@ -127,14 +127,16 @@ class RewardFunction:
         try:
             out = list(self.fn(prompts, responses))
         except Exception as e:
-            raise RuntimeError(f"reward.function {self.spec} raised {type(e).__name__}: {e}") from e
+            raise RewardFunctionError(
+                f"reward.function {self.spec} raised {type(e).__name__}: {e}"
+            ) from e
         if len(out) != len(responses):
-            raise RuntimeError(
+            raise RewardFunctionError(
                 f"reward.function {self.spec} returned {len(out)} scores for {len(responses)} responses"
             )
         bad = [v for v in out if not _is_finite_number(v)]
         if bad:
-            raise RuntimeError(
+            raise RewardFunctionError(
                 f"reward.function {self.spec} returned a non-finite or non-number: {bad[0]!r}"
             )
         return torch.tensor([float(v) for v in out], dtype=torch.float32)

@@ -38,21 +38,30 @@ class PreemptionFlag:
         return bool(runtime.all_max(flag) > 0)
 
 
-def start_run(cfg: Config, runtime, stage: str) -> tuple[Path, MetricsLogger, Checkpoint | None]:
-    """Create the output directory, write config.yaml, load the checkpoint to resume from
-    (if any) and open the metrics sink (keeping the rows up to that checkpoint)."""
+def find_resume(cfg: Config, runtime) -> Checkpoint | None:
+    """The checkpoint this run continues from (run.resume), loaded; None for a fresh run."""
+    path = find_checkpoint(cfg.run.resume, Path(cfg.run.output_dir))
+    return Checkpoint(path, runtime) if path else None
+
+
+def open_run(
+    cfg: Config, runtime, stage: str, ckpt: Checkpoint | None
+) -> tuple[Path, MetricsLogger]:
+    """Write config.yaml and open metrics.jsonl (keeping rows up to the checkpoint).
+
+    Called only once data and models have loaded, so that a user mistake found while
+    loading leaves no half-written output directory behind.
+    """
     out = Path(cfg.run.output_dir)
-    path = find_checkpoint(cfg.run.resume, out)
-    ckpt = Checkpoint(path, runtime) if path else None
     if runtime.is_main:
         save_config(cfg, out)
     runtime.barrier()
     if ckpt:
-        runtime.print(f"{stage}: resuming from {path} (step {ckpt.step})")
+        runtime.print(f"{stage}: resuming from {ckpt.path} (step {ckpt.step})")
     logger = MetricsLogger(
         runtime, out, cfg.run, to_dict(cfg), stage, resume_step=ckpt.step if ckpt else 0
     )
-    return out, logger, ckpt
+    return out, logger
 
 
 def checkpoint_due(cfg, step: int, last_step: int, preempted: bool) -> bool:

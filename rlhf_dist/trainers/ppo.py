@@ -23,6 +23,7 @@ from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
 from rlhf_dist.checkpoint import maybe_fault
+from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import (
     tokenizer_for,
@@ -32,7 +33,8 @@ from rlhf_dist.trainers.common import (
     Preempted,
     PreemptionFlag,
     checkpoint_due,
-    start_run,
+    find_resume,
+    open_run,
     write_checkpoint,
     write_summary,
 )
@@ -201,8 +203,6 @@ def prompt_stream(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int, skip:
     """Yield this rank's (prompt_ids, prompt_mask, texts) per iteration, cycling epochs;
     `skip` iterations are passed over (resume): the order depends only on the seed."""
     n, size = len(prompts.ids), plan.rollout.global_size
-    if n < size:
-        raise SystemExit(f"ppo: {n} prompts is fewer than ppo.rollout_batch_size={size}")
     batches = global_batches(n, size, seed, epochs=10**9)
     for _, idx in itertools.islice(batches, skip, None):
         mine = idx[plan.rollout.rank_slice(runtime.rank)]
@@ -319,12 +319,16 @@ def trainer_state(run: PPORun, first_score: float) -> dict:
 
 def train_ppo(cfg, runtime) -> dict:
     """Run PPO as configured; returns the summary written to summary.json."""
-    out, logger, ckpt = start_run(cfg, runtime, "ppo")
-    p = cfg.ppo
+    ckpt, p = find_resume(cfg, runtime), cfg.ppo
     run = start_ppo(cfg, runtime, ckpt)
     prompts = prompt_set(
         load_rows(cfg.data.train, "data.train", cfg.data.split), run.tokenizer, cfg.data
     )
+    if len(prompts.ids) < p.rollout_batch_size:
+        raise ConfigError(
+            f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"
+        )
+    out, logger = open_run(cfg, runtime, "ppo", ckpt)
     runtime.print(prompts.report.summary("prompts"))
     start = ckpt.step if ckpt else 0
     runtime.seed_per_rank(cfg.run.seed)

@@ -15,9 +15,10 @@ from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_pairs, load_rows, preference_pairs
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
 from rlhf_dist.trainers.common import (
+    find_resume,
+    open_run,
     prepare_single_model,
     save_pretrained,
-    start_run,
     step_and_schedule,
     step_loop,
     write_summary,
@@ -102,14 +103,14 @@ def load_pairs(cfg, runtime, tokenizer):
         )[0]
     if len(train) < cfg.rm.batch_size:
         raise ConfigError(
-            f"rm.batch_size: {cfg.rm.batch_size} is more than the {len(train)} usable pairs"
+            f"rm.batch_size: {cfg.rm.batch_size} is more than the {len(train)} usable pairs ({report.summary('preference pairs')})"
         )
     return train, evals
 
 
 def train_reward_model(cfg, runtime) -> dict:
     """Train a reward model as configured; returns the summary written to summary.json."""
-    out, logger, ckpt = start_run(cfg, runtime, "rm")
+    ckpt = find_resume(cfg, runtime)
     rc, m = cfg.rm, cfg.model
     key = "model.reward" if m.reward else "model.policy"
     tokenizer = tokenizer_for(cfg, key.split(".")[1])
@@ -121,6 +122,7 @@ def train_reward_model(cfg, runtime) -> dict:
     )
     trained, plan, batches = prepare_single_model(cfg, runtime, net, rc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
+    out, logger = open_run(cfg, runtime, "rm", ckpt)
 
     def step(idx) -> dict:
         loss, acc = rm_step(runtime, model, [train[i] for i in idx], plan, pad)

@@ -16,9 +16,10 @@ from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
 from rlhf_dist.trainers.common import (
+    find_resume,
+    open_run,
     prepare_single_model,
     save_pretrained,
-    start_run,
     step_and_schedule,
     step_loop,
     write_summary,
@@ -81,20 +82,21 @@ def load_sft_data(cfg, runtime, tokenizer):
     )
     if len(train) < cfg.sft.batch_size:
         raise ConfigError(
-            f"sft.batch_size: {cfg.sft.batch_size} is more than the {len(train)} usable examples"
+            f"sft.batch_size: {cfg.sft.batch_size} is more than the {len(train)} usable examples ({report.summary('sft data')})"
         )
     return train, evals
 
 
 def train_sft(cfg, runtime) -> dict:
     """Run SFT as configured; returns the summary written to summary.json."""
-    out, logger, ckpt = start_run(cfg, runtime, "sft")
+    ckpt = find_resume(cfg, runtime)
     sc, m = cfg.sft, cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     train, evals = load_sft_data(cfg, runtime, tokenizer)
     net = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
+    out, logger = open_run(cfg, runtime, "sft", ckpt)
 
     def step(idx) -> dict:
         loss = sft_step(runtime, model, [train[i] for i in idx], plan, pad)

@@ -1,0 +1,182 @@
+"""Every input in tests/bad_inputs/corpus ends as stated: a counted, reported skip, or one
+clear error line (exit 2, no traceback) and no half-written output directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS = Path(__file__).parent / "corpus"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from rlhf_dist.demo import task
+    from rlhf_dist.models import quiet_transformers
+
+    quiet_transformers()
+    root = tmp_path_factory.mktemp("bad_inputs")
+    tok = task.build_tokenizer(root / "tok")
+    models = task.build_tiny_models(root / "models", tok)
+    # The same tokenizer with its PAD token removed: a common hub tokenizer mistake.
+    no_pad = root / "no_pad"
+    tok.pad_token = None
+    tok.save_pretrained(no_pad)
+    return {"policy": str(models["policy"]), "reward": str(models["reward"]), "no_pad": str(no_pad)}
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{CORPUS}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "rlhf_dist", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(proc, *words: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("rlhf-dist")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def sft(tiny, data: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    base = [
+        f"model.policy={tiny['policy']}",
+        f"data.train={CORPUS / data}",
+        f"run.output_dir={out}",
+    ]
+    return run(
+        "sft", *base, "sft.batch_size=8", "sft.micro_batch_size=8", "data.max_length=48", *extra
+    )
+
+
+def test_bad_sft_rows_are_skipped_counted_and_reported(tiny, tmp_path):
+    proc = sft(tiny, "sft_mixed_bad_rows.jsonl", tmp_path / "out", "data.too_long=drop")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("sft data"))
+    # 40 good rows kept; each bad row counted under its reason.
+    assert "40 kept" in report and "6 skipped" in report, report
+    for reason in (
+        "missing 'prompt'",
+        "empty 'prompt'",
+        "'prompt' not text",
+        "missing 'response'",
+        "prompt too long",
+    ):
+        assert reason in report, report
+
+
+def test_bad_preference_rows_are_skipped_counted_and_reported(tiny, tmp_path):
+    args = [f"model.policy={tiny['policy']}", f"data.train={CORPUS / 'prefs_mixed_bad_rows.jsonl'}"]
+    proc = run(
+        "rm",
+        *args,
+        f"run.output_dir={tmp_path / 'out'}",
+        "rm.batch_size=8",
+        "rm.micro_batch_size=8",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("preference pairs"))
+    assert (
+        "40 kept" in report and "chosen == rejected" in report and "missing 'rejected'" in report
+    ), report
+    assert "'chosen' not text" in report, report
+
+
+def test_long_prompts_are_truncated_and_counted_by_default(tiny, tmp_path):
+    args = [f"model.policy={tiny['policy']}", "reward.function=reward_fns:nan_score"]
+    out = tmp_path / "never"
+    proc = run(
+        "ppo",
+        *args,
+        f"data.train={CORPUS / 'prompts_too_long.jsonl'}",
+        f"run.output_dir={out}",
+        "reward.function=rlhf_dist.demo.task:positive_word_reward",
+        "ppo.critic_init=policy",
+        "ppo.iterations=1",
+        "ppo.rollout_batch_size=16",
+        "generation.max_new_tokens=4",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "16 prompts truncated to their last tokens" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("data", "extra", "words"),
+    [
+        ("sft_all_bad.jsonl", (), ("sft.batch_size", "0 usable", "5 missing 'prompt'")),
+        ("invalid_utf8.jsonl", (), ("data.train", "cannot load")),
+        ("missing.jsonl", (), ("data.train", "does not exist")),
+        (
+            "sft_mixed_bad_rows.jsonl",
+            ("model.policy=/nonexistent/model",),
+            ("model.policy", "does not exist"),
+        ),
+    ],
+)
+def test_unusable_sft_input_is_one_line_and_writes_nothing(tiny, tmp_path, data, extra, words):
+    out = tmp_path / "out"
+    proc = sft(tiny, data, out, *extra)
+    assert_one_line_error(proc, *words)
+    assert not out.exists(), "a failed start left an output directory behind"
+
+
+def test_tokenizer_without_pad_token_is_one_line(tiny, tmp_path):
+    out = tmp_path / "out"
+    proc = sft(tiny, "sft_mixed_bad_rows.jsonl", out, f"model.tokenizer={tiny['no_pad']}")
+    assert_one_line_error(proc, "model.tokenizer", "PAD")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("config", ["not_a_mapping.yaml", "bad_yaml.yaml"])
+def test_broken_config_files_are_one_line(tmp_path, config):
+    assert_one_line_error(run("sft", "--config", str(CORPUS / config)), "--config")
+
+
+@pytest.mark.parametrize(
+    ("fn", "words"),
+    [
+        ("raises", ("raised ValueError", "my scorer crashed")),
+        ("wrong_length", ("returned 1 scores for 16",)),
+        ("nan_score", ("non-finite",)),
+        ("text_score", ("non-number",)),
+        ("no_such_function", ("reward.function", "cannot import")),
+    ],
+)
+def test_bad_reward_functions_are_one_line(tiny, tmp_path, fn, words):
+    args = [
+        f"model.policy={tiny['policy']}",
+        f"data.train={CORPUS / 'prompts_ok.jsonl'}",
+        f"reward.function=reward_fns:{fn}",
+    ]
+    proc = run(
+        "ppo",
+        *args,
+        f"run.output_dir={tmp_path / 'out'}",
+        "ppo.critic_init=policy",
+        "ppo.iterations=1",
+        "ppo.rollout_batch_size=16",
+        "generation.max_new_tokens=4",
+    )
+    assert_one_line_error(proc, *words)
+
+
+def test_secrets_never_reach_the_written_config(tiny, tmp_path):
+    out = tmp_path / "out"
+    env_secret = "wandb-secret-0123456789"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf_dist", "sft", f"model.policy={tiny['policy']}", f"data.train={CORPUS / 'sft_mixed_bad_rows.jsonl'}", f"run.output_dir={out}", "sft.batch_size=8", "sft.micro_batch_size=8"],
+        cwd=REPO, env=dict(os.environ, WANDB_API_KEY=env_secret, HF_TOKEN=env_secret, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert env_secret.encode() not in path.read_bytes(), path
+    assert json.loads((out / "summary.json").read_text())["steps"] > 0
