@@ -85,6 +85,7 @@ def _run_stage(name: str, args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rlhf_dist.config import UserError
+    from rlhf_dist.distributed import TrainingDiverged
     from rlhf_dist.trainers.common import Preempted
 
     try:
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, whatever the message held
         print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"rlhf-dist {args.command}: stopped: {e}", file=sys.stderr)
+        return 3
     except Preempted as e:
         print(f"rlhf-dist {args.command}: {e}", file=sys.stderr)
         return 0

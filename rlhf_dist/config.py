@@ -51,6 +51,9 @@ class RunConfig:
     keep_checkpoints: int = 2
     # "auto": continue from <output_dir>/checkpoints/latest if there is one; or a checkpoint path.
     resume: str = ""
+    # Optimizer steps with a non-finite loss or gradient are skipped (all ranks agree); this
+    # many in a row stop the run with a checkpoint of the last good state.
+    max_bad_steps: int = 3
     # CPU threads per process; 0 = the machine's cores divided among the local ranks
     # (oversubscribed OpenMP threads spin-wait and run 10-100x slower).
     num_threads: int = 0
@@ -410,6 +413,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     """Check the keys `stage` ("sft", "rm", "ppo", "eval") uses; raise ConfigError naming one."""
     _positive(cfg.run, "run", "log_every")
     _positive(cfg.distributed, "distributed", "timeout_s")
+    _positive(cfg.run, "run", "max_bad_steps")
     if cfg.run.checkpoint_every < 0 or cfg.run.keep_checkpoints < 1:
         raise ConfigError("run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
     if cfg.run.num_threads < 0:

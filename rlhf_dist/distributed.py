@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -58,6 +59,9 @@ class Runtime:
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
+        # Numerical guard state: the current step saw a non-finite loss; counts of skips.
+        self._poisoned, self._steps_seen = False, 0
+        self.skipped_steps, self.bad_steps_in_row = 0, 0
         if seed is not None:
             # The same seed on every rank: freshly initialised weights (a new value head)
             # must agree everywhere. Samplers that must differ use `seed_per_rank`.
@@ -127,39 +131,85 @@ class Runtime:
         bf16 = ds.setdefault("bf16", {})
         _fill_auto(bf16, "enabled", dtype == "bfloat16", "bf16.enabled")
 
-    def micro_backward(self, model, loss: torch.Tensor, last: bool) -> None:
-        """Backward of one micro-batch; gradients are reduced over ranks on the `last` one."""
+    def micro_backward(self, model, loss: torch.Tensor, last: bool) -> bool:
+        """Backward of one micro-batch; gradients are reduced over ranks on the `last` one.
+
+        Numerical guard: if the loss is not finite on ANY rank (all ranks agree, before
+        any backward collective), this and the step's remaining backward passes are
+        skipped and `optimizer_step` discards the step. Returns whether backward ran.
+        """
+        loss = _inject_nan(loss, self._steps_seen + 1, self.rank)
+        bad = torch.tensor(0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0)
+        if self.all_max(bad) > 0:
+            self._poisoned = True
+        if self._poisoned:
+            return False
         if self.zero_stage is not None:
             engine = model
             engine.set_gradient_accumulation_boundary(last)
             # Our loss is already divided by the global count: no 1/GAS scaling on top.
             engine.backward(loss, scale_wrt_gas=False)
-            return
-        if last or self.world_size == 1:
+        elif last or self.world_size == 1:
             self.accelerator.backward(loss)
         else:
             with self.accelerator.no_sync(model):
                 self.accelerator.backward(loss)
+        return True
 
-    def optimizer_step(self, model, optimizer, clip_groups) -> list[float]:
-        """Clip, step and zero gradients; returns the pre-clip gradient norm of each group.
+    def optimizer_step(self, model, optimizer, clip_groups) -> list[float] | None:
+        """Clip, step and zero gradients; returns the pre-clip gradient norm of each group,
+        or None when the numerical guard skipped the step (non-finite loss on any rank, or
+        without DeepSpeed a non-finite gradient): the step's gradients are discarded.
 
         clip_groups: [(parameters, max_norm)], e.g. actor and critic each with its own
         max norm. DeepSpeed clips the global norm of all parameters at one max norm (its
         gradients are partitioned), so there every group reports that global norm.
         """
+        self._steps_seen += 1
+        clip_groups = [(list(params), max_norm) for params, max_norm in clip_groups]
+        if self._poisoned or (self.zero_stage is None and not self._grads_finite(clip_groups)):
+            self._discard_gradients(model, optimizer)
+            self.skipped_steps += 1
+            self.bad_steps_in_row += 1
+            return None
+        self.bad_steps_in_row = 0
         if self.zero_stage is not None:
             model.step()  # clip + optimizer step + zero grad at the boundary we set
             norm = model.get_global_grad_norm()
             norm = float(norm) if norm is not None else float("nan")
+            if not math.isfinite(norm):
+                raise TrainingDiverged(
+                    "DeepSpeed applied a step with a non-finite gradient norm after a finite loss; "
+                    "the weights are no longer trustworthy: resume from the last checkpoint"
+                )
             return [norm for _ in clip_groups]
         norms = [
-            float(self.accelerator.clip_grad_norm_(list(params), max_norm))
+            float(self.accelerator.clip_grad_norm_(params, max_norm))
             for params, max_norm in clip_groups
         ]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norms
+
+    def _grads_finite(self, clip_groups) -> bool:
+        bad = any(
+            p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            for params, _ in clip_groups
+            for p in params
+        )
+        return not bool(self.all_max(torch.tensor(float(bad))) > 0)
+
+    def _discard_gradients(self, model, optimizer) -> None:
+        """Drop the accumulated gradients of a skipped step (DeepSpeed: as its own fp16
+        overflow handling does: zero_grad resets the micro-step so the next step's
+        reduction overwrites the partitioned gradient buffers)."""
+        self._poisoned = False
+        if self.zero_stage is not None:
+            model.optimizer.zero_grad(set_to_none=True)
+            if hasattr(model.optimizer, "averaged_gradients"):
+                model.optimizer.averaged_gradients = {}
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.accelerator.unwrap_model(model)
@@ -394,6 +444,23 @@ def _full_zero_state(p) -> dict | None:
         "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
         "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
     }
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row (or a corrupted DeepSpeed step): the run stops."""
+
+
+def _inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """Fault injection for the guard tests: RLHF_DIST_FAULT=nan:STEP[@RANK] makes the
+    loss of optimizer step STEP (1-based, this process) NaN, on RANK only if given."""
+    spec = os.environ.get("RLHF_DIST_FAULT", "")
+    if not spec.startswith("nan:"):
+        return loss
+    steps, _, only_rank = spec[4:].partition("@")
+    wanted = {int(x) for x in steps.split(",")}
+    if step in wanted and (not only_rank or int(only_rank) == rank):
+        return loss * float("nan")
+    return loss
 
 
 def _fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:

@@ -14,6 +14,7 @@ import torch
 from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
 from rlhf_dist.config import Config, save_config, to_dict
+from rlhf_dist.distributed import TrainingDiverged
 from rlhf_dist.tracking import MetricsLogger
 
 
@@ -62,6 +63,31 @@ def open_run(
         runtime, out, cfg.run, to_dict(cfg), stage, resume_step=ckpt.step if ckpt else 0
     )
     return out, logger
+
+
+def safe_point(
+    cfg, runtime, out: Path, steps: tuple[int, int], preemption, trained, trainer_state
+) -> None:
+    """After a step (SFT/RM) or iteration (PPO): checkpoint when due, on SIGTERM, or when
+    the numerical guard gives up; then stop if either happened.
+
+    steps: (this step, last step); trained: (model, optimizer); trainer_state: the
+    plain-data state to save. Skipped steps never touched the weights, so the checkpoint
+    written on divergence holds the last good state.
+    """
+    step, last = steps
+    preempted = preemption.any_rank(runtime)
+    diverged = runtime.bad_steps_in_row >= cfg.run.max_bad_steps
+    if checkpoint_due(cfg, step, last, preempted or diverged):
+        write_checkpoint(cfg, runtime, out, step, *trained, trainer_state)
+    if diverged:
+        raise TrainingDiverged(
+            f"{runtime.bad_steps_in_row} optimizer steps in a row had a non-finite loss or gradient "
+            f"and were skipped (run.max_bad_steps={cfg.run.max_bad_steps}); the last good state "
+            f"is checkpointed at step {step} in {out / 'checkpoints'}"
+        )
+    if preempted:
+        raise Preempted(f"SIGTERM: checkpoint written at step {step}; resume with --resume auto")
 
 
 def checkpoint_due(cfg, step: int, last_step: int, preempted: bool) -> bool:
@@ -163,21 +189,15 @@ def step_loop(
         if step <= start:
             continue  # done before the checkpoint; the order is a function of the seed
         metrics = step_fn(idx) | {
+            "guard/skipped_steps": runtime.skipped_steps,
             f"{stage}/epoch": epoch,
             f"{stage}/lr": scheduler.get_last_lr()[0],
         }
         maybe_fault("update", step)
         if step % cfg.run.log_every == 0 or step == total:
             logger.log(step, metrics, console)
-        preempted = preemption.any_rank(runtime)
-        if checkpoint_due(cfg, step, total, preempted):
-            write_checkpoint(
-                cfg, runtime, out, step, model, optimizer, {"scheduler": scheduler.state_dict()}
-            )
-        if preempted:
-            raise Preempted(
-                f"SIGTERM: checkpoint written at step {step}; resume with --resume auto"
-            )
+        state = {"scheduler": scheduler.state_dict()}
+        safe_point(cfg, runtime, out, (step, total), preemption, (model, optimizer), state)
     return metrics
 
 
@@ -200,9 +220,10 @@ def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
     return (model, optimizer, scheduler), plan, batches
 
 
-def step_and_schedule(runtime, trained, max_grad_norm: float) -> float:
-    """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm."""
+def step_and_schedule(runtime, trained, max_grad_norm: float) -> float | None:
+    """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm, or
+    None if the numerical guard skipped the step (the schedule advances either way)."""
     model, optimizer, scheduler = trained
-    (norm,) = runtime.optimizer_step(model, optimizer, [(model.parameters(), max_grad_norm)])
+    norms = runtime.optimizer_step(model, optimizer, [(model.parameters(), max_grad_norm)])
     scheduler.step()
-    return norm
+    return norms[0] if norms else None

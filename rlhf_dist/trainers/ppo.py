@@ -30,12 +30,10 @@ from rlhf_dist.models import (
 )
 from rlhf_dist.rollout import RolloutModels, collect_rollout
 from rlhf_dist.trainers.common import (
-    Preempted,
     PreemptionFlag,
-    checkpoint_due,
     find_resume,
     open_run,
-    write_checkpoint,
+    safe_point,
     write_summary,
 )
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
@@ -100,16 +98,17 @@ def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> to
     return pg_sum + p.vf_coef * vf_sum
 
 
-def optimizer_step(runtime, model, optimizer, scheduler, cfg) -> tuple[float, float]:
-    """Clip actor and critic gradients (each its own max norm where the backend allows), step."""
+def optimizer_step(runtime, model, optimizer, scheduler, cfg) -> list[float] | None:
+    """Clip actor and critic gradients (each its own max norm where the backend allows), step.
+    Returns [actor_norm, critic_norm], or None if the numerical guard skipped the step."""
     inner = runtime.unwrap(model)
     groups = [
         (inner.actor.parameters(), cfg.ppo.actor.max_grad_norm),
         (inner.critic.parameters(), cfg.ppo.critic.max_grad_norm),
     ]
-    actor_norm, critic_norm = runtime.optimizer_step(model, optimizer, groups)
+    norms = runtime.optimizer_step(model, optimizer, groups)
     scheduler.step()
-    return actor_norm, critic_norm
+    return norms
 
 
 def minibatch_backward(runtime, model, mb, advantages, returns, cfg, slices, stats) -> None:
@@ -140,8 +139,9 @@ def ppo_update(runtime, run, batch, advantages, returns, cfg, it: int = 0) -> di
                 runtime, run.model, mb, advantages[idx], returns[idx], cfg, slices, stats
             )
             norms = optimizer_step(runtime, run.model, run.optimizer, run.scheduler, cfg)
-            stats.add("optim/grad_norm_actor", norms[0], 1)
-            stats.add("optim/grad_norm_critic", norms[1], 1)
+            if norms is not None:
+                stats.add("optim/grad_norm_actor", norms[0], 1)
+                stats.add("optim/grad_norm_critic", norms[1], 1)
             maybe_fault("update", it)  # killed with the weights half-way through an iteration
     return stats.reduce(runtime)
 
@@ -268,6 +268,7 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> tuple[dic
         "time/rollout": t1 - t0,
         "time/update": t2 - t1,
         "time/total": t2 - t0,
+        "guard/skipped_steps": runtime.skipped_steps,
     }
     run.kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
     samples = list(zip(prompt_batch[2], texts, batch.scores.tolist()))[:4]
@@ -344,14 +345,8 @@ def train_ppo(cfg, runtime) -> dict:
         first_score = stats["objective/score"] if first_score is None else first_score
         if it % cfg.run.log_every == 0 or it == p.iterations:
             logger.log(it, stats, CONSOLE_KEYS)
-        preempted = preemption.any_rank(runtime)
-        if checkpoint_due(cfg, it, p.iterations, preempted):
-            state = trainer_state(run, first_score)
-            write_checkpoint(cfg, runtime, out, it, run.model, run.optimizer, state)
-        if preempted:
-            raise Preempted(
-                f"SIGTERM: checkpoint written at iteration {it}; resume with --resume auto"
-            )
+        steps, trained = (it, p.iterations), (run.model, run.optimizer)
+        safe_point(cfg, runtime, out, steps, preemption, trained, trainer_state(run, first_score))
     export_models(cfg, runtime, run.model, run.tokenizer, out)
     summary = {
         "iterations": p.iterations,
