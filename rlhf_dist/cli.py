@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"rlhf-dist {args.command}: {e}", file=sys.stderr)
         return 0
+    except RuntimeError as e:
+        from rlhf_dist.distributed import collective_failure
+
+        message = collective_failure(e)
+        if message is None:
+            raise
+        print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
+        return 4
     except KeyboardInterrupt:
         print(f"rlhf-dist {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -446,6 +446,34 @@ def _full_zero_state(p) -> dict | None:
     }
 
 
+_PEER_FAILURE_SIGNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+    "DistBackendError",
+)
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """One line describing a collective that failed because another rank died or hung
+    (gloo/NCCL report it as a RuntimeError after distributed.timeout_s at the latest)."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    is_dist = isinstance(exc, getattr(dist, "DistError", ())) or any(
+        sign in text for sign in _PEER_FAILURE_SIGNS
+    )
+    if not is_dist or not dist.is_available() or not dist.is_initialized():
+        return None
+    first = " ".join(text.split())[:300]
+    return f"lost contact with another rank (it died, was killed or hangs; see its log): {first}"
+
+
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row (or a corrupted DeepSpeed step): the run stops."""
 

@@ -159,3 +159,36 @@ def test_resume_on_a_different_number_of_ranks(assets, tmp_path, direction):
     # the KL is no longer exactly 0: the weights came from the checkpoint, not the start.
     assert logged[0]["objective/kl"] == 0.0 and logged[1]["objective/kl"] != 0.0
     assert (out / "final" / "model.safetensors").exists()
+
+
+def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(assets, tmp_path):
+    """Machine 1's process is SIGKILLed mid-update; machine 0 must not hang but stop within
+    the collective timeout, saying in one line that it lost contact with another rank."""
+    out = tmp_path / "ppo"
+    command = [
+        "-m",
+        "rlhf_dist",
+        *ppo_args(assets, out, "ppo.iterations=3", "distributed.timeout_s=30"),
+    ]
+    port, procs = free_port(), []
+    start = time.time()
+    for machine in (0, 1):
+        env = _env() | ({"RLHF_DIST_FAULT": "update:2"} if machine == 1 else {})
+        args = launch_args(
+            "cpu_zero3_2machines.yaml", port, "--machine_rank", str(machine), *command
+        )
+        procs.append(
+            subprocess.Popen(
+                args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    survivor = procs[0].communicate(timeout=120)[0]
+    procs[1].communicate(timeout=60)
+    assert time.time() - start < 90, "the surviving rank took longer than the timeout allows"
+    assert procs[0].returncode != 0
+    ours = [
+        line
+        for line in survivor.splitlines()
+        if line.startswith("rlhf-dist ppo: error: lost contact")
+    ]
+    assert len(ours) == 1, survivor[-3000:]
