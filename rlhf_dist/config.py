@@ -72,7 +72,11 @@ class ModelConfig:
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
     # Weights of the frozen reference and reward model; "auto" = model.dtype.
     frozen_dtype: str = field(default="auto", metadata=_choices("auto", "float32", "bfloat16"))
+    # Run Python code shipped with a hub model (its modeling files). Off: only code we install.
     trust_remote_code: bool = False
+    # Load weights from .safetensors only; false also allows pickle (.bin) checkpoints,
+    # which can run arbitrary code when loaded.
+    safetensors_only: bool = True
 
 
 @dataclass(frozen=True)

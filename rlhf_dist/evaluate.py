@@ -105,13 +105,11 @@ def run_eval(cfg, runtime) -> dict:
     )
     # Evaluation replicates its models on every rank: ranks may get different numbers of
     # prompt chunks, which partitioned (ZeRO-3) models could not serve without lock-step.
-    policy = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    policy = load_causal_lm(m.policy, "model.policy", m.dtype, m)
     policy = runtime.prepare_frozen(policy, "replicate")
     reference = None
     if cfg.eval.reference:
-        reference = load_causal_lm(
-            cfg.eval.reference, "eval.reference", m.dtype, m.trust_remote_code
-        )
+        reference = load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m)
         reference = runtime.prepare_frozen(reference, "replicate")
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     out, logger = open_run(cfg, runtime, "eval", None)

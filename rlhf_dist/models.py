@@ -38,8 +38,13 @@ def quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def _load_kwargs(trust_remote_code: bool, dtype: str) -> dict:
-    return {"trust_remote_code": trust_remote_code, "dtype": DTYPES[dtype], "use_safetensors": None}
+def _load_kwargs(source, dtype: str) -> dict:
+    """from_pretrained arguments; `source` is the run's ModelConfig (None: safe defaults)."""
+    return {
+        "trust_remote_code": bool(getattr(source, "trust_remote_code", False)),
+        "use_safetensors": True if getattr(source, "safetensors_only", True) else None,
+        "dtype": DTYPES[dtype],
+    }
 
 
 def _from_pretrained(loader, path: str, key: str, **kwargs):
@@ -71,13 +76,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     return tok
 
 
-def load_causal_lm(path: str, key: str, dtype: str = "float32", trust_remote_code: bool = False):
+def load_causal_lm(path: str, key: str, dtype: str = "float32", source=None):
     """A causal LM with dropout off (dropout makes old and new log-probs disagree at ratio 1)."""
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(
-        AutoModelForCausalLM, path, key, **_load_kwargs(trust_remote_code, dtype)
-    )
+    model = _from_pretrained(AutoModelForCausalLM, path, key, **_load_kwargs(source, dtype))
     return disable_dropout(model)
 
 
@@ -85,7 +88,7 @@ def load_sequence_classifier(
     path: str,
     key: str,
     dtype: str = "float32",
-    trust_remote_code: bool = False,
+    source=None,
     new_head: bool = False,
 ):
     """A num_labels=1 sequence classifier. Unless `new_head`, its head must come from `path`."""
@@ -97,7 +100,7 @@ def load_sequence_classifier(
         key,
         num_labels=1,
         output_loading_info=True,
-        **_load_kwargs(trust_remote_code, dtype),
+        **_load_kwargs(source, dtype),
     )
     missing_head = [k for k in info["missing_keys"] if k.split(".")[0] in HEAD_NAMES]
     if missing_head and not new_head:
@@ -206,11 +209,9 @@ def build_critic(cfg, dtype: str = "float32") -> ValueModel:
     if cfg.ppo.critic_init == "reward":
         if not m.reward:
             raise ConfigError("ppo.critic_init: 'reward' needs model.reward (or use 'policy')")
-        classifier = load_sequence_classifier(m.reward, "model.reward", dtype, m.trust_remote_code)
+        classifier = load_sequence_classifier(m.reward, "model.reward", dtype, m)
     else:
-        classifier = load_sequence_classifier(
-            m.policy, "model.policy", dtype, m.trust_remote_code, new_head=True
-        )
+        classifier = load_sequence_classifier(m.policy, "model.policy", dtype, m, new_head=True)
         _, head = split_classifier(classifier)
         # A zero head starts every value at 0: no random value noise in the first advantages.
         nn.init.zeros_(head.weight)

@@ -59,14 +59,14 @@ def build_scorer(cfg, runtime, placement: str | None = None) -> Scorer:
         return Scorer(reward_fn=RewardFunction(cfg.reward.function))
     m, dtype = cfg.model, frozen_dtype(cfg)
     with runtime.local_loading():
-        rm = load_sequence_classifier(m.reward, "model.reward", dtype, m.trust_remote_code)
+        rm = load_sequence_classifier(m.reward, "model.reward", dtype, m)
     placement = placement or cfg.distributed.frozen_models
     return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm), placement, dtype))
 
 
 def _trainable_actor_critic(cfg) -> ActorCritic:
     m, lora = cfg.model, cfg.lora
-    actor = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    actor = load_causal_lm(m.policy, "model.policy", m.dtype, m)
     critic = build_critic(cfg, m.dtype)
     if lora.enabled:
         actor = add_adapters(actor, lora, "CAUSAL_LM")
@@ -124,7 +124,7 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
 
 def _load_reference(cfg) -> nn.Module:
     m = cfg.model
-    return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg), m.trust_remote_code)
+    return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg), m)
 
 
 def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
@@ -148,7 +148,7 @@ def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) 
     adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
 
     def policy_base():
-        return load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+        return load_causal_lm(m.policy, "model.policy", m.dtype, m)
 
     export_lora(state, "actor.", policy_base, lora, "CAUSAL_LM", None, merged, adapter)
     if lora.critic:

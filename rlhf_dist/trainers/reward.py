@@ -115,11 +115,7 @@ def train_reward_model(cfg, runtime) -> dict:
     key = "model.reward" if m.reward else "model.policy"
     tokenizer = tokenizer_for(cfg, key.split(".")[1])
     train, evals = load_pairs(cfg, runtime, tokenizer)
-    net = ValueModel(
-        load_sequence_classifier(
-            m.reward or m.policy, key, m.dtype, m.trust_remote_code, new_head=True
-        )
-    )
+    net = ValueModel(load_sequence_classifier(m.reward or m.policy, key, m.dtype, m, new_head=True))
     trained, plan, batches = prepare_single_model(cfg, runtime, net, rc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "rm", ckpt)

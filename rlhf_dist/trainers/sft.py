@@ -93,7 +93,7 @@ def train_sft(cfg, runtime) -> dict:
     sc, m = cfg.sft, cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     train, evals = load_sft_data(cfg, runtime, tokenizer)
-    net = load_causal_lm(m.policy, "model.policy", m.dtype, m.trust_remote_code)
+    net = load_causal_lm(m.policy, "model.policy", m.dtype, m)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "sft", ckpt)

@@ -180,3 +180,29 @@ def test_secrets_never_reach_the_written_config(tiny, tmp_path):
         if path.is_file():
             assert env_secret.encode() not in path.read_bytes(), path
     assert json.loads((out / "summary.json").read_text())["steps"] > 0
+
+
+def test_pickle_checkpoints_are_refused_unless_allowed(tiny, tmp_path):
+    """A model saved only as pickle (.bin) can run code when loaded: refused by default."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_dist.demo.task import build_tokenizer
+
+    pickled = tmp_path / "pickled"
+    AutoModelForCausalLM.from_pretrained(tiny["policy"]).save_pretrained(pickled)
+    state = AutoModelForCausalLM.from_pretrained(pickled).state_dict()
+    (pickled / "model.safetensors").unlink()
+    torch.save(state, pickled / "pytorch_model.bin")  # the legacy pickle format
+    build_tokenizer(pickled)
+    out = tmp_path / "out"
+    proc = sft({**tiny, "policy": str(pickled)}, "sft_mixed_bad_rows.jsonl", out)
+    assert_one_line_error(proc, "model.policy", "cannot load")
+    assert not out.exists()
+    allowed = sft(
+        {**tiny, "policy": str(pickled)},
+        "sft_mixed_bad_rows.jsonl",
+        out,
+        "model.safetensors_only=false",
+    )
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
