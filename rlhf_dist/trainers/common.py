@@ -100,6 +100,8 @@ def write_checkpoint(
 ) -> None:
     """Gather the world-size independent training state and write an atomic checkpoint."""
     state = runtime.gather_training_state(model, optimizer)
+    # The effective config rides along, so a checkpoint says what produced it.
+    trainer_state = trainer_state | {"config": to_dict(cfg)}
     save_checkpoint(
         runtime, out / "checkpoints", step, state, trainer_state, cfg.run.keep_checkpoints
     )
