@@ -77,7 +77,14 @@ def _run_stage(name: str, args) -> int:
     quiet_transformers()
     module_name, _, fn_name = STAGES[name][1].partition(":")
     runner = getattr(importlib.import_module(module_name), fn_name)
-    runtime = Runtime(cfg.run.seed, cfg.run.num_threads, cfg.distributed.timeout_s, cfg.model.dtype)
+    runtime = Runtime(
+        cfg.run.seed,
+        cfg.run.num_threads,
+        cfg.distributed.timeout_s,
+        cfg.model.dtype,
+        cfg.run.trackers,
+        cfg.run.output_dir,
+    )
     runner(cfg, runtime)
     return 0
 

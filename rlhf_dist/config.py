@@ -45,6 +45,14 @@ class RunConfig:
     # Trackers besides metrics.jsonl (always written): "wandb", "tensorboard".
     trackers: tuple[str, ...] = ()
     project: str = "rlhf_dist"
+    wandb_mode: str = field(default="online", metadata=_choices("online", "offline"))
+    # PPO: histograms (advantages, per-token KL, scores, lengths) and a sample table every
+    # N iterations (0 = never).
+    histogram_every: int = 10
+    samples_every: int = 10
+    num_samples: int = 8
+    # A progress bar with ETA on the main process (when stderr is a terminal).
+    progress: bool = True
     # Save a resumable checkpoint every N optimizer steps (SFT/RM) or iterations (PPO); 0 = never
     # (a SIGTERM still writes one). Only the newest keep_checkpoints are kept.
     checkpoint_every: int = 0
@@ -159,7 +167,8 @@ class PPOConfig:
     actor: OptimConfig = OptimConfig(lr=1e-5)
     critic: OptimConfig = OptimConfig(lr=1e-5)
     critic_init: str = field(default="reward", metadata=_choices("reward", "policy"))
-    clip_eps: float = 0.2
+    # Policy ratio clip; null turns clipping off (a debugging knob).
+    clip_eps: float | None = 0.2
     value_clip_eps: float | None = 0.2
     vf_coef: float = 0.1
     gamma: float = 1.0
@@ -181,6 +190,28 @@ class EvalConfig:
     # Optional oracle `module:callable(prompts, responses, finished) -> list[float]`,
     # e.g. the demo task's gold reward, reported as gold_reward.
     gold_function: str = ""
+
+
+@dataclass(frozen=True)
+class AlertsConfig:
+    # PPO health alerts (rlhf_dist/alerts.py), each printed once and logged as alerts/<name>.
+    enabled: bool = True
+    kl_max: float = 20.0  # nats per response to the reference
+    length_drift: float = 0.5  # |mean length / first iteration's - 1|
+    window: int = 5  # iterations over which score and KL trends are judged
+    kl_rise_per_iteration: float = 1.0  # nats/iteration of KL growth while the score rises
+    score_std_collapse: float = 0.8  # fall of the score std relative to the first iteration
+    clipfrac_max: float = 0.3
+    approx_kl_max: float = 0.1
+    entropy_collapse: float = 0.7  # fall of the entropy relative to the first iteration
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    # PPO on the SAME prompts every iteration: the score must climb, or something is broken.
+    overfit_one_batch: bool = False
+    # Print the first rollout batch decoded token by token with its masks.
+    print_first_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,6 +265,8 @@ class Config:
     reward: RewardConfig = RewardConfig()
     eval: EvalConfig = EvalConfig()
     lora: LoRAConfig = LoRAConfig()
+    alerts: AlertsConfig = AlertsConfig()
+    debug: DebugConfig = DebugConfig()
     distributed: DistributedConfig = DistributedConfig()
 
 
@@ -417,7 +450,9 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     """Check the keys `stage` ("sft", "rm", "ppo", "eval") uses; raise ConfigError naming one."""
     _positive(cfg.run, "run", "log_every")
     _positive(cfg.distributed, "distributed", "timeout_s")
-    _positive(cfg.run, "run", "max_bad_steps")
+    _positive(cfg.run, "run", "max_bad_steps", "num_samples")
+    if cfg.run.histogram_every < 0 or cfg.run.samples_every < 0:
+        raise ConfigError("run.histogram_every and run.samples_every must be >= 0")
     if cfg.run.checkpoint_every < 0 or cfg.run.keep_checkpoints < 1:
         raise ConfigError("run.checkpoint_every must be >= 0 and run.keep_checkpoints >= 1")
     if cfg.run.num_threads < 0:
@@ -484,7 +519,9 @@ def _validate_generation(cfg: Config) -> None:
 def _validate_ppo(cfg: Config, world_size: int) -> None:
     p = cfg.ppo
     names = ("iterations", "rollout_batch_size", "rollout_micro_batch_size", "ppo_epochs")
-    _positive(p, "ppo", *names, "minibatch_size", "micro_batch_size", "clip_eps")
+    _positive(p, "ppo", *names, "minibatch_size", "micro_batch_size")
+    if p.clip_eps is not None and not p.clip_eps > 0:
+        raise ConfigError(f"ppo.clip_eps: must be > 0 or null (no clipping), got {p.clip_eps}")
     _divides(("world size", world_size), ("ppo.rollout_batch_size", p.rollout_batch_size))
     _divides(
         ("ppo.minibatch_size", p.minibatch_size), ("ppo.rollout_batch_size", p.rollout_batch_size)

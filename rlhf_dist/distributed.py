@@ -37,6 +37,8 @@ class Runtime:
         num_threads: int = 0,
         timeout_s: int = 1800,
         dtype: str = "float32",
+        trackers: tuple[str, ...] = (),
+        logging_dir: str | None = None,
     ):
         from accelerate import Accelerator
         from accelerate.utils import InitProcessGroupKwargs
@@ -55,7 +57,16 @@ class Runtime:
         # CPU ranks are not wrapped in DDP and silently drift apart.
         use_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
         cpu = not torch.cuda.is_available() and not use_ds
-        self.accelerator = Accelerator(kwargs_handlers=handlers, mixed_precision=precision, cpu=cpu)
+        tracking = {}
+        if trackers:
+            from accelerate.utils import ProjectConfiguration
+
+            # TensorBoard event files go to <logging_dir>/<project>; W&B uses its own dir.
+            project = ProjectConfiguration(project_dir=logging_dir, logging_dir=logging_dir)
+            tracking = {"log_with": list(trackers), "project_config": project}
+        self.accelerator = Accelerator(
+            kwargs_handlers=handlers, mixed_precision=precision, cpu=cpu, **tracking
+        )
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
@@ -385,6 +396,34 @@ class Runtime:
         for param_state in inner.state.values():  # ZeRO's flat partitions: one shared count
             if "step" in param_state:
                 param_state["step"] = torch.tensor(float(state["step"]))
+
+    def peak_memory_bytes(self) -> int:
+        """Peak memory of this rank: the accelerator's allocator peak, or the process's
+        peak resident set on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+    # ------------------------------------------------------------------ trackers
+    def start_trackers(self, project: str, config: dict, init_kwargs: dict) -> None:
+        """Start the trackers this Runtime was built with (main process only)."""
+        self.accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
+
+    def log_scalars(self, values: dict, step: int) -> None:
+        self.accelerator.log(values, step=step)
+
+    def tracker(self, name: str):
+        """The underlying tracker object (wandb run, TensorBoard SummaryWriter)."""
+        return self.accelerator.get_tracker(name, unwrap=True)
+
+    def finish_trackers(self) -> None:
+        """Finish the trackers but keep the process group (Accelerate's end_training would
+        destroy it, and later stages or collectives of this process still need it)."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+        self.accelerator.trackers = []
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -200,15 +201,19 @@ class RolloutModels:
 
 
 @torch.no_grad()
-def collect_rollout(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, cfg, tokenizer):
+def collect_rollout(
+    models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, cfg, tokenizer, timings=None
+):
     """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch."""
     gen, micro = cfg.generation, cfg.ppo.rollout_micro_batch_size
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
+    start = time.perf_counter()
     with models.generation_context() as (actor, synced):
         responses = [
             generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, synced) for s in chunks
         ]
+    generated = time.perf_counter()
     width = max(r.shape[1] for r in responses)
     response_ids = torch.cat([pad_columns(r, width, pad) for r in responses])
     response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
@@ -228,6 +233,8 @@ def collect_rollout(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts
     ]
     merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     scores = scores_with_eos_penalty(merged["raw_scores"], finished, cfg.reward.missing_eos_penalty)
+    if timings is not None:  # seconds spent generating, and scoring with the four models
+        timings |= {"generate": generated - start, "score": time.perf_counter() - generated}
     batch = RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -265,3 +272,23 @@ def _score_chunk(
         "raw_scores": raw_scores.float(),
         "entropy": entropy_from_logits(logits),
     }
+
+
+def describe_batch(tokenizer, batch: RolloutBatch, texts: list[str], rows: int = 2) -> str:
+    """The first rows of a rollout, token by token with masks (debug.print_first_batch):
+    what the model saw (prompt, attention) and what the losses use (response_mask)."""
+    lines = [
+        "== first rollout batch (token | prompt attention or response_mask | old logp | ref logp)"
+    ]
+    for b in range(min(rows, batch.response_ids.shape[0])):
+        lines.append(
+            f"-- row {b}: score {float(batch.scores[b]):.4g}, finished {bool(batch.finished[b])}: {texts[b]!r}"
+        )
+        for t, m in zip(batch.prompt_ids[b].tolist(), batch.prompt_mask[b].tolist()):
+            lines.append(f"   P {tokenizer.convert_ids_to_tokens(t)!s:>14} | {m}")
+        for t in range(batch.response_ids.shape[1]):
+            token = tokenizer.convert_ids_to_tokens(int(batch.response_ids[b, t]))
+            m = int(batch.response_mask[b, t])
+            old, ref = float(batch.old_logprobs[b, t]), float(batch.ref_logprobs[b, t])
+            lines.append(f"   R {token!s:>14} | {m} | {old:8.4f} | {ref:8.4f}")
+    return "\n".join(lines)

@@ -1,6 +1,10 @@
-"""Metrics sink: metrics.jsonl always, a compact console line, and optional trackers.
+"""Metrics sink: metrics.jsonl always; W&B / TensorBoard through Accelerate's trackers;
+distributions, samples and alerts as JSON lines; a progress bar and one compact console
+line per logged step.
 
-Only the main process writes. Callers pass values already reduced over all ranks.
+Only the main process writes. Callers pass values already reduced (or gathered) over all
+ranks. Files under <output_dir>: metrics.jsonl, distributions.jsonl, samples.jsonl,
+alerts.jsonl (formats in docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -8,8 +12,23 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
+
+import torch
+
+QUANTILES = {
+    "p01": 0.01,
+    "p05": 0.05,
+    "p25": 0.25,
+    "p50": 0.5,
+    "p75": 0.75,
+    "p95": 0.95,
+    "p99": 0.99,
+}
+HISTOGRAM_BINS = 30
+FILES = ("metrics.jsonl", "distributions.jsonl", "samples.jsonl", "alerts.jsonl")
 
 
 def _plain(value):
@@ -20,65 +39,181 @@ def _plain(value):
     return value
 
 
+def _keep_rows_up_to(path: Path, step: int) -> None:
+    """Start a JSON-lines file afresh, or on resume keep its rows of steps <= `step` (rows
+    logged after the checkpoint will be logged again)."""
+    kept = []
+    if step > 0 and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line + "\n")
+            except json.JSONDecodeError:
+                break  # a line cut short by a kill: it and anything after are dropped
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def histogram(values: torch.Tensor) -> dict:
+    """Histogram, quantiles and mean of a 1-D tensor (float64 for stable quantiles)."""
+    v = values.detach().double().flatten()
+    v = v[torch.isfinite(v)]
+    if v.numel() == 0:
+        return {"n": 0}
+    lo, hi = float(v.min()), float(v.max())
+    hi = hi if hi > lo else lo + 1e-6
+    counts = torch.histc(v, bins=HISTOGRAM_BINS, min=lo, max=hi)
+    edges = torch.linspace(lo, hi, HISTOGRAM_BINS + 1)
+    qs = torch.quantile(v, torch.tensor(list(QUANTILES.values()), dtype=torch.float64))
+    return {
+        "n": int(v.numel()),
+        "mean": float(v.mean()),
+        "edges": edges.tolist(),
+        "counts": [int(c) for c in counts.tolist()],
+        "quantiles": dict(zip(QUANTILES, qs.tolist())),
+    }
+
+
+def flat_config(tree: dict, prefix: str = "") -> dict:
+    """{"ppo.actor.lr": 1e-5, ...} with only int/float/str/bool values (TensorBoard's
+    hparams accept nothing else; None and lists become text)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= flat_config(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = (
+                value if isinstance(value, (int, float, str, bool)) else str(value)
+            )
+    return out
+
+
 class MetricsLogger:
     def __init__(
         self,
         runtime,
-        output_dir: str | Path,
+        output_dir,
         run_cfg,
         config_dict: dict,
         stage: str,
         resume_step: int = 0,
+        total_steps: int = 0,
     ):
-        self.runtime = runtime
-        self.stage = stage
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.runtime, self.stage = runtime, stage
+        self.dir = Path(output_dir)
+        self.path = self.dir / "metrics.jsonl"
         self.trackers = tuple(run_cfg.trackers)
-        self.start = time.time()
-        if runtime.is_main:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._keep_rows_up_to(resume_step)
+        self.start, self.resume_step, self.total = time.time(), resume_step, total_steps
+        self.bar = None
+        if not runtime.is_main:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            _keep_rows_up_to(self.dir / name, resume_step)
         if self.trackers:
-            runtime.accelerator.init_trackers(
-                run_cfg.project,
-                config=config_dict,
-                init_kwargs={"wandb": {"name": f"{Path(output_dir).name}-{stage}"}},
-            )
+            kwargs = {
+                "wandb": {
+                    "name": f"{self.dir.name}-{stage}",
+                    "mode": run_cfg.wandb_mode,
+                    "dir": str(self.dir),
+                }
+            }
+            runtime.start_trackers(run_cfg.project, flat_config(config_dict), kwargs)
+        if run_cfg.progress and total_steps and sys.stderr.isatty():
+            from tqdm.auto import tqdm
 
-    def _keep_rows_up_to(self, step: int) -> None:
-        """Start metrics.jsonl afresh, or on resume keep the rows of steps <= `step` (rows
-        logged after the checkpoint will be logged again)."""
-        kept = []
-        if step > 0 and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= step:
-                        kept.append(line + "\n")
-                except json.JSONDecodeError:
-                    break  # a line cut short by the kill: it and anything after are dropped
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc=stage, dynamic_ncols=True)
+
+    def _append(self, name: str, rows: list[dict]) -> None:
+        with (self.dir / name).open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
     def log(self, step: int, metrics: dict, console_keys: tuple[str, ...] = ()) -> None:
+        """Append a metrics row, send its numbers to the trackers, print one line."""
         if not self.runtime.is_main:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        self._append("metrics.jsonl", [row])
         if self.trackers:
-            self.runtime.accelerator.log(
-                {k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step
-            )
+            numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+            self.runtime.log_scalars(numbers, step)
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
         if console_keys:
-            shown = " ".join(
-                f"{k.split('/')[-1]}={row[k]:.4g}"
-                for k in console_keys
-                if isinstance(row.get(k), (int, float))
-            )
-            elapsed = time.time() - self.start
-            print(f"[{self.stage} {step}] {shown} ({elapsed:.0f}s)", flush=True)
+            self._print(self._line(step, row, console_keys))
+
+    def _line(self, step: int, row: dict, keys: tuple[str, ...]) -> str:
+        shown = " ".join(
+            f"{k.split('/')[-1]}={row[k]:.4g}" for k in keys if isinstance(row.get(k), (int, float))
+        )
+        elapsed = time.time() - self.start
+        eta = ""
+        if self.total and step > self.resume_step:
+            eta = f", eta {elapsed / (step - self.resume_step) * (self.total - step):.0f}s"
+        return f"[{self.stage} {step}/{self.total or '?'}] {shown} ({elapsed:.0f}s{eta})"
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log_distributions(self, step: int, named: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Histograms of all-rank values -> distributions.jsonl, W&B / TensorBoard
+        histograms; returns their quantiles as `dist/<name>/<q>` for the metrics row."""
+        if not self.runtime.is_main:
+            return {}
+        rows, quantiles = [], {}
+        for name, values in named.items():
+            h = histogram(values)
+            if h["n"]:
+                rows.append({"step": step, "name": name, **h})
+                quantiles |= {f"dist/{name}/{q}": v for q, v in h["quantiles"].items()}
+        self._append("distributions.jsonl", rows)
+        self._tracker_histograms(step, rows, named)
+        return quantiles
+
+    def _tracker_histograms(self, step: int, rows: list[dict], named: dict) -> None:
+        if "wandb" in self.trackers:
+            import wandb
+
+            hists = {
+                f"dist/{r['name']}": wandb.Histogram(np_histogram=(r["counts"], r["edges"]))
+                for r in rows
+            }
+            self.runtime.tracker("wandb").log(hists, step=step)
+        if "tensorboard" in self.trackers:
+            writer = self.runtime.tracker("tensorboard")
+            for r in rows:
+                values = named[r["name"]].detach().double().flatten()
+                writer.add_histogram(
+                    f"dist/{r['name']}", values[torch.isfinite(values)].numpy(), step
+                )
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Rows {prompt, response, score, kl} -> samples.jsonl and a W&B table."""
+        if not self.runtime.is_main or not samples:
+            return
+        rows = [{"step": step, **{k: _plain(v) for k, v in s.items()}} for s in samples]
+        self._append("samples.jsonl", rows)
+        if "wandb" in self.trackers:
+            import wandb
+
+            columns = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+            self.runtime.tracker("wandb").log({"samples": table}, step=step)
+
+    def log_alerts(self, step: int, alerts: list[tuple[str, str]]) -> None:
+        """New alerts: printed once, appended to alerts.jsonl."""
+        if not self.runtime.is_main or not alerts:
+            return
+        self._append("alerts.jsonl", [{"step": step, "name": n, "message": m} for n, m in alerts])
+        for name, message in alerts:
+            self._print(f"[{self.stage} {step}] ALERT {name}: {message}")
 
     def close(self) -> None:
-        if self.trackers:
-            self.runtime.accelerator.end_training()
+        if self.bar is not None:
+            self.bar.close()
+        if self.trackers and self.runtime.is_main:
+            self.runtime.finish_trackers()

@@ -46,7 +46,7 @@ def find_resume(cfg: Config, runtime) -> Checkpoint | None:
 
 
 def open_run(
-    cfg: Config, runtime, stage: str, ckpt: Checkpoint | None
+    cfg: Config, runtime, stage: str, ckpt: Checkpoint | None, total_steps: int = 0
 ) -> tuple[Path, MetricsLogger]:
     """Write config.yaml and open metrics.jsonl (keeping rows up to the checkpoint).
 
@@ -59,9 +59,8 @@ def open_run(
     runtime.barrier()
     if ckpt:
         runtime.print(f"{stage}: resuming from {ckpt.path} (step {ckpt.step})")
-    logger = MetricsLogger(
-        runtime, out, cfg.run, to_dict(cfg), stage, resume_step=ckpt.step if ckpt else 0
-    )
+    start = ckpt.step if ckpt else 0
+    logger = MetricsLogger(runtime, out, cfg.run, to_dict(cfg), stage, start, total_steps)
     return out, logger
 
 

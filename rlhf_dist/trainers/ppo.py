@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.alerts import AlertMonitor
 from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf_dist.algo.logprobs import logprobs_from_logits
@@ -28,7 +29,7 @@ from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import (
     tokenizer_for,
 )
-from rlhf_dist.rollout import RolloutModels, collect_rollout
+from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
     find_resume,
@@ -80,7 +81,8 @@ def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> to
     T = mb.response_ids.shape[1]
     logits, values = model(mb.input_ids, mb.attention_mask, T)
     logprobs = logprobs_from_logits(logits.float() / cfg.generation.temperature, mb.response_ids)
-    pg = ppo_policy_terms(logprobs, mb.old_logprobs, advantages, p.clip_eps)
+    clip_eps = float("inf") if p.clip_eps is None else p.clip_eps  # None: clipping off
+    pg = ppo_policy_terms(logprobs, mb.old_logprobs, advantages, clip_eps)
     vf = value_terms(values, mb.old_values, returns, p.value_clip_eps)
     mask = mb.response_mask
     n = mask.sum()
@@ -199,11 +201,22 @@ def _std(mean_sq: float, mean: float) -> float:
     return max(mean_sq - mean**2, 0.0) ** 0.5
 
 
-def prompt_stream(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int, skip: int = 0):
+def prompt_stream(
+    prompts,
+    plan: PPOPlan,
+    runtime,
+    seed: int,
+    pad_id: int,
+    skip: int = 0,
+    repeat_first: bool = False,
+):
     """Yield this rank's (prompt_ids, prompt_mask, texts) per iteration, cycling epochs;
-    `skip` iterations are passed over (resume): the order depends only on the seed."""
+    `skip` iterations are passed over (resume): the order depends only on the seed.
+    repeat_first (debug.overfit_one_batch): the first batch, every iteration."""
     n, size = len(prompts.ids), plan.rollout.global_size
     batches = global_batches(n, size, seed, epochs=10**9)
+    if repeat_first:
+        batches = itertools.repeat(next(batches))
     for _, idx in itertools.islice(batches, skip, None):
         mine = idx[plan.rollout.rank_slice(runtime.rank)]
         ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
@@ -222,6 +235,7 @@ class PPORun:
     kl_ctl: object
     plan: PPOPlan
     score_moments: RunningMoments
+    printed_first_batch: bool = False
 
 
 def normalize_scores(
@@ -242,13 +256,27 @@ def normalize_scores(
     return scores
 
 
-def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> tuple[dict, list]:
-    """One PPO iteration: rollout, shaped rewards, GAE, whitening, update. Returns stats."""
-    p, kl_coef = cfg.ppo, run.kl_ctl.coef
+@dataclass
+class IterationResult:
+    stats: dict
+    distributions: dict | None  # name -> values gathered from all ranks (when due)
+    samples: list  # this rank's first few (prompt, response, score, kl) rows
+
+
+def due(every: int, it: int) -> bool:
+    return every > 0 and it % every == 0
+
+
+def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> IterationResult:
+    """One PPO iteration: rollout, shaped rewards, GAE, whitening, update."""
+    p, kl_coef, timings = cfg.ppo, run.kl_ctl.coef, {}
     t0 = time.time()
     run.model.eval()
-    batch, texts = collect_rollout(run.rollout_models, *prompt_batch, cfg, run.tokenizer)
+    batch, texts = collect_rollout(run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings)
     maybe_fault("rollout", it)
+    if cfg.debug.print_first_batch and not run.printed_first_batch and runtime.is_main:
+        print(describe_batch(run.tokenizer, batch, texts), flush=True)
+        run.printed_first_batch = True
     t1 = time.time()
     mask = batch.response_mask
     batch.scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
@@ -257,22 +285,46 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> tuple[dic
     )
     advantages, returns = gae(rewards, batch.old_values, mask, p.gamma, p.lam)
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef)
+    distributions = None
+    if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
+        named = {
+            "advantages": advantages[mask],
+            "kl": kl[mask],
+            "scores": batch.scores,
+            "length": mask.sum(1),
+        }
+        distributions = {
+            k: torch.tensor(runtime.gather_objects(v.float().tolist())) for k, v in named.items()
+        }
     if p.whiten_advantages:
         advantages = whiten_with(advantages, mask, *global_mean_var(runtime, advantages, mask))
     run.model.train()
     stats |= ppo_update(runtime, run, batch, advantages, returns, cfg, it)
-    t2 = time.time()
-    stats |= {
-        "optim/kl_coef": kl_coef,
+    stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
+    run.kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
+    rows = zip(prompt_batch[2], texts, batch.scores.tolist(), kl.sum(1).tolist())
+    samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
+    return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
+
+
+def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> dict:
+    """Time, throughput and peak memory of an iteration (throughput over all ranks)."""
+    t0, t1, t2 = times
+    tokens = float(runtime.all_sum(mask.sum().double()))
+    peak = float(runtime.all_max(torch.tensor(float(runtime.peak_memory_bytes()))))
+    return {
+        "optim/kl_coef": run.kl_ctl.coef,
         "optim/lr_actor": run.scheduler.get_last_lr()[0],
+        "time/generate": timings.get("generate", 0.0),
+        "time/score": timings.get("score", 0.0),
         "time/rollout": t1 - t0,
         "time/update": t2 - t1,
         "time/total": t2 - t0,
+        "throughput/response_tokens_per_s": tokens / (t2 - t0),
+        "throughput/samples_per_s": cfg.ppo.rollout_batch_size / (t2 - t0),
+        "memory/peak_gib": peak / 2**30,
         "guard/skipped_steps": runtime.skipped_steps,
     }
-    run.kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
-    samples = list(zip(prompt_batch[2], texts, batch.scores.tolist()))[:4]
-    return stats, samples
 
 
 CONSOLE_KEYS = (
@@ -308,6 +360,20 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
     )
 
 
+def report_iteration(logger, cfg, it: int, result: IterationResult, alerts: AlertMonitor) -> None:
+    """Distributions, samples, alerts and the metrics row of one iteration (main process)."""
+    stats = dict(result.stats)
+    if result.distributions is not None:
+        stats |= logger.log_distributions(it, result.distributions)
+    if due(cfg.run.samples_every, it):
+        logger.log_samples(it, result.samples)
+    new_alerts = alerts.check(stats)
+    logger.log_alerts(it, new_alerts)
+    stats |= {f"alerts/{name}": 1.0 for name, _ in new_alerts}
+    if it % cfg.run.log_every == 0 or it == cfg.ppo.iterations or new_alerts:
+        logger.log(it, stats, CONSOLE_KEYS)
+
+
 def trainer_state(run: PPORun, first_score: float) -> dict:
     """Everything besides weights and optimizer that a resumed run must continue from."""
     return {
@@ -329,22 +395,28 @@ def train_ppo(cfg, runtime) -> dict:
         raise ConfigError(
             f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"
         )
-    out, logger = open_run(cfg, runtime, "ppo", ckpt)
+    out, logger = open_run(cfg, runtime, "ppo", ckpt, p.iterations)
     runtime.print(prompts.report.summary("prompts"))
     start = ckpt.step if ckpt else 0
     runtime.seed_per_rank(cfg.run.seed)
     if ckpt:
         ckpt.restore_rng(cfg.run.seed)
     stream = prompt_stream(
-        prompts, run.plan, runtime, cfg.run.seed, run.tokenizer.pad_token_id, skip=start
+        prompts,
+        run.plan,
+        runtime,
+        cfg.run.seed,
+        run.tokenizer.pad_token_id,
+        start,
+        cfg.debug.overfit_one_batch,
     )
     first_score = ckpt.trainer["first_score"] if ckpt else None
-    preemption, stats = PreemptionFlag(), {}
+    preemption, alerts, stats = PreemptionFlag(), AlertMonitor(cfg.alerts), {}
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
-        stats, _ = ppo_iteration(runtime, run, prompt_batch, cfg, it)
+        result = ppo_iteration(runtime, run, prompt_batch, cfg, it)
+        stats = result.stats
         first_score = stats["objective/score"] if first_score is None else first_score
-        if it % cfg.run.log_every == 0 or it == p.iterations:
-            logger.log(it, stats, CONSOLE_KEYS)
+        report_iteration(logger, cfg, it, result, alerts)
         steps, trained = (it, p.iterations), (run.model, run.optimizer)
         safe_point(cfg, runtime, out, steps, preemption, trained, trainer_state(run, first_score))
     export_models(cfg, runtime, run.model, run.tokenizer, out)

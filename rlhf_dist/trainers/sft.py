@@ -96,7 +96,7 @@ def train_sft(cfg, runtime) -> dict:
     net = load_causal_lm(m.policy, "model.policy", m.dtype, m)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
-    out, logger = open_run(cfg, runtime, "sft", ckpt)
+    out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
 
     def step(idx) -> dict:
         loss = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
