@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -28,9 +29,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def quiet_transformers() -> None:
-    """Silence load reports and progress bars that would flood every rank's console."""
+    """Silence load reports, progress bars and library deprecation notices that would
+    flood every rank's console (none of them is something a user can act on)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not torch.cuda.is_available():
+        # Tell DeepSpeed up front, or every rank warns that it "was unable to detect" a GPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    libraries = r"(torch|transformers|deepspeed|accelerate|peft|datasets)(\.|$)"
+    warnings.filterwarnings("ignore", category=FutureWarning, module=libraries)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=libraries)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
