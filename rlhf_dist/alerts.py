@@ -33,63 +33,28 @@ class AlertMonitor:
         return found
 
     def _candidates(self, s: dict) -> list[tuple[str, str]]:
-        c, out = self.cfg, []
+        """Every alert whose condition holds now, as (name, message)."""
+        c = self.cfg
         kl, clipfrac, approx_kl = (
-            s.get("objective/kl", 0.0),
-            s.get("policy/clipfrac", 0.0),
-            s.get("policy/approx_kl", 0.0),
+            s.get(k, 0.0) for k in ("objective/kl", "policy/clipfrac", "policy/approx_kl")
         )
-        if kl > c.kl_max:
-            out.append(
-                ("kl_high", f"KL to the reference {kl:.2f} nats > {c.kl_max} (alerts.kl_max)")
-            )
-        drift = self._relative_change("rollout/length", s)
-        if drift is not None and abs(drift) > c.length_drift:
-            out.append(
-                (
-                    "length_drift",
-                    f"mean response length changed by {drift:+.0%} since the start (alerts.length_drift)",
-                )
-            )
-        if self._score_and_kl_rising():
-            rate = (self.window[-1][1] - self.window[0][1]) / (len(self.window) - 1)
-            out.append(
-                (
-                    "score_up_kl_fast",
-                    f"score rising while KL grows {rate:.2f} nats/iteration (alerts.kl_rise_per_iteration): possible reward hacking",
-                )
-            )
+        length = self._relative_change("rollout/length", s)
         spread = self._relative_change("objective/score_std", s)
-        if spread is not None and spread < -c.score_std_collapse:
-            out.append(
-                (
-                    "score_spread_collapse",
-                    f"score std fell {-spread:.0%} since the start (alerts.score_std_collapse): responses converging on one pattern",
-                )
-            )
-        if clipfrac > c.clipfrac_max:
-            out.append(
-                (
-                    "clipfrac_high",
-                    f"clipfrac {clipfrac:.2f} > {c.clipfrac_max} (alerts.clipfrac_max): updates too large",
-                )
-            )
-        if approx_kl > c.approx_kl_max:
-            out.append(
-                (
-                    "approx_kl_high",
-                    f"approx_kl {approx_kl:.3f} > {c.approx_kl_max} (alerts.approx_kl_max): policy moves too far per iteration",
-                )
-            )
         entropy = self._relative_change("objective/entropy", s)
-        if entropy is not None and entropy < -c.entropy_collapse:
-            out.append(
-                (
-                    "entropy_collapse",
-                    f"entropy fell {-entropy:.0%} since the start (alerts.entropy_collapse)",
-                )
-            )
-        return out
+        checks = [
+            ("kl_high", kl > c.kl_max, f"KL to the reference {kl:.2f} nats > {c.kl_max} (alerts.kl_max)"),
+            ("length_drift", length is not None and abs(length) > c.length_drift, f"mean response length changed by {length or 0:+.0%} since the start (alerts.length_drift)"),
+            ("score_up_kl_fast", self._score_and_kl_rising(), f"score rising while KL grows {self._kl_rate():.2f} nats/iteration (alerts.kl_rise_per_iteration): possible reward hacking"),
+            ("score_spread_collapse", spread is not None and spread < -c.score_std_collapse, f"score std fell {-(spread or 0):.0%} since the start (alerts.score_std_collapse): responses converging on one pattern"),
+            ("clipfrac_high", clipfrac > c.clipfrac_max, f"clipfrac {clipfrac:.2f} > {c.clipfrac_max} (alerts.clipfrac_max): updates too large"),
+            ("approx_kl_high", approx_kl > c.approx_kl_max, f"approx_kl {approx_kl:.3f} > {c.approx_kl_max} (alerts.approx_kl_max): policy moves too far per iteration"),
+            ("entropy_collapse", entropy is not None and entropy < -c.entropy_collapse, f"entropy fell {-(entropy or 0):.0%} since the start (alerts.entropy_collapse)"),
+        ]  # fmt: skip
+        return [(name, message) for name, fired, message in checks if fired]
+
+    def _kl_rate(self) -> float:
+        """Mean KL growth per iteration over the window."""
+        return (self.window[-1][1] - self.window[0][1]) / max(len(self.window) - 1, 1)
 
     def _relative_change(self, key: str, s: dict) -> float | None:
         start = self.first.get(key)
@@ -100,6 +65,7 @@ class AlertMonitor:
     def _score_and_kl_rising(self) -> bool:
         if len(self.window) < self.window.maxlen:
             return False
-        (score0, kl0), (score1, kl1) = self.window[0], self.window[-1]
-        rate = (kl1 - kl0) / (len(self.window) - 1)
-        return score1 > score0 and rate > self.cfg.kl_rise_per_iteration
+        return (
+            self.window[-1][0] > self.window[0][0]
+            and self._kl_rate() > self.cfg.kl_rise_per_iteration
+        )
