@@ -11,6 +11,7 @@ import json
 
 import torch
 
+from rlhf_dist import diagnostics as diag
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import load_causal_lm, tokenizer_for
@@ -25,6 +26,7 @@ from rlhf_dist.rollout import (
 from rlhf_dist.trainers.common import open_run, write_summary
 from rlhf_dist.trainers.ppo import StatSums
 from rlhf_dist.trainers.ppo_setup import build_scorer
+from rlhf_dist.trainers.reward import probe_rephrasings
 
 
 def load_gold_function(spec: str):
@@ -63,19 +65,56 @@ def evaluate_chunk(
         out["gold_reward"] = torch.tensor(
             gold_fn(texts, responses, finished.tolist()), dtype=torch.float32
         )
-    return out, responses
+    probe = []
+    if scorer.reward_model is not None:
+        probe = probe_items(
+            prompt_ids, prompt_mask, response_ids, response_mask, finished, out, eos
+        )
+    return out, responses, probe
+
+
+def probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out, eos):
+    """(diagnostics.Response, score, length) of each FINISHED response of a chunk.
+
+    Only those: the reward model was trained to read its score at an EOS, and an unfinished
+    response's score is replaced by reward.missing_eos_penalty when that is set.
+    """
+    items = []
+    for i in finished.nonzero().flatten().tolist():
+        body = response_ids[i][response_mask[i] & (response_ids[i] != eos)].tolist()
+        prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
+        response = diag.Response(prompt, body, [eos])
+        items.append((response, float(out["score"][i]), float(out["length"][i])))
+    return items
+
+
+def length_bias(runtime, reward_model, items, batch_size: int, tokenizer) -> dict:
+    """Length correlation and rephrasing probe of the reward model on sampled responses.
+
+    items: this rank's probe_items. Returns {"length_corr", "rephrase_*"} over all ranks
+    (docs/rm_diagnostics.md). Every rank must call this.
+    """
+    pairs = runtime.gather_objects([(score, length) for _, score, length in items])
+    out = {"length_corr": diag.length_correlation(*zip(*pairs)) if pairs else 0.0}
+    _, filler = diag.encode_filler(tokenizer)
+    if filler:  # the same tokenizer on every rank: all ranks probe or none does
+        responses, scores = [r for r, _, _ in items], [s for _, s, _ in items]
+        pad = tokenizer.pad_token_id
+        probe = probe_rephrasings(runtime, reward_model, responses, scores, filler, batch_size, pad)
+        out |= {f"rephrase_{k}": v for k, v in probe.items() if v is not None}
+    return out
 
 
 def evaluate_policy(runtime, policy, reference, scorer, prompts, cfg, tokenizer, gold_fn=None):
     """Mean figures over `prompts` (each rank takes every world_size-th) and some samples."""
-    stats, samples = StatSums(), []
+    stats, samples, probe = StatSums(), [], []
     n = min(cfg.eval.num_prompts, len(prompts.ids))
     mine = list(range(runtime.rank, n, runtime.world_size))
     for start in range(0, len(mine), cfg.eval.batch_size):
         chunk = mine[start : start + cfg.eval.batch_size]
         ids, mask = left_pad([prompts.ids[i] for i in chunk], tokenizer.pad_token_id)
         texts = [prompts.texts[i] for i in chunk]
-        out, responses = evaluate_chunk(
+        out, responses, chunk_probe = evaluate_chunk(
             policy,
             reference,
             scorer,
@@ -88,11 +127,15 @@ def evaluate_policy(runtime, policy, reference, scorer, prompts, cfg, tokenizer,
         )
         for name, values in out.items():
             stats.add(name, values.sum(), values.numel())
+        probe += chunk_probe
         samples += [
             {"prompt": t, "response": r, "score": float(s)}
             for t, r, s in zip(texts, responses, out["score"])
         ]
-    return stats.reduce(runtime), samples
+    summary = stats.reduce(runtime)
+    if scorer.reward_model is not None:  # a reward function has no length bias to find
+        summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, tokenizer)
+    return summary, samples
 
 
 def run_eval(cfg, runtime) -> dict:

@@ -6,13 +6,25 @@ into 2B rows), so both are scored by the same weights with the same padding.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from rlhf_dist import diagnostics as diag
 from rlhf_dist.algo.losses import pairwise_reward_loss
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
-from rlhf_dist.data import collate_pairs, load_rows, preference_pairs
+from rlhf_dist.data import (
+    PreferencePair,
+    SkipReport,
+    collate_pairs,
+    encode_prompt,
+    load_rows,
+    preference_pairs,
+    right_pad,
+)
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
 from rlhf_dist.trainers.common import (
     find_resume,
@@ -57,55 +69,217 @@ def expected_calibration_error(prob_chosen: torch.Tensor, n_bins: int = 10) -> f
 
     prob_chosen: (N,). Each pair is folded to its predicted winner: confidence max(p, 1-p),
     correct iff p > 0.5; ECE = sum_bins |accuracy - confidence| * share of pairs in the bin.
+    Computed from `diagnostics.reliability_bins`, so the ECE and the reliability diagram
+    written to rm_diagnostics.json can never disagree.
     """
-    confidence = torch.maximum(prob_chosen, 1 - prob_chosen)
-    correct = (prob_chosen > 0.5).float()
-    bins = torch.clamp(((confidence - 0.5) * 2 * n_bins).long(), max=n_bins - 1)
-    ece = torch.zeros(())
-    for b in range(n_bins):
-        in_bin = bins == b
-        if in_bin.any():
-            gap = (correct[in_bin].mean() - confidence[in_bin].mean()).abs()
-            ece += gap * in_bin.float().mean()
-    return float(ece)
+    return diag.ece_from_bins(diag.reliability_bins(prob_chosen, n_bins))
+
+
+def lockstep_chunks(runtime, n_items: int, size: int):
+    """Slices of `size` over this rank's n_items, then None until every rank is done.
+
+    Ranks' shares differ in length, but each forward pass of a prepared model may be a
+    collective (ZeRO-3 gathers every layer's weights; DDP broadcasts buffers), so every
+    rank must run as many passes as the busiest one: a None asks for a throw-away pass.
+    """
+    mine = -(-n_items // size)
+    total = int(runtime.all_max(torch.tensor(mine, dtype=torch.long)))
+    for i in range(total):
+        yield slice(i * size, (i + 1) * size) if i < mine else None
 
 
 @torch.no_grad()
-def evaluate_pairs(runtime, value_model, pairs, micro_batch_size: int, pad_id: int) -> dict:
-    """Held-out loss, accuracy and calibration over all ranks' shares of `pairs`."""
-    mine = pairs[runtime.rank :: runtime.world_size]
-    diffs = []
-    for i in range(0, len(mine), micro_batch_size):
-        batch = {
-            k: v.to(runtime.device)
-            for k, v in collate_pairs(mine[i : i + micro_batch_size], pad_id).items()
-        }
+def score_sequences(runtime, value_model, seqs: list[list[int]], batch_size: int, pad_id: int):
+    """Scores (len(seqs),) on CPU of whole token sequences, each read at its last token.
+
+    Every rank must call this (lock-step passes, see lockstep_chunks), each with its own seqs.
+    """
+    out = []
+    for s in lockstep_chunks(runtime, len(seqs), batch_size):
+        ids, mask = right_pad(seqs[s] if s else [[pad_id]], pad_id)
+        ids, mask = ids.to(runtime.device), mask.to(runtime.device)
+        scores = sequence_scores(value_model, ids, mask, mask.sum(1) - 1)
+        if s:
+            out.append(scores.float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+@dataclass
+class PairEval:
+    """Held-out pairs scored, in pair order and on every rank; each field (N,) or N items."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    categories: list
+    chosen_length: torch.Tensor  # response tokens, EOS included (whole sequence if unknown)
+    rejected_length: torch.Tensor
+
+    @property
+    def diff(self) -> torch.Tensor:
+        return self.chosen - self.rejected
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    runtime, value_model, pairs, micro_batch_size: int, pad_id: int, prompt_lengths=None
+) -> tuple[dict, PairEval]:
+    """Held-out loss, accuracy and calibration over all ranks' shares of `pairs`, and the
+    per-pair scores, lengths and categories the diagnostics read (scored once)."""
+    mine = list(range(runtime.rank, len(pairs), runtime.world_size))
+    records = []
+    for s in lockstep_chunks(runtime, len(mine), micro_batch_size):
+        chunk = [pairs[i] for i in mine[s]] if s else [PreferencePair([pad_id], [pad_id])]
+        batch = {k: v.to(runtime.device) for k, v in collate_pairs(chunk, pad_id).items()}
         chosen, rejected = pair_scores(value_model, batch)
-        diffs.append((chosen - rejected).float().cpu())
-    diff = torch.tensor(runtime.gather_objects(torch.cat(diffs).tolist() if diffs else []))
-    loss, accuracy = pairwise_reward_loss(diff, torch.zeros_like(diff))
-    return {
+        if s:
+            records += zip(mine[s], chosen.float().tolist(), rejected.float().tolist())
+    # (pair index, chosen, rejected): sorting the gathered records restores pair order.
+    gathered = sorted(runtime.gather_objects(records))
+    prompt_lengths = prompt_lengths or [0] * len(pairs)
+    ev = PairEval(
+        torch.tensor([c for _, c, _ in gathered], dtype=torch.float64),
+        torch.tensor([r for _, _, r in gathered], dtype=torch.float64),
+        [p.category for p in pairs],
+        torch.tensor([len(p.chosen) - n for p, n in zip(pairs, prompt_lengths)]),
+        torch.tensor([len(p.rejected) - n for p, n in zip(pairs, prompt_lengths)]),
+    )
+    loss, accuracy = pairwise_reward_loss(ev.diff, torch.zeros_like(ev.diff))
+    metrics = {
         "accuracy": float(accuracy),
         "loss": float(loss),
-        "ece": expected_calibration_error(torch.sigmoid(diff)),
-        "pairs": len(diff),
+        "ece": expected_calibration_error(torch.sigmoid(ev.diff)),
+        "pairs": len(pairs),
     }
+    return metrics, ev
+
+
+def probe_rephrasings(runtime, value_model, responses, scores, filler, batch_size, pad_id) -> dict:
+    """The rephrasing probe over every rank's `responses` (diagnostics.Response, this rank's
+    share) with their known `scores` (N,); `filler` is also the droppable tail. Returns
+    diagnostics.rephrase_summary of all ranks together. Every rank must call this."""
+    longer, shorter = diag.rephrasings(responses, filler, [filler])
+    up = score_sequences(runtime, value_model, longer, batch_size, pad_id)
+    down = score_sequences(runtime, value_model, [s for _, s in shorter], batch_size, pad_id)
+    base = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)
+    part = (base.tolist(), up.tolist(), base[[i for i, _ in shorter]].tolist(), down.tolist())
+    parts = runtime.gather_objects([part])
+    return diag.rephrase_summary(*([x for p in parts for x in p[k]] for k in range(4)))
+
+
+def distinct_responses(evals, ev: PairEval) -> tuple[list, list[float]]:
+    """Each distinct held-out response once (a ranked list repeats them across pairs), as
+    diagnostics.Response split at its prompt and its EOS, with its score."""
+    seqs = [p.chosen for p in evals] + [p.rejected for p in evals]
+    lengths = torch.cat([ev.chosen_length, ev.rejected_length]).tolist()
+    scores = torch.cat([ev.chosen, ev.rejected]).tolist()
+    found = {}
+    for seq, n, score in zip(seqs, lengths, scores):
+        start = len(seq) - n  # encode_response put the EOS last
+        found.setdefault(tuple(seq), (diag.Response(seq[:start], seq[start:-1], seq[-1:]), score))
+    return [r for r, _ in found.values()], [s for _, s in found.values()]
+
+
+def rm_diagnostics(runtime, model, evals, metrics: dict, ev: PairEval, batch_size, tokenizer):
+    """Everything rm_diagnostics.json holds (docs/rm_diagnostics.md), for non-empty `evals`
+    scored as `ev`. Every rank must call this."""
+    scores = torch.cat([ev.chosen, ev.rejected])
+    lengths = torch.cat([ev.chosen_length, ev.rejected_length])
+    filler_text, filler = diag.encode_filler(tokenizer)
+    probe = {}
+    if filler:  # the same tokenizer on every rank: all ranks probe or none does
+        responses, base = distinct_responses(evals, ev)
+        mine = slice(runtime.rank, None, runtime.world_size)
+        pad = tokenizer.pad_token_id
+        probe = probe_rephrasings(
+            runtime, model, responses[mine], base[mine], filler, batch_size, pad
+        )
+    score_std = float(scores.std(correction=0))
+    report = {
+        **metrics,
+        "accuracy_by_category": diag.accuracy_by_category(ev.diff, ev.categories),
+        "reliability": diag.reliability_bins(torch.sigmoid(ev.diff)),
+        "score": {"mean": float(scores.mean()), "std": score_std},
+        "length": {
+            "corr": diag.length_correlation(scores, lengths),
+            "mean_chosen": float(ev.chosen_length.double().mean()),
+            "mean_rejected": float(ev.rejected_length.double().mean()),
+            "longer_wins": diag.longer_preferred(ev.diff, ev.chosen_length, ev.rejected_length),
+        },
+        "rephrase": {"filler": filler_text, **probe},
+        "thresholds": {
+            "length_corr": diag.LENGTH_CORR_LIMIT,
+            "longer_rise": diag.LONGER_RISE_LIMIT,
+            "longer_delta_min_std": diag.LONGER_DELTA_MIN_STD,
+        },
+    }
+    report["warning"] = diag.length_bias_warning(
+        report["length"]["corr"], probe.get("longer_rise"), probe.get("longer_delta"), score_std
+    )
+    return report
+
+
+def headline(report: dict) -> dict:
+    """The diagnostics logged as rm/eval_* and kept in summary.json (None values left out)."""
+    rephrase = report["rephrase"]
+    numbers = {
+        "length_corr": report["length"]["corr"],
+        "rephrase_longer_delta": rephrase.get("longer_delta"),
+        "rephrase_longer_rise": rephrase.get("longer_rise"),
+        "rephrase_shorter_delta": rephrase.get("shorter_delta"),
+    }
+    return {k: v for k, v in numbers.items() if v is not None}
+
+
+def report_eval(cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logger, step) -> dict:
+    """Score the held-out pairs once; write rm_diagnostics.json, log rm/eval_*, print one
+    warning line if the model looks like a length counter. Returns the eval_* summary."""
+    batch_size, pad = cfg.rm.micro_batch_size, tokenizer.pad_token_id
+    metrics, ev = evaluate_pairs(runtime, model, evals, batch_size, pad, prompt_lengths)
+    report = rm_diagnostics(runtime, model, evals, metrics, ev, batch_size, tokenizer)
+    numbers = metrics | headline(report)
+    if runtime.is_main:
+        tmp = out / "rm_diagnostics.json.tmp"
+        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(out / "rm_diagnostics.json")
+    keys = ("rm/eval_accuracy", "rm/eval_ece", "rm/eval_length_corr")
+    logger.log(step, {f"rm/eval_{k}": v for k, v in numbers.items()}, keys)
+    if report["warning"]:
+        runtime.print(f"rm: WARNING: {report['warning']} (see docs/rm_diagnostics.md)")
+    return {f"eval_{k}": v for k, v in numbers.items()}
+
+
+def eval_pairs(rows: list[dict], tokenizer, cfg) -> tuple[list, list[int]]:
+    """Held-out pairs and each one's prompt length in tokens.
+
+    Row by row, because a PreferencePair keeps no prompt/response boundary and the
+    diagnostics measure RESPONSE length (prompt length varies across pairs too).
+    """
+    pairs, prompt_lengths = [], []
+    d = cfg.data
+    for row in rows:
+        got = preference_pairs([row], tokenizer, d, cfg.rm.responses_field)[0]
+        if got:
+            prompt = encode_prompt(
+                tokenizer, row[d.prompt_field], d.max_prompt_length, d.too_long, SkipReport()
+            )
+            pairs += got
+            prompt_lengths += [len(prompt)] * len(got)
+    return pairs, prompt_lengths
 
 
 def load_pairs(cfg, runtime, tokenizer):
+    """Training pairs, held-out pairs and the held-out pairs' prompt lengths."""
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
     train, report = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field)
     runtime.print(report.summary("preference pairs"))
-    evals = []
+    evals, prompt_lengths = [], []
     if cfg.data.eval:
-        evals = preference_pairs(
-            load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg.data, cfg.rm.responses_field
-        )[0]
+        evals, prompt_lengths = eval_pairs(load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg)
     if len(train) < cfg.rm.batch_size:
         raise ConfigError(
             f"rm.batch_size: {cfg.rm.batch_size} is more than the {len(train)} usable pairs ({report.summary('preference pairs')})"
         )
-    return train, evals
+    return train, evals, prompt_lengths
 
 
 def train_reward_model(cfg, runtime) -> dict:
@@ -114,7 +288,7 @@ def train_reward_model(cfg, runtime) -> dict:
     rc, m = cfg.rm, cfg.model
     key = "model.reward" if m.reward else "model.policy"
     tokenizer = tokenizer_for(cfg, key.split(".")[1])
-    train, evals = load_pairs(cfg, runtime, tokenizer)
+    train, evals, prompt_lengths = load_pairs(cfg, runtime, tokenizer)
     net = ValueModel(load_sequence_classifier(m.reward or m.policy, key, m.dtype, m, new_head=True))
     trained, plan, batches = prepare_single_model(cfg, runtime, net, rc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
@@ -135,12 +309,8 @@ def train_reward_model(cfg, runtime) -> dict:
         "train_pairs": len(train),
     }
     if evals:
-        ev = evaluate_pairs(runtime, model, evals, rc.micro_batch_size, pad)
-        summary |= {f"eval_{k}": v for k, v in ev.items()}
-        logger.log(
-            len(batches),
-            {f"rm/eval_{k}": v for k, v in ev.items()},
-            ("rm/eval_accuracy", "rm/eval_ece"),
+        summary |= report_eval(
+            cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logger, len(batches)
         )
     save_pretrained(runtime, model, tokenizer, out / "final", "classifier")
     write_summary(runtime, out, summary)
