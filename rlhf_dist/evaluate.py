@@ -168,7 +168,8 @@ def run_eval(cfg, runtime) -> dict:
         gold_fn,
     )
     samples = runtime.gather_objects(samples)
-    logger.log(0, {f"eval/{k}": v for k, v in summary.items()}, tuple(f"eval/{k}" for k in summary))
+    shown = ("score", "gold_reward", "kl_to_ref", "length", "eos_rate", "length_corr")
+    logger.log(0, {f"eval/{k}": v for k, v in summary.items()}, tuple(f"eval/{k}" for k in shown))
     if runtime.is_main:
         with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
