@@ -1,4 +1,4 @@
-"""`rlhf-dist {sft,rm,ppo,eval,demo}`: the command line.
+"""`rlhf-dist {sft,rm,ppo,eval,demo,report}`: the command line.
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
 exit status 2, never a traceback. Heavy imports happen after argument parsing so that
@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf-dist", description="RLHF: SFT -> reward model -> PPO."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{sft,rm,ppo,eval,demo}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{sft,rm,ppo,eval,demo,report}"
+    )
     for name, (help_text, _) in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
         p.add_argument(
@@ -56,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
+    )
+    report = sub.add_parser(
+        "report",
+        help="PNG plots and an HTML page of a run (or of a directory of runs, e.g. the demo's)",
+        description="Plot metrics, distributions, alerts and samples of PATH (a run's output_dir, "
+        "or a directory whose subdirectories are runs) into PATH/report/index.html.",
+    )
+    report.add_argument("path", metavar="PATH", help="a run's output_dir or a directory of runs")
+    report.add_argument(
+        "--output", metavar="DIR", help="where the page and PNGs go (default PATH/report)"
     )
     return parser
 
@@ -100,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             from rlhf_dist.demo.pipeline import run_demo
 
             run_demo(args.output_dir, seed=args.seed, quick=args.quick)
+            return 0
+        if args.command == "report":
+            from rlhf_dist.report import build_report
+
+            print(build_report(args.path, args.output))
             return 0
         return _run_stage(args.command, args)
     except UserError as e:

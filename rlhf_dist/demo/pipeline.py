@@ -115,6 +115,9 @@ def run_demo(output_dir: str, seed: int = 0, quick: bool = False) -> dict:
     if runtime.is_main:
         (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         say(format_summary(summary, root))
+        from rlhf_dist.report import build_report
+
+        say(f"   report: {build_report(root)}")
     return summary
 
 

@@ -175,13 +175,18 @@ def resume_into(runtime, ckpt, model, optimizer, scheduler, seed: int) -> None:
     ckpt.restore_rng(seed)
 
 
+DISTRIBUTIONS = "_distributions"  # key of a step's per-example values in step_fn's result
+
+
 def step_loop(
     cfg, runtime, out, logger, ckpt, trained, batches, step_fn, stage: str, console: tuple
 ) -> dict:
     """The SFT/RM loop: skip to the checkpoint, step, log, checkpoint, stop on SIGTERM.
 
     trained: (model, optimizer, scheduler); batches: list of (epoch, global indices);
-    step_fn(indices) runs one optimizer step and returns its metrics.
+    step_fn(indices) runs one optimizer step and returns its metrics, with this rank's
+    per-example values under DISTRIBUTIONS: every run.histogram_every steps they are
+    gathered from all ranks and logged as histograms (a collective: all ranks take part).
     """
     model, optimizer, scheduler = trained
     start, total = (ckpt.step if ckpt else 0), len(batches)
@@ -194,6 +199,12 @@ def step_loop(
             f"{stage}/epoch": epoch,
             f"{stage}/lr": scheduler.get_last_lr()[0],
         }
+        values = metrics.pop(DISTRIBUTIONS, {})
+        if cfg.run.histogram_every > 0 and (step % cfg.run.histogram_every == 0 or step == total):
+            gathered = {
+                k: torch.tensor(runtime.gather_objects(v.tolist())) for k, v in values.items()
+            }
+            metrics |= logger.log_distributions(step, gathered)
         maybe_fault("update", step)
         if step % cfg.run.log_every == 0 or step == total:
             logger.log(step, metrics, console)

@@ -27,6 +27,7 @@ from rlhf_dist.data import (
 )
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
 from rlhf_dist.trainers.common import (
+    DISTRIBUTIONS,
     find_resume,
     open_run,
     prepare_single_model,
@@ -46,14 +47,16 @@ def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return scores[:half], scores[half:]
 
 
-def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float, float]:
-    """Backward over this rank's micro-batches; returns global (mean loss, accuracy)."""
+def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float, float, dict]:
+    """Backward over this rank's micro-batches; returns global (mean loss, accuracy) and
+    this rank's per-pair values for the histograms (margin, chosen and rejected scores)."""
     share = pairs[plan.rank_slice(runtime.rank)]
     slices = plan.micro_slices()
-    totals = torch.zeros(2, device=runtime.device)
+    totals, seen = torch.zeros(2, device=runtime.device), []
     for i, s in enumerate(slices):
         batch = {k: v.to(runtime.device) for k, v in collate_pairs(share[s], pad_id).items()}
         chosen, rejected = pair_scores(model, batch)
+        seen.append(torch.stack([chosen.detach(), rejected.detach()]).cpu())
         loss_sum = -F.logsigmoid(chosen - rejected).sum()
         # Sum over pairs / global pair count (x world size: ranks' gradients are averaged).
         runtime.micro_backward(
@@ -61,7 +64,9 @@ def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float,
         )
         totals += torch.stack([loss_sum.detach(), (chosen > rejected).float().sum()])
     totals = runtime.all_sum(totals) / plan.global_size
-    return float(totals[0]), float(totals[1])
+    chosen, rejected = torch.cat(seen, dim=1)
+    values = {"margin": chosen - rejected, "chosen_score": chosen, "rejected_score": rejected}
+    return float(totals[0]), float(totals[1]), values
 
 
 def expected_calibration_error(prob_chosen: torch.Tensor, n_bins: int = 10) -> float:
@@ -295,9 +300,9 @@ def train_reward_model(cfg, runtime) -> dict:
     out, logger = open_run(cfg, runtime, "rm", ckpt)
 
     def step(idx) -> dict:
-        loss, acc = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
+        loss, acc, values = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
         norm = step_and_schedule(runtime, trained, rc.optim.max_grad_norm)
-        return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": norm}
+        return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(
         cfg, runtime, out, logger, ckpt, trained, batches, step, "rm", ("rm/loss", "rm/accuracy")

@@ -16,6 +16,7 @@ from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
 from rlhf_dist.trainers.common import (
+    DISTRIBUTIONS,
     find_resume,
     open_run,
     prepare_single_model,
@@ -26,33 +27,43 @@ from rlhf_dist.trainers.common import (
 )
 
 
-def token_nll_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of NLL over loss_mask, token count) of one micro-batch."""
+def sequence_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence (sum of response-token NLL, response-token count), each (B,)."""
     logits = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=position_ids_from(batch["attention_mask"]),
     ).logits[:, :-1]
     nll = -logprobs_from_logits(logits.float(), batch["input_ids"][:, 1:])
-    return masked_sum(nll, batch["loss_mask"]), batch["loss_mask"].sum()
+    return masked_sum(nll, batch["loss_mask"], dim=1), batch["loss_mask"].sum(1)
 
 
-def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> float:
-    """Forward/backward every micro-batch of this rank's share; returns the global mean NLL."""
+def token_nll_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of NLL over loss_mask, token count) of one micro-batch."""
+    nll, count = sequence_nll(model, batch)
+    return nll.sum(), count.sum()
+
+
+def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[float, dict]:
+    """Forward/backward every micro-batch of this rank's share; returns the global mean NLL
+    and this rank's per-sequence values for the histograms (mean NLL, response length)."""
     share = examples[plan.rank_slice(runtime.rank)]
     micro = [collate_sft(share[s], pad_id) for s in plan.micro_slices()]
     local_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
     total_tokens = runtime.all_sum(torch.tensor(float(local_tokens), device=runtime.device))
-    loss_sum = torch.zeros((), device=runtime.device)
+    loss_sum, per_seq, lengths = torch.zeros((), device=runtime.device), [], []
     for i, batch in enumerate(micro):
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
-        nll_sum, _ = token_nll_sum(model, batch)
+        nll, count = sequence_nll(model, batch)
         # x world_size: data-parallel backends average gradients over ranks.
         runtime.micro_backward(
-            model, nll_sum * runtime.world_size / total_tokens, last=i == len(micro) - 1
+            model, nll.sum() * runtime.world_size / total_tokens, last=i == len(micro) - 1
         )
-        loss_sum += nll_sum.detach()
-    return float(runtime.all_sum(loss_sum) / total_tokens)
+        loss_sum += nll.sum().detach()
+        per_seq.append((nll.detach() / count.clamp(min=1)).cpu())
+        lengths.append(count.float().cpu())
+    values = {"sequence_nll": torch.cat(per_seq), "response_length": torch.cat(lengths)}
+    return float(runtime.all_sum(loss_sum) / total_tokens), values
 
 
 @torch.no_grad()
@@ -99,11 +110,9 @@ def train_sft(cfg, runtime) -> dict:
     out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
 
     def step(idx) -> dict:
-        loss = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
-        return {
-            "sft/loss": loss,
-            "sft/grad_norm": step_and_schedule(runtime, trained, sc.optim.max_grad_norm),
-        }
+        loss, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
+        norm = step_and_schedule(runtime, trained, sc.optim.max_grad_norm)
+        return {"sft/loss": loss, "sft/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(
         cfg,

@@ -86,7 +86,7 @@ def test_sft_gradient_does_not_depend_on_the_micro_batch_split(task_env, runtime
 
     def grads_and_loss(micro_batch_size):
         model = copy.deepcopy(base)
-        loss = sft_step(runtime, model, examples, BatchPlan(16, 1, micro_batch_size), pad)
+        loss, _ = sft_step(runtime, model, examples, BatchPlan(16, 1, micro_batch_size), pad)
         return {n: p.grad.clone() for n, p in model.named_parameters()}, loss
 
     whole, loss_whole = grads_and_loss(16)
