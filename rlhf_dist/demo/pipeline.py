@@ -18,12 +18,15 @@ GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 
 def stage_configs(root: Path, files: task.TaskFiles, models: dict, seed: int, quick: bool) -> dict:
     """The config tree of every stage. Numbers tuned for a 2-core CPU (see README)."""
+
     # PPO logs every 2nd iteration (smooth report curves, a readable console), SFT/RM every 10th.
-    run = lambda name: {
-        "output_dir": str(root / name),
-        "seed": seed,
-        "log_every": 2 if name == "ppo" else 10,
-    }  # noqa: E731
+    def run(name):
+        return {
+            "output_dir": str(root / name),
+            "seed": seed,
+            "log_every": 2 if name == "ppo" else 10,
+        }
+
     data = {"max_prompt_length": 16, "max_length": 48}
     gen = {"max_new_tokens": 24, "temperature": 0.7}
     sft_policy, rm_path = str(root / "sft" / "final"), str(root / "rm" / "final")
