@@ -36,8 +36,10 @@ def cli(
 
 def rows(out: Path) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
+    # time/, throughput/ and memory/ measure the machine, not the training run.
+    machine = ("time/", "throughput/", "memory/")
     return [
-        {k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in lines
+        {k: v for k, v in json.loads(line).items() if not k.startswith(machine)} for line in lines
     ]
 
 
