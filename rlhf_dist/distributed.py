@@ -72,6 +72,7 @@ class Runtime:
             torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
         # Numerical guard state: the current step saw a non-finite loss; counts of skips.
         self._poisoned, self._steps_seen = False, 0
+        self._unwrapped: dict[int, tuple] = {}  # id -> (wrapper, kept alive; inner module)
         self.skipped_steps, self.bad_steps_in_row = 0, 0
         if seed is not None:
             # The same seed on every rank: freshly initialised weights (a new value head)
@@ -178,37 +179,46 @@ class Runtime:
         """
         self._steps_seen += 1
         clip_groups = [(list(params), max_norm) for params, max_norm in clip_groups]
-        if self._poisoned or (self.zero_stage is None and not self._grads_finite(clip_groups)):
-            self._discard_gradients(model, optimizer)
-            self.skipped_steps += 1
-            self.bad_steps_in_row += 1
-            return None
-        self.bad_steps_in_row = 0
         if self.zero_stage is not None:
-            model.step()  # clip + optimizer step + zero grad at the boundary we set
-            norm = model.get_global_grad_norm()
-            norm = float(norm) if norm is not None else float("nan")
-            if not math.isfinite(norm):
-                raise TrainingDiverged(
-                    "DeepSpeed applied a step with a non-finite gradient norm after a finite loss; "
-                    "the weights are no longer trustworthy: resume from the last checkpoint"
-                )
-            return [norm for _ in clip_groups]
-        norms = [
-            float(self.accelerator.clip_grad_norm_(params, max_norm))
-            for params, max_norm in clip_groups
-        ]
+            return self._deepspeed_step(model, optimizer, len(clip_groups))
+        norms = None
+        if not self._poisoned:
+            # Clipping computes each group's norm anyway: a non-finite norm is a non-finite
+            # gradient, so the guard needs no extra pass over the gradients.
+            norms = [
+                float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+                for params, max_norm in clip_groups
+            ]
+            bad = torch.tensor(0.0 if all(math.isfinite(n) for n in norms) else 1.0)
+            if self.all_max(bad) > 0:
+                self._poisoned = True
+        if self._poisoned:
+            return self._skip(model, optimizer)
+        self.bad_steps_in_row = 0
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norms
 
-    def _grads_finite(self, clip_groups) -> bool:
-        bad = any(
-            p.grad is not None and not bool(torch.isfinite(p.grad).all())
-            for params, _ in clip_groups
-            for p in params
-        )
-        return not bool(self.all_max(torch.tensor(float(bad))) > 0)
+    def _deepspeed_step(self, model, optimizer, groups: int) -> list[float] | None:
+        """DeepSpeed clips (one global norm) and steps inside engine.step()."""
+        if self._poisoned:
+            return self._skip(model, optimizer)
+        self.bad_steps_in_row = 0
+        model.step()  # clip + optimizer step + zero grad at the boundary we set
+        norm = model.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        if not math.isfinite(norm):
+            raise TrainingDiverged(
+                "DeepSpeed applied a step with a non-finite gradient norm after a finite loss; "
+                "the weights are no longer trustworthy: resume from the last checkpoint"
+            )
+        return [norm] * groups
+
+    def _skip(self, model, optimizer) -> None:
+        self._discard_gradients(model, optimizer)
+        self.skipped_steps += 1
+        self.bad_steps_in_row += 1
+        return None
 
     def _discard_gradients(self, model, optimizer) -> None:
         """Drop the accumulated gradients of a skipped step (DeepSpeed: as its own fp16
@@ -223,7 +233,12 @@ class Runtime:
             optimizer.zero_grad(set_to_none=True)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(model)
+        """The model inside its backend wrapper, cached (Accelerate's unwrap walks the
+        module tree on every call; it ran once per optimizer step)."""
+        key = id(model)
+        if key not in self._unwrapped:
+            self._unwrapped[key] = (model, self.accelerator.unwrap_model(model))
+        return self._unwrapped[key][1]
 
     @contextlib.contextmanager
     def generation_context(

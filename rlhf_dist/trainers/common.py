@@ -117,7 +117,7 @@ def make_optimizer(groups) -> torch.optim.Optimizer:
         }
         for params, optim in groups
     ]
-    return torch.optim.AdamW(param_groups, betas=(0.9, 0.999))
+    return torch.optim.AdamW(param_groups, betas=(0.9, 0.999), foreach=True)
 
 
 def make_scheduler(optimizer, optim_cfgs, total_steps: int):
