@@ -404,13 +404,14 @@ class Runtime:
                         safe_set_full_optimizer_state(p, state[key][name].to(self.device), key)
             elif name in state["exp_avg"]:
                 inner.state[p] = {
-                    "step": torch.tensor(float(state["step"])),
+                    # on the parameter's device: fused Adam requires it
+                    "step": torch.tensor(float(state["step"]), device=p.device),
                     "exp_avg": state["exp_avg"][name].to(p.device, p.dtype).clone(),
                     "exp_avg_sq": state["exp_avg_sq"][name].to(p.device, p.dtype).clone(),
                 }
         for param_state in inner.state.values():  # ZeRO's flat partitions: one shared count
-            if "step" in param_state:
-                param_state["step"] = torch.tensor(float(state["step"]))
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = torch.full_like(param_state["step"], float(state["step"]))
 
     def peak_memory_bytes(self) -> int:
         """Peak memory of this rank: the accelerator's allocator peak, or the process's
@@ -472,7 +473,7 @@ def _materialise_adam_state(inner, extra_params=()) -> None:
     for p in params:
         if not inner.state.get(p):
             inner.state[p] = {
-                "step": torch.tensor(0.0),
+                "step": torch.tensor(0.0, device=p.device),
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }

