@@ -39,10 +39,6 @@ def add_adapters(model: nn.Module, lora_cfg, task_type: str, trainable_head: str
     return get_peft_model(model, config)
 
 
-def is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """Run `model` as its frozen base (the reference policy / frozen reward model)."""
