@@ -119,7 +119,7 @@ def main() -> None:
             # After a step (Adam moments exist) and a backward (gradients exist): the
             # peak set of model states of a training iteration.
             memory = held_bytes(engine)
-        runtime.optimizer_step(engine, optimizer, [(engine.parameters(), 1.0)])
+        runtime.optimizer_step(engine, optimizer, [1.0])
     prompts = torch.randint(3, 1024, (args.prompts, 8))
     mask = torch.ones_like(prompts)
     gathered = time_generation(

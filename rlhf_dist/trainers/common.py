@@ -238,6 +238,6 @@ def step_and_schedule(runtime, trained, max_grad_norm: float) -> float | None:
     """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm, or
     None if the numerical guard skipped the step (the schedule advances either way)."""
     model, optimizer, scheduler = trained
-    norms = runtime.optimizer_step(model, optimizer, [(model.parameters(), max_grad_norm)])
+    norms = runtime.optimizer_step(model, optimizer, [max_grad_norm])
     scheduler.step()
     return norms[0] if norms else None

@@ -47,32 +47,40 @@ def make_kl_controller(ppo_cfg):
 
 
 class StatSums:
-    """Sums (of tokens or sequences) with their counts, and maxima; reduced over ranks at once."""
+    """Sums (of tokens or sequences) with their counts, and maxima; reduced over ranks at once.
+
+    Values may be tensors on the accelerator: they are kept there until `reduce`, so adding
+    one never waits for the device (a float() per statistic would, several per micro-batch).
+    """
 
     def __init__(self):
-        self.sums = defaultdict(float)
-        self.maxima: dict[str, float] = {}
+        self.sums: dict[str, list] = defaultdict(list)
+        self.maxima: dict[str, list] = defaultdict(list)
 
     def add(self, name: str, total, count) -> None:
-        self.sums[name + "/sum"] += float(total)
-        self.sums[name + "/n"] += float(count)
+        self.sums[name + "/sum"].append(total)
+        self.sums[name + "/n"].append(count)
 
     def add_max(self, name: str, value) -> None:
-        self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
+        self.maxima[name].append(value)
 
     def reduce(self, runtime) -> dict[str, float]:
         """Global means (sum over ranks / count over ranks) and global maxima."""
         keys = sorted(self.sums)
-        totals = runtime.all_sum(torch.tensor([self.sums[k] for k in keys], dtype=torch.float64))
+        local = [_stack(self.sums[k], runtime.device).sum() for k in keys]
+        totals = runtime.all_sum(torch.stack(local)) if keys else torch.zeros(0)
         r = dict(zip(keys, totals.tolist()))
         out = {k[:-4]: r[k] / max(r[k[:-4] + "/n"], 1.0) for k in keys if k.endswith("/sum")}
         names = sorted(self.maxima)
         if names:
-            maxima = runtime.all_max(
-                torch.tensor([self.maxima[k] for k in names], dtype=torch.float64)
-            )
-            out |= dict(zip(names, maxima.tolist()))
+            local = torch.stack([_stack(self.maxima[k], runtime.device).max() for k in names])
+            out |= dict(zip(names, runtime.all_max(local).tolist()))
         return out
+
+
+def _stack(values: list, device) -> torch.Tensor:
+    """Numbers and 0-d tensors (any device) as one float64 vector on `device`."""
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
 
 
 def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> torch.Tensor:
@@ -103,12 +111,9 @@ def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> to
 def optimizer_step(runtime, model, optimizer, scheduler, cfg) -> list[float] | None:
     """Clip actor and critic gradients (each its own max norm where the backend allows), step.
     Returns [actor_norm, critic_norm], or None if the numerical guard skipped the step."""
-    inner = runtime.unwrap(model)
-    groups = [
-        (inner.actor.parameters(), cfg.ppo.actor.max_grad_norm),
-        (inner.critic.parameters(), cfg.ppo.critic.max_grad_norm),
-    ]
-    norms = runtime.optimizer_step(model, optimizer, groups)
+    # The optimizer's param groups are [actor, critic] (ppo_setup.build_models).
+    max_norms = [cfg.ppo.actor.max_grad_norm, cfg.ppo.critic.max_grad_norm]
+    norms = runtime.optimizer_step(model, optimizer, max_norms)
     scheduler.step()
     return norms
 

@@ -198,7 +198,9 @@ def test_ppo_iteration_runs_epochs_x_minibatches_of_micro_batches(
         return forward(self, *args, **kwargs)
 
     def count_steps(result):
+        # The torch optimizer inside Accelerate's wrapper: Runtime steps it directly.
         optimizer = _parts(result, runtime)[1]
+        optimizer = getattr(optimizer, "optimizer", optimizer)
         step = optimizer.step
 
         def counted_step(self, *a, **k):
@@ -262,17 +264,22 @@ def test_ppo_iteration_runs_epochs_x_minibatches_of_micro_batches(
 
 
 class GradRecorder(torch.optim.Optimizer):
-    """An optimizer that records the gradient of every step and leaves the weights alone."""
+    """An optimizer that records the gradient of every step and leaves the weights alone;
+    param groups [actor, critic] as the trainer's own optimizer (one max norm each)."""
 
-    def __init__(self, named_parameters):
-        names, params = zip(*[(n, p) for n, p in named_parameters if p.requires_grad])
-        super().__init__(list(params), {"lr": 0.0})
-        self.names = names
+    def __init__(self, model):
+        groups, self.names = [], []
+        for part in ("actor", "critic"):
+            named = [(f"{part}.{n}", p) for n, p in getattr(model, part).named_parameters()]
+            named = [(n, p) for n, p in named if p.requires_grad]
+            self.names += [n for n, _ in named]
+            groups.append({"params": [p for _, p in named]})
+        super().__init__(groups, {"lr": 0.0})
         self.grads: list[dict[str, torch.Tensor]] = []
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = self.param_groups[0]["params"]
+        params = [p for group in self.param_groups for p in group["params"]]
         self.grads.append(
             {n: p.grad.clone() for n, p in zip(self.names, params) if p.grad is not None}
         )
@@ -325,7 +332,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
         t["ppo"]["actor"]["max_grad_norm"] = t["ppo"]["critic"]["max_grad_norm"] = 1e9
         cfg = config_from_dict(t)
         model = copy.deepcopy(base)
-        recorder = GradRecorder(model.named_parameters())
+        recorder = GradRecorder(model)
         scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda _: 1.0)
         torch.manual_seed(0)  # the same minibatch order for both splits
         run = dataclasses.replace(

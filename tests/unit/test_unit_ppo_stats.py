@@ -15,6 +15,7 @@ from rlhf_dist.trainers.ppo import StatSums, global_mean_var
 class FakeRuntime:
     world_size = 1
     rank = 0
+    device = torch.device("cpu")
 
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
