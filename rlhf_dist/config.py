@@ -85,6 +85,13 @@ class ModelConfig:
     # Load weights from .safetensors only; false also allows pickle (.bin) checkpoints,
     # which can run arbitrary code when loaded.
     safetensors_only: bool = True
+    # Attention kernel of every model (transformers' attn_implementation). "auto" keeps the
+    # model's default (sdpa for most); "eager" is faster for tiny models on CPU, where a
+    # fused kernel's setup costs more than the attention itself; flash_attention_2 needs
+    # the flash-attn package and a GPU.
+    attn_implementation: str = field(
+        default="auto", metadata=_choices("auto", "eager", "sdpa", "flash_attention_2")
+    )
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,15 @@ def quiet_transformers() -> None:
 
 def _load_kwargs(source, dtype: str) -> dict:
     """from_pretrained arguments; `source` is the run's ModelConfig (None: safe defaults)."""
-    return {
+    kwargs = {
         "trust_remote_code": bool(getattr(source, "trust_remote_code", False)),
         "use_safetensors": True if getattr(source, "safetensors_only", True) else None,
         "dtype": DTYPES[dtype],
     }
+    attn = getattr(source, "attn_implementation", "auto")
+    if attn != "auto":
+        kwargs["attn_implementation"] = attn
+    return kwargs
 
 
 def _from_pretrained(loader, path: str, key: str, **kwargs):
@@ -164,7 +168,10 @@ class ValueModel(nn.Module):
             position_ids = position_ids_from(attention_mask)
         backbone, head = split_classifier(self.classifier)
         hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,  # see ActorCritic.forward
         ).last_hidden_state
         return head(hidden).squeeze(-1).float()
 
@@ -196,6 +203,10 @@ class ActorCritic(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             logits_to_keep=response_length + 1,
+            # A whole-sequence forward needs no KV cache; transformers would otherwise
+            # build one on every call (use_cache defaults to True in most configs):
+            # ~5% of a tiny model's training step, and memory on large ones.
+            use_cache=False,
         )
         logits = out.logits[:, :-1]
         values = self.critic(input_ids, attention_mask, position_ids)[:, -response_length - 1 : -1]
