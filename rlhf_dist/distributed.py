@@ -245,27 +245,32 @@ class Runtime:
     def generation_context(
         self, model, submodule: str | None = None, gather: bool = True
     ) -> Iterator:
-        """Yield (module, synced) to call `generate` on: `module` is the unwrapped model (or its
-        `submodule`), `synced` whether generate must keep ranks in lock-step.
+        """Yield (module, keep_in_step) for `rollout.generate`: `module` is the unwrapped
+        model (or its `submodule`); keep_in_step is None, or (ranks in lock-step) a
+        function from "this rank needs another forward" to "some rank does".
 
         Under ZeRO-3 the parameters are gathered ONCE for the whole rollout and the
         per-module gather hooks removed (re-added on exit): generation then runs no
         collective at all, so ranks that finish at different lengths cannot hang each
-        other and no per-token all-reduce (`synced_gpus`) is needed. With gather=False
-        (models larger than one device) generation goes through ZeRO-3's per-layer
-        gathers and every rank keeps stepping until all are done (synced=True).
+        other and no per-token all-reduce is needed. With gather=False (models larger
+        than one device) generation goes through ZeRO-3's per-layer gathers and every
+        rank keeps stepping until all are done (one all-reduce of a flag per token).
         """
         inner = self.unwrap(model)
         target = getattr(inner, submodule) if submodule else inner
         if self.zero_stage != 3:
-            yield target, False
+            yield target, None
         elif not gather:
-            yield target, self.world_size > 1
+            yield target, (self.any_rank if self.world_size > 1 else None)
         else:
             from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
             with unwrap_model_for_generation(model):
-                yield target, False
+                yield target, None
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a collective: every rank must call it)."""
+        return bool(self.all_max(torch.tensor(float(flag), device=self.device)) > 0)
 
     @staticmethod
     @contextlib.contextmanager

@@ -65,28 +65,85 @@ def truncate_after_eos(response_ids: torch.Tensor, eos_id: int, pad_id: int):
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, synced: bool = False):
-    """Sample responses for left-padded prompts; returns (B, T) ids with T <= max_new_tokens."""
-    from transformers import GenerationConfig
+def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=None):
+    """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
+    PAD after a row's EOS; T is shorter only when every row has finished.
 
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=gen_cfg.temperature,
-        top_k=gen_cfg.top_k,  # 0 = off; None would mean transformers' default of 50
-        top_p=gen_cfg.top_p,
-        max_new_tokens=gen_cfg.max_new_tokens,
-        min_new_tokens=gen_cfg.min_new_tokens or None,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    out = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        generation_config=config,
-        synced_gpus=synced,
-    )
-    return out[:, prompt_ids.shape[1] :]
+    A plain KV-cache decode loop: one prefill forward, then one forward per token. It
+    does what transformers' `generate` did for us with ~20% less time outside the model
+    on a small policy (no logits-processor, stopping-criteria and input-preparation
+    layers per token). Positions count real tokens only, as in scoring, so a left-padded
+    prompt is continued exactly as it would be on its own.
+    keep_in_step (ZeRO-3 without gathered weights, where every forward gathers layers
+    with collectives): called once per step with whether this rank needs another
+    forward, it returns whether any rank does; a finished rank then runs throw-away
+    forwards until all ranks are done, so none waits forever for the others.
+    """
+    eos, pad, steps = tokenizer.eos_token_id, tokenizer.pad_token_id, gen_cfg.max_new_tokens
+    mask = prompt_mask.long()
+    position = position_ids_from(mask)
+    out = model(
+        input_ids=prompt_ids, attention_mask=mask, position_ids=position, use_cache=True,
+        logits_to_keep=1,
+    )  # fmt: skip
+    position = position[:, -1:]
+    finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+    tokens = []
+    while True:
+        if len(tokens) < steps and not bool(finished.all()):
+            allow_eos = len(tokens) >= gen_cfg.min_new_tokens
+            token = sample_next(out.logits[:, -1], gen_cfg, eos, allow_eos)
+            tokens.append(torch.where(finished, pad, token))
+            finished |= tokens[-1] == eos
+        more = len(tokens) < steps and not bool(finished.all())
+        if not (more if keep_in_step is None else keep_in_step(more)):
+            return torch.stack(tokens, dim=1)
+        feed = tokens[-1] if more else torch.full_like(tokens[-1], pad)  # throw-away forward
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        position = position + 1
+        out = model(
+            input_ids=feed[:, None], attention_mask=mask, position_ids=position, use_cache=True,
+            **_cache_of(out),
+        )  # fmt: skip
+
+
+def _cache_of(output) -> dict:
+    """The KV cache a model output carries, under the keyword the model takes it back by
+    (`cache` since transformers 5.2x, `past_key_values` before)."""
+    if "cache" in output:
+        return {"cache": output["cache"]}
+    return {"past_key_values": output["past_key_values"]}
+
+
+def sample_next(logits, gen_cfg, eos_id: int, allow_eos: bool) -> torch.Tensor:
+    """One token per row, (B,), drawn from softmax(logits / temperature) after EOS
+    suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V)."""
+    logits = logits.float() / gen_cfg.temperature  # a new tensor: edited in place below
+    if not allow_eos:
+        logits[:, eos_id] = float("-inf")
+    logits = truncate_logits(logits, gen_cfg.top_k, gen_cfg.top_p)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(1)
+
+
+def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits (B, V) with tokens outside the top-k and the nucleus set to -inf.
+
+    top_k = 0 and top_p = 1.0 turn each off. The nucleus (Holtzman et al. 2020) is the
+    smallest set of most likely tokens whose probability reaches top_p: a token stays
+    while the tokens ranked above it hold less than top_p, so the most likely one always
+    stays. Tokens tied with the k-th largest logit stay too.
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ranked, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ranked, dim=-1)
+        mass_above = torch.cumsum(probs, dim=-1) - probs
+        drop = torch.zeros_like(mass_above, dtype=torch.bool)
+        drop.scatter_(-1, order, mass_above >= top_p)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
 
 
 def pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
@@ -106,6 +163,7 @@ def policy_logprobs(model, input_ids, attention_mask, response_ids, temperature:
         attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask),
         logits_to_keep=T + 1,
+        use_cache=False,
     ).logits[:, :-1]
     logits = logits.float() / temperature
     return logprobs_from_logits(logits, response_ids), entropy_from_logits(logits)
@@ -192,7 +250,7 @@ def sequence_last_index(prompt_width: int, response_mask: torch.Tensor) -> torch
 @dataclass
 class RolloutModels:
     """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
-    yielding (actor module, synced flag) for generation, the frozen reference, the scorer."""
+    yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
@@ -209,9 +267,10 @@ def collect_rollout(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
     start = time.perf_counter()
-    with models.generation_context() as (actor, synced):
+    with models.generation_context() as (actor, keep_in_step):
         responses = [
-            generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, synced) for s in chunks
+            generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, keep_in_step)
+            for s in chunks
         ]
     generated = time.perf_counter()
     width = max(r.shape[1] for r in responses)

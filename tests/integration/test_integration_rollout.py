@@ -88,3 +88,115 @@ def test_rollout_logprobs_values_and_scores_match_each_sequence_alone(
         torch.testing.assert_close(batch.old_values[b, :T], per_token[P - 1 : P - 1 + T], **close)
         # The reward model's score is read at the last real token (EOS when finished).
         torch.testing.assert_close(batch.raw_scores[b], score, **close)
+
+
+# -------------------------------------------------------------- the KV-cache decode loop
+
+
+def _left_padded_prompts(tok, texts):
+    rows = [tok(t)["input_ids"] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    return ids, (ids != tok.pad_token_id).long()
+
+
+PROMPTS = ["review of the hotel :", "the food :", "review of the film was :", "staff :"]
+
+
+def test_greedy_decode_loop_matches_transformers_generate_on_left_padded_prompts(sft_run, task_env):
+    # top_k=1 samples the argmax: the loop must then give transformers' greedy tokens,
+    # which holds only if its KV cache, positions and padding mask are all right.
+    from transformers import GenerationConfig
+
+    tok = task_env.tokenizer
+    policy = load_causal_lm(str(sft_run.out / "final"), "model.policy").eval()
+    ids, mask = _left_padded_prompts(tok, PROMPTS)
+    assert (mask == 0).any(), "precondition: prompts of different lengths"
+    gen = config_from_dict({"generation": {"max_new_tokens": 20, "top_k": 1}}).generation
+    ours = generate(policy, ids, mask, gen, tok)
+    greedy = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=20,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    with torch.no_grad():
+        theirs = policy.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)
+    theirs = theirs[:, ids.shape[1] :]
+    assert torch.equal(ours, theirs)
+    # Some rows end with EOS before the limit: PAD follows it, as truncate_after_eos expects.
+    finished = (ours == tok.eos_token_id).any(1)
+    assert finished.any()
+    for row in ours[finished]:
+        first = int((row == tok.eos_token_id).nonzero()[0])
+        assert (row[first + 1 :] == tok.pad_token_id).all()
+
+
+def test_decode_loop_lengths_min_new_tokens_and_ranks_in_step(sft_run, task_env):
+    tok = task_env.tokenizer
+    policy = load_causal_lm(str(sft_run.out / "final"), "model.policy").eval()
+    ids, mask = _left_padded_prompts(tok, PROMPTS * 4)
+
+    def run(keep_in_step=None, **generation):
+        gen = config_from_dict({"generation": {"top_k": 1} | generation}).generation
+        return generate(policy, ids, mask, gen, tok, keep_in_step)
+
+    early = run(max_new_tokens=48)
+    assert early.shape[1] < 48, "precondition: every row of the SFT policy ends early"
+    assert (early[:, -1] == tok.eos_token_id).any()  # it stops at the last row's EOS
+    # In step with other ranks (ZeRO-3 without gathered weights): a finished rank keeps
+    # running forwards while another rank says it needs them, and only then returns.
+    asked = []
+
+    def other_rank_runs_10_more(mine: bool) -> bool:
+        asked.append(mine)
+        return mine or len(asked) <= early.shape[1] + 10
+
+    in_step = run(other_rank_runs_10_more, max_new_tokens=48)
+    assert torch.equal(in_step, early)  # the throw-away forwards change nothing
+    assert asked == [True] * (early.shape[1] - 1) + [False] * 12
+    # min_new_tokens holds EOS back: exactly max_new_tokens tokens and no EOS at all.
+    held = run(max_new_tokens=12, min_new_tokens=12)
+    assert held.shape == (ids.shape[0], 12) and not (held == tok.eos_token_id).any()
+    # EOS allowed from token 3 on: none before it.
+    some = run(max_new_tokens=48, min_new_tokens=3)
+    assert not (some[:, :3] == tok.eos_token_id).any()
+
+
+class _LogitsRecorder(torch.nn.Module):
+    """Calls the policy and keeps the last-position logits of every forward (B, V)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy, self.steps = policy, []
+
+    def forward(self, **kwargs):
+        out = self.policy(**kwargs)
+        self.steps.append(out.logits[:, -1].float())
+        return out
+
+
+def test_decode_loop_logits_equal_each_sequence_alone(sft_run, task_env):
+    # Every step's logits from the cached, left-padded batch must be those of a plain
+    # forward over that row's own prompt + response so far: the distribution sampled from
+    # is the one PPO's log-probs describe.
+    tok = task_env.tokenizer
+    policy = load_causal_lm(str(sft_run.out / "final"), "model.policy").eval()
+    ids, mask = _left_padded_prompts(tok, PROMPTS)
+    recorder = _LogitsRecorder(policy)
+    gen = config_from_dict({"generation": {"max_new_tokens": 16, "temperature": 1.0}}).generation
+    torch.manual_seed(0)
+    response = generate(recorder, ids, mask, gen, tok)
+    steps = torch.stack(recorder.steps[: response.shape[1]], dim=1)  # (B, T, V)
+    for b in range(ids.shape[0]):
+        prompt = ids[b][mask[b].bool()]
+        alive = response.shape[1]
+        if (response[b] == tok.eos_token_id).any():
+            alive = int((response[b] == tok.eos_token_id).nonzero()[0]) + 1
+        seq = torch.cat([prompt, response[b, :alive]]).unsqueeze(0)
+        with torch.no_grad():
+            alone = policy(input_ids=seq).logits[0].float()
+        P = prompt.numel()
+        torch.testing.assert_close(
+            steps[b, :alive], alone[P - 1 : P - 1 + alive], atol=1e-4, rtol=1e-4
+        )

@@ -16,9 +16,11 @@ from rlhf_dist.rollout import (
     RewardFunction,
     decode_responses,
     pad_columns,
+    sample_next,
     scores_with_eos_penalty,
     sequence_last_index,
     truncate_after_eos,
+    truncate_logits,
 )
 
 EOS, PAD = 1, 0
@@ -207,3 +209,62 @@ def test_reward_function_misbehaving_user_code(name, needle, helpers_on_path):
 def test_reward_function_numpy_float32_scores(helpers_on_path):
     fn = RewardFunction(f"{HELPERS}:numpy_float32_scores")
     assert fn(["p", "q"], ["a", "b"]).tolist() == [0.5, 0.5]
+
+
+# ------------------------------------------------------------ truncate_logits / sample_next
+
+
+def _kept(logits: torch.Tensor) -> list[list[int]]:
+    return [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+
+
+def test_truncate_logits_hand_computed():
+    # Probabilities 0.5, 0.3, 0.15, 0.05 in a shuffled vocabulary order.
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])
+    logits = probs.log()
+    assert _kept(truncate_logits(logits, 0, 1.0)) == [[0, 1, 2, 3]]  # both off
+    assert _kept(truncate_logits(logits, 2, 1.0)) == [[1, 3]]
+    # Nucleus: 0.5 alone reaches 0.5; 0.5 + 0.3 reaches 0.7 and 0.8; 0.95 needs three.
+    assert _kept(truncate_logits(logits, 0, 0.5)) == [[1]]
+    assert _kept(truncate_logits(logits, 0, 0.7)) == [[1, 3]]
+    assert _kept(truncate_logits(logits, 0, 0.8)) == [[1, 3]]
+    assert _kept(truncate_logits(logits, 0, 0.95)) == [[0, 1, 3]]
+    assert _kept(truncate_logits(logits, 0, 0.01)) == [[1]]  # the top token always stays
+    assert _kept(truncate_logits(logits, 3, 0.7)) == [[1, 3]]  # both: the smaller set
+    # Kept logits are unchanged; the input is not modified.
+    out = truncate_logits(logits, 2, 1.0)
+    assert torch.equal(out[0, [1, 3]], logits[0, [1, 3]])
+    assert torch.isfinite(logits).all()
+
+
+def test_truncate_logits_ties_with_the_kth_stay():
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0]])
+    assert _kept(truncate_logits(logits, 2, 1.0)) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_nucleus_is_the_smallest_most_likely_set_reaching_top_p(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 50, generator=g) * 3
+    top_p = float(torch.rand(1, generator=g)) * 0.98 + 0.01
+    kept = torch.isfinite(truncate_logits(logits, 0, top_p))
+    probs = torch.softmax(logits, -1)
+    for row in range(logits.shape[0]):
+        p = probs[row]
+        mass = float(p[kept[row]].sum())
+        smallest_kept = float(p[kept[row]].min())
+        dropped = p[~kept[row]]
+        assert dropped.numel() == 0 or float(dropped.max()) <= smallest_kept  # most likely first
+        assert mass >= top_p - 1e-6  # reaches top_p ...
+        assert mass - smallest_kept < top_p + 1e-6  # ... and would not without its last token
+
+
+def test_sample_next_suppresses_eos_and_applies_temperature():
+    gen = type("Gen", (), {"temperature": 0.5, "top_k": 0, "top_p": 1.0})()
+    logits = torch.tensor([[0.0, 5.0, 0.0]]).repeat(4000, 1)  # EOS (id 1) is the likely one
+    torch.manual_seed(0)
+    assert (sample_next(logits, gen, EOS, allow_eos=False) != EOS).all()
+    drawn = sample_next(logits, gen, EOS, allow_eos=True)
+    # softmax([0, 10, 0]) at temperature 0.5: P(EOS) = 1 / (1 + 2 e^-10) ~ 0.99991.
+    assert float((drawn == EOS).float().mean()) > 0.995
+    assert torch.equal(logits[0], torch.tensor([0.0, 5.0, 0.0]))  # input untouched
