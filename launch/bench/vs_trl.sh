@@ -3,16 +3,22 @@
 # prompts, batch (32), response length (32), 4 epochs x 4 minibatches, fp32.
 # A benchmark, not a test: nothing here is run by launch/test.sh or CI.
 #
-# Usage: bash launch/bench/vs_trl.sh [ROUNDS=3] [ITERATIONS=6] [SIZE=tiny|small]
+# Usage: bash launch/bench/vs_trl.sh [ROUNDS=3] [ITERATIONS=6] [SIZE=tiny|small] [PRECISION=fp32|bf16]
 #   e.g. ROUNDS=2 SIZE=small bash launch/bench/vs_trl.sh
+#   PRECISION=bf16: ours with bf16 weights, TRL with its default bf16 autocast.
+#   OURS_PRECISION / TRL_PRECISION set one side each (default PRECISION), e.g. each at its
+#   fastest setting on a CPU without AMX: OURS_PRECISION=fp32 TRL_PRECISION=bf16.
 # Output: a table of medians, the ratio, the FLOP floor and fairness notes; raw numbers in
-# runs/bench/vs_trl/<size>/results/ (summary.json).
+# runs/bench/vs_trl/<size>-<ours precision>-vs-<TRL precision>/results/ (summary.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${ROUNDS:-3}
 ITERATIONS=${ITERATIONS:-6}
 SIZE=${SIZE:-tiny}
-OUT=runs/bench/vs_trl/$SIZE
+PRECISION=${PRECISION:-fp32}
+OURS_PRECISION=${OURS_PRECISION:-$PRECISION}
+TRL_PRECISION=${TRL_PRECISION:-$PRECISION}
+OUT=runs/bench/vs_trl/$SIZE-$OURS_PRECISION-vs-$TRL_PRECISION
 RESULTS=$OUT/results
 
 [ -x .venv/bin/python ] || bash launch/setup.sh
@@ -31,7 +37,8 @@ if [ ! -x .venv-trl/bin/python ] || ! .venv-trl/bin/python -c "import trl" 2>/de
 fi
 
 rm -rf "$OUT"
-.venv/bin/python launch/bench/vs_trl_prepare.py "$OUT" --size "$SIZE" --iterations "$ITERATIONS"
+.venv/bin/python launch/bench/vs_trl_prepare.py "$OUT" --size "$SIZE" --iterations "$ITERATIONS" \
+  --precision "$OURS_PRECISION"
 
 # Alternate the two trainers round by round, so that a slow spell of this shared machine
 # (other jobs, thermal state) falls on both rather than on one.
@@ -43,7 +50,7 @@ for round in $(seq 1 "$ROUNDS"); do
     > "$dir/ours.log" 2>&1 || { tail -20 "$dir/ours.log"; exit 1; }
   echo "round $round/$ROUNDS: TRL PPOTrainer"
   .venv-trl/bin/python launch/bench/vs_trl_trl.py "$OUT" "$dir/trl.json" \
-    --iterations "$ITERATIONS" --output-dir "$dir/trl_out" \
+    --iterations "$ITERATIONS" --output-dir "$dir/trl_out" --precision "$TRL_PRECISION" \
     > "$dir/trl.log" 2>&1 || { tail -20 "$dir/trl.log"; exit 1; }
 done
 

@@ -25,14 +25,15 @@ MINIBATCHES = 4
 TEMPERATURE = 0.7
 
 
-def ours_yaml(out: Path, iterations: int) -> str:
-    """The `rlhf-dist ppo` config matching the TRL run (run.output_dir is set per round)."""
+def ours_yaml(out: Path, iterations: int, precision: str = "fp32") -> str:
+    """The `rlhf-dist ppo` config matching the TRL run (run.output_dir is set per round).
+    precision bf16: bf16 weights for all four models (TRL: bf16 autocast, its default)."""
     minibatch = ROLLOUT_BATCH // MINIBATCHES
     cfg = {
         "model": {
             "policy": str(out / "policy"),
             "reward": str(out / "reward"),
-            "dtype": "float32",
+            "dtype": "bfloat16" if precision == "bf16" else "float32",
         },
         "data": {"train": str(out / "prompts.jsonl")},
         "run": {
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--size", default="tiny", choices=("tiny", "small"))
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     args = ap.parse_args()
     out = args.out
     # The demo task gives a tokenizer and a prompt file; the SFT/preference files are
@@ -86,8 +88,10 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(files.tokenizer_dir))
     build_tiny_models(out, tokenizer, size=args.size, seed=0)
     (out / "prompts.jsonl").write_bytes(files.prompts.read_bytes())
-    (out / "ours.yaml").write_text(ours_yaml(out, args.iterations), encoding="utf-8")
-    print(f"prepared {out} (model size {args.size}, {args.prompts} prompts)")
+    (out / "ours.yaml").write_text(
+        ours_yaml(out, args.iterations, args.precision), encoding="utf-8"
+    )
+    print(f"prepared {out} (model size {args.size}, {args.precision}, {args.prompts} prompts)")
 
 
 if __name__ == "__main__":

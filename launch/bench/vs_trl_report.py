@@ -28,7 +28,10 @@ PPO_EPOCHS = 4
 
 
 FAIRNESS_NOTES = """\
-Fairness notes (what differs between the two loops; same weights, prompts, fp32, threads):
+Fairness notes (what differs between the two loops; same weights, prompts, threads):
+- Precision: fp32 runs are fp32 on both sides. In bf16 runs ours keeps bf16 weights
+  (model.dtype=bfloat16: without DeepSpeed, no fp32 master copy) and TRL its default
+  mixed precision (fp32 weights, bf16 autocast): each side's fastest bf16 setting.
 - Timing: ours is `time/total` from metrics.jsonl (rollout + update, measured inside the
   loop; metrics writing and alerts after it are excluded); TRL's is wall clock between
   consecutive `on_step_end` callbacks, so it also includes its metrics gathering, logging,
@@ -39,9 +42,10 @@ Fairness notes (what differs between the two loops; same weights, prompts, fp32,
 - Forward passes: TRL calls every model with output_hidden_states=True and computes
   logits at every position; ours asks the actor for logits of the response positions only
   (logits_to_keep) and reads hidden states of the critic/reward backbone directly.
-- Generation: TRL removes EOS from the generation config (stop_token=None); ours keeps EOS
-  but suppresses it until 32 tokens (min_new_tokens=32). Both sample exactly 32 tokens
-  with temperature 0.7, top_k 0, top_p 1.
+- Generation: TRL uses transformers' generate() and removes EOS from the generation
+  config (stop_token=None); ours runs its own KV-cache decode loop and keeps EOS but
+  suppresses it until 32 tokens (min_new_tokens=32). Both sample exactly 32 tokens with
+  temperature 0.7, top_k 0, top_p 1.
 - Update: both do 4 epochs x 4 minibatches of 8 with one forward/backward and one Adam
   step per minibatch (16 steps). Ours clips the actor's and critic's gradients to norm 1
   (two norm computations per step) and checks the loss and gradients for non-finite
@@ -81,10 +85,10 @@ def read_rounds(
     return ours, trl, phases
 
 
-def matmul_rate(m: int, k: int, n: int, seconds: float = 1.0) -> float:
-    """Measured fp32 FLOP/s of (m, k) @ (k, n) on this machine: the fastest of repeated
-    runs, since a floor wants the best rate the machine reaches, not one disturbed by others."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def matmul_rate(m: int, k: int, n: int, seconds: float = 1.0, dtype=torch.float32) -> float:
+    """Measured FLOP/s of (m, k) @ (k, n) on this machine: the fastest of repeated runs,
+    since a floor wants the best rate the machine reaches, not one disturbed by others."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     for _ in range(3):
         a @ b
     times = []
@@ -145,8 +149,9 @@ def flop_floor(prepared: Path) -> dict:
     # The rate at the shapes these models run: (tokens of a minibatch, hidden) x (hidden,
     # intermediate), the MLP's up projection; a large square matmul for the machine's peak.
     tokens = int(round(8 * L))
-    rate = matmul_rate(tokens, actor["hidden"], actor["intermediate"])
-    peak = matmul_rate(2048, 2048, 2048)
+    dtype = precision_of(prepared)
+    rate = matmul_rate(tokens, actor["hidden"], actor["intermediate"], dtype=dtype)
+    peak = matmul_rate(2048, 2048, 2048, dtype=dtype)
     total = gen + score + update
     return {
         "prompt_tokens_mean": P,
@@ -161,7 +166,23 @@ def flop_floor(prepared: Path) -> dict:
         "matmul_peak_2048": peak,
         "floor_s": total / rate,
         "floor_s_at_peak": total / peak,
+        "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def trl_precision_of(results: Path) -> str:
+    """What the TRL runs used (vs_trl_trl.py --precision)."""
+    for path in sorted(results.glob("round*/trl.json")):
+        if json.loads(path.read_text(encoding="utf-8")).get("precision") == "bf16":
+            return "fp32 weights + bf16 autocast"
+        return "fp32"
+    return "-"
+
+
+def precision_of(prepared: Path) -> torch.dtype:
+    """The trained dtype of the prepared run (ours.yaml is JSON)."""
+    cfg = json.loads((prepared / "ours.yaml").read_text(encoding="utf-8"))
+    return getattr(torch, cfg["model"]["dtype"])
 
 
 def main() -> None:
@@ -182,6 +203,8 @@ def main() -> None:
     print(
         f"   batch {ROLLOUT_BATCH}, response {RESPONSE_LENGTH} tokens, {PPO_EPOCHS} epochs x 4 mb"
     )
+    trl_precision = trl_precision_of(args.results)
+    print(f"   precision: ours {floor['dtype']} weights; TRL {trl_precision}")
     if all_ours:
         print(f"   ours  {median_spread(all_ours)}")
         for k, v in phases.items():
@@ -200,7 +223,7 @@ def main() -> None:
         # The fastest iterations are the least disturbed by other load on a shared machine.
         print(f"   ratio of the fastest iterations {min(all_ours) / min(all_trl):.2f}")
     m, k, n = floor["matmul_shape"]
-    print("== FLOP floor (counted FLOPs / measured fp32 matmul rate)")
+    print(f"== FLOP floor (counted FLOPs / measured {floor['dtype']} matmul rate)")
     print(
         f"   actor {floor['params_actor_matmul'] / 1e6:.3f}M matmul params, critic/RM "
         f"{floor['params_critic_matmul'] / 1e6:.3f}M, mean prompt {floor['prompt_tokens_mean']:.1f}"

@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("result", type=Path)
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--output-dir", type=Path, default=None)
+    # bf16: TRL's own default, mixed precision (fp32 weights, bf16 autocast).
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     args = ap.parse_args()
     src = args.prepared
     torch.set_num_threads(os.cpu_count() or 1)  # as ours: all cores for the one process
@@ -102,8 +104,8 @@ def main() -> None:
         kl_estimator="k1",
         learning_rate=1e-5,
         # TRL's PPOConfig defaults differ from TrainingArguments: bf16=True and
-        # gradient_checkpointing=True. fp32 without checkpointing, as ours.
-        bf16=False,
+        # gradient_checkpointing=True. Checkpointing off (it recomputes forwards), as ours.
+        bf16=args.precision == "bf16",
         fp16=False,
         gradient_checkpointing=False,
         num_sample_generations=0,  # no extra sampling pass over an eval set
@@ -127,7 +129,8 @@ def main() -> None:
         callbacks=[timer],
     )
     trainer.train()
-    args.result.write_text(json.dumps({"seconds": timer.seconds}) + "\n", encoding="utf-8")
+    result = {"seconds": timer.seconds, "precision": args.precision}
+    args.result.write_text(json.dumps(result) + "\n", encoding="utf-8")
     print("trl seconds per iteration:", " ".join(f"{s:.3f}" for s in timer.seconds))
 
 
