@@ -49,6 +49,34 @@ class RolloutBatch:
     def select(self, index) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def trimmed(self) -> tuple[RolloutBatch, int]:
+        """This batch without the columns that are padding in every row, and the number T'
+        of response columns kept (a prefix: cut per-token tensors to [:, :T'] alike).
+
+        Dropped: leading prompt columns (left padding of the longest prompt in a larger
+        batch) and response columns after every row's last real token. Outputs at the kept
+        positions do not change (positions come from the attention mask and causal
+        attention never looks right), so losses and gradients are the same while the
+        padding costs nothing: a micro-batch drawn from a rollout of ragged lengths is
+        often much narrower than the rollout.
+        """
+        P, T = self.prompt_ids.shape[1], self.response_ids.shape[1]
+        cols = torch.arange(max(P, T), device=self.prompt_ids.device)
+        first = torch.where(self.prompt_mask.bool().any(0), cols[:P], P).min()
+        end = torch.where(self.response_mask.any(0), cols[:T] + 1, 1).max()
+        start, keep = torch.stack([first, end]).tolist()  # one host sync for both
+        if start == 0 and keep == T:
+            return self, T
+        cut = {}
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if f.name.startswith("prompt_"):
+                x = x[:, start:]
+            elif x.dim() == 2:  # (B, T) response-aligned
+                x = x[:, :keep]
+            cut[f.name] = x
+        return RolloutBatch(**cut), keep
+
 
 def truncate_after_eos(response_ids: torch.Tensor, eos_id: int, pad_id: int):
     """(ids, response_mask, finished): mask True up to and including the first EOS.

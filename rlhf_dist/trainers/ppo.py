@@ -127,7 +127,9 @@ def minibatch_backward(runtime, model, mb, advantages, returns, cfg, slices, sta
     """
     n_tokens = runtime.all_sum(mb.response_mask.sum().float())
     for i, s in enumerate(slices):
-        loss_sum = micro_batch_loss(model, mb.select(s), advantages[s], returns[s], cfg, stats)
+        micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
+        adv, ret = advantages[s][:, :T], returns[s][:, :T]
+        loss_sum = micro_batch_loss(model, micro, adv, ret, cfg, stats)
         # x world_size: data-parallel backends average gradients over ranks.
         scaled = loss_sum * runtime.world_size / n_tokens
         runtime.micro_backward(model, scaled, last=i == len(slices) - 1)

@@ -14,6 +14,7 @@ from rlhf_dist.config import ConfigError
 from rlhf_dist.demo.task import build_tokenizer, positive_word_reward
 from rlhf_dist.rollout import (
     RewardFunction,
+    RolloutBatch,
     decode_responses,
     pad_columns,
     sample_next,
@@ -268,3 +269,55 @@ def test_sample_next_suppresses_eos_and_applies_temperature():
     # softmax([0, 10, 0]) at temperature 0.5: P(EOS) = 1 / (1 + 2 e^-10) ~ 0.99991.
     assert float((drawn == EOS).float().mean()) > 0.995
     assert torch.equal(logits[0], torch.tensor([0.0, 5.0, 0.0]))  # input untouched
+
+
+# ------------------------------------------------------------------ RolloutBatch.trimmed
+
+
+def _batch(prompt_mask, response_mask) -> RolloutBatch:
+    prompt_mask = torch.tensor(prompt_mask)
+    response_mask = torch.tensor(response_mask, dtype=torch.bool)
+    B, T = response_mask.shape
+    per_token = torch.arange(B * T, dtype=torch.float32).reshape(B, T)
+    return RolloutBatch(
+        prompt_ids=torch.where(prompt_mask.bool(), 7, PAD),
+        prompt_mask=prompt_mask,
+        response_ids=torch.where(response_mask, 9, PAD),
+        response_mask=response_mask,
+        old_logprobs=per_token,
+        ref_logprobs=per_token + 1,
+        old_values=per_token + 2,
+        scores=torch.arange(B, dtype=torch.float32),
+        raw_scores=torch.arange(B, dtype=torch.float32),
+        finished=torch.ones(B, dtype=torch.bool),
+        entropy=per_token + 3,
+    )
+
+
+def test_trimmed_drops_columns_that_are_padding_in_every_row():
+    batch = _batch(
+        [[0, 0, 1, 1], [0, 0, 0, 1]],  # the first 2 prompt columns are padding in both rows
+        [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]],  # the last 2 response columns too
+    )
+    trimmed, T = batch.trimmed()
+    assert T == 3
+    assert trimmed.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert trimmed.prompt_ids.shape == (2, 2)
+    assert trimmed.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    for name in ("response_ids", "old_logprobs", "ref_logprobs", "old_values", "entropy"):
+        assert torch.equal(getattr(trimmed, name), getattr(batch, name)[:, :3]), name
+    for name in ("scores", "raw_scores", "finished"):
+        assert torch.equal(getattr(trimmed, name), getattr(batch, name)), name
+    # The model's input keeps every real token, in place relative to each other.
+    assert trimmed.input_ids[trimmed.attention_mask.bool()].tolist() == (
+        batch.input_ids[batch.attention_mask.bool()].tolist()
+    )
+
+
+def test_trimmed_keeps_a_batch_without_padding_columns_whole():
+    batch = _batch([[1, 1], [0, 1]], [[1, 0], [1, 1]])
+    trimmed, T = batch.trimmed()
+    assert trimmed is batch and T == 2
+    # Rows without any real response token keep one column (the model needs one).
+    empty, T = _batch([[1]], [[0, 0, 0]]).trimmed()
+    assert T == 1 and empty.response_mask.shape == (1, 1)
