@@ -453,6 +453,12 @@ def _divides(small: tuple[str, int], big: tuple[str, int]) -> None:
         raise ConfigError(f"{small[0]}={small[1]} must divide {big[0]}={big[1]}")
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     """Check the keys `stage` ("sft", "rm", "ppo", "eval") uses; raise ConfigError naming one."""
     _positive(cfg.run, "run", "log_every")
@@ -468,6 +474,11 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         if tracker not in ("wandb", "tensorboard"):
             raise ConfigError(f"run.trackers: unknown tracker {tracker!r} (wandb, tensorboard)")
     _positive(cfg.data, "data", "max_prompt_length", "max_length")
+    if cfg.model.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
+        raise ConfigError(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn package "
+            "(pip install flash-attn) and a CUDA GPU; use sdpa or auto otherwise"
+        )
     if stage in ("sft", "rm"):
         section = getattr(cfg, stage)
         _positive(section, stage, "epochs", "batch_size", "micro_batch_size")

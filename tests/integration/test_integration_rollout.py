@@ -200,3 +200,14 @@ def test_decode_loop_logits_equal_each_sequence_alone(sft_run, task_env):
         torch.testing.assert_close(
             steps[b, :alive], alone[P - 1 : P - 1 + alive], atol=1e-4, rtol=1e-4
         )
+
+
+def test_attn_implementation_reaches_every_loaded_model(task_env):
+    from rlhf_dist.models import load_sequence_classifier
+
+    for attn in ("eager", "sdpa"):
+        source = config_from_dict({"model": {"attn_implementation": attn}}).model
+        policy = load_causal_lm(str(task_env.policy), "model.policy", source=source)
+        reward = load_sequence_classifier(str(task_env.reward), "model.reward", source=source)
+        assert policy.config._attn_implementation == attn
+        assert reward.config._attn_implementation == attn

@@ -360,3 +360,16 @@ def test_config_objects_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.run = None
     assert cfg.ppo.iterations == 3
+
+
+def test_flash_attention_without_the_package_is_an_error_naming_the_key(monkeypatch):
+    import rlhf_dist.config as config_module
+
+    cfg = load_config(overrides=PPO_REQUIRED + ["model.attn_implementation=flash_attention_2"])
+    monkeypatch.setattr(config_module, "_installed", lambda module: False)
+    with pytest.raises(ConfigError, match=r"^model\.attn_implementation: .*flash-attn"):
+        validate(cfg, "ppo")
+    monkeypatch.setattr(config_module, "_installed", lambda module: module == "flash_attn")
+    validate(cfg, "ppo")
+    with pytest.raises(ConfigError, match=r"^model\.attn_implementation: must be one of"):
+        load_config(overrides=["model.attn_implementation=flash"])
