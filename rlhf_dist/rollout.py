@@ -116,14 +116,14 @@ def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=No
     )  # fmt: skip
     position = position[:, -1:]
     finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    tokens = []
+    tokens, more = [], True  # more: this rank still samples (one host sync per token)
     while True:
-        if len(tokens) < steps and not bool(finished.all()):
+        if more:
             allow_eos = len(tokens) >= gen_cfg.min_new_tokens
             token = sample_next(out.logits[:, -1], gen_cfg, eos, allow_eos)
             tokens.append(torch.where(finished, pad, token))
             finished |= tokens[-1] == eos
-        more = len(tokens) < steps and not bool(finished.all())
+            more = len(tokens) < steps and not bool(finished.all())
         if not (more if keep_in_step is None else keep_in_step(more)):
             return torch.stack(tokens, dim=1)
         feed = tokens[-1] if more else torch.full_like(tokens[-1], pad)  # throw-away forward
