@@ -172,11 +172,11 @@ def flop_floor(prepared: Path) -> dict:
 
 def trl_precision_of(results: Path) -> str:
     """What the TRL runs used (vs_trl_trl.py --precision)."""
-    for path in sorted(results.glob("round*/trl.json")):
-        if json.loads(path.read_text(encoding="utf-8")).get("precision") == "bf16":
-            return "fp32 weights + bf16 autocast"
-        return "fp32"
-    return "-"
+    runs = sorted(results.glob("round*/trl.json"))  # every round runs the same settings
+    if not runs:
+        return "-"
+    bf16 = json.loads(runs[0].read_text(encoding="utf-8")).get("precision") == "bf16"
+    return "fp32 weights + bf16 autocast" if bf16 else "fp32"
 
 
 def precision_of(prepared: Path) -> torch.dtype:
