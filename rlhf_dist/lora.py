@@ -46,6 +46,43 @@ def adapters_disabled(model: nn.Module):
         yield model
 
 
+@contextlib.contextmanager
+def merged_adapters(model: nn.Module):
+    """Run a peft LoRA `model` with its adapters folded into the base weights.
+
+    Inside, every LoRA layer's base weight is W + scale * B @ A (computed in fp32, stored in
+    the base's dtype) and the adapter path is off, so a forward costs what the plain model
+    costs: generation, one forward per token, no longer pays the four extra small kernels
+    per adapted layer (x @ A, @ B, scale, add) that made it launch-bound on a GPU. The
+    original base tensors are kept and put back on exit, bitwise: nothing is merged and
+    "unmerged" by subtraction (which drifts in bf16 and would move the adapters-off
+    reference policy). Costs one extra copy of the adapted weights while inside.
+    Not for ZeRO-3-partitioned modules (their weights are not whole tensors here).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    originals = []
+    try:
+        with torch.no_grad():
+            for layer in model.modules():
+                if not isinstance(layer, LoraLayer):
+                    continue
+                active = [a for a in layer.active_adapters if a in layer.lora_A]
+                if not active:
+                    continue
+                base = layer.get_base_layer()
+                weight = base.weight
+                delta = sum(layer.get_delta_weight(a).float() for a in active)
+                originals.append((base, weight))
+                merged = (weight.float() + delta).to(weight.dtype)
+                base.weight = nn.Parameter(merged, requires_grad=False)
+        with model.disable_adapter():
+            yield model
+    finally:
+        for base, weight in originals:
+            base.weight = weight
+
+
 class AdapterOffReference(nn.Module):
     """The reference policy as the actor's base with adapters off: no second weight copy.
 

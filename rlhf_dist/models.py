@@ -125,6 +125,41 @@ def load_sequence_classifier(
     return disable_dropout(model)
 
 
+def trained_load_dtype(model_dtype: str, deepspeed: bool, frozen_base: bool) -> str:
+    """The dtype to load a model that will be TRAINED in (docs/distributed.md, precision).
+
+    bf16 asked for without DeepSpeed means fp32 weights and optimizer state with bf16
+    compute (autocast): Adam's steps of ~lr (3e-6 at 1B scale) are below bf16's resolution
+    near 1, so bf16 weights silently drop most updates. DeepSpeed keeps fp32 master
+    weights itself, so there the module is loaded as asked. A LoRA base (`frozen_base`)
+    is never updated and stays in the asked dtype; `upcast_trainable` then makes its
+    adapters and heads fp32.
+    """
+    return model_dtype if deepspeed or frozen_base else "float32"
+
+
+def upcast_trainable(model: nn.Module) -> nn.Module:
+    """Trainable parameters (LoRA adapters, value heads) in fp32; frozen ones untouched."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each layer's activations in backward instead of storing them.
+
+    Memory for activations drops from all layers' to about one layer's (plus the layer
+    inputs), for one extra forward per backward. Non-reentrant checkpointing: it needs
+    no input that requires grad (a LoRA model's embeddings are frozen) and runs the
+    recomputed forward under the same hooks (ZeRO-3 gathers the layer again). Only active
+    in train mode, so rollout forwards are unaffected.
+    """
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def disable_dropout(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
