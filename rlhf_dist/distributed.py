@@ -180,7 +180,7 @@ class Runtime:
         self._steps_seen += 1
         if self.zero_stage is not None:
             return self._deepspeed_step(model, optimizer, len(max_norms))
-        torch_optimizer = _torch_optimizer(optimizer)
+        torch_optimizer = _stepping_optimizer(optimizer)
         norms = None
         if not self._poisoned:
             # Clipping computes each group's norm anyway: a non-finite norm is a non-finite
@@ -374,7 +374,7 @@ class Runtime:
         this form resumes on any number of ranks (verl #2265, OpenRLHF #1067 could not).
         """
         named = [(n, p) for n, p in self.unwrap(model).named_parameters() if p.requires_grad]
-        inner = _torch_optimizer(optimizer)
+        inner = _innermost_optimizer(optimizer)
         state = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "step": _adam_step(inner)}
         for name, p in named:
             full = _full_zero_state(p)
@@ -395,7 +395,7 @@ class Runtime:
         The weights themselves must already be in the module before `prepare` (so every
         backend partitions the right values); this sets the fp32 masters and Adam moments.
         """
-        inner = _torch_optimizer(optimizer)
+        inner = _innermost_optimizer(optimizer)
         if state["step"] > 0:
             _materialise_adam_state(inner, _zero_flat_partitions(optimizer))
         for name, p in self.unwrap(model).named_parameters():
@@ -455,8 +455,10 @@ class Runtime:
             print(*args, **kwargs, flush=True)
 
 
-def _torch_optimizer(optimizer):
-    """The torch optimizer inside Accelerate's and DeepSpeed's wrappers."""
+def _innermost_optimizer(optimizer):
+    """The torch optimizer inside Accelerate's and DeepSpeed's wrappers (every level: under
+    ZeRO, Accelerate's wrapper holds DeepSpeed's ZeRO optimizer, which holds the AdamW
+    whose state the checkpoint reads and writes)."""
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
@@ -539,7 +541,7 @@ class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row (or a corrupted DeepSpeed step): the run stops."""
 
 
-def _torch_optimizer(optimizer):
+def _stepping_optimizer(optimizer):
     """The torch optimizer inside Accelerate's wrapper, when stepping it directly is the
     same: without an fp16 loss scaler (and without XLA) the wrapper's step only adds
     checks, two of them importlib look-ups on every call (~0.3 ms per step, 2% of a tiny
