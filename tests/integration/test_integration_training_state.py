@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_dist.distributed import _innermost_optimizer
+from rlhf_dist.distributed.training_state import innermost_optimizer
 
 
 def prepared(runtime, seed: int):
@@ -20,7 +20,7 @@ def prepared(runtime, seed: int):
 
 def test_checkpoint_state_comes_from_the_inner_adamw_and_restores_into_it(runtime):
     model, optimizer = prepared(runtime, seed=0)
-    inner = _innermost_optimizer(optimizer)
+    inner = innermost_optimizer(optimizer)
     assert type(inner) is torch.optim.AdamW and inner is not optimizer
     loss = model(torch.randn(2, 4)).sum()  # [2, 1] -> scalar
     assert runtime.micro_backward(model, loss, last=True)
@@ -33,7 +33,7 @@ def test_checkpoint_state_comes_from_the_inner_adamw_and_restores_into_it(runtim
 
     fresh, fresh_optimizer = prepared(runtime, seed=1)
     runtime.restore_optimizer_state(fresh, fresh_optimizer, state)
-    fresh_inner = _innermost_optimizer(fresh_optimizer)
+    fresh_inner = innermost_optimizer(fresh_optimizer)
     for name, p in runtime.unwrap(fresh).named_parameters():
         assert torch.equal(fresh_inner.state[p]["exp_avg_sq"], state["exp_avg_sq"][name])
         assert int(fresh_inner.state[p]["step"]) == 1

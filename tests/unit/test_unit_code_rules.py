@@ -55,7 +55,7 @@ def backend_imports(tree: ast.Module) -> list[str]:
 
 def in_distributed_layer(relative: str) -> bool:
     parts = Path(relative).parts
-    return parts[1] in ("distributed", "distributed.py")
+    return parts[1] == "distributed"
 
 
 def test_no_module_defines_a_top_level_name_twice():

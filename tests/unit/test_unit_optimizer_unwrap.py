@@ -9,7 +9,8 @@ real ones.
 
 import torch
 
-from rlhf_dist.distributed import _innermost_optimizer, _stepping_optimizer
+from rlhf_dist.distributed.guard import stepping_optimizer
+from rlhf_dist.distributed.training_state import innermost_optimizer
 
 
 class Wrapper:
@@ -25,13 +26,13 @@ def adamw() -> torch.optim.AdamW:
 
 def test_checkpoint_code_unwraps_every_level_down_to_the_torch_optimizer():
     inner = adamw()
-    assert _innermost_optimizer(Wrapper(Wrapper(inner))) is inner  # Accelerate > ZeRO > AdamW
-    assert _innermost_optimizer(Wrapper(inner)) is inner
-    assert _innermost_optimizer(inner) is inner
+    assert innermost_optimizer(Wrapper(Wrapper(inner))) is inner  # Accelerate > ZeRO > AdamW
+    assert innermost_optimizer(Wrapper(inner)) is inner
+    assert innermost_optimizer(inner) is inner
 
 
 def test_step_code_unwraps_one_level_and_none_with_a_loss_scaler():
     inner = adamw()
-    assert _stepping_optimizer(Wrapper(inner)) is inner
+    assert stepping_optimizer(Wrapper(inner)) is inner
     scaled = Wrapper(inner, scaler=object())  # the wrapper's step unscales: keep it
-    assert _stepping_optimizer(scaled) is scaled
+    assert stepping_optimizer(scaled) is scaled

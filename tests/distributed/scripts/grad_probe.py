@@ -15,7 +15,8 @@ import torch
 
 from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict
-from rlhf_dist.distributed import Runtime, _innermost_optimizer
+from rlhf_dist.distributed import Runtime
+from rlhf_dist.distributed.training_state import innermost_optimizer
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.trainers.ppo import StatSums, minibatch_backward
@@ -71,7 +72,7 @@ def main():
         runtime, built.model, mb, advantages[share], returns[share], cfg, slices, StatSums()
     )
     grads = runtime.full_gradients(built.model)
-    inner = type(_innermost_optimizer(built.optimizer))
+    inner = type(innermost_optimizer(built.optimizer))
     if runtime.is_main:
         name = f"{inner.__module__}.{inner.__qualname__}"
         torch.save({"gradients": grads, "checkpoint_optimizer": name}, out)
