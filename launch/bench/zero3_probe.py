@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf_dist.distributed import DTYPES, Runtime
-from rlhf_dist.models import quiet_transformers
+from rlhf_dist.distributed import Runtime
+from rlhf_dist.models import DTYPES, quiet_transformers
 
 
 def tiny_gpt(vocab: int = 1024, hidden: int = 256, layers: int = 4):

@@ -17,6 +17,9 @@ from conftest import REPO, _env, free_port, launch_args, run_launch
 PROBE = str(REPO / "tests" / "distributed" / "scripts" / "grad_probe.py")
 
 
+ADAMW = "torch.optim.adamw.AdamW"
+
+
 def probe_single(assets, out, micro: int) -> dict:
     args = [sys.executable, PROBE, assets["policy"], assets["reward"], str(out), str(micro)]
     proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
@@ -24,22 +27,40 @@ def probe_single(assets, out, micro: int) -> dict:
     return torch.load(out)
 
 
+def probe_two_ranks(assets, out, config: str) -> dict:
+    cmd = [PROBE, assets["policy"], assets["reward"], str(out), "2"]
+    run_launch(launch_args(config, free_port(), *cmd))
+    return torch.load(out)
+
+
+def assert_same_gradients(reference: dict, other: dict, tolerance: float, what: str) -> None:
+    assert reference.keys() == other.keys()
+    for name, g in reference.items():
+        scale = g.abs().max().clamp(min=1e-6)
+        assert (other[name] - g).abs().max() / scale < tolerance, f"{what} differs at {name}"
+
+
 def test_gradient_same_for_1x1_1x4_2x2_zero3_and_2x2_ddp(assets, tmp_path):
     whole = probe_single(assets, tmp_path / "1x1.pt", micro=8)
     split = probe_single(assets, tmp_path / "1x4.pt", micro=2)
-    cmd = [PROBE, assets["policy"], assets["reward"], str(tmp_path / "2x2.pt"), "2"]
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *cmd))
-    zero3 = torch.load(tmp_path / "2x2.pt")
-    cmd = [PROBE, assets["policy"], assets["reward"], str(tmp_path / "ddp.pt"), "2"]
-    run_launch(launch_args("cpu_ddp.yaml", free_port(), *cmd))
-    ddp = torch.load(tmp_path / "ddp.pt")
-    assert whole.keys() == split.keys() == zero3.keys() == ddp.keys()
-    assert any(g.abs().sum() > 0 for g in whole.values())
-    for name, g in whole.items():
-        scale = g.abs().max().clamp(min=1e-6)
-        assert (split[name] - g).abs().max() / scale < 1e-5, f"1x4 differs at {name}"
-        assert (zero3[name] - g).abs().max() / scale < 1e-4, f"2x2 ZeRO-3 differs at {name}"
-        assert (ddp[name] - g).abs().max() / scale < 1e-4, f"2x2 DDP differs at {name}"
+    zero3 = probe_two_ranks(assets, tmp_path / "2x2.pt", "cpu_zero3.yaml")
+    ddp = probe_two_ranks(assets, tmp_path / "ddp.pt", "cpu_ddp.yaml")
+    # The checkpoint code reads the Adam state of the torch AdamW on every backend, not
+    # Accelerate's wrapper nor DeepSpeed's ZeRO optimizer around it.
+    for probe in (whole, split, zero3, ddp):
+        assert probe["checkpoint_optimizer"] == ADAMW
+    grads = whole["gradients"]
+    assert any(g.abs().sum() > 0 for g in grads.values())
+    assert_same_gradients(grads, split["gradients"], 1e-5, "1x4")
+    assert_same_gradients(grads, zero3["gradients"], 1e-4, "2x2 ZeRO-3")
+    assert_same_gradients(grads, ddp["gradients"], 1e-4, "2x2 DDP")
+
+
+def test_gradient_and_checkpoint_optimizer_under_zero2(assets, tmp_path):
+    whole = probe_single(assets, tmp_path / "1x1.pt", micro=8)
+    zero2 = probe_two_ranks(assets, tmp_path / "zero2.pt", "cpu_zero2.yaml")
+    assert zero2["checkpoint_optimizer"] == ADAMW
+    assert_same_gradients(whole["gradients"], zero2["gradients"], 1e-4, "2x2 ZeRO-2")
 
 
 UNEVEN = str(REPO / "tests" / "distributed" / "scripts" / "uneven_generation.py")

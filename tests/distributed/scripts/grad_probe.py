@@ -4,7 +4,9 @@ Usage: grad_probe.py POLICY REWARD OUT MICRO_BATCH_SIZE
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
 global minibatch with ragged response lengths, takes its share, and accumulates the
 gradient over its micro-batches with the trainer's own `minibatch_backward`. Rank 0
-writes {name: full gradient} to OUT, so tests can compare splits.
+writes {"gradients": {name: full gradient}, "checkpoint_optimizer": class name} to OUT, so
+tests can compare splits and check that the checkpoint code reaches the torch AdamW
+inside every backend's wrappers (Accelerate's, DeepSpeed's ZeRO optimizer).
 """
 
 import sys
@@ -14,6 +16,7 @@ import torch
 from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.distributed import Runtime
+from rlhf_dist.distributed.training_state import innermost_optimizer
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.trainers.ppo import StatSums, minibatch_backward
@@ -69,8 +72,10 @@ def main():
         runtime, built.model, mb, advantages[share], returns[share], cfg, slices, StatSums()
     )
     grads = runtime.full_gradients(built.model)
+    inner = type(innermost_optimizer(built.optimizer))
     if runtime.is_main:
-        torch.save(grads, out)
+        name = f"{inner.__module__}.{inner.__qualname__}"
+        torch.save({"gradients": grads, "checkpoint_optimizer": name}, out)
     runtime.barrier()
 
 

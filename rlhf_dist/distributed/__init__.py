@@ -1,0 +1,38 @@
+"""The single door to Accelerate and DeepSpeed.
+
+Trainers never import accelerate or deepspeed: they get a `Runtime` and call its methods
+to prepare models, run micro-batch backward passes, step optimizers, generate and reduce
+statistics. `python -m rlhf_dist ...` gives a one-process runtime; `accelerate launch`
+(DDP, ZeRO-2, ZeRO-3, multi-node) gives one process per rank running the same code.
+
+Gradient accumulation is ours, not the backends': a trainer divides each micro-batch's
+loss SUM by the token (or pair) count of the whole global batch, calls
+`micro_backward(..., last=...)` per micro-batch and `optimizer_step` once. The runtime
+makes every backend produce exactly that gradient (DeepSpeed's own 1/GAS loss scaling is
+turned off; its averaging over ranks is undone by the x world_size the trainer applies).
+
+Modules, one concern each (`Runtime` composes them; nothing else here imports the
+backends):
+- backend.py: the Accelerator, rank/world/device, `prepare` and `unwrap`, seeding;
+- deepspeed_config.py: DeepSpeed's "auto" config entries filled from our config;
+- guard.py: micro_backward / optimizer_step behind the numerical guard;
+- collectives.py: all_sum, all_max, any_rank, gather_objects, barrier; dead-peer errors;
+- training_state.py: full state dicts and gradients, world-size independent checkpoints;
+- inference.py: frozen models, the generation context, loading outside ZeRO-3;
+- trackers.py: W&B / TensorBoard through Accelerate;
+- runtime.py: the `Runtime` facade.
+"""
+
+from rlhf_dist.distributed.backend import Backend, seed_everything
+from rlhf_dist.distributed.collectives import collective_failure
+from rlhf_dist.distributed.guard import NumericalGuard, TrainingDiverged
+from rlhf_dist.distributed.runtime import Runtime
+
+__all__ = [
+    "Backend",
+    "NumericalGuard",
+    "Runtime",
+    "TrainingDiverged",
+    "collective_failure",
+    "seed_everything",
+]

@@ -1,0 +1,141 @@
+"""The Accelerator of this process, built once from our config, and who and where we are.
+
+Also the one place that hands models to the backend (`prepare`, `unwrap`): under DeepSpeed
+the "auto" entries of its config are filled from ours first (deepspeed_config.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import torch
+
+from rlhf_dist.distributed.deepspeed_config import fill_deepspeed_config, fill_zero_buckets
+
+
+class Backend:
+    """Accelerate's Accelerator plus rank/world information and model preparation."""
+
+    def __init__(
+        self,
+        num_threads: int = 0,
+        timeout_s: int = 1800,
+        dtype: str = "float32",
+        trackers: tuple[str, ...] = (),
+        logging_dir: str | None = None,
+    ):
+        self.accelerator = _make_accelerator(timeout_s, dtype, trackers, logging_dir)
+        if self.device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
+        self._unwrapped: dict[int, tuple] = {}  # id -> (wrapper, kept alive; inner module)
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed ZeRO stage of this run, or None without DeepSpeed."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        if plugin is None:
+            return None
+        return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+    def prepare(
+        self,
+        model,
+        optimizer,
+        micro_batch_size: int,
+        accumulation_steps: int,
+        max_grad_norm: float,
+        dtype: str,
+    ):
+        """Wrap a trainable model and its optimizer for this run's backend.
+
+        Under DeepSpeed the "auto" entries of its config are filled from ours (one place
+        for each value); an explicit value that disagrees is a ConfigError.
+        """
+        if self.zero_stage is not None:
+            ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            fill_deepspeed_config(
+                ds, micro_batch_size, accumulation_steps, self.world_size, max_grad_norm, dtype
+            )
+            fill_zero_buckets(ds, model)
+        return self.accelerator.prepare(model, optimizer)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model inside its backend wrapper, cached (Accelerate's unwrap walks the
+        module tree on every call; it ran once per optimizer step)."""
+        key = id(model)
+        if key not in self._unwrapped:
+            self._unwrapped[key] = (model, self.accelerator.unwrap_model(model))
+        return self._unwrapped[key][1]
+
+    def peak_memory_bytes(self) -> int:
+        """Peak memory of this rank: the accelerator's allocator peak, or the process's
+        peak resident set on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def _make_accelerator(timeout_s: int, dtype: str, trackers: tuple[str, ...], logging_dir):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = []
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Without an explicit gloo backend on CPU, each process believes it is rank 0
+        # of 1 while DeepSpeed partitions across all of them (design.md section 6).
+        backend = None if torch.cuda.is_available() else "gloo"
+        handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
+    # bf16 weights -> the backends' bf16 mixed precision (DeepSpeed: bf16.enabled, with
+    # fp32 master weights in the optimizer); decided here, once, from our config.
+    precision = "bf16" if dtype == "bfloat16" else None
+    # Without a GPU and without DeepSpeed, tell Accelerate so: otherwise torchrun-started
+    # CPU ranks are not wrapped in DDP and silently drift apart.
+    use_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    cpu = not torch.cuda.is_available() and not use_ds
+    tracking = {}
+    if trackers:
+        from accelerate.utils import ProjectConfiguration
+
+        # TensorBoard event files go to <logging_dir>/<project>; W&B uses its own dir.
+        project = ProjectConfiguration(project_dir=logging_dir, logging_dir=logging_dir)
+        tracking = {"log_with": list(trackers), "project_config": project}
+    return Accelerator(kwargs_handlers=handlers, mixed_precision=precision, cpu=cpu, **tracking)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch RNGs of this process."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (the cgroup/affinity set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

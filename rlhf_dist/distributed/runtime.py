@@ -1,0 +1,166 @@
+"""`Runtime`: the one object trainers hold, composing the distributed layer's pieces.
+
+Each method hands over to the module that owns the concern (backend.py, guard.py,
+collectives.py, training_state.py, inference.py, trackers.py); the logic lives there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from rlhf_dist.distributed import collectives, inference, training_state
+from rlhf_dist.distributed import trackers as experiment_trackers
+from rlhf_dist.distributed.backend import Backend, seed_everything
+from rlhf_dist.distributed.guard import NumericalGuard
+
+
+class Runtime:
+    """Rank/world information, device placement, training steps and collectives."""
+
+    def __init__(
+        self,
+        seed: int | None = None,
+        num_threads: int = 0,
+        timeout_s: int = 1800,
+        dtype: str = "float32",
+        trackers: tuple[str, ...] = (),
+        logging_dir: str | None = None,
+    ):
+        self.backend = Backend(num_threads, timeout_s, dtype, trackers, logging_dir)
+        self.guard = NumericalGuard(self.backend)
+        if seed is not None:
+            # The same seed on every rank: freshly initialised weights (a new value head)
+            # must agree everywhere. Samplers that must differ use `seed_per_rank`.
+            seed_everything(seed)
+
+    # --------------------------------------------------------------- who and where
+    @property
+    def accelerator(self):
+        return self.backend.accelerator
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.backend.is_main
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed ZeRO stage of this run, or None without DeepSpeed."""
+        return self.backend.zero_stage
+
+    def seed_per_rank(self, seed: int) -> None:
+        """Seed this process's RNGs differently on every rank (rollout sampling)."""
+        seed_everything(seed + 1_000_003 * self.rank)
+
+    def peak_memory_bytes(self) -> int:
+        return self.backend.peak_memory_bytes()
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # ------------------------------------------------------------------- training
+    def prepare(self, model, optimizer, micro_batch_size, accumulation_steps, max_grad_norm, dtype):
+        """Wrap a trainable model and its optimizer for this run's backend (Backend.prepare)."""
+        return self.backend.prepare(
+            model, optimizer, micro_batch_size, accumulation_steps, max_grad_norm, dtype
+        )
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.backend.unwrap(model)
+
+    def micro_backward(self, model, loss: torch.Tensor, last: bool) -> bool:
+        """Backward of one micro-batch, behind the numerical guard (guard.py)."""
+        return self.guard.micro_backward(model, loss, last)
+
+    def optimizer_step(self, model, optimizer, max_norms: list[float]) -> list[float] | None:
+        """Clip, step and zero gradients; returns the pre-clip gradient norm of each param
+        group, or None when the numerical guard skipped the step (non-finite loss on any
+        rank, or without DeepSpeed a non-finite gradient): the step's gradients are discarded.
+
+        max_norms: one per param group of the optimizer, e.g. actor and critic each with its
+        own. DeepSpeed clips the global norm of all parameters at one max norm (its
+        gradients are partitioned), so there every group reports that global norm.
+        """
+        return self.guard.optimizer_step(model, optimizer, max_norms)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.guard.skipped_steps
+
+    @property
+    def bad_steps_in_row(self) -> int:
+        return self.guard.bad_steps_in_row
+
+    # ------------------------------------------------- inference-only models
+    def generation_context(self, model, submodule: str | None = None, gather: bool = True):
+        """Yield (module, keep_in_step) for `rollout.generate` (inference.py)."""
+        return inference.generation_context(self.backend, model, submodule, gather)
+
+    @staticmethod
+    def local_loading() -> contextlib.AbstractContextManager[None]:
+        """Load models whole in this process, even after ZeRO-3 engines exist."""
+        return inference.local_loading()
+
+    def prepare_frozen(self, model: torch.nn.Module, placement: str = "auto", dtype="float32"):
+        """A frozen inference-only model (reference, reward model) for this backend."""
+        return inference.prepare_frozen(self.backend, model, placement, dtype)
+
+    # ---------------------------------------------------------------- collectives
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over all ranks (any shape, returned on x's device); `x` is untouched."""
+        return collectives.all_sum(self.backend, x)
+
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        return collectives.all_max(self.backend, x)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a collective: every rank must call it)."""
+        return collectives.any_rank(self.backend, flag)
+
+    def gather_objects(self, items: list) -> list:
+        """Concatenate a python list from every rank (in rank order)."""
+        return collectives.gather_objects(self.backend, items)
+
+    def barrier(self) -> None:
+        collectives.barrier(self.backend)
+
+    # ------------------------------------------------------- full / consolidated state
+    def full_state_dict(self, model) -> dict | None:
+        return training_state.full_state_dict(self.backend, model)
+
+    def full_gradients(self, model) -> dict[str, torch.Tensor]:
+        return training_state.full_gradients(self.backend, model)
+
+    def gather_training_state(self, model, optimizer) -> dict | None:
+        """World-size independent training state, on the main process (training_state.py)."""
+        return training_state.gather_training_state(self.backend, model, optimizer)
+
+    def restore_optimizer_state(self, model, optimizer, state: dict) -> None:
+        return training_state.restore_optimizer_state(self.backend, model, optimizer, state)
+
+    # ------------------------------------------------------------------ trackers
+    def start_trackers(self, project: str, config: dict, init_kwargs: dict) -> None:
+        experiment_trackers.start_trackers(self.backend, project, config, init_kwargs)
+
+    def log_scalars(self, values: dict, step: int) -> None:
+        experiment_trackers.log_scalars(self.backend, values, step)
+
+    def tracker(self, name: str):
+        return experiment_trackers.tracker(self.backend, name)
+
+    def finish_trackers(self) -> None:
+        experiment_trackers.finish_trackers(self.backend)

@@ -1,0 +1,52 @@
+"""Pieces of the distributed layer on their own, without Accelerate: the DeepSpeed config
+filling (plain dicts) and the numerical guard on a one-rank stand-in backend."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from rlhf_dist.config import ConfigError
+from rlhf_dist.distributed import NumericalGuard
+from rlhf_dist.distributed.deepspeed_config import fill_deepspeed_config, fill_zero_buckets
+
+
+def test_auto_entries_are_filled_from_the_run_config_and_conflicts_refused():
+    ds = {"train_batch_size": "auto", "gradient_clipping": 1.0, "bf16": {"enabled": "auto"}}
+    fill_deepspeed_config(ds, 2, 4, 2, 1.0, "bfloat16")
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
+    assert ds["train_batch_size"] == 16 and ds["bf16"] == {"enabled": True}
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        fill_deepspeed_config({"gradient_clipping": 0.5}, 2, 4, 2, 1.0, "float32")
+
+
+def test_zero_buckets_follow_the_largest_hidden_size_and_keep_explicit_values():
+    model = torch.nn.Module()
+    model.config = types.SimpleNamespace(hidden_size=8)
+    ds = {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 7}}
+    fill_zero_buckets(ds, model)
+    assert ds["zero_optimization"] == {"reduce_bucket_size": 64, "stage3_prefetch_bucket_size": 7}
+
+
+def one_rank_backend():
+    """What the guard reads of a Backend: one rank, no DeepSpeed, plain backward."""
+    accelerator = types.SimpleNamespace(backward=lambda loss: loss.backward())
+    return types.SimpleNamespace(
+        rank=0, world_size=1, zero_stage=None, device=torch.device("cpu"), accelerator=accelerator
+    )
+
+
+def test_guard_skips_a_non_finite_step_counts_it_and_steps_the_next():
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    guard = NumericalGuard(one_rank_backend())
+    assert not guard.micro_backward(None, (weight * float("nan")).sum(), last=True)
+    assert guard.optimizer_step(None, optimizer, [1.0]) is None
+    assert (guard.skipped_steps, guard.bad_steps_in_row) == (1, 1)
+    assert torch.equal(weight.detach(), torch.ones(3)) and weight.grad is None
+    assert guard.micro_backward(None, weight.sum(), last=True)
+    norms = guard.optimizer_step(None, optimizer, [10.0])  # grad [1, 1, 1]: norm sqrt(3)
+    assert norms == pytest.approx([3**0.5]) and guard.bad_steps_in_row == 0
+    assert torch.allclose(weight.detach(), torch.full((3,), 0.9))
