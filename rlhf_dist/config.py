@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from rlhf_dist.files import atomic_write_text
+
 
 class UserError(Exception):
     """A mistake of the user's (config, data, their code); the CLI prints it as one line."""
@@ -431,11 +433,7 @@ def save_config(cfg: Config, output_dir: str | os.PathLike) -> Path:
     """Write the effective config to `<output_dir>/config.yaml` (atomically) and return its path."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 # -------------------------------------------------------------------------- validation

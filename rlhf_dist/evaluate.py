@@ -23,7 +23,7 @@ from rlhf_dist.rollout import (
     sequence_last_index,
     truncate_after_eos,
 )
-from rlhf_dist.trainers.common import open_run, write_summary
+from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.ppo import StatSums
 from rlhf_dist.trainers.ppo_setup import build_scorer
 from rlhf_dist.trainers.reward import probe_rephrasings

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import signal
 import threading
 from pathlib import Path
@@ -13,9 +11,8 @@ import torch
 
 from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
-from rlhf_dist.config import Config, save_config, to_dict
+from rlhf_dist.config import Config, to_dict
 from rlhf_dist.distributed import TrainingDiverged
-from rlhf_dist.tracking import MetricsLogger
 
 
 class Preempted(Exception):
@@ -43,25 +40,6 @@ def find_resume(cfg: Config, runtime) -> Checkpoint | None:
     """The checkpoint this run continues from (run.resume), loaded; None for a fresh run."""
     path = find_checkpoint(cfg.run.resume, Path(cfg.run.output_dir))
     return Checkpoint(path, runtime) if path else None
-
-
-def open_run(
-    cfg: Config, runtime, stage: str, ckpt: Checkpoint | None, total_steps: int = 0
-) -> tuple[Path, MetricsLogger]:
-    """Write config.yaml and open metrics.jsonl (keeping rows up to the checkpoint).
-
-    Called only once data and models have loaded, so that a user mistake found while
-    loading leaves no half-written output directory behind.
-    """
-    out = Path(cfg.run.output_dir)
-    if runtime.is_main:
-        save_config(cfg, out)
-    runtime.barrier()
-    if ckpt:
-        runtime.print(f"{stage}: resuming from {ckpt.path} (step {ckpt.step})")
-    start = ckpt.step if ckpt else 0
-    logger = MetricsLogger(runtime, out, cfg.run, to_dict(cfg), stage, start, total_steps)
-    return out, logger
 
 
 def safe_point(
@@ -158,13 +136,6 @@ def save_pretrained(runtime, model, tokenizer, directory: Path, submodule: str =
         target.save_pretrained(directory, state_dict=own, safe_serialization=True)
         tokenizer.save_pretrained(directory)
     runtime.barrier()
-
-
-def write_summary(runtime, out: Path, summary: dict) -> None:
-    if runtime.is_main:
-        tmp = out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, out / "summary.json")
 
 
 def resume_into(runtime, ckpt, model, optimizer, scheduler, seed: int) -> None:

@@ -30,12 +30,11 @@ from rlhf_dist.models import (
     tokenizer_for,
 )
 from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
+from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
     find_resume,
-    open_run,
     safe_point,
-    write_summary,
 )
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
 

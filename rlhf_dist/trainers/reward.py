@@ -25,16 +25,16 @@ from rlhf_dist.data import (
     preference_pairs,
     right_pad,
 )
+from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
+from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
-    open_run,
     prepare_single_model,
     save_pretrained,
     step_and_schedule,
     step_loop,
-    write_summary,
 )
 
 
@@ -243,9 +243,7 @@ def report_eval(cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logg
     report = rm_diagnostics(runtime, model, evals, metrics, ev, batch_size, tokenizer)
     numbers = metrics | headline(report)
     if runtime.is_main:
-        tmp = out / "rm_diagnostics.json.tmp"
-        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(out / "rm_diagnostics.json")
+        atomic_write_text(out / "rm_diagnostics.json", json.dumps(report, indent=2) + "\n")
     keys = ("rm/eval_accuracy", "rm/eval_ece", "rm/eval_length_corr")
     logger.log(step, {f"rm/eval_{k}": v for k, v in numbers.items()}, keys)
     if report["warning"]:

@@ -15,15 +15,14 @@ from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
+from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
-    open_run,
     prepare_single_model,
     save_pretrained,
     step_and_schedule,
     step_loop,
-    write_summary,
 )
 
 
