@@ -213,6 +213,14 @@ class ActorCritic(nn.Module):
         return logits, values
 
 
+def frozen_dtype(model_cfg) -> str:
+    """The dtype of the frozen models (reference, reward model): model.frozen_dtype, where
+    "auto" means the training dtype model.dtype."""
+    if model_cfg.frozen_dtype == "auto":
+        return model_cfg.dtype
+    return model_cfg.frozen_dtype
+
+
 def tokenizer_for(cfg, model_key: str = "policy"):
     """The run's tokenizer: model.tokenizer if set, else the named model's own."""
     m = cfg.model

@@ -23,10 +23,10 @@ from rlhf_dist.data import (
     encode_prompt,
     load_rows,
     preference_pairs,
-    right_pad,
 )
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
+from rlhf_dist.scoring import lockstep_chunks, probe_rephrasings
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
@@ -80,35 +80,6 @@ def expected_calibration_error(prob_chosen: torch.Tensor, n_bins: int = 10) -> f
     return diag.ece_from_bins(diag.reliability_bins(prob_chosen, n_bins))
 
 
-def lockstep_chunks(runtime, n_items: int, size: int):
-    """Slices of `size` over this rank's n_items, then None until every rank is done.
-
-    Ranks' shares differ in length, but each forward pass of a prepared model may be a
-    collective (ZeRO-3 gathers every layer's weights; DDP broadcasts buffers), so every
-    rank must run as many passes as the busiest one: a None asks for a throw-away pass.
-    """
-    mine = -(-n_items // size)
-    total = int(runtime.all_max(torch.tensor(mine, dtype=torch.long)))
-    for i in range(total):
-        yield slice(i * size, (i + 1) * size) if i < mine else None
-
-
-@torch.no_grad()
-def score_sequences(runtime, value_model, seqs: list[list[int]], batch_size: int, pad_id: int):
-    """Scores (len(seqs),) on CPU of whole token sequences, each read at its last token.
-
-    Every rank must call this (lock-step passes, see lockstep_chunks), each with its own seqs.
-    """
-    out = []
-    for s in lockstep_chunks(runtime, len(seqs), batch_size):
-        ids, mask = right_pad(seqs[s] if s else [[pad_id]], pad_id)
-        ids, mask = ids.to(runtime.device), mask.to(runtime.device)
-        scores = sequence_scores(value_model, ids, mask, mask.sum(1) - 1)
-        if s:
-            out.append(scores.float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
-
-
 @dataclass
 class PairEval:
     """Held-out pairs scored, in pair order and on every rank; each field (N,) or N items."""
@@ -156,19 +127,6 @@ def evaluate_pairs(
         "pairs": len(pairs),
     }
     return metrics, ev
-
-
-def probe_rephrasings(runtime, value_model, responses, scores, filler, batch_size, pad_id) -> dict:
-    """The rephrasing probe over every rank's `responses` (diagnostics.Response, this rank's
-    share) with their known `scores` (N,); `filler` is also the droppable tail. Returns
-    diagnostics.rephrase_summary of all ranks together. Every rank must call this."""
-    longer, shorter = diag.rephrasings(responses, filler, [filler])
-    up = score_sequences(runtime, value_model, longer, batch_size, pad_id)
-    down = score_sequences(runtime, value_model, [s for _, s in shorter], batch_size, pad_id)
-    base = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)
-    part = (base.tolist(), up.tolist(), base[[i for i, _ in shorter]].tolist(), down.tolist())
-    parts = runtime.gather_objects([part])
-    return diag.rephrase_summary(*([x for p in parts for x in p[k]] for k in range(4)))
 
 
 def distinct_responses(evals, ev: PairEval) -> tuple[list, list[float]]:

@@ -22,7 +22,7 @@ import torch
 from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict, to_dict
 from rlhf_dist.models import ActorCritic
-from rlhf_dist.rollout import Scorer
+from rlhf_dist.scoring import Scorer
 from rlhf_dist.trainers import ppo
 
 POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"

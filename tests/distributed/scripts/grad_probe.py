@@ -16,7 +16,8 @@ from rlhf_dist.config import config_from_dict
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
-from rlhf_dist.trainers.ppo import StatSums, minibatch_backward
+from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.ppo import minibatch_backward
 from rlhf_dist.trainers.ppo_setup import build_models
 
 B, P, T, VOCAB = 8, 5, 7, 100

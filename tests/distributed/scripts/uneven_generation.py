@@ -16,7 +16,8 @@ from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import load_tokenizer, quiet_transformers
 from rlhf_dist.rollout import RolloutModels, collect_rollout
-from rlhf_dist.trainers.ppo import StatSums, minibatch_backward, optimizer_step
+from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.ppo import minibatch_backward, optimizer_step
 from rlhf_dist.trainers.ppo_setup import build_models
 
 
