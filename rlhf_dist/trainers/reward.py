@@ -10,10 +10,9 @@ import json
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from rlhf_dist import diagnostics as diag
-from rlhf_dist.algo.losses import pairwise_reward_loss
+from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import (
@@ -57,7 +56,7 @@ def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float,
         batch = {k: v.to(runtime.device) for k, v in collate_pairs(share[s], pad_id).items()}
         chosen, rejected = pair_scores(model, batch)
         seen.append(torch.stack([chosen.detach(), rejected.detach()]).cpu())
-        loss_sum = -F.logsigmoid(chosen - rejected).sum()
+        loss_sum = pairwise_reward_terms(chosen, rejected).sum()
         # Sum over pairs / global pair count (x world size: ranks' gradients are averaged).
         runtime.micro_backward(
             model, loss_sum * runtime.world_size / plan.global_size, last=i == len(slices) - 1
@@ -119,7 +118,7 @@ def evaluate_pairs(
         torch.tensor([len(p.chosen) - n for p, n in zip(pairs, prompt_lengths)]),
         torch.tensor([len(p.rejected) - n for p, n in zip(pairs, prompt_lengths)]),
     )
-    loss, accuracy = pairwise_reward_loss(ev.diff, torch.zeros_like(ev.diff))
+    loss, accuracy = pairwise_reward_loss(ev.chosen, ev.rejected)
     metrics = {
         "accuracy": float(accuracy),
         "loss": float(loss),
