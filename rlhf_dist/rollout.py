@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rlhf_dist.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from rlhf_dist.algo.logprobs import logprobs_and_entropy, scale_logits
 from rlhf_dist.algo.rewards import last_token_index
 from rlhf_dist.models import position_ids_from
 from rlhf_dist.scoring import Scorer
@@ -143,8 +143,9 @@ def _cache_of(output) -> dict:
 def sample_next(logits, gen_cfg, eos_id: int, allow_eos: bool) -> torch.Tensor:
     """One token per row, (B,), drawn from softmax(logits / temperature) after EOS
     suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V)."""
-    logits = logits.float() / gen_cfg.temperature  # a new tensor: edited in place below
+    logits = scale_logits(logits, gen_cfg.temperature)
     if not allow_eos:
+        logits = logits.clone()  # scale_logits may return the model's own tensor
         logits[:, eos_id] = float("-inf")
     logits = truncate_logits(logits, gen_cfg.top_k, gen_cfg.top_p)
     return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(1)
@@ -190,8 +191,7 @@ def policy_logprobs(model, input_ids, attention_mask, response_ids, temperature:
         logits_to_keep=T + 1,
         use_cache=False,
     ).logits[:, :-1]
-    logits = logits.float() / temperature
-    return logprobs_from_logits(logits, response_ids), entropy_from_logits(logits)
+    return logprobs_and_entropy(logits, response_ids, temperature)
 
 
 def decode_responses(tokenizer, response_ids, response_mask, eos_id: int) -> list[str]:
@@ -282,8 +282,7 @@ def _score_chunk(
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
     T = response_ids.shape[1]
     logits, values = models.actor_critic(input_ids, attention_mask, T)
-    logits = logits.float() / temperature
-    old_logprobs = logprobs_from_logits(logits, response_ids)
+    old_logprobs, entropy = logprobs_and_entropy(logits, response_ids, temperature)
     if models.reference is not None:
         ref_logprobs, _ = policy_logprobs(
             models.reference, input_ids, attention_mask, response_ids, temperature
@@ -297,7 +296,7 @@ def _score_chunk(
         "ref_logprobs": ref_logprobs.float(),
         "old_values": values.float(),
         "raw_scores": raw_scores.float(),
-        "entropy": entropy_from_logits(logits),
+        "entropy": entropy,
     }
 
 

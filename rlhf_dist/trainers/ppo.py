@@ -50,7 +50,7 @@ def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> to
     p = cfg.ppo
     T = mb.response_ids.shape[1]
     logits, values = model(mb.input_ids, mb.attention_mask, T)
-    logprobs = logprobs_from_logits(logits.float() / cfg.generation.temperature, mb.response_ids)
+    logprobs = logprobs_from_logits(logits, mb.response_ids, cfg.generation.temperature)
     clip_eps = float("inf") if p.clip_eps is None else p.clip_eps  # None: clipping off
     pg = ppo_policy_terms(logprobs, mb.old_logprobs, advantages, clip_eps)
     vf = value_terms(values, mb.old_values, returns, p.value_clip_eps)

@@ -34,7 +34,7 @@ def sequence_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         position_ids=position_ids_from(batch["attention_mask"]),
         use_cache=False,
     ).logits[:, :-1]
-    nll = -logprobs_from_logits(logits.float(), batch["input_ids"][:, 1:])
+    nll = -logprobs_from_logits(logits, batch["input_ids"][:, 1:])
     return masked_sum(nll, batch["loss_mask"], dim=1), batch["loss_mask"].sum(1)
 
 
