@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from rlhf_dist.algo.kl import KL_KINDS
 from rlhf_dist.files import atomic_write_text
 
 
@@ -183,7 +184,7 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.05
-    kl_kind: str = field(default="k1", metadata=_choices("k1", "k2", "k3"))
+    kl_kind: str = field(default="k1", metadata=_choices(*KL_KINDS))
     kl_controller: str = field(default="fixed", metadata=_choices("fixed", "adaptive"))
     kl_target: float = 6.0
     kl_horizon: float = 10000.0

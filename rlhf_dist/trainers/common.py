@@ -13,6 +13,7 @@ from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
 from rlhf_dist.config import Config, to_dict
 from rlhf_dist.distributed import TrainingDiverged
+from rlhf_dist.models import sub_state_dict
 
 
 class Preempted(Exception):
@@ -131,7 +132,7 @@ def save_pretrained(runtime, model, tokenizer, directory: Path, submodule: str =
         target, prefix = runtime.unwrap(model), ""
         for name in filter(None, submodule.split(".")):
             target, prefix = getattr(target, name), prefix + name + "."
-        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        own = sub_state_dict(state, prefix)
         directory.mkdir(parents=True, exist_ok=True)
         target.save_pretrained(directory, state_dict=own, safe_serialization=True)
         tokenizer.save_pretrained(directory)

@@ -22,6 +22,7 @@ from rlhf_dist.models import (
     frozen_dtype,
     load_causal_lm,
     split_classifier,
+    sub_state_dict,
 )
 from rlhf_dist.scoring import Scorer, build_scorer
 from rlhf_dist.trainers.common import make_optimizer, make_scheduler, save_pretrained
@@ -154,8 +155,7 @@ def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) 
             None,
         )
     else:
-        prefix = "critic.classifier."
-        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        own = sub_state_dict(state, "critic.classifier.")
         critic = runtime.unwrap(model).critic.classifier
         critic.save_pretrained(out / "critic", state_dict=own, safe_serialization=True)
     for directory in filter(None, (merged, adapter, out / "critic")):
