@@ -206,10 +206,27 @@ def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
     return (model, optimizer, scheduler), plan, batches
 
 
-def step_and_schedule(runtime, trained, max_grad_norm: float) -> float | None:
-    """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm, or
-    None if the numerical guard skipped the step (the schedule advances either way)."""
+def step_and_schedule(runtime, trained, max_grad_norms: list[float]) -> list[float] | None:
+    """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm of
+    each param group (one max norm each, e.g. [actor, critic]), or None if the numerical
+    guard skipped the step (the schedule advances either way).
+
+    trained: (model, optimizer, scheduler).
+    """
     model, optimizer, scheduler = trained
-    norms = runtime.optimizer_step(model, optimizer, [max_grad_norm])
+    norms = runtime.optimizer_step(model, optimizer, max_grad_norms)
     scheduler.step()
-    return norms[0] if norms else None
+    return norms
+
+
+def share_of_global_mean(runtime, loss_sum: torch.Tensor, global_count) -> torch.Tensor:
+    """The loss to backward for one micro-batch: loss_sum x world_size / global_count.
+
+    loss_sum: 0-dim SUM of this micro-batch's per-token (or per-pair) losses on this rank;
+    global_count: how many tokens (pairs) the WHOLE optimizer step has over ALL ranks.
+    Data-parallel backends AVERAGE gradients over ranks, so the x world_size undoes that
+    average; dividing by the global count makes the accumulated gradient the gradient of
+    the step's global mean loss, the same however the batch is split into ranks and
+    micro-batches (a per-micro-batch mean would weight tokens of short batches more).
+    """
+    return loss_sum * runtime.world_size / global_count

@@ -32,6 +32,7 @@ from rlhf_dist.trainers.common import (
     find_resume,
     prepare_single_model,
     save_pretrained,
+    share_of_global_mean,
     step_and_schedule,
     step_loop,
 )
@@ -57,10 +58,8 @@ def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float,
         chosen, rejected = pair_scores(model, batch)
         seen.append(torch.stack([chosen.detach(), rejected.detach()]).cpu())
         loss_sum = pairwise_reward_terms(chosen, rejected).sum()
-        # Sum over pairs / global pair count (x world size: ranks' gradients are averaged).
-        runtime.micro_backward(
-            model, loss_sum * runtime.world_size / plan.global_size, last=i == len(slices) - 1
-        )
+        loss = share_of_global_mean(runtime, loss_sum, plan.global_size)
+        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
         totals += torch.stack([loss_sum.detach(), (chosen > rejected).float().sum()])
     totals = runtime.all_sum(totals) / plan.global_size
     chosen, rejected = torch.cat(seen, dim=1)
@@ -256,7 +255,8 @@ def train_reward_model(cfg, runtime) -> dict:
 
     def step(idx) -> dict:
         loss, acc, values = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
-        norm = step_and_schedule(runtime, trained, rc.optim.max_grad_norm)
+        norms = step_and_schedule(runtime, trained, [rc.optim.max_grad_norm])
+        norm = norms[0] if norms else None
         return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(

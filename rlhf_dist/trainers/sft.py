@@ -21,6 +21,7 @@ from rlhf_dist.trainers.common import (
     find_resume,
     prepare_single_model,
     save_pretrained,
+    share_of_global_mean,
     step_and_schedule,
     step_loop,
 )
@@ -55,10 +56,8 @@ def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[fl
     for i, batch in enumerate(micro):
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
         nll, count = sequence_nll(model, batch)
-        # x world_size: data-parallel backends average gradients over ranks.
-        runtime.micro_backward(
-            model, nll.sum() * runtime.world_size / total_tokens, last=i == len(micro) - 1
-        )
+        loss = share_of_global_mean(runtime, nll.sum(), total_tokens)
+        runtime.micro_backward(model, loss, last=i == len(micro) - 1)
         loss_sum += nll.sum().detach()
         per_seq.append((nll.detach() / count.clamp(min=1)).cpu())
         lengths.append(count.float().cpu())
@@ -111,7 +110,8 @@ def train_sft(cfg, runtime) -> dict:
 
     def step(idx) -> dict:
         loss, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
-        norm = step_and_schedule(runtime, trained, sc.optim.max_grad_norm)
+        norms = step_and_schedule(runtime, trained, [sc.optim.max_grad_norm])
+        norm = norms[0] if norms else None
         return {"sft/loss": loss, "sft/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(

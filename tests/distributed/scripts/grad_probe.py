@@ -17,7 +17,7 @@ from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo import minibatch_backward
+from rlhf_dist.trainers.ppo import UpdateKnobs, minibatch_backward
 from rlhf_dist.trainers.ppo_setup import build_models
 
 B, P, T, VOCAB = 8, 5, 7, 100
@@ -66,8 +66,9 @@ def main():
     share = plan.update.rank_slice(runtime.rank)
     mb = batch.select(share)
     slices = plan.update.micro_slices()
+    knobs = UpdateKnobs.from_config(cfg)
     minibatch_backward(
-        runtime, built.model, mb, advantages[share], returns[share], cfg, slices, StatSums()
+        runtime, built.model, mb, advantages[share], returns[share], knobs, slices, StatSums()
     )
     grads = runtime.full_gradients(built.model)
     if runtime.is_main:
