@@ -64,18 +64,6 @@ class AdapterOffReference(nn.Module):
             return actor(**kwargs)
 
 
-def unique_parameter_bytes(*modules: nn.Module) -> int:
-    """Bytes of distinct parameter storages across `modules` (shared weights count once)."""
-    seen, total = set(), 0
-    for module in modules:
-        for p in module.parameters():
-            storage = p.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
-
-
 def export_lora(
     state: dict,
     prefix: str,
