@@ -326,17 +326,23 @@ def test_pairwise_loss_margin_hand_computed():
     assert _f(acc) == pytest.approx(1 / 3, abs=1e-12)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("margin_kind", ["none", "float", "tensor"])
-def test_pairwise_loss_matches_reference(seed, margin_kind):
-    g = torch.Generator().manual_seed(1300 + seed)
-    chosen = 2.0 * torch.randn(16, generator=g, dtype=torch.float64)
-    rejected = 2.0 * torch.randn(16, generator=g, dtype=torch.float64)
+def _pair_inputs(seed: int, n: int, scale: float, margin_kind: str):
+    """(chosen, rejected, margin): n random scores each and a margin of the given kind."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = scale * torch.randn(n, generator=g, dtype=torch.float64)
+    rejected = scale * torch.randn(n, generator=g, dtype=torch.float64)
     margin = {
         "none": None,
         "float": 0.5,
-        "tensor": torch.rand(16, generator=g, dtype=torch.float64),
+        "tensor": torch.rand(n, generator=g, dtype=torch.float64),
     }[margin_kind]
+    return chosen, rejected, margin
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("margin_kind", ["none", "float", "tensor"])
+def test_pairwise_loss_matches_reference(seed, margin_kind):
+    chosen, rejected, margin = _pair_inputs(1300 + seed, 16, 2.0, margin_kind)
     loss, acc = pairwise_reward_loss(chosen, rejected, margin=margin)
     exp_loss, exp_acc = ref_pairwise(chosen, rejected, margin)
     assert _scalar_loss(loss) == pytest.approx(exp_loss, abs=1e-6)
@@ -399,14 +405,7 @@ def test_pairwise_terms_hand_computed():
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("margin_kind", ["none", "float", "tensor"])
 def test_pairwise_terms_are_positive_and_average_to_the_loss(seed, margin_kind):
-    g = torch.Generator().manual_seed(1400 + seed)
-    chosen = 3.0 * torch.randn(10, generator=g, dtype=torch.float64)
-    rejected = 3.0 * torch.randn(10, generator=g, dtype=torch.float64)
-    margin = {
-        "none": None,
-        "float": 0.5,
-        "tensor": torch.rand(10, generator=g, dtype=torch.float64),
-    }[margin_kind]
+    chosen, rejected, margin = _pair_inputs(1400 + seed, 10, 3.0, margin_kind)
     terms = pairwise_reward_terms(chosen, rejected, margin)
     loss, _ = pairwise_reward_loss(chosen, rejected, margin)
     assert torch.all(terms > 0)
