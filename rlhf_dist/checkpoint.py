@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from rlhf_dist.config import ConfigError
+from rlhf_dist.files import atomic_write_text, fsync_dir, fsync_file
 
 FORMAT = 1
 FAULT_ENV = "RLHF_DIST_FAULT"
@@ -41,22 +42,9 @@ def maybe_fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save(obj, path: Path) -> None:
     torch.save(obj, path)
-    _fsync_file(path)
+    fsync_file(path)
 
 
 def rng_state() -> dict:
@@ -102,24 +90,16 @@ def save_checkpoint(
         _save(trainer_state, tmp / "trainer.pt")
         meta = {"format": FORMAT, "step": step, "world_size": runtime.world_size}
         (tmp / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
-        _fsync_file(tmp / "meta.json")
+        fsync_file(tmp / "meta.json")
     runtime.barrier()
     if runtime.is_main:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _point_latest(root, name)
+        atomic_write_text(root / "latest", name + "\n")
         _prune(root, keep)
     runtime.barrier()
     return final
-
-
-def _point_latest(root: Path, name: str) -> None:
-    pointer = root / "latest.tmp"
-    pointer.write_text(name + "\n", encoding="utf-8")
-    _fsync_file(pointer)
-    os.replace(pointer, root / "latest")
-    _fsync_dir(root)
 
 
 def _prune(root: Path, keep: int) -> None:

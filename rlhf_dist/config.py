@@ -20,6 +20,9 @@ from typing import Any
 
 import yaml
 
+from rlhf_dist.algo.kl import KL_KINDS
+from rlhf_dist.files import atomic_write_text
+
 
 class UserError(Exception):
     """A mistake of the user's (config, data, their code); the CLI prints it as one line."""
@@ -181,7 +184,7 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.05
-    kl_kind: str = field(default="k1", metadata=_choices("k1", "k2", "k3"))
+    kl_kind: str = field(default="k1", metadata=_choices(*KL_KINDS))
     kl_controller: str = field(default="fixed", metadata=_choices("fixed", "adaptive"))
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
@@ -431,11 +434,7 @@ def save_config(cfg: Config, output_dir: str | os.PathLike) -> Path:
     """Write the effective config to `<output_dir>/config.yaml` (atomically) and return its path."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 # -------------------------------------------------------------------------- validation

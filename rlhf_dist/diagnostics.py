@@ -1,9 +1,10 @@
 """Reward-model diagnostics: accuracy by category, reliability diagram, length bias.
 
 Pure functions over scores, lengths and token ids (torch and the standard library only),
-so they are cheap to import and test. Scoring is the caller's: the rephrasing probe takes
-a `score_fn` or already computed scores. What each number means and the thresholds of the
-length-counter warning: docs/rm_diagnostics.md.
+so they are cheap to import and test. Scoring is the caller's: `rephrasings` builds the
+sequences to score, `rephrase_summary` reads their scores (scoring.probe_rephrasings
+runs the probe with a reward model on every rank). What each number means and the
+thresholds of the length-counter warning: docs/rm_diagnostics.md.
 
 Conventions: a preference pair's `diff` is score(chosen) - score(rejected), and the pair
 counts as ranked correctly iff diff > 0 (a tie is wrong, as in `rm/accuracy`).
@@ -12,7 +13,7 @@ counts as ranked correctly iff diff > 0 (a tie is wrong, as in `rm/accuracy`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -220,27 +221,6 @@ def rephrase_summary(original, longer, shorter_original, shorter) -> dict:
         "shorter_delta": mean(down),
         "shorter_rise": mean((down > 0).double()),
     }
-
-
-def rephrase_probe(
-    score_fn: Callable[[list[list[int]]], Sequence[float]],
-    responses: Sequence[Response],
-    filler: list[int],
-    tails: Sequence[list[int]] = (),
-    scores=None,
-) -> dict:
-    """The whole rephrasing probe in one process: `rephrasings` scored by `score_fn`.
-
-    score_fn: token sequences -> (len,) scores; scores: (N,) scores of `responses` if
-    already known (else they are scored too). Returns `rephrase_summary`'s dict.
-    """
-    if scores is None:
-        scores = score_fn([r.ids() for r in responses]) if responses else []
-    scores = _floats(scores)
-    longer, shorter = rephrasings(responses, filler, tails)
-    longer_scores = score_fn(longer) if longer else []
-    shorter_scores = score_fn([s for _, s in shorter]) if shorter else []
-    return rephrase_summary(scores, longer_scores, scores[[i for i, _ in shorter]], shorter_scores)
 
 
 def length_bias_warning(

@@ -23,10 +23,9 @@ from rlhf_dist.rollout import (
     sequence_last_index,
     truncate_after_eos,
 )
-from rlhf_dist.trainers.common import open_run, write_summary
-from rlhf_dist.trainers.ppo import StatSums
-from rlhf_dist.trainers.ppo_setup import build_scorer
-from rlhf_dist.trainers.reward import probe_rephrasings
+from rlhf_dist.scoring import build_scorer, probe_rephrasings
+from rlhf_dist.stats import StatSums
+from rlhf_dist.tracking import open_run, write_summary
 
 
 def load_gold_function(spec: str):
@@ -161,7 +160,7 @@ def run_eval(cfg, runtime) -> dict:
         runtime,
         policy,
         reference,
-        build_scorer(cfg, runtime, "replicate"),
+        build_scorer(runtime, cfg.reward.function, m, "replicate"),
         prompts,
         cfg,
         tokenizer,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rlhf_dist.config import ConfigError
+from rlhf_dist.models import sub_state_dict
 
 
 def add_adapters(model: nn.Module, lora_cfg, task_type: str, trainable_head: str | None = None):
@@ -100,18 +101,6 @@ class AdapterOffReference(nn.Module):
             return actor(**kwargs)
 
 
-def unique_parameter_bytes(*modules: nn.Module) -> int:
-    """Bytes of distinct parameter storages across `modules` (shared weights count once)."""
-    seen, total = set(), 0
-    for module in modules:
-        for p in module.parameters():
-            storage = p.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
-
-
 def export_lora(
     state: dict,
     prefix: str,
@@ -129,7 +118,7 @@ def export_lora(
     (plain transformers checkpoint) and/or the adapter (PeftModel.from_pretrained).
     """
     model = add_adapters(build_base(), lora_cfg, task_type, head)
-    own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    own = sub_state_dict(state, prefix)
     result = model.load_state_dict(own, strict=False)
     lost = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
     if lost:

@@ -248,6 +248,20 @@ class ActorCritic(nn.Module):
         return logits, values
 
 
+def sub_state_dict(state: dict, prefix: str) -> dict:
+    """The entries of a module's state dict under `prefix` (e.g. "actor.", "critic.classifier."),
+    keyed as the submodule itself names them (the prefix removed)."""
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def frozen_dtype(model_cfg) -> str:
+    """The dtype of the frozen models (reference, reward model): model.frozen_dtype, where
+    "auto" means the training dtype model.dtype."""
+    if model_cfg.frozen_dtype == "auto":
+        return model_cfg.dtype
+    return model_cfg.frozen_dtype
+
+
 def tokenizer_for(cfg, model_key: str = "policy"):
     """The run's tokenizer: model.tokenizer if set, else the named model's own."""
     m = cfg.model

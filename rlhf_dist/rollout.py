@@ -7,19 +7,16 @@ scores (reward model at the last real token, or a Python reward function).
 
 from __future__ import annotations
 
-import importlib
-import math
-import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
-from rlhf_dist.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from rlhf_dist.algo.logprobs import logprobs_and_entropy, scale_logits
 from rlhf_dist.algo.rewards import last_token_index
-from rlhf_dist.config import ConfigError, RewardFunctionError
-from rlhf_dist.models import ValueModel, position_ids_from, sequence_scores
+from rlhf_dist.models import position_ids_from
+from rlhf_dist.scoring import Scorer
 
 
 @dataclass
@@ -146,8 +143,9 @@ def _cache_of(output) -> dict:
 def sample_next(logits, gen_cfg, eos_id: int, allow_eos: bool) -> torch.Tensor:
     """One token per row, (B,), drawn from softmax(logits / temperature) after EOS
     suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V)."""
-    logits = logits.float() / gen_cfg.temperature  # a new tensor: edited in place below
+    logits = scale_logits(logits, gen_cfg.temperature)
     if not allow_eos:
+        logits = logits.clone()  # scale_logits may return the model's own tensor
         logits[:, eos_id] = float("-inf")
     logits = truncate_logits(logits, gen_cfg.top_k, gen_cfg.top_p)
     return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(1)
@@ -193,65 +191,7 @@ def policy_logprobs(model, input_ids, attention_mask, response_ids, temperature:
         logits_to_keep=T + 1,
         use_cache=False,
     ).logits[:, :-1]
-    logits = logits.float() / temperature
-    return logprobs_from_logits(logits, response_ids), entropy_from_logits(logits)
-
-
-class RewardFunction:
-    """A user's `module:callable(prompts, responses) -> list[float]`, checked on every call."""
-
-    def __init__(self, spec: str):
-        module_name, _, attr = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"reward.function: cannot import {spec!r} ({e})") from None
-        if not callable(fn):
-            raise ConfigError(f"reward.function: {spec!r} is not callable")
-        self.spec, self.fn = spec, fn
-
-    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        try:
-            out = list(self.fn(prompts, responses))
-        except Exception as e:
-            raise RewardFunctionError(
-                f"reward.function {self.spec} raised {type(e).__name__}: {e}"
-            ) from e
-        if len(out) != len(responses):
-            raise RewardFunctionError(
-                f"reward.function {self.spec} returned {len(out)} scores for {len(responses)} responses"
-            )
-        bad = [v for v in out if not _is_finite_number(v)]
-        if bad:
-            raise RewardFunctionError(
-                f"reward.function {self.spec} returned a non-finite or non-number: {bad[0]!r}"
-            )
-        return torch.tensor([float(v) for v in out], dtype=torch.float32)
-
-
-def _is_finite_number(v) -> bool:
-    """A real, finite number (python, numpy or 0-dim torch), never a bool or a string."""
-    if isinstance(v, (bool, str, bytes)) or not isinstance(v, numbers.Real | torch.Tensor):
-        return False
-    try:
-        return math.isfinite(float(v))
-    except (TypeError, ValueError):
-        return False
-
-
-@dataclass
-class Scorer:
-    """Scores whole sequences with a reward model or a reward function."""
-
-    reward_model: ValueModel | None = None
-    reward_fn: Callable | None = None
-
-    @torch.no_grad()
-    def __call__(self, prompts, responses, input_ids, attention_mask, last_index) -> torch.Tensor:
-        """prompts/responses: B texts; input_ids/attention_mask (B, P+T); last_index (B,)."""
-        if self.reward_fn is not None:
-            return self.reward_fn(prompts, responses).to(input_ids.device)
-        return sequence_scores(self.reward_model, input_ids, attention_mask, last_index).float()
+    return logprobs_and_entropy(logits, response_ids, temperature)
 
 
 def decode_responses(tokenizer, response_ids, response_mask, eos_id: int) -> list[str]:
@@ -342,8 +282,7 @@ def _score_chunk(
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
     T = response_ids.shape[1]
     logits, values = models.actor_critic(input_ids, attention_mask, T)
-    logits = logits.float() / temperature
-    old_logprobs = logprobs_from_logits(logits, response_ids)
+    old_logprobs, entropy = logprobs_and_entropy(logits, response_ids, temperature)
     if models.reference is not None:
         ref_logprobs, _ = policy_logprobs(
             models.reference, input_ids, attention_mask, response_ids, temperature
@@ -357,7 +296,7 @@ def _score_chunk(
         "ref_logprobs": ref_logprobs.float(),
         "old_values": values.float(),
         "raw_scores": raw_scores.float(),
-        "entropy": entropy_from_logits(logits),
+        "entropy": entropy,
     }
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from rlhf_dist.config import save_config, to_dict
+from rlhf_dist.files import atomic_write_text
 
 QUANTILES = {
     "p01": 0.01,
@@ -50,9 +52,7 @@ def _keep_rows_up_to(path: Path, step: int) -> None:
                     kept.append(line + "\n")
             except json.JSONDecodeError:
                 break  # a line cut short by a kill: it and anything after are dropped
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(kept))
 
 
 def histogram(values: torch.Tensor) -> dict:
@@ -217,3 +217,29 @@ class MetricsLogger:
             self.bar.close()
         if self.trackers and self.runtime.is_main:
             self.runtime.finish_trackers()
+
+
+def open_run(
+    cfg, runtime, stage: str, ckpt=None, total_steps: int = 0
+) -> tuple[Path, MetricsLogger]:
+    """Write config.yaml and open metrics.jsonl (keeping rows up to the checkpoint).
+
+    ckpt: the checkpoint.Checkpoint a run resumes from, or None. Called only once data
+    and models have loaded, so that a user mistake found while loading leaves no
+    half-written output directory behind.
+    """
+    out = Path(cfg.run.output_dir)
+    if runtime.is_main:
+        save_config(cfg, out)
+    runtime.barrier()
+    if ckpt:
+        runtime.print(f"{stage}: resuming from {ckpt.path} (step {ckpt.step})")
+    start = ckpt.step if ckpt else 0
+    logger = MetricsLogger(runtime, out, cfg.run, to_dict(cfg), stage, start, total_steps)
+    return out, logger
+
+
+def write_summary(runtime, out: Path, summary: dict) -> None:
+    """summary.json under `out` (main process only)."""
+    if runtime.is_main:
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -5,7 +5,7 @@ Usage: python launch/bench/gpu.py [--preset auto|gpu|cpu] [--batch 32] [--prompt
 
 Times the three phases of `rlhf-dist ppo` with the project's own pieces
 (rlhf_dist.rollout.generate / policy_logprobs, rlhf_dist.models.ActorCritic / ValueModel /
-sequence_scores, rlhf_dist.algo losses, rewards and GAE):
+sequence_scores, rlhf_dist.trainers.ppo.micro_batch_loss, rlhf_dist.algo rewards and GAE):
   generation  sampling `response-len` tokens for `batch` prompts (KV cache);
   scoring     actor+critic (old log-probs, values), reference, reward model forwards;
   update      4 epochs x 4 minibatches: forward + backward of actor and critic, AdamW step;
@@ -31,16 +31,19 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 
 from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.logprobs import logprobs_from_logits
-from rlhf_dist.algo.losses import ppo_policy_terms, value_terms
-from rlhf_dist.algo.masking import masked_mean, masked_sum, masked_var, whiten_with
+from rlhf_dist.algo.masking import masked_mean, masked_var, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.config import GenerationConfig
 from rlhf_dist.models import ActorCritic, ValueModel, sequence_scores
-from rlhf_dist.rollout import generate, policy_logprobs, sequence_last_index
+from rlhf_dist.rollout import RolloutBatch, generate, policy_logprobs, sequence_last_index
+from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.ppo import UpdateKnobs, micro_batch_loss
 
 PPO_EPOCHS = 4
 MINIBATCHES = 4
 TEMPERATURE = 0.7
+# ppo.clip_eps, value_clip_eps, vf_coef and the actor/critic gradient-norm limits.
+KNOBS = UpdateKnobs(TEMPERATURE, 0.2, 0.2, 0.1, (1.0, 1.0))
 H100_BF16_DENSE = 989e12  # also the H200's figure: same Hopper SMs, only memory differs
 
 PRESETS = {
@@ -153,18 +156,14 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / min(times)
 
 
-def update_pass(model, optimizer, batch: dict, idx: torch.Tensor, response_len: int) -> None:
-    """One optimizer step on a minibatch, as ppo.micro_batch_loss + optimizer_step do."""
-    ids, attn, resp, mask = (batch[k][idx] for k in ("ids", "attn", "resp", "mask"))
-    logits, values = model(ids, attn, response_len)
-    logprobs = logprobs_from_logits(logits.float() / TEMPERATURE, resp)
-    pg = ppo_policy_terms(logprobs, batch["old_logprobs"][idx], batch["adv"][idx], 0.2)
-    vf = value_terms(values, batch["old_values"][idx], batch["returns"][idx], 0.2)
-    n = mask.sum()
-    loss = (masked_sum(pg["loss"], mask) + 0.1 * masked_sum(vf["loss"], mask)) / n
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.actor.parameters(), 1.0)
-    torch.nn.utils.clip_grad_norm_(model.critic.parameters(), 1.0)
+def update_pass(model, optimizer, batch: RolloutBatch, adv, returns, idx: torch.Tensor) -> None:
+    """One optimizer step on a minibatch with the trainer's own ppo.micro_batch_loss (one
+    micro-batch; plain backward and clipping, as one process without DeepSpeed does)."""
+    mb = batch.select(idx)
+    loss_sum = micro_batch_loss(model, mb, adv[idx], returns[idx], KNOBS, StatSums())
+    (loss_sum / mb.response_mask.sum()).backward()
+    torch.nn.utils.clip_grad_norm_(model.actor.parameters(), KNOBS.max_grad_norms[0])
+    torch.nn.utils.clip_grad_norm_(model.critic.parameters(), KNOBS.max_grad_norms[1])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -188,28 +187,31 @@ def iteration(p, model, reference, reward, optimizer, args, device, times: dict)
     attn = torch.cat([prompt_mask, mask.long()], dim=1)
     with timed(device, times["score"]), torch.no_grad():
         logits, old_values = model(ids, attn, T)
-        old_logprobs = logprobs_from_logits(logits.float() / TEMPERATURE, resp)
+        old_logprobs = logprobs_from_logits(logits, resp, TEMPERATURE)
         ref_logprobs, _ = policy_logprobs(reference, ids, attn, resp, TEMPERATURE)
         scores = sequence_scores(reward, ids, attn, sequence_last_index(P, mask))
     rewards, _ = shape_rewards(scores.float(), old_logprobs, ref_logprobs.float(), mask, 0.05)
     adv, returns = gae(rewards, old_values.float(), mask, 1.0, 0.95)
     adv = whiten_with(adv, mask, masked_mean(adv, mask), masked_var(adv, mask))
-    batch = {
-        "ids": ids,
-        "attn": attn,
-        "resp": resp,
-        "mask": mask,
-        "old_logprobs": old_logprobs,
-        "old_values": old_values.float(),
-        "adv": adv,
-        "returns": returns,
-    }
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=resp,
+        response_mask=mask,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs.float(),
+        old_values=old_values.float(),
+        scores=scores.float(),
+        raw_scores=scores.float(),
+        finished=torch.ones(B, dtype=torch.bool, device=device),
+        entropy=torch.zeros_like(old_logprobs),  # not read by the update
+    )
     model.train()
     with timed(device, times["update"]):
         for _ in range(PPO_EPOCHS):
             order = torch.randperm(B, device=device)
             for idx in order.chunk(MINIBATCHES):
-                update_pass(model, optimizer, batch, idx, T)
+                update_pass(model, optimizer, batch, adv, returns, idx)
 
 
 def main() -> None:

@@ -97,6 +97,22 @@ def value_loss(
     return masked_mean(terms["loss"], response_mask), stats
 
 
+def pairwise_reward_terms(
+    chosen_scores: torch.Tensor,
+    rejected_scores: torch.Tensor,
+    margin: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Per-pair Bradley-Terry loss -log sigmoid(s_chosen - s_rejected - margin), (B,).
+
+    chosen_scores, rejected_scores: (B,); margin: None, a float or (B,). logsigmoid, not
+    log(sigmoid(x)): finite for any score gap (sigmoid underflows to 0 near x = -100).
+    """
+    diff = chosen_scores - rejected_scores
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff)
+
+
 def pairwise_reward_loss(
     chosen_scores: torch.Tensor,
     rejected_scores: torch.Tensor,
@@ -105,11 +121,9 @@ def pairwise_reward_loss(
     """Bradley-Terry loss -log sigmoid(s_chosen - s_rejected - margin) (Ouyang et al. 2022, eq. 1).
 
     chosen_scores, rejected_scores: (B,); margin: None, a float or (B,).
-    Returns (loss, accuracy), both 0-dim; accuracy counts ties as wrong.
+    Returns (loss, accuracy), both 0-dim: the mean of `pairwise_reward_terms` and the
+    share of pairs with s_chosen > s_rejected (ties count as wrong).
     """
-    diff = chosen_scores - rejected_scores
-    if margin is not None:
-        diff = diff - margin
-    loss = -F.logsigmoid(diff).mean()
+    loss = pairwise_reward_terms(chosen_scores, rejected_scores, margin).mean()
     accuracy = (chosen_scores > rejected_scores).to(chosen_scores.dtype).mean()
     return loss, accuracy

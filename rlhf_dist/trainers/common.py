@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import signal
 import threading
 from pathlib import Path
@@ -13,9 +11,9 @@ import torch
 
 from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
-from rlhf_dist.config import Config, save_config, to_dict
+from rlhf_dist.config import Config, to_dict
 from rlhf_dist.distributed import TrainingDiverged
-from rlhf_dist.tracking import MetricsLogger
+from rlhf_dist.models import sub_state_dict
 
 
 class Preempted(Exception):
@@ -43,25 +41,6 @@ def find_resume(cfg: Config, runtime) -> Checkpoint | None:
     """The checkpoint this run continues from (run.resume), loaded; None for a fresh run."""
     path = find_checkpoint(cfg.run.resume, Path(cfg.run.output_dir))
     return Checkpoint(path, runtime) if path else None
-
-
-def open_run(
-    cfg: Config, runtime, stage: str, ckpt: Checkpoint | None, total_steps: int = 0
-) -> tuple[Path, MetricsLogger]:
-    """Write config.yaml and open metrics.jsonl (keeping rows up to the checkpoint).
-
-    Called only once data and models have loaded, so that a user mistake found while
-    loading leaves no half-written output directory behind.
-    """
-    out = Path(cfg.run.output_dir)
-    if runtime.is_main:
-        save_config(cfg, out)
-    runtime.barrier()
-    if ckpt:
-        runtime.print(f"{stage}: resuming from {ckpt.path} (step {ckpt.step})")
-    start = ckpt.step if ckpt else 0
-    logger = MetricsLogger(runtime, out, cfg.run, to_dict(cfg), stage, start, total_steps)
-    return out, logger
 
 
 def safe_point(
@@ -153,18 +132,11 @@ def save_pretrained(runtime, model, tokenizer, directory: Path, submodule: str =
         target, prefix = runtime.unwrap(model), ""
         for name in filter(None, submodule.split(".")):
             target, prefix = getattr(target, name), prefix + name + "."
-        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        own = sub_state_dict(state, prefix)
         directory.mkdir(parents=True, exist_ok=True)
         target.save_pretrained(directory, state_dict=own, safe_serialization=True)
         tokenizer.save_pretrained(directory)
     runtime.barrier()
-
-
-def write_summary(runtime, out: Path, summary: dict) -> None:
-    if runtime.is_main:
-        tmp = out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, out / "summary.json")
 
 
 def resume_into(runtime, ckpt, model, optimizer, scheduler, seed: int) -> None:
@@ -234,10 +206,27 @@ def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
     return (model, optimizer, scheduler), plan, batches
 
 
-def step_and_schedule(runtime, trained, max_grad_norm: float) -> float | None:
-    """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm, or
-    None if the numerical guard skipped the step (the schedule advances either way)."""
+def step_and_schedule(runtime, trained, max_grad_norms: list[float]) -> list[float] | None:
+    """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm of
+    each param group (one max norm each, e.g. [actor, critic]), or None if the numerical
+    guard skipped the step (the schedule advances either way).
+
+    trained: (model, optimizer, scheduler).
+    """
     model, optimizer, scheduler = trained
-    norms = runtime.optimizer_step(model, optimizer, [max_grad_norm])
+    norms = runtime.optimizer_step(model, optimizer, max_grad_norms)
     scheduler.step()
-    return norms[0] if norms else None
+    return norms
+
+
+def share_of_global_mean(runtime, loss_sum: torch.Tensor, global_count) -> torch.Tensor:
+    """The loss to backward for one micro-batch: loss_sum x world_size / global_count.
+
+    loss_sum: 0-dim SUM of this micro-batch's per-token (or per-pair) losses on this rank;
+    global_count: how many tokens (pairs) the WHOLE optimizer step has over ALL ranks.
+    Data-parallel backends AVERAGE gradients over ranks, so the x world_size undoes that
+    average; dividing by the global count makes the accumulated gradient the gradient of
+    the step's global mean loss, the same however the batch is split into ranks and
+    micro-batches (a per-micro-batch mean would weight tokens of short batches more).
+    """
+    return loss_sum * runtime.world_size / global_count

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -26,16 +25,16 @@ from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
-from rlhf_dist.models import (
-    tokenizer_for,
-)
+from rlhf_dist.models import tokenizer_for
 from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
+from rlhf_dist.stats import StatSums, global_mean_var
+from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
     find_resume,
-    open_run,
     safe_point,
-    write_summary,
+    share_of_global_mean,
+    step_and_schedule,
 )
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
 
@@ -46,52 +45,36 @@ def make_kl_controller(ppo_cfg):
     return FixedKLController(ppo_cfg.kl_coef)
 
 
-class StatSums:
-    """Sums (of tokens or sequences) with their counts, and maxima; reduced over ranks at once.
+@dataclass(frozen=True)
+class UpdateKnobs:
+    """The numbers a PPO update reads: loss knobs (ppo.*), the sampling temperature the
+    new log-probs must use, and the [actor, critic] gradient-norm limits."""
 
-    Values may be tensors on the accelerator: they are kept there until `reduce`, so adding
-    one never waits for the device (a float() per statistic would, several per micro-batch).
+    temperature: float
+    clip_eps: float | None  # None: clipping off
+    value_clip_eps: float | None
+    vf_coef: float
+    max_grad_norms: tuple[float, float]
+
+    @classmethod
+    def from_config(cls, cfg) -> UpdateKnobs:
+        p = cfg.ppo
+        norms = (p.actor.max_grad_norm, p.critic.max_grad_norm)
+        return cls(cfg.generation.temperature, p.clip_eps, p.value_clip_eps, p.vf_coef, norms)
+
+
+def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) -> torch.Tensor:
+    """Token SUM of policy + vf_coef * value loss for one micro-batch (caller divides).
+
+    mb: a RolloutBatch (B rows, T response columns); advantages, returns: (B, T);
+    stats: a StatSums the loss statistics are added to.
     """
-
-    def __init__(self):
-        self.sums: dict[str, list] = defaultdict(list)
-        self.maxima: dict[str, list] = defaultdict(list)
-
-    def add(self, name: str, total, count) -> None:
-        self.sums[name + "/sum"].append(total)
-        self.sums[name + "/n"].append(count)
-
-    def add_max(self, name: str, value) -> None:
-        self.maxima[name].append(value)
-
-    def reduce(self, runtime) -> dict[str, float]:
-        """Global means (sum over ranks / count over ranks) and global maxima."""
-        keys = sorted(self.sums)
-        local = [_stack(self.sums[k], runtime.device).sum() for k in keys]
-        totals = runtime.all_sum(torch.stack(local)) if keys else torch.zeros(0)
-        r = dict(zip(keys, totals.tolist()))
-        out = {k[:-4]: r[k] / max(r[k[:-4] + "/n"], 1.0) for k in keys if k.endswith("/sum")}
-        names = sorted(self.maxima)
-        if names:
-            local = torch.stack([_stack(self.maxima[k], runtime.device).max() for k in names])
-            out |= dict(zip(names, runtime.all_max(local).tolist()))
-        return out
-
-
-def _stack(values: list, device) -> torch.Tensor:
-    """Numbers and 0-d tensors (any device) as one float64 vector on `device`."""
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-
-
-def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> torch.Tensor:
-    """Token SUM of policy + vf_coef * value loss for one micro-batch (caller divides)."""
-    p = cfg.ppo
     T = mb.response_ids.shape[1]
     logits, values = model(mb.input_ids, mb.attention_mask, T)
-    logprobs = logprobs_from_logits(logits.float() / cfg.generation.temperature, mb.response_ids)
-    clip_eps = float("inf") if p.clip_eps is None else p.clip_eps  # None: clipping off
+    logprobs = logprobs_from_logits(logits, mb.response_ids, knobs.temperature)
+    clip_eps = float("inf") if knobs.clip_eps is None else knobs.clip_eps
     pg = ppo_policy_terms(logprobs, mb.old_logprobs, advantages, clip_eps)
-    vf = value_terms(values, mb.old_values, returns, p.value_clip_eps)
+    vf = value_terms(values, mb.old_values, returns, knobs.value_clip_eps)
     mask = mb.response_mask
     n = mask.sum()
     pg_sum, vf_sum = masked_sum(pg["loss"], mask), masked_sum(vf["loss"], mask)
@@ -105,64 +88,45 @@ def micro_batch_loss(model, mb, advantages, returns, cfg, stats: StatSums) -> to
     ):
         stats.add(name, masked_sum(terms[key].detach(), mask), n)
     stats.add_max("policy/ratio_max", torch.where(mask, pg["ratio"], 0.0).max())
-    return pg_sum + p.vf_coef * vf_sum
+    return pg_sum + knobs.vf_coef * vf_sum
 
 
-def optimizer_step(runtime, model, optimizer, scheduler, cfg) -> list[float] | None:
-    """Clip actor and critic gradients (each its own max norm where the backend allows), step.
-    Returns [actor_norm, critic_norm], or None if the numerical guard skipped the step."""
-    # The optimizer's param groups are [actor, critic] (ppo_setup.build_models).
-    max_norms = [cfg.ppo.actor.max_grad_norm, cfg.ppo.critic.max_grad_norm]
-    norms = runtime.optimizer_step(model, optimizer, max_norms)
-    scheduler.step()
-    return norms
-
-
-def minibatch_backward(runtime, model, mb, advantages, returns, cfg, slices, stats) -> None:
+def minibatch_backward(runtime, model, mb, advantages, returns, knobs, slices, stats) -> None:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
-    mb: this rank's share of the global minibatch. Each micro-batch's loss SUM is divided
-    by the response-token count of the WHOLE global minibatch, so the step's gradient is
-    the same however the minibatch is split into ranks and micro-batches.
+    mb: this rank's share of the global minibatch; slices: its micro-batches. Each
+    micro-batch's loss SUM is divided by the response-token count of the WHOLE global
+    minibatch (share_of_global_mean).
     """
     n_tokens = runtime.all_sum(mb.response_mask.sum().float())
     for i, s in enumerate(slices):
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
         adv, ret = advantages[s][:, :T], returns[s][:, :T]
-        loss_sum = micro_batch_loss(model, micro, adv, ret, cfg, stats)
-        # x world_size: data-parallel backends average gradients over ranks.
-        scaled = loss_sum * runtime.world_size / n_tokens
-        runtime.micro_backward(model, scaled, last=i == len(slices) - 1)
+        loss_sum = micro_batch_loss(model, micro, adv, ret, knobs, stats)
+        loss = share_of_global_mean(runtime, loss_sum, n_tokens)
+        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
 
 
-def ppo_update(runtime, run, batch, advantages, returns, cfg, it: int = 0) -> dict:
+def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it: int = 0) -> dict:
     """ppo_epochs passes over this rank's rollout in minibatches; returns reduced stats."""
     stats, plan = StatSums(), run.plan
     per_rank, slices = plan.update.per_rank, plan.update.micro_slices()
+    trained = (run.model, run.optimizer, run.scheduler)
     for _ in range(plan.ppo_epochs):
         order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
         for start in range(0, order.numel(), per_rank):
             idx = order[start : start + per_rank]
             mb = batch.select(idx)
             minibatch_backward(
-                runtime, run.model, mb, advantages[idx], returns[idx], cfg, slices, stats
+                runtime, run.model, mb, advantages[idx], returns[idx], knobs, slices, stats
             )
-            norms = optimizer_step(runtime, run.model, run.optimizer, run.scheduler, cfg)
+            # The optimizer's param groups are [actor, critic] (ppo_setup.build_models).
+            norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
             if norms is not None:
                 stats.add("optim/grad_norm_actor", norms[0], 1)
                 stats.add("optim/grad_norm_critic", norms[1], 1)
             maybe_fault("update", it)  # killed with the weights half-way through an iteration
     return stats.reduce(runtime)
-
-
-def global_mean_var(
-    runtime, x: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked mean and unbiased variance of `x` over ALL ranks' tokens; x, mask (B, T)."""
-    count = runtime.all_sum(mask.sum().to(torch.float64))
-    mean = runtime.all_sum(masked_sum(x.to(torch.float64), mask)) / count
-    sq_dev = runtime.all_sum(masked_sum((x.to(torch.float64) - mean) ** 2, mask))
-    return mean.to(x.dtype), (sq_dev / (count - 1)).to(x.dtype)
 
 
 def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> dict:
@@ -306,7 +270,8 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
     if p.whiten_advantages:
         advantages = whiten_with(advantages, mask, *global_mean_var(runtime, advantages, mask))
     run.model.train()
-    stats |= ppo_update(runtime, run, batch, advantages, returns, cfg, it)
+    knobs = UpdateKnobs.from_config(cfg)
+    stats |= ppo_update(runtime, run, batch, advantages, returns, knobs, it)
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
     rows = zip(prompt_batch[2], texts, batch.scores.tolist(), kl.sum(1).tolist())

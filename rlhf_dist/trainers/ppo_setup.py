@@ -19,16 +19,13 @@ from rlhf_dist.models import (
     ActorCritic,
     ValueModel,
     build_critic,
+    frozen_dtype,
     load_causal_lm,
-    load_sequence_classifier,
     split_classifier,
+    sub_state_dict,
 )
-from rlhf_dist.rollout import RewardFunction, Scorer
+from rlhf_dist.scoring import Scorer, build_scorer
 from rlhf_dist.trainers.common import make_optimizer, make_scheduler, save_pretrained
-
-
-def frozen_dtype(cfg) -> str:
-    return cfg.model.dtype if cfg.model.frozen_dtype == "auto" else cfg.model.frozen_dtype
 
 
 @dataclass
@@ -51,17 +48,6 @@ class AdapterOffValue(nn.Module):
         critic = self._critic_fn()
         with adapters_disabled(critic.classifier):
             return critic(input_ids, attention_mask, position_ids)
-
-
-def build_scorer(cfg, runtime, placement: str | None = None) -> Scorer:
-    """The frozen reward: a Python function if reward.function is set, else the reward model."""
-    if cfg.reward.function:
-        return Scorer(reward_fn=RewardFunction(cfg.reward.function))
-    m, dtype = cfg.model, frozen_dtype(cfg)
-    with runtime.local_loading():
-        rm = load_sequence_classifier(m.reward, "model.reward", dtype, m)
-    placement = placement or cfg.distributed.frozen_models
-    return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm), placement, dtype))
 
 
 def _trainable_actor_critic(cfg) -> ActorCritic:
@@ -100,7 +86,11 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
         if ckpt:
             ckpt.load_weights_into(net)  # before prepare: every backend partitions these
         reference = None if cfg.lora.enabled else _load_reference(cfg)
-        scorer = None if shares_reward_with_critic(cfg) else build_scorer(cfg, runtime)
+        scorer = (
+            None
+            if shares_reward_with_critic(cfg)
+            else build_scorer(runtime, cfg.reward.function, m, cfg.distributed.frozen_models)
+        )
     optimizer = make_optimizer(
         [(net.actor.parameters(), p.actor), (net.critic.parameters(), p.critic)]
     )
@@ -115,7 +105,7 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
         reference = AdapterOffReference(lambda: runtime.unwrap(model).actor)
     else:
         reference = runtime.prepare_frozen(
-            reference, cfg.distributed.frozen_models, frozen_dtype(cfg)
+            reference, cfg.distributed.frozen_models, frozen_dtype(cfg.model)
         )
     if scorer is None:
         scorer = Scorer(reward_model=AdapterOffValue(lambda: runtime.unwrap(model).critic))
@@ -124,7 +114,7 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
 
 def _load_reference(cfg) -> nn.Module:
     m = cfg.model
-    return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg), m)
+    return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg.model), m)
 
 
 def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
@@ -165,8 +155,7 @@ def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) 
             None,
         )
     else:
-        prefix = "critic.classifier."
-        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        own = sub_state_dict(state, "critic.classifier.")
         critic = runtime.unwrap(model).critic.classifier
         critic.save_pretrained(out / "critic", state_dict=own, safe_serialization=True)
     for directory in filter(None, (merged, adapter, out / "critic")):

@@ -10,10 +10,9 @@ import json
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from rlhf_dist import diagnostics as diag
-from rlhf_dist.algo.losses import pairwise_reward_loss
+from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import (
@@ -23,18 +22,19 @@ from rlhf_dist.data import (
     encode_prompt,
     load_rows,
     preference_pairs,
-    right_pad,
 )
+from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
+from rlhf_dist.scoring import lockstep_chunks, probe_rephrasings
+from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
-    open_run,
     prepare_single_model,
     save_pretrained,
+    share_of_global_mean,
     step_and_schedule,
     step_loop,
-    write_summary,
 )
 
 
@@ -57,11 +57,9 @@ def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float,
         batch = {k: v.to(runtime.device) for k, v in collate_pairs(share[s], pad_id).items()}
         chosen, rejected = pair_scores(model, batch)
         seen.append(torch.stack([chosen.detach(), rejected.detach()]).cpu())
-        loss_sum = -F.logsigmoid(chosen - rejected).sum()
-        # Sum over pairs / global pair count (x world size: ranks' gradients are averaged).
-        runtime.micro_backward(
-            model, loss_sum * runtime.world_size / plan.global_size, last=i == len(slices) - 1
-        )
+        loss_sum = pairwise_reward_terms(chosen, rejected).sum()
+        loss = share_of_global_mean(runtime, loss_sum, plan.global_size)
+        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
         totals += torch.stack([loss_sum.detach(), (chosen > rejected).float().sum()])
     totals = runtime.all_sum(totals) / plan.global_size
     chosen, rejected = torch.cat(seen, dim=1)
@@ -78,35 +76,6 @@ def expected_calibration_error(prob_chosen: torch.Tensor, n_bins: int = 10) -> f
     written to rm_diagnostics.json can never disagree.
     """
     return diag.ece_from_bins(diag.reliability_bins(prob_chosen, n_bins))
-
-
-def lockstep_chunks(runtime, n_items: int, size: int):
-    """Slices of `size` over this rank's n_items, then None until every rank is done.
-
-    Ranks' shares differ in length, but each forward pass of a prepared model may be a
-    collective (ZeRO-3 gathers every layer's weights; DDP broadcasts buffers), so every
-    rank must run as many passes as the busiest one: a None asks for a throw-away pass.
-    """
-    mine = -(-n_items // size)
-    total = int(runtime.all_max(torch.tensor(mine, dtype=torch.long)))
-    for i in range(total):
-        yield slice(i * size, (i + 1) * size) if i < mine else None
-
-
-@torch.no_grad()
-def score_sequences(runtime, value_model, seqs: list[list[int]], batch_size: int, pad_id: int):
-    """Scores (len(seqs),) on CPU of whole token sequences, each read at its last token.
-
-    Every rank must call this (lock-step passes, see lockstep_chunks), each with its own seqs.
-    """
-    out = []
-    for s in lockstep_chunks(runtime, len(seqs), batch_size):
-        ids, mask = right_pad(seqs[s] if s else [[pad_id]], pad_id)
-        ids, mask = ids.to(runtime.device), mask.to(runtime.device)
-        scores = sequence_scores(value_model, ids, mask, mask.sum(1) - 1)
-        if s:
-            out.append(scores.float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
 
 
 @dataclass
@@ -148,7 +117,7 @@ def evaluate_pairs(
         torch.tensor([len(p.chosen) - n for p, n in zip(pairs, prompt_lengths)]),
         torch.tensor([len(p.rejected) - n for p, n in zip(pairs, prompt_lengths)]),
     )
-    loss, accuracy = pairwise_reward_loss(ev.diff, torch.zeros_like(ev.diff))
+    loss, accuracy = pairwise_reward_loss(ev.chosen, ev.rejected)
     metrics = {
         "accuracy": float(accuracy),
         "loss": float(loss),
@@ -156,19 +125,6 @@ def evaluate_pairs(
         "pairs": len(pairs),
     }
     return metrics, ev
-
-
-def probe_rephrasings(runtime, value_model, responses, scores, filler, batch_size, pad_id) -> dict:
-    """The rephrasing probe over every rank's `responses` (diagnostics.Response, this rank's
-    share) with their known `scores` (N,); `filler` is also the droppable tail. Returns
-    diagnostics.rephrase_summary of all ranks together. Every rank must call this."""
-    longer, shorter = diag.rephrasings(responses, filler, [filler])
-    up = score_sequences(runtime, value_model, longer, batch_size, pad_id)
-    down = score_sequences(runtime, value_model, [s for _, s in shorter], batch_size, pad_id)
-    base = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)
-    part = (base.tolist(), up.tolist(), base[[i for i, _ in shorter]].tolist(), down.tolist())
-    parts = runtime.gather_objects([part])
-    return diag.rephrase_summary(*([x for p in parts for x in p[k]] for k in range(4)))
 
 
 def distinct_responses(evals, ev: PairEval) -> tuple[list, list[float]]:
@@ -243,9 +199,7 @@ def report_eval(cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logg
     report = rm_diagnostics(runtime, model, evals, metrics, ev, batch_size, tokenizer)
     numbers = metrics | headline(report)
     if runtime.is_main:
-        tmp = out / "rm_diagnostics.json.tmp"
-        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(out / "rm_diagnostics.json")
+        atomic_write_text(out / "rm_diagnostics.json", json.dumps(report, indent=2) + "\n")
     keys = ("rm/eval_accuracy", "rm/eval_ece", "rm/eval_length_corr")
     logger.log(step, {f"rm/eval_{k}": v for k, v in numbers.items()}, keys)
     if report["warning"]:
@@ -301,7 +255,8 @@ def train_reward_model(cfg, runtime) -> dict:
 
     def step(idx) -> dict:
         loss, acc, values = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
-        norm = step_and_schedule(runtime, trained, rc.optim.max_grad_norm)
+        norms = step_and_schedule(runtime, trained, [rc.optim.max_grad_norm])
+        norm = norms[0] if norms else None
         return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(

@@ -15,15 +15,15 @@ from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
+from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
-    open_run,
     prepare_single_model,
     save_pretrained,
+    share_of_global_mean,
     step_and_schedule,
     step_loop,
-    write_summary,
 )
 
 
@@ -35,7 +35,7 @@ def sequence_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         position_ids=position_ids_from(batch["attention_mask"]),
         use_cache=False,
     ).logits[:, :-1]
-    nll = -logprobs_from_logits(logits.float(), batch["input_ids"][:, 1:])
+    nll = -logprobs_from_logits(logits, batch["input_ids"][:, 1:])
     return masked_sum(nll, batch["loss_mask"], dim=1), batch["loss_mask"].sum(1)
 
 
@@ -56,10 +56,8 @@ def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[fl
     for i, batch in enumerate(micro):
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
         nll, count = sequence_nll(model, batch)
-        # x world_size: data-parallel backends average gradients over ranks.
-        runtime.micro_backward(
-            model, nll.sum() * runtime.world_size / total_tokens, last=i == len(micro) - 1
-        )
+        loss = share_of_global_mean(runtime, nll.sum(), total_tokens)
+        runtime.micro_backward(model, loss, last=i == len(micro) - 1)
         loss_sum += nll.sum().detach()
         per_seq.append((nll.detach() / count.clamp(min=1)).cpu())
         lengths.append(count.float().cpu())
@@ -112,7 +110,8 @@ def train_sft(cfg, runtime) -> dict:
 
     def step(idx) -> dict:
         loss, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
-        norm = step_and_schedule(runtime, trained, sc.optim.max_grad_norm)
+        norms = step_and_schedule(runtime, trained, [sc.optim.max_grad_norm])
+        norm = norms[0] if norms else None
         return {"sft/loss": loss, "sft/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(

@@ -1,11 +1,17 @@
-"""Tests for rlhf_dist.algo.logprobs (logprobs_from_logits, entropy_from_logits)."""
+"""Tests for rlhf_dist.algo.logprobs (logprobs_from_logits, entropy_from_logits,
+scale_logits, logprobs_and_entropy)."""
 
 import math
 
 import pytest
 import torch
 
-from rlhf_dist.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from rlhf_dist.algo.logprobs import (
+    entropy_from_logits,
+    logprobs_and_entropy,
+    logprobs_from_logits,
+    scale_logits,
+)
 
 SEEDS = [0, 1, 2]
 LN2, LN3 = math.log(2.0), math.log(3.0)
@@ -91,6 +97,27 @@ def test_entropy_hand_computed():
     _close(entropy_from_logits(_LOGITS), expected, atol=1e-9)
 
 
+def test_scale_logits_hand_computed():
+    # [0, ln2, ln3] / 2 = [0, 0.346574, 0.549306]; [1, 1, 1] / 2 = 0.5 each. bf16 logits are
+    # upcast BEFORE the division: bf16(1.0) / 0.7 = 1.428571... in float32, where a bf16
+    # quotient would round to 1.4296875.
+    _close(scale_logits(_LOGITS, 2.0), _LOGITS / 2, atol=0.0)
+    scaled = scale_logits(torch.ones(1, 1, 2, dtype=torch.bfloat16), 0.7)
+    assert scaled.dtype == torch.float32
+    assert scaled[0, 0, 0].item() == pytest.approx(1 / 0.7, rel=1e-7)
+
+
+def test_logprobs_and_entropy_hand_computed():
+    # T = 2 at position 0: p = (1, sqrt2, sqrt3) / 4.146264 = (0.241180, 0.341081, 0.417738);
+    # token 2's log p as in test_logprobs_temperature_hand_computed (-0.872902), and
+    # H = 0.241180*1.422208 + 0.341081*1.075634 + 0.417738*0.872902
+    #   = 0.343008 + 0.366878 + 0.364646 = 1.074532 (above the T = 1 entropy 1.011404).
+    # Position 1 is uniform at any temperature: log p = -ln3, H = ln3.
+    lp, h = logprobs_and_entropy(_LOGITS, torch.tensor([[2, 0]]), 2.0)
+    _close(lp, torch.tensor([[-0.8729016327074027, -LN3]], dtype=torch.float64), atol=1e-9)
+    _close(h, torch.tensor([[1.0745321119099565, LN3]], dtype=torch.float64), atol=1e-9)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference comparisons
 # ---------------------------------------------------------------------------------------------
@@ -172,11 +199,28 @@ def test_large_logits_stay_finite_in_float32():
     _close(lp, ref_logprobs(logits.double(), tokens), atol=1e-4)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_equal_the_separate_functions(seed, temperature, dtype):
+    # One log_softmax for both must give exactly what the two functions give apart, with
+    # the entropy that of the tempered distribution; float32 at least, whatever came in.
+    logits, tokens = _random_inputs(3, 5, 7, seed)
+    logits = logits.to(dtype)
+    lp, h = logprobs_and_entropy(logits, tokens, temperature)
+    assert lp.dtype == h.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.equal(lp, logprobs_from_logits(logits, tokens, temperature))
+    assert torch.equal(h, entropy_from_logits(scale_logits(logits, temperature)))
+    _close(lp, ref_logprobs(logits.double(), tokens, temperature), atol=1e-5)
+
+
 def test_inputs_are_not_modified():
     logits, tokens = _random_inputs(2, 4, 6, 3)
     logits0, tokens0 = logits.clone(), tokens.clone()
     logprobs_from_logits(logits, tokens)
     logprobs_from_logits(logits, tokens, temperature=0.7)
     entropy_from_logits(logits)
+    scale_logits(logits, 0.7)
+    logprobs_and_entropy(logits, tokens, 0.7)
     assert torch.equal(logits, logits0)
     assert torch.equal(tokens, tokens0)

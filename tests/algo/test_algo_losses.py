@@ -5,7 +5,12 @@ import math
 import pytest
 import torch
 
-from rlhf_dist.algo.losses import pairwise_reward_loss, ppo_policy_loss, value_loss
+from rlhf_dist.algo.losses import (
+    pairwise_reward_loss,
+    pairwise_reward_terms,
+    ppo_policy_loss,
+    value_loss,
+)
 
 SEEDS = [0, 1, 2, 3]
 LN = math.log
@@ -321,17 +326,23 @@ def test_pairwise_loss_margin_hand_computed():
     assert _f(acc) == pytest.approx(1 / 3, abs=1e-12)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("margin_kind", ["none", "float", "tensor"])
-def test_pairwise_loss_matches_reference(seed, margin_kind):
-    g = torch.Generator().manual_seed(1300 + seed)
-    chosen = 2.0 * torch.randn(16, generator=g, dtype=torch.float64)
-    rejected = 2.0 * torch.randn(16, generator=g, dtype=torch.float64)
+def _pair_inputs(seed: int, n: int, scale: float, margin_kind: str):
+    """(chosen, rejected, margin): n random scores each and a margin of the given kind."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = scale * torch.randn(n, generator=g, dtype=torch.float64)
+    rejected = scale * torch.randn(n, generator=g, dtype=torch.float64)
     margin = {
         "none": None,
         "float": 0.5,
-        "tensor": torch.rand(16, generator=g, dtype=torch.float64),
+        "tensor": torch.rand(n, generator=g, dtype=torch.float64),
     }[margin_kind]
+    return chosen, rejected, margin
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("margin_kind", ["none", "float", "tensor"])
+def test_pairwise_loss_matches_reference(seed, margin_kind):
+    chosen, rejected, margin = _pair_inputs(1300 + seed, 16, 2.0, margin_kind)
     loss, acc = pairwise_reward_loss(chosen, rejected, margin=margin)
     exp_loss, exp_acc = ref_pairwise(chosen, rejected, margin)
     assert _scalar_loss(loss) == pytest.approx(exp_loss, abs=1e-6)
@@ -380,6 +391,37 @@ def test_pairwise_gradient_pushes_chosen_up_and_rejected_down():
     torch.testing.assert_close(rejected.grad, -want, atol=1e-12, rtol=1e-9)
 
 
+def test_pairwise_terms_hand_computed():
+    # z = chosen - rejected - margin = [2, 0, -2] - 1 = [1, -1, -3]; -logsigmoid(z) =
+    # log(1 + e^-z) = [0.313262, 1.313262, 3.048587]; summed 4.675111 (the RM trainer's
+    # per-micro-batch SUM), whose mean is test_pairwise_loss_margin_hand_computed's 1.558370.
+    terms = pairwise_reward_terms(_CHOSEN, _REJECTED, margin=1.0)
+    assert terms.shape == (3,)
+    want = [0.31326168751822286, 1.3132616875182228, 3.048587351573742]
+    assert terms.tolist() == pytest.approx(want, abs=1e-12)
+    assert float(terms.sum()) == pytest.approx(4.675110726610187, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("margin_kind", ["none", "float", "tensor"])
+def test_pairwise_terms_are_positive_and_average_to_the_loss(seed, margin_kind):
+    chosen, rejected, margin = _pair_inputs(1400 + seed, 10, 3.0, margin_kind)
+    terms = pairwise_reward_terms(chosen, rejected, margin)
+    loss, _ = pairwise_reward_loss(chosen, rejected, margin)
+    assert torch.all(terms > 0)
+    assert float(terms.mean()) == pytest.approx(float(loss), abs=1e-12)
+    # Splitting the pairs in any way and summing the parts' terms gives the same total.
+    parts = [
+        pairwise_reward_terms(
+            chosen[s], rejected[s], margin if margin_kind != "tensor" else margin[s]
+        ).sum()
+        for s in (slice(0, 3), slice(3, 10))
+    ]
+    assert float(sum(parts)) == pytest.approx(float(terms.sum()), abs=1e-12)
+    # A larger gap in favour of the chosen response always costs less.
+    assert torch.all(pairwise_reward_terms(chosen + 1.0, rejected, margin) < terms)
+
+
 # ---------------------------------------------------------------------------------------------
 # No input is modified
 # ---------------------------------------------------------------------------------------------
@@ -398,5 +440,6 @@ def test_losses_do_not_modify_inputs(ragged_mask):
     value_loss(values, old_v, returns, mask, clip_eps=0.2)
     pairwise_reward_loss(chosen, rejected)
     pairwise_reward_loss(chosen, rejected, margin=margin)
+    pairwise_reward_terms(chosen, rejected, margin)
     for now, before in zip(tensors, originals, strict=True):
         assert torch.equal(now, before)

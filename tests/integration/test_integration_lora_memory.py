@@ -1,10 +1,23 @@
 """LoRA keeps one copy of each base: the reference is the actor with adapters off and the
 frozen reward model is the LoRA critic with adapters off, so they add no weights."""
 
+from torch import nn
+
 from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict
-from rlhf_dist.lora import unique_parameter_bytes
 from rlhf_dist.trainers.ppo_setup import build_models
+
+
+def unique_parameter_bytes(*modules: nn.Module) -> int:
+    """Bytes of distinct parameter storages across `modules` (shared weights count once)."""
+    seen, total = set(), 0
+    for module in modules:
+        for p in module.parameters():
+            storage = p.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
 
 
 def build(runtime, sft_run, rm_run, tmp_path, **lora):

@@ -22,7 +22,7 @@ import torch
 from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict, to_dict
 from rlhf_dist.models import ActorCritic
-from rlhf_dist.rollout import Scorer
+from rlhf_dist.scoring import Scorer
 from rlhf_dist.trainers import ppo
 
 POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"
@@ -330,7 +330,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     base = copy.deepcopy(runtime.unwrap(args["run"].model))
 
     def step_grads(micro_batch_size):
-        t = to_dict(args["cfg"])
+        t = to_dict(config_from_dict(tree))
         # A tight value clip: the critic moved little in one iteration, and the clipped
         # value branch should be exercised as well.
         t["ppo"] |= {"micro_batch_size": micro_batch_size, "ppo_epochs": 1, "value_clip_eps": 1e-3}
@@ -348,7 +348,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
             scheduler=scheduler,
             plan=ppo_plan(cfg.ppo, runtime.world_size),
         )
-        call = {**args, "run": run, "cfg": cfg}
+        call = {**args, "run": run, "knobs": ppo.UpdateKnobs.from_config(cfg)}
         stats = original(**call)
         (grads,) = recorder.grads  # minibatch 16 = the whole rollout: one step
         return grads, stats

@@ -1,6 +1,8 @@
 """Unit tests of rlhf_dist.diagnostics: every function on cases small enough to compute by
 hand, plus the property that the reliability diagram's ECE is the trainer's ECE."""
 
+from collections.abc import Callable, Sequence
+
 import pytest
 import torch
 
@@ -194,8 +196,32 @@ RESPONSES = [
 ]
 
 
+def rephrase_probe(
+    score_fn: Callable[[list[list[int]]], Sequence[float]],
+    responses: Sequence[Response],
+    filler: list[int],
+    tails: Sequence[list[int]] = (),
+    scores=None,
+) -> dict:
+    """The whole rephrasing probe in one process: `d.rephrasings` scored by `score_fn`
+    (what scoring.probe_rephrasings does with a reward model over all ranks).
+
+    score_fn: token sequences -> (len,) scores; scores: (N,) scores of `responses` if
+    already known (else they are scored too). Returns `rephrase_summary`'s dict.
+    """
+    if scores is None:
+        scores = score_fn([r.ids() for r in responses]) if responses else []
+    scores = torch.as_tensor(scores, dtype=torch.float64).reshape(-1)
+    longer, shorter = d.rephrasings(responses, filler, tails)
+    longer_scores = score_fn(longer) if longer else []
+    shorter_scores = score_fn([s for _, s in shorter]) if shorter else []
+    return d.rephrase_summary(
+        scores, longer_scores, scores[[i for i, _ in shorter]], shorter_scores
+    )
+
+
 def test_rephrase_probe_catches_a_length_counter():
-    out = d.rephrase_probe(length_counter, RESPONSES, filler=[5, 6], tails=[[5, 6]])
+    out = rephrase_probe(length_counter, RESPONSES, filler=[5, 6], tails=[[5, 6]])
     assert out == {
         "responses": 3,
         "longer_delta": 2.0,  # two filler tokens, two more points, every time
@@ -207,7 +233,7 @@ def test_rephrase_probe_catches_a_length_counter():
 
 
 def test_rephrase_probe_leaves_a_content_model_unmoved():
-    out = d.rephrase_probe(content_scorer, RESPONSES, filler=[5, 6], tails=[[5, 6]])
+    out = rephrase_probe(content_scorer, RESPONSES, filler=[5, 6], tails=[[5, 6]])
     assert out["longer_delta"] == 0.0 and out["longer_rise"] == 0.0
     assert out["shorter_delta"] == 0.0 and out["shorter_rise"] == 0.0
 
@@ -219,7 +245,7 @@ def test_rephrase_probe_reuses_known_scores():
         calls.append(len(seqs))
         return length_counter(seqs)
 
-    out = d.rephrase_probe(scorer, RESPONSES, [5], scores=[0.0, 0.0, 0.0])
+    out = rephrase_probe(scorer, RESPONSES, [5], scores=[0.0, 0.0, 0.0])
     assert calls == [3]  # only the longer versions were scored; no tails, no shorter ones
     # Known scores of 0 against token counts 9, 5 and 9 of the longer versions.
     assert out["longer_delta"] == pytest.approx(23 / 3) and out["shorter_responses"] == 0
@@ -272,7 +298,7 @@ def test_warning_ignores_a_consistent_but_negligible_nudge():
 
 def test_warning_flags_the_synthetic_length_counter_and_not_the_content_model():
     lengths = [len(r.ids()) for r in RESPONSES]
-    counter = d.rephrase_probe(length_counter, RESPONSES, [5, 6])
+    counter = rephrase_probe(length_counter, RESPONSES, [5, 6])
     corr = d.length_correlation(length_counter([r.ids() for r in RESPONSES]), lengths)
     line = d.length_bias_warning(corr, counter["longer_rise"], counter["longer_delta"], 2.0)
     assert corr == pytest.approx(1.0)
@@ -281,7 +307,7 @@ def test_warning_flags_the_synthetic_length_counter_and_not_the_content_model():
 
     # Good and bad responses at every length: content decides, length says nothing.
     balanced = [Response([9], body, [0]) for body in ([1], [2], [1, 3, 3], [2, 3, 3])]
-    content = d.rephrase_probe(content_scorer, balanced, [5, 6])
+    content = rephrase_probe(content_scorer, balanced, [5, 6])
     scores = content_scorer([r.ids() for r in balanced])
     corr = d.length_correlation(scores, [len(r.ids()) for r in balanced])
     assert corr == 0.0

@@ -19,7 +19,8 @@ from rlhf_dist.distributed import Runtime
 from rlhf_dist.distributed.training_state import innermost_optimizer
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
-from rlhf_dist.trainers.ppo import StatSums, minibatch_backward
+from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.ppo import UpdateKnobs, minibatch_backward
 from rlhf_dist.trainers.ppo_setup import build_models
 
 B, P, T, VOCAB = 8, 5, 7, 100
@@ -68,8 +69,9 @@ def main():
     share = plan.update.rank_slice(runtime.rank)
     mb = batch.select(share)
     slices = plan.update.micro_slices()
+    knobs = UpdateKnobs.from_config(cfg)
     minibatch_backward(
-        runtime, built.model, mb, advantages[share], returns[share], cfg, slices, StatSums()
+        runtime, built.model, mb, advantages[share], returns[share], knobs, slices, StatSums()
     )
     grads = runtime.full_gradients(built.model)
     inner = type(innermost_optimizer(built.optimizer))

@@ -16,7 +16,9 @@ from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import load_tokenizer, quiet_transformers
 from rlhf_dist.rollout import RolloutModels, collect_rollout
-from rlhf_dist.trainers.ppo import StatSums, minibatch_backward, optimizer_step
+from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.common import step_and_schedule
+from rlhf_dist.trainers.ppo import UpdateKnobs, minibatch_backward
 from rlhf_dist.trainers.ppo_setup import build_models
 
 
@@ -56,10 +58,12 @@ def main():
     widths = runtime.gather_objects([width])
     adv = torch.randn_like(batch.old_values)
     stats = StatSums()
+    knobs = UpdateKnobs.from_config(cfg)
     minibatch_backward(
-        runtime, built.model, batch, adv, adv, cfg, plan.update.micro_slices(), stats
+        runtime, built.model, batch, adv, adv, knobs, plan.update.micro_slices(), stats
     )
-    optimizer_step(runtime, built.model, built.optimizer, built.scheduler, cfg)
+    trained = (built.model, built.optimizer, built.scheduler)
+    step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
     runtime.print(f"UNEVEN-OK widths={widths}")
 
 

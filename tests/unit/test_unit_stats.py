@@ -1,4 +1,4 @@
-"""Unit tests of the statistics helpers of rlhf_dist.trainers.ppo, on one process.
+"""Unit tests of rlhf_dist.stats, on one process.
 
 `FakeRuntime` stands in for rlhf_dist.distributed.Runtime: with one rank a reduction is
 the identity, returned as a copy as Runtime does. Several ranks are the distributed
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf_dist.algo.masking import masked_mean, masked_var
-from rlhf_dist.trainers.ppo import StatSums, global_mean_var
+from rlhf_dist.stats import StatSums, global_mean_var
 
 
 class FakeRuntime:
