@@ -87,7 +87,8 @@ def build_scorer(runtime, reward_function: str, model_cfg, placement: str) -> Sc
     m, dtype = model_cfg, frozen_dtype(model_cfg)
     with runtime.local_loading():
         rm = load_sequence_classifier(m.reward, "model.reward", dtype, m)
-    return Scorer(reward_model=runtime.prepare_frozen(ValueModel(rm), placement, dtype))
+    rm = runtime.prepare_frozen(ValueModel(rm), placement, dtype, "reward model")
+    return Scorer(reward_model=rm)
 
 
 def lockstep_chunks(runtime, n_items: int, size: int):

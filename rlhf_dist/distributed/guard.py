@@ -85,9 +85,12 @@ class NumericalGuard:
         if self._poisoned:
             return self._skip(model, optimizer)
         self.bad_steps_in_row = 0
+        # DeepSpeed without ZeRO and without 16-bit clips fp32 gradients but keeps the norm
+        # to itself (get_global_grad_norm() is None): measure it here, before the step.
+        own_norm = _fp32_stage0_norm(model)
         model.step()  # clip + optimizer step + zero grad at the boundary we set
         norm = model.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else own_norm
         if not math.isfinite(norm):
             raise TrainingDiverged(
                 "DeepSpeed applied a step with a non-finite gradient norm after a finite loss; "
@@ -136,3 +139,12 @@ def _inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     if step in wanted and (not only_rank or int(only_rank) == rank):
         return loss * float("nan")
     return loss
+
+
+def _fp32_stage0_norm(engine) -> float:
+    """The global gradient norm of a DeepSpeed engine that will not report one (stage 0,
+    fp32), else NaN (the engine reports its own). Grads are already reduced at the boundary."""
+    if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return float("nan")
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else 0.0

@@ -115,9 +115,18 @@ class Runtime:
         """Load models whole in this process, even after ZeRO-3 engines exist."""
         return inference.local_loading()
 
-    def prepare_frozen(self, model: torch.nn.Module, placement: str = "auto", dtype="float32"):
+    def prepare_frozen(
+        self, model: torch.nn.Module, placement="auto", dtype="float32", name="frozen model"
+    ):
         """A frozen inference-only model (reference, reward model) for this backend."""
-        return inference.prepare_frozen(self.backend, model, placement, dtype)
+        return inference.prepare_frozen(self.backend, model, placement, dtype, name)
+
+    def autocast(self):
+        """bf16 autocast when bf16 was asked for without DeepSpeed (fp32 weights, bf16
+        compute; docs/distributed.md, precision); otherwise a no-op. Trainable models'
+        prepared forwards run under it already; rollouts, which call the unwrapped
+        modules, enter it themselves."""
+        return self.accelerator.autocast()
 
     # ---------------------------------------------------------------- collectives
     def all_sum(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,11 @@ import torch
 
 from rlhf_dist.config import ConfigError
 from rlhf_dist.distributed import NumericalGuard
-from rlhf_dist.distributed.deepspeed_config import fill_deepspeed_config, fill_zero_buckets
+from rlhf_dist.distributed.deepspeed_config import (
+    MIN_BUCKET,
+    fill_deepspeed_config,
+    fill_zero_buckets,
+)
 
 
 def test_auto_entries_are_filled_from_the_run_config_and_conflicts_refused():
@@ -27,7 +31,16 @@ def test_zero_buckets_follow_the_largest_hidden_size_and_keep_explicit_values():
     model.config = types.SimpleNamespace(hidden_size=8)
     ds = {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 7}}
     fill_zero_buckets(ds, model)
-    assert ds["zero_optimization"] == {"reduce_bucket_size": 64, "stage3_prefetch_bucket_size": 7}
+    # hidden^2 = 64 is far below DeepSpeed's default: the floor wins.
+    assert ds["zero_optimization"] == {
+        "reduce_bucket_size": MIN_BUCKET,
+        "stage3_prefetch_bucket_size": 7,
+    }
+    model.config = types.SimpleNamespace(hidden_size=16384)  # hidden^2 above the floor
+    ds = {"zero_optimization": dict.fromkeys(("reduce_bucket_size", "stage3_param_persistence_threshold"), "auto")}  # fmt: skip
+    fill_zero_buckets(ds, model)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 16384**2
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 163840
 
 
 def one_rank_backend():
