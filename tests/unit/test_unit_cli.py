@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["sft", "rm", "ppo", "eval", "demo"]
+COMMANDS = ["sft", "rm", "ppo", "eval", "demo", "config"]
 
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -91,3 +91,26 @@ def test_missing_model_path_is_one_line(missing_model_run):
 
 def test_missing_model_path_names_the_key_the_user_set(missing_model_run):
     assert "model.policy" in assert_one_line_error(missing_model_run)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo", "eval"])
+def test_stage_help_points_to_the_config_listing(stage, tmp_path):
+    out = " ".join(run_cli(stage, "--help", cwd=tmp_path).stdout.split())
+    assert "rlhf-dist config [SECTION]" in out
+    assert "distributed" in out  # --config lists every section, not a stale subset
+
+
+def test_config_command_lists_keys_with_type_default_and_meaning(tmp_path):
+    proc = run_cli("config", "ppo", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "  ppo.actor.lr  float = 1e-05" in lines
+    assert '  ppo.kl_controller  str = "fixed"  (one of: fixed, adaptive)' in lines
+    assert "run.seed" not in proc.stdout
+    everything = run_cli("config", cwd=tmp_path).stdout
+    assert "run.seed" in everything and "distributed.timeout_s" in everything
+
+
+def test_config_command_unknown_section_is_one_line(tmp_path):
+    line = assert_one_line_error(run_cli("config", "ppx", cwd=tmp_path))
+    assert line.startswith("rlhf-dist config: error: ppx: ")
