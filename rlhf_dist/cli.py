@@ -119,6 +119,20 @@ def _run_stage(name: str, args) -> int:
     return 0
 
 
+def _duplicate_error() -> bool:
+    """True on every rank but a machine's first while no process group exists yet.
+
+    Until the ranks can talk, each one checks the same command line and files on its own
+    and raises the same error; one line per machine is enough (each machine may see its
+    own files). Once they can talk, an error may be one rank's alone, so every rank prints.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return False
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) != 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rlhf_dist.config import UserError
@@ -143,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _run_stage(args.command, args)
     except UserError as e:
-        message = " ".join(str(e).split())  # one line, whatever the message held
-        print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
+        if not _duplicate_error():
+            message = " ".join(str(e).split())  # one line, whatever the message held
+            print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"rlhf-dist {args.command}: stopped: {e}", file=sys.stderr)

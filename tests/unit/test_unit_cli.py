@@ -6,6 +6,7 @@ Each case fails before any model is loaded, so the subprocesses stay fast; they 
 subprocesses because what a user sees (stderr, exit status) is the contract.
 """
 
+import os
 import subprocess
 import sys
 
@@ -14,13 +15,16 @@ import pytest
 COMMANDS = ["sft", "rm", "ppo", "eval", "demo", "config"]
 
 
-def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    # The launcher's rank variables of an outer run must not leak into the ones under test.
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     return subprocess.run(
         [sys.executable, "-m", "rlhf_dist", *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=cwd,
+        env=base | (env or {}),
     )
 
 
@@ -114,3 +118,20 @@ def test_config_command_lists_keys_with_type_default_and_meaning(tmp_path):
 def test_config_command_unknown_section_is_one_line(tmp_path):
     line = assert_one_line_error(run_cli("config", "ppx", cwd=tmp_path))
     assert line.startswith("rlhf-dist config: error: ppx: ")
+
+
+# What `accelerate launch` sets on the second process of one machine, and on the first.
+SECOND_RANK = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+FIRST_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize("args", [["ppo", "ppo.kl_coeff=0.1"], ["rm", "--config", "nope.yaml"]])
+def test_config_error_before_ranks_connect_is_printed_by_the_first_rank_only(args, tmp_path):
+    first = run_cli(*args, cwd=tmp_path, env=FIRST_RANK)
+    assert_one_line_error(first)
+    second = run_cli(*args, cwd=tmp_path, env=SECOND_RANK)
+    assert second.returncode == 2, second.stderr
+    assert second.stderr == "" and second.stdout == ""
+    # Only RANK set (a launcher without LOCAL_RANK): rank 1 stays quiet too.
+    only_rank = run_cli(*args, cwd=tmp_path, env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert only_rank.returncode == 2 and only_rank.stderr == ""
