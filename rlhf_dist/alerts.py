@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from rlhf_dist.config import ConfigError
+
 
 class AlertMonitor:
     """Checks each iteration's stats (already reduced over ranks) against thresholds."""
@@ -31,6 +33,31 @@ class AlertMonitor:
         found = [alert for alert in self._candidates(stats) if alert[0] not in self.fired]
         self.fired.update(name for name, _ in found)
         return found
+
+    def state_dict(self) -> dict:
+        """What later checks judge against, as plain data for the checkpoint: the first
+        iteration's values ("since the start"), the trend window and the alerts already
+        fired. A resumed run must raise exactly the alerts the uninterrupted run would."""
+        return {
+            "fired": sorted(self.fired),
+            "first": dict(self.first),
+            "window": [list(pair) for pair in self.window],
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Continue from `state_dict()`'s output; None is a checkpoint written before alert
+        state was saved, which cannot continue the same baseline."""
+        if state is None:
+            if self.cfg.enabled:
+                raise ConfigError(
+                    "run.resume: the checkpoint has no alert state (written by an older "
+                    "rlhf_dist); resume it with alerts.enabled=false"
+                )
+            return
+        self.fired = set(state["fired"])
+        self.first = dict(state["first"])
+        self.window.clear()
+        self.window.extend(tuple(pair) for pair in state["window"])
 
     def _candidates(self, s: dict) -> list[tuple[str, str]]:
         """Every alert whose condition holds now, as (name, message)."""

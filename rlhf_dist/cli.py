@@ -1,4 +1,4 @@
-"""`rlhf-dist {sft,rm,ppo,eval,demo,report}`: the command line.
+"""`rlhf-dist {sft,rm,ppo,eval,demo,report,config}`: the command line.
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
 exit status 2, never a traceback. Heavy imports happen after argument parsing so that
@@ -8,8 +8,13 @@ exit status 2, never a traceback. Heavy imports happen after argument parsing so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+
+from rlhf_dist.config import Config  # light (yaml only): the section names for --help
+
+SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
 STAGES = {
     "sft": ("supervised fine-tuning on prompt/response data", "rlhf_dist.trainers.sft:train_sft"),
@@ -24,7 +29,11 @@ STAGES = {
     ),
 }
 
-EPILOG = "Overrides are section.key=value pairs applied after --config, e.g. ppo.kl_coef=0.1 run.output_dir=runs/x"
+EPILOG = (
+    "Overrides are section.key=value pairs applied after --config, e.g. ppo.kl_coef=0.1 "
+    "run.output_dir=runs/x. `rlhf-dist config [SECTION]` lists every key with its type, "
+    "default and meaning."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlhf-dist", description="RLHF: SFT -> reward model -> PPO."
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{sft,rm,ppo,eval,demo,report}"
+        dest="command", required=True, metavar="{sft,rm,ppo,eval,demo,report,config}"
     )
     for name, (help_text, _) in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
         p.add_argument(
             "--config",
-            help="YAML config file (sections: run, model, data, sft, rm, ppo, generation, reward, eval)",
+            help=f"YAML config file (sections: {', '.join(SECTIONS)}; see `rlhf-dist config`)",
         )
         if name != "eval":
             p.add_argument(
@@ -68,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("path", metavar="PATH", help="a run's output_dir or a directory of runs")
     report.add_argument(
         "--output", metavar="DIR", help="where the page and PNGs go (default PATH/report)"
+    )
+    config = sub.add_parser(
+        "config",
+        help="list the config keys: section.key, type, default, meaning",
+        description="Print every config key of SECTION (all sections without one) as "
+        "section.key, its type, default, choices and meaning.",
+    )
+    config.add_argument(
+        "section", nargs="?", default="", help="a section (ppo), subsection (ppo.actor) or key"
     )
     return parser
 
@@ -101,6 +119,20 @@ def _run_stage(name: str, args) -> int:
     return 0
 
 
+def _duplicate_error() -> bool:
+    """True on every rank but a machine's first while no process group exists yet.
+
+    Until the ranks can talk, each one checks the same command line and files on its own
+    and raises the same error; one line per machine is enough (each machine may see its
+    own files). Once they can talk, an error may be one rank's alone, so every rank prints.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return False
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) != 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rlhf_dist.config import UserError
@@ -118,10 +150,16 @@ def main(argv: list[str] | None = None) -> int:
 
             print(build_report(args.path, args.output))
             return 0
+        if args.command == "config":
+            from rlhf_dist.config import describe
+
+            print(describe(args.section))
+            return 0
         return _run_stage(args.command, args)
     except UserError as e:
-        message = " ".join(str(e).split())  # one line, whatever the message held
-        print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
+        if not _duplicate_error():
+            message = " ".join(str(e).split())  # one line, whatever the message held
+            print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"rlhf-dist {args.command}: stopped: {e}", file=sys.stderr)

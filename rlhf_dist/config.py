@@ -5,13 +5,19 @@ choices, an impossible combination) raises `ConfigError` with a one-line message
 the key, before any model is loaded. Config objects are never written to at run time;
 numbers derived from them (per-rank batch sizes, accumulation steps) live in
 `rlhf_dist.batching`.
+
+Each key is declared once, with `key(default, help, choices=...)`: its meaning lives there
+and nowhere else, `rlhf-dist config [SECTION]` prints it (`describe`), and a unit test fails
+for a key without help. A new key is one such line in its section's dataclass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,244 +46,335 @@ def _choices(*values: str) -> dict:
     return {"choices": values}
 
 
+def key(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    """A config key: its default, its meaning (what `rlhf-dist config` prints) and, for text
+    keys with a fixed set of values, the choices `validate` enforces. Every key is declared
+    with this, so its documentation cannot drift away from it."""
+    return field(default=default, metadata={"help": help} | (_choices(*choices) if choices else {}))
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    output_dir: str = "runs/default"
-    seed: int = 0
-    log_every: int = 1
-    # Trackers besides metrics.jsonl (always written): "wandb", "tensorboard".
-    trackers: tuple[str, ...] = ()
-    project: str = "rlhf_dist"
-    wandb_mode: str = field(default="online", metadata=_choices("online", "offline"))
-    # PPO: histograms (advantages, per-token KL, scores, lengths) and a sample table every
-    # N iterations (0 = never).
-    histogram_every: int = 10
-    samples_every: int = 10
-    num_samples: int = 8
-    # A progress bar with ETA on the main process (when stderr is a terminal).
-    progress: bool = True
-    # Save a resumable checkpoint every N optimizer steps (SFT/RM) or iterations (PPO); 0 = never
-    # (a SIGTERM still writes one). Only the newest keep_checkpoints are kept.
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    # "auto": continue from <output_dir>/checkpoints/latest if there is one; or a checkpoint path.
-    resume: str = ""
-    # Optimizer steps with a non-finite loss or gradient are skipped (all ranks agree); this
-    # many in a row stop the run with a checkpoint of the last good state.
-    max_bad_steps: int = 3
-    # CPU threads per process; 0 = the machine's cores divided among the local ranks
-    # (oversubscribed OpenMP threads spin-wait and run 10-100x slower).
-    num_threads: int = 0
+    output_dir: str = key("runs/default", "where the run writes metrics, checkpoints and final/")
+    seed: int = key(0, "seed of every RNG (each rank derives its own from it)")
+    log_every: int = key(1, "write a metrics row every N steps (SFT/RM) or iterations (PPO)")
+    trackers: tuple[str, ...] = key(
+        (), "trackers besides metrics.jsonl (always written): wandb, tensorboard"
+    )
+    project: str = key("rlhf_dist", "project name in the trackers")
+    wandb_mode: str = key("online", "W&B mode", choices=("online", "offline"))
+    histogram_every: int = key(
+        10,
+        "PPO: histograms (advantages, per-token KL, scores, lengths) every N iterations; 0 = never",
+    )
+    samples_every: int = key(10, "PPO: a table of sampled responses every N iterations; 0 = never")
+    num_samples: int = key(8, "responses in each sample table")
+    progress: bool = key(
+        True, "a progress bar with ETA on the main process (when stderr is a terminal)"
+    )
+    checkpoint_every: int = key(
+        0,
+        "save a resumable checkpoint every N optimizer steps (SFT/RM) or iterations (PPO); "
+        "0 = never (a SIGTERM still writes one)",
+    )
+    keep_checkpoints: int = key(2, "how many of the newest checkpoints are kept")
+    resume: str = key(
+        "",
+        "auto: continue from <output_dir>/checkpoints/latest if there is one; or a checkpoint path",
+    )
+    max_bad_steps: int = key(
+        3,
+        "optimizer steps with a non-finite loss or gradient are skipped (all ranks agree); this "
+        "many in a row stop the run with a checkpoint of the last good state",
+    )
+    num_threads: int = key(
+        0,
+        "CPU threads per process; 0 = the machine's cores divided among the local ranks "
+        "(oversubscribed OpenMP threads spin-wait and run 10-100x slower)",
+    )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # Causal LM to start from (SFT input, PPO actor/reference): local dir or hub name.
-    policy: str = ""
-    # Sequence-classification reward model (RM output, PPO reward): local dir or hub name.
-    reward: str = ""
-    # Tokenizer path; empty means the policy's.
-    tokenizer: str = ""
-    # Weights of the trained models (actor, critic; SFT/RM model). bfloat16 under DeepSpeed
-    # turns on its bf16 mixed precision (fp32 master weights in the optimizer).
-    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
-    # Weights of the frozen reference and reward model; "auto" = model.dtype.
-    frozen_dtype: str = field(default="auto", metadata=_choices("auto", "float32", "bfloat16"))
-    # Run Python code shipped with a hub model (its modeling files). Off: only code we install.
-    trust_remote_code: bool = False
-    # Load weights from .safetensors only; false also allows pickle (.bin) checkpoints,
-    # which can run arbitrary code when loaded.
-    safetensors_only: bool = True
-    # Attention kernel of every model (transformers' attn_implementation). "auto" keeps the
-    # model's default (sdpa for most); "eager" is faster for tiny models on CPU, where a
-    # fused kernel's setup costs more than the attention itself; flash_attention_2 needs
-    # the flash-attn package and a GPU.
-    attn_implementation: str = field(
-        default="auto", metadata=_choices("auto", "eager", "sdpa", "flash_attention_2")
+    policy: str = key(
+        "", "causal LM to start from (SFT input, PPO actor/reference): local dir or hub name"
+    )
+    reward: str = key(
+        "",
+        "sequence-classification reward model (RM output, PPO reward): local dir or hub name",
+    )
+    tokenizer: str = key("", "tokenizer path; empty means the policy's")
+    dtype: str = key(
+        "float32",
+        "weights of the trained models (actor, critic; SFT/RM model); bfloat16 under DeepSpeed "
+        "turns on its bf16 mixed precision (fp32 master weights in the optimizer)",
+        choices=("float32", "bfloat16"),
+    )
+    frozen_dtype: str = key(
+        "auto",
+        "weights of the frozen reference and reward model; auto = model.dtype",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    trust_remote_code: bool = key(
+        False,
+        "run Python code shipped with a hub model (its modeling files); off: only code we install",
+    )
+    safetensors_only: bool = key(
+        True,
+        "load weights from .safetensors only; false also allows pickle (.bin) checkpoints, "
+        "which can run arbitrary code when loaded",
+    )
+    attn_implementation: str = key(
+        "auto",
+        "attention kernel of every model (transformers' attn_implementation); auto keeps the "
+        "model's default (sdpa for most); eager is faster for tiny models on CPU, where a fused "
+        "kernel's setup costs more than the attention itself; flash_attention_2 needs the "
+        "flash-attn package and a GPU",
+        choices=("auto", "eager", "sdpa", "flash_attention_2"),
     )
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    # Training data: local .jsonl/.json/.parquet/.csv file, or a hub dataset name.
-    train: str = ""
-    # Held-out data of the same format (RM accuracy, eval prompts). Empty: none.
-    eval: str = ""
-    split: str = "train"
-    prompt_field: str = "prompt"
-    max_prompt_length: int = 64
-    # Prompt + response tokens for SFT / RM sequences.
-    max_length: int = 128
-    # What to do with a prompt longer than max_prompt_length: keep its last tokens, or skip it.
-    too_long: str = field(default="truncate", metadata=_choices("truncate", "drop"))
+    train: str = key(
+        "", "training data: local .jsonl/.json/.parquet/.csv file, or a hub dataset name"
+    )
+    eval: str = key("", "held-out data of the same format (RM accuracy, eval prompts); empty: none")
+    split: str = key("train", "split of a hub dataset (local files are read whole)")
+    prompt_field: str = key("prompt", "name of the prompt column")
+    max_prompt_length: int = key(64, "prompt tokens kept (see data.too_long)")
+    max_length: int = key(
+        128, "prompt + response tokens of SFT / RM sequences; longer rows are skipped"
+    )
+    too_long: str = key(
+        "truncate",
+        "a prompt longer than data.max_prompt_length: keep its last tokens, or skip it",
+        choices=("truncate", "drop"),
+    )
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    adam_eps: float = 1e-5
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-    schedule: str = field(default="constant", metadata=_choices("constant", "linear", "cosine"))
+    lr: float = key(1e-4, "peak learning rate of AdamW")
+    weight_decay: float = key(0.0, "AdamW weight decay")
+    adam_eps: float = key(1e-5, "AdamW epsilon")
+    max_grad_norm: float = key(1.0, "gradients are clipped to this global L2 norm")
+    warmup_steps: int = key(0, "optimizer steps of linear warmup up to lr")
+    schedule: str = key(
+        "constant",
+        "learning rate after warmup: constant, or decaying to 0 by the last optimizer step",
+        choices=("constant", "linear", "cosine"),
+    )
 
 
 @dataclass(frozen=True)
 class SFTConfig:
-    epochs: int = 1
-    batch_size: int = 32
-    micro_batch_size: int = 32
-    optim: OptimConfig = OptimConfig(lr=1e-3)
+    epochs: int = key(1, "passes over data.train")
+    batch_size: int = key(32, "sequences per optimizer step, summed over all ranks")
+    micro_batch_size: int = key(32, "sequences per forward/backward pass, per rank")
+    optim: OptimConfig = key(OptimConfig(lr=1e-3), "optimizer of the policy")
 
 
 @dataclass(frozen=True)
 class RMConfig:
-    epochs: int = 1
-    batch_size: int = 32
-    micro_batch_size: int = 32
-    optim: OptimConfig = OptimConfig(lr=1e-4)
-    # Ranked lists (`responses` best-first) expand to all C(n, 2) pairs.
-    responses_field: str = "responses"
+    epochs: int = key(1, "passes over data.train")
+    batch_size: int = key(32, "preference pairs per optimizer step, summed over all ranks")
+    micro_batch_size: int = key(32, "preference pairs per forward/backward pass, per rank")
+    optim: OptimConfig = key(OptimConfig(lr=1e-4), "optimizer of the reward model")
+    responses_field: str = key(
+        "responses", "column of ranked lists (best first), expanded to all C(n, 2) pairs"
+    )
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 32
-    # EOS is suppressed until this many tokens were generated (0: no minimum).
-    min_new_tokens: int = 0
-    temperature: float = 0.7
-    top_k: int = 0
-    top_p: float = 1.0
+    max_new_tokens: int = key(32, "response tokens at most")
+    min_new_tokens: int = key(
+        0, "EOS is suppressed until this many tokens were generated (0: no minimum)"
+    )
+    temperature: float = key(0.7, "sampling temperature (PPO's log-probabilities use it too)")
+    top_k: int = key(0, "sample among the k most likely tokens; 0 = all")
+    top_p: float = key(1.0, "nucleus sampling: the smallest set of tokens with this mass; 1 = all")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    # "module:callable" taking (prompts, responses) -> list[float]; overrides model.reward.
-    function: str = ""
-    # Replace the score of a response without EOS by this value (N+ study uses -1).
-    missing_eos_penalty: float | None = None
-    # Running normalisation of scores (mean/std over all ranks, updated every iteration),
-    # then clipping to [-clip, clip]; both after the missing-EOS penalty.
-    normalize: bool = False
-    clip: float | None = None
+    function: str = key(
+        "", "module:callable taking (prompts, responses) -> list[float]; overrides model.reward"
+    )
+    missing_eos_penalty: float | None = key(
+        None, "replace the score of a response without EOS by this value (N+ study uses -1)"
+    )
+    normalize: bool = key(
+        False,
+        "running normalisation of scores (mean/std over all ranks, updated every iteration), "
+        "after the missing-EOS penalty",
+    )
+    clip: float | None = key(
+        None, "clip (normalised) scores to [-clip, clip], after the missing-EOS penalty; null = no"
+    )
 
 
 @dataclass(frozen=True)
 class PPOConfig:
-    iterations: int = 100
-    # Prompts per iteration, summed over all ranks.
-    rollout_batch_size: int = 64
-    # Sequences per forward pass during rollout scoring and generation, per rank.
-    rollout_micro_batch_size: int = 64
-    ppo_epochs: int = 4
-    # Sequences per optimizer step, summed over all ranks.
-    minibatch_size: int = 16
-    # Sequences per forward/backward pass, per rank.
-    micro_batch_size: int = 16
-    actor: OptimConfig = OptimConfig(lr=1e-5)
-    critic: OptimConfig = OptimConfig(lr=1e-5)
-    critic_init: str = field(default="reward", metadata=_choices("reward", "policy"))
-    # Policy ratio clip; null turns clipping off (a debugging knob).
-    clip_eps: float | None = 0.2
-    value_clip_eps: float | None = 0.2
-    vf_coef: float = 0.1
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.05
-    kl_kind: str = field(default="k1", metadata=_choices(*KL_KINDS))
-    kl_controller: str = field(default="fixed", metadata=_choices("fixed", "adaptive"))
-    kl_target: float = 6.0
-    kl_horizon: float = 10000.0
-    whiten_advantages: bool = True
+    iterations: int = key(100, "rollout + update rounds")
+    rollout_batch_size: int = key(64, "prompts per iteration, summed over all ranks")
+    rollout_micro_batch_size: int = key(
+        64, "sequences per forward pass during rollout scoring and generation, per rank"
+    )
+    ppo_epochs: int = key(4, "passes over each rollout batch")
+    minibatch_size: int = key(16, "sequences per optimizer step, summed over all ranks")
+    micro_batch_size: int = key(16, "sequences per forward/backward pass, per rank")
+    actor: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the actor (the policy)")
+    critic: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the critic (value model)")
+    critic_init: str = key(
+        "reward",
+        "the critic starts from the reward model or from the policy (with a new value head)",
+        choices=("reward", "policy"),
+    )
+    clip_eps: float | None = key(
+        0.2, "policy ratio clip; null turns clipping off (a debugging knob)"
+    )
+    value_clip_eps: float | None = key(
+        0.2, "clip of the value update around the rollout's values; null = off"
+    )
+    vf_coef: float = key(0.1, "weight of the value loss")
+    gamma: float = key(1.0, "discount of GAE")
+    lam: float = key(0.95, "lambda of GAE")
+    kl_coef: float = key(
+        0.05, "weight of the per-token KL penalty in the reward (initial, if adaptive)"
+    )
+    kl_kind: str = key(
+        "k1",
+        "estimator of the per-token KL to the reference (Schulman 2020): k1 = log ratio, "
+        "k2 = its square / 2, k3 = exp(-d) + d - 1",
+        choices=KL_KINDS,
+    )
+    kl_controller: str = key(
+        "fixed",
+        "fixed kl_coef, or adaptive: steered towards ppo.kl_target (Ziegler et al. 2019)",
+        choices=("fixed", "adaptive"),
+    )
+    kl_target: float = key(6.0, "adaptive controller: KL per response to steer towards (nats)")
+    kl_horizon: float = key(10000.0, "adaptive controller: its horizon (how slowly it adapts)")
+    whiten_advantages: bool = key(
+        True, "normalise advantages to mean 0, std 1 (statistics over all ranks)"
+    )
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    # Reference policy for the KL figure; empty means the run's model.policy has none.
-    reference: str = ""
-    num_prompts: int = 128
-    batch_size: int = 64
-    # Optional oracle `module:callable(prompts, responses, finished) -> list[float]`,
-    # e.g. the demo task's gold reward, reported as gold_reward.
-    gold_function: str = ""
+    reference: str = key(
+        "", "reference policy for the KL figure; empty: the run's model.policy has none"
+    )
+    num_prompts: int = key(128, "held-out prompts scored at most")
+    batch_size: int = key(64, "prompts per generation batch, per rank")
+    gold_function: str = key(
+        "",
+        "optional oracle module:callable(prompts, responses, finished) -> list[float], "
+        "e.g. the demo task's gold reward, reported as gold_reward",
+    )
 
 
 @dataclass(frozen=True)
 class AlertsConfig:
-    # PPO health alerts (rlhf_dist/alerts.py), each printed once and logged as alerts/<name>.
-    enabled: bool = True
-    kl_max: float = 20.0  # nats per response to the reference
-    length_drift: float = 0.5  # |mean length / first iteration's - 1|
-    window: int = 5  # iterations over which score and KL trends are judged
-    kl_rise_per_iteration: float = 1.0  # nats/iteration of KL growth while the score rises
-    score_std_collapse: float = 0.8  # fall of the score std relative to the first iteration
-    clipfrac_max: float = 0.3
-    approx_kl_max: float = 0.1
-    entropy_collapse: float = 0.7  # fall of the entropy relative to the first iteration
+    enabled: bool = key(
+        True,
+        "PPO health alerts (rlhf_dist/alerts.py), each printed once and logged as alerts/<name>",
+    )
+    kl_max: float = key(20.0, "KL per response to the reference (nats) above which kl_high fires")
+    length_drift: float = key(
+        0.5, "length_drift fires when |mean length / first iteration's - 1| exceeds this"
+    )
+    window: int = key(5, "iterations over which score and KL trends are judged")
+    kl_rise_per_iteration: float = key(
+        1.0, "score_up_kl_fast fires when KL grows faster (nats/iteration) while the score rises"
+    )
+    score_std_collapse: float = key(
+        0.8, "fall of the score std relative to the first iteration that fires an alert"
+    )
+    clipfrac_max: float = key(0.3, "policy clip fraction above which clipfrac_high fires")
+    approx_kl_max: float = key(0.1, "approx. KL per update above which approx_kl_high fires")
+    entropy_collapse: float = key(
+        0.7, "fall of the entropy relative to the first iteration that fires an alert"
+    )
 
 
 @dataclass(frozen=True)
 class DebugConfig:
-    # PPO on the SAME prompts every iteration: the score must climb, or something is broken.
-    overfit_one_batch: bool = False
-    # Print the first rollout batch decoded token by token with its masks.
-    print_first_batch: bool = False
+    overfit_one_batch: bool = key(
+        False,
+        "PPO on the SAME prompts every iteration: the score must climb, or something is broken",
+    )
+    print_first_batch: bool = key(
+        False, "print the first rollout batch decoded token by token with its masks"
+    )
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    # LoRA adapters (peft) on the actor; the reference is the same base with adapters
-    # disabled, so the base weights are held once. LoRA dropout is always 0 (dropout off).
-    enabled: bool = False
-    r: int = 16
-    alpha: int = 32
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
+    enabled: bool = key(
+        False,
+        "LoRA adapters (peft) on the actor; the reference is the same base with adapters "
+        "disabled, so the base weights are held once (LoRA dropout is always 0)",
     )
-    # Adapters on the critic too (its value head stays fully trainable). With the critic
-    # initialised from the reward model, the frozen reward model is that same base with
-    # adapters disabled: one copy of the reward model's weights.
-    critic: bool = False
-    # What `final/` holds for a LoRA actor: the merged model, and/or the adapter in final_adapter/.
-    export: str = field(default="both", metadata=_choices("merged", "adapter", "both"))
+    r: int = key(16, "rank of the adapters")
+    alpha: int = key(32, "scale of the adapters (alpha / r)")
+    target_modules: tuple[str, ...] = key(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "names of the linear layers that get adapters",
+    )
+    critic: bool = key(
+        False,
+        "adapters on the critic too (its value head stays fully trainable); with the critic "
+        "initialised from the reward model, the frozen reward model is that same base with "
+        "adapters disabled: one copy of the reward model's weights",
+    )
+    export: str = key(
+        "both",
+        "what final/ holds for a LoRA actor: the merged model, and/or the adapter in final_adapter/",
+        choices=("merged", "adapter", "both"),
+    )
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    # Frozen reference / reward model: "partition" them like ZeRO-3 (inference engines),
-    # "replicate" a full copy per rank, "offload" their partitions to CPU memory;
-    # "auto" = partition under ZeRO-3, replicate otherwise.
-    frozen_models: str = field(
-        default="auto", metadata=_choices("auto", "partition", "replicate", "offload")
+    frozen_models: str = key(
+        "auto",
+        "frozen reference / reward model: partition them like ZeRO-3 (inference engines), "
+        "replicate a full copy per rank, offload their partitions to CPU memory; "
+        "auto = partition under ZeRO-3, replicate otherwise",
+        choices=("auto", "partition", "replicate", "offload"),
     )
-    # Under ZeRO-3, gather the actor's full weights once per rollout for generation (fast;
-    # needs memory for one full copy). Off: generate through ZeRO-3's per-layer gathers.
-    gather_for_generation: bool = True
-    # Seconds a collective waits for the other ranks before the run fails with an error.
-    timeout_s: int = 1800
+    gather_for_generation: bool = key(
+        True,
+        "under ZeRO-3, gather the actor's full weights once per rollout for generation (fast; "
+        "needs memory for one full copy); off: generate through ZeRO-3's per-layer gathers",
+    )
+    timeout_s: int = key(
+        1800, "seconds a collective waits for the other ranks before the run fails with an error"
+    )
 
 
 @dataclass(frozen=True)
 class Config:
-    run: RunConfig = RunConfig()
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    sft: SFTConfig = SFTConfig()
-    rm: RMConfig = RMConfig()
-    ppo: PPOConfig = PPOConfig()
-    generation: GenerationConfig = GenerationConfig()
-    reward: RewardConfig = RewardConfig()
-    eval: EvalConfig = EvalConfig()
-    lora: LoRAConfig = LoRAConfig()
-    alerts: AlertsConfig = AlertsConfig()
-    debug: DebugConfig = DebugConfig()
-    distributed: DistributedConfig = DistributedConfig()
+    run: RunConfig = key(RunConfig(), "output, logging, checkpoints, resume")
+    model: ModelConfig = key(ModelConfig(), "which models, their dtype and loading")
+    data: DataConfig = key(DataConfig(), "data files and tokenisation limits")
+    sft: SFTConfig = key(SFTConfig(), "batches and optimizer of rlhf-dist sft")
+    rm: RMConfig = key(RMConfig(), "batches and optimizer of rlhf-dist rm")
+    ppo: PPOConfig = key(PPOConfig(), "batches, optimizers, losses and KL penalty of rlhf-dist ppo")
+    generation: GenerationConfig = key(GenerationConfig(), "sampling of responses (PPO, eval)")
+    reward: RewardConfig = key(
+        RewardConfig(), "the reward: a function instead of model.reward, shaping"
+    )
+    eval: EvalConfig = key(EvalConfig(), "what rlhf-dist eval scores and compares")
+    lora: LoRAConfig = key(LoRAConfig(), "LoRA adapters (PPO)")
+    alerts: AlertsConfig = key(AlertsConfig(), "PPO health and reward-hacking alerts")
+    debug: DebugConfig = key(DebugConfig(), "debugging aids (PPO)")
+    distributed: DistributedConfig = key(
+        DistributedConfig(), "placement of models across ranks, timeouts"
+    )
 
 
 # ---------------------------------------------------------------------------- building
@@ -435,6 +532,52 @@ def save_config(cfg: Config, output_dir: str | os.PathLike) -> Path:
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(out / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# -------------------------------------------------------------------------------- help
+
+
+def _type_name(tp: Any) -> str:
+    optional, inner = _is_optional(tp)
+    if typing.get_origin(inner) is tuple:
+        name = f"list of {typing.get_args(inner)[0].__name__}"
+    else:
+        name = inner.__name__
+    return f"{name} or null" if optional else name
+
+
+def _walk(section: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any, Any]]:
+    """(dotted name, field, type, default) of every key and subsection under `section` (an
+    instance, so nested defaults such as sft.optim.lr are the section's own), in order."""
+    hints, out = _hints(type(section)), []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        out.append((f"{prefix}{f.name}", f, hints[f.name], value))
+        if dataclasses.is_dataclass(value):
+            out += _walk(value, f"{prefix}{f.name}.")
+    return out
+
+
+def describe(section: str = "") -> str:
+    """Every key under `section` ("" = all; "ppo", "ppo.actor" or one key) with its type,
+    default, choices and meaning: the text of `rlhf-dist config [SECTION]`."""
+    entries = [e for e in _walk(Config()) if not section or f"{e[0]}.".startswith(f"{section}.")]
+    if not entries:
+        known = ", ".join(f.name for f in dataclasses.fields(Config))
+        raise ConfigError(f"{section}: no such section or key (sections: {known})")
+    lines = []
+    for name, f, tp, value in entries:
+        text = f.metadata.get("help", "")
+        if dataclasses.is_dataclass(value):
+            lines += ([""] if "." not in name and lines else []) + [f"{name}: {text}"]
+            continue
+        default = json.dumps(list(value) if isinstance(value, tuple) else value)
+        choices = f.metadata.get("choices")
+        head = f"  {name}  {_type_name(tp)} = {default}" + (
+            f"  (one of: {', '.join(choices)})" if choices else ""
+        )
+        lines += [head, textwrap.fill(text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+    return "\n".join(lines)
 
 
 # -------------------------------------------------------------------------- validation

@@ -40,6 +40,41 @@ class SkipReport:
         return text
 
 
+def _non_blank(path: Path, limit: int) -> bytes:
+    """Up to `limit` non-whitespace bytes from the start of a file (reads no further)."""
+    found = b""
+    with path.open("rb") as f:
+        while len(found) < limit and (chunk := f.read(1 << 16)):
+            found += b"".join(chunk.split())[: limit - len(found)]
+    return found
+
+
+def _csv_has_a_row(path: Path) -> bool:
+    """A non-blank line after the header line."""
+    with path.open("rb") as f:
+        lines = (line for line in f if line.strip())
+        return next(lines, None) is not None and next(lines, None) is not None
+
+
+def _why_no_rows(path: Path) -> str | None:
+    """Why a local data file holds no rows, or None if it may hold some. Checked before
+    `datasets` reads it: that reports such files as "StopIteration" or "corresponds to no
+    data", which does not tell the user the file is empty."""
+    head = _non_blank(path, 3)
+    if not head:
+        return "is empty"
+    if path.suffix == ".json" and head == b"[]":
+        return "has no rows (an empty JSON list)"
+    if path.suffix == ".csv" and not _csv_has_a_row(path):
+        return "has a header line but no rows"
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        if pq.ParquetFile(path).metadata.num_rows == 0:
+            return "has no rows"
+    return None
+
+
 def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
     """Rows of a local data file (by extension) or a hub dataset, as a list of dicts."""
     import datasets
@@ -51,6 +86,9 @@ def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
         if path.suffix in LOCAL_BUILDERS:
             if not path.is_file():
                 raise ConfigError(f"{key}: data file {source!r} does not exist")
+            empty = _why_no_rows(path)
+            if empty:
+                raise ConfigError(f"{key}: data file {source!r} {empty}")
             ds = datasets.load_dataset(
                 LOCAL_BUILDERS[path.suffix], data_files=str(path), split="train"
             )

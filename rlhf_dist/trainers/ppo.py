@@ -346,13 +346,14 @@ def report_iteration(logger, cfg, it: int, result: IterationResult, alerts: Aler
         logger.log(it, stats, CONSOLE_KEYS)
 
 
-def trainer_state(run: PPORun, first_score: float) -> dict:
+def trainer_state(run: PPORun, first_score: float, alerts: AlertMonitor) -> dict:
     """Everything besides weights and optimizer that a resumed run must continue from."""
     return {
         "kl_controller": run.kl_ctl.state_dict(),
         "score_moments": run.score_moments.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "first_score": first_score,
+        "alerts": alerts.state_dict(),
     }
 
 
@@ -384,13 +385,17 @@ def train_ppo(cfg, runtime) -> dict:
     )
     first_score = ckpt.trainer["first_score"] if ckpt else None
     preemption, alerts, stats = PreemptionFlag(), AlertMonitor(cfg.alerts), {}
+    if ckpt:  # alerts judge "since the start" of the run, not of this process
+        alerts.load_state_dict(ckpt.trainer.get("alerts"))
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
         result = ppo_iteration(runtime, run, prompt_batch, cfg, it)
         stats = result.stats
         first_score = stats["objective/score"] if first_score is None else first_score
         report_iteration(logger, cfg, it, result, alerts)
         steps, trained = (it, p.iterations), (run.model, run.optimizer)
-        safe_point(cfg, runtime, out, steps, preemption, trained, trainer_state(run, first_score))
+        safe_point(
+            cfg, runtime, out, steps, preemption, trained, trainer_state(run, first_score, alerts)
+        )
     export_models(cfg, runtime, run.model, run.tokenizer, out)
     summary = {
         "iterations": p.iterations,

@@ -114,6 +114,8 @@ def test_long_prompts_are_truncated_and_counted_by_default(tiny, tmp_path):
         ("sft_all_bad.jsonl", (), ("sft.batch_size", "0 usable", "5 missing 'prompt'")),
         ("invalid_utf8.jsonl", (), ("data.train", "cannot load")),
         ("missing.jsonl", (), ("data.train", "does not exist")),
+        ("empty.jsonl", (), ("data.train", "empty.jsonl", "is empty")),
+        ("blank_lines.jsonl", (), ("data.train", "blank_lines.jsonl", "is empty")),
         (
             "sft_mixed_bad_rows.jsonl",
             ("model.policy=/nonexistent/model",),

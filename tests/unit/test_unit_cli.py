@@ -6,21 +6,25 @@ Each case fails before any model is loaded, so the subprocesses stay fast; they 
 subprocesses because what a user sees (stderr, exit status) is the contract.
 """
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-COMMANDS = ["sft", "rm", "ppo", "eval", "demo"]
+COMMANDS = ["sft", "rm", "ppo", "eval", "demo", "config"]
 
 
-def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    # The launcher's rank variables of an outer run must not leak into the ones under test.
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     return subprocess.run(
         [sys.executable, "-m", "rlhf_dist", *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=cwd,
+        env=base | (env or {}),
     )
 
 
@@ -91,3 +95,43 @@ def test_missing_model_path_is_one_line(missing_model_run):
 
 def test_missing_model_path_names_the_key_the_user_set(missing_model_run):
     assert "model.policy" in assert_one_line_error(missing_model_run)
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo", "eval"])
+def test_stage_help_points_to_the_config_listing(stage, tmp_path):
+    out = " ".join(run_cli(stage, "--help", cwd=tmp_path).stdout.split())
+    assert "rlhf-dist config [SECTION]" in out
+    assert "distributed" in out  # --config lists every section, not a stale subset
+
+
+def test_config_command_lists_keys_with_type_default_and_meaning(tmp_path):
+    proc = run_cli("config", "ppo", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "  ppo.actor.lr  float = 1e-05" in lines
+    assert '  ppo.kl_controller  str = "fixed"  (one of: fixed, adaptive)' in lines
+    assert "run.seed" not in proc.stdout
+    everything = run_cli("config", cwd=tmp_path).stdout
+    assert "run.seed" in everything and "distributed.timeout_s" in everything
+
+
+def test_config_command_unknown_section_is_one_line(tmp_path):
+    line = assert_one_line_error(run_cli("config", "ppx", cwd=tmp_path))
+    assert line.startswith("rlhf-dist config: error: ppx: ")
+
+
+# What `accelerate launch` sets on the second process of one machine, and on the first.
+SECOND_RANK = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+FIRST_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+
+
+@pytest.mark.parametrize("args", [["ppo", "ppo.kl_coeff=0.1"], ["rm", "--config", "nope.yaml"]])
+def test_config_error_before_ranks_connect_is_printed_by_the_first_rank_only(args, tmp_path):
+    first = run_cli(*args, cwd=tmp_path, env=FIRST_RANK)
+    assert_one_line_error(first)
+    second = run_cli(*args, cwd=tmp_path, env=SECOND_RANK)
+    assert second.returncode == 2, second.stderr
+    assert second.stderr == "" and second.stdout == ""
+    # Only RANK set (a launcher without LOCAL_RANK): rank 1 stays quiet too.
+    only_rank = run_cli(*args, cwd=tmp_path, env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert only_rank.returncode == 2 and only_rank.stderr == ""

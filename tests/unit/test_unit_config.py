@@ -13,6 +13,7 @@ from rlhf_dist.config import (
     Config,
     ConfigError,
     OptimConfig,
+    describe,
     load_config,
     save_config,
     validate,
@@ -373,3 +374,53 @@ def test_flash_attention_without_the_package_is_an_error_naming_the_key(monkeypa
     validate(cfg, "ppo")
     with pytest.raises(ConfigError, match=r"^model\.attn_implementation: must be one of"):
         load_config(overrides=["model.attn_implementation=flash"])
+
+
+# ---------------------------------------------------------------------------------- help
+
+
+def _all_fields(cls, prefix=""):
+    """(dotted name, field) of every field of every section reachable from `cls`."""
+    for f in dataclasses.fields(cls):
+        yield f"{prefix}{f.name}", f
+        if dataclasses.is_dataclass(f.default):
+            yield from _all_fields(type(f.default), f"{prefix}{f.name}.")
+
+
+def test_every_key_and_section_has_help_text():
+    names = [name for name, _ in _all_fields(Config)]
+    assert "ppo.actor.lr" in names and "sft.optim.schedule" in names  # the walk reaches nests
+    missing = [
+        name
+        for name, f in _all_fields(Config)
+        if not (isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip())
+    ]
+    assert missing == [], f"declare these with key(default, help): {missing}"
+
+
+def test_describe_lists_every_key_with_type_default_choices_and_help():
+    text = describe()
+    for name, f in _all_fields(Config):
+        assert name in text
+        assert " ".join(f.metadata["help"].split()) in " ".join(text.split())
+    lines = text.splitlines()
+    # A nested section shows its own defaults (sft.optim.lr is 1e-3, OptimConfig's is 1e-4).
+    assert "  sft.optim.lr  float = 0.001" in lines
+    assert "  ppo.actor.lr  float = 1e-05" in lines
+    assert '  ppo.kl_kind  str = "k1"  (one of: k1, k2, k3)' in lines
+    assert "  reward.clip  float or null = null" in lines
+    assert any(line.startswith("  lora.target_modules  list of str = [") for line in lines)
+
+
+def test_describe_one_section_subsection_or_key():
+    ppo = describe("ppo")
+    assert "ppo.actor.lr" in ppo and "ppo.kl_coef" in ppo and "run.seed" not in ppo
+    actor = describe("ppo.actor")
+    assert "ppo.actor.lr" in actor and "ppo.critic.lr" not in actor and "ppo.kl_coef" not in actor
+    assert describe("ppo.kl_kind").splitlines()[0].startswith("  ppo.kl_kind  str")
+
+
+@pytest.mark.parametrize("section", ["ppx", "ppo.act", "ppo.actor.lr.x"])
+def test_describe_unknown_section_names_it(section):
+    message = config_error(describe, section)
+    assert message.startswith(f"{section}: ") and "ppo" in message

@@ -370,6 +370,31 @@ def test_load_rows_errors_name_the_key(tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+@pytest.mark.parametrize("content", [b"", b"\n  \n\n"], ids=["0 bytes", "blank lines"])
+def test_empty_data_file_is_named_as_empty(tmp_path, suffix, content):
+    path = tmp_path / f"d{suffix}"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_rows(str(path), "data.eval")
+    assert str(info.value) == f"data.eval: data file {str(path)!r} is empty"
+
+
+def write_no_rows(path):
+    if path.suffix == ".parquet":
+        datasets.Dataset.from_dict({"prompt": []}).to_parquet(str(path))
+    else:  # a CSV header line, or an empty JSON list
+        path.write_text("prompt\n" if path.suffix == ".csv" else " [ ]\n")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv", ".parquet"])
+def test_data_file_without_rows_says_so(tmp_path, suffix):
+    path = tmp_path / f"d{suffix}"
+    write_no_rows(path)
+    with pytest.raises(ConfigError, match=r"^data\.train: data file .* has .*no rows"):
+        load_rows(str(path), "data.train")
+
+
 # ----------------------------------------------------------------------------- prompts
 
 
