@@ -124,6 +124,12 @@ class ModelConfig:
         "load weights from .safetensors only; false also allows pickle (.bin) checkpoints, "
         "which can run arbitrary code when loaded",
     )
+    gradient_checkpointing: bool = key(
+        False,
+        "recompute each layer's activations in backward instead of keeping them (trained "
+        "models: SFT/RM model, actor and critic; full, LoRA and ZeRO-3): activation memory "
+        "of about one layer, for one extra forward per backward",
+    )
     attn_implementation: str = key(
         "auto",
         "attention kernel of every model (transformers' attn_implementation); auto keeps the "
@@ -342,8 +348,9 @@ class DistributedConfig:
     frozen_models: str = key(
         "auto",
         "frozen reference / reward model: partition them like ZeRO-3 (inference engines), "
-        "replicate a full copy per rank, offload their partitions to CPU memory; "
-        "auto = partition under ZeRO-3, replicate otherwise",
+        "replicate a full copy per rank, offload their partitions to CPU memory; auto = "
+        "replicate when a copy takes at most a quarter of the free memory (printed), else "
+        "partition under ZeRO-3",
         choices=("auto", "partition", "replicate", "offload"),
     )
     gather_for_generation: bool = key(

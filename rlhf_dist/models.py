@@ -147,7 +147,9 @@ def upcast_trainable(model: nn.Module) -> nn.Module:
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each layer's activations in backward instead of storing them.
+    """Recompute each layer's activations in backward instead of storing them, in every
+    transformers model inside `model` (an LM, a ValueModel, an ActorCritic; peft-wrapped
+    or not).
 
     Memory for activations drops from all layers' to about one layer's (plus the layer
     inputs), for one extra forward per backward. Non-reentrant checkpointing: it needs
@@ -155,8 +157,18 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     recomputed forward under the same hooks (ZeRO-3 gathers the layer again). Only active
     in train mode, so rollout forwards are unaffected.
     """
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
-    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from transformers import PreTrainedModel
+
+    done: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in done):
+            continue  # inside a model already switched on (its backbone, peft's wrapper)
+        target = module.get_base_model() if hasattr(module, "get_base_model") else module
+        if isinstance(target, PreTrainedModel):
+            target.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+            done.append(f"{name}." if name else "")
     return model
 
 

@@ -13,7 +13,7 @@ from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
 from rlhf_dist.config import Config, to_dict
 from rlhf_dist.distributed import TrainingDiverged
-from rlhf_dist.models import sub_state_dict
+from rlhf_dist.models import DTYPES, enable_gradient_checkpointing, sub_state_dict, upcast_trainable
 
 
 class Preempted(Exception):
@@ -120,19 +120,26 @@ def make_scheduler(optimizer, optim_cfgs, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, [factor(c) for c in optim_cfgs])
 
 
-def save_pretrained(runtime, model, tokenizer, directory: Path, submodule: str = "") -> None:
+def save_pretrained(
+    runtime, model, tokenizer, directory: Path, submodule: str = "", dtype: str = "float32"
+) -> None:
     """Write an HF-format model + tokenizer (safetensors) that from_pretrained loads.
 
     model: the prepared model; submodule: dotted path inside it of the transformers model
-    to save (e.g. "actor", "critic.classifier"). Under ZeRO-3 the full 16-bit weights are
-    gathered first (every rank must call this).
+    to save (e.g. "actor", "critic.classifier"); dtype: model.dtype, the dtype of the
+    export (fp32 master weights of a bf16 run are exported in bf16, the precision the user
+    asked for). Under ZeRO-3 the full 16-bit weights are gathered first (every rank must
+    call this).
     """
     state = runtime.full_state_dict(model)
     if runtime.is_main:
         target, prefix = runtime.unwrap(model), ""
         for name in filter(None, submodule.split(".")):
             target, prefix = getattr(target, name), prefix + name + "."
-        own = sub_state_dict(state, prefix)
+        own = {
+            k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
+            for k, v in sub_state_dict(state, prefix).items()
+        }
         directory.mkdir(parents=True, exist_ok=True)
         target.save_pretrained(directory, state_dict=own, safe_serialization=True)
         tokenizer.save_pretrained(directory)
@@ -187,9 +194,21 @@ def step_loop(
     return metrics
 
 
+def finish_trainable(net: torch.nn.Module, model_cfg, deepspeed: bool) -> torch.nn.Module:
+    """The trained model as the precision table says (docs/distributed.md): without
+    DeepSpeed its trainable parameters in fp32 (bf16 is the autocast's compute dtype);
+    with model.gradient_checkpointing, activations recomputed in backward."""
+    if not deepspeed:
+        upcast_trainable(net)
+    if model_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(net)
+    return net
+
+
 def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
     """Plan, global batches and the prepared (model, optimizer, scheduler) of an SFT or RM
     run whose config section is `section`; resumed from `ckpt` if given."""
+    finish_trainable(net, cfg.model, deepspeed=runtime.zero_stage is not None)
     if ckpt:
         ckpt.load_weights_into(net)  # before prepare: every backend partitions these
     plan = BatchPlan(section.batch_size, runtime.world_size, section.micro_batch_size)

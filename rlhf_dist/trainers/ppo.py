@@ -8,6 +8,7 @@ so logged means and the loss do not depend on how batches are split.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.lora import merged_adapters
 from rlhf_dist.models import tokenizer_for
 from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
 from rlhf_dist.stats import StatSums, global_mean_var
@@ -243,7 +245,10 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
     p, kl_coef, timings = cfg.ppo, run.kl_ctl.coef, {}
     t0 = time.time()
     run.model.eval()
-    batch, texts = collect_rollout(run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings)
+    with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
+        batch, texts = collect_rollout(
+            run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings
+        )
     maybe_fault("rollout", it)
     if cfg.debug.print_first_batch and not run.printed_first_batch and runtime.is_main:
         print(describe_batch(run.tokenizer, batch, texts), flush=True)
@@ -318,8 +323,18 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
     built = build_models(cfg, runtime, plan, total_steps, ckpt)
     model = built.model
 
+    gather = cfg.distributed.gather_for_generation
+    # LoRA: generate with the adapters folded into the base (whole tensors only: not
+    # through ZeRO-3's per-layer gathers).
+    merge = cfg.lora.enabled and (runtime.zero_stage != 3 or gather)
+
+    @contextlib.contextmanager
     def generation_context():
-        return runtime.generation_context(model, "actor", cfg.distributed.gather_for_generation)
+        with contextlib.ExitStack() as stack:
+            actor, keep_in_step = stack.enter_context(
+                runtime.generation_context(model, "actor", gather)
+            )
+            yield (stack.enter_context(merged_adapters(actor)) if merge else actor), keep_in_step
 
     rollout_models = RolloutModels(model, generation_context, built.reference, built.scorer)
     kl_ctl, moments = make_kl_controller(p), RunningMoments()

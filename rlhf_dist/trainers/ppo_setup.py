@@ -23,9 +23,15 @@ from rlhf_dist.models import (
     load_causal_lm,
     split_classifier,
     sub_state_dict,
+    trained_load_dtype,
 )
 from rlhf_dist.scoring import Scorer, build_scorer
-from rlhf_dist.trainers.common import make_optimizer, make_scheduler, save_pretrained
+from rlhf_dist.trainers.common import (
+    finish_trainable,
+    make_optimizer,
+    make_scheduler,
+    save_pretrained,
+)
 
 
 @dataclass
@@ -50,16 +56,19 @@ class AdapterOffValue(nn.Module):
             return critic(input_ids, attention_mask, position_ids)
 
 
-def _trainable_actor_critic(cfg) -> ActorCritic:
+def _trainable_actor_critic(cfg, deepspeed: bool) -> ActorCritic:
+    """Actor and critic in the dtypes of the precision table (docs/distributed.md): a
+    LoRA base as asked, everything trained in fp32 unless DeepSpeed keeps the masters."""
     m, lora = cfg.model, cfg.lora
-    actor = load_causal_lm(m.policy, "model.policy", m.dtype, m)
-    critic = build_critic(cfg, m.dtype)
+    actor_dtype = trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.enabled)
+    actor = load_causal_lm(m.policy, "model.policy", actor_dtype, m)
+    critic = build_critic(cfg, trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.critic))
     if lora.enabled:
         actor = add_adapters(actor, lora, "CAUSAL_LM")
     if lora.critic:
         head_name = _head_name(critic.classifier)
         critic = ValueModel(add_adapters(critic.classifier, lora, "SEQ_CLS", head_name))
-    return ActorCritic(actor, critic)
+    return finish_trainable(ActorCritic(actor, critic), m, deepspeed)
 
 
 def _head_name(classifier: nn.Module) -> str:
@@ -82,7 +91,7 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
         )
     # Every model is loaded whole on every rank first; DeepSpeed partitions it afterwards.
     with runtime.local_loading():
-        net = _trainable_actor_critic(cfg)
+        net = _trainable_actor_critic(cfg, deepspeed=runtime.zero_stage is not None)
         if ckpt:
             ckpt.load_weights_into(net)  # before prepare: every backend partitions these
         reference = None if cfg.lora.enabled else _load_reference(cfg)
@@ -104,9 +113,8 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     if reference is None:
         reference = AdapterOffReference(lambda: runtime.unwrap(model).actor)
     else:
-        reference = runtime.prepare_frozen(
-            reference, cfg.distributed.frozen_models, frozen_dtype(cfg.model)
-        )
+        placement, dtype = cfg.distributed.frozen_models, frozen_dtype(cfg.model)
+        reference = runtime.prepare_frozen(reference, placement, dtype, "reference")
     if scorer is None:
         scorer = Scorer(reward_model=AdapterOffValue(lambda: runtime.unwrap(model).critic))
     return PPOModels(model, optimizer, scheduler, reference, scorer)
@@ -121,8 +129,10 @@ def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
     """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
     lora = cfg.lora
     if not lora.enabled:
-        save_pretrained(runtime, model, tokenizer, out / "final", "actor")
-        save_pretrained(runtime, model, tokenizer, out / "critic", "critic.classifier")
+        save_pretrained(runtime, model, tokenizer, out / "final", "actor", cfg.model.dtype)
+        save_pretrained(
+            runtime, model, tokenizer, out / "critic", "critic.classifier", cfg.model.dtype
+        )
         return
     state = runtime.full_state_dict(model)
     if runtime.is_main:

@@ -24,7 +24,13 @@ from rlhf_dist.data import (
     preference_pairs,
 )
 from rlhf_dist.files import atomic_write_text
-from rlhf_dist.models import ValueModel, load_sequence_classifier, sequence_scores, tokenizer_for
+from rlhf_dist.models import (
+    ValueModel,
+    load_sequence_classifier,
+    sequence_scores,
+    tokenizer_for,
+    trained_load_dtype,
+)
 from rlhf_dist.scoring import lockstep_chunks, probe_rephrasings
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
@@ -248,7 +254,8 @@ def train_reward_model(cfg, runtime) -> dict:
     key = "model.reward" if m.reward else "model.policy"
     tokenizer = tokenizer_for(cfg, key.split(".")[1])
     train, evals, prompt_lengths = load_pairs(cfg, runtime, tokenizer)
-    net = ValueModel(load_sequence_classifier(m.reward or m.policy, key, m.dtype, m, new_head=True))
+    dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=False)
+    net = ValueModel(load_sequence_classifier(m.reward or m.policy, key, dtype, m, new_head=True))
     trained, plan, batches = prepare_single_model(cfg, runtime, net, rc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "rm", ckpt)
@@ -272,7 +279,7 @@ def train_reward_model(cfg, runtime) -> dict:
         summary |= report_eval(
             cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logger, len(batches)
         )
-    save_pretrained(runtime, model, tokenizer, out / "final", "classifier")
+    save_pretrained(runtime, model, tokenizer, out / "final", "classifier", cfg.model.dtype)
     write_summary(runtime, out, summary)
     logger.close()
     return summary

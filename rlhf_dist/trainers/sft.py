@@ -14,7 +14,7 @@ from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
-from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for
+from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for, trained_load_dtype
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
@@ -103,7 +103,8 @@ def train_sft(cfg, runtime) -> dict:
     sc, m = cfg.sft, cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     train, evals = load_sft_data(cfg, runtime, tokenizer)
-    net = load_causal_lm(m.policy, "model.policy", m.dtype, m)
+    dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=False)
+    net = load_causal_lm(m.policy, "model.policy", dtype, m)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
@@ -134,7 +135,7 @@ def train_sft(cfg, runtime) -> dict:
     if evals:
         summary["eval_loss"] = eval_nll(runtime, model, evals, sc.micro_batch_size, pad)
         logger.log(len(batches), {"sft/eval_loss": summary["eval_loss"]}, ("sft/eval_loss",))
-    save_pretrained(runtime, model, tokenizer, out / "final")
+    save_pretrained(runtime, model, tokenizer, out / "final", dtype=cfg.model.dtype)
     write_summary(runtime, out, summary)
     logger.close()
     return summary

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One command for one GPU: build a ~0.47B random Llama policy and reward model (hidden 1024,
+# 24 layers, 32k vocabulary), then 5 PPO iterations (64 prompts x 128 tokens, 4 epochs x 4
+# minibatches) of each of:
+#   plain   model.dtype=bfloat16 without DeepSpeed (fp32 master weights, bf16 autocast)
+#   zero3   the same under DeepSpeed ZeRO-3, one process (accelerate_configs/zero3.yaml)
+#   lora    the shipped one-GPU LoRA config (launch/configs/ppo_lora_1gpu.yaml)
+#   gc      plain with model.gradient_checkpointing=true
+# and print one table: s/iteration, phase times, peak memory, update MFU (vs 989 TFLOP/s
+# bf16 dense, an H100/H200). Meant to fit one 15-minute GPU loan: ~6-8 minutes on an H200.
+# Without a GPU it runs the same four cases on the CPU with a tiny model (a smoke test of
+# the script; CPU figures mean nothing for GPUs).
+#
+# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc"]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-runs/bench/gpu_suite}
+ITERATIONS=${ITERATIONS:-5}
+CASES=${CASES:-plain zero3 lora gc}
+[ -f .venv/bin/activate ] && . .venv/bin/activate
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  DEVICE=cuda SHAPE=gpu PEAK=989 Z3=accelerate_configs/zero3.yaml
+else
+  DEVICE=cpu SHAPE=tiny PEAK="" Z3=accelerate_configs/cpu_zero3.yaml
+fi
+mkdir -p "$OUT"
+[ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/scale_prepare.py "$OUT" --shape "$SHAPE" --prompts 256
+runs=()
+for case in $CASES; do
+  base=$case; [ "$case" = zero3 ] && base=plain
+  cfg=$("$PY" launch/bench/suite.py config "$OUT" "$base" --device "$DEVICE" --iterations "$ITERATIONS")
+  dir=$OUT/$case
+  rm -rf "$dir"
+  echo "== $case ($DEVICE)"
+  start=$(date +%s)
+  if [ "$case" = zero3 ]; then
+    "$PY" -m accelerate.commands.launch --config_file "$Z3" --num_processes 1 \
+      -m rlhf_dist ppo --config "$cfg" run.output_dir="$dir" > "$OUT/$case.log" 2>&1 \
+      || { tail -30 "$OUT/$case.log"; continue; }
+  else
+    "$PY" -m rlhf_dist ppo --config "$cfg" run.output_dir="$dir" > "$OUT/$case.log" 2>&1 \
+      || { tail -30 "$OUT/$case.log"; continue; }
+  fi
+  echo "   done in $(( $(date +%s) - start )) s"
+  runs+=("$dir")
+done
+[ ${#runs[@]} -gt 0 ] || exit 1
+"$PY" launch/bench/suite.py report "${runs[@]}" ${PEAK:+--peak-tflops $PEAK} | tee "$OUT/table.txt"

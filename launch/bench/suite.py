@@ -1,0 +1,134 @@
+"""The scale suite's inputs and its table (launch/bench/gpu_suite.sh, launch/bench/zero3.sh).
+
+    python launch/bench/suite.py config OUT CASE [--device cuda|cpu]   write OUT/CASE.yaml
+    python launch/bench/suite.py report RUN_DIR [RUN_DIR ...]          print the table
+
+A case is a `rlhf-dist ppo` run config over the models scale_prepare.py built in OUT:
+`plain` (the asked dtype; bf16 on a GPU means fp32 master weights + bf16 autocast),
+`lora` (the shipped one-GPU LoRA config, launch/configs/ppo_lora_1gpu.yaml, with the
+suite's models, data and iteration count), `gc` (plain with gradient checkpointing).
+ZeRO-3 is `plain` launched with a DeepSpeed config. The report reads each run's
+metrics.jsonl and drops the first iteration (CUDA context, allocator and kernel warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+# Per device: prompts per iteration, response tokens, ppo micro-batch, dtype. The GPU
+# numbers are the issue's: 64 prompts x 128 tokens, 4 epochs x 4 minibatches.
+SETTINGS = {
+    "cuda": {"prompts": 64, "tokens": 128, "micro": 16, "dtype": "bfloat16"},
+    "cpu": {"prompts": 16, "tokens": 16, "micro": 4, "dtype": "float32"},
+}
+PHASES = ("time/total", "time/generate", "time/score", "time/update")
+
+
+def run_config(out: Path, case: str, device: str, iterations: int) -> dict:
+    s = SETTINGS[device]
+    base = {}
+    if case == "lora":
+        base = yaml.safe_load((REPO / "launch/configs/ppo_lora_1gpu.yaml").read_text())
+        base["run"]["trackers"] = []
+    cfg = _merge(
+        base,
+        {
+            "model": {"policy": str(out / "policy"), "reward": str(out / "reward"),
+                      "dtype": s["dtype"], "gradient_checkpointing": case == "gc"},
+            "data": {"train": str(out / "prompts.jsonl")},
+            "run": {"histogram_every": 0, "samples_every": 0, "progress": False, "log_every": 1},
+            "generation": {"max_new_tokens": s["tokens"], "min_new_tokens": s["tokens"]},
+            "ppo": {"iterations": iterations, "rollout_batch_size": s["prompts"]},
+        },
+    )  # fmt: skip
+    if case != "lora":  # 4 minibatches per epoch, micro-batches as SETTINGS says
+        cfg["ppo"] |= {
+            "rollout_micro_batch_size": s["prompts"],
+            "minibatch_size": s["prompts"] // 4,
+            "micro_batch_size": min(s["micro"], s["prompts"] // 4),
+        }
+    return cfg
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def update_flops(run_dir: Path) -> float:
+    """Model FLOPs of one iteration's update: per trained model, tokens x epochs x
+    (6 x parameters for full fine-tuning: forward 2, backward 4; 4 x parameters for a
+    frozen LoRA base, whose weight gradients are never computed). Recomputation under
+    gradient checkpointing is not counted, as MFU conventionally does not. Tokens are
+    the response tokens only (prompts are a few tokens here): a lower bound."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    lora = cfg.get("lora", {})
+    factors = {"policy": 4 if lora.get("enabled") else 6, "reward": 4 if lora.get("critic") else 6}
+    p, g = cfg["ppo"], cfg["generation"]
+    tokens = p["rollout_batch_size"] * g["max_new_tokens"] * p["ppo_epochs"]
+    total = 0.0
+    for key, factor in factors.items():
+        c = json.loads((Path(cfg["model"][key]) / "config.json").read_text())
+        h, inter = c["hidden_size"], c["intermediate_size"]
+        kv_width = (
+            h * c.get("num_key_value_heads", c["num_attention_heads"]) // c["num_attention_heads"]
+        )
+        params = c["num_hidden_layers"] * (2 * h * h + 2 * h * kv_width + 3 * h * inter)
+        if key == "policy":
+            params += c["vocab_size"] * h  # the output layer
+        total += factor * params * tokens
+    return total
+
+
+def report(run_dirs: list[Path], peak_flops: float | None) -> None:
+    head = f"{'run':<14} {'s/iter':>16} {'generate':>9} {'score':>7} {'update':>8} {'peak GiB':>9} {'MFU upd':>8}"
+    print(head)
+    print("-" * len(head))
+    for d in run_dirs:
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "time/total" in r][1:] or rows
+        med = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+        lo, hi = min(r["time/total"] for r in rows), max(r["time/total"] for r in rows)
+        peak = max(r.get("memory/peak_gib", 0.0) for r in rows)
+        mfu = "-"
+        if peak_flops:
+            mfu = f"{update_flops(d) / med['time/update'] / peak_flops:.1%}"
+        print(
+            f"{d.name:<14} {med['time/total']:>6.2f} ({lo:.2f}-{hi:.2f}) {med['time/generate']:>9.2f} "
+            f"{med['time/score']:>7.2f} {med['time/update']:>8.2f} {peak:>9.2f} {mfu:>8}"
+        )
+    print("medians over iterations 2.. (the first one warms up); s/iter range in brackets")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("config")
+    c.add_argument("out", type=Path)
+    c.add_argument("case", choices=("plain", "lora", "gc"))
+    c.add_argument("--device", default="cpu", choices=sorted(SETTINGS))
+    c.add_argument("--iterations", type=int, default=5)
+    r = sub.add_parser("report")
+    r.add_argument("runs", type=Path, nargs="+")
+    r.add_argument("--peak-tflops", type=float, default=None, help="for the MFU column")
+    args = ap.parse_args()
+    if args.cmd == "config":
+        cfg = run_config(args.out, args.case, args.device, args.iterations)
+        path = args.out / f"{args.case}.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+        print(path)
+    else:
+        report(args.runs, args.peak_tflops * 1e12 if args.peak_tflops else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
