@@ -40,7 +40,7 @@ class BatchPlan:
 
 @dataclass(frozen=True)
 class PPOPlan:
-    """Per-iteration counts of PPO (design.md section 5)."""
+    """Per-iteration counts of PPO (docs/architecture.md section 5)."""
 
     rollout: BatchPlan  # prompts per iteration, generated in rollout micro-batches
     update: BatchPlan  # sequences per optimizer step, in training micro-batches

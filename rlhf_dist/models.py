@@ -4,7 +4,8 @@
 - reward model: `AutoModelForSequenceClassification` (num_labels=1); the score of a
   sequence is the head applied to the hidden state of its LAST real token.
 - critic: a backbone plus a scalar head, applied at every position (`ValueModel`),
-  initialised from the reward model (N+ study) or from the policy with a zero head.
+  initialised from the reward model (the "N+" study: Huang et al. 2024, "The N+
+  Implementation Details of RLHF with PPO"; docs/architecture.md section 11) or from the policy with a zero head.
 - `ActorCritic` holds actor and critic in one module so one engine/optimizer serves both.
 """
 

@@ -33,18 +33,4 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 python launch/bench/suite.py report "${runs[@]}" | tee "$OUT/table.txt"
-python - "$OUT" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-def med(case, key):
-    per_run = []
-    for d in sorted(out.glob(f"{case}-*")):
-        if not d.is_dir():
-            continue
-        rows = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()][1:]
-        per_run.append(statistics.median(r[key] for r in rows))
-    return statistics.median(per_run)
-for key in ("time/total", "time/generate", "time/score", "time/update"):
-    print(f"lora / full {key:<14} {med('lora', key) / med('full', key):.2f}")
-PY
+python launch/bench/suite.py ratio "$OUT" lora full | tee -a "$OUT/table.txt"

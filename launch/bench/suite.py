@@ -109,6 +109,22 @@ def report(run_dirs: list[Path], peak_flops: float | None) -> None:
     print("medians over iterations 2.. (the first one warms up); s/iter range in brackets")
 
 
+def ratio(root: Path, case: str, base: str) -> None:
+    """Per phase: median over `case`'s runs (each its median over iterations 2..) divided by
+    the same of `base`'s runs; runs are the directories ROOT/CASE-* and ROOT/BASE-*."""
+
+    def medians(name: str, key: str) -> float:
+        per_run = []
+        for d in sorted(p for p in root.glob(f"{name}-*") if p.is_dir()):
+            rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in rows if "time/total" in r][1:]
+            per_run.append(statistics.median(r[key] for r in rows))
+        return statistics.median(per_run)
+
+    for key in PHASES:
+        print(f"{case} / {base} {key:<14} {medians(case, key) / medians(base, key):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -120,8 +136,14 @@ def main() -> None:
     r = sub.add_parser("report")
     r.add_argument("runs", type=Path, nargs="+")
     r.add_argument("--peak-tflops", type=float, default=None, help="for the MFU column")
+    q = sub.add_parser("ratio", help="phase ratios of CASE-* runs to BASE-* runs under ROOT")
+    q.add_argument("root", type=Path)
+    q.add_argument("case")
+    q.add_argument("base")
     args = ap.parse_args()
-    if args.cmd == "config":
+    if args.cmd == "ratio":
+        ratio(args.root, args.case, args.base)
+    elif args.cmd == "config":
         cfg = run_config(args.out, args.case, args.device, args.iterations)
         path = args.out / f"{args.case}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")

@@ -1,6 +1,6 @@
 """Pure tensor math of RLHF. Imports torch only: no transformers, accelerate or deepspeed.
 
-Conventions (design.md section 3): B batch, T response length, `response_mask` (B, T) bool
+Conventions (docs/architecture.md section 3): B batch, T response length, `response_mask` (B, T) bool
 with True on real response tokens. Every function returns new tensors and never modifies
 its inputs.
 """

@@ -104,7 +104,7 @@ def _make_accelerator(timeout_s: int, dtype: str, trackers: tuple[str, ...], log
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         # Without an explicit gloo backend on CPU, each process believes it is rank 0
-        # of 1 while DeepSpeed partitions across all of them (design.md section 6).
+        # of 1 while DeepSpeed partitions across all of them (docs/architecture.md section 6).
         backend = None if torch.cuda.is_available() else "gloo"
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
     # bf16 weights -> the backends' bf16 mixed precision (DeepSpeed: bf16.enabled, with

@@ -1,4 +1,4 @@
-"""PPO for RLHF (design.md section 5): rollout -> shaped rewards -> GAE -> clipped updates.
+"""PPO for RLHF (docs/architecture.md section 5): rollout -> shaped rewards -> GAE -> clipped updates.
 
 Four models: actor and critic (trained, one module, one optimizer with a param group
 each), reference (frozen SFT policy) and a reward model or reward function (frozen).

@@ -1,4 +1,4 @@
-"""rlhf_dist.algo must stay pure tensor math (design.md section 2): torch only.
+"""rlhf_dist.algo must stay pure tensor math (docs/architecture.md section 3): torch only.
 
 Checked in a fresh interpreter, because inside pytest other tests (or plugins) may already
 have imported the heavy packages, which would hide an accidental import.

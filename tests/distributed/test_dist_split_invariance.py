@@ -1,6 +1,6 @@
 """One optimizer step's gradient does not depend on how the minibatch is split.
 
-design.md section 4: token sums are divided by the token count of the WHOLE global
+docs/architecture.md section 4: token sums are divided by the token count of the WHOLE global
 minibatch, so 1 rank x 1 micro-batch, 1 rank x 4 micro-batches and 2 ranks (ZeRO-3)
 x 2 micro-batches must give the same gradient, even with ragged response lengths that
 put different token counts on each rank and micro-batch.

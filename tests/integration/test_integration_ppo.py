@@ -1,4 +1,4 @@
-"""PPO on the tiny demo task (design.md sections 4, 5 and 7).
+"""PPO on the tiny demo task (docs/architecture.md sections 4, 5 and 8).
 
 - with the trained reward model: actor and critic train, reference and reward model stay
   frozen, the run leaves its inputs untouched, the logged KL starts at 0;

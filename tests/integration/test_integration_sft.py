@@ -1,5 +1,5 @@
 """SFT on the tiny demo task: it learns, writes the documented run outputs, and its gradient
-does not depend on how a batch is cut into micro-batches (design.md sections 4 and 7)."""
+does not depend on how a batch is cut into micro-batches (docs/architecture.md sections 4 and 8)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Unit tests of rlhf_dist.batching: how global batches split over ranks and micro-batches.
 
-Loss normalisation (design.md section 4) relies on every sequence of a global batch being
+Loss normalisation (docs/architecture.md section 4) relies on every sequence of a global batch being
 seen exactly once across ranks and micro-batches, so that property is checked exhaustively
 over a grid of sizes rather than on one example.
 """

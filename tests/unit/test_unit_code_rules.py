@@ -4,7 +4,7 @@
   replaces the earlier one for every caller (distributed.py once had two
   `_torch_optimizer`s, and the checkpoint code read DeepSpeed's ZeRO optimizer instead of
   the AdamW inside it).
-- Only the distributed layer imports accelerate or deepspeed (design.md section 2: the
+- Only the distributed layer imports accelerate or deepspeed (docs/architecture.md section 3: the
   single door), counting function-local imports and transformers' DeepSpeed integration.
 """
 

@@ -1,6 +1,6 @@
 """Unit tests of rlhf_dist.config: YAML + `section.key=value` overrides, validation, save/load.
 
-The contract (config.py docstring, design.md section 3): every user mistake is a
+The contract (config.py docstring, docs/architecture.md section 3): every user mistake is a
 `ConfigError` whose message is ONE line and names the key; config objects are frozen.
 """
 

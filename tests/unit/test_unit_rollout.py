@@ -1,6 +1,6 @@
 """Unit tests of the model-free parts of rlhf_dist.rollout.
 
-EOS handling decides where the reward lands and which tokens PPO trains on (design.md
+EOS handling decides where the reward lands and which tokens PPO trains on (docs/architecture.md
 section 3: response_mask is True up to and including the first EOS), so it is checked on
 hand-made rows covering every position of the first EOS.
 """
