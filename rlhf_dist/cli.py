@@ -116,6 +116,7 @@ def _run_stage(name: str, args) -> int:
         cfg.run.output_dir,
     )
     runner(cfg, runtime)
+    runtime.close()
     return 0
 
 

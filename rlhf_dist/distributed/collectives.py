@@ -76,3 +76,14 @@ def collective_failure(exc: BaseException) -> str | None:
         return None
     first = " ".join(text.split())[:300]
     return f"lost contact with another rank (it died, was killed or hangs; see its log): {first}"
+
+
+def close(backend: Backend) -> None:
+    """Wait for every rank, then destroy the process group: left to interpreter exit, the
+    teardown of gloo's still-joinable threads can abort a rank that has finished its work
+    ("terminate called without an active exception", exit -6), failing a good run."""
+    import torch.distributed as dist
+
+    if backend.world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -68,6 +68,10 @@ class Runtime:
     def peak_memory_bytes(self) -> int:
         return self.backend.peak_memory_bytes()
 
+    def close(self) -> None:
+        """Leave the process group together once the stage is done (collectives.close)."""
+        collectives.close(self.backend)
+
     def print(self, *args, **kwargs) -> None:
         if self.is_main:
             print(*args, **kwargs, flush=True)
