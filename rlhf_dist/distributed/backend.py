@@ -76,6 +76,8 @@ class Backend:
                 ds, micro_batch_size, accumulation_steps, self.world_size, max_grad_norm, dtype
             )
             fill_zero_buckets(ds, model)
+            if self.zero_stage == 3 and os.environ.get("RLHF_DIST_Z3_LEAF", "1") == "1":
+                fetch_whole_layers(model)
         return self.accelerator.prepare(model, optimizer)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -94,6 +96,26 @@ class Backend:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def fetch_whole_layers(model: torch.nn.Module) -> None:
+    """Make ZeRO-3 fetch and release each decoder layer as one unit ("leaf" modules).
+
+    By default ZeRO-3 hooks every submodule: a Llama layer's ~12 modules each run their
+    own pre/post-forward and pre/post-backward hooks and gather their own few tensors.
+    The layer classes are the ones transformers itself never splits (`_no_split_modules`);
+    one gather per layer per pass, no hooks inside it. Must run before the engine exists.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    if any(hasattr(m, "lora_A") for m in model.modules()):
+        # peft's adapter layers inside a leaf layer lose their gathered weights before
+        # backward ("size of tensor a (0) must match"): LoRA keeps per-module fetching.
+        return
+    names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if classes:
+        set_z3_leaf_modules(model, sorted(classes, key=lambda c: c.__name__))
 
 
 def _make_accelerator(timeout_s: int, dtype: str, trackers: tuple[str, ...], logging_dir):

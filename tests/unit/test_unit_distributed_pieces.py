@@ -40,7 +40,7 @@ def test_zero_buckets_follow_the_largest_hidden_size_and_keep_explicit_values():
     ds = {"zero_optimization": dict.fromkeys(("reduce_bucket_size", "stage3_param_persistence_threshold"), "auto")}  # fmt: skip
     fill_zero_buckets(ds, model)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 16384**2
-    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 163840
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0
 
 
 def one_rank_backend():

@@ -50,10 +50,11 @@ def fixed_minibatch():
 
 def main():
     policy, reward, out, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    checkpointing = "--gradient-checkpointing" in sys.argv[5:]
     quiet_transformers()
     runtime = Runtime(seed=0, num_threads=1)
     tree = {
-        "model": {"policy": policy, "reward": reward},
+        "model": {"policy": policy, "reward": reward, "gradient_checkpointing": checkpointing},
         "data": {"train": "unused.jsonl"},
         "ppo": {
             "rollout_batch_size": B,
@@ -65,6 +66,7 @@ def main():
     cfg = config_from_dict(tree)
     plan = ppo_plan(cfg.ppo, runtime.world_size)
     built = build_models(cfg, runtime, plan, total_steps=1)
+    built.model.train()  # as ppo_iteration does before the update (checkpointing is train-only)
     batch, advantages, returns = fixed_minibatch()
     share = plan.update.rank_slice(runtime.rank)
     mb = batch.select(share)
