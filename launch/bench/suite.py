@@ -48,7 +48,10 @@ def run_config(out: Path, case: str, device: str, iterations: int) -> dict:
             "ppo": {"iterations": iterations, "rollout_batch_size": s["prompts"]},
         },
     )  # fmt: skip
-    if case != "lora":  # 4 minibatches per epoch, micro-batches as SETTINGS says
+    if case == "lora":  # the shipped layout, cut down to the CPU's smaller rollout
+        for k in ("minibatch_size", "rollout_micro_batch_size", "micro_batch_size"):
+            cfg["ppo"][k] = min(cfg["ppo"][k], s["prompts"])
+    else:  # 4 minibatches per epoch, micro-batches as SETTINGS says
         cfg["ppo"] |= {
             "rollout_micro_batch_size": s["prompts"],
             "minibatch_size": s["prompts"] // 4,

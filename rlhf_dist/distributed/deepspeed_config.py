@@ -35,7 +35,8 @@ MIN_BUCKET = 50_000_000
 def fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
     """Fill ZeRO bucket sizes left "auto" from the largest hidden size in `model` (the
     sizes Accelerate derives from `model.config`, which our composite modules lack), with
-    DeepSpeed's default as the floor of the bucket sizes.
+    DeepSpeed's default (or an eighth of the trained parameters, if smaller) as the floor
+    of the bucket sizes.
 
     Accelerate's hidden^2 rule alone sized the gradient bucket of a hidden-64 model at 4096
     elements: every parameter got its own reduce-scatter (438 per optimizer step, 70% of a
@@ -51,10 +52,14 @@ def fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
     )
     if not hidden:
         return
+    # A floor no larger than an eighth of the model: a 5e7-element bucket for a 4.7M-
+    # parameter model made each ZeRO-3 rank hold 3.3x the model states of stage 0.
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    floor = min(MIN_BUCKET, params // 8)
     zero = ds.setdefault("zero_optimization", {})
     sizes = {
-        "reduce_bucket_size": max(hidden * hidden, MIN_BUCKET),
-        "stage3_prefetch_bucket_size": max(int(0.9 * hidden * hidden), MIN_BUCKET),
+        "reduce_bucket_size": max(hidden * hidden, floor),
+        "stage3_prefetch_bucket_size": max(int(0.9 * hidden * hidden), floor),
         "stage3_param_persistence_threshold": 0,
     }
     for key, value in sizes.items():

@@ -29,14 +29,18 @@ def test_auto_entries_are_filled_from_the_run_config_and_conflicts_refused():
 def test_zero_buckets_follow_the_largest_hidden_size_and_keep_explicit_values():
     model = torch.nn.Module()
     model.config = types.SimpleNamespace(hidden_size=8)
+    model.weight = torch.nn.Parameter(torch.zeros(8000))
     ds = {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 7}}
     fill_zero_buckets(ds, model)
-    # hidden^2 = 64 is far below DeepSpeed's default: the floor wins.
-    assert ds["zero_optimization"] == {
-        "reduce_bucket_size": MIN_BUCKET,
-        "stage3_prefetch_bucket_size": 7,
-    }
-    model.config = types.SimpleNamespace(hidden_size=16384)  # hidden^2 above the floor
+    # hidden^2 = 64 is below the floor, an eighth of the 8000 trained parameters.
+    assert ds["zero_optimization"] == {"reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 7}
+    # A large model (meta tensors: no memory): the floor is DeepSpeed's default...
+    model.weight = torch.nn.Parameter(torch.empty(8 * MIN_BUCKET + 8, device="meta"))
+    ds = {"zero_optimization": {"reduce_bucket_size": "auto"}}
+    fill_zero_buckets(ds, model)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == MIN_BUCKET
+    # ...and a hidden size whose square is larger wins over it.
+    model.config = types.SimpleNamespace(hidden_size=16384)
     ds = {"zero_optimization": dict.fromkeys(("reduce_bucket_size", "stage3_param_persistence_threshold"), "auto")}  # fmt: skip
     fill_zero_buckets(ds, model)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 16384**2
