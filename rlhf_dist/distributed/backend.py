@@ -76,7 +76,7 @@ class Backend:
                 ds, micro_batch_size, accumulation_steps, self.world_size, max_grad_norm, dtype
             )
             fill_zero_buckets(ds, model)
-            if self.zero_stage == 3 and os.environ.get("RLHF_DIST_Z3_LEAF", "1") == "1":
+            if self.zero_stage == 3:
                 fetch_whole_layers(model)
         return self.accelerator.prepare(model, optimizer)
 
