@@ -42,13 +42,19 @@ class BatchPlan:
 class PPOPlan:
     """Per-iteration counts of PPO (docs/architecture.md section 5)."""
 
-    rollout: BatchPlan  # prompts per iteration, generated in rollout micro-batches
+    rollout: BatchPlan  # prompts per iteration (each sampled n times), cut across ranks
     update: BatchPlan  # sequences per optimizer step, in training micro-batches
     ppo_epochs: int
+    samples_per_prompt: int = 1  # n: a rank samples each of its prompts n times
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per iteration over all ranks: prompts x n."""
+        return self.rollout.global_size * self.samples_per_prompt
 
     @property
     def minibatches_per_epoch(self) -> int:
-        return self.rollout.global_size // self.update.global_size
+        return self.sequences // self.update.global_size
 
     @property
     def optimizer_steps_per_iteration(self) -> int:
@@ -60,6 +66,7 @@ def ppo_plan(ppo_cfg, world_size: int) -> PPOPlan:
         rollout=BatchPlan(ppo_cfg.rollout_batch_size, world_size, ppo_cfg.rollout_micro_batch_size),
         update=BatchPlan(ppo_cfg.minibatch_size, world_size, ppo_cfg.micro_batch_size),
         ppo_epochs=ppo_cfg.ppo_epochs,
+        samples_per_prompt=ppo_cfg.samples_per_prompt,
     )
 
 

@@ -26,7 +26,9 @@ from typing import Any
 
 import yaml
 
+from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.algo.kl import KL_KINDS
+from rlhf_dist.algo.losses import LOSS_AGGREGATIONS
 from rlhf_dist.files import atomic_write_text
 
 
@@ -225,12 +227,33 @@ class RewardConfig:
 class PPOConfig:
     iterations: int = key(100, "rollout + update rounds")
     rollout_batch_size: int = key(64, "prompts per iteration, summed over all ranks")
+    samples_per_prompt: int = key(
+        1,
+        "responses sampled per prompt (n); an iteration has rollout_batch_size x n sequences, "
+        "the n samples of a prompt always on one rank (group estimators need n >= 2)",
+    )
+    estimator: str = key(
+        "gae",
+        "advantage estimator (rlhf_dist/algo/estimators.py): gae (with a critic), grpo, rloo, "
+        "reinforce_pp, reinforce_pp_baseline (critic-free: no critic is built)",
+        choices=tuple(ESTIMATORS),
+    )
+    grpo_std_normalize: bool = key(
+        True, "grpo: divide by the group's reward std; false = Dr. GRPO (mean baseline only)"
+    )
     rollout_micro_batch_size: int = key(
         64, "sequences per forward pass during rollout scoring and generation, per rank"
     )
     ppo_epochs: int = key(4, "passes over each rollout batch")
     minibatch_size: int = key(16, "sequences per optimizer step, summed over all ranks")
     micro_batch_size: int = key(16, "sequences per forward/backward pass, per rank")
+    loss_aggregation: str = key(
+        "token_mean",
+        "how per-token losses make one loss: token_mean over all tokens of the minibatch, "
+        "seq_mean_token_sum (per-sequence sums averaged; Dr. GRPO) or seq_mean_token_mean "
+        "(per-sequence means averaged; GRPO's paper)",
+        choices=LOSS_AGGREGATIONS,
+    )
     actor: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the actor (the policy)")
     critic: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the critic (value model)")
     critic_init: str = key(
@@ -241,6 +264,15 @@ class PPOConfig:
     clip_eps: float | None = key(
         0.2, "policy ratio clip; null turns clipping off (a debugging knob)"
     )
+    clip_eps_low: float | None = key(None, "lower ratio clip 1 - clip_eps_low; null = clip_eps")
+    clip_eps_high: float | None = key(
+        None, "upper ratio clip 1 + clip_eps_high (> clip_eps: DAPO's clip-higher); null = clip_eps"
+    )
+    dual_clip: float | None = key(
+        None,
+        "dual-clip constant c > 1: a negative-advantage token's loss is at most -c*A; null = off",
+    )
+    entropy_coef: float = key(0.0, "weight of the entropy bonus in the policy loss; 0 = none")
     value_clip_eps: float | None = key(
         0.2, "clip of the value update around the rollout's values; null = off"
     )
@@ -249,6 +281,12 @@ class PPOConfig:
     lam: float = key(0.95, "lambda of GAE")
     kl_coef: float = key(
         0.05, "weight of the per-token KL penalty in the reward (initial, if adaptive)"
+    )
+    kl_placement: str = key(
+        "reward",
+        "where the KL to the reference acts: reward (a per-token penalty in the rewards, "
+        "InstructGPT) or loss (kl_coef x the kl_kind estimate added to the policy loss, GRPO)",
+        choices=("reward", "loss"),
     )
     kl_kind: str = key(
         "k1",
@@ -263,8 +301,10 @@ class PPOConfig:
     )
     kl_target: float = key(6.0, "adaptive controller: KL per response to steer towards (nats)")
     kl_horizon: float = key(10000.0, "adaptive controller: its horizon (how slowly it adapts)")
-    whiten_advantages: bool = key(
-        True, "normalise advantages to mean 0, std 1 (statistics over all ranks)"
+    whiten_advantages: bool | None = key(
+        None,
+        "normalise advantages to mean 0, std 1 (statistics over all ranks); null = the "
+        "estimator's rule: on for gae and reinforce_pp*, off for grpo and rloo",
     )
 
 
@@ -664,6 +704,31 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             )
 
 
+def _validate_objective(cfg: Config) -> None:
+    """The estimator's needs and the policy-loss knobs (clip bounds, dual clip, entropy)."""
+    p = cfg.ppo
+    estimator = ESTIMATORS[p.estimator]
+    if estimator.needs_groups and p.samples_per_prompt < 2:
+        raise ConfigError(
+            f"ppo.samples_per_prompt: estimator {p.estimator} compares the samples of a prompt; "
+            f"needs >= 2, got {p.samples_per_prompt}"
+        )
+    if not estimator.needs_critic and cfg.lora.critic:
+        raise ConfigError(f"lora.critic: estimator {p.estimator} trains no critic; set it false")
+    for name in ("clip_eps_low", "clip_eps_high"):
+        value = getattr(p, name)
+        if value is not None and (p.clip_eps is None or not value > 0):
+            raise ConfigError(f"ppo.{name}: must be > 0 and needs ppo.clip_eps set, got {value}")
+    if p.clip_eps_low is not None and p.clip_eps_low >= 1:
+        raise ConfigError(f"ppo.clip_eps_low: must be < 1, got {p.clip_eps_low}")
+    if p.dual_clip is not None and (p.clip_eps is None or not p.dual_clip > 1):
+        raise ConfigError(
+            f"ppo.dual_clip: must be > 1 and needs ppo.clip_eps set, got {p.dual_clip}"
+        )
+    if p.entropy_coef < 0:
+        raise ConfigError(f"ppo.entropy_coef: must be >= 0, got {p.entropy_coef}")
+
+
 def _validate_optim(optim: OptimConfig, prefix: str) -> None:
     _positive(optim, prefix, "lr", "adam_eps", "max_grad_norm")
     if optim.warmup_steps < 0:
@@ -690,8 +755,11 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
     if p.clip_eps is not None and not p.clip_eps > 0:
         raise ConfigError(f"ppo.clip_eps: must be > 0 or null (no clipping), got {p.clip_eps}")
     _divides(("world size", world_size), ("ppo.rollout_batch_size", p.rollout_batch_size))
+    _positive(p, "ppo", "samples_per_prompt")
+    sequences = p.rollout_batch_size * p.samples_per_prompt
     _divides(
-        ("ppo.minibatch_size", p.minibatch_size), ("ppo.rollout_batch_size", p.rollout_batch_size)
+        ("ppo.minibatch_size", p.minibatch_size),
+        ("ppo.rollout_batch_size x ppo.samples_per_prompt", sequences),
     )
     _divides(
         (f"ppo.micro_batch_size x {world_size} ranks", p.micro_batch_size * world_size),
@@ -705,6 +773,7 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"ppo.kl_coef: must be >= 0, got {p.kl_coef}")
     if p.kl_controller == "adaptive":
         _positive(p, "ppo", "kl_target", "kl_horizon")
+    _validate_objective(cfg)
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         raise ConfigError(f"ppo.value_clip_eps: must be > 0 or null, got {p.value_clip_eps}")
     _validate_optim(p.actor, "ppo.actor")

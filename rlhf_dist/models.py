@@ -233,17 +233,17 @@ def sequence_scores(value_model: ValueModel, input_ids, attention_mask, last_ind
 class ActorCritic(nn.Module):
     """Actor and critic in one module: one `prepare`, one optimizer, one engine (TRL layout)."""
 
-    def __init__(self, actor: nn.Module, critic: ValueModel):
+    def __init__(self, actor: nn.Module, critic: ValueModel | None):
         super().__init__()
         self.actor = actor
-        self.critic = critic
+        self.critic = critic  # None: a critic-free estimator (grpo, rloo, reinforce_pp*)
 
     def forward(self, input_ids, attention_mask, response_length: int):
         """Logits and values at the positions that predict the last `response_length` tokens.
 
         input_ids, attention_mask: (B, P+T) with left-padded prompt then response.
         Returns logits (B, T, V) and values (B, T): position P-1+t predicts token P+t, and
-        its value is V(prompt + response[:t]).
+        its value is V(prompt + response[:t]); values is None without a critic.
         """
         position_ids = position_ids_from(attention_mask)
         out = self.actor(
@@ -257,6 +257,8 @@ class ActorCritic(nn.Module):
             use_cache=False,
         )
         logits = out.logits[:, :-1]
+        if self.critic is None:
+            return logits, None
         values = self.critic(input_ids, attention_mask, position_ids)[:, -response_length - 1 : -1]
         return logits, values
 

@@ -1,7 +1,8 @@
 """Rollout: generate responses, then score them with every model PPO needs.
 
 generate (actor, sampling, left-padded prompts) -> truncate after the first EOS ->
-old_logprobs + old_values (actor-critic forward, training dtype) -> ref_logprobs ->
+old_logprobs + old_values (actor-critic forward, training dtype; no values without a
+critic) -> ref_logprobs ->
 scores (reward model at the last real token, or a Python reward function).
 """
 
@@ -29,7 +30,7 @@ class RolloutBatch:
     response_mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
     old_logprobs: torch.Tensor  # (B, T)
     ref_logprobs: torch.Tensor  # (B, T)
-    old_values: torch.Tensor  # (B, T)
+    old_values: torch.Tensor | None  # (B, T); None without a critic
     scores: torch.Tensor  # (B,) after the missing-EOS penalty
     raw_scores: torch.Tensor  # (B,) as the reward model / function gave them
     finished: torch.Tensor  # (B,) bool, the response ended with EOS
@@ -44,7 +45,7 @@ class RolloutBatch:
         return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
 
     def select(self, index) -> RolloutBatch:
-        return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return RolloutBatch(**{f.name: _index(getattr(self, f.name), index) for f in fields(self)})
 
     def trimmed(self) -> tuple[RolloutBatch, int]:
         """This batch without the columns that are padding in every row, and the number T'
@@ -67,12 +68,18 @@ class RolloutBatch:
         cut = {}
         for f in fields(self):
             x = getattr(self, f.name)
-            if f.name.startswith("prompt_"):
+            if x is None:
+                pass
+            elif f.name.startswith("prompt_"):
                 x = x[:, start:]
             elif x.dim() == 2:  # (B, T) response-aligned
                 x = x[:, :keep]
             cut[f.name] = x
         return RolloutBatch(**cut), keep
+
+
+def _index(x: torch.Tensor | None, index):
+    return None if x is None else x[index]
 
 
 def truncate_after_eos(response_ids: torch.Tensor, eos_id: int, pad_id: int):
@@ -258,7 +265,9 @@ def collect_rollout(
         )
         for s in chunks
     ]
-    merged = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    merged = {
+        k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]
+    }
     scores = scores_with_eos_penalty(merged["raw_scores"], finished, cfg.reward.missing_eos_penalty)
     if timings is not None:  # seconds spent generating, and scoring with the four models
         timings |= {"generate": generated - start, "score": time.perf_counter() - generated}
@@ -294,7 +303,7 @@ def _score_chunk(
     return {
         "old_logprobs": old_logprobs,
         "ref_logprobs": ref_logprobs.float(),
-        "old_values": values.float(),
+        "old_values": None if values is None else values.float(),
         "raw_scores": raw_scores.float(),
         "entropy": entropy,
     }

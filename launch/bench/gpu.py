@@ -43,7 +43,9 @@ PPO_EPOCHS = 4
 MINIBATCHES = 4
 TEMPERATURE = 0.7
 # ppo.clip_eps, value_clip_eps, vf_coef and the actor/critic gradient-norm limits.
-KNOBS = UpdateKnobs(TEMPERATURE, 0.2, 0.2, 0.1, (1.0, 1.0))
+KNOBS = UpdateKnobs(
+    TEMPERATURE, 0.2, None, None, 0.2, 0.1, 0.0, 0.0, "k1", "token_mean", (1.0, 1.0)
+)
 H100_BF16_DENSE = 989e12  # also the H200's figure: same Hopper SMs, only memory differs
 
 PRESETS = {

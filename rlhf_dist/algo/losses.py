@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhf_dist.algo.masking import masked_mean
+from rlhf_dist.algo.masking import masked_mean, masked_sum
 
 
 def ppo_policy_terms(
@@ -19,21 +19,34 @@ def ppo_policy_terms(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     clip_eps: float,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token clipped surrogate (Schulman et al. 2017, eq. 7), negated for minimisation.
 
-    logprobs, old_logprobs, advantages: (B, T). Returns per-token (B, T) tensors:
-    `loss` = max(-A*ratio, -A*clip(ratio, 1-eps, 1+eps)), `clipped` (1.0 where the clipped
-    branch is strictly larger, i.e. where the gradient is cut), `approx_kl`
-    = 0.5*(logprobs-old)^2 (k2 estimate of KL(old || new)), and `ratio`.
+    logprobs, old_logprobs, advantages: (B, T). The ratio is clipped to
+    [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high None: clip_eps; a larger upper bound
+    is DAPO's "clip-higher", Yu et al. 2025). dual_clip c > 1 (Ye et al. 2020, eq. 5) also
+    bounds the loss of a negative-advantage token by -c*A, so one huge ratio cannot
+    dominate the step. Returns per-token (B, T) tensors: `loss`, `clipped` (1.0 where a
+    clip cut the gradient), `approx_kl` = 0.5*(logprobs-old)^2 (k2 estimate of
+    KL(old || new)), and `ratio`.
     """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    cut = clipped > unclipped
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        cut = cut | dual
     return {
-        "loss": torch.maximum(unclipped, clipped),
-        "clipped": (clipped > unclipped).to(logprobs.dtype),
+        "loss": loss,
+        "clipped": cut.to(logprobs.dtype),
         "approx_kl": 0.5 * log_ratio.detach() ** 2,
         "ratio": ratio.detach(),
     }
@@ -127,3 +140,40 @@ def pairwise_reward_loss(
     loss = pairwise_reward_terms(chosen_scores, rejected_scores, margin).mean()
     accuracy = (chosen_scores > rejected_scores).to(chosen_scores.dtype).mean()
     return loss, accuracy
+
+
+# How per-token losses become one number (the names verl uses for the same choices).
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+def aggregation_weights(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights w (B, T) with loss = sum_bt w * l / D the `mode` aggregate, where
+    D counts response tokens (token_mean) or sequences (seq_mean_*) of the WHOLE batch.
+
+    token_mean: every token weighs the same (long answers weigh more);
+    seq_mean_token_sum: each sequence's token SUM, averaged over sequences (Dr. GRPO's
+    "no length normalisation", Liu et al. 2025, up to their constant);
+    seq_mean_token_mean: each sequence's token MEAN, averaged (the original GRPO loss).
+    Because D is a count over the whole batch and w depends on one row only, sums over any
+    split of the rows add up to the same loss. 0 outside the mask.
+    """
+    m = response_mask.to(torch.float32)
+    if mode in ("token_mean", "seq_mean_token_sum"):
+        return m
+    if mode == "seq_mean_token_mean":
+        return m / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+
+
+def aggregation_count(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """This batch's share of the denominator D of `aggregation_weights`: its number of
+    response tokens (token_mean) or of sequences; 0-dim float."""
+    if mode == "token_mean":
+        return response_mask.sum().float()
+    return torch.tensor(float(response_mask.shape[0]), device=response_mask.device)
+
+
+def aggregate_loss(per_token: torch.Tensor, response_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """The `mode` aggregate of per-token losses (B, T) over one whole batch; 0-dim."""
+    w = aggregation_weights(response_mask, mode).to(per_token.dtype)
+    return masked_sum(w * per_token, response_mask) / aggregation_count(response_mask, mode)

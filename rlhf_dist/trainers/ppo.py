@@ -1,7 +1,10 @@
-"""PPO for RLHF (docs/architecture.md section 5): rollout -> shaped rewards -> GAE -> clipped updates.
+"""PPO for RLHF (docs/architecture.md section 5): rollout -> shaped rewards -> advantages
+-> clipped updates. The advantage estimator (ppo.estimator) makes it PPO with GAE, GRPO,
+RLOO or REINFORCE++: the same loop, with or without a critic.
 
-Four models: actor and critic (trained, one module, one optimizer with a param group
-each), reference (frozen SFT policy) and a reward model or reward function (frozen).
+Up to four models: actor and critic (trained, one module, one optimizer with a param
+group each; no critic for a critic-free estimator), reference (frozen SFT policy) and a
+reward model or reward function (frozen).
 Every statistic is a token or sequence SUM reduced over all ranks and divided once,
 so logged means and the loss do not depend on how batches are split.
 """
@@ -16,10 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist.alerts import AlertMonitor
-from rlhf_dist.algo.advantages import gae
-from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
-from rlhf_dist.algo.logprobs import logprobs_from_logits
-from rlhf_dist.algo.losses import ppo_policy_terms, value_terms
+from rlhf_dist.algo.estimators import ESTIMATORS, AdvantageInputs, estimate_advantages
+from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController, kl_estimate
+from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_logits
+from rlhf_dist.algo.losses import (
+    aggregation_count,
+    aggregation_weights,
+    ppo_policy_terms,
+    value_terms,
+)
 from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
@@ -50,62 +58,93 @@ def make_kl_controller(ppo_cfg):
 @dataclass(frozen=True)
 class UpdateKnobs:
     """The numbers a PPO update reads: loss knobs (ppo.*), the sampling temperature the
-    new log-probs must use, and the [actor, critic] gradient-norm limits."""
+    new log-probs must use, the KL coefficient when KL is a loss term (0 when it is a
+    reward penalty), and one gradient-norm limit per optimizer param group."""
 
     temperature: float
     clip_eps: float | None  # None: clipping off
+    clip_eps_high: float | None  # None: clip_eps
+    dual_clip: float | None
     value_clip_eps: float | None
     vf_coef: float
-    max_grad_norms: tuple[float, float]
+    entropy_coef: float
+    kl_loss_coef: float
+    kl_kind: str
+    loss_aggregation: str
+    max_grad_norms: tuple[float, ...]
 
     @classmethod
-    def from_config(cls, cfg) -> UpdateKnobs:
+    def from_config(cls, cfg, kl_coef=None, group_names=("actor", "critic")) -> UpdateKnobs:
+        """kl_coef: the KL controller's current value (None: ppo.kl_coef)."""
         p = cfg.ppo
-        norms = (p.actor.max_grad_norm, p.critic.max_grad_norm)
-        return cls(cfg.generation.temperature, p.clip_eps, p.value_clip_eps, p.vf_coef, norms)
+        kl_coef = p.kl_coef if kl_coef is None else kl_coef
+        low = p.clip_eps if p.clip_eps_low is None else p.clip_eps_low
+        high = p.clip_eps if p.clip_eps_high is None else p.clip_eps_high
+        kl_loss_coef = kl_coef if p.kl_placement == "loss" else 0.0
+        norms = tuple(getattr(p, name).max_grad_norm for name in group_names)
+        return cls(
+            cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
+            p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms,
+        )  # fmt: skip
 
 
 def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) -> torch.Tensor:
-    """Token SUM of policy + vf_coef * value loss for one micro-batch (caller divides).
+    """Weighted token SUM of one micro-batch's loss (the caller divides by the global
+    count of tokens or sequences, per knobs.loss_aggregation): the clipped policy loss,
+    plus vf_coef x the value loss with a critic, kl_loss_coef x the KL to the reference
+    when KL is a loss term, minus entropy_coef x the entropy.
 
-    mb: a RolloutBatch (B rows, T response columns); advantages, returns: (B, T);
-    stats: a StatSums the loss statistics are added to.
+    mb: a RolloutBatch (B rows, T response columns); advantages: (B, T); returns: (B, T)
+    or None without a critic; stats: a StatSums the loss statistics are added to.
     """
     T = mb.response_ids.shape[1]
     logits, values = model(mb.input_ids, mb.attention_mask, T)
-    logprobs = logprobs_from_logits(logits, mb.response_ids, knobs.temperature)
+    if knobs.entropy_coef:
+        logprobs, entropy = logprobs_and_entropy(logits, mb.response_ids, knobs.temperature)
+    else:
+        logprobs = logprobs_from_logits(logits, mb.response_ids, knobs.temperature)
     clip_eps = float("inf") if knobs.clip_eps is None else knobs.clip_eps
-    pg = ppo_policy_terms(logprobs, mb.old_logprobs, advantages, clip_eps)
-    vf = value_terms(values, mb.old_values, returns, knobs.value_clip_eps)
+    pg = ppo_policy_terms(
+        logprobs, mb.old_logprobs, advantages, clip_eps, knobs.clip_eps_high, knobs.dual_clip
+    )
     mask = mb.response_mask
     n = mask.sum()
-    pg_sum, vf_sum = masked_sum(pg["loss"], mask), masked_sum(vf["loss"], mask)
-    stats.add("policy/loss", pg_sum.detach(), n)
-    stats.add("value/loss", vf_sum.detach(), n)
-    for name, key, terms in (
-        ("policy/clipfrac", "clipped", pg),
-        ("policy/approx_kl", "approx_kl", pg),
-        ("policy/ratio_mean", "ratio", pg),
-        ("value/clipfrac", "clipped", vf),
-    ):
-        stats.add(name, masked_sum(terms[key].detach(), mask), n)
+    per_token, named = pg["loss"], [("policy", pg)]
+    if values is not None:
+        vf = value_terms(values, mb.old_values, returns, knobs.value_clip_eps)
+        per_token = per_token + knobs.vf_coef * vf["loss"]
+        named.append(("value", vf))
+    if knobs.kl_loss_coef:
+        kl = kl_estimate(logprobs, mb.ref_logprobs, knobs.kl_kind)
+        per_token = per_token + knobs.kl_loss_coef * kl
+        stats.add("policy/kl_loss", masked_sum(kl.detach(), mask), n)
+    if knobs.entropy_coef:
+        per_token = per_token - knobs.entropy_coef * entropy
+        stats.add("policy/entropy", masked_sum(entropy.detach(), mask), n)
+    for prefix, terms in named:
+        stats.add(f"{prefix}/loss", masked_sum(terms["loss"].detach(), mask), n)
+        stats.add(f"{prefix}/clipfrac", masked_sum(terms["clipped"].detach(), mask), n)
+    stats.add("policy/approx_kl", masked_sum(pg["approx_kl"], mask), n)
+    stats.add("policy/ratio_mean", masked_sum(pg["ratio"], mask), n)
     stats.add_max("policy/ratio_max", torch.where(mask, pg["ratio"], 0.0).max())
-    return pg_sum + knobs.vf_coef * vf_sum
+    weights = aggregation_weights(mask, knobs.loss_aggregation).to(per_token.dtype)
+    return masked_sum(weights * per_token, mask)
 
 
 def minibatch_backward(runtime, model, mb, advantages, returns, knobs, slices, stats) -> None:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
     mb: this rank's share of the global minibatch; slices: its micro-batches. Each
-    micro-batch's loss SUM is divided by the response-token count of the WHOLE global
-    minibatch (share_of_global_mean).
+    micro-batch's loss SUM is divided by the count (response tokens or sequences, per
+    knobs.loss_aggregation) of the WHOLE global minibatch (share_of_global_mean).
     """
-    n_tokens = runtime.all_sum(mb.response_mask.sum().float())
+    count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     for i, s in enumerate(slices):
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
-        adv, ret = advantages[s][:, :T], returns[s][:, :T]
+        adv = advantages[s][:, :T]
+        ret = None if returns is None else returns[s][:, :T]
         loss_sum = micro_batch_loss(model, micro, adv, ret, knobs, stats)
-        loss = share_of_global_mean(runtime, loss_sum, n_tokens)
+        loss = share_of_global_mean(runtime, loss_sum, count)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
 
 
@@ -118,15 +157,11 @@ def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it:
         order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
         for start in range(0, order.numel(), per_rank):
             idx = order[start : start + per_rank]
-            mb = batch.select(idx)
-            minibatch_backward(
-                runtime, run.model, mb, advantages[idx], returns[idx], knobs, slices, stats
-            )
-            # The optimizer's param groups are [actor, critic] (ppo_setup.build_models).
+            mb, ret = batch.select(idx), None if returns is None else returns[idx]
+            minibatch_backward(runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats)
             norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
-            if norms is not None:
-                stats.add("optim/grad_norm_actor", norms[0], 1)
-                stats.add("optim/grad_norm_critic", norms[1], 1)
+            for name, norm in zip(run.group_names, norms or ()):
+                stats.add(f"optim/grad_norm_{name}", norm, 1)
             maybe_fault("update", it)  # killed with the weights half-way through an iteration
     return stats.reduce(runtime)
 
@@ -148,14 +183,14 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
         s.add(name, per_seq.sum(), B)
     s.add("objective/score_sq", (batch.scores**2).sum(), B)
     s.add("objective/entropy", masked_sum(batch.entropy, mask), mask.sum())
-    for name, x in (
-        ("advantages/raw", advantages),
-        ("value/returns", returns),
-        ("value/values", batch.old_values),
-    ):
+    named = [("advantages/raw", advantages)]
+    if returns is not None:
+        named += [("value/returns", returns), ("value/values", batch.old_values)]
+        residual_sq = masked_sum((returns - batch.old_values) ** 2, mask)
+        s.add("value/residual_sq", residual_sq, mask.sum())
+    for name, x in named:
         s.add(name, masked_sum(x, mask), mask.sum())
         s.add(name + "_sq", masked_sum(x**2, mask), mask.sum())
-    s.add("value/residual_sq", masked_sum((returns - batch.old_values) ** 2, mask), mask.sum())
     s.add_max("rollout/length_max", lengths.max())
     s.add_max("rollout/length_min_neg", -lengths.min())
     out = s.reduce(runtime)
@@ -163,10 +198,12 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
     out["rollout/length_min"] = -out.pop("rollout/length_min_neg")
     out["objective/score_std"] = _std(out.pop("objective/score_sq"), out["objective/score"])
     out["advantages/raw_std"] = _std(out.pop("advantages/raw_sq"), out["advantages/raw"])
-    returns_var = out.pop("value/returns_sq") - out["value/returns"] ** 2
-    out.pop("value/values_sq")
-    # Explained variance 1 - Var(R - V)/Var(R): 1 = the critic predicts returns perfectly.
-    out["value/explained_variance"] = 1.0 - out.pop("value/residual_sq") / max(returns_var, 1e-12)
+    if returns is not None:
+        returns_var = out.pop("value/returns_sq") - out["value/returns"] ** 2
+        out.pop("value/values_sq")
+        # Explained variance 1 - Var(R - V)/Var(R): 1 = the critic predicts returns perfectly.
+        residual = out.pop("value/residual_sq")
+        out["value/explained_variance"] = 1.0 - residual / max(returns_var, 1e-12)
     return out
 
 
@@ -185,13 +222,17 @@ def prompt_stream(
 ):
     """Yield this rank's (prompt_ids, prompt_mask, texts) per iteration, cycling epochs;
     `skip` iterations are passed over (resume): the order depends only on the seed.
-    repeat_first (debug.overfit_one_batch): the first batch, every iteration."""
+    Each prompt comes n = plan.samples_per_prompt times in a row, so the n samples of a
+    prompt (one group) are rows [g*n, (g+1)*n) of ONE rank's rollout: group statistics
+    need no collective. repeat_first (debug.overfit_one_batch): the first batch, every
+    iteration."""
     n, size = len(prompts.ids), plan.rollout.global_size
     batches = global_batches(n, size, seed, epochs=10**9)
     if repeat_first:
         batches = itertools.repeat(next(batches))
     for _, idx in itertools.islice(batches, skip, None):
-        mine = idx[plan.rollout.rank_slice(runtime.rank)]
+        n = plan.samples_per_prompt
+        mine = [i for i in idx[plan.rollout.rank_slice(runtime.rank)] for _ in range(n)]
         ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
         yield ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
 
@@ -208,6 +249,7 @@ class PPORun:
     kl_ctl: object
     plan: PPOPlan
     score_moments: RunningMoments
+    group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
     printed_first_batch: bool = False
 
 
@@ -241,7 +283,7 @@ def due(every: int, it: int) -> bool:
 
 
 def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> IterationResult:
-    """One PPO iteration: rollout, shaped rewards, GAE, whitening, update."""
+    """One iteration: rollout, shaped rewards, advantages (ppo.estimator), whitening, update."""
     p, kl_coef, timings = cfg.ppo, run.kl_ctl.coef, {}
     t0 = time.time()
     run.model.eval()
@@ -256,32 +298,60 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
     t1 = time.time()
     mask = batch.response_mask
     batch.scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
+    reward_kl_coef = kl_coef if p.kl_placement == "reward" else 0.0
     rewards, kl = shape_rewards(
-        batch.scores, batch.old_logprobs, batch.ref_logprobs, mask, kl_coef, p.kl_kind
+        batch.scores, batch.old_logprobs, batch.ref_logprobs, mask, reward_kl_coef, p.kl_kind
     )
-    advantages, returns = gae(rewards, batch.old_values, mask, p.gamma, p.lam)
+    advantages, returns = estimate_advantages(
+        p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
+    )
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef)
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
-        named = {
-            "advantages": advantages[mask],
-            "kl": kl[mask],
-            "scores": batch.scores,
-            "length": mask.sum(1),
-        }
-        distributions = {
-            k: torch.tensor(runtime.gather_objects(v.float().tolist())) for k, v in named.items()
-        }
-    if p.whiten_advantages:
+        distributions = gather_distributions(runtime, batch, advantages, kl)
+    if whitens(p):
         advantages = whiten_with(advantages, mask, *global_mean_var(runtime, advantages, mask))
     run.model.train()
-    knobs = UpdateKnobs.from_config(cfg)
+    knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
     stats |= ppo_update(runtime, run, batch, advantages, returns, knobs, it)
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
-    run.kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
+    run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
     rows = zip(prompt_batch[2], texts, batch.scores.tolist(), kl.sum(1).tolist())
     samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
     return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
+
+
+def advantage_inputs(rewards, batch, group_size: int, ppo_cfg) -> AdvantageInputs:
+    """What an estimator reads from a rollout: rewards (B, T) and scores (B,) of B rows."""
+    return AdvantageInputs(
+        rewards=rewards,
+        scores=batch.scores,
+        response_mask=batch.response_mask,
+        values=batch.old_values,
+        group_size=group_size,
+        gamma=ppo_cfg.gamma,
+        lam=ppo_cfg.lam,
+        std_normalize=ppo_cfg.grpo_std_normalize,
+    )
+
+
+def whitens(ppo_cfg) -> bool:
+    """ppo.whiten_advantages, or the estimator's own rule where it is null."""
+    if ppo_cfg.whiten_advantages is None:
+        return ESTIMATORS[ppo_cfg.estimator].whitens
+    return ppo_cfg.whiten_advantages
+
+
+def gather_distributions(runtime, batch, advantages, kl) -> dict:
+    """Every rank's advantages, KL, scores and lengths, for histograms (a collective)."""
+    mask = batch.response_mask
+    named = {
+        "advantages": advantages[mask],
+        "kl": kl[mask],
+        "scores": batch.scores,
+        "length": mask.sum(1),
+    }
+    return {k: torch.tensor(runtime.gather_objects(v.float().tolist())) for k, v in named.items()}
 
 
 def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> dict:
@@ -298,7 +368,7 @@ def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> di
         "time/update": t2 - t1,
         "time/total": t2 - t0,
         "throughput/response_tokens_per_s": tokens / (t2 - t0),
-        "throughput/samples_per_s": cfg.ppo.rollout_batch_size / (t2 - t0),
+        "throughput/samples_per_s": run.plan.sequences / (t2 - t0),
         "memory/peak_gib": peak / 2**30,
         "guard/skipped_steps": runtime.skipped_steps,
     }
@@ -343,7 +413,15 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         moments.load_state_dict(ckpt.trainer["score_moments"])
         built.scheduler.load_state_dict(ckpt.trainer["scheduler"])
     return PPORun(
-        model, built.optimizer, built.scheduler, rollout_models, tokenizer, kl_ctl, plan, moments
+        model,
+        built.optimizer,
+        built.scheduler,
+        rollout_models,
+        tokenizer,
+        kl_ctl,
+        plan,
+        moments,
+        built.group_names,
     )
 
 

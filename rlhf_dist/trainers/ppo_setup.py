@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
+from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.config import ConfigError
 from rlhf_dist.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
 from rlhf_dist.models import (
@@ -41,6 +42,12 @@ class PPOModels:
     scheduler: object
     reference: nn.Module
     scorer: Scorer
+    group_names: tuple[str, ...]  # the optimizer's param groups: ("actor", "critic") or ("actor",)
+
+
+def has_critic(cfg) -> bool:
+    """A critic is built, trained and exported only for an estimator that reads values."""
+    return ESTIMATORS[cfg.ppo.estimator].needs_critic
 
 
 class AdapterOffValue(nn.Module):
@@ -62,9 +69,11 @@ def _trainable_actor_critic(cfg, deepspeed: bool) -> ActorCritic:
     m, lora = cfg.model, cfg.lora
     actor_dtype = trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.enabled)
     actor = load_causal_lm(m.policy, "model.policy", actor_dtype, m)
-    critic = build_critic(cfg, trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.critic))
     if lora.enabled:
         actor = add_adapters(actor, lora, "CAUSAL_LM")
+    if not has_critic(cfg):
+        return finish_trainable(ActorCritic(actor, None), m, deepspeed)
+    critic = build_critic(cfg, trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.critic))
     if lora.critic:
         head_name = _head_name(critic.classifier)
         critic = ValueModel(add_adapters(critic.classifier, lora, "SEQ_CLS", head_name))
@@ -78,13 +87,23 @@ def _head_name(classifier: nn.Module) -> str:
 
 def shares_reward_with_critic(cfg) -> bool:
     """A LoRA critic from the RM serves as the frozen RM too (adapters off)."""
-    return cfg.lora.critic and cfg.ppo.critic_init == "reward" and not cfg.reward.function
+    return (
+        has_critic(cfg)
+        and cfg.lora.critic
+        and cfg.ppo.critic_init == "reward"
+        and not cfg.reward.function
+    )
 
 
 def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
-    if runtime.zero_stage is not None and p.critic.max_grad_norm != p.actor.max_grad_norm:
+    critic = has_critic(cfg)
+    if (
+        critic
+        and runtime.zero_stage is not None
+        and p.critic.max_grad_norm != p.actor.max_grad_norm
+    ):
         raise ConfigError(
             "ppo.critic.max_grad_norm: DeepSpeed clips actor and critic together at one norm; "
             f"set it equal to ppo.actor.max_grad_norm ({p.actor.max_grad_norm})"
@@ -100,10 +119,11 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
             if shares_reward_with_critic(cfg)
             else build_scorer(runtime, cfg.reward.function, m, cfg.distributed.frozen_models)
         )
-    optimizer = make_optimizer(
-        [(net.actor.parameters(), p.actor), (net.critic.parameters(), p.critic)]
-    )
-    scheduler = make_scheduler(optimizer, [p.actor, p.critic], total_steps)
+    groups = {"actor": (net.actor.parameters(), p.actor)}
+    if critic:
+        groups["critic"] = (net.critic.parameters(), p.critic)
+    optimizer = make_optimizer(list(groups.values()))
+    scheduler = make_scheduler(optimizer, [optim for _, optim in groups.values()], total_steps)
     accumulation = plan.update.accumulation_steps
     model, optimizer = runtime.prepare(
         net, optimizer, p.micro_batch_size, accumulation, p.actor.max_grad_norm, m.dtype
@@ -117,7 +137,7 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
         reference = runtime.prepare_frozen(reference, placement, dtype, "reference")
     if scorer is None:
         scorer = Scorer(reward_model=AdapterOffValue(lambda: runtime.unwrap(model).critic))
-    return PPOModels(model, optimizer, scheduler, reference, scorer)
+    return PPOModels(model, optimizer, scheduler, reference, scorer, tuple(groups))
 
 
 def _load_reference(cfg) -> nn.Module:
@@ -130,9 +150,10 @@ def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
     lora = cfg.lora
     if not lora.enabled:
         save_pretrained(runtime, model, tokenizer, out / "final", "actor", cfg.model.dtype)
-        save_pretrained(
-            runtime, model, tokenizer, out / "critic", "critic.classifier", cfg.model.dtype
-        )
+        if has_critic(cfg):
+            save_pretrained(
+                runtime, model, tokenizer, out / "critic", "critic.classifier", cfg.model.dtype
+            )
         return
     state = runtime.full_state_dict(model)
     if runtime.is_main:
@@ -164,9 +185,9 @@ def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) 
             out / "critic",
             None,
         )
-    else:
+    elif has_critic(cfg):
         own = sub_state_dict(state, "critic.classifier.")
         critic = runtime.unwrap(model).critic.classifier
         critic.save_pretrained(out / "critic", state_dict=own, safe_serialization=True)
-    for directory in filter(None, (merged, adapter, out / "critic")):
+    for directory in filter(None, (merged, adapter, out / "critic" if has_critic(cfg) else None)):
         tokenizer.save_pretrained(directory)

@@ -54,6 +54,7 @@ def test_ppo_plan_counts():
         minibatch_size=16,
         micro_batch_size=4,
         ppo_epochs=3,
+        samples_per_prompt=1,
     )
     plan = ppo_plan(cfg, world_size=2)
     assert isinstance(plan, PPOPlan)
@@ -63,6 +64,23 @@ def test_ppo_plan_counts():
     assert plan.update.per_rank == 8 and plan.update.accumulation_steps == 2
     assert plan.minibatches_per_epoch == 4
     assert plan.optimizer_steps_per_iteration == 12
+
+
+def test_ppo_plan_counts_sequences_with_several_samples_per_prompt():
+    # 8 prompts x 4 samples = 32 sequences; minibatches of 16 sequences -> 2 per epoch.
+    cfg = SimpleNamespace(
+        rollout_batch_size=8,
+        rollout_micro_batch_size=8,
+        minibatch_size=16,
+        micro_batch_size=4,
+        ppo_epochs=2,
+        samples_per_prompt=4,
+    )
+    plan = ppo_plan(cfg, world_size=2)
+    assert plan.rollout.per_rank == 4  # prompts per rank
+    assert plan.sequences == 32
+    assert plan.minibatches_per_epoch == 2
+    assert plan.optimizer_steps_per_iteration == 4
 
 
 def test_epoch_order_is_a_deterministic_permutation():

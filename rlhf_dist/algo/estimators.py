@@ -1,0 +1,131 @@
+"""Advantage estimators behind one registry (docs/architecture.md section 5).
+
+Every estimator turns one rank's rollout into per-token advantages (B, T) and, where a
+critic is trained, its regression targets. What each needs is declared next to it:
+`needs_critic` (values V_t from a critic), `needs_groups` (several samples of one prompt,
+rows [g*n, (g+1)*n) of the batch being the n samples of prompt g), and `whitens`, the
+default of ppo.whiten_advantages (normalisation over the GLOBAL batch, done by the trainer
+because its statistics need every rank).
+
+Shapes: B sequences = prompts x n, T response tokens; `rewards` are the shaped per-token
+rewards (sequence score at the last response token, minus the KL penalty on every token
+when KL is a reward penalty); `scores` (B,) are the sequence scores alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_dist.algo.advantages import gae
+from rlhf_dist.algo.rewards import last_token_index
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    rewards: torch.Tensor  # (B, T) shaped per-token rewards, 0 outside the mask
+    scores: torch.Tensor  # (B,) sequence scores
+    response_mask: torch.Tensor  # (B, T) bool, True = real response token
+    values: torch.Tensor | None = None  # (B, T) critic values, for estimators that need them
+    group_size: int = 1  # n samples per prompt, contiguous rows
+    gamma: float = 1.0
+    lam: float = 0.95
+    std_normalize: bool = True  # grpo: divide by the group's std (False: Dr. GRPO)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
+    needs_critic: bool
+    needs_groups: bool
+    whitens: bool
+
+
+def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def sequence_returns(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Undiscounted return of each sequence, sum_t r_t over its response tokens; (B,)."""
+    return _zero_outside(rewards, response_mask).sum(dim=1)
+
+
+def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) -> (B/n, n): row g holds the n samples of prompt g."""
+    if group_size < 1 or x.shape[0] % group_size:
+        raise ValueError(f"{x.shape[0]} rows do not split into groups of {group_size}")
+    return x.reshape(-1, group_size)
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A per-sequence advantage (B,) on every response token: (B, T), 0 off the mask."""
+    return _zero_outside(per_seq[:, None].expand(mask.shape).to(per_seq.dtype), mask)
+
+
+def gae_estimator(x: AdvantageInputs):
+    """GAE (Schulman et al. 2016) with a critic: returns = A + V are the value targets."""
+    return gae(x.rewards, x.values, x.response_mask, x.gamma, x.lam)
+
+
+def grpo_estimator(x: AdvantageInputs, eps: float = 1e-6):
+    """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath section 4.1.2):
+    A_i = (R_i - mean_group R) / (std_group R + eps) on every token of sample i, with
+    R_i the sequence's total shaped reward and std the unbiased (n-1) group std.
+    std_normalize=False is Dr. GRPO's (Liu et al. 2025) A_i = R_i - mean_group R.
+    """
+    R = group_view(sequence_returns(x.rewards, x.response_mask), x.group_size)
+    A = R - R.mean(dim=1, keepdim=True)
+    if x.std_normalize:
+        A = A / (R.std(dim=1, keepdim=True) + eps)
+    return _broadcast(A.reshape(-1), x.response_mask), None
+
+
+def rloo_estimator(x: AdvantageInputs):
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each sample's baseline is the mean
+    return of the OTHER n-1 samples of its prompt, A_i = R_i - (sum_j R_j - R_i)/(n-1)."""
+    n = x.group_size
+    R = group_view(sequence_returns(x.rewards, x.response_mask), n)
+    A = R - (R.sum(dim=1, keepdim=True) - R) / (n - 1)
+    return _broadcast(A.reshape(-1), x.response_mask), None
+
+
+def reinforce_pp_estimator(x: AdvantageInputs):
+    """REINFORCE++ (Hu 2025): the discounted return-to-go G_t = sum_{s>=t} gamma^(s-t) r_s
+    of the shaped rewards (KL penalty on every token), no critic; the trainer whitens it
+    over the global batch. G is GAE with V = 0 and lambda = 1."""
+    zeros = torch.zeros_like(x.rewards)
+    G, _ = gae(x.rewards, zeros, x.response_mask, x.gamma, 1.0)
+    return G, None
+
+
+def reinforce_pp_baseline_estimator(x: AdvantageInputs):
+    """REINFORCE++-baseline: the group's mean score subtracted from each sample's score
+    (at its last response token, where the score sits in `rewards`), then REINFORCE++."""
+    baseline = group_view(x.scores, x.group_size).mean(dim=1, keepdim=True)
+    baseline = baseline.expand(-1, x.group_size).reshape(-1).to(x.rewards.dtype)
+    mask = x.response_mask.bool()
+    at_last = torch.zeros_like(x.rewards)
+    rows = torch.arange(x.rewards.shape[0], device=x.rewards.device)
+    at_last[rows, last_token_index(mask)] = torch.where(mask.any(1), baseline, 0.0)
+    shifted = AdvantageInputs(x.rewards - at_last, x.scores, mask, gamma=x.gamma)
+    return reinforce_pp_estimator(shifted)
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "gae": Estimator(gae_estimator, needs_critic=True, needs_groups=False, whitens=True),
+    "grpo": Estimator(grpo_estimator, needs_critic=False, needs_groups=True, whitens=False),
+    "rloo": Estimator(rloo_estimator, needs_critic=False, needs_groups=True, whitens=False),
+    "reinforce_pp": Estimator(
+        reinforce_pp_estimator, needs_critic=False, needs_groups=False, whitens=True
+    ),
+    "reinforce_pp_baseline": Estimator(
+        reinforce_pp_baseline_estimator, needs_critic=False, needs_groups=True, whitens=True
+    ),
+}
+
+
+def estimate_advantages(name: str, inputs: AdvantageInputs):
+    """(advantages (B, T), returns (B, T) or None) of the registered estimator `name`."""
+    return ESTIMATORS[name].fn(inputs)
