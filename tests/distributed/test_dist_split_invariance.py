@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import REPO, _env, free_port, launch_args, run_launch
 
@@ -20,8 +21,9 @@ PROBE = str(REPO / "tests" / "distributed" / "scripts" / "grad_probe.py")
 ADAMW = "torch.optim.adamw.AdamW"
 
 
-def probe_single(assets, out, micro: int) -> dict:
+def probe_single(assets, out, micro: int, *extra: str) -> dict:
     args = [sys.executable, PROBE, assets["policy"], assets["reward"], str(out), str(micro)]
+    args += extra
     proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
@@ -54,6 +56,29 @@ def test_gradient_same_for_1x1_1x4_2x2_zero3_and_2x2_ddp(assets, tmp_path):
     assert_same_gradients(grads, split["gradients"], 1e-5, "1x4")
     assert_same_gradients(grads, zero3["gradients"], 1e-4, "2x2 ZeRO-3")
     assert_same_gradients(grads, ddp["gradients"], 1e-4, "2x2 DDP")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--aggregation=seq_mean_token_sum",),
+        ("--aggregation=seq_mean_token_mean", "--critic-free"),
+    ],
+    ids=["seq_mean_token_sum", "seq_mean_token_mean-critic_free"],
+)
+def test_gradient_split_invariant_for_each_loss_aggregation(assets, tmp_path, flags):
+    """Sequence-level aggregations divide by the global SEQUENCE count; the critic-free
+    case adds every other loss term (KL as k3 loss, entropy bonus, clip-higher, dual clip)."""
+    whole = probe_single(assets, tmp_path / "1x1.pt", 8, *flags)
+    split = probe_single(assets, tmp_path / "1x4.pt", 2, *flags)
+    zero3 = probe_two_ranks(assets, tmp_path / "2x2.pt", "cpu_zero3.yaml", *flags)
+    grads = whole["gradients"]
+    assert any(g.abs().sum() > 0 for g in grads.values())
+    assert any(k.startswith("critic.") for k in grads) == ("--critic-free" not in flags)
+    token_mean = probe_single(assets, tmp_path / "tm.pt", 8, *flags[1:])["gradients"]
+    assert any((token_mean[k] - g).abs().max() > 1e-4 * g.abs().max() for k, g in grads.items())
+    assert_same_gradients(grads, split["gradients"], 1e-5, "1x4")
+    assert_same_gradients(grads, zero3["gradients"], 1e-4, "2x2 ZeRO-3")
 
 
 def test_gradient_and_checkpoint_optimizer_under_zero2(assets, tmp_path):

@@ -1,6 +1,9 @@
 """Gradient of ONE PPO optimizer step on a fixed global minibatch of 8 sequences.
 
-Usage: grad_probe.py POLICY REWARD OUT MICRO_BATCH_SIZE
+Usage: grad_probe.py POLICY REWARD OUT MICRO_BATCH_SIZE [--gradient-checkpointing]
+       [--aggregation=MODE] [--critic-free]
+(--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
+bonus, clip-higher and dual clip: every term of the loss in one gradient.)
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
 global minibatch with ragged response lengths, takes its share, and accumulates the
 gradient over its micro-batches with the trainer's own `minibatch_backward`. Rank 0
@@ -50,7 +53,20 @@ def fixed_minibatch():
 
 def main():
     policy, reward, out, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    checkpointing = "--gradient-checkpointing" in sys.argv[5:]
+    flags = sys.argv[5:]
+    checkpointing = "--gradient-checkpointing" in flags
+    aggregation = next(
+        (f.split("=", 1)[1] for f in flags if f.startswith("--aggregation=")), "token_mean"
+    )
+    critic_free = {
+        "estimator": "grpo",
+        "samples_per_prompt": 2,
+        "kl_placement": "loss",
+        "kl_kind": "k3",
+        "entropy_coef": 0.01,
+        "clip_eps_high": 0.28,
+        "dual_clip": 3.0,
+    }
     quiet_transformers()
     runtime = Runtime(seed=0, num_threads=1)
     tree = {
@@ -61,6 +77,8 @@ def main():
             "minibatch_size": B,
             "micro_batch_size": micro,
             "value_clip_eps": 0.2,
+            "loss_aggregation": aggregation,
+            **(critic_free if "--critic-free" in flags else {}),
         },
     }
     cfg = config_from_dict(tree)
@@ -71,7 +89,7 @@ def main():
     share = plan.update.rank_slice(runtime.rank)
     mb = batch.select(share)
     slices = plan.update.micro_slices()
-    knobs = UpdateKnobs.from_config(cfg)
+    knobs = UpdateKnobs.from_config(cfg, group_names=built.group_names)
     minibatch_backward(
         runtime, built.model, mb, advantages[share], returns[share], knobs, slices, StatSums()
     )
