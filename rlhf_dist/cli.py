@@ -12,7 +12,8 @@ import dataclasses
 import os
 import sys
 
-from rlhf_dist.config import Config  # light (yaml only): the section names for --help
+from rlhf_dist.config import Config  # the section names for --help
+from rlhf_dist.demo.pipeline import ALGORITHMS
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
@@ -65,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", default="runs/demo", help="where every stage writes (default runs/demo)"
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--algorithm",
+        default="ppo",
+        choices=ALGORITHMS,
+        help="the alignment stage: ppo (default) or a critic-free estimator",
+    )
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
     )
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from rlhf_dist.demo.pipeline import run_demo
 
-            run_demo(args.output_dir, seed=args.seed, quick=args.quick)
+            run_demo(args.output_dir, seed=args.seed, quick=args.quick, algorithm=args.algorithm)
             return 0
         if args.command == "report":
             from rlhf_dist.report import build_report

@@ -1,4 +1,5 @@
-"""`rlhf-dist demo`: generate the offline task, then SFT -> RM -> PPO -> eval on tiny models.
+"""`rlhf-dist demo`: generate the offline task, then SFT -> RM -> PPO (or another algorithm,
+--algorithm) -> eval on tiny models.
 
 Every stage is an ordinary run of the public trainers with an ordinary config (written to
 DIR/<stage>/config.yaml), so the demo exercises exactly the code users run.
@@ -15,16 +16,40 @@ from rlhf_dist.demo import task
 
 GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 
+# The on-policy algorithms the demo runs with `rlhf-dist ppo` and a reward model: PPO
+# (GAE with a critic) and the critic-free estimators, each its own ppo.estimator.
+RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ALGORITHMS = RL_ALGORITHMS
 
-def stage_configs(root: Path, files: task.TaskFiles, models: dict, seed: int, quick: bool) -> dict:
+
+def rl_section(algorithm: str, scale: float) -> dict:
+    """The `ppo` section of the demo's RL stage. Every algorithm sees 64 sequences per
+    iteration: PPO 64 prompts once, the group estimators 16 prompts x 4 samples."""
+    common = {
+        "iterations": max(2, int(60 * scale)),
+        "rollout_micro_batch_size": 64,
+        "ppo_epochs": 4,
+        "minibatch_size": 16,
+        "micro_batch_size": 16,
+        "actor": {"lr": 3e-4},
+        "kl_coef": 0.05,
+    }
+    if algorithm == "ppo":
+        return {**common, "rollout_batch_size": 64, "critic": {"lr": 3e-4}}
+    return {**common, "estimator": algorithm, "rollout_batch_size": 16, "samples_per_prompt": 4}
+
+
+def stage_configs(
+    root: Path, files: task.TaskFiles, models: dict, seed: int, quick: bool, algorithm: str = "ppo"
+) -> dict:
     """The config tree of every stage. Numbers tuned for a 2-core CPU (see README)."""
 
-    # PPO logs every 2nd iteration (smooth report curves, a readable console), SFT/RM every 10th.
+    # RL logs every 2nd iteration (smooth report curves, a readable console), SFT/RM every 10th.
     def run(name):
         return {
             "output_dir": str(root / name),
             "seed": seed,
-            "log_every": 2 if name == "ppo" else 10,
+            "log_every": 2 if name == algorithm else 10,
         }
 
     data = {"max_prompt_length": 16, "max_length": 48}
@@ -54,23 +79,13 @@ def stage_configs(root: Path, files: task.TaskFiles, models: dict, seed: int, qu
                 "optim": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 10},
             },
         },
-        "ppo": {
-            "run": run("ppo"),
+        algorithm: {
+            "run": run(algorithm),
             "model": {"policy": sft_policy, "reward": rm_path},
             "data": {**data, "train": str(files.prompts)},
             "generation": gen,
             "reward": {"missing_eos_penalty": -1.0},
-            "ppo": {
-                "iterations": max(2, int(60 * scale)),
-                "rollout_batch_size": 64,
-                "rollout_micro_batch_size": 64,
-                "ppo_epochs": 4,
-                "minibatch_size": 16,
-                "micro_batch_size": 16,
-                "actor": {"lr": 3e-4},
-                "critic": {"lr": 3e-4},
-                "kl_coef": 0.05,
-            },
+            "ppo": rl_section(algorithm, scale),
         },
         "eval": {
             "run": run("eval"),
@@ -86,8 +101,9 @@ def stage_configs(root: Path, files: task.TaskFiles, models: dict, seed: int, qu
     }
 
 
-def run_demo(output_dir: str, seed: int = 0, quick: bool = False) -> dict:
-    """Run the whole demo under output_dir; returns (and writes) DIR/summary.json."""
+def run_demo(output_dir: str, seed: int = 0, quick: bool = False, algorithm: str = "ppo") -> dict:
+    """Run the whole demo under output_dir with `algorithm` (one of ALGORITHMS) as the
+    alignment stage; returns (and writes) DIR/summary.json."""
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers
@@ -101,28 +117,28 @@ def run_demo(output_dir: str, seed: int = 0, quick: bool = False) -> dict:
     files = task.write_task(root / "task", seed=seed)
     tokenizer = task.build_tokenizer(files.tokenizer_dir)
     models = task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed)
-    trees = stage_configs(root, files, models, seed, quick)
+    trees = stage_configs(root, files, models, seed, quick, algorithm)
     configs = {name: config_from_dict(tree) for name, tree in trees.items()}
     for name, cfg in configs.items():
-        validate(cfg, name)
+        validate(cfg, "ppo" if name == algorithm else name)
     runtime = Runtime(seed=seed)
     say = runtime.print
     say(f"== demo task written to {files.root}; stage 1/4: SFT")
     train_sft(configs["sft"], runtime)
     say("== stage 2/4: reward model")
     rm = train_reward_model(configs["rm"], runtime)
-    say("== stage 3/4: PPO")
-    train_ppo(configs["ppo"], runtime)
-    say("== stage 4/4: evaluation of the SFT and PPO policies on held-out prompts")
+    say(f"== stage 3/4: {algorithm}")
+    train_ppo(configs[algorithm], runtime)
+    say(f"== stage 4/4: evaluation of the SFT and {algorithm} policies on held-out prompts")
     sft_eval = run_eval(_with_output(configs["eval"], root / "eval" / "sft"), runtime)
-    ppo_eval_cfg = _with_output(
-        configs["eval"], root / "eval" / "ppo", policy=str(root / "ppo" / "final")
+    aligned_cfg = _with_output(
+        configs["eval"], root / "eval" / algorithm, policy=str(root / algorithm / "final")
     )
-    ppo_eval = run_eval(ppo_eval_cfg, runtime)
-    summary = demo_summary(files, rm, sft_eval, ppo_eval, time.time() - start)
+    aligned = run_eval(aligned_cfg, runtime)
+    summary = demo_summary(files, rm, sft_eval, {algorithm: aligned}, time.time() - start)
     if runtime.is_main:
         (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        say(format_summary(summary, root))
+        say(format_summary(summary, root, algorithm))
         from rlhf_dist.report import build_report
 
         say(f"   report: {build_report(root)}")
@@ -139,7 +155,9 @@ def _with_output(cfg, output_dir: Path, policy: str | None = None):
     return config_from_dict(tree)
 
 
-def demo_summary(files, rm: dict, sft_eval: dict, ppo_eval: dict, wall: float) -> dict:
+def demo_summary(files, rm: dict, sft_eval: dict, aligned: dict, wall: float) -> dict:
+    """summary.json: sft.*, rm.* and NAME.* for each aligned policy in `aligned` (name ->
+    its evaluation)."""
     meta = json.loads((files.root / "task.json").read_text())
     rows = [json.loads(line) for line in files.prefs_eval.read_text().splitlines()]
     bayes = task.bayes_accuracy(
@@ -156,20 +174,21 @@ def demo_summary(files, rm: dict, sft_eval: dict, ppo_eval: dict, wall: float) -
             "bayes_accuracy": bayes,
             "eval_ece": rm["eval_ece"],
         },
-        "ppo": pick(ppo_eval),
+        **{name: pick(ev) for name, ev in aligned.items()},
         "wall_seconds": round(wall, 1),
     }
 
 
-def format_summary(s: dict, root: Path) -> str:
+def format_summary(s: dict, root: Path, algorithm: str = "ppo") -> str:
+    name, a = algorithm.upper(), s[algorithm]
     lines = [
         "",
         "== demo results (held-out prompts; gold = the task's true reward in [0, 1])",
-        f"   gold reward   SFT {s['sft']['gold_reward']:.3f}  ->  PPO {s['ppo']['gold_reward']:.3f}",
-        f"   RM score      SFT {s['sft']['score']:.3f}  ->  PPO {s['ppo']['score']:.3f}",
-        f"   KL to SFT     PPO {s['ppo']['kl_to_ref']:.2f} nats per response",
+        f"   gold reward   SFT {s['sft']['gold_reward']:.3f}  ->  {name} {a['gold_reward']:.3f}",
+        f"   RM score      SFT {s['sft']['score']:.3f}  ->  {name} {a['score']:.3f}",
+        f"   KL to SFT     {name} {a['kl_to_ref']:.2f} nats per response",
         f"   RM accuracy   {s['rm']['eval_accuracy']:.3f} (Bayes-optimal under the label noise: {s['rm']['bayes_accuracy']:.3f})",
         f"   wall time     {s['wall_seconds']:.0f} s",
-        f"   summary: {root / 'summary.json'}; samples: {root / 'eval' / 'ppo' / 'samples.jsonl'}",
+        f"   summary: {root / 'summary.json'}; samples: {root / 'eval' / algorithm / 'samples.jsonl'}",
     ]
     return "\n".join(lines)

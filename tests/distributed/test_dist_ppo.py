@@ -59,6 +59,22 @@ def test_ppo_zero3_two_ranks_trains_and_aggregates(assets, tmp_path):
     assert changed(rm_before, critic_after), "the critic did not train"
 
 
+def test_grpo_zero3_two_ranks_builds_no_critic_and_trains_the_actor(assets, tmp_path):
+    out = tmp_path / "grpo"
+    extra = ("ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4")
+    run_launch(launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra)))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/sequences"] == 16  # 2 ranks x 2 prompts x 4 samples
+        assert "value/explained_variance" not in r and "optim/grad_norm_critic" not in r
+    before = load_file(str(Path(assets["policy"]) / "model.safetensors"))
+    after = load_file(str(out / "final" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert changed(before, after), "the actor's gathered weights did not change"
+    assert not (out / "critic").exists()
+
+
 def test_ppo_two_machines_on_localhost(assets, tmp_path):
     out = tmp_path / "ppo2m"
     command = ppo_command(assets, out, "ppo.iterations=1")

@@ -89,6 +89,18 @@ def test_ppo_killed_anywhere_resumes_to_the_same_metrics(assets, ppo_reference, 
     assert (out / "alerts.jsonl").read_text() == ppo_reference[1]
 
 
+GRPO = ("ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=2")
+
+
+def test_grpo_killed_mid_update_resumes_to_the_same_metrics(assets, tmp_path):
+    reference, out = tmp_path / "reference", tmp_path / "grpo"
+    proc = cli(ppo_args(assets, reference, *GRPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    killed_then_resumed(ppo_args(assets, out, *GRPO), out, "update:3")
+    assert rows(out) == rows(reference)
+    assert "value/explained_variance" not in rows(out)[0]
+
+
 @pytest.mark.parametrize("stage", ["sft", "rm"])
 def test_sft_and_rm_killed_resume_to_the_same_metrics(assets, tmp_path, stage):
     files = assets["files"]

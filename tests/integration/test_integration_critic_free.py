@@ -187,3 +187,32 @@ def test_objective_knobs_run_and_log_their_statistics(
     # k3 is >= 0 per token; the actor starts equal to the reference and then moves.
     assert all(r["policy/kl_loss"] >= 0 for r in rows)
     assert rows[-1]["policy/kl_loss"] > 1e-6
+
+
+def test_grpo_with_lora_trains_only_the_adapters_and_exports_no_critic(
+    sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict, read_jsonl
+):
+    built = _capture(monkeypatch, ppo, "build_models")
+    out = tmp_path / "grpo_lora"
+    tree = tree_for(out, sft_run.out / "final", data_cfg(train=str(task_env.prompts)), "grpo")
+    tree["lora"] = {"enabled": True, "r": 4}
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    ((_, _, models),) = built
+    net = runtime.unwrap(models.model)
+    assert net.critic is None and models.group_names == ("actor",)
+    trained = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    # Adapters moved (lora_B starts at 0); the base weights are the SFT policy's.
+    assert any(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)
+    initial = saved_state_dict(sft_run.out / "final")
+    base = {
+        n.replace("base_model.model.", "").replace("base_layer.", ""): p
+        for n, p in net.actor.state_dict().items()
+        if "lora_" not in n
+    }
+    for name, tensor in initial.items():
+        assert torch.equal(base[name], tensor), name
+    assert (out / "final").is_dir() and (out / "final_adapter").is_dir()
+    assert not (out / "critic").exists()
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert abs(rows[0]["objective/kl"]) < 1e-4  # adapters start at 0: actor == reference
