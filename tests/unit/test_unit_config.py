@@ -242,6 +242,54 @@ def test_ppo_minibatch_must_divide_rollout_batch():
     assert "ppo.minibatch_size" in message and "ppo.rollout_batch_size" in message
 
 
+def test_minibatch_counts_sequences_with_several_samples_per_prompt():
+    # 8 prompts x 4 samples = 32 sequences: a minibatch of 16 fits, 24 does not.
+    base = [*PPO_REQUIRED, "ppo.rollout_batch_size=8", "ppo.samples_per_prompt=4"]
+    validate(load_config(overrides=[*base, "ppo.minibatch_size=16"]), "ppo")
+    cfg = load_config(overrides=[*base, "ppo.minibatch_size=24", "ppo.micro_batch_size=8"])
+    message = config_error(validate, cfg, "ppo")
+    assert message.startswith("ppo.minibatch_size") and "ppo.samples_per_prompt" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["ppo.estimator=grpo"], "ppo.samples_per_prompt"),  # groups of 1
+        (["ppo.estimator=rloo", "ppo.samples_per_prompt=1"], "ppo.samples_per_prompt"),
+        (["ppo.samples_per_prompt=0"], "ppo.samples_per_prompt"),
+        (
+            [
+                "ppo.estimator=grpo",
+                "ppo.samples_per_prompt=2",
+                "lora.enabled=true",
+                "lora.critic=true",
+            ],
+            "lora.critic",
+        ),
+        (["ppo.clip_eps=null", "ppo.clip_eps_high=0.28"], "ppo.clip_eps_high"),
+        (["ppo.clip_eps_low=0"], "ppo.clip_eps_low"),
+        (["ppo.clip_eps_low=1.5"], "ppo.clip_eps_low"),
+        (["ppo.dual_clip=1.0"], "ppo.dual_clip"),
+        (["ppo.clip_eps=null", "ppo.dual_clip=3"], "ppo.dual_clip"),
+        (["ppo.entropy_coef=-0.1"], "ppo.entropy_coef"),
+    ],
+)
+def test_estimator_and_objective_combinations(overrides, key):
+    cfg = load_config(overrides=[*PPO_REQUIRED, *overrides])
+    assert config_error(validate, cfg, "ppo").startswith(key + ":")
+
+
+def test_estimator_choices_come_from_the_registry():
+    from rlhf_dist.algo.estimators import ESTIMATORS
+
+    for name in ESTIMATORS:
+        samples = "2" if ESTIMATORS[name].needs_groups else "1"
+        overrides = [f"ppo.estimator={name}", f"ppo.samples_per_prompt={samples}"]
+        validate(load_config(overrides=[*PPO_REQUIRED, *overrides]), "ppo")
+    message = config_error(load_config, None, ["ppo.estimator=vtrace"])
+    assert message.startswith("ppo.estimator:") and "grpo" in message
+
+
 def test_ppo_micro_batch_times_world_size_must_divide_minibatch():
     cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.minibatch_size=16", "ppo.micro_batch_size=16"])
     validate(cfg, "ppo", world_size=1)  # 16 x 1 divides 16
