@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
+        "--algorithm",
+        default="ppo",
+        choices=("ppo", "dpo", "kto"),
+        help="ppo: SFT -> RM -> PPO -> eval (default); dpo / kto: SFT -> DPO or KTO on the "
+        "preference pairs -> eval",
+    )
+    demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
     )
     report = sub.add_parser(
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from rlhf_dist.demo.pipeline import run_demo
 
-            run_demo(args.output_dir, seed=args.seed, quick=args.quick)
+            run_demo(args.output_dir, seed=args.seed, quick=args.quick, algorithm=args.algorithm)
             return 0
         if args.command == "report":
             from rlhf_dist.report import build_report
