@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["sft", "rm", "ppo", "eval", "demo", "config"]
+COMMANDS = ["sft", "rm", "ppo", "dpo", "kto", "eval", "demo", "config"]
 
 
 def run_cli(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
