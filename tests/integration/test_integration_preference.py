@@ -4,6 +4,7 @@ online reference give the same step, and a LoRA run keeps the base (its referenc
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -11,11 +12,14 @@ import random
 import pytest
 import torch
 
+from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import config_from_dict
+from rlhf_dist.data import kto_examples, load_rows, preference_pairs
 from rlhf_dist.demo import task
+from rlhf_dist.models import load_causal_lm
 from rlhf_dist.trainers import preference
-from rlhf_dist.trainers.dpo import train_dpo
-from rlhf_dist.trainers.kto import train_kto
+from rlhf_dist.trainers.dpo import dpo_step, train_dpo
+from rlhf_dist.trainers.kto import kto_step, train_kto
 
 
 def _cfg(stage, sft_run, out, data, extra=None, **section):
@@ -200,3 +204,49 @@ def test_dpo_with_lora_trains_adapters_only_and_exports(
     assert (out / "final_adapter" / "adapter_config.json").is_file()
     merged = saved_state_dict(out / "final")
     assert any(not torch.equal(merged[k], base[k]) for k in base), "merged export == SFT"
+
+
+def _split_grads(step_fn, base, batch, micro_sizes):
+    """(gradients, metrics) of one step_fn call per micro-batch size, each on a fresh copy."""
+    out = []
+    for m in micro_sizes:
+        model = copy.deepcopy(base)
+        metrics, _ = step_fn(model, batch, BatchPlan(16, 1, m))
+        out.append(({n: p.grad.clone() for n, p in model.named_parameters()}, metrics))
+    return out
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_step_gradient_does_not_depend_on_the_micro_batch_split(
+    stage, sft_run, task_env, runtime, data_cfg
+):
+    """One optimizer step's gradient is that of the global-batch mean loss, however the
+    batch is cut, including KTO's reference point z0 (one number for the whole batch)."""
+    tok, pad = task_env.tokenizer, task_env.tokenizer.pad_token_id
+    rows = load_rows(str(task_env.files.prefs_train), "data.train")[:16]
+    data = config_from_dict({"data": data_cfg()}).data
+    # Reference = the random-init model, so log-ratios (and z0) are far from 0.
+    policy = load_causal_lm(str(sft_run.out / "final"), "model.policy")
+    reference = load_causal_lm(str(task_env.policy), "model.policy").requires_grad_(False)
+    if stage == "dpo":
+        batch = preference_pairs(rows, tok, data)[0]
+        section = config_from_dict({}).dpo
+
+        def step(model, items, plan):
+            return dpo_step(runtime, model, reference, items, None, plan, section, pad)
+    else:
+        batch = kto_examples(rows, tok, data, config_from_dict({}).kto)[0][:16]
+        section = config_from_dict({}).kto
+
+        def step(model, items, plan):
+            return kto_step(runtime, model, reference, items, None, plan, section, pad)
+
+    (whole, m_whole), (split, m_split) = _split_grads(step, policy, batch, (16, 4))
+    loss = f"{stage}/loss"
+    assert m_split[loss] == pytest.approx(m_whole[loss], rel=1e-5)
+    if stage == "kto":
+        assert m_whole["kto/kl"] > 0 and m_split["kto/kl"] == pytest.approx(m_whole["kto/kl"])
+    for name in whole:
+        scale = whole[name].norm()
+        assert scale > 0, name
+        assert (split[name] - whole[name]).norm() <= 1e-4 * scale, name
