@@ -246,4 +246,7 @@ def run_offline_demo(output_dir: str, algorithm: str, seed: int = 0, quick: bool
             f"   wall time     {summary['wall_seconds']:.0f} s\n"
             f"   summary: {root / 'summary.json'}"
         )
+        from rlhf_dist.report import build_report
+
+        runtime.print(f"   report: {build_report(root)}")
     return summary
