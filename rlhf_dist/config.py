@@ -97,7 +97,9 @@ class RunConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     policy: str = key(
-        "", "causal LM to start from (SFT input, PPO actor/reference): local dir or hub name"
+        "",
+        "causal LM to start from (SFT input; PPO, DPO and KTO policy and reference): local dir "
+        "or hub name",
     )
     reward: str = key(
         "",
@@ -145,12 +147,14 @@ class DataConfig:
     train: str = key(
         "", "training data: local .jsonl/.json/.parquet/.csv file, or a hub dataset name"
     )
-    eval: str = key("", "held-out data of the same format (RM accuracy, eval prompts); empty: none")
+    eval: str = key(
+        "", "held-out data of the same format (RM and DPO accuracy, eval prompts); empty: none"
+    )
     split: str = key("train", "split of a hub dataset (local files are read whole)")
     prompt_field: str = key("prompt", "name of the prompt column")
     max_prompt_length: int = key(64, "prompt tokens kept (see data.too_long)")
     max_length: int = key(
-        128, "prompt + response tokens of SFT / RM sequences; longer rows are skipped"
+        128, "prompt + response tokens of SFT / RM / DPO / KTO sequences; longer rows are skipped"
     )
     too_long: str = key(
         "truncate",
