@@ -104,3 +104,12 @@ def test_dpo_and_kto_need_a_policy_and_accept_their_defaults():
     cfg = load_config(overrides=["model.policy=/p", "data.train=/d.jsonl", "dpo.batch_size=24"])
     with pytest.raises(ConfigError, match="dpo.batch_size"):
         validate(cfg, "dpo", world_size=1)  # 24 is not a multiple of micro 32 x 1
+
+
+def test_the_example_dpo_config_validates_on_eight_ranks():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "configs" / "dpo_zero3.yaml"
+    cfg = load_config(path)
+    validate(cfg, "dpo", world_size=8)  # 64 pairs = 2 per rank x 8 ranks x 4 accumulations
+    assert cfg.dpo.reference_logprobs == "precompute" and cfg.model.dtype == "bfloat16"
