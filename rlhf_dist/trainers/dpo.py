@@ -73,7 +73,7 @@ def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pa
     stats, margins, slices = StatSums(), [], plan.micro_slices()
     for i, s in enumerate(slices):
         batch = response_batch(pair_sequences(share[s]), pad_id, runtime.device)
-        logps = response_logprobs(model, batch)
+        logps = response_logprobs(model, batch)  # (2m,): the m chosen, then the m rejected
         if rows is None:
             ref = reference_logprobs(runtime, reference, batch)
         else:
@@ -83,6 +83,7 @@ def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pa
             logps[:half], logps[half:], ref[:half], ref[half:], dc.beta, dc.loss_type,
             dc.label_smoothing,
         )  # fmt: skip
+        # The pair-loss SUM over the global pair count: split-invariant (architecture.md s. 4).
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
         add_pair_stats(stats, terms, logps)

@@ -88,7 +88,7 @@ def kto_step(runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc,
     stats, rewards, slices = StatSums(), [], plan.micro_slices()
     for i, s in enumerate(slices):
         batch = response_batch(completion_sequences(share[s]), pad_id, runtime.device)
-        logps = response_logprobs(model, batch)
+        logps = response_logprobs(model, batch)  # (m,) log pi of each labelled completion
         if rows is None:
             ref = reference_logprobs(runtime, reference, batch)
         else:
