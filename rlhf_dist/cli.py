@@ -1,4 +1,4 @@
-"""`rlhf-dist {sft,rm,ppo,eval,demo,report,config}`: the command line.
+"""`rlhf-dist {sft,rm,ppo,dpo,kto,eval,demo,report,config}`: the command line.
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
 exit status 2, never a traceback. Heavy imports happen after argument parsing so that
@@ -24,6 +24,14 @@ STAGES = {
         "rlhf_dist.trainers.reward:train_reward_model",
     ),
     "ppo": ("PPO against a reward model or reward function", "rlhf_dist.trainers.ppo:train_ppo"),
+    "dpo": (
+        "DPO / conservative DPO / IPO on preference pairs (no reward model, no sampling)",
+        "rlhf_dist.trainers.dpo:train_dpo",
+    ),
+    "kto": (
+        "KTO on desirable / undesirable completions (or preference pairs)",
+        "rlhf_dist.trainers.kto:train_kto",
+    ),
     "eval": (
         "score a policy on held-out prompts; KL to a reference",
         "rlhf_dist.evaluate:run_eval",
@@ -42,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlhf-dist", description="RLHF: SFT -> reward model -> PPO."
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{sft,rm,ppo,eval,demo,report,config}"
+        dest="command", required=True, metavar="{sft,rm,ppo,dpo,kto,eval,demo,report,config}"
     )
     for name, (help_text, _) in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
@@ -70,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         default="ppo",
         choices=ALGORITHMS,
-        help="the alignment stage: ppo (default) or a critic-free estimator",
+        help="the alignment stage: ppo (default) or a critic-free estimator (grpo, rloo, "
+        "reinforce_pp, reinforce_pp_baseline): SFT -> RM -> it -> eval; dpo / kto: SFT -> "
+        "DPO or KTO on the preference pairs -> eval",
     )
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"

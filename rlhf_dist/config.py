@@ -99,7 +99,9 @@ class RunConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     policy: str = key(
-        "", "causal LM to start from (SFT input, PPO actor/reference): local dir or hub name"
+        "",
+        "causal LM to start from (SFT input; PPO, DPO and KTO policy and reference): local dir "
+        "or hub name",
     )
     reward: str = key(
         "",
@@ -147,12 +149,14 @@ class DataConfig:
     train: str = key(
         "", "training data: local .jsonl/.json/.parquet/.csv file, or a hub dataset name"
     )
-    eval: str = key("", "held-out data of the same format (RM accuracy, eval prompts); empty: none")
+    eval: str = key(
+        "", "held-out data of the same format (RM and DPO accuracy, eval prompts); empty: none"
+    )
     split: str = key("train", "split of a hub dataset (local files are read whole)")
     prompt_field: str = key("prompt", "name of the prompt column")
     max_prompt_length: int = key(64, "prompt tokens kept (see data.too_long)")
     max_length: int = key(
-        128, "prompt + response tokens of SFT / RM sequences; longer rows are skipped"
+        128, "prompt + response tokens of SFT / RM / DPO / KTO sequences; longer rows are skipped"
     )
     too_long: str = key(
         "truncate",
@@ -191,6 +195,71 @@ class RMConfig:
     optim: OptimConfig = key(OptimConfig(lr=1e-4), "optimizer of the reward model")
     responses_field: str = key(
         "responses", "column of ranked lists (best first), expanded to all C(n, 2) pairs"
+    )
+
+
+REFERENCE_LOGPROBS = ("precompute", "online")
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    epochs: int = key(1, "passes over data.train")
+    batch_size: int = key(32, "preference pairs per optimizer step, summed over all ranks")
+    micro_batch_size: int = key(32, "preference pairs per forward/backward pass, per rank")
+    optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
+    beta: float = key(
+        0.1,
+        "strength of the KL constraint to the reference: the implicit reward is beta x "
+        "(log pi - log pi_ref); IPO's tau",
+    )
+    loss_type: str = key(
+        "sigmoid",
+        "sigmoid: DPO (Rafailov et al. 2023), with dpo.label_smoothing conservative DPO; ipo: "
+        "IPO (Azar et al. 2023), the log-ratio margin regressed onto 1 / (2 beta)",
+        choices=("sigmoid", "ipo"),
+    )
+    label_smoothing: float = key(
+        0.0,
+        "conservative DPO: the probability that a label is flipped, in [0, 0.5); sigmoid only",
+    )
+    reference_logprobs: str = key(
+        "precompute",
+        "reference log-probs computed in one pass over the data before training (kept in "
+        "<output_dir>/reference_logprobs.json and reused on resume; a full-model reference is "
+        "freed afterwards), or online: a reference forward in every step",
+        choices=REFERENCE_LOGPROBS,
+    )
+    responses_field: str = key(
+        "responses", "column of ranked lists (best first), expanded to all C(n, 2) pairs"
+    )
+
+
+@dataclass(frozen=True)
+class KTOConfig:
+    epochs: int = key(1, "passes over data.train")
+    batch_size: int = key(32, "examples per optimizer step, summed over all ranks")
+    micro_batch_size: int = key(32, "examples per forward/backward pass, per rank")
+    optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
+    beta: float = key(0.1, "scale of the implicit reward beta x (log pi - log pi_ref)")
+    desirable_weight: float = key(
+        1.0, "lambda_D, the weight of desirable examples (raise it when they are fewer)"
+    )
+    undesirable_weight: float = key(1.0, "lambda_U, the weight of undesirable examples")
+    reference_logprobs: str = key(
+        "precompute",
+        "as dpo.reference_logprobs: one pass before training (resumable) or online",
+        choices=REFERENCE_LOGPROBS,
+    )
+    completion_field: str = key(
+        "completion",
+        "column of an unpaired row's response (rows: prompt, completion, label); rows with "
+        "chosen/rejected (or ranked responses) give desirable chosen and undesirable rejected",
+    )
+    label_field: str = key("label", "column of an unpaired row's label: true = desirable")
+    responses_field: str = key(
+        "responses",
+        "column of ranked lists (best first): every response preferred to another is desirable, "
+        "every one dispreferred undesirable (middle ones are both and are skipped)",
     )
 
 
@@ -411,12 +480,16 @@ class Config:
     sft: SFTConfig = key(SFTConfig(), "batches and optimizer of rlhf-dist sft")
     rm: RMConfig = key(RMConfig(), "batches and optimizer of rlhf-dist rm")
     ppo: PPOConfig = key(PPOConfig(), "batches, optimizers, losses and KL penalty of rlhf-dist ppo")
+    dpo: DPOConfig = key(
+        DPOConfig(), "batches, optimizer and loss of rlhf-dist dpo (DPO, cDPO, IPO)"
+    )
+    kto: KTOConfig = key(KTOConfig(), "batches, optimizer and loss of rlhf-dist kto")
     generation: GenerationConfig = key(GenerationConfig(), "sampling of responses (PPO, eval)")
     reward: RewardConfig = key(
         RewardConfig(), "the reward: a function instead of model.reward, shaping"
     )
     eval: EvalConfig = key(EvalConfig(), "what rlhf-dist eval scores and compares")
-    lora: LoRAConfig = key(LoRAConfig(), "LoRA adapters (PPO)")
+    lora: LoRAConfig = key(LoRAConfig(), "LoRA adapters (PPO, DPO, KTO)")
     alerts: AlertsConfig = key(AlertsConfig(), "PPO health and reward-hacking alerts")
     debug: DebugConfig = key(DebugConfig(), "debugging aids (PPO)")
     distributed: DistributedConfig = key(
@@ -649,7 +722,8 @@ def _installed(module: str) -> bool:
 
 
 def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
-    """Check the keys `stage` ("sft", "rm", "ppo", "eval") uses; raise ConfigError naming one."""
+    """Check the keys `stage` ("sft", "rm", "dpo", "kto", "ppo", "eval") uses; raise
+    ConfigError naming one."""
     _positive(cfg.run, "run", "log_every")
     _positive(cfg.distributed, "distributed", "timeout_s")
     _positive(cfg.run, "run", "max_bad_steps", "num_samples")
@@ -668,7 +742,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             "model.attn_implementation: flash_attention_2 needs the flash-attn package "
             "(pip install flash-attn) and a CUDA GPU; use sdpa or auto otherwise"
         )
-    if stage in ("sft", "rm"):
+    if stage in ("sft", "rm", "dpo", "kto"):
         section = getattr(cfg, stage)
         _positive(section, stage, "epochs", "batch_size", "micro_batch_size")
         _divides(
@@ -685,6 +759,8 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             raise ConfigError("model.policy: required (the causal LM to fine-tune)")
         if stage == "rm" and not (cfg.model.reward or cfg.model.policy):
             raise ConfigError("model.reward: required (the model to train as reward model)")
+    if stage in ("dpo", "kto"):
+        _validate_preference(cfg, stage)
     if stage == "ppo":
         _validate_ppo(cfg, world_size)
     _positive(cfg.lora, "lora", "r", "alpha")
@@ -727,6 +803,26 @@ def _validate_objective(cfg: Config) -> None:
         )
     if p.entropy_coef < 0:
         raise ConfigError(f"ppo.entropy_coef: must be >= 0, got {p.entropy_coef}")
+
+
+def _validate_preference(cfg: Config, stage: str) -> None:
+    """dpo / kto: the policy to train and the loss's constants."""
+    section = getattr(cfg, stage)
+    if not cfg.model.policy:
+        raise ConfigError(f"model.policy: required (the SFT policy {stage} trains)")
+    _positive(section, stage, "beta")
+    if stage == "kto":
+        _positive(section, stage, "desirable_weight", "undesirable_weight")
+        return
+    if not 0 <= section.label_smoothing < 0.5:
+        raise ConfigError(
+            f"dpo.label_smoothing: must be in [0, 0.5), got {section.label_smoothing}"
+        )
+    if section.label_smoothing and section.loss_type != "sigmoid":
+        raise ConfigError(
+            f"dpo.label_smoothing: conservative DPO smooths the sigmoid loss only; "
+            f"dpo.loss_type={section.loss_type} takes label_smoothing=0"
+        )
 
 
 def _validate_optim(optim: OptimConfig, prefix: str) -> None:

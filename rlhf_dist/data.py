@@ -235,6 +235,7 @@ class PreferencePair:
     chosen: list[int]
     rejected: list[int]
     category: str | None = None
+    prompt_len: int = 0  # tokens of the shared prompt: the rest of each sequence is its response
 
 
 def _pairs_of_row(row: dict, data_cfg, responses_field: str, report: SkipReport):
@@ -281,7 +282,7 @@ def preference_pairs(rows: list[dict], tokenizer, data_cfg, responses_field: str
             if max(len(c), len(r)) > data_cfg.max_length:
                 report.skip("longer than data.max_length")
                 continue
-            out.append(PreferencePair(c, r, row.get("category")))
+            out.append(PreferencePair(c, r, row.get("category"), len(p)))
     report.kept = len(out)
     return out, report
 
@@ -292,3 +293,65 @@ def collate_pairs(batch: list[PreferencePair], pad_id: int) -> dict[str, torch.T
     seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
     ids, attn = right_pad(seqs, pad_id)
     return {"input_ids": ids, "attention_mask": attn, "last_index": attn.sum(1) - 1}
+
+
+# ---------------------------------------------------------------------- unpaired (KTO)
+
+
+@dataclass
+class KTOExample:
+    """One labelled completion; `kl_completion` is ANOTHER example's completion, which with
+    this prompt makes the mismatched pair KTO's reference point is estimated from."""
+
+    prompt: list[int]
+    completion: list[int]  # response ids + EOS
+    desirable: bool
+    kl_completion: list[int] = field(default_factory=list)
+
+
+def _kto_texts_of_row(row: dict, data_cfg, kto_cfg, report: SkipReport) -> list[tuple[str, bool]]:
+    """(completion, desirable) of one row: unpaired (completion + label) or from preferences."""
+    if row.get(kto_cfg.completion_field) is None:
+        pairs = _pairs_of_row(row, data_cfg, kto_cfg.responses_field, report)
+        chosen = dict.fromkeys(c for c, _ in pairs)  # dicts keep first-seen order
+        rejected = dict.fromkeys(r for _, r in pairs)
+        # A middle response of a ranked list is both preferred and dispreferred: neither.
+        return [(c, True) for c in chosen if c not in rejected] + [
+            (r, False) for r in rejected if r not in chosen
+        ]
+    completion = _text(row, kto_cfg.completion_field, report)
+    if completion is None:
+        return []
+    label = row.get(kto_cfg.label_field)
+    if not isinstance(label, bool):
+        report.skip(f"'{kto_cfg.label_field}' not true/false")
+        return []
+    return [(completion, label)]
+
+
+def kto_examples(rows: list[dict], tokenizer, data_cfg, kto_cfg):
+    """KTO examples from unpaired rows (TRL's format: prompt, completion, label) or from
+    preference rows (chosen -> desirable, rejected -> undesirable); each example's
+    `kl_completion` is the completion of the next example with a different prompt."""
+    report, out = SkipReport(), []
+    for row in rows:
+        prompt = _text(row, data_cfg.prompt_field, report)
+        if prompt is None:
+            continue
+        p = encode_prompt(tokenizer, prompt, data_cfg.max_prompt_length, data_cfg.too_long, report)
+        if p is None:
+            continue
+        for text, desirable in _kto_texts_of_row(row, data_cfg, kto_cfg, report):
+            completion = encode_response(tokenizer, text)
+            if len(p) + len(completion) > data_cfg.max_length:
+                report.skip("longer than data.max_length")
+                continue
+            out.append(KTOExample(p, completion, desirable))
+    for i, ex in enumerate(out):
+        # Cyclic, so every example has a partner; equal prompts are skipped where possible
+        # (the pair must not be a real one). Not shuffled: the order is the data's.
+        others = (out[(i + k) % len(out)] for k in range(1, len(out)))
+        partner = next((o for o in others if o.prompt != ex.prompt), out[(i + 1) % len(out)])
+        ex.kl_completion = partner.completion
+    report.kept = len(out)
+    return out, report

@@ -33,6 +33,25 @@ PANEL_GROUPS = (
     ),
     ("rm_optim", "Reward model optimizer", (("rm/grad_norm",), ("rm/lr",), ("rm/epoch",))),
     (
+        "preference_loss",
+        "DPO / KTO loss & implicit rewards",
+        (
+            ("dpo/loss", "kto/loss", "dpo/eval_loss"),
+            ("rewards/chosen", "rewards/rejected", "rewards/desirable", "rewards/undesirable"),
+            ("rewards/margins", "dpo/eval_margins"),
+            ("rewards/accuracy", "dpo/eval_accuracy"),
+        ),
+    ),
+    (
+        "preference_optim",
+        "DPO / KTO reference & optimizer",
+        (
+            ("logps/chosen", "logps/rejected", "kto/kl"),
+            ("dpo/grad_norm", "kto/grad_norm"),
+            ("dpo/lr", "kto/lr"),
+        ),
+    ),
+    (
         "ppo_score_kl",
         "Score & KL",
         (
@@ -93,8 +112,16 @@ PANEL_GROUPS = (
 NOT_IN_OTHER = ("dist/", "alerts/")
 MAX_OTHER_PANELS = 12
 MAX_SAMPLES = 20
-KIND_ORDER = {"sft": 0, "rm": 1, "ppo": 2, "eval": 3, "run": 4}
-KIND_TITLE = {"sft": "SFT", "rm": "Reward model", "ppo": "PPO", "eval": "Evaluation", "run": "Run"}
+KIND_ORDER = {"sft": 0, "rm": 1, "ppo": 2, "dpo": 2, "kto": 2, "eval": 3, "run": 4}
+KIND_TITLE = {
+    "sft": "SFT",
+    "rm": "Reward model",
+    "ppo": "PPO",
+    "dpo": "DPO",
+    "kto": "KTO",
+    "eval": "Evaluation",
+    "run": "Run",
+}
 
 
 @dataclass
@@ -194,12 +221,14 @@ def metric_series(rows: list[dict]) -> dict[str, Series]:
 
 
 def stage_kind(names) -> str:
-    """sft / rm / ppo / eval from the metric names' prefixes; "run" when none match."""
+    """sft / rm / ppo / dpo / kto / eval from the metric names' prefixes; "run" when none match."""
     prefixes = {name.split("/", 1)[0] for name in names}
     for kind, marks in (
         ("ppo", {"objective", "policy"}),
         ("sft", {"sft"}),
         ("rm", {"rm"}),
+        ("dpo", {"dpo"}),
+        ("kto", {"kto"}),
         ("eval", {"eval"}),
     ):
         if prefixes & marks:

@@ -5,6 +5,6 @@ with True on real response tokens. Every function returns new tensors and never 
 its inputs.
 """
 
-from rlhf_dist.algo import advantages, kl, logprobs, losses, masking, rewards
+from rlhf_dist.algo import advantages, kl, logprobs, losses, masking, preference, rewards
 
-__all__ = ["advantages", "kl", "logprobs", "losses", "masking", "rewards"]
+__all__ = ["advantages", "kl", "logprobs", "losses", "masking", "preference", "rewards"]

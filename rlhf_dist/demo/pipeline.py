@@ -19,7 +19,9 @@ GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 # The on-policy algorithms the demo runs with `rlhf-dist ppo` and a reward model: PPO
 # (GAE with a critic) and the critic-free estimators, each its own ppo.estimator.
 RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-ALGORITHMS = RL_ALGORITHMS
+# The offline preference algorithms: `rlhf-dist dpo` / `kto` on the preference pairs.
+OFFLINE = ("dpo", "kto")
+ALGORITHMS = RL_ALGORITHMS + OFFLINE
 
 
 def rl_section(algorithm: str, scale: float) -> dict:
@@ -104,6 +106,8 @@ def stage_configs(
 def run_demo(output_dir: str, seed: int = 0, quick: bool = False, algorithm: str = "ppo") -> dict:
     """Run the whole demo under output_dir with `algorithm` (one of ALGORITHMS) as the
     alignment stage; returns (and writes) DIR/summary.json."""
+    if algorithm in OFFLINE:
+        return run_offline_demo(output_dir, algorithm, seed, quick)
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers
@@ -192,3 +196,77 @@ def format_summary(s: dict, root: Path, algorithm: str = "ppo") -> str:
         f"   summary: {root / 'summary.json'}; samples: {root / 'eval' / algorithm / 'samples.jsonl'}",
     ]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------ offline preference algorithms
+
+GOLD_AS_SCORE = "rlhf_dist.demo.task:gold_reward_fn"
+
+
+def offline_stage_config(root: Path, files: task.TaskFiles, seed: int, algorithm: str) -> dict:
+    """The config tree of `rlhf-dist dpo` / `kto` from the SFT policy on the demo's preference
+    pairs (KTO reads them as desirable chosen / undesirable rejected completions). Numbers
+    tuned for a 2-core CPU: README, "Algorithms on the demo"."""
+    section = {
+        "dpo": {"beta": 0.1, "optim": {"lr": 1e-4}},
+        "kto": {"beta": 0.1, "optim": {"lr": 5e-5}},
+    }[algorithm]
+    return {
+        "run": {"output_dir": str(root / algorithm), "seed": seed, "log_every": 10},
+        "model": {"policy": str(root / "sft" / "final")},
+        "data": {"max_prompt_length": 16, "max_length": 48, "train": str(files.prefs_train)},
+        algorithm: {"epochs": 1, "batch_size": 32, "micro_batch_size": 32, **section},
+    }
+
+
+def run_offline_demo(output_dir: str, algorithm: str, seed: int = 0, quick: bool = False) -> dict:
+    """SFT -> dpo or kto -> eval of both policies; writes DIR/summary.json with
+    `sft.*` and `<algorithm>.*` (gold reward, KL to the SFT policy, ...). No reward model: the
+    evaluation's score is the gold reward itself (eval.gold_function adds the EOS rule)."""
+    from rlhf_dist.distributed import Runtime
+    from rlhf_dist.evaluate import run_eval
+    from rlhf_dist.models import quiet_transformers
+    from rlhf_dist.trainers.dpo import train_dpo
+    from rlhf_dist.trainers.kto import train_kto
+    from rlhf_dist.trainers.sft import train_sft
+
+    quiet_transformers()
+    start, root = time.time(), Path(output_dir)
+    files = task.write_task(root / "task", seed=seed)
+    models = task.build_tiny_models(
+        root / "models", task.build_tokenizer(files.tokenizer_dir), size="tiny", seed=seed
+    )
+    trees = stage_configs(root, files, models, seed, quick)
+    trees["eval"]["model"].pop("reward")
+    trees["eval"]["reward"] = {"function": GOLD_AS_SCORE}
+    trees[algorithm] = offline_stage_config(root, files, seed, algorithm)
+    configs = {name: config_from_dict(trees[name]) for name in ("sft", algorithm, "eval")}
+    for name, cfg in configs.items():
+        validate(cfg, name)
+    runtime = Runtime(seed=seed)
+    runtime.print(f"== demo task written to {files.root}; stage 1/3: SFT")
+    train_sft(configs["sft"], runtime)
+    runtime.print(f"== stage 2/3: {algorithm.upper()} on the preference pairs")
+    {"dpo": train_dpo, "kto": train_kto}[algorithm](configs[algorithm], runtime)
+    runtime.print("== stage 3/3: evaluation of the SFT and trained policies on held-out prompts")
+    evals = {"sft": run_eval(_with_output(configs["eval"], root / "eval" / "sft"), runtime)}
+    trained = str(root / algorithm / "final")
+    eval_cfg = _with_output(configs["eval"], root / "eval" / algorithm, policy=trained)
+    evals[algorithm] = run_eval(eval_cfg, runtime)
+    keys = ("gold_reward", "score", "kl_to_ref", "length", "eos_rate")
+    summary = {name: {k: ev[k] for k in keys} for name, ev in evals.items()}
+    summary |= {"algorithm": algorithm, "wall_seconds": round(time.time() - start, 1)}
+    if runtime.is_main:
+        (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        sft, new = summary["sft"], summary[algorithm]
+        runtime.print(
+            f"\n== demo results (held-out prompts; gold = the task's true reward in [0, 1])\n"
+            f"   gold reward   SFT {sft['gold_reward']:.3f}  ->  {algorithm.upper()} {new['gold_reward']:.3f}\n"
+            f"   KL to SFT     {algorithm.upper()} {new['kl_to_ref']:.2f} nats per response\n"
+            f"   wall time     {summary['wall_seconds']:.0f} s\n"
+            f"   summary: {root / 'summary.json'}"
+        )
+        from rlhf_dist.report import build_report
+
+        runtime.print(f"   report: {build_report(root)}")
+    return summary

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SUBMODULES = ["masking", "logprobs", "kl", "rewards", "advantages", "losses"]
+SUBMODULES = ["masking", "logprobs", "kl", "rewards", "advantages", "losses", "preference"]
 FORBIDDEN = ["transformers", "accelerate", "deepspeed", "peft", "datasets"]
 
 _PROBE = f"""

@@ -101,12 +101,18 @@ def test_grpo_killed_mid_update_resumes_to_the_same_metrics(assets, tmp_path):
     assert "value/explained_variance" not in rows(out)[0]
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm"])
-def test_sft_and_rm_killed_resume_to_the_same_metrics(assets, tmp_path, stage):
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto"])
+def test_step_loop_stages_killed_resume_to_the_same_metrics(assets, tmp_path, stage):
     files = assets["files"]
     data = f"data.train={files.sft}" if stage == "sft" else f"data.train={files.prefs_train}"
     model = f"model.policy={assets['policy']}"
-    common = [f"{stage}.batch_size=32", f"{stage}.micro_batch_size=8", f"{stage}.optim.lr=1e-3"]
+    # KTO reads each of the 256 pairs as two examples: 64 per step keeps 8 steps.
+    batch = 64 if stage == "kto" else 32
+    common = [
+        f"{stage}.batch_size={batch}",
+        f"{stage}.micro_batch_size=8",
+        f"{stage}.optim.lr=1e-3",
+    ]
 
     def args(out):
         return [

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["sft", "rm", "ppo", "eval", "demo", "config"]
+COMMANDS = ["sft", "rm", "ppo", "dpo", "kto", "eval", "demo", "config"]
 
 
 def run_cli(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -97,7 +97,7 @@ def test_missing_model_path_names_the_key_the_user_set(missing_model_run):
     assert "model.policy" in assert_one_line_error(missing_model_run)
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm", "ppo", "eval"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo", "dpo", "kto", "eval"])
 def test_stage_help_points_to_the_config_listing(stage, tmp_path):
     out = " ".join(run_cli(stage, "--help", cwd=tmp_path).stdout.split())
     assert "rlhf-dist config [SECTION]" in out

@@ -203,3 +203,23 @@ def test_odd_names_and_values_do_not_break_plots(tmp_path):
     assert "run_notacommand_sft_loss.png" in names and "run_notacommand_other.png" in names
     for name in names:
         assert_real_png(index.parent / name)
+
+
+def test_dpo_and_kto_runs_get_their_own_sections_and_panels(tmp_path):
+    write_jsonl(tmp_path / "sft" / "metrics.jsonl", [{"step": 1, "sft/loss": 2.0}])
+    for stage, extra in (
+        ("dpo", {"rewards/chosen": 0.1, "rewards/rejected": -0.1, "logps/chosen": -9.0}),
+        ("kto", {"rewards/desirable": 0.2, "rewards/undesirable": -0.2, "kto/kl": 0.05}),
+    ):
+        rows = [
+            {"step": s, f"{stage}/loss": 0.7 - s / 100, "rewards/margins": s / 100,
+             "rewards/accuracy": 0.5 + s / 100, f"{stage}/grad_norm": 1.0, **extra}
+            for s in (1, 2, 3)
+        ]  # fmt: skip
+        write_jsonl(tmp_path / stage / "metrics.jsonl", rows)
+    page = build_report(tmp_path).read_text(encoding="utf-8")
+    assert re.findall(r"<section id='([^']+)'>", page) == ["sft", "dpo", "kto"]
+    assert "DPO: dpo" in page and "KTO: kto" in page
+    names = set(pngs(tmp_path / "report"))
+    for stage in ("dpo", "kto"):
+        assert {f"{stage}_preference_loss.png", f"{stage}_preference_optim.png"} <= names

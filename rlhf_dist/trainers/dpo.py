@@ -1,0 +1,173 @@
+"""Direct preference optimisation: DPO, conservative DPO (label smoothing) and IPO.
+
+The policy is trained on preference pairs against its frozen starting point, with no
+reward model and no sampling (Rafailov et al. 2023). Chosen and rejected sequences of a
+micro-batch go through ONE forward pass (stacked into 2B rows). Each micro-batch's loss is
+its pair-loss SUM divided by the pair count of the whole global batch (times the world
+size), so a step's gradient does not depend on how the batch is split (architecture.md
+section 4). The reference log-probs come from one pass before training
+(dpo.reference_logprobs=precompute) or from a reference forward per micro-batch (online).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_dist.algo.preference import dpo_loss, dpo_terms
+from rlhf_dist.batching import BatchPlan
+from rlhf_dist.config import ConfigError
+from rlhf_dist.data import SFTExample, load_rows, preference_pairs
+from rlhf_dist.models import tokenizer_for
+from rlhf_dist.stats import StatSums
+from rlhf_dist.tracking import open_run, write_summary
+from rlhf_dist.trainers.common import (
+    DISTRIBUTIONS,
+    find_resume,
+    share_of_global_mean,
+    step_and_schedule,
+    step_loop,
+)
+from rlhf_dist.trainers.preference import (
+    all_response_logprobs,
+    build_policy,
+    build_reference,
+    export_policy,
+    reference_logprobs,
+    reference_table,
+    response_batch,
+    response_logprobs,
+)
+
+CONSOLE = ("dpo/loss", "rewards/accuracy", "rewards/margins")
+
+
+def pair_sequences(pairs) -> list[SFTExample]:
+    """All chosen sequences, then all rejected ones: the (2B,) layout of one forward."""
+    return [SFTExample(p.chosen, p.prompt_len) for p in pairs] + [
+        SFTExample(p.rejected, p.prompt_len) for p in pairs
+    ]
+
+
+def add_pair_stats(stats: StatSums, terms: dict, logps: torch.Tensor) -> None:
+    """Sums over this micro-batch's pairs of the logged DPO statistics (docs/metrics.md)."""
+    chosen, rejected = terms["chosen_rewards"], terms["rejected_rewards"]
+    n, half = chosen.numel(), logps.shape[0] // 2
+    stats.add("dpo/loss", terms["loss"].detach().sum(), n)
+    stats.add("rewards/chosen", chosen.sum(), n)
+    stats.add("rewards/rejected", rejected.sum(), n)
+    stats.add("rewards/margins", (chosen - rejected).sum(), n)
+    stats.add("rewards/accuracy", (chosen > rejected).float().sum(), n)
+    stats.add("logps/chosen", logps[:half].detach().sum(), n)
+    stats.add("logps/rejected", logps[half:].detach().sum(), n)
+
+
+def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pad_id: int):
+    """Backward over this rank's micro-batches of one global batch.
+
+    pairs: the global batch's PreferencePairs; ref_rows: (len(pairs), 2) reference log-probs
+    [chosen, rejected] from the table, or None to run the reference (online). Returns the
+    reduced statistics and this rank's per-pair margins for the histograms.
+    """
+    mine = plan.rank_slice(runtime.rank)
+    share, rows = pairs[mine], None if ref_rows is None else ref_rows[mine]
+    stats, margins, slices = StatSums(), [], plan.micro_slices()
+    for i, s in enumerate(slices):
+        batch = response_batch(pair_sequences(share[s]), pad_id, runtime.device)
+        logps = response_logprobs(model, batch)  # (2m,): the m chosen, then the m rejected
+        if rows is None:
+            ref = reference_logprobs(runtime, reference, batch)
+        else:
+            ref = rows[s].T.reshape(-1).to(runtime.device)  # chosen then rejected, as logps
+        half = logps.shape[0] // 2
+        terms = dpo_terms(
+            logps[:half], logps[half:], ref[:half], ref[half:], dc.beta, dc.loss_type,
+            dc.label_smoothing,
+        )  # fmt: skip
+        # The pair-loss SUM over the global pair count: split-invariant (architecture.md s. 4).
+        loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
+        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
+        add_pair_stats(stats, terms, logps)
+        margins.append((terms["chosen_rewards"] - terms["rejected_rewards"]).cpu())
+    return stats.reduce(runtime), {"reward_margin": torch.cat(margins)}
+
+
+def load_dpo_pairs(cfg, runtime, tokenizer) -> tuple[list, list]:
+    """Training and held-out pairs (the `rm` formats: chosen/rejected or ranked responses)."""
+    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
+    train, report = preference_pairs(rows, tokenizer, cfg.data, cfg.dpo.responses_field)
+    runtime.print(report.summary("preference pairs"))
+    if len(train) < cfg.dpo.batch_size:
+        raise ConfigError(
+            f"dpo.batch_size: {cfg.dpo.batch_size} is more than the {len(train)} usable pairs ({report.summary('preference pairs')})"
+        )
+    evals = []
+    if cfg.data.eval:
+        rows = load_rows(cfg.data.eval, "data.eval")
+        evals = preference_pairs(rows, tokenizer, cfg.data, cfg.dpo.responses_field)[0]
+    return train, evals
+
+
+def evaluate_dpo(runtime, model, reference, evals, ref_table, dc, pad_id: int) -> dict:
+    """Held-out DPO loss and reward accuracy/margin over `evals` (every rank scores a share).
+
+    ref_table: the eval pairs' reference log-probs [all chosen, all rejected], or None to
+    score them with `reference` now."""
+    seqs, size = pair_sequences(evals), 2 * dc.micro_batch_size
+    policy = all_response_logprobs(runtime, model, seqs, size, pad_id)
+    ref = (
+        ref_table
+        if ref_table is not None
+        else all_response_logprobs(runtime, reference, seqs, size, pad_id)
+    )
+    n, policy, ref = len(evals), policy.double(), ref.double()
+    loss, stats = dpo_loss(
+        policy[:n], policy[n:], ref[:n], ref[n:], dc.beta, dc.loss_type, dc.label_smoothing
+    )
+    return {"eval_loss": float(loss), "eval_pairs": n} | {
+        f"eval_{k}": float(v) for k, v in stats.items()
+    }
+
+
+def train_dpo(cfg, runtime) -> dict:
+    """Train the policy with DPO/cDPO/IPO as configured; returns the summary.json content."""
+    ckpt, dc = find_resume(cfg, runtime), cfg.dpo
+    tokenizer = tokenizer_for(cfg, "policy")
+    train, evals = load_dpo_pairs(cfg, runtime, tokenizer)
+    trained, plan, batches = build_policy(cfg, runtime, dc, len(train), ckpt)
+    model, pad = trained[0], tokenizer.pad_token_id
+    reference = build_reference(cfg, runtime, model)
+    out, logger = open_run(cfg, runtime, "dpo", ckpt, len(batches))
+    table = eval_table = None
+    if dc.reference_logprobs == "precompute":
+        seqs = pair_sequences(train) + pair_sequences(evals)
+        full = reference_table(cfg, runtime, reference, seqs, 2 * dc.micro_batch_size, pad, out)
+        n = len(train)
+        table = torch.stack([full[:n], full[n : 2 * n]], dim=1)  # (N, 2): chosen, rejected
+        eval_table = full[2 * n :]
+        if not cfg.lora.enabled:
+            reference = None  # every reference log-prob is in the table: free the copy
+
+    def step(idx) -> dict:
+        rows = None if table is None else table[idx]
+        metrics, values = dpo_step(
+            runtime, model, reference, [train[i] for i in idx], rows, plan, dc, pad
+        )
+        norms = step_and_schedule(runtime, trained, [dc.optim.max_grad_norm])
+        return metrics | {"dpo/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}
+
+    last = step_loop(cfg, runtime, out, logger, ckpt, trained, batches, step, "dpo", CONSOLE)
+    summary = {
+        "steps": len(batches),
+        "train_pairs": len(train),
+        "train_loss": last.get("dpo/loss"),
+        "train_accuracy": last.get("rewards/accuracy"),
+        "train_margins": last.get("rewards/margins"),
+    }
+    if evals:
+        numbers = evaluate_dpo(runtime, model, reference, evals, eval_table, dc, pad)
+        logger.log(len(batches), {f"dpo/{k}": v for k, v in numbers.items()}, ())
+        summary |= numbers
+    export_policy(cfg, runtime, model, tokenizer, out)
+    write_summary(runtime, out, summary)
+    logger.close()
+    return summary

@@ -1,0 +1,162 @@
+"""Kahneman-Tversky optimisation (Ethayarajh et al. 2024) on unpaired labelled completions.
+
+Each example is a prompt, a completion and a label (desirable or not); preference pairs give
+desirable chosen and undesirable rejected completions. The loss compares each completion's
+log-ratio r = log pi - log pi_ref with the reference point z0, an estimate of KL(pi || pi_ref)
+from MISMATCHED pairs: each example's prompt with another example's completion
+(`KTOExample.kl_completion`). z0 is the mean over the WHOLE global batch (all ranks, all
+micro-batches), from a no-grad pass before the step's backward passes, detached and clamped
+at 0, so the step's gradient does not depend on how the batch is split; each micro-batch's
+loss is its example-loss SUM over the global example count (architecture.md section 4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_dist.algo.preference import kto_reference_point, kto_terms
+from rlhf_dist.batching import BatchPlan
+from rlhf_dist.config import ConfigError
+from rlhf_dist.data import SFTExample, kto_examples, load_rows
+from rlhf_dist.models import tokenizer_for
+from rlhf_dist.stats import StatSums
+from rlhf_dist.tracking import open_run, write_summary
+from rlhf_dist.trainers.common import (
+    DISTRIBUTIONS,
+    find_resume,
+    share_of_global_mean,
+    step_and_schedule,
+    step_loop,
+)
+from rlhf_dist.trainers.preference import (
+    build_policy,
+    build_reference,
+    export_policy,
+    reference_logprobs,
+    reference_table,
+    response_batch,
+    response_logprobs,
+)
+
+CONSOLE = ("kto/loss", "kto/kl", "rewards/margins")
+
+
+def completion_sequences(examples) -> list[SFTExample]:
+    return [SFTExample(ex.prompt + ex.completion, len(ex.prompt)) for ex in examples]
+
+
+def mismatched_sequences(examples) -> list[SFTExample]:
+    """Each example's prompt with another example's completion (KTO's KL estimate)."""
+    return [SFTExample(ex.prompt + ex.kl_completion, len(ex.prompt)) for ex in examples]
+
+
+@torch.no_grad()
+def global_reference_point(runtime, model, reference, share, kl_ref, plan: BatchPlan, pad_id):
+    """z0 of one global batch: mean log-ratio of its mismatched pairs over all ranks.
+
+    share: this rank's examples; kl_ref: their mismatched pairs' reference log-probs (m,)
+    from the table, or None to run the reference. Returns a 0-dim tensor.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    for s in plan.micro_slices():
+        batch = response_batch(mismatched_sequences(share[s]), pad_id, runtime.device)
+        policy = response_logprobs(model, batch)
+        ref = reference_logprobs(runtime, reference, batch) if kl_ref is None else kl_ref[s]
+        total += (policy.double() - ref.to(runtime.device).double()).sum()
+    return kto_reference_point(runtime.all_sum(total), plan.global_size).float()
+
+
+def add_kto_stats(stats: StatSums, terms: dict, desirable: torch.Tensor, right) -> None:
+    """Sums of the logged KTO statistics over one micro-batch (docs/metrics.md)."""
+    rewards, n = terms["rewards"], desirable.numel()
+    stats.add("kto/loss", terms["loss"].detach().sum(), n)
+    stats.add("rewards/desirable", rewards[desirable].sum(), desirable.sum())
+    stats.add("rewards/undesirable", rewards[~desirable].sum(), (~desirable).sum())
+    stats.add("rewards/accuracy", right.float().sum(), n)
+
+
+def kto_step(runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc, pad_id: int):
+    """z0, then backward over this rank's micro-batches of one global batch.
+
+    ref_rows: (len(examples), 2) reference log-probs [completion, mismatched] from the table,
+    or None (online). Returns the reduced statistics and this rank's rewards (histograms).
+    """
+    mine = plan.rank_slice(runtime.rank)
+    share, rows = examples[mine], None if ref_rows is None else ref_rows[mine]
+    kl_ref = None if rows is None else rows[:, 1]
+    z0 = global_reference_point(runtime, model, reference, share, kl_ref, plan, pad_id)
+    stats, rewards, slices = StatSums(), [], plan.micro_slices()
+    for i, s in enumerate(slices):
+        batch = response_batch(completion_sequences(share[s]), pad_id, runtime.device)
+        logps = response_logprobs(model, batch)  # (m,) log pi of each labelled completion
+        if rows is None:
+            ref = reference_logprobs(runtime, reference, batch)
+        else:
+            ref = rows[s, 0].to(runtime.device)
+        desirable = torch.tensor([ex.desirable for ex in share[s]], device=runtime.device)
+        w = (kc.desirable_weight, kc.undesirable_weight)
+        terms = kto_terms(logps, ref, desirable, z0, kc.beta, *w)
+        loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
+        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
+        # On the right side of the reference point: the value v(x, y) is above half its weight.
+        right = torch.where(desirable, logps > ref + z0, logps < ref + z0).detach()
+        add_kto_stats(stats, terms, desirable, right)
+        rewards.append(terms["rewards"].cpu())
+    metrics = stats.reduce(runtime)
+    metrics["rewards/margins"] = metrics["rewards/desirable"] - metrics["rewards/undesirable"]
+    return metrics | {"kto/kl": float(z0)}, {"reward": torch.cat(rewards)}
+
+
+def load_kto_examples(cfg, runtime, tokenizer) -> list:
+    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
+    train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto)
+    desirable = sum(ex.desirable for ex in train)
+    runtime.print(
+        f"{report.summary('kto examples')} ({desirable} desirable, {len(train) - desirable} undesirable)"
+    )
+    if len(train) < cfg.kto.batch_size:
+        raise ConfigError(
+            f"kto.batch_size: {cfg.kto.batch_size} is more than the {len(train)} usable examples ({report.summary('kto examples')})"
+        )
+    return train
+
+
+def train_kto(cfg, runtime) -> dict:
+    """Train the policy with KTO as configured; returns the summary.json content."""
+    ckpt, kc = find_resume(cfg, runtime), cfg.kto
+    tokenizer = tokenizer_for(cfg, "policy")
+    train = load_kto_examples(cfg, runtime, tokenizer)
+    trained, plan, batches = build_policy(cfg, runtime, kc, len(train), ckpt)
+    model, pad = trained[0], tokenizer.pad_token_id
+    reference = build_reference(cfg, runtime, model)
+    out, logger = open_run(cfg, runtime, "kto", ckpt, len(batches))
+    table = None
+    if kc.reference_logprobs == "precompute":
+        seqs = completion_sequences(train) + mismatched_sequences(train)
+        full = reference_table(cfg, runtime, reference, seqs, 2 * kc.micro_batch_size, pad, out)
+        table = full.view(2, len(train)).T  # (N, 2): completion, mismatched
+        if not cfg.lora.enabled:
+            reference = None  # every reference log-prob is in the table: free the copy
+
+    def step(idx) -> dict:
+        rows = None if table is None else table[idx]
+        metrics, values = kto_step(
+            runtime, model, reference, [train[i] for i in idx], rows, plan, kc, pad
+        )
+        norms = step_and_schedule(runtime, trained, [kc.optim.max_grad_norm])
+        return metrics | {"kto/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}
+
+    last = step_loop(cfg, runtime, out, logger, ckpt, trained, batches, step, "kto", CONSOLE)
+    desirable = sum(ex.desirable for ex in train)
+    summary = {
+        "steps": len(batches),
+        "train_desirable": desirable,
+        "train_undesirable": len(train) - desirable,
+        "train_loss": last.get("kto/loss"),
+        "train_kl": last.get("kto/kl"),
+        "train_margins": last.get("rewards/margins"),
+    }
+    export_policy(cfg, runtime, model, tokenizer, out)
+    write_summary(runtime, out, summary)
+    logger.close()
+    return summary

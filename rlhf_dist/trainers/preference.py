@@ -1,0 +1,152 @@
+"""What the offline preference trainers (DPO, KTO) share: the policy and its frozen
+reference, sequence log-probabilities of responses, the reference log-prob table computed
+once before training, and the export of the trained policy.
+
+The reference is the starting policy. Full fine-tuning loads a second, frozen copy of
+model.policy (replicated or ZeRO-3-partitioned like PPO's reference). With LoRA it is the
+trained model's own base with its adapters disabled (`AdapterOffReference`): no second copy,
+and exact because the base is frozen and fresh adapters start at zero (docs/architecture.md
+section 6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from rlhf_dist.algo.logprobs import logprobs_from_logits
+from rlhf_dist.algo.preference import sequence_logprobs
+from rlhf_dist.data import SFTExample, collate_sft
+from rlhf_dist.files import atomic_write_text
+from rlhf_dist.lora import AdapterOffReference, add_adapters, export_lora
+from rlhf_dist.models import frozen_dtype, load_causal_lm, position_ids_from, trained_load_dtype
+from rlhf_dist.scoring import lockstep_chunks
+from rlhf_dist.trainers.common import prepare_single_model, save_pretrained
+
+REFERENCE_FILE = "reference_logprobs.json"
+
+
+def response_batch(seqs: list[SFTExample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+response sequences: input_ids, attention_mask (B, L) and
+    response_mask (B, L-1), True where token t+1 is a response token (collate_sft's mask of
+    the shifted positions, the one polarity: True on real response tokens)."""
+    batch = collate_sft(seqs, pad_id)
+    return {
+        "input_ids": batch["input_ids"].to(device),
+        "attention_mask": batch["attention_mask"].to(device),
+        "response_mask": batch["loss_mask"].to(device),
+    }
+
+
+def response_logprobs(model, batch: dict) -> torch.Tensor:
+    """log pi(response | prompt) of each sequence of a `response_batch` under a causal LM;
+    (B,) float32 (gradients flow when called with grad enabled)."""
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=position_ids_from(batch["attention_mask"]),
+        use_cache=False,
+    ).logits[:, :-1]
+    # Temperature 1: no sampling is involved, the labelled responses are scored as given.
+    logprobs = logprobs_from_logits(logits, batch["input_ids"][:, 1:])
+    return sequence_logprobs(logprobs, batch["response_mask"])
+
+
+@torch.no_grad()
+def reference_logprobs(runtime, reference, batch: dict) -> torch.Tensor:
+    """`response_logprobs` under the frozen reference, in the training forward's precision."""
+    with runtime.autocast():
+        return response_logprobs(reference, batch).float()
+
+
+def build_policy(cfg, runtime, section, n_examples: int, ckpt):
+    """The trained policy (LoRA adapters on it with lora.enabled), prepared with its optimizer
+    and schedule as SFT/RM models are; returns (trained, plan, batches) of prepare_single_model."""
+    m, lora = cfg.model, cfg.lora
+    dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=lora.enabled)
+    net = load_causal_lm(m.policy, "model.policy", dtype, m)
+    if lora.enabled:
+        net = add_adapters(net, lora, "CAUSAL_LM")
+    return prepare_single_model(cfg, runtime, net, section, n_examples, ckpt)
+
+
+def build_reference(cfg, runtime, model):
+    """The frozen reference policy: the adapters-off base under LoRA, else a frozen copy."""
+    if cfg.lora.enabled:
+        return AdapterOffReference(lambda: runtime.unwrap(model))
+    m = cfg.model
+    with runtime.local_loading():  # ZeRO-3 engines may exist by now
+        reference = load_causal_lm(m.policy, "model.policy", frozen_dtype(m), m)
+    placement = cfg.distributed.frozen_models
+    return runtime.prepare_frozen(reference, placement, frozen_dtype(m), "reference")
+
+
+def _fingerprint(cfg, seqs: list[SFTExample]) -> str:
+    """What a saved table was computed from: the reference model's path and every sequence."""
+    h = hashlib.sha256(f"{cfg.model.policy}|{cfg.lora.enabled}".encode())
+    for s in seqs:
+        h.update(json.dumps([s.prompt_len, s.ids]).encode())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def all_response_logprobs(runtime, reference, seqs: list[SFTExample], size: int, pad_id: int):
+    """Reference log-probs of every sequence, (N,) on every rank: each rank scores every
+    world_size-th one, in lock-step passes (a partitioned reference gathers per forward)."""
+    mine = list(range(runtime.rank, len(seqs), runtime.world_size))
+    records = []
+    for s in lockstep_chunks(runtime, len(mine), size):
+        chunk = [seqs[i] for i in mine[s]] if s else [SFTExample([pad_id, pad_id], 1)]
+        lp = reference_logprobs(runtime, reference, response_batch(chunk, pad_id, runtime.device))
+        if s:
+            records += zip(mine[s], lp.cpu().tolist())
+    gathered = sorted(runtime.gather_objects(records))  # (index, value): back in order
+    return torch.tensor([v for _, v in gathered], dtype=torch.float32)
+
+
+def reference_table(cfg, runtime, reference, seqs, size: int, pad_id: int, out: Path):
+    """log pi_ref of every sequence, (N,) float32, computed once before training.
+
+    Kept in <output_dir>/reference_logprobs.json. A resumed run (run.resume set) reads it
+    back instead of scoring again when it was computed from the same model path and the same
+    sequences; a fresh run always scores (the model at that path may have been retrained).
+    JSON floats round-trip float32 values exactly.
+    """
+    path, fingerprint = out / REFERENCE_FILE, _fingerprint(cfg, seqs)
+    if cfg.run.resume and path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("fingerprint") == fingerprint:
+            runtime.print(f"reference log-probs: read {len(seqs)} from {path}")
+            return torch.tensor(saved["logprobs"], dtype=torch.float32)
+    table = all_response_logprobs(runtime, reference, seqs, size, pad_id)
+    if runtime.is_main:
+        saved = {"fingerprint": fingerprint, "logprobs": table.tolist()}
+        atomic_write_text(path, json.dumps(saved) + "\n")
+    runtime.barrier()
+    runtime.print(f"reference log-probs: {len(seqs)} sequences scored once, kept in {path}")
+    return table
+
+
+def export_policy(cfg, runtime, model, tokenizer, out: Path) -> None:
+    """final/ = the trained policy (merged with lora.export merged/both), final_adapter/ =
+    the LoRA adapter (adapter/both). Every rank must call this."""
+    m, lora = cfg.model, cfg.lora
+    if not lora.enabled:
+        save_pretrained(runtime, model, tokenizer, out / "final", dtype=m.dtype)
+        return
+    state = runtime.full_state_dict(model)
+    if runtime.is_main:
+        merged = out / "final" if lora.export in ("merged", "both") else None
+        adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
+
+        def base():
+            return load_causal_lm(m.policy, "model.policy", m.dtype, m)
+
+        with runtime.local_loading():
+            export_lora(state, "", base, lora, "CAUSAL_LM", None, merged, adapter)
+        for directory in filter(None, (merged, adapter)):
+            tokenizer.save_pretrained(directory)
+    runtime.barrier()

@@ -1,0 +1,242 @@
+"""Tests for rlhf_dist.algo.preference (sequence_logprobs, DPO / cDPO / IPO, KTO)."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf_dist.algo.preference import (
+    dpo_loss,
+    dpo_terms,
+    kto_loss,
+    kto_reference_point,
+    kto_terms,
+    sequence_logprobs,
+)
+
+SEEDS = [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 references: plain Python loops over tokens and pairs, sharing no code with the module.
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_sequence_logprobs(logprobs, mask):
+    lp, m = logprobs.tolist(), mask.tolist()
+    return [sum(lp[b][t] for t in range(len(lp[b])) if m[b][t]) for b in range(len(lp))]
+
+
+def _log_sigmoid(z):
+    # log(1 / (1 + e^-z)), written both ways so neither overflows.
+    return -math.log1p(math.exp(-z)) if z >= 0 else z - math.log1p(math.exp(z))
+
+
+def ref_dpo(pc, pr, rc, rr, beta, loss_type, eps):
+    """Mean loss, mean chosen/rejected rewards, mean margin, accuracy."""
+    n = len(pc)
+    loss = chosen = rejected = correct = 0.0
+    for i in range(n):
+        cr, rj = pc[i] - rc[i], pr[i] - rr[i]
+        h = cr - rj
+        if loss_type == "sigmoid":
+            loss += -(1 - eps) * _log_sigmoid(beta * h) - eps * _log_sigmoid(-beta * h)
+        else:
+            loss += (h - 1 / (2 * beta)) ** 2
+        chosen += beta * cr
+        rejected += beta * rj
+        correct += 1 if beta * cr > beta * rj else 0
+    return loss / n, chosen / n, rejected / n, (chosen - rejected) / n, correct / n
+
+
+def ref_kto(lp, ref, desirable, kl_lp, kl_ref, beta, wd, wu):
+    z0 = max(0.0, sum(a - b for a, b in zip(kl_lp, kl_ref)) / len(kl_lp))
+    loss = 0.0
+    for i in range(len(lp)):
+        r = lp[i] - ref[i]
+        if desirable[i]:
+            loss += wd - wd / (1 + math.exp(-beta * (r - z0)))
+        else:
+            loss += wu - wu / (1 + math.exp(-beta * (z0 - r)))
+    return loss / len(lp), z0
+
+
+def _seq_inputs(seed, n=6, scale=8.0):
+    g = torch.Generator().manual_seed(seed)
+    return [-scale * torch.rand(n, generator=g, dtype=torch.float64) - 1.0 for _ in range(4)]
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence_logprobs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sequence_logprobs_matches_loop_and_ignores_padding(seed, ragged_mask, pad_columns):
+    mask = ragged_mask(6, 9, seed)
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(6, 9, generator=g, dtype=torch.float64) * 5
+    got = sequence_logprobs(lp, mask)
+    assert got.shape == (6,)
+    assert torch.allclose(got, torch.tensor(ref_sequence_logprobs(lp, mask), dtype=torch.float64))
+    # Garbage (even NaN) in padded columns changes nothing.
+    (lp_pad,), mask_pad = pad_columns([lp], mask, 3, seed)
+    lp_pad[:, -1] = float("nan")
+    assert torch.equal(sequence_logprobs(lp_pad, mask_pad), got)
+    assert got[mask.sum(1) == 0].eq(0).all(), "an empty response has log-prob 0"
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "loss_type,eps,beta", [("sigmoid", 0.0, 0.1), ("sigmoid", 0.2, 0.5), ("ipo", 0.0, 0.3)]
+)
+def test_dpo_matches_float64_reference(seed, loss_type, eps, beta):
+    pc, pr, rc, rr = _seq_inputs(seed)
+    loss, stats = dpo_loss(pc, pr, rc, rr, beta, loss_type, eps)
+    want = ref_dpo(pc.tolist(), pr.tolist(), rc.tolist(), rr.tolist(), beta, loss_type, eps)
+    got = [
+        loss,
+        stats["chosen_rewards"],
+        stats["rejected_rewards"],
+        stats["margins"],
+        stats["accuracy"],
+    ]
+    for g, w in zip(got, want):
+        assert g.dim() == 0
+        assert abs(float(g) - w) < 1e-9, (float(g), w)
+    terms = dpo_terms(pc, pr, rc, rr, beta, loss_type, eps)
+    assert terms["loss"].shape == (6,)
+    assert torch.allclose(terms["loss"].mean(), loss)
+
+
+def test_dpo_from_token_logprobs_on_ragged_masks(ragged_mask):
+    """The chain a trainer runs: token log-probs -> masked sums -> DPO, against one loop."""
+    g = torch.Generator().manual_seed(5)
+    tokens = [-3 * torch.rand(5, 7, generator=g, dtype=torch.float64) for _ in range(4)]
+    masks = [ragged_mask(5, 7, s) for s in range(2)]
+    sums = [sequence_logprobs(t, masks[i % 2]) for i, t in enumerate(tokens)]
+    loss, _ = dpo_loss(*sums, beta=0.2)
+    ref = [ref_sequence_logprobs(t, masks[i % 2]) for i, t in enumerate(tokens)]
+    assert abs(float(loss) - ref_dpo(*ref, 0.2, "sigmoid", 0.0)[0]) < 1e-9
+
+
+def test_dpo_at_the_reference_is_log2_and_its_gradient_favours_chosen():
+    pc = torch.tensor([-5.0, -9.0, -2.0], dtype=torch.float64, requires_grad=True)
+    pr = torch.tensor([-4.0, -3.0, -8.0], dtype=torch.float64, requires_grad=True)
+    loss, stats = dpo_loss(pc, pr, pc.detach(), pr.detach(), beta=0.1)
+    assert abs(float(loss.detach()) - math.log(2)) < 1e-12
+    assert float(stats["accuracy"]) == 0.0, "ties count as wrong"
+    loss.backward()
+    # d loss / d log pi(chosen) = -beta * sigmoid(0) / B: raising the chosen lowers the loss,
+    # raising the rejected raises it, equally.
+    assert torch.allclose(pc.grad, torch.full((3,), -0.1 * 0.5 / 3, dtype=torch.float64))
+    assert torch.allclose(pr.grad, -pc.grad)
+    assert pc.grad.ne(0).all()
+
+
+def test_label_smoothing_is_the_loss_of_the_flipped_label_mixed_in():
+    pc, pr, rc, rr = _seq_inputs(7)
+    eps = 0.3
+    plain = dpo_terms(pc, pr, rc, rr, 0.5)["loss"]
+    flipped = dpo_terms(pr, pc, rr, rc, 0.5)["loss"]  # chosen and rejected swapped
+    smoothed = dpo_terms(pc, pr, rc, rr, 0.5, label_smoothing=eps)["loss"]
+    assert torch.allclose(smoothed, (1 - eps) * plain + eps * flipped)
+    # At eps = 0.5 the labels carry no information: swapping them changes nothing.
+    half = dpo_terms(pc, pr, rc, rr, 0.5, label_smoothing=0.5)["loss"]
+    assert torch.allclose(half, dpo_terms(pr, pc, rr, rc, 0.5, label_smoothing=0.5)["loss"])
+
+
+def test_ipo_is_minimal_where_the_margin_is_one_over_two_beta():
+    beta = 0.25
+    rc, rr = torch.tensor([-3.0]), torch.tensor([-6.0])
+    margins = torch.linspace(-4, 8, 241)
+    losses = torch.stack([dpo_terms(rc + m, rr, rc, rr, beta, "ipo")["loss"][0] for m in margins])
+    best = margins[losses.argmin()]
+    assert abs(float(best) - 1 / (2 * beta)) < 0.051
+    assert float(losses.min()) < 1e-4
+    # Unlike the sigmoid loss, pushing the margin further is penalised.
+    assert float(losses[-1]) > float(losses.min())
+
+
+def test_dpo_depends_only_on_log_ratios():
+    pc, pr, rc, rr = _seq_inputs(3)
+    shift = torch.tensor([1.5, -2.0, 0.5, 3.0, -1.0, 0.25], dtype=torch.float64)
+    a, _ = dpo_loss(pc, pr, rc, rr, 0.3)
+    b, _ = dpo_loss(pc + shift, pr, rc + shift, rr, 0.3)
+    assert abs(float(a) - float(b)) < 1e-12
+
+
+def test_dpo_rejects_an_unknown_loss_type_and_leaves_inputs_alone():
+    pc, pr, rc, rr = _seq_inputs(1)
+    before = [t.clone() for t in (pc, pr, rc, rr)]
+    dpo_loss(pc, pr, rc, rr, 0.1, "sigmoid", 0.1)
+    assert all(torch.equal(x, y) for x, y in zip((pc, pr, rc, rr), before))
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_terms(pc, pr, rc, rr, 0.1, "hinge")
+
+
+# ---------------------------------------------------------------------------------------------
+# KTO
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 1.33), (0.5, 2.0)])
+def test_kto_matches_float64_reference(seed, weights):
+    g = torch.Generator().manual_seed(seed)
+    lp, ref, kl_lp, kl_ref = (
+        -10 * torch.rand(8, generator=g, dtype=torch.float64) for _ in range(4)
+    )
+    desirable = torch.rand(8, generator=g) > 0.4
+    loss, stats = kto_loss(lp, ref, desirable, kl_lp, kl_ref, 0.2, *weights)
+    want, z0 = ref_kto(
+        lp.tolist(),
+        ref.tolist(),
+        desirable.tolist(),
+        kl_lp.tolist(),
+        kl_ref.tolist(),
+        0.2,
+        *weights,
+    )
+    assert abs(float(loss) - want) < 1e-9
+    assert abs(float(stats["kl"]) - z0) < 1e-12
+    r = 0.2 * (lp - ref)
+    assert torch.allclose(stats["desirable_rewards"], r[desirable].mean())
+    assert torch.allclose(stats["undesirable_rewards"], r[~desirable].mean())
+
+
+def test_kto_reference_point_is_clamped_and_detached():
+    logratio = torch.tensor([-3.0, 1.0], requires_grad=True)
+    z0 = kto_reference_point(logratio.sum(), 2)
+    assert float(z0) == 0.0 and not z0.requires_grad
+    z0 = kto_reference_point((logratio + 4).sum(), 2)
+    assert float(z0) == 3.0 and not z0.requires_grad
+
+
+def test_kto_loss_bounds_gradient_direction_and_no_gradient_through_z0():
+    lp = torch.tensor([-4.0, -6.0, -5.0, -7.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-5.0, -5.0, -5.0, -5.0], dtype=torch.float64)
+    desirable = torch.tensor([True, True, False, False])
+    kl_lp = torch.tensor([-2.0, -3.0], dtype=torch.float64, requires_grad=True)
+    kl_ref = torch.tensor([-3.0, -3.5], dtype=torch.float64)
+    loss, stats = kto_loss(lp, ref, desirable, kl_lp, kl_ref, 0.5, 2.0, 3.0)
+    terms = kto_terms(lp, ref, desirable, stats["kl"], 0.5, 2.0, 3.0)["loss"]
+    assert (terms >= 0).all() and (terms[:2] <= 2.0).all() and (terms[2:] <= 3.0).all()
+    loss.backward()
+    # Raising a desirable completion's log-prob lowers the loss; an undesirable one's raises it.
+    assert (lp.grad[:2] < 0).all() and (lp.grad[2:] > 0).all()
+    assert kl_lp.grad is None, "z0 must be detached (no gradient into the mismatched pairs)"
+
+
+def test_kto_weights_scale_each_class():
+    lp, ref = torch.tensor([-4.0, -6.0]), torch.tensor([-5.0, -5.0])
+    desirable = torch.tensor([True, False])
+    z0 = torch.tensor(0.3)
+    base = kto_terms(lp, ref, desirable, z0, 0.1)["loss"]
+    scaled = kto_terms(lp, ref, desirable, z0, 0.1, 2.0, 0.5)["loss"]
+    assert torch.allclose(scaled, base * torch.tensor([2.0, 0.5]))

@@ -1,0 +1,115 @@
+"""Unit tests of the offline-preference inputs: KTO examples (unpaired rows, or derived from
+preference pairs and ranked lists) with their mismatched completions, and the dpo / kto
+config checks. The tokenizer is the demo's word-level one (one token per word)."""
+
+import pytest
+
+from rlhf_dist.config import ConfigError, DataConfig, KTOConfig, load_config, validate
+from rlhf_dist.data import kto_examples, preference_pairs
+from rlhf_dist.demo.task import build_tokenizer
+
+DATA = DataConfig(max_prompt_length=8, max_length=16)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def words(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def test_preference_pairs_record_the_prompt_length(tok):
+    rows = [{"prompt": "review of the food :", "chosen": "great", "rejected": "awful"}]
+    pair = preference_pairs(rows, tok, DATA)[0][0]
+    assert pair.prompt_len == 5
+    assert words(tok, pair.chosen[pair.prompt_len :]) == "great"
+
+
+def test_kto_unpaired_rows_are_read_with_their_labels_and_bad_ones_counted(tok):
+    rows = [
+        {"prompt": "review of the food :", "completion": "great", "label": True},
+        {"prompt": "review of the movie :", "completion": "awful", "label": False},
+        {"prompt": "review of the movie :", "completion": "awful", "label": "yes"},  # not bool
+        {"prompt": "review of the movie :", "completion": "", "label": True},  # empty
+    ]
+    examples, report = kto_examples(rows, tok, DATA, KTOConfig())
+    assert [(words(tok, e.completion), e.desirable) for e in examples] == [
+        ("great", True),
+        ("awful", False),
+    ]
+    assert examples[0].completion[-1] == tok.eos_token_id
+    assert report.kept == 2 and sum(report.skipped.values()) == 2
+    assert report.skipped["'label' not true/false"] == 1
+
+
+def test_kto_from_pairs_and_ranked_lists(tok):
+    rows = [
+        {"prompt": "review of the food :", "chosen": "great", "rejected": "awful"},
+        # Ranked best first: the top one is desirable, the bottom one undesirable, the middle
+        # one was preferred AND dispreferred, so it is neither.
+        {"prompt": "review of the movie :", "responses": ["great", "lovely", "awful"]},
+    ]
+    examples, _ = kto_examples(rows, tok, DATA, KTOConfig())
+    got = [(words(tok, e.prompt), words(tok, e.completion), e.desirable) for e in examples]
+    assert got == [
+        ("review of the food :", "great", True),
+        ("review of the food :", "awful", False),
+        ("review of the movie :", "great", True),
+        ("review of the movie :", "awful", False),
+    ]
+
+
+def test_kto_mismatched_completion_comes_from_another_prompt(tok):
+    rows = [
+        {"prompt": f"review of the {noun} :", "chosen": "great", "rejected": f"awful {noun}"}
+        for noun in ("food", "movie", "hotel")
+    ]
+    examples, _ = kto_examples(rows, tok, DATA, KTOConfig())
+    assert len(examples) == 6
+    for i, ex in enumerate(examples):
+        owner = next(o for o in examples if o.completion is ex.kl_completion)
+        assert owner.prompt != ex.prompt, i
+    # The chosen of a row skips its own row's rejected (same prompt) for the next row's chosen.
+    assert examples[0].kl_completion == examples[2].completion
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["dpo.label_smoothing=0.5"], "dpo.label_smoothing"),
+        (["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing"),
+        (["dpo.beta=0"], "dpo.beta"),
+        (["dpo.loss_type=hinge"], "dpo.loss_type"),
+        (["dpo.reference_logprobs=never"], "dpo.reference_logprobs"),
+        (["kto.desirable_weight=-1"], "kto.desirable_weight"),
+        (["kto.beta=-0.1"], "kto.beta"),
+    ],
+)
+def test_bad_dpo_and_kto_settings_name_the_key(overrides, needle):
+    stage = needle.split(".")[0]
+    with pytest.raises(ConfigError) as info:
+        validate(
+            load_config(overrides=["model.policy=/p", "data.train=/d.jsonl", *overrides]), stage
+        )
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_dpo_and_kto_need_a_policy_and_accept_their_defaults():
+    for stage in ("dpo", "kto"):
+        validate(load_config(overrides=["model.policy=/p", "data.train=/d.jsonl"]), stage)
+        with pytest.raises(ConfigError, match="model.policy"):
+            validate(load_config(overrides=["data.train=/d.jsonl"]), stage)
+    cfg = load_config(overrides=["model.policy=/p", "data.train=/d.jsonl", "dpo.batch_size=24"])
+    with pytest.raises(ConfigError, match="dpo.batch_size"):
+        validate(cfg, "dpo", world_size=1)  # 24 is not a multiple of micro 32 x 1
+
+
+def test_the_example_dpo_config_validates_on_eight_ranks():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "launch" / "configs" / "dpo_zero3.yaml"
+    cfg = load_config(path)
+    validate(cfg, "dpo", world_size=8)  # 64 pairs = 2 per rank x 8 ranks x 4 accumulations
+    assert cfg.dpo.reference_logprobs == "precompute" and cfg.model.dtype == "bfloat16"
