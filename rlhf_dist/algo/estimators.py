@@ -52,8 +52,11 @@ def sequence_returns(rewards: torch.Tensor, response_mask: torch.Tensor) -> torc
     return _zero_outside(rewards, response_mask).sum(dim=1)
 
 
-def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) -> (B/n, n): row g holds the n samples of prompt g."""
+def group_view(x: torch.Tensor, group_size: int, min_size: int = 1) -> torch.Tensor:
+    """(B,) -> (B/n, n): row g holds the n samples of prompt g. min_size: the smallest n
+    the caller's statistic is defined for (a baseline from the OTHER samples needs 2)."""
+    if group_size < min_size:
+        raise ValueError(f"groups of {group_size}: this estimator needs at least {min_size}")
     if group_size < 1 or x.shape[0] % group_size:
         raise ValueError(f"{x.shape[0]} rows do not split into groups of {group_size}")
     return x.reshape(-1, group_size)
@@ -75,7 +78,7 @@ def grpo_estimator(x: AdvantageInputs, eps: float = 1e-6):
     R_i the sequence's total shaped reward and std the unbiased (n-1) group std.
     std_normalize=False is Dr. GRPO's (Liu et al. 2025) A_i = R_i - mean_group R.
     """
-    R = group_view(sequence_returns(x.rewards, x.response_mask), x.group_size)
+    R = group_view(sequence_returns(x.rewards, x.response_mask), x.group_size, min_size=2)
     A = R - R.mean(dim=1, keepdim=True)
     if x.std_normalize:
         A = A / (R.std(dim=1, keepdim=True) + eps)
@@ -86,7 +89,7 @@ def rloo_estimator(x: AdvantageInputs):
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each sample's baseline is the mean
     return of the OTHER n-1 samples of its prompt, A_i = R_i - (sum_j R_j - R_i)/(n-1)."""
     n = x.group_size
-    R = group_view(sequence_returns(x.rewards, x.response_mask), n)
+    R = group_view(sequence_returns(x.rewards, x.response_mask), n, min_size=2)
     A = R - (R.sum(dim=1, keepdim=True) - R) / (n - 1)
     return _broadcast(A.reshape(-1), x.response_mask), None
 

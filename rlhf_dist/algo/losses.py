@@ -146,7 +146,9 @@ def pairwise_reward_loss(
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 
 
-def aggregation_weights(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregation_weights(
+    response_mask: torch.Tensor, mode: str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Per-token weights w (B, T) with loss = sum_bt w * l / D the `mode` aggregate, where
     D counts response tokens (token_mean) or sequences (seq_mean_*) of the WHOLE batch.
 
@@ -155,9 +157,11 @@ def aggregation_weights(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
     "no length normalisation", Liu et al. 2025, up to their constant);
     seq_mean_token_mean: each sequence's token MEAN, averaged (the original GRPO loss).
     Because D is a count over the whole batch and w depends on one row only, sums over any
-    split of the rows add up to the same loss. 0 outside the mask.
+    split of the rows add up to the same loss. 0 outside the mask; in `dtype` (the loss's:
+    a 1/len weight computed in float32 would cost a float64 loss its precision). A row
+    with no response token counts as a sequence (rollouts always sample one token).
     """
-    m = response_mask.to(torch.float32)
+    m = response_mask.to(dtype)
     if mode in ("token_mean", "seq_mean_token_sum"):
         return m
     if mode == "seq_mean_token_mean":
@@ -168,6 +172,8 @@ def aggregation_weights(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
 def aggregation_count(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
     """This batch's share of the denominator D of `aggregation_weights`: its number of
     response tokens (token_mean) or of sequences; 0-dim float."""
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
     if mode == "token_mean":
         return response_mask.sum().float()
     return torch.tensor(float(response_mask.shape[0]), device=response_mask.device)
@@ -175,5 +181,5 @@ def aggregation_count(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
 
 def aggregate_loss(per_token: torch.Tensor, response_mask: torch.Tensor, mode: str) -> torch.Tensor:
     """The `mode` aggregate of per-token losses (B, T) over one whole batch; 0-dim."""
-    w = aggregation_weights(response_mask, mode).to(per_token.dtype)
+    w = aggregation_weights(response_mask, mode, per_token.dtype)
     return masked_sum(w * per_token, response_mask) / aggregation_count(response_mask, mode)

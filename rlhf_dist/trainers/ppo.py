@@ -127,7 +127,7 @@ def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) 
     stats.add("policy/approx_kl", masked_sum(pg["approx_kl"], mask), n)
     stats.add("policy/ratio_mean", masked_sum(pg["ratio"], mask), n)
     stats.add_max("policy/ratio_max", torch.where(mask, pg["ratio"], 0.0).max())
-    weights = aggregation_weights(mask, knobs.loss_aggregation).to(per_token.dtype)
+    weights = aggregation_weights(mask, knobs.loss_aggregation, per_token.dtype)
     return masked_sum(weights * per_token, mask)
 
 
