@@ -212,7 +212,7 @@ def test_preference_pairs_skip_and_count(tok):
     pairs, report = preference_pairs(rows, tok, cfg)
     assert report.kept == len(pairs) == 1
     assert pairs[0] == PreferencePair(
-        pair_ids(tok, PROMPT, "great"), pair_ids(tok, PROMPT, "awful"), "food"
+        pair_ids(tok, PROMPT, "great"), pair_ids(tok, PROMPT, "awful"), "food", prompt_len=5
     )
     assert count(report, "missing", "prompt") == 1
     assert count(report, "missing", "chosen") == 1
