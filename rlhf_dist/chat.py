@@ -126,7 +126,10 @@ class Chat:
         <|eot_id|>, ChatML's <|im_end|>): the last token of a rendered assistant turn, if
         that token is a special added token. None if the template closes turns with text."""
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        ids, trained = self.conversation(probe)
+        try:
+            ids, trained = self.conversation(probe)
+        except BadRow:  # a template with its own rules about turns: no token found
+            return None
         turn = [t for t, keep in zip(ids, trained) if keep]
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special} - {
             self.tokenizer.unk_token_id
