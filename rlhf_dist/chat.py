@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from rlhf_dist.config import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -41,6 +43,14 @@ def check_prompt_turns(messages: list[dict], name: str) -> list[dict]:
     if messages[-1]["role"] != "user":
         raise BadRow(f"last turn of '{name}' not from the user")
     return messages
+
+
+def prompt_text(prompt) -> str:
+    """A prompt for people to read (samples tables): a text as is, a conversation as one
+    "role: content" line per turn."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
 def resolve_template(tokenizer, chat_template: str, where: str) -> str:
@@ -161,3 +171,10 @@ def stop_token_ids(tokenizer, chat: Chat | None, extra=(), generation_eos=()) ->
     if too_big:
         raise ConfigError(f"generation.stop_token_ids: {too_big[0]} is not in the vocabulary")
     return tuple(sorted(ids))
+
+
+def is_stop(ids: torch.Tensor, stop_ids) -> torch.Tensor:
+    """Bool tensor shaped like `ids`: the token is one of `stop_ids` (an id or a sequence
+    of ids: EOS, the template's end-of-turn token, generation.stop_token_ids)."""
+    stops = torch.as_tensor(stop_ids, dtype=ids.dtype, device=ids.device).reshape(-1)
+    return (ids.unsqueeze(-1) == stops).any(-1)  # (..., S) compared, then any over S

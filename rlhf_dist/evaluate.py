@@ -12,6 +12,7 @@ import json
 import torch
 
 from rlhf_dist import diagnostics as diag
+from rlhf_dist.chat import prompt_text
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import load_causal_lm, policy_stop_ids, tokenizer_for
@@ -23,7 +24,7 @@ from rlhf_dist.rollout import (
     sequence_last_index,
     truncate_after_eos,
 )
-from rlhf_dist.scoring import build_scorer, probe_rephrasings
+from rlhf_dist.scoring import build_scorer, probe_rephrasings, reward_inputs_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
 
@@ -133,11 +134,13 @@ def evaluate_policy(
             stats.add(name, values.sum(), values.numel())
         probe += chunk_probe
         samples += [
-            {"prompt": t, "response": r, "score": float(s)}
+            {"prompt": prompt_text(t), "response": r, "score": float(s)}
             for t, r, s in zip(texts, responses, out["score"])
         ]
     summary = stats.reduce(runtime)
-    if scorer.reward_model is not None:  # a reward function has no length bias to find
+    # A reward function has no length bias to find; a reward model reading its own tokens
+    # (another tokenizer) cannot be probed with the policy's.
+    if scorer.reward_model is not None and scorer.inputs is None:
         summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, tokenizer)
     return summary, samples
 
@@ -164,7 +167,7 @@ def run_eval(cfg, runtime) -> dict:
         runtime,
         policy,
         reference,
-        build_scorer(runtime, cfg.reward.function, m, "replicate"),
+        build_scorer(runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg)),
         prompts,
         cfg,
         tokenizer,

@@ -15,6 +15,7 @@ import torch
 
 from rlhf_dist.algo.logprobs import logprobs_and_entropy, scale_logits
 from rlhf_dist.algo.rewards import last_token_index
+from rlhf_dist.chat import is_stop
 from rlhf_dist.models import position_ids_from
 from rlhf_dist.scoring import Scorer
 
@@ -73,13 +74,6 @@ class RolloutBatch:
                 x = x[:, :keep]
             cut[f.name] = x
         return RolloutBatch(**cut), keep
-
-
-def is_stop(ids: torch.Tensor, stop_ids) -> torch.Tensor:
-    """Bool tensor shaped like `ids`: the token is one of `stop_ids` (an id or a sequence
-    of ids: EOS, the template's end-of-turn token, generation.stop_token_ids)."""
-    stops = torch.as_tensor(stop_ids, dtype=ids.dtype, device=ids.device).reshape(-1)
-    return (ids.unsqueeze(-1) == stops).any(-1)  # (..., S) compared, then any over S
 
 
 def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):

@@ -23,6 +23,7 @@ from rlhf_dist.algo.losses import ppo_policy_terms, value_terms
 from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
+from rlhf_dist.chat import prompt_text
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
@@ -279,7 +280,8 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
     stats |= ppo_update(runtime, run, batch, advantages, returns, knobs, it)
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], p.rollout_batch_size)
-    rows = zip(prompt_batch[2], texts, batch.scores.tolist(), kl.sum(1).tolist())
+    prompts = [prompt_text(p) for p in prompt_batch[2]]  # conversations as readable text
+    rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
     samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
     return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
 

@@ -25,7 +25,7 @@ from rlhf_dist.models import (
     sub_state_dict,
     trained_load_dtype,
 )
-from rlhf_dist.scoring import Scorer, build_scorer
+from rlhf_dist.scoring import Scorer, build_scorer, reward_inputs_for
 from rlhf_dist.trainers.common import (
     finish_trainable,
     make_optimizer,
@@ -81,9 +81,22 @@ def shares_reward_with_critic(cfg) -> bool:
     return cfg.lora.critic and cfg.ppo.critic_init == "reward" and not cfg.reward.function
 
 
+def check_critic_tokenizer(cfg, reward_inputs) -> None:
+    """A critic reads the policy's tokens in the same forward as the actor, so it cannot
+    start from a reward model with another tokenizer or template (docs/data.md)."""
+    if reward_inputs is not None and cfg.ppo.critic_init == "reward":
+        raise ConfigError(
+            f"ppo.critic_init: the reward model {cfg.model.reward!r} has another tokenizer or "
+            "chat template than the policy, so a critic started from it cannot read the "
+            "policy's tokens; use ppo.critic_init=policy"
+        )
+
+
 def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
+    reward_inputs = reward_inputs_for(cfg)  # the RM's own tokens when its tokenizer differs
+    check_critic_tokenizer(cfg, reward_inputs)
     if runtime.zero_stage is not None and p.critic.max_grad_norm != p.actor.max_grad_norm:
         raise ConfigError(
             "ppo.critic.max_grad_norm: DeepSpeed clips actor and critic together at one norm; "
@@ -98,7 +111,9 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
         scorer = (
             None
             if shares_reward_with_critic(cfg)
-            else build_scorer(runtime, cfg.reward.function, m, cfg.distributed.frozen_models)
+            else build_scorer(
+                runtime, cfg.reward.function, m, cfg.distributed.frozen_models, reward_inputs
+            )
         )
     optimizer = make_optimizer(
         [(net.actor.parameters(), p.actor), (net.critic.parameters(), p.critic)]
