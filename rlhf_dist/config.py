@@ -160,8 +160,15 @@ class DataConfig:
     )
     too_long: str = key(
         "truncate",
-        "a prompt longer than data.max_prompt_length: keep its last tokens, or skip it",
+        "a text prompt longer than data.max_prompt_length: keep its last tokens, or skip it "
+        "(a conversational prompt is always skipped: cutting it would cut its template)",
         choices=("truncate", "drop"),
+    )
+    chat_template: str = key(
+        "",
+        "chat template for conversational rows (lists of {role, content} messages) of the "
+        "policy's tokenizer: a Jinja string or the path of a file holding one; empty: the "
+        "tokenizer's own (docs/data.md)",
     )
 
 
@@ -272,12 +279,19 @@ class GenerationConfig:
     temperature: float = key(0.7, "sampling temperature (PPO's log-probabilities use it too)")
     top_k: int = key(0, "sample among the k most likely tokens; 0 = all")
     top_p: float = key(1.0, "nucleus sampling: the smallest set of tokens with this mass; 1 = all")
+    stop_token_ids: tuple[int, ...] = key(
+        (),
+        "token ids that end a response besides the tokenizer's EOS, the policy's "
+        "generation_config.eos_token_id and the chat template's end-of-turn token (docs/data.md)",
+    )
 
 
 @dataclass(frozen=True)
 class RewardConfig:
     function: str = key(
-        "", "module:callable taking (prompts, responses) -> list[float]; overrides model.reward"
+        "",
+        "module:callable taking (prompts, responses) -> list[float]; overrides model.reward. "
+        "prompts are texts, or message lists for conversational data; responses are texts",
     )
     missing_eos_penalty: float | None = key(
         None, "replace the score of a response without EOS by this value (N+ study uses -1)"
@@ -521,6 +535,10 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     optional, inner = _is_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("null", "none")):
@@ -545,9 +563,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     elif typing.get_origin(inner) is tuple:
-        items = [value] if isinstance(value, str) else value
-        if isinstance(items, (list, tuple)) and all(isinstance(v, str) for v in items):
+        item = typing.get_args(inner)[0]
+        items = [value] if isinstance(value, (str, int)) else value
+        if (
+            item is str
+            and isinstance(items, (list, tuple))
+            and all(isinstance(v, str) for v in items)
+        ):
             return tuple(v for v in items if v)
+        if item is int and isinstance(items, (list, tuple)) and all(_is_int(v) for v in items):
+            return tuple(items)
     name = getattr(inner, "__name__", str(inner))
     raise ConfigError(f"{key}: expected {name}, got {value!r} ({type(value).__name__})")
 
@@ -842,6 +867,10 @@ def _validate_generation(cfg: Config) -> None:
         )
     if g.top_k < 0:
         raise ConfigError(f"generation.top_k: must be >= 0, got {g.top_k}")
+    if any(i < 0 for i in g.stop_token_ids):
+        raise ConfigError(
+            f"generation.stop_token_ids: must be token ids >= 0, got {g.stop_token_ids}"
+        )
 
 
 def _validate_ppo(cfg: Config, world_size: int) -> None:

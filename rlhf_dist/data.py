@@ -1,8 +1,11 @@
 """Prompt, SFT and preference data: loading with `datasets`, tokenising, collating.
 
-Data sources are local .jsonl/.json/.parquet/.csv files or hub dataset names. Rows a
-user got wrong (missing field, empty text, wrong type, too long) are skipped and counted
-with a reason; the counts are reported, never silently dropped.
+Data sources are local .jsonl/.json/.parquet/.csv files or hub dataset names. Each file is
+text or conversational, decided once per file from its rows (TRL's formats, docs/data.md):
+conversational rows hold message lists and are rendered with a chat template
+(rlhf_dist.chat). Rows a user got wrong (missing field, empty text, wrong type, unknown
+role, too long) are skipped and counted with a reason; the counts are reported, never
+silently dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +17,14 @@ from pathlib import Path
 
 import torch
 
+from rlhf_dist.chat import (
+    BadRow,
+    Chat,
+    chat_for,
+    check_messages,
+    check_prompt_turns,
+    stop_token_ids,
+)
 from rlhf_dist.config import ConfigError
 
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -118,6 +129,24 @@ def _text(row: dict, name: str, report: SkipReport) -> str | None:
     return value
 
 
+def is_conversational(rows: list[dict], names: tuple[str, ...]) -> bool:
+    """Whether a file's rows are conversational: the first value found under `names` (in
+    row order) is a list. Decided once per file, so one odd row is a counted skip, not a
+    second format."""
+    for row in rows:
+        for name in names:
+            if row.get(name) is not None:
+                return isinstance(row[name], list)
+    return False
+
+
+def _row_messages(row: dict, name: str) -> list[dict]:
+    """The message list under `name`, or BadRow (missing, not messages, bad turn)."""
+    if row.get(name) is None:
+        raise BadRow(f"missing '{name}'")
+    return check_messages(row[name], name)
+
+
 def encode_prompt(tokenizer, text: str, max_len: int, too_long: str, report: SkipReport):
     """Prompt token ids (BOS added if the tokenizer adds one); long prompts keep their end."""
     ids = tokenizer(text)["input_ids"]
@@ -140,23 +169,43 @@ def encode_response(tokenizer, text: str) -> list[int]:
 
 @dataclass
 class PromptSet:
-    texts: list[str]
+    texts: list  # each prompt as the row gave it: a text, or a list of messages
     ids: list[list[int]]
     report: SkipReport
 
 
-def prompt_set(rows: list[dict], tokenizer, data_cfg) -> PromptSet:
-    report = SkipReport()
+def chat_prompt_ids(chat: Chat, messages: list[dict], max_len: int) -> list[int]:
+    """Ids of a conversational prompt with the generation prompt; too long: BadRow (cutting
+    its start would cut the template's opening, so it is never truncated)."""
+    ids = chat.prompt_ids(check_prompt_turns(messages, "prompt"))
+    if len(ids) > max_len:
+        raise BadRow("conversational prompt too long")
+    return ids
+
+
+def prompt_set(rows: list[dict], tokenizer, data_cfg, where: str = "data.train") -> PromptSet:
+    """Prompts of a file: `prompt_field` as text, or as messages rendered with the chat
+    template (`where` names the file in errors)."""
+    report, name = SkipReport(), data_cfg.prompt_field
+    chat = chat_for(tokenizer, data_cfg, where) if is_conversational(rows, (name,)) else None
     texts, ids = [], []
     for row in rows:
-        text = _text(row, data_cfg.prompt_field, report)
-        if text is None:
-            continue
-        enc = encode_prompt(tokenizer, text, data_cfg.max_prompt_length, data_cfg.too_long, report)
-        if enc is None:
-            continue
-        texts.append(text)
-        ids.append(enc)
+        if chat is None:
+            prompt, enc = _text(row, name, report), None
+            if prompt is not None:
+                enc = encode_prompt(
+                    tokenizer, prompt, data_cfg.max_prompt_length, data_cfg.too_long, report
+                )
+        else:
+            try:
+                prompt = _row_messages(row, name)
+                enc = chat_prompt_ids(chat, prompt, data_cfg.max_prompt_length)
+            except BadRow as e:
+                report.skip(str(e))
+                enc = None
+        if enc is not None:
+            texts.append(prompt)
+            ids.append(enc)
     report.kept = len(ids)
     if not ids:
         raise ConfigError(f"data: no usable prompts ({report.summary('prompts')})")
@@ -191,17 +240,76 @@ def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 @dataclass
 class SFTExample:
+    """One SFT sequence. The loss covers tokens from `prompt_len` on, or, when `trained`
+    is given (conversations), exactly the tokens where it is True."""
+
     ids: list[int]
     prompt_len: int
+    trained: list[bool] | None = None
+
+    def targets(self) -> list[bool]:
+        """Per token of `ids`: does the loss predict it."""
+        if self.trained is not None:
+            return self.trained
+        return [False] * self.prompt_len + [True] * (len(self.ids) - self.prompt_len)
 
 
-def sft_examples(rows: list[dict], tokenizer, data_cfg, response_field: str = "response"):
-    """Prompt+response(+EOS) sequences; the loss covers response tokens only."""
+def sft_format(rows: list[dict], data_cfg, response_field: str = "response") -> tuple[str, bool]:
+    """(form, conversational) of an SFT file: form "messages" (whole conversations),
+    "completion" (TRL's prompt + completion) or `response_field` (prompt + response)."""
+    if any(row.get("messages") is not None for row in rows):
+        return "messages", True
+    form = "completion" if any(row.get("completion") is not None for row in rows) else None
+    form = form or response_field
+    return form, is_conversational(rows, (data_cfg.prompt_field, form))
+
+
+def close_with_stop(ids: list[int], trained: list[bool], stop_ids, eos_id: int):
+    """A conversation that does not end with a stop token (a template that closes turns
+    with plain text) gets EOS appended and trained: every sequence must end at a token
+    generation can stop at, where the reward is read."""
+    if ids and ids[-1] in stop_ids:
+        return ids, trained
+    return ids + [eos_id], trained + [True]
+
+
+def chat_sft_example(chat: Chat, row: dict, form: str, data_cfg, stop_ids) -> SFTExample:
+    """A conversational row as an SFTExample whose loss covers assistant turns only: all
+    of them for `messages`, the completion's for prompt + completion."""
+    if form == "messages":
+        messages, first = _row_messages(row, "messages"), 0
+        if not any(m["role"] == "assistant" for m in messages):
+            raise BadRow("no assistant turn in 'messages'")
+    else:
+        prompt = check_prompt_turns(_row_messages(row, data_cfg.prompt_field), "prompt")
+        completion = _row_messages(row, form)
+        if any(m["role"] != "assistant" for m in completion):
+            raise BadRow(f"'{form}' holds turns other than the assistant's")
+        messages, first = prompt + completion, len(prompt)
+    ids, trained = chat.conversation(messages, first)
+    if not any(trained):
+        raise BadRow("chat template renders no assistant tokens")
+    ids, trained = close_with_stop(ids, trained, stop_ids, chat.tokenizer.eos_token_id)
+    if len(ids) > data_cfg.max_length:
+        raise BadRow("longer than data.max_length")
+    return SFTExample(ids, trained.index(True), trained)
+
+
+def sft_examples(
+    rows: list[dict], tokenizer, data_cfg, response_field: str = "response", where="data.train"
+):
+    """SFT sequences of a file (docs/data.md): prompt + response(+EOS) or prompt +
+    completion as text, or conversations; the loss covers response tokens only."""
+    form, conversational = sft_format(rows, data_cfg, response_field)
+    if conversational:
+        chat = chat_for(tokenizer, data_cfg, where)
+        stop_ids = stop_token_ids(tokenizer, chat)
+        return encode_rows(rows, lambda row: chat_sft_example(chat, row, form, data_cfg, stop_ids))
     report = SkipReport()
     out = []
     for row in rows:
         prompt = _text(row, data_cfg.prompt_field, report)
-        response = _text(row, response_field, report) if prompt is not None else None
+        response = _text(row, form, report) if prompt is not None else None
         if response is None:
             continue
         p = encode_prompt(tokenizer, prompt, data_cfg.max_prompt_length, data_cfg.too_long, report)
@@ -216,15 +324,26 @@ def sft_examples(rows: list[dict], tokenizer, data_cfg, response_field: str = "r
     return out, report
 
 
+def encode_rows(rows: list[dict], encode) -> tuple[list, SkipReport]:
+    """`encode(row)` of every row; a BadRow is a counted skip under its reason."""
+    report, out = SkipReport(), []
+    for row in rows:
+        try:
+            out.append(encode(row))
+        except BadRow as e:
+            report.skip(str(e))
+    report.kept = len(out)
+    return out, report
+
+
 def collate_sft(batch: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
     """input_ids/attention_mask (B, L) and loss_mask (B, L-1): True where token t+1 is a
-    response token the logits at t must predict."""
+    response (assistant) token the logits at t must predict."""
     ids, attn = right_pad([ex.ids for ex in batch], pad_id)
-    positions = torch.arange(ids.shape[1] - 1)
-    starts = torch.tensor([ex.prompt_len - 1 for ex in batch]).unsqueeze(1)
-    lengths = attn.sum(1, keepdim=True)
-    loss_mask = (positions >= starts) & (positions < lengths - 1)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
+    targets = torch.zeros(ids.shape, dtype=torch.bool)
+    for b, ex in enumerate(batch):
+        targets[b, : len(ex.ids)] = torch.tensor(ex.targets(), dtype=torch.bool)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": targets[:, 1:]}
 
 
 # -------------------------------------------------------------------------- preferences
@@ -235,7 +354,7 @@ class PreferencePair:
     chosen: list[int]
     rejected: list[int]
     category: str | None = None
-    prompt_len: int = 0  # tokens of the shared prompt: the rest of each sequence is its response
+    prompt_len: int = 0  # tokens of the shared prompt at the start of both sequences
 
 
 def _pairs_of_row(row: dict, data_cfg, responses_field: str, report: SkipReport):
@@ -267,7 +386,15 @@ def _pairs_of_row(row: dict, data_cfg, responses_field: str, report: SkipReport)
     return [(chosen, rejected)]
 
 
-def preference_pairs(rows: list[dict], tokenizer, data_cfg, responses_field: str = "responses"):
+def preference_pairs(
+    rows: list[dict], tokenizer, data_cfg, responses_field: str = "responses", where="data.train"
+):
+    """Preference pairs of a file (docs/data.md): text or conversational chosen/rejected,
+    with an explicit or implicit prompt, or text ranked lists."""
+    if is_conversational(rows, (data_cfg.prompt_field, "chosen", "rejected")):
+        chat = chat_for(tokenizer, data_cfg, where)
+        stop_ids = stop_token_ids(tokenizer, chat)
+        return encode_rows(rows, lambda row: chat_preference_pair(chat, row, data_cfg, stop_ids))
     report = SkipReport()
     out = []
     for row in rows:
@@ -285,6 +412,50 @@ def preference_pairs(rows: list[dict], tokenizer, data_cfg, responses_field: str
             out.append(PreferencePair(c, r, row.get("category"), len(p)))
     report.kept = len(out)
     return out, report
+
+
+def split_implicit_prompt(chosen: list[dict], rejected: list[dict]):
+    """(prompt, chosen, rejected) of two whole conversations: the prompt is their shared
+    leading messages (TRL's implicit prompt); what follows must be assistant turns."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if chosen == rejected:
+        raise BadRow("chosen == rejected")
+    rest = chosen[n:] + rejected[n:]
+    if n == 0 or any(m["role"] != "assistant" for m in rest) or chosen[n - 1]["role"] != "user":
+        raise BadRow("chosen and rejected have different prompts")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def chat_preference_messages(row: dict, prompt_field: str):
+    """(prompt, chosen, rejected) message lists of a conversational preference row."""
+    chosen, rejected = _row_messages(row, "chosen"), _row_messages(row, "rejected")
+    if row.get(prompt_field) is None:
+        return split_implicit_prompt(chosen, rejected)
+    prompt = check_prompt_turns(_row_messages(row, prompt_field), "prompt")
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        if any(m["role"] != "assistant" for m in turns):
+            raise BadRow(f"'{name}' holds turns other than the assistant's")
+    if chosen == rejected:
+        raise BadRow("chosen == rejected")
+    return prompt, chosen, rejected
+
+
+def chat_preference_pair(chat: Chat, row: dict, data_cfg, stop_ids) -> PreferencePair:
+    """Both conversations rendered whole (the reward model reads them as PPO will show
+    them: chat.conversation's text, closed by a stop token)."""
+    prompt, chosen, rejected = chat_preference_messages(row, data_cfg.prompt_field)
+    seqs = []
+    for turns in (chosen, rejected):
+        ids, trained = chat.conversation(prompt + turns, len(prompt))
+        if not any(trained):
+            raise BadRow("chat template renders no assistant tokens")
+        seqs.append(close_with_stop(ids, trained, stop_ids, chat.tokenizer.eos_token_id))
+    if max(len(ids) for ids, _ in seqs) > data_cfg.max_length:
+        raise BadRow("longer than data.max_length")
+    prompt_len = seqs[0][1].index(True)
+    return PreferencePair(seqs[0][0], seqs[1][0], row.get("category"), prompt_len)
 
 
 def collate_pairs(batch: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:

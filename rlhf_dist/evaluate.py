@@ -12,9 +12,10 @@ import json
 import torch
 
 from rlhf_dist import diagnostics as diag
+from rlhf_dist.chat import prompt_text
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
-from rlhf_dist.models import load_causal_lm, tokenizer_for
+from rlhf_dist.models import load_causal_lm, policy_stop_ids, tokenizer_for
 from rlhf_dist.rollout import (
     decode_responses,
     generate,
@@ -23,7 +24,7 @@ from rlhf_dist.rollout import (
     sequence_last_index,
     truncate_after_eos,
 )
-from rlhf_dist.scoring import build_scorer, probe_rephrasings
+from rlhf_dist.scoring import build_scorer, probe_rephrasings, reward_inputs_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
 
@@ -39,11 +40,13 @@ def load_gold_function(spec: str):
 
 @torch.no_grad()
 def evaluate_chunk(
-    policy, reference, scorer, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer
+    policy, reference, scorer, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer, stops=None
 ):
-    """Generate for one chunk of prompts and measure it; returns per-sequence tensors."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    response_ids = generate(policy, prompt_ids, prompt_mask, cfg.generation, tokenizer)
+    """Generate for one chunk of prompts and measure it; returns per-sequence tensors.
+    stops: the ids that end a response (models.policy_stop_ids; None: the tokenizer's EOS)."""
+    eos, pad = stops or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    gen = cfg.generation
+    response_ids = generate(policy, prompt_ids, prompt_mask, gen, tokenizer, stop_ids=eos)
     response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
     responses = decode_responses(tokenizer, response_ids, response_mask, eos)
     input_ids = torch.cat([prompt_ids, response_ids], 1)
@@ -66,23 +69,22 @@ def evaluate_chunk(
         )
     probe = []
     if scorer.reward_model is not None:
-        probe = probe_items(
-            prompt_ids, prompt_mask, response_ids, response_mask, finished, out, eos
-        )
+        probe = probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out)
     return out, responses, probe
 
 
-def probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out, eos):
-    """(diagnostics.Response, score, length) of each FINISHED response of a chunk.
+def probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out):
+    """(diagnostics.Response, score, length) of each FINISHED response of a chunk, split
+    before the stop token it ended with.
 
     Only those: the reward model was trained to read its score at an EOS, and an unfinished
     response's score is replaced by reward.missing_eos_penalty when that is set.
     """
     items = []
     for i in finished.nonzero().flatten().tolist():
-        body = response_ids[i][response_mask[i] & (response_ids[i] != eos)].tolist()
+        real = response_ids[i][response_mask[i]].tolist()
         prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
-        response = diag.Response(prompt, body, [eos])
+        response = diag.Response(prompt, real[:-1], real[-1:])
         items.append((response, float(out["score"][i]), float(out["length"][i])))
     return items
 
@@ -104,8 +106,11 @@ def length_bias(runtime, reward_model, items, batch_size: int, tokenizer) -> dic
     return out
 
 
-def evaluate_policy(runtime, policy, reference, scorer, prompts, cfg, tokenizer, gold_fn=None):
-    """Mean figures over `prompts` (each rank takes every world_size-th) and some samples."""
+def evaluate_policy(
+    runtime, policy, reference, scorer, prompts, cfg, tokenizer, gold_fn=None, stops=None
+):
+    """Mean figures over `prompts` (each rank takes every world_size-th) and some samples;
+    stops: the ids that end a response (None: the tokenizer's EOS)."""
     stats, samples, probe = StatSums(), [], []
     n = min(cfg.eval.num_prompts, len(prompts.ids))
     mine = list(range(runtime.rank, n, runtime.world_size))
@@ -123,16 +128,19 @@ def evaluate_policy(runtime, policy, reference, scorer, prompts, cfg, tokenizer,
             texts,
             cfg,
             tokenizer,
+            stops,
         )
         for name, values in out.items():
             stats.add(name, values.sum(), values.numel())
         probe += chunk_probe
         samples += [
-            {"prompt": t, "response": r, "score": float(s)}
+            {"prompt": prompt_text(t), "response": r, "score": float(s)}
             for t, r, s in zip(texts, responses, out["score"])
         ]
     summary = stats.reduce(runtime)
-    if scorer.reward_model is not None:  # a reward function has no length bias to find
+    # A reward function has no length bias to find; a reward model reading its own tokens
+    # (another tokenizer) cannot be probed with the policy's.
+    if scorer.reward_model is not None and scorer.inputs is None:
         summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, tokenizer)
     return summary, samples
 
@@ -142,9 +150,8 @@ def run_eval(cfg, runtime) -> dict:
     m = cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     source = cfg.data.eval or cfg.data.train
-    prompts = prompt_set(
-        load_rows(source, "data.eval" if cfg.data.eval else "data.train"), tokenizer, cfg.data
-    )
+    key = "data.eval" if cfg.data.eval else "data.train"
+    prompts = prompt_set(load_rows(source, key), tokenizer, cfg.data, f"{key} {source!r}")
     # Evaluation replicates its models on every rank: ranks may get different numbers of
     # prompt chunks, which partitioned (ZeRO-3) models could not serve without lock-step.
     policy = load_causal_lm(m.policy, "model.policy", m.dtype, m)
@@ -160,11 +167,12 @@ def run_eval(cfg, runtime) -> dict:
         runtime,
         policy,
         reference,
-        build_scorer(runtime, cfg.reward.function, m, "replicate"),
+        build_scorer(runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg)),
         prompts,
         cfg,
         tokenizer,
         gold_fn,
+        policy_stop_ids(cfg, tokenizer),
     )
     samples = runtime.gather_objects(samples)
     shown = ("score", "gold_reward", "kl_to_ref", "length", "eos_rate", "length_corr")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhf_dist.chat import chat_for, stop_token_ids
 from rlhf_dist.config import ConfigError
 
 # Names classification heads go by in transformers (Llama/GPT-2/Mistral: score;
@@ -284,6 +285,31 @@ def tokenizer_for(cfg, model_key: str = "policy"):
         return load_tokenizer(m.tokenizer, m.trust_remote_code, "model.tokenizer")
     path = getattr(m, model_key) or m.policy
     return load_tokenizer(path, m.trust_remote_code, f"model.{model_key}")
+
+
+def generation_eos_ids(path: str) -> tuple[int, ...]:
+    """The eos_token_id of a model's generation_config.json (an id or a list: Llama 3
+    instruct lists three), or () if it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS only
+        return ()
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def policy_stop_ids(cfg, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a sampled response (docs/data.md, stop tokens): the tokenizer's
+    EOS, the policy's generation_config.eos_token_id, the chat template's end-of-turn token
+    (when there is a template) and generation.stop_token_ids."""
+    chat = None
+    if cfg.data.chat_template or getattr(tokenizer, "chat_template", None):
+        chat = chat_for(tokenizer, cfg.data, "data.chat_template")
+    generation_eos = generation_eos_ids(cfg.model.policy) if cfg.model.policy else ()
+    return stop_token_ids(tokenizer, chat, cfg.generation.stop_token_ids, generation_eos)
 
 
 def build_critic(cfg, dtype: str = "float32") -> ValueModel:

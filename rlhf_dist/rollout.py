@@ -16,6 +16,7 @@ import torch
 
 from rlhf_dist.algo.logprobs import logprobs_and_entropy, scale_logits
 from rlhf_dist.algo.rewards import last_token_index
+from rlhf_dist.chat import is_stop
 from rlhf_dist.models import position_ids_from
 from rlhf_dist.scoring import Scorer
 
@@ -82,13 +83,14 @@ def _index(x: torch.Tensor | None, index):
     return None if x is None else x[index]
 
 
-def truncate_after_eos(response_ids: torch.Tensor, eos_id: int, pad_id: int):
-    """(ids, response_mask, finished): mask True up to and including the first EOS.
+def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):
+    """(ids, response_mask, finished): mask True up to and including the first stop token
+    (any of `stop_ids`, an id or a sequence; "EOS" below).
 
     response_ids: (B, T). Tokens after the first EOS become PAD (generate may already
     pad them); rows without EOS keep all T tokens and have finished=False.
     """
-    is_eos = response_ids == eos_id
+    is_eos = is_stop(response_ids, stop_ids)
     # Number of EOS strictly before t: 0 means t is at or before the first EOS.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     mask = eos_before == 0
@@ -97,9 +99,10 @@ def truncate_after_eos(response_ids: torch.Tensor, eos_id: int, pad_id: int):
 
 
 @torch.no_grad()
-def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=None):
+def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=None, stop_ids=None):
     """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
-    PAD after a row's EOS; T is shorter only when every row has finished.
+    PAD after a row's first stop token (any of `stop_ids`; None: the tokenizer's EOS);
+    T is shorter only when every row has finished.
 
     A plain KV-cache decode loop: one prefill forward, then one forward per token. It
     does what transformers' `generate` did for us with ~20% less time outside the model
@@ -111,7 +114,9 @@ def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=No
     forward, it returns whether any rank does; a finished rank then runs throw-away
     forwards until all ranks are done, so none waits forever for the others.
     """
-    eos, pad, steps = tokenizer.eos_token_id, tokenizer.pad_token_id, gen_cfg.max_new_tokens
+    pad, steps = tokenizer.pad_token_id, gen_cfg.max_new_tokens
+    stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
+    eos = torch.as_tensor(stops, dtype=torch.long, device=prompt_ids.device).reshape(-1)
     mask = prompt_mask.long()
     position = position_ids_from(mask)
     out = model(
@@ -126,7 +131,7 @@ def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=No
             allow_eos = len(tokens) >= gen_cfg.min_new_tokens
             token = sample_next(out.logits[:, -1], gen_cfg, eos, allow_eos)
             tokens.append(torch.where(finished, pad, token))
-            finished |= tokens[-1] == eos
+            finished |= is_stop(tokens[-1], eos)
             more = len(tokens) < steps and not bool(finished.all())
         if not (more if keep_in_step is None else keep_in_step(more)):
             return torch.stack(tokens, dim=1)
@@ -147,9 +152,10 @@ def _cache_of(output) -> dict:
     return {"past_key_values": output["past_key_values"]}
 
 
-def sample_next(logits, gen_cfg, eos_id: int, allow_eos: bool) -> torch.Tensor:
+def sample_next(logits, gen_cfg, eos_id, allow_eos: bool) -> torch.Tensor:
     """One token per row, (B,), drawn from softmax(logits / temperature) after EOS
-    suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V)."""
+    suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V). eos_id: one
+    id or a (S,) tensor of stop ids, all suppressed alike."""
     logits = scale_logits(logits, gen_cfg.temperature)
     if not allow_eos:
         logits = logits.clone()  # scale_logits may return the model's own tensor
@@ -201,9 +207,9 @@ def policy_logprobs(model, input_ids, attention_mask, response_ids, temperature:
     return logprobs_and_entropy(logits, response_ids, temperature)
 
 
-def decode_responses(tokenizer, response_ids, response_mask, eos_id: int) -> list[str]:
-    """Response texts without PAD and EOS."""
-    keep = response_mask & (response_ids != eos_id)
+def decode_responses(tokenizer, response_ids, response_mask, stop_ids) -> list[str]:
+    """Response texts without PAD and stop tokens (an id or a sequence of ids)."""
+    keep = response_mask & ~is_stop(response_ids, stop_ids)
     return [
         tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
         for row, m in zip(response_ids, keep)
@@ -225,12 +231,14 @@ def sequence_last_index(prompt_width: int, response_mask: torch.Tensor) -> torch
 @dataclass
 class RolloutModels:
     """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
-    yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer."""
+    yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
+    and the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS)."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
     reference: torch.nn.Module | None
     scorer: Scorer
+    stop_ids: tuple[int, ...] = ()
 
 
 @torch.no_grad()
@@ -239,12 +247,12 @@ def collect_rollout(
 ):
     """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch."""
     gen, micro = cfg.generation, cfg.ppo.rollout_micro_batch_size
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
     start = time.perf_counter()
     with models.generation_context() as (actor, keep_in_step):
         responses = [
-            generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, keep_in_step)
+            generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, keep_in_step, eos)
             for s in chunks
         ]
     generated = time.perf_counter()

@@ -16,13 +16,25 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist import diagnostics as diag
+from rlhf_dist.chat import BadRow, Chat, is_stop, stop_token_ids
 from rlhf_dist.config import ConfigError, RewardFunctionError
-from rlhf_dist.data import right_pad
-from rlhf_dist.models import ValueModel, frozen_dtype, load_sequence_classifier, sequence_scores
+from rlhf_dist.data import close_with_stop, encode_response, right_pad
+from rlhf_dist.models import (
+    ValueModel,
+    frozen_dtype,
+    load_sequence_classifier,
+    load_tokenizer,
+    policy_stop_ids,
+    sequence_scores,
+    tokenizer_for,
+)
 
 
 class RewardFunction:
-    """A user's `module:callable(prompts, responses) -> list[float]`, checked on every call."""
+    """A user's `module:callable(prompts, responses) -> list[float]`, checked on every call.
+
+    prompts: each prompt as its data row gave it, a text or (conversational data) a list of
+    {role, content} messages; responses: the sampled texts, stop tokens removed."""
 
     def __init__(self, spec: str):
         module_name, _, attr = spec.partition(":")
@@ -63,32 +75,118 @@ def _is_finite_number(v) -> bool:
         return False
 
 
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers turn a conversation into the same ids: same vocabulary,
+    special tokens, chat template and special tokens added on encoding."""
+    specials = ("bos_token_id", "eos_token_id", "pad_token_id")
+    probe = "a b"
+    return (
+        a.get_vocab() == b.get_vocab()
+        and all(getattr(a, n) == getattr(b, n) for n in specials)
+        and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+        and a(probe)["input_ids"] == b(probe)["input_ids"]
+    )
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """The reward model's own input for (prompt, response text) when its tokenizer or
+    template differs from the policy's: the text round-trip of docs/data.md.
+
+    A text prompt becomes the RM tokenizer's encoding of it plus the response's (EOS
+    appended if the response finished), as `rlhf-dist rm` encodes text pairs; a
+    conversational one is rendered with the RM's template as prompt + assistant turn (the
+    whole conversation if the response finished; else the prompt with its generation
+    prompt, then the response text unclosed), as `rlhf-dist rm` renders conversations.
+    """
+
+    tokenizer: object  # the reward model's
+    chat: Chat | None  # its chat template (None: the tokenizer has none)
+    stop_ids: tuple[int, ...]  # the reward model tokenizer's (chat.stop_token_ids)
+    policy_stop_ids: tuple[int, ...]  # what ended a policy response
+
+    def sequence(self, prompt, response: str, finished: bool) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if finished:
+                return tok(prompt)["input_ids"] + encode_response(tok, response)
+            return tok(prompt)["input_ids"] + tok(response, add_special_tokens=False)["input_ids"]
+        if self.chat is None:
+            raise ConfigError(
+                "model.reward: its tokenizer has no chat template for conversational prompts "
+                "(save one with the reward model's tokenizer)"
+            )
+        if not finished:
+            return self.chat.prompt_ids(prompt) + self.chat.encode(response)
+        turns = prompt + [{"role": "assistant", "content": response}]
+        try:
+            ids, trained = self.chat.conversation(turns, len(prompt))
+        except BadRow as e:
+            raise ConfigError(f"model.reward: its chat template: {e}") from None
+        return close_with_stop(ids, trained, self.stop_ids, tok.eos_token_id)[0]
+
+    def batch(self, prompts, responses, input_ids, last_index):
+        """(ids, attention mask, last index) of the RM's own tokens, right-padded; a
+        response finished iff its last real token in `input_ids` (B, P+T) is a stop id."""
+        ends = input_ids.gather(1, last_index.long().unsqueeze(1)).squeeze(1)
+        finished = is_stop(ends, self.policy_stop_ids).tolist()
+        seqs = [self.sequence(p, r, f) for p, r, f in zip(prompts, responses, finished)]
+        ids, mask = right_pad(seqs, self.tokenizer.pad_token_id)
+        ids, mask = ids.to(input_ids.device), mask.to(input_ids.device)
+        return ids, mask, mask.sum(1) - 1
+
+
 @dataclass
 class Scorer:
     """Scores whole sequences with a reward model or a reward function."""
 
     reward_model: ValueModel | None = None
     reward_fn: Callable | None = None
+    inputs: RewardInputs | None = None  # set: the RM reads its own tokens, not the policy's
 
     @torch.no_grad()
     def __call__(self, prompts, responses, input_ids, attention_mask, last_index) -> torch.Tensor:
-        """prompts/responses: B texts; input_ids/attention_mask (B, P+T); last_index (B,)."""
+        """prompts: B prompts as given (texts or message lists); responses: B texts;
+        input_ids/attention_mask (B, P+T) the policy's tokens; last_index (B,)."""
         if self.reward_fn is not None:
             return self.reward_fn(prompts, responses).to(input_ids.device)
+        if self.inputs is not None:
+            input_ids, attention_mask, last_index = self.inputs.batch(
+                prompts, responses, input_ids, last_index
+            )
         return sequence_scores(self.reward_model, input_ids, attention_mask, last_index).float()
 
 
-def build_scorer(runtime, reward_function: str, model_cfg, placement: str) -> Scorer:
+def reward_inputs_for(cfg) -> RewardInputs | None:
+    """RewardInputs when model.reward's tokenizer differs from the policy's (vocabulary,
+    specials or template); None when they agree, model.tokenizer is shared by all models,
+    or a reward function scores."""
+    m = cfg.model
+    if cfg.reward.function or not m.reward or m.tokenizer:
+        return None
+    policy_tok = tokenizer_for(cfg, "policy")
+    rm_tok = load_tokenizer(m.reward, m.trust_remote_code, "model.reward")
+    if same_tokenizer(policy_tok, rm_tok):
+        return None
+    chat = Chat(rm_tok, rm_tok.chat_template) if rm_tok.chat_template else None
+    stops = stop_token_ids(rm_tok, chat)
+    return RewardInputs(rm_tok, chat, stops, policy_stop_ids(cfg, policy_tok))
+
+
+def build_scorer(
+    runtime, reward_function: str, model_cfg, placement: str, inputs: RewardInputs | None = None
+) -> Scorer:
     """The frozen reward: the Python function `reward_function` ("module:callable") if set,
     else model_cfg.reward loaded as a ValueModel and prepared as a frozen model with
-    `placement` (distributed.frozen_models, or "replicate")."""
+    `placement` (distributed.frozen_models, or "replicate"), reading `inputs` (its own
+    tokens, reward_inputs_for) if given."""
     if reward_function:
         return Scorer(reward_fn=RewardFunction(reward_function))
     m, dtype = model_cfg, frozen_dtype(model_cfg)
     with runtime.local_loading():
         rm = load_sequence_classifier(m.reward, "model.reward", dtype, m)
     rm = runtime.prepare_frozen(ValueModel(rm), placement, dtype, "reward model")
-    return Scorer(reward_model=rm)
+    return Scorer(reward_model=rm, inputs=inputs)
 
 
 def lockstep_chunks(runtime, n_items: int, size: int):

@@ -31,11 +31,12 @@ from rlhf_dist.algo.losses import (
 from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
+from rlhf_dist.chat import prompt_text
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.lora import merged_adapters
-from rlhf_dist.models import tokenizer_for
+from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
 from rlhf_dist.stats import StatSums, global_mean_var
 from rlhf_dist.tracking import open_run, write_summary
@@ -316,7 +317,8 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
     stats |= ppo_update(runtime, run, batch, advantages, returns, knobs, it)
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
-    rows = zip(prompt_batch[2], texts, batch.scores.tolist(), kl.sum(1).tolist())
+    prompts = [prompt_text(p) for p in prompt_batch[2]]  # conversations as readable text
+    rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
     samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
     return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
 
@@ -406,7 +408,8 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
             )
             yield (stack.enter_context(merged_adapters(actor)) if merge else actor), keep_in_step
 
-    rollout_models = RolloutModels(model, generation_context, built.reference, built.scorer)
+    stops = policy_stop_ids(cfg, tokenizer)
+    rollout_models = RolloutModels(model, generation_context, built.reference, built.scorer, stops)
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:
         kl_ctl.load_state_dict(ckpt.trainer["kl_controller"])
@@ -454,8 +457,9 @@ def train_ppo(cfg, runtime) -> dict:
     """Run PPO as configured; returns the summary written to summary.json."""
     ckpt, p = find_resume(cfg, runtime), cfg.ppo
     run = start_ppo(cfg, runtime, ckpt)
+    d = cfg.data
     prompts = prompt_set(
-        load_rows(cfg.data.train, "data.train", cfg.data.split), run.tokenizer, cfg.data
+        load_rows(d.train, "data.train", d.split), run.tokenizer, d, f"data.train {d.train!r}"
     )
     if len(prompts.ids) < p.rollout_batch_size:
         raise ConfigError(

@@ -26,7 +26,7 @@ from rlhf_dist.models import (
     sub_state_dict,
     trained_load_dtype,
 )
-from rlhf_dist.scoring import Scorer, build_scorer
+from rlhf_dist.scoring import Scorer, build_scorer, reward_inputs_for
 from rlhf_dist.trainers.common import (
     finish_trainable,
     make_optimizer,
@@ -95,10 +95,24 @@ def shares_reward_with_critic(cfg) -> bool:
     )
 
 
+def check_critic_tokenizer(cfg, reward_inputs) -> None:
+    """A critic reads the policy's tokens in the same forward as the actor, so it cannot
+    start from a reward model with another tokenizer or template (docs/data.md)."""
+    if reward_inputs is not None and cfg.ppo.critic_init == "reward":
+        raise ConfigError(
+            f"ppo.critic_init: the reward model {cfg.model.reward!r} has another tokenizer or "
+            "chat template than the policy, so a critic started from it cannot read the "
+            "policy's tokens; use ppo.critic_init=policy"
+        )
+
+
 def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
+    reward_inputs = reward_inputs_for(cfg)  # the RM's own tokens when its tokenizer differs
     critic = has_critic(cfg)
+    if critic:
+        check_critic_tokenizer(cfg, reward_inputs)
     if (
         critic
         and runtime.zero_stage is not None
@@ -117,7 +131,9 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
         scorer = (
             None
             if shares_reward_with_critic(cfg)
-            else build_scorer(runtime, cfg.reward.function, m, cfg.distributed.frozen_models)
+            else build_scorer(
+                runtime, cfg.reward.function, m, cfg.distributed.frozen_models, reward_inputs
+            )
         )
     groups = {"actor": (net.actor.parameters(), p.actor)}
     if critic:

@@ -17,9 +17,7 @@ from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import (
     PreferencePair,
-    SkipReport,
     collate_pairs,
-    encode_prompt,
     load_rows,
     preference_pairs,
 )
@@ -213,33 +211,23 @@ def report_eval(cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logg
     return {f"eval_{k}": v for k, v in numbers.items()}
 
 
-def eval_pairs(rows: list[dict], tokenizer, cfg) -> tuple[list, list[int]]:
-    """Held-out pairs and each one's prompt length in tokens.
-
-    Row by row, because a PreferencePair keeps no prompt/response boundary and the
-    diagnostics measure RESPONSE length (prompt length varies across pairs too).
-    """
-    pairs, prompt_lengths = [], []
-    d = cfg.data
-    for row in rows:
-        got = preference_pairs([row], tokenizer, d, cfg.rm.responses_field)[0]
-        if got:
-            prompt = encode_prompt(
-                tokenizer, row[d.prompt_field], d.max_prompt_length, d.too_long, SkipReport()
-            )
-            pairs += got
-            prompt_lengths += [len(prompt)] * len(got)
-    return pairs, prompt_lengths
+def eval_pairs(rows: list[dict], tokenizer, cfg, where: str = "data.eval"):
+    """Held-out pairs and each one's prompt length in tokens: the diagnostics measure
+    RESPONSE length, and prompt lengths vary across pairs."""
+    pairs = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field, where)[0]
+    return pairs, [p.prompt_len for p in pairs]
 
 
 def load_pairs(cfg, runtime, tokenizer):
     """Training pairs, held-out pairs and the held-out pairs' prompt lengths."""
-    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
-    train, report = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field)
+    d, field = cfg.data, cfg.rm.responses_field
+    rows = load_rows(d.train, "data.train", d.split)
+    train, report = preference_pairs(rows, tokenizer, d, field, f"data.train {d.train!r}")
     runtime.print(report.summary("preference pairs"))
     evals, prompt_lengths = [], []
-    if cfg.data.eval:
-        evals, prompt_lengths = eval_pairs(load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg)
+    if d.eval:
+        rows = load_rows(d.eval, "data.eval")
+        evals, prompt_lengths = eval_pairs(rows, tokenizer, cfg, f"data.eval {d.eval!r}")
     if len(train) < cfg.rm.batch_size:
         raise ConfigError(
             f"rm.batch_size: {cfg.rm.batch_size} is more than the {len(train)} usable pairs ({report.summary('preference pairs')})"

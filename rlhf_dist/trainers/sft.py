@@ -82,14 +82,14 @@ def eval_nll(runtime, model, examples, micro_batch_size: int, pad_id: int) -> fl
 
 
 def load_sft_data(cfg, runtime, tokenizer):
-    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
-    train, report = sft_examples(rows, tokenizer, cfg.data)
+    d = cfg.data
+    rows = load_rows(d.train, "data.train", d.split)
+    train, report = sft_examples(rows, tokenizer, d, where=f"data.train {d.train!r}")
     runtime.print(report.summary("sft data"))
-    evals = (
-        sft_examples(load_rows(cfg.data.eval, "data.eval"), tokenizer, cfg.data)[0]
-        if cfg.data.eval
-        else []
-    )
+    evals = []
+    if d.eval:
+        rows = load_rows(d.eval, "data.eval")
+        evals = sft_examples(rows, tokenizer, d, where=f"data.eval {d.eval!r}")[0]
     if len(train) < cfg.sft.batch_size:
         raise ConfigError(
             f"sft.batch_size: {cfg.sft.batch_size} is more than the {len(train)} usable examples ({report.summary('sft data')})"

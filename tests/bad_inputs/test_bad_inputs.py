@@ -28,7 +28,14 @@ def tiny(tmp_path_factory):
     no_pad = root / "no_pad"
     tok.pad_token = None
     tok.save_pretrained(no_pad)
-    return {"policy": str(models["policy"]), "reward": str(models["reward"]), "no_pad": str(no_pad)}
+    chat_tok = task.build_chat_tokenizer(root / "chat_tok", "chatml")
+    chat = task.build_tiny_models(root / "chat_models", chat_tok)
+    return {
+        "policy": str(models["policy"]),
+        "reward": str(models["reward"]),
+        "no_pad": str(no_pad),
+        "chat_policy": str(chat["policy"]),
+    }
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -71,6 +78,27 @@ def test_bad_sft_rows_are_skipped_counted_and_reported(tiny, tmp_path):
         "prompt too long",
     ):
         assert reason in report, report
+
+
+def test_bad_conversations_are_skipped_counted_and_reported(tiny, tmp_path):
+    proc = sft({**tiny, "policy": tiny["chat_policy"]}, "sft_chat_bad_rows.jsonl", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("sft data"))
+    assert "40 kept" in report and "4 skipped" in report, report
+    for reason in (
+        "unknown role in 'messages'",
+        "empty content in 'messages'",
+        "no assistant turn in 'messages'",
+        "longer than data.max_length",
+    ):
+        assert reason in report, report
+
+
+def test_conversations_without_a_chat_template_are_one_line(tiny, tmp_path):
+    out = tmp_path / "out"
+    proc = sft(tiny, "sft_chat_bad_rows.jsonl", out)  # the word-level tokenizer has no template
+    assert_one_line_error(proc, "data.train", "sft_chat_bad_rows.jsonl", "data.chat_template")
+    assert not out.exists()
 
 
 def test_bad_preference_rows_are_skipped_counted_and_reported(tiny, tmp_path):

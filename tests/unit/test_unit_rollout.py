@@ -247,3 +247,79 @@ def test_trimmed_keeps_a_batch_without_padding_columns_whole():
     # Rows without any real response token keep one column (the model needs one).
     empty, T = _batch([[1]], [[0, 0, 0]]).trimmed()
     assert T == 1 and empty.response_mask.shape == (1, 1)
+
+
+# ------------------------------------------------------------------ several stop tokens
+
+STOPS = (1, 7, 9)  # e.g. EOS, the template's end-of-turn token, generation.stop_token_ids
+
+
+def test_truncate_after_the_first_of_several_stop_ids_by_hand():
+    response_ids = torch.tensor(
+        [
+            [5, 7, 6, 9],  # end-of-turn first
+            [5, 6, 9, 1],  # a configured stop id, then EOS: the first counts
+            [5, 6, 8, 6],  # none: unfinished
+        ]
+    )
+    ids, mask, finished = truncate_after_eos(response_ids, STOPS, PAD)
+    assert ids.tolist() == [[5, 7, PAD, PAD], [5, 6, 9, PAD], [5, 6, 8, 6]]
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert finished.tolist() == [True, True, False]
+    # The reward model's read position and the missing-EOS penalty follow from these.
+    assert sequence_last_index(3, mask).tolist() == [4, 5, 6]
+    assert scores_with_eos_penalty(torch.ones(3), finished, -1.0).tolist() == [1, 1, -1]
+
+
+def test_decode_skips_every_stop_id(tok):
+    vocab = tok.get_vocab()
+    great, food = vocab["great"], vocab["food"]
+    ids, mask, _ = truncate_after_eos(torch.tensor([[great, 7, food]]), STOPS, PAD)
+    assert decode_responses(tok, ids, mask, STOPS) == ["great"]
+
+
+def test_sample_next_suppresses_every_stop_id():
+    gen = type("Gen", (), {"temperature": 1.0, "top_k": 0, "top_p": 1.0})()
+    logits = torch.zeros(500, 10)
+    logits[:, list(STOPS)] = 8.0  # the stop ids are by far the likeliest
+    torch.manual_seed(0)
+    drawn = sample_next(logits, gen, torch.tensor(STOPS), allow_eos=False)
+    assert not torch.isin(drawn, torch.tensor(STOPS)).any()
+
+
+class _Output(dict):
+    __getattr__ = dict.__getitem__
+
+
+class _Scripted(torch.nn.Module):
+    """A 'model' whose next token at decode step s is script[b][s] for row b (one-hot logits)."""
+
+    def __init__(self, script: list[list[int]], vocab: int = 12):
+        super().__init__()
+        self.script, self.vocab, self.step = script, vocab, 0
+
+    def forward(self, input_ids, **kwargs):
+        logits = torch.full((input_ids.shape[0], 1, self.vocab), -1e9)
+        for b, row in enumerate(self.script):
+            logits[b, 0, row[self.step]] = 0.0
+        self.step += 1
+        return _Output(logits=logits, past_key_values=None)
+
+
+def test_generation_stops_at_the_first_of_several_stop_ids(tok):
+    from rlhf_dist.rollout import generate
+
+    script = [[5, 7, 6, 6], [5, 6, 9, 6], [5, 6, 6, 6]]
+    gen = type("Gen", (), {"temperature": 1.0, "top_k": 0, "top_p": 1.0})()
+    gen.max_new_tokens, gen.min_new_tokens = 4, 0
+    prompt = torch.tensor([[3, 4]] * 3)
+    out = generate(_Scripted(script), prompt, torch.ones_like(prompt), gen, tok, stop_ids=STOPS)
+    pad = tok.pad_token_id
+    assert out.tolist() == [[5, 7, pad, pad], [5, 6, 9, pad], [5, 6, 6, 6]]
+    # Only the tokenizer's EOS (id 1) stops it when no stop ids are given.
+    out = generate(_Scripted(script), prompt, torch.ones_like(prompt), gen, tok)
+    assert out.tolist() == script
+    # All rows stopped early: the loop ends without running to max_new_tokens.
+    short = [[7, 6, 6, 6], [9, 6, 6, 6], [1, 6, 6, 6]]
+    out = generate(_Scripted(short), prompt, torch.ones_like(prompt), gen, tok, stop_ids=STOPS)
+    assert out.tolist() == [[7], [9], [1]]
