@@ -7,7 +7,8 @@ reward model with another vocabulary and template).
 - PPO on conversational prompts with the other tokenizer's reward model runs, and that
   model reads exactly its own template's rendering of prompt + response;
 - a critic started from that reward model is refused;
-- an SFT export carries data.chat_template for the next stage.
+- an SFT export carries data.chat_template for the next stage;
+- eval probes that reward model for length bias in its own tokens.
 """
 
 from __future__ import annotations
@@ -220,3 +221,26 @@ def test_critic_from_a_reward_model_of_another_tokenizer_is_refused(chat_env, ru
     with pytest.raises(ConfigError, match=r"^ppo\.critic_init: .*critic_init=policy"):
         train_ppo(_ppo_cfg(chat_env, tmp_path / "out", critic_init="reward"), runtime)
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_probes_a_reward_model_of_another_tokenizer(chat_env, runtime, tmp_path):
+    """`rlhf-dist eval` runs the length and rephrasing probes of a reward model with its
+    own tokenizer, in that model's tokens (RewardInputs.probe_response)."""
+    from rlhf_dist.evaluate import run_eval
+
+    cfg = config_from_dict(
+        {
+            "run": {"output_dir": str(tmp_path)},
+            "model": {
+                "policy": str(chat_env["models"]["chatml"]["policy"]),
+                "reward": str(chat_env["models"]["llama3"]["reward"]),
+            },
+            "data": {**DATA, "train": str(chat_env["files"]["prompts"])},
+            "generation": {"max_new_tokens": 16, "temperature": 1.0},
+            "eval": {"num_prompts": 32, "batch_size": 32},
+        }
+    )
+    summary = run_eval(cfg, runtime)
+    assert "length_corr" in summary
+    assert summary["rephrase_responses"] > 0, summary  # finished responses were probed
+    assert summary["rephrase_longer_delta"] is not None
