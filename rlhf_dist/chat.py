@@ -10,6 +10,7 @@ BOS is never added twice (docs/data.md).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +152,19 @@ def chat_for(tokenizer, data_cfg, where: str) -> Chat:
     """The Chat conversational rows of `where` are rendered with (data.chat_template or the
     tokenizer's own template)."""
     return Chat(tokenizer, resolve_template(tokenizer, data_cfg.chat_template, where))
+
+
+def export_tokenizer(tokenizer, data_cfg):
+    """The tokenizer an exported model is saved with: when data.chat_template is set, a
+    copy carrying it as its own template, so the next stage (rm or ppo after sft) renders
+    conversations as this one did with no extra config. The run's tokenizer is untouched:
+    it may still be compared with a reward model's (scoring.same_tokenizer)."""
+    if not data_cfg.chat_template:
+        return tokenizer
+    template = resolve_template(tokenizer, data_cfg.chat_template, "data.chat_template")
+    out = copy.deepcopy(tokenizer)
+    out.chat_template = template
+    return out
 
 
 def stop_token_ids(tokenizer, chat: Chat | None, extra=(), generation_eos=()) -> tuple[int, ...]:

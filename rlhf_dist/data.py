@@ -115,17 +115,15 @@ def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
         raise ConfigError(f"{key}: cannot load {source!r}: {first}") from None
 
 
-def _text(row: dict, name: str, report: SkipReport) -> str | None:
+def _row_text(row: dict, name: str) -> str:
+    """The text under `name`, or BadRow (missing, not text, blank)."""
     value = row.get(name)
     if value is None:
-        report.skip(f"missing '{name}'")
-        return None
+        raise BadRow(f"missing '{name}'")
     if not isinstance(value, str):
-        report.skip(f"'{name}' not text")
-        return None
+        raise BadRow(f"'{name}' not text")
     if not value.strip():
-        report.skip(f"empty '{name}'")
-        return None
+        raise BadRow(f"empty '{name}'")
     return value
 
 
@@ -148,12 +146,12 @@ def _row_messages(row: dict, name: str) -> list[dict]:
 
 
 def encode_prompt(tokenizer, text: str, max_len: int, too_long: str, report: SkipReport):
-    """Prompt token ids (BOS added if the tokenizer adds one); long prompts keep their end."""
+    """Prompt token ids (BOS added if the tokenizer adds one); long prompts keep their end
+    (counted in `report`), or are a BadRow with data.too_long=drop."""
     ids = tokenizer(text)["input_ids"]
     if len(ids) > max_len:
         if too_long == "drop":
-            report.skip("prompt too long")
-            return None
+            raise BadRow("prompt too long")
         report.truncated += 1
         ids = ids[-max_len:]
     return ids
@@ -162,6 +160,113 @@ def encode_prompt(tokenizer, text: str, max_len: int, too_long: str, report: Ski
 def encode_response(tokenizer, text: str) -> list[int]:
     """Response ids followed by EOS: the reward is read at the EOS token."""
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def close_with_stop(ids: list[int], trained: list[bool], stop_ids, eos_id: int):
+    """A conversation that does not end with a stop token (a template that closes turns
+    with plain text) gets EOS appended and trained: every sequence must end at a token
+    generation can stop at, where the reward is read."""
+    if ids and ids[-1] in stop_ids:
+        return ids, trained
+    return ids + [eos_id], trained + [True]
+
+
+def encode_each(rows: list[dict], encode) -> tuple[list, SkipReport]:
+    """Everything `encode(row, report)` makes of each row (a list per row). A BadRow skips
+    its row, counted under its reason; `report` also counts skips within a row (one pair of
+    a ranked list) and truncated prompts."""
+    report, out = SkipReport(), []
+    for row in rows:
+        try:
+            out += encode(row, report)
+        except BadRow as e:
+            report.skip(str(e))
+    report.kept = len(out)
+    return out, report
+
+
+# ------------------------------------------------------------------- one row's tokens
+
+
+@dataclass(frozen=True)
+class RowRender:
+    """How the rows of one file become token ids; SFT, preference and KTO rows all go
+    through it (docs/data.md). Text (`chat` None): the prompt as the tokenizer encodes it
+    by default, each response without special tokens, then EOS. Conversational: prompt +
+    response turns rendered whole with `chat`, closed by a stop token (`stop_ids`)."""
+
+    tokenizer: object
+    data_cfg: object
+    chat: Chat | None = None
+    stop_ids: tuple[int, ...] = ()
+
+    def prompt(self, row: dict):
+        """The row's prompt: a text, or messages ending with the user's turn; else BadRow."""
+        name = self.data_cfg.prompt_field
+        if self.chat is None:
+            return _row_text(row, name)
+        return check_prompt_turns(_row_messages(row, name), "prompt")
+
+    def response(self, row: dict, name: str):
+        """A response column: a text, or assistant turns only; else BadRow."""
+        if self.chat is None:
+            return _row_text(row, name)
+        turns = _row_messages(row, name)
+        if any(m["role"] != "assistant" for m in turns):
+            raise BadRow(f"'{name}' holds turns other than the assistant's")
+        return turns
+
+    def prompt_ids(self, prompt, report: SkipReport) -> list[int]:
+        """Ids of a prompt to generate from: a text per data.too_long; a conversation with
+        its generation prompt, skipped when too long (cutting it would cut its template)."""
+        cfg = self.data_cfg
+        if self.chat is None:
+            return encode_prompt(
+                self.tokenizer, prompt, cfg.max_prompt_length, cfg.too_long, report
+            )
+        ids = self.chat.prompt_ids(prompt)
+        if len(ids) > cfg.max_prompt_length:
+            raise BadRow("conversational prompt too long")
+        return ids
+
+    def sequences(self, prompt, responses: list, report: SkipReport):
+        """(ids, trained) of prompt + each response: `trained` marks the response's tokens
+        (its EOS included; for conversations its turns' tokens, chat.conversation). A text
+        prompt is encoded once for all the responses."""
+        if self.chat is not None:
+            return [self.conversation(prompt + turns, len(prompt)) for turns in responses]
+        p = self.prompt_ids(prompt, report)
+        out = []
+        for text in responses:
+            r = encode_response(self.tokenizer, text)
+            out.append((p + r, [False] * len(p) + [True] * len(r)))
+        return out
+
+    def conversation(self, messages: list[dict], first_trained: int = 0):
+        """(ids, trained) of a whole conversation, assistant turns from `first_trained` on
+        trained, closed by a stop token (close_with_stop)."""
+        ids, trained = self.chat.conversation(messages, first_trained)
+        if not any(trained):
+            raise BadRow("chat template renders no assistant tokens")
+        return close_with_stop(ids, trained, self.stop_ids, self.tokenizer.eos_token_id)
+
+
+def row_render(tokenizer, data_cfg, conversational: bool, where: str) -> RowRender:
+    """The RowRender of a file: text, or conversational with the chat template of
+    data.chat_template or the tokenizer (`where` names the file in the error when neither)."""
+    if not conversational:
+        return RowRender(tokenizer, data_cfg)
+    chat = chat_for(tokenizer, data_cfg, where)
+    return RowRender(tokenizer, data_cfg, chat, stop_token_ids(tokenizer, chat))
+
+
+def _fits(seqs, data_cfg, report: SkipReport) -> bool:
+    """Whether every sequence of `seqs` ((ids, trained) each) is within data.max_length;
+    if not, the item is a counted skip."""
+    if max(len(ids) for ids, _ in seqs) <= data_cfg.max_length:
+        return True
+    report.skip("longer than data.max_length")
+    return False
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -174,42 +279,21 @@ class PromptSet:
     report: SkipReport
 
 
-def chat_prompt_ids(chat: Chat, messages: list[dict], max_len: int) -> list[int]:
-    """Ids of a conversational prompt with the generation prompt; too long: BadRow (cutting
-    its start would cut the template's opening, so it is never truncated)."""
-    ids = chat.prompt_ids(check_prompt_turns(messages, "prompt"))
-    if len(ids) > max_len:
-        raise BadRow("conversational prompt too long")
-    return ids
-
-
 def prompt_set(rows: list[dict], tokenizer, data_cfg, where: str = "data.train") -> PromptSet:
     """Prompts of a file: `prompt_field` as text, or as messages rendered with the chat
     template (`where` names the file in errors)."""
-    report, name = SkipReport(), data_cfg.prompt_field
-    chat = chat_for(tokenizer, data_cfg, where) if is_conversational(rows, (name,)) else None
-    texts, ids = [], []
-    for row in rows:
-        if chat is None:
-            prompt, enc = _text(row, name, report), None
-            if prompt is not None:
-                enc = encode_prompt(
-                    tokenizer, prompt, data_cfg.max_prompt_length, data_cfg.too_long, report
-                )
-        else:
-            try:
-                prompt = _row_messages(row, name)
-                enc = chat_prompt_ids(chat, prompt, data_cfg.max_prompt_length)
-            except BadRow as e:
-                report.skip(str(e))
-                enc = None
-        if enc is not None:
-            texts.append(prompt)
-            ids.append(enc)
-    report.kept = len(ids)
-    if not ids:
+    conversational = is_conversational(rows, (data_cfg.prompt_field,))
+    chat = chat_for(tokenizer, data_cfg, where) if conversational else None
+    render = RowRender(tokenizer, data_cfg, chat)  # prompts only: no stop ids needed
+
+    def encode(row: dict, report: SkipReport) -> list:
+        prompt = render.prompt(row)
+        return [(prompt, render.prompt_ids(prompt, report))]
+
+    found, report = encode_each(rows, encode)
+    if not found:
         raise ConfigError(f"data: no usable prompts ({report.summary('prompts')})")
-    return PromptSet(texts, ids, report)
+    return PromptSet([p for p, _ in found], [ids for _, ids in found], report)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,35 +348,12 @@ def sft_format(rows: list[dict], data_cfg, response_field: str = "response") -> 
     return form, is_conversational(rows, (data_cfg.prompt_field, form))
 
 
-def close_with_stop(ids: list[int], trained: list[bool], stop_ids, eos_id: int):
-    """A conversation that does not end with a stop token (a template that closes turns
-    with plain text) gets EOS appended and trained: every sequence must end at a token
-    generation can stop at, where the reward is read."""
-    if ids and ids[-1] in stop_ids:
-        return ids, trained
-    return ids + [eos_id], trained + [True]
-
-
-def chat_sft_example(chat: Chat, row: dict, form: str, data_cfg, stop_ids) -> SFTExample:
-    """A conversational row as an SFTExample whose loss covers assistant turns only: all
-    of them for `messages`, the completion's for prompt + completion."""
-    if form == "messages":
-        messages, first = _row_messages(row, "messages"), 0
-        if not any(m["role"] == "assistant" for m in messages):
-            raise BadRow("no assistant turn in 'messages'")
-    else:
-        prompt = check_prompt_turns(_row_messages(row, data_cfg.prompt_field), "prompt")
-        completion = _row_messages(row, form)
-        if any(m["role"] != "assistant" for m in completion):
-            raise BadRow(f"'{form}' holds turns other than the assistant's")
-        messages, first = prompt + completion, len(prompt)
-    ids, trained = chat.conversation(messages, first)
-    if not any(trained):
-        raise BadRow("chat template renders no assistant tokens")
-    ids, trained = close_with_stop(ids, trained, stop_ids, chat.tokenizer.eos_token_id)
-    if len(ids) > data_cfg.max_length:
-        raise BadRow("longer than data.max_length")
-    return SFTExample(ids, trained.index(True), trained)
+def messages_sequence(render: RowRender, row: dict):
+    """(ids, trained) of a `messages` row: the loss covers all its assistant turns."""
+    messages = _row_messages(row, "messages")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("no assistant turn in 'messages'")
+    return render.conversation(messages)
 
 
 def sft_examples(
@@ -301,39 +362,20 @@ def sft_examples(
     """SFT sequences of a file (docs/data.md): prompt + response(+EOS) or prompt +
     completion as text, or conversations; the loss covers response tokens only."""
     form, conversational = sft_format(rows, data_cfg, response_field)
-    if conversational:
-        chat = chat_for(tokenizer, data_cfg, where)
-        stop_ids = stop_token_ids(tokenizer, chat)
-        return encode_rows(rows, lambda row: chat_sft_example(chat, row, form, data_cfg, stop_ids))
-    report = SkipReport()
-    out = []
-    for row in rows:
-        prompt = _text(row, data_cfg.prompt_field, report)
-        response = _text(row, form, report) if prompt is not None else None
-        if response is None:
-            continue
-        p = encode_prompt(tokenizer, prompt, data_cfg.max_prompt_length, data_cfg.too_long, report)
-        if p is None:
-            continue
-        r = encode_response(tokenizer, response)
-        if len(p) + len(r) > data_cfg.max_length:
-            report.skip("longer than data.max_length")
-            continue
-        out.append(SFTExample(p + r, len(p)))
-    report.kept = len(out)
-    return out, report
+    render = row_render(tokenizer, data_cfg, conversational, where)
 
+    def encode(row: dict, report: SkipReport) -> list[SFTExample]:
+        if form == "messages":
+            seq = messages_sequence(render, row)
+        else:
+            prompt, response = render.prompt(row), render.response(row, form)
+            seq = render.sequences(prompt, [response], report)[0]
+        if not _fits([seq], data_cfg, report):
+            return []
+        ids, trained = seq
+        return [SFTExample(ids, trained.index(True), trained if conversational else None)]
 
-def encode_rows(rows: list[dict], encode) -> tuple[list, SkipReport]:
-    """`encode(row)` of every row; a BadRow is a counted skip under its reason."""
-    report, out = SkipReport(), []
-    for row in rows:
-        try:
-            out.append(encode(row))
-        except BadRow as e:
-            report.skip(str(e))
-    report.kept = len(out)
-    return out, report
+    return encode_each(rows, encode)
 
 
 def collate_sft(batch: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -357,17 +399,15 @@ class PreferencePair:
     prompt_len: int = 0  # tokens of the shared prompt at the start of both sequences
 
 
-def _pairs_of_row(row: dict, data_cfg, responses_field: str, report: SkipReport):
-    """(chosen, rejected) texts of one row: a pair, or all C(n,2) pairs of a ranked list."""
+def _text_pairs(row: dict, responses_field: str, report: SkipReport) -> list[tuple[str, str]]:
+    """(chosen, rejected) texts of one text row: a pair, or all C(n,2) pairs of a ranked list."""
     # `datasets` fills absent columns with None, so a mixed file has chosen=None on ranked rows.
     if row.get(responses_field) is not None and row.get("chosen") is None:
         responses = row[responses_field]
         if not isinstance(responses, list) or len(responses) < 2:
-            report.skip(f"'{responses_field}' not a list of 2+ texts")
-            return []
+            raise BadRow(f"'{responses_field}' not a list of 2+ texts")
         if not all(isinstance(r, str) and r.strip() for r in responses):
-            report.skip(f"empty or non-text entry in '{responses_field}'")
-            return []
+            raise BadRow(f"empty or non-text entry in '{responses_field}'")
         # Best-first ranking: every earlier response is preferred to every later one.
         pairs = []
         for better, worse in itertools.combinations(responses, 2):
@@ -376,42 +416,10 @@ def _pairs_of_row(row: dict, data_cfg, responses_field: str, report: SkipReport)
             else:
                 pairs.append((better, worse))
         return pairs
-    chosen = _text(row, "chosen", report)
-    rejected = _text(row, "rejected", report) if chosen is not None else None
-    if rejected is None:
-        return []
+    chosen, rejected = _row_text(row, "chosen"), _row_text(row, "rejected")
     if chosen.strip() == rejected.strip():
-        report.skip("chosen == rejected")
-        return []
+        raise BadRow("chosen == rejected")
     return [(chosen, rejected)]
-
-
-def preference_pairs(
-    rows: list[dict], tokenizer, data_cfg, responses_field: str = "responses", where="data.train"
-):
-    """Preference pairs of a file (docs/data.md): text or conversational chosen/rejected,
-    with an explicit or implicit prompt, or text ranked lists."""
-    if is_conversational(rows, (data_cfg.prompt_field, "chosen", "rejected")):
-        chat = chat_for(tokenizer, data_cfg, where)
-        stop_ids = stop_token_ids(tokenizer, chat)
-        return encode_rows(rows, lambda row: chat_preference_pair(chat, row, data_cfg, stop_ids))
-    report = SkipReport()
-    out = []
-    for row in rows:
-        prompt = _text(row, data_cfg.prompt_field, report)
-        if prompt is None:
-            continue
-        p = encode_prompt(tokenizer, prompt, data_cfg.max_prompt_length, data_cfg.too_long, report)
-        if p is None:
-            continue
-        for chosen, rejected in _pairs_of_row(row, data_cfg, responses_field, report):
-            c, r = p + encode_response(tokenizer, chosen), p + encode_response(tokenizer, rejected)
-            if max(len(c), len(r)) > data_cfg.max_length:
-                report.skip("longer than data.max_length")
-                continue
-            out.append(PreferencePair(c, r, row.get("category"), len(p)))
-    report.kept = len(out)
-    return out, report
 
 
 def split_implicit_prompt(chosen: list[dict], rejected: list[dict]):
@@ -442,20 +450,35 @@ def chat_preference_messages(row: dict, prompt_field: str):
     return prompt, chosen, rejected
 
 
-def chat_preference_pair(chat: Chat, row: dict, data_cfg, stop_ids) -> PreferencePair:
-    """Both conversations rendered whole (the reward model reads them as PPO will show
-    them: chat.conversation's text, closed by a stop token)."""
-    prompt, chosen, rejected = chat_preference_messages(row, data_cfg.prompt_field)
-    seqs = []
-    for turns in (chosen, rejected):
-        ids, trained = chat.conversation(prompt + turns, len(prompt))
-        if not any(trained):
-            raise BadRow("chat template renders no assistant tokens")
-        seqs.append(close_with_stop(ids, trained, stop_ids, chat.tokenizer.eos_token_id))
-    if max(len(ids) for ids, _ in seqs) > data_cfg.max_length:
-        raise BadRow("longer than data.max_length")
-    prompt_len = seqs[0][1].index(True)
-    return PreferencePair(seqs[0][0], seqs[1][0], row.get("category"), prompt_len)
+def preference_row(render: RowRender, row: dict, responses_field: str, report: SkipReport):
+    """(prompt, [(chosen, rejected), ...]) of one preference row, texts or message lists:
+    an explicit or implicit prompt, or (text) a ranked list's C(n,2) pairs."""
+    if render.chat is not None:
+        prompt, chosen, rejected = chat_preference_messages(row, render.data_cfg.prompt_field)
+        return prompt, [(chosen, rejected)]
+    return render.prompt(row), _text_pairs(row, responses_field, report)
+
+
+def preference_pairs(
+    rows: list[dict], tokenizer, data_cfg, responses_field: str = "responses", where="data.train"
+):
+    """Preference pairs of a file (docs/data.md): text or conversational chosen/rejected,
+    with an explicit or implicit prompt, or text ranked lists. Conversations are rendered
+    whole (the reward model reads them as PPO will show them), closed by a stop token."""
+    names = (data_cfg.prompt_field, "chosen", "rejected")
+    render = row_render(tokenizer, data_cfg, is_conversational(rows, names), where)
+
+    def encode(row: dict, report: SkipReport) -> list[PreferencePair]:
+        prompt, pairs = preference_row(render, row, responses_field, report)
+        seqs = render.sequences(prompt, [r for pair in pairs for r in pair], report)
+        out = []
+        for chosen, rejected in zip(seqs[::2], seqs[1::2]):
+            if _fits([chosen, rejected], data_cfg, report):
+                prompt_len = chosen[1].index(True)
+                out.append(PreferencePair(chosen[0], rejected[0], row.get("category"), prompt_len))
+        return out
+
+    return encode_each(rows, encode)
 
 
 def collate_pairs(batch: list[PreferencePair], pad_id: int) -> dict[str, torch.Tensor]:
@@ -475,54 +498,61 @@ class KTOExample:
     this prompt makes the mismatched pair KTO's reference point is estimated from."""
 
     prompt: list[int]
-    completion: list[int]  # response ids + EOS
+    completion: list[int]  # response ids + EOS (conversations: the turn up to its stop token)
     desirable: bool
     kl_completion: list[int] = field(default_factory=list)
 
 
-def _kto_texts_of_row(row: dict, data_cfg, kto_cfg, report: SkipReport) -> list[tuple[str, bool]]:
-    """(completion, desirable) of one row: unpaired (completion + label) or from preferences."""
+def _unique(items: list) -> list:
+    """`items` in first-seen order without repeats (message lists are not hashable)."""
+    out = []
+    for item in items:
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def kto_row(render: RowRender, row: dict, kto_cfg, report: SkipReport):
+    """(prompt, [(completion, desirable), ...]) of one row, texts or message lists:
+    TRL's unpaired format (prompt, completion, label), or a preference row (chosen
+    desirable, rejected undesirable)."""
     if row.get(kto_cfg.completion_field) is None:
-        pairs = _pairs_of_row(row, data_cfg, kto_cfg.responses_field, report)
-        chosen = dict.fromkeys(c for c, _ in pairs)  # dicts keep first-seen order
-        rejected = dict.fromkeys(r for _, r in pairs)
+        prompt, pairs = preference_row(render, row, kto_cfg.responses_field, report)
+        chosen, rejected = _unique([c for c, _ in pairs]), _unique([r for _, r in pairs])
         # A middle response of a ranked list is both preferred and dispreferred: neither.
-        return [(c, True) for c in chosen if c not in rejected] + [
-            (r, False) for r in rejected if r not in chosen
-        ]
-    completion = _text(row, kto_cfg.completion_field, report)
-    if completion is None:
-        return []
+        labelled = [(c, True) for c in chosen if c not in rejected]
+        return prompt, labelled + [(r, False) for r in rejected if r not in chosen]
+    prompt = render.prompt(row)
+    completion = render.response(row, kto_cfg.completion_field)
     label = row.get(kto_cfg.label_field)
     if not isinstance(label, bool):
-        report.skip(f"'{kto_cfg.label_field}' not true/false")
-        return []
-    return [(completion, label)]
+        raise BadRow(f"'{kto_cfg.label_field}' not true/false")
+    return prompt, [(completion, label)]
 
 
-def kto_examples(rows: list[dict], tokenizer, data_cfg, kto_cfg):
+def kto_examples(rows: list[dict], tokenizer, data_cfg, kto_cfg, where="data.train"):
     """KTO examples from unpaired rows (TRL's format: prompt, completion, label) or from
-    preference rows (chosen -> desirable, rejected -> undesirable); each example's
-    `kl_completion` is the completion of the next example with a different prompt."""
-    report, out = SkipReport(), []
-    for row in rows:
-        prompt = _text(row, data_cfg.prompt_field, report)
-        if prompt is None:
-            continue
-        p = encode_prompt(tokenizer, prompt, data_cfg.max_prompt_length, data_cfg.too_long, report)
-        if p is None:
-            continue
-        for text, desirable in _kto_texts_of_row(row, data_cfg, kto_cfg, report):
-            completion = encode_response(tokenizer, text)
-            if len(p) + len(completion) > data_cfg.max_length:
-                report.skip("longer than data.max_length")
-                continue
-            out.append(KTOExample(p, completion, desirable))
+    preference rows (chosen -> desirable, rejected -> undesirable), text or conversational;
+    each example's `kl_completion` is the completion of the next example with a different
+    prompt."""
+    names = (data_cfg.prompt_field, kto_cfg.completion_field, "chosen", "rejected")
+    render = row_render(tokenizer, data_cfg, is_conversational(rows, names), where)
+
+    def encode(row: dict, report: SkipReport) -> list[KTOExample]:
+        prompt, labelled = kto_row(render, row, kto_cfg, report)
+        seqs = render.sequences(prompt, [c for c, _ in labelled], report)
+        out = []
+        for (ids, trained), (_, desirable) in zip(seqs, labelled):
+            if _fits([(ids, trained)], data_cfg, report):
+                n = trained.index(True)  # the prompt's tokens, then the completion's
+                out.append(KTOExample(ids[:n], ids[n:], desirable))
+        return out
+
+    out, report = encode_each(rows, encode)
     for i, ex in enumerate(out):
         # Cyclic, so every example has a partner; equal prompts are skipped where possible
         # (the pair must not be a real one). Not shuffled: the order is the data's.
         others = (out[(i + k) % len(out)] for k in range(1, len(out)))
         partner = next((o for o in others if o.prompt != ex.prompt), out[(i + 1) % len(out)])
         ex.kl_completion = partner.completion
-    report.kept = len(out)
     return out, report

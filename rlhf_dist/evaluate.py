@@ -68,8 +68,10 @@ def evaluate_chunk(
             gold_fn(texts, responses, finished.tolist()), dtype=torch.float32
         )
     probe = []
-    if scorer.reward_model is not None:
+    if scorer.reward_model is not None and scorer.inputs is None:
         probe = probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out)
+    elif scorer.reward_model is not None:
+        probe = own_token_probe_items(scorer.inputs, texts, responses, finished, out)
     return out, responses, probe
 
 
@@ -86,6 +88,18 @@ def probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, 
         prompt = prompt_ids[i][prompt_mask[i].bool()].tolist()
         response = diag.Response(prompt, real[:-1], real[-1:])
         items.append((response, float(out["score"][i]), float(out["length"][i])))
+    return items
+
+
+def own_token_probe_items(inputs, texts, responses, finished, out):
+    """probe_items for a reward model with its own tokenizer (scoring.RewardInputs): each
+    finished response in the reward model's tokens, by the same text round-trip that
+    scored it. A response without a clean split (RewardInputs.probe_response) is left out."""
+    items = []
+    for i in finished.nonzero().flatten().tolist():
+        response = inputs.probe_response(texts[i], responses[i])
+        if response is not None:
+            items.append((response, float(out["score"][i]), float(out["length"][i])))
     return items
 
 
@@ -138,10 +152,11 @@ def evaluate_policy(
             for t, r, s in zip(texts, responses, out["score"])
         ]
     summary = stats.reduce(runtime)
-    # A reward function has no length bias to find; a reward model reading its own tokens
-    # (another tokenizer) cannot be probed with the policy's.
-    if scorer.reward_model is not None and scorer.inputs is None:
-        summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, tokenizer)
+    # A reward function has no length bias to find. A reward model with its own tokenizer
+    # is probed in its tokens (own_token_probe_items), with its tokenizer's filler and PAD.
+    if scorer.reward_model is not None:
+        rm_tok = tokenizer if scorer.inputs is None else scorer.inputs.tokenizer
+        summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, rm_tok)
     return summary, samples
 
 

@@ -125,6 +125,22 @@ class RewardInputs:
             raise ConfigError(f"model.reward: its chat template: {e}") from None
         return close_with_stop(ids, trained, self.stop_ids, tok.eos_token_id)[0]
 
+    def probe_response(self, prompt, response: str) -> diag.Response | None:
+        """The finished sequence of (prompt, response) split for the rephrasing probe
+        (docs/rm_diagnostics.md): prompt part, the response's own encoding as the body,
+        then what closes it (end-of-turn, EOS). None where the rendering does not hold
+        those tokens there (a tokenizer merging across the boundary): no clean split."""
+        ids = self.sequence(prompt, response, True)
+        if isinstance(prompt, str):
+            head = self.tokenizer(prompt)["input_ids"]
+        else:
+            head = self.chat.prompt_ids(prompt)
+        body = self.tokenizer(response, add_special_tokens=False)["input_ids"]
+        cut = len(head) + len(body)
+        if ids[: len(head)] != head or ids[len(head) : cut] != body:
+            return None
+        return diag.Response(head, body, ids[cut:])
+
     def batch(self, prompts, responses, input_ids, last_index):
         """(ids, attention mask, last index) of the RM's own tokens, right-padded; a
         response finished iff its last real token in `input_ids` (B, P+T) is a stop id."""

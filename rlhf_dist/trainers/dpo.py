@@ -94,7 +94,8 @@ def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pa
 def load_dpo_pairs(cfg, runtime, tokenizer) -> tuple[list, list]:
     """Training and held-out pairs (the `rm` formats: chosen/rejected or ranked responses)."""
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
-    train, report = preference_pairs(rows, tokenizer, cfg.data, cfg.dpo.responses_field)
+    d, field = cfg.data, cfg.dpo.responses_field
+    train, report = preference_pairs(rows, tokenizer, d, field, f"data.train {d.train!r}")
     runtime.print(report.summary("preference pairs"))
     if len(train) < cfg.dpo.batch_size:
         raise ConfigError(
@@ -103,7 +104,7 @@ def load_dpo_pairs(cfg, runtime, tokenizer) -> tuple[list, list]:
     evals = []
     if cfg.data.eval:
         rows = load_rows(cfg.data.eval, "data.eval")
-        evals = preference_pairs(rows, tokenizer, cfg.data, cfg.dpo.responses_field)[0]
+        evals = preference_pairs(rows, tokenizer, d, field, f"data.eval {d.eval!r}")[0]
     return train, evals
 
 

@@ -109,7 +109,8 @@ def kto_step(runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc,
 
 def load_kto_examples(cfg, runtime, tokenizer) -> list:
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
-    train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto)
+    where = f"data.train {cfg.data.train!r}"
+    train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)
     desirable = sum(ex.desirable for ex in train)
     runtime.print(
         f"{report.summary('kto examples')} ({desirable} desirable, {len(train) - desirable} undesirable)"

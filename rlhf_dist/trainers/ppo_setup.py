@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from rlhf_dist.algo.estimators import ESTIMATORS
+from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.config import ConfigError
 from rlhf_dist.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
 from rlhf_dist.models import (
@@ -163,7 +164,7 @@ def _load_reference(cfg) -> nn.Module:
 
 def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
     """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
-    lora = cfg.lora
+    lora, tokenizer = cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
         save_pretrained(runtime, model, tokenizer, out / "final", "actor", cfg.model.dtype)
         if has_critic(cfg):

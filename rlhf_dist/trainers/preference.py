@@ -19,6 +19,7 @@ import torch
 
 from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.preference import sequence_logprobs
+from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.data import SFTExample, collate_sft
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.lora import AdapterOffReference, add_adapters, export_lora
@@ -133,7 +134,7 @@ def reference_table(cfg, runtime, reference, seqs, size: int, pad_id: int, out: 
 def export_policy(cfg, runtime, model, tokenizer, out: Path) -> None:
     """final/ = the trained policy (merged with lora.export merged/both), final_adapter/ =
     the LoRA adapter (adapter/both). Every rank must call this."""
-    m, lora = cfg.model, cfg.lora
+    m, lora, tokenizer = cfg.model, cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
         save_pretrained(runtime, model, tokenizer, out / "final", dtype=m.dtype)
         return

@@ -14,6 +14,7 @@ import torch
 from rlhf_dist import diagnostics as diag
 from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
 from rlhf_dist.batching import BatchPlan
+from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import (
     PreferencePair,
@@ -267,7 +268,8 @@ def train_reward_model(cfg, runtime) -> dict:
         summary |= report_eval(
             cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logger, len(batches)
         )
-    save_pretrained(runtime, model, tokenizer, out / "final", "classifier", cfg.model.dtype)
+    export = export_tokenizer(tokenizer, cfg.data)
+    save_pretrained(runtime, model, export, out / "final", "classifier", cfg.model.dtype)
     write_summary(runtime, out, summary)
     logger.close()
     return summary

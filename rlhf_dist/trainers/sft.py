@@ -12,6 +12,7 @@ import torch
 from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.batching import BatchPlan
+from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for, trained_load_dtype
@@ -135,7 +136,8 @@ def train_sft(cfg, runtime) -> dict:
     if evals:
         summary["eval_loss"] = eval_nll(runtime, model, evals, sc.micro_batch_size, pad)
         logger.log(len(batches), {"sft/eval_loss": summary["eval_loss"]}, ("sft/eval_loss",))
-    save_pretrained(runtime, model, tokenizer, out / "final", dtype=cfg.model.dtype)
+    export = export_tokenizer(tokenizer, cfg.data)
+    save_pretrained(runtime, model, export, out / "final", dtype=cfg.model.dtype)
     write_summary(runtime, out, summary)
     logger.close()
     return summary

@@ -94,6 +94,27 @@ def test_bad_conversations_are_skipped_counted_and_reported(tiny, tmp_path):
         assert reason in report, report
 
 
+def test_bad_kto_conversations_are_skipped_counted_and_reported(tiny, tmp_path):
+    args = [
+        f"model.policy={tiny['chat_policy']}",
+        f"data.train={CORPUS / 'kto_chat_bad_rows.jsonl'}",
+    ]
+    out = [f"run.output_dir={tmp_path / 'out'}", "kto.batch_size=8", "kto.micro_batch_size=8"]
+    proc = run("kto", *args, *out, "data.max_length=48")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = next(line for line in proc.stdout.splitlines() if line.startswith("kto examples"))
+    assert "40 kept" in report and "5 skipped" in report, report
+    assert "(20 desirable, 20 undesirable)" in report, report
+    for reason in (
+        "'label' not true/false",
+        "'completion' holds turns other than the assistant's",
+        "last turn of 'prompt' not from the user",
+        "unknown role in 'completion'",
+        "empty content in 'completion'",
+    ):
+        assert reason in report, report
+
+
 def test_conversations_without_a_chat_template_are_one_line(tiny, tmp_path):
     out = tmp_path / "out"
     proc = sft(tiny, "sft_chat_bad_rows.jsonl", out)  # the word-level tokenizer has no template

@@ -6,7 +6,9 @@ reward model with another vocabulary and template).
 - a reward model trains on conversational pairs with an implicit prompt;
 - PPO on conversational prompts with the other tokenizer's reward model runs, and that
   model reads exactly its own template's rendering of prompt + response;
-- a critic started from that reward model is refused.
+- a critic started from that reward model is refused;
+- an SFT export carries data.chat_template for the next stage;
+- eval probes that reward model for length bias in its own tokens.
 """
 
 from __future__ import annotations
@@ -107,6 +109,36 @@ def test_reward_model_on_conversational_pairs(chat_env, runtime, tmp_path, capsy
     assert summary["eval_accuracy"] > 0.75, summary
 
 
+def test_sft_export_carries_data_chat_template(chat_env, runtime, tmp_path):
+    """A tokenizer without a template, trained with data.chat_template (a file): final/
+    saves it, so a later stage renders the same conversation with no template key."""
+    from transformers import AutoTokenizer
+
+    from rlhf_dist.data import prompt_set
+    from rlhf_dist.trainers.sft import train_sft
+
+    plain = task.build_tokenizer(tmp_path / "plain")
+    policy = task.build_tiny_models(tmp_path / "models", plain, seed=0)["policy"]
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    data = {**DATA, "train": str(chat_env["files"]["sft"]), "chat_template": str(template)}
+    cfg = config_from_dict(
+        {
+            "run": {"output_dir": str(tmp_path / "sft")},
+            "model": {"policy": str(policy)},
+            "data": data,
+            "sft": {"batch_size": N_ROWS, "micro_batch_size": N_ROWS},
+        }
+    )
+    train_sft(cfg, runtime)
+    exported = AutoTokenizer.from_pretrained(tmp_path / "sft" / "final")
+    assert exported.chat_template == template.read_text()
+    prompts = [{"prompt": [_user("review of the food :")]}]
+    with_key = prompt_set(prompts, plain, cfg.data)
+    without_key = prompt_set(prompts, exported, config_from_dict({}).data)
+    assert with_key.ids == without_key.ids
+
+
 def _ppo_cfg(chat_env, out, **ppo):
     return config_from_dict(
         {
@@ -189,3 +221,26 @@ def test_critic_from_a_reward_model_of_another_tokenizer_is_refused(chat_env, ru
     with pytest.raises(ConfigError, match=r"^ppo\.critic_init: .*critic_init=policy"):
         train_ppo(_ppo_cfg(chat_env, tmp_path / "out", critic_init="reward"), runtime)
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_probes_a_reward_model_of_another_tokenizer(chat_env, runtime, tmp_path):
+    """`rlhf-dist eval` runs the length and rephrasing probes of a reward model with its
+    own tokenizer, in that model's tokens (RewardInputs.probe_response)."""
+    from rlhf_dist.evaluate import run_eval
+
+    cfg = config_from_dict(
+        {
+            "run": {"output_dir": str(tmp_path)},
+            "model": {
+                "policy": str(chat_env["models"]["chatml"]["policy"]),
+                "reward": str(chat_env["models"]["llama3"]["reward"]),
+            },
+            "data": {**DATA, "train": str(chat_env["files"]["prompts"])},
+            "generation": {"max_new_tokens": 16, "temperature": 1.0},
+            "eval": {"num_prompts": 32, "batch_size": 32},
+        }
+    )
+    summary = run_eval(cfg, runtime)
+    assert "length_corr" in summary
+    assert summary["rephrase_responses"] > 0, summary  # finished responses were probed
+    assert summary["rephrase_longer_delta"] is not None

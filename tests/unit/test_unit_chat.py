@@ -10,12 +10,14 @@ expected id sequence below is written out by hand from the template's text.
 import json
 
 import pytest
+from transformers import AutoTokenizer
 
 from rlhf_dist.chat import (
     BadRow,
     Chat,
     chat_for,
     check_messages,
+    export_tokenizer,
     resolve_template,
     stop_token_ids,
 )
@@ -129,6 +131,20 @@ def test_data_chat_template_is_used_for_a_plain_tokenizer(tmp_path):
     ps = prompt_set([{"prompt": [user("review of the food :")]}], plain, cfg)
     vocab = plain.get_vocab()
     assert ps.ids == [[vocab[w] for w in ["review", "of", "the", "food", ":"]]]
+
+
+def test_exported_tokenizer_carries_data_chat_template(tmp_path, toks):
+    plain = build_tokenizer(tmp_path / "plain")  # no chat template
+    jinja = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(jinja)
+    for given in (jinja, str(path)):
+        exported = export_tokenizer(plain, DataConfig(chat_template=given))
+        exported.save_pretrained(tmp_path / "out")
+        assert AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == jinja
+    assert not plain.chat_template  # the run's own tokenizer is left as loaded
+    # Without the key the tokenizer is saved as it came, its own template included.
+    assert export_tokenizer(toks["chatml"], CFG) is toks["chatml"]
 
 
 @pytest.mark.parametrize("style", ["chatml", "llama3"])

@@ -1,12 +1,13 @@
 """Unit tests of the offline-preference inputs: KTO examples (unpaired rows, or derived from
-preference pairs and ranked lists) with their mismatched completions, and the dpo / kto
-config checks. The tokenizer is the demo's word-level one (one token per word)."""
+preference pairs and ranked lists; text or conversational) with their mismatched
+completions, and the dpo / kto config checks. The tokenizers are the demo's word-level ones
+(one token per word): the plain one, and the "chatml" one with its chat template."""
 
 import pytest
 
 from rlhf_dist.config import ConfigError, DataConfig, KTOConfig, load_config, validate
 from rlhf_dist.data import kto_examples, preference_pairs
-from rlhf_dist.demo.task import build_tokenizer
+from rlhf_dist.demo.task import build_chat_tokenizer, build_tokenizer
 
 DATA = DataConfig(max_prompt_length=8, max_length=16)
 
@@ -73,6 +74,79 @@ def test_kto_mismatched_completion_comes_from_another_prompt(tok):
         assert owner.prompt != ex.prompt, i
     # The chosen of a row skips its own row's rejected (same prompt) for the next row's chosen.
     assert examples[0].kl_completion == examples[2].completion
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory):
+    return build_chat_tokenizer(tmp_path_factory.mktemp("chat_tok"), "chatml")
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def chatml_words(tok, ids: list[int]) -> str:
+    """Ids back to their tokens, special ones included (one token per word)."""
+    return " ".join(tok.convert_ids_to_tokens(ids))
+
+
+CHAT_DATA = DataConfig(max_prompt_length=16, max_length=24)
+
+
+def test_kto_unpaired_conversational_rows(chat_tok):
+    """TRL's unpaired format with message lists: the prompt rendered with the generation
+    prompt, the completion its assistant turn up to the end-of-turn token; bad rows are
+    counted under the reasons the other loaders use."""
+    food, movie = [user("review of the food :")], [user("review of the movie :")]
+    rows = [
+        {"prompt": food, "completion": [assistant("great")], "label": True},
+        {"prompt": movie, "completion": [assistant("awful")], "label": False},
+        {"prompt": movie, "completion": [assistant("awful")], "label": "no"},
+        {"prompt": movie, "completion": [user("awful")], "label": True},
+        {"prompt": [assistant("hi")], "completion": [assistant("awful")], "label": True},
+        {"prompt": "review of the food :", "completion": "great", "label": True},
+        {"prompt": movie, "completion": [assistant("great " * 20)], "label": True},
+    ]
+    examples, report = kto_examples(rows, chat_tok, CHAT_DATA, KTOConfig())
+    got = [
+        (chatml_words(chat_tok, e.prompt), chatml_words(chat_tok, e.completion)) for e in examples
+    ]
+    assert got == [
+        ("<|im_start|> user review of the food : <|im_end|> <|im_start|> assistant",
+         "great <|im_end|>"),
+        ("<|im_start|> user review of the movie : <|im_end|> <|im_start|> assistant",
+         "awful <|im_end|>"),
+    ]  # fmt: skip
+    assert [e.desirable for e in examples] == [True, False]
+    assert examples[0].kl_completion == examples[1].completion
+    assert report.kept == 2 and dict(report.skipped) == {
+        "'label' not true/false": 1,
+        "'completion' holds turns other than the assistant's": 1,
+        "last turn of 'prompt' not from the user": 1,
+        "'prompt' not a list of messages": 1,
+        "longer than data.max_length": 1,
+    }
+
+
+def test_kto_from_conversational_pairs_matches_the_pair_loader(chat_tok):
+    """Implicit-prompt chosen/rejected message lists: chosen desirable, rejected
+    undesirable, each exactly the sequence the reward model / DPO loader builds."""
+    turn = [user("review of the food :")]
+    rows = [
+        {"chosen": turn + [assistant("great")], "rejected": turn + [assistant("awful")]},
+        {"chosen": turn + [assistant("great")], "rejected": [user("x"), assistant("awful")]},
+    ]
+    examples, report = kto_examples(rows, chat_tok, CHAT_DATA, KTOConfig())
+    pairs, _ = preference_pairs(rows, chat_tok, CHAT_DATA)
+    assert [e.desirable for e in examples] == [True, False] and len(pairs) == 1
+    assert examples[0].prompt + examples[0].completion == pairs[0].chosen
+    assert examples[1].prompt + examples[1].completion == pairs[0].rejected
+    assert len(examples[0].prompt) == pairs[0].prompt_len
+    assert dict(report.skipped) == {"chosen and rejected have different prompts": 1}
 
 
 @pytest.mark.parametrize(

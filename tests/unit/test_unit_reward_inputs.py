@@ -36,6 +36,21 @@ def rm_inputs(tok, policy_stops=(1,)) -> RewardInputs:
     return RewardInputs(tok, chat, stop_token_ids(tok, chat), policy_stops)
 
 
+def test_probe_response_splits_the_reward_models_own_sequence(toks):
+    """The rephrasing probe's split (prompt, body, end) in the reward model's tokens: the
+    body is the response's own encoding, the end what closes it; joined, the sequence
+    the reward model scores."""
+    rm = rm_inputs(toks["llama3"])
+    split = rm.probe_response(PROMPT, "great food")
+    assert split.body == ids(rm.tokenizer, "great food")
+    assert split.end == ids(rm.tokenizer, "<|eot_id|>")
+    assert split.ids() == rm.sequence(PROMPT, "great food", True)
+    text = rm_inputs(toks["plain"]).probe_response("review of the food :", "great food")
+    plain = toks["plain"]
+    assert text.prompt == plain("review of the food :")["input_ids"]
+    assert text.body == ids(plain, "great food") and text.end == [plain.eos_token_id]
+
+
 def test_same_tokenizer(toks, tmp_path):
     assert same_tokenizer(toks["chatml"], toks["chatml_again"])
     assert not same_tokenizer(toks["chatml"], toks["llama3"])  # vocabulary and template
