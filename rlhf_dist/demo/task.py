@@ -528,11 +528,13 @@ def tiny_llama_config(
     from transformers import LlamaConfig
 
     sizes = {
+        # Heads of 32 dimensions (2 query heads sharing 1 key/value head): vLLM's CPU
+        # attention takes head sizes from 32 up, and the weight shapes are those of 4 x 16.
         "tiny": dict(
             hidden_size=64,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
             intermediate_size=256,
         ),
         "small": dict(

@@ -26,6 +26,7 @@ from rlhf_dist.algo.losses import (
     aggregation_count,
     aggregation_weights,
     ppo_policy_terms,
+    truncated_is_weights,
     value_terms,
 )
 from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
@@ -48,6 +49,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
 )
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
+from rlhf_dist.vllm_rollout import VLLMEngine
 
 
 def make_kl_controller(ppo_cfg):
@@ -73,6 +75,7 @@ class UpdateKnobs:
     kl_kind: str
     loss_aggregation: str
     max_grad_norms: tuple[float, ...]
+    tis_cap: float | None = None  # truncated IS weights against vLLM's sampler; None: off
 
     @classmethod
     def from_config(cls, cfg, kl_coef=None, group_names=("actor", "critic")) -> UpdateKnobs:
@@ -85,7 +88,7 @@ class UpdateKnobs:
         norms = tuple(getattr(p, name).max_grad_norm for name in group_names)
         return cls(
             cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
-            p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms,
+            p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
         )  # fmt: skip
 
 
@@ -110,6 +113,10 @@ def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) 
     )
     mask = mb.response_mask
     n = mask.sum()
+    if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
+        weights = truncated_is_weights(mb.old_logprobs, mb.sampler_logprobs, knobs.tis_cap)
+        pg["loss"] = weights * pg["loss"]
+        stats.add("policy/tis_capped_frac", masked_sum((weights >= knobs.tis_cap).float(), mask), n)
     per_token, named = pg["loss"], [("policy", pg)]
     if values is not None:
         vf = value_terms(values, mb.old_values, returns, knobs.value_clip_eps)
@@ -192,6 +199,12 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
     for name, x in named:
         s.add(name, masked_sum(x, mask), mask.sum())
         s.add(name + "_sq", masked_sum(x**2, mask), mask.sum())
+    if batch.sampler_logprobs is not None:  # vLLM sampled: how far its probabilities are
+        gap = batch.old_logprobs - batch.sampler_logprobs  # log pi_old - log pi_vllm, (B, T)
+        s.add("rollout/sampler_logprob_absdiff", masked_sum(gap.abs(), mask), mask.sum())
+        # KL(pi_vllm || pi_old), k3 estimate on the tokens vLLM sampled
+        sampler_kl = kl_estimate(batch.sampler_logprobs, batch.old_logprobs, "k3")
+        s.add("rollout/sampler_kl", masked_sum(sampler_kl, mask), mask.sum())
     s.add_max("rollout/length_max", lengths.max())
     s.add_max("rollout/length_min_neg", -lengths.min())
     out = s.reduce(runtime)
@@ -409,7 +422,10 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
             yield (stack.enter_context(merged_adapters(actor)) if merge else actor), keep_in_step
 
     stops = policy_stop_ids(cfg, tokenizer)
-    rollout_models = RolloutModels(model, generation_context, built.reference, built.scorer, stops)
+    engine = VLLMEngine(cfg, runtime.device) if cfg.generation.backend == "vllm" else None
+    rollout_models = RolloutModels(
+        model, generation_context, built.reference, built.scorer, stops, engine
+    )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:
         kl_ctl.load_state_dict(ckpt.trainer["kl_controller"])

@@ -1,0 +1,228 @@
+"""vLLM as the rollout sampler: one in-process engine per rank (generation.backend=vllm).
+
+The shape is TRL's "colocate": every `accelerate launch` process owns one vLLM engine
+(no Ray, no server, no collective between engines) that samples that rank's shard of
+prompts. The trainer stays the authority on probabilities: the PPO ratio's old
+log-probs are recomputed by the actor as with the hf backend, and vLLM's own sampling
+log-probs are kept only to measure (and optionally correct, ppo.tis_cap) the gap between
+the two samplers (docs/architecture.md, "Rollout backends").
+
+Before every rollout the engine gets the actor's current weights, under ZeRO-3 inside
+the same gather-once context the hf backend generates in, so a rollout never samples
+from stale weights and a resumed run needs nothing of the engine's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from rlhf_dist.config import ConfigError
+from rlhf_dist.rollout import generate, pad_columns, truncate_after_eos
+
+_MISSING = (
+    "generation.backend=vllm: the vllm package is not installed "
+    "(bash launch/setup.sh --vllm, or pip install -e .[vllm] on a GPU machine)"
+)
+
+
+class SyncError(RuntimeError):
+    """vLLM's engine does not sample from the actor's current weights."""
+
+
+def import_vllm():
+    """The vllm module, or a one-line ConfigError naming the key when it is missing."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO lines every rollout
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError(_MISSING) from None
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    reload_log.addFilter(_rotary_reload_warning)
+    return vllm
+
+
+def _rotary_reload_warning(record: logging.LogRecord) -> bool:
+    """Drop one expected warning: a rotary embedding's cos/sin table is built by vLLM, not
+    read from a checkpoint, so a weight sync (rightly) brings no tensor for it and vLLM
+    says "RotaryEmbedding: Failed to load weights" on every sync, keeping its own table."""
+    return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+def sampling_seeds(n: int, device=None) -> torch.Tensor:
+    """(n,) int64 seeds, one per request, from torch's global RNG (checkpointed, so a
+    resumed run draws the same seeds). Each request needs its own: vLLM seeds a
+    request's sampler with its seed alone, so equal seeds give equal samples for the
+    n copies of a prompt (samples_per_prompt) and correlated ones across prompts."""
+    return torch.randint(0, 2**31 - 1, (n,), dtype=torch.long, device=device)
+
+
+def sampling_params(vllm, gen_cfg, stop_ids, seed: int):
+    """vLLM's SamplingParams with the hf backend's meaning of every generation key.
+
+    temperature, top_k (0 = off in both), top_p, max_new_tokens -> max_tokens,
+    min_new_tokens -> min_tokens (stop ids suppressed until then, as in sample_next).
+    The engine runs without a tokenizer, so it stops on exactly `stop_ids` and nothing
+    else (no EOS of its own). logprobs=0: the log-prob of each sampled token.
+    """
+    return vllm.SamplingParams(
+        n=1,
+        temperature=gen_cfg.temperature,
+        top_k=gen_cfg.top_k,
+        top_p=gen_cfg.top_p,
+        max_tokens=gen_cfg.max_new_tokens,
+        min_tokens=gen_cfg.min_new_tokens,
+        stop_token_ids=[int(i) for i in stop_ids],
+        logprobs=0,
+        detokenize=False,
+        seed=int(seed),
+    )
+
+
+def prompts_for_engine(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[dict]:
+    """Left-padded (B, P) prompts -> B requests holding only their real tokens."""
+    return [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(prompt_ids, prompt_mask)]
+
+
+def responses_from_outputs(outputs, pad_id: int, device=None):
+    """vLLM outputs of B requests -> (response_ids (B, T) int64 right-padded with pad_id,
+    sampler_logprobs (B, T) float32, 0 on padding). T = the longest response (>= 1).
+
+    Each sampled token carries the log-prob vLLM drew it with: with logprobs_mode
+    "processed_logprobs", after temperature and top-k / top-p, the same distribution
+    the hf backend samples from.
+    """
+    rows = [out.outputs[0] for out in outputs]
+    T = max(1, max(len(r.token_ids) for r in rows))
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(len(rows), T, dtype=torch.float32)
+    for b, r in enumerate(rows):
+        n = len(r.token_ids)
+        ids[b, :n] = torch.tensor(r.token_ids, dtype=torch.long)
+        lp = [step[tok].logprob for step, tok in zip(r.logprobs or (), r.token_ids)]
+        logprobs[b, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return ids.to(device), logprobs.to(device)
+
+
+def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a causal LM under its checkpoint names, the form vLLM's
+    weight loader reads. A peft model gives its base weights (inside merged_adapters:
+    W + scale * B @ A) without the adapter tensors and peft's name wrapping."""
+    if hasattr(module, "get_base_model"):  # peft PeftModel
+        module = module.get_base_model()
+    for name, p in module.named_parameters():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        yield name, p.detach()
+
+
+class VLLMEngine:
+    """One rank's in-process vLLM engine: load the actor's weights, sample a rollout."""
+
+    def __init__(self, cfg, device: torch.device):
+        vllm = import_vllm()
+        g, self.vllm = cfg.generation, vllm
+        self.on_gpu = device.type == "cuda"
+        self.sleeps = self.on_gpu and g.vllm_sleep
+        # One engine in this process: vLLM's V1 engine otherwise runs in a child process,
+        # which would hold a second copy of the weights and need them sent over IPC.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs = dict(
+            model=cfg.model.policy,
+            skip_tokenizer_init=True,  # token ids in and out; our tokenizer decodes
+            dtype=cfg.model.dtype,
+            seed=cfg.run.seed,
+            distributed_executor_backend="uni",
+            logprobs_mode="processed_logprobs",
+            trust_remote_code=cfg.model.trust_remote_code,
+            enable_sleep_mode=self.sleeps,
+            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+        )
+        if g.vllm_max_model_len:
+            kwargs["max_model_len"] = g.vllm_max_model_len
+        kv_gib = g.vllm_kv_cache_gib or (0 if self.on_gpu else 1.0)
+        if kv_gib:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+        if g.vllm_enforce_eager or not self.on_gpu:
+            # No CUDA graphs, no torch.compile: on CPU compiling costs ~20 s at start-up
+            # and gained nothing measurable on small models (docs/benchmarks.md).
+            kwargs |= {"enforce_eager": True, "compilation_config": {"mode": 0}}
+        with _keep_set_num_threads():
+            self.llm = vllm.LLM(**kwargs)
+        self.asleep = False
+        self.checks_sync = cfg.debug.check_vllm_sync
+
+    @torch.no_grad()
+    def load_weights(self, module: torch.nn.Module) -> None:
+        """Copy `module`'s current weights (whole tensors: under ZeRO-3 call this inside
+        the generation gather) into the engine, in place."""
+        self.wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(module)})
+        self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks came from old weights
+
+    def generate(self, prompt_ids, prompt_mask, gen_cfg, stop_ids, pad_id: int):
+        """Sample one response per left-padded prompt (B, P) -> (response_ids (B, T),
+        sampler_logprobs (B, T)); rows are in prompt order, PAD after each response."""
+        seeds = sampling_seeds(prompt_ids.shape[0]).tolist()
+        params = [sampling_params(self.vllm, gen_cfg, stop_ids, s) for s in seeds]
+        outputs = self.llm.generate(
+            prompts_for_engine(prompt_ids, prompt_mask), params, use_tqdm=False
+        )
+        return responses_from_outputs(outputs, pad_id, prompt_ids.device)
+
+    @torch.no_grad()
+    def check_sync(self, actor, prompt_ids, prompt_mask, gen_cfg, tokenizer, stop_ids) -> None:
+        """Greedy tokens of the engine and of `actor` (whole weights) on the first rows of
+        a rollout's prompts must agree; raise SyncError naming the first row that differs.
+
+        Greedy is top_k=1 in both samplers: the argmax token, with no randomness, so any
+        difference comes from the weights (or from kernels at a near-tie: bf16).
+        """
+        rows = slice(0, min(4, prompt_ids.shape[0]))
+        greedy = dataclasses.replace(
+            gen_cfg, top_k=1, max_new_tokens=min(8, gen_cfg.max_new_tokens)
+        )
+        pad = tokenizer.pad_token_id
+        ours = generate(
+            actor, prompt_ids[rows], prompt_mask[rows], greedy, tokenizer, None, stop_ids
+        )
+        theirs, _ = self.generate(prompt_ids[rows], prompt_mask[rows], greedy, stop_ids, pad)
+        ours, _, _ = truncate_after_eos(ours, stop_ids, pad)
+        theirs, _, _ = truncate_after_eos(theirs, stop_ids, pad)
+        width = max(ours.shape[1], theirs.shape[1])
+        ours, theirs = pad_columns(ours, width, pad), pad_columns(theirs, width, pad)
+        for b, (a, v) in enumerate(zip(ours.tolist(), theirs.tolist())):
+            if a != v:
+                raise SyncError(
+                    f"debug.check_vllm_sync: greedy tokens differ on prompt row {b} after the "
+                    f"weight sync (actor {a}, vLLM {v}): the engine does not hold the actor's weights"
+                )
+
+    def sleep(self) -> None:
+        """GPU with generation.vllm_sleep: free the KV cache and move the weights off the
+        GPU for the update (level 1); `load_weights` wakes the engine."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+@contextlib.contextmanager
+def _keep_set_num_threads() -> Iterator[None]:
+    """vLLM's CPU worker replaces torch.set_num_threads, process-wide, by a function that
+    only warns; the trainer's own thread settings (run.num_threads) must keep working."""
+    original = torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = original
