@@ -154,7 +154,18 @@ class VLLMEngine:
             # and gained nothing measurable on small models (docs/benchmarks.md).
             kwargs |= {"enforce_eager": True, "compilation_config": {"mode": 0}}
         with _keep_set_num_threads():
-            self.llm = vllm.LLM(**kwargs)
+            try:
+                self.llm = vllm.LLM(**kwargs)
+                # One token now: kernels refuse some shapes only when they first run.
+                probe = vllm.SamplingParams(max_tokens=1, detokenize=False)
+                self.llm.generate([{"prompt_token_ids": [0]}], probe, use_tqdm=False)
+            except (ValueError, RuntimeError, NotImplementedError) as e:
+                # e.g. CPU attention without the policy's head size ("Unsupported CPU
+                # attention configuration: head_dim=16"): the user's model, said in one line.
+                cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+                raise ConfigError(
+                    f"generation.backend=vllm: vLLM cannot serve model.policy={cfg.model.policy!r}: {cause}"
+                ) from e
         self.asleep = False
         self.checks_sync = cfg.debug.check_vllm_sync
 

@@ -6,17 +6,18 @@
 #   zero3   the same under DeepSpeed ZeRO-3, one process (accelerate_configs/zero3.yaml)
 #   lora    the shipped one-GPU LoRA config (launch/configs/ppo_lora_1gpu.yaml)
 #   gc      plain with model.gradient_checkpointing=true
+#   vllm    plain with generation.backend=vllm (skipped where vllm is not installed)
 # and print one table: s/iteration, phase times, peak memory, update MFU (vs 989 TFLOP/s
 # bf16 dense, an H100/H200). Meant to fit one 15-minute GPU loan: ~6-8 minutes on an H200.
 # Without a GPU it runs the same four cases on the CPU with a tiny model (a smoke test of
 # the script; CPU figures mean nothing for GPUs).
 #
-# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc"]
+# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm"]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/bench/gpu_suite}
 ITERATIONS=${ITERATIONS:-5}
-CASES=${CASES:-plain zero3 lora gc}
+CASES=${CASES:-plain zero3 lora gc vllm}
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -29,7 +30,12 @@ mkdir -p "$OUT"
 [ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/scale_prepare.py "$OUT" --shape "$SHAPE" --prompts 256
 runs=()
 for case in $CASES; do
-  base=$case; [ "$case" = zero3 ] && base=plain
+  base=$case extra=()
+  [ "$case" = zero3 ] && base=plain
+  if [ "$case" = vllm ]; then
+    base=plain extra=(generation.backend=vllm)
+    "$PY" -c "import vllm" 2>/dev/null || { echo "== vllm: not installed, skipped"; continue; }
+  fi
   cfg=$("$PY" launch/bench/suite.py config "$OUT" "$base" --device "$DEVICE" --iterations "$ITERATIONS")
   dir=$OUT/$case
   rm -rf "$dir"
@@ -40,7 +46,7 @@ for case in $CASES; do
       -m rlhf_dist ppo --config "$cfg" run.output_dir="$dir" > "$OUT/$case.log" 2>&1 \
       || { tail -30 "$OUT/$case.log"; continue; }
   else
-    "$PY" -m rlhf_dist ppo --config "$cfg" run.output_dir="$dir" > "$OUT/$case.log" 2>&1 \
+    "$PY" -m rlhf_dist ppo --config "$cfg" run.output_dir="$dir" "${extra[@]}" > "$OUT/$case.log" 2>&1 \
       || { tail -30 "$OUT/$case.log"; continue; }
   fi
   echo "   done in $(( $(date +%s) - start )) s"

@@ -1,8 +1,8 @@
 """Rollout time per iteration, hf backend vs vLLM, same model and prompts, one process.
 
 For each model size: random-init Llama saved to disk, 64 prompts of 8-16 tokens, 32 new
-tokens per response (min_new_tokens = max_new_tokens, so both backends produce exactly
-the same number of tokens), temperature 1. After one warm-up call each, `--repeats`
+tokens per response (no stop ids, so both backends produce exactly that many tokens;
+min_new_tokens would cost vLLM a Python logits processor per request and step), temperature 1. After one warm-up call each, `--repeats`
 timed calls; the vLLM column includes the weight sync that precedes every rollout
 (VLLMEngine.load_weights), shown separately too. Prints one markdown table.
 
@@ -12,6 +12,7 @@ timed calls; the vLLM column includes the weight sync that precedes every rollou
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import tempfile
 import time
@@ -56,14 +57,18 @@ def prompts(n: int = 64, vocab: int = 8000):
     return left_pad(rows, 0)
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed(fns: dict, repeats: int) -> dict:
+    """Median seconds of each callable, called in turn `repeats` times after one warm-up
+    call each: alternating, so a change in machine load hits every column alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench(size: str, root: Path, repeats: int, new_tokens: int) -> dict:
@@ -78,22 +83,50 @@ def bench(size: str, root: Path, repeats: int, new_tokens: int) -> dict:
     path = build(size, root)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     ids, mask = prompts()
-    gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0)
+    gen = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0)
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=2)
-    hf = timed(lambda: generate(model, ids, mask, gen, tok, None, (2,)), repeats)
     cfg = config_from_dict({"model": {"policy": str(path)}})
     start = time.perf_counter()
     engine = VLLMEngine(cfg, torch.device("cpu"))
     load = time.perf_counter() - start
-    sync = timed(lambda: engine.load_weights(model), repeats)
+    lora_model = with_adapters(copy.deepcopy(model))  # peft wraps layers in place
 
     def vllm_rollout():
         engine.load_weights(model)
-        engine.generate(ids, mask, gen, (2,), 0)
+        engine.generate(ids, mask, gen, (), 0)
 
-    vllm = timed(vllm_rollout, repeats)
+    def hf_rollout():
+        generate(model, ids, mask, gen, tok, None, ())
+
+    out = timed(
+        {
+            "hf": hf_rollout,
+            "vllm": vllm_rollout,
+            "sync": lambda: engine.load_weights(model),
+            "lora_sync": lambda: sync_lora(engine, lora_model),
+        },
+        repeats,
+    )
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    return {"size": size, "params_m": params, "hf": hf, "vllm": vllm, "sync": sync, "load": load}
+    return {"size": size, "params_m": params, "load": load, **out}
+
+
+def with_adapters(model):
+    """`model` with LoRA adapters (r=8, nonzero) on every linear layer of its blocks."""
+    from peft import LoraConfig, get_peft_model
+
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=modules, init_lora_weights=False)
+    return get_peft_model(model, cfg)
+
+
+def sync_lora(engine, lora_model) -> None:
+    """A LoRA actor's sync: adapters merged into copies of the base weights, loaded, the
+    originals put back (what a LoRA run does before each rollout)."""
+    from rlhf_dist.lora import merged_adapters
+
+    with merged_adapters(lora_model) as merged:
+        engine.load_weights(merged)
 
 
 def main() -> None:
@@ -112,13 +145,15 @@ def main() -> None:
         f"median of {args.repeats} after a warm-up"
     )
     print(
-        "| model | params (M) | hf s | vllm s (incl. sync) | sync s | hf / vllm | engine start s |"
+        "| model | params (M) | hf s | vllm s (incl. sync) | hf / vllm | sync s | "
+        "LoRA merge + sync s | engine start s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['size']} | {r['params_m']:.1f} | {r['hf']:.3f} | {r['vllm']:.3f} | "
-            f"{r['sync']:.3f} | {r['hf'] / r['vllm']:.2f}x | {r['load']:.1f} |"
+            f"{r['hf'] / r['vllm']:.2f}x | {r['sync']:.3f} | {r['lora_sync']:.3f} | "
+            f"{r['load']:.1f} |"
         )
 
 

@@ -182,3 +182,21 @@ def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path):
 
 def _metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_model_vllm_cannot_serve_is_a_one_line_config_error(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_dist.config import ConfigError
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=128, num_hidden_layers=1, max_position_embeddings=64,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m16")  # heads of 16: CPU vLLM's are >= 32
+    run = config_from_dict({"model": {"policy": str(tmp_path / "m16")}})
+    with pytest.raises(ConfigError) as err:
+        VLLMEngine(run, torch.device("cpu"))
+    message = str(err.value)
+    assert message.startswith("generation.backend=vllm: vLLM cannot serve model.policy=")
+    assert "\n" not in message and "16" in message
