@@ -1,6 +1,6 @@
 """Gradient of ONE PPO optimizer step on a fixed global minibatch of 8 sequences.
 
-Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...]
+Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generation=PROMPTS]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free
 (--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
@@ -13,7 +13,10 @@ for all of them; the RNGs are re-seeded per variant, so a variant's models are t
 whichever variants ran before it). Rank 0 writes {"gradients": {NAME: {param: full
 gradient}}, "checkpoint_optimizer": {NAME: class name}} to OUT, so tests can compare splits
 and check that the checkpoint code reaches the torch AdamW inside every backend's wrappers
-(Accelerate's, DeepSpeed's ZeRO optimizer).
+(Accelerate's, DeepSpeed's ZeRO optimizer). With --uneven-generation, the same launch then
+runs uneven_generation.py's check (ranks generating different lengths must not hang) in
+both generation modes and adds {"uneven_widths": {gather: widths of all ranks}}: one
+process group start-up less for the 2-rank tests.
 """
 
 import sys
@@ -106,15 +109,23 @@ def probe(runtime, cfg) -> tuple[dict, str]:
 
 def main():
     policy, reward, out = sys.argv[1:4]
+    uneven = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--uneven-generation=")]
     quiet_transformers()
     runtime = Runtime(seed=0, num_threads=1)
     result = {"gradients": {}, "checkpoint_optimizer": {}}
-    for variant in sys.argv[4:]:
+    for variant in (a for a in sys.argv[4:] if not a.startswith("--")):
         name, micro, *flags = variant.split(":")
         cfg = variant_config(policy, reward, int(micro), flags)
         grads, optimizer = probe(runtime, cfg)
         result["gradients"][name] = grads
         result["checkpoint_optimizer"][name] = optimizer
+    if uneven:
+        from uneven_generation import uneven_rollout_and_step  # this script's directory
+
+        result["uneven_widths"] = {
+            gather: uneven_rollout_and_step(runtime, policy, reward, uneven[0], gather)
+            for gather in (True, False)
+        }
     if runtime.is_main:
         torch.save(result, out)
     runtime.barrier()
