@@ -61,12 +61,20 @@ def test_ppo_zero3_two_ranks_trains_and_aggregates(assets, tmp_path):
     assert shm_buffers(port) == []
 
 
-def test_grpo_zero3_two_ranks_builds_no_critic_and_trains_the_actor(assets, tmp_path):
+def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(assets, tmp_path):
+    """GRPO under ZeRO-3, and the numerical guard in the same launch: optimizer step 2 (of
+    4, two per iteration, one micro-batch per rank each) has a NaN loss on rank 1 only, and
+    both ranks must skip it (docs/architecture.md section 7)."""
     out = tmp_path / "grpo"
-    extra = ("ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4")
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra)))
+    extra = (
+        "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4",
+        "ppo.micro_batch_size=4",
+    )  # fmt: skip
+    command = launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra))
+    run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1"})
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
+    assert [r["guard/skipped_steps"] for r in rows] == [1, 1]
     for r in rows:
         assert r["rollout/sequences"] == 16  # 2 ranks x 2 prompts x 4 samples
         assert "value/explained_variance" not in r and "optim/grad_norm_critic" not in r
@@ -74,6 +82,7 @@ def test_grpo_zero3_two_ranks_builds_no_critic_and_trains_the_actor(assets, tmp_
     after = load_file(str(out / "final" / "model.safetensors"))
     assert before.keys() == after.keys()
     assert changed(before, after), "the actor's gathered weights did not change"
+    assert all(torch.isfinite(t).all() for t in after.values())
     assert not (out / "critic").exists()
 
 
