@@ -4,7 +4,8 @@ Usage: uneven_generation.py POLICY REWARD PROMPTS
 Rank 0 generates ONE token per prompt; rank 1 is forced to run to 16 tokens. Then both
 score the rollout and take an optimizer step (collectives that need every rank), and
 print a line the test looks for. Both generation modes run, one after the other in this
-one process: weights gathered for generation, then per-layer (synced) fetching.
+one process: weights gathered for generation, then per-layer (synced) fetching. The tests
+run `uneven_rollout_and_step` inside grad_probe.py's ZeRO-3 launch (--uneven-generation).
 """
 
 import sys
