@@ -179,7 +179,9 @@ def _remove_shm_allreduce_buffer(accelerator) -> None:
     again. The atexit hook covers a rank that dies before or in the barrier.
     """
     path = shm_allreduce_buffer()
-    if path is None or accelerator.state.deepspeed_plugin is None:
+    # Only DeepSpeed's CPU accelerator builds the op: no barrier for GPU or non-DeepSpeed runs.
+    cpu = accelerator.device.type == "cpu"
+    if path is None or not cpu or accelerator.state.deepspeed_plugin is None:
         return
     atexit.register(path.unlink, missing_ok=True)
     accelerator.wait_for_everyone()
