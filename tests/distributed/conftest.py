@@ -40,11 +40,19 @@ def _env() -> dict:
     return env
 
 
-def run_launch(args: list[str], timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """Run one launcher command; fail the test with its output tail on error or timeout."""
+def run_launch(
+    args: list[str], timeout: float = 120.0, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run one launcher command (with `env` added to the environment); fail the test with
+    its output tail on error or timeout."""
     try:
         proc = subprocess.run(
-            args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+            args,
+            cwd=REPO,
+            env=_env() | (env or {}),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"")[-4000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-4000:]
@@ -52,6 +60,12 @@ def run_launch(args: list[str], timeout: float = 120.0) -> subprocess.CompletedP
     if proc.returncode != 0:
         pytest.fail(f"launch exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
+
+
+def shm_buffers(port: int) -> list[Path]:
+    """DeepSpeed CPU allreduce buffers in /dev/shm of a launch on `port` (all ranks):
+    "deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>"."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
 def run_two_machines(config: str, command: list[str], timeout: float = 120.0) -> None:

@@ -2,7 +2,9 @@
 K non-finite steps in a row stop the run with a checkpoint of the last good state.
 
 RLHF_DIST_FAULT=nan:STEPS[@RANK] turns the loss of those optimizer steps into NaN (on one
-rank only if RANK is given), as a bad batch or an exploding reward would.
+rank only if RANK is given), as a bad batch or an exploding reward would. A NaN on one
+rank under ZeRO-3, skipped on both, is checked in the 2-rank GRPO launch of
+test_dist_ppo.py (one launch for both).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import REPO, _env, free_port, launch_args
+from conftest import REPO, _env
 from safetensors.torch import load_file
 
 
@@ -72,28 +74,3 @@ def test_k_bad_steps_in_a_row_stop_with_the_last_good_state(assets, tmp_path):
         for name, value in good[key].items():
             assert torch.equal(value, last[key][name]), f"{key} {name} changed during skipped steps"
     assert not (out / "final").exists()
-
-
-def test_nan_on_one_rank_skips_the_step_on_both_under_zero3(assets, tmp_path):
-    out = tmp_path / "ppo"
-    command = [
-        "-m", "rlhf_dist", "ppo", f"model.policy={assets['policy']}", f"model.reward={assets['reward']}",
-        f"data.train={assets['files'].prompts}", f"run.output_dir={out}", "ppo.iterations=2",
-        "ppo.rollout_batch_size=8", "ppo.rollout_micro_batch_size=4", "ppo.minibatch_size=4",
-        "ppo.micro_batch_size=2", "ppo.ppo_epochs=1", "generation.max_new_tokens=8",
-    ]  # fmt: skip
-    args = launch_args("cpu_zero3.yaml", free_port(), *command)
-    proc = subprocess.run(
-        args,
-        cwd=REPO,
-        env=_env() | {"RLHF_DIST_FAULT": "nan:2@1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    logged = rows(out)
-    # Two optimizer steps per iteration; step 2 (iteration 1) had a NaN loss on rank 1 only.
-    assert [r["guard/skipped_steps"] for r in logged] == [1, 1]
-    weights = load_file(str(out / "final" / "model.safetensors"))
-    assert all(torch.isfinite(t).all() for t in weights.values())

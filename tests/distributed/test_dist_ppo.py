@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import free_port, launch_args, run_launch, run_two_machines
+from conftest import free_port, launch_args, run_launch, run_two_machines, shm_buffers
 from safetensors.torch import load_file
 
 
@@ -40,8 +40,8 @@ def changed(before: dict, after: dict) -> bool:
 
 
 def test_ppo_zero3_two_ranks_trains_and_aggregates(assets, tmp_path):
-    out = tmp_path / "ppo"
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out)))
+    out, port = tmp_path / "ppo", free_port()
+    run_launch(launch_args("cpu_zero3.yaml", port, *ppo_command(assets, out)))
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -57,14 +57,24 @@ def test_ppo_zero3_two_ranks_trains_and_aggregates(assets, tmp_path):
     rm_before = load_file(str(Path(assets["reward"]) / "model.safetensors"))
     critic_after = load_file(str(out / "critic" / "model.safetensors"))
     assert changed(rm_before, critic_after), "the critic did not train"
+    # Each rank removed its DeepSpeed shared-memory allreduce buffer (backend.py).
+    assert shm_buffers(port) == []
 
 
-def test_grpo_zero3_two_ranks_builds_no_critic_and_trains_the_actor(assets, tmp_path):
+def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(assets, tmp_path):
+    """GRPO under ZeRO-3, and the numerical guard in the same launch: optimizer step 2 (of
+    4, two per iteration, one micro-batch per rank each) has a NaN loss on rank 1 only, and
+    both ranks must skip it (docs/architecture.md section 7)."""
     out = tmp_path / "grpo"
-    extra = ("ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4")
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra)))
+    extra = (
+        "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4",
+        "ppo.micro_batch_size=4",
+    )  # fmt: skip
+    command = launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra))
+    run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1"})
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
+    assert [r["guard/skipped_steps"] for r in rows] == [1, 1]
     for r in rows:
         assert r["rollout/sequences"] == 16  # 2 ranks x 2 prompts x 4 samples
         assert "value/explained_variance" not in r and "optim/grad_norm_critic" not in r
@@ -72,23 +82,20 @@ def test_grpo_zero3_two_ranks_builds_no_critic_and_trains_the_actor(assets, tmp_
     after = load_file(str(out / "final" / "model.safetensors"))
     assert before.keys() == after.keys()
     assert changed(before, after), "the actor's gathered weights did not change"
+    assert all(torch.isfinite(t).all() for t in after.values())
     assert not (out / "critic").exists()
 
 
-def test_ppo_two_machines_on_localhost(assets, tmp_path):
-    out = tmp_path / "ppo2m"
-    command = ppo_command(assets, out, "ppo.iterations=1")
-    run_two_machines("cpu_zero3_2machines.yaml", command)
-    assert [r["step"] for r in metrics(out)] == [1]
-    assert (out / "final" / "model.safetensors").exists()
-
-
-def test_lora_under_zero3(assets, tmp_path):
-    out = tmp_path / "lora"
+def test_lora_ppo_zero3_on_two_machines_on_localhost(assets, tmp_path):
+    """The multi-node path (two 'machines' on 127.0.0.1, one rank each) with LoRA actor and
+    critic under ZeRO-3: one launch for both (each needs only one iteration)."""
+    out = tmp_path / "lora2m"
     command = ppo_command(
         assets, out, "ppo.iterations=1", "lora.enabled=true", "lora.critic=true", "lora.r=4"
     )
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command))
+    run_two_machines("cpu_zero3_2machines.yaml", command)
+    assert [r["step"] for r in metrics(out)] == [1]
+    assert (out / "final" / "model.safetensors").exists()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -20,19 +20,58 @@ PROBE = str(REPO / "tests" / "distributed" / "scripts" / "grad_probe.py")
 
 ADAMW = "torch.optim.adamw.AdamW"
 
+# Loss-aggregation flags of the probe (scripts/grad_probe.py) and the name of the run
+# with the same flags but token_mean aggregation, which must give another gradient.
+AGGREGATIONS = {
+    "seq_mean_token_sum": (("--aggregation=seq_mean_token_sum",), "token_mean"),
+    "seq_mean_token_mean-critic_free": (
+        ("--aggregation=seq_mean_token_mean", "--critic-free"),
+        "token_mean-critic_free",
+    ),
+}
 
-def probe_single(assets, out, micro: int, *extra: str) -> dict:
-    args = [sys.executable, PROBE, assets["policy"], assets["reward"], str(out), str(micro)]
-    args += extra
-    proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+
+def variant(name: str, micro: int, *flags: str) -> str:
+    return ":".join([name, str(micro), *flags])
+
+
+def probe_single(assets, out, *variants: str) -> dict:
+    args = [sys.executable, PROBE, assets["policy"], assets["reward"], str(out), *variants]
+    proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
 
-def probe_two_ranks(assets, out, config: str, *extra: str) -> dict:
-    cmd = [PROBE, assets["policy"], assets["reward"], str(out), "2", *extra]
-    run_launch(launch_args(config, free_port(), *cmd))
+def probe_two_ranks(assets, out, config: str, *variants: str) -> dict:
+    cmd = [PROBE, assets["policy"], assets["reward"], str(out), *variants]
+    # Several variants share this launch: 3 minutes before it counts as a hang.
+    run_launch(launch_args(config, free_port(), *cmd), timeout=180)
     return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def one_rank(assets, tmp_path_factory):
+    """Every one-process gradient the tests compare against, from ONE probe process: each
+    aggregation as 1 rank x 1 micro-batch of 8 ("NAME") and x 4 micro-batches of 2
+    ("NAME/1x4"), and token_mean with the critic-free terms."""
+    variants = [variant("token_mean", 8), variant("token_mean/1x4", 2)]
+    variants.append(variant("token_mean-critic_free", 8, "--critic-free"))
+    for name, (flags, _) in AGGREGATIONS.items():
+        variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
+    return probe_single(assets, tmp_path_factory.mktemp("one_rank") / "1.pt", *variants)
+
+
+@pytest.fixture(scope="module")
+def zero3(assets, tmp_path_factory):
+    """Every 2 ranks x 2 micro-batches ZeRO-3 gradient, from ONE launch: each aggregation,
+    and token_mean again with gradient checkpointing; then, in the same launch, ranks
+    generating different lengths (scripts/uneven_generation.py)."""
+    variants = [variant("token_mean", 2)]
+    variants += [variant(name, 2, *flags) for name, (flags, _) in AGGREGATIONS.items()]
+    variants.append(variant("checkpointing", 2, "--gradient-checkpointing"))
+    variants.append(f"--uneven-generation={assets['files'].prompts}")
+    out = tmp_path_factory.mktemp("zero3") / "2x2.pt"
+    return probe_two_ranks(assets, out, "cpu_zero3.yaml", *variants)
 
 
 def assert_same_gradients(reference: dict, other: dict, tolerance: float, what: str) -> None:
@@ -42,68 +81,49 @@ def assert_same_gradients(reference: dict, other: dict, tolerance: float, what: 
         assert (other[name] - g).abs().max() / scale < tolerance, f"{what} differs at {name}"
 
 
-def test_gradient_same_for_1x1_1x4_2x2_zero3_and_2x2_ddp(assets, tmp_path):
-    whole = probe_single(assets, tmp_path / "1x1.pt", micro=8)
-    split = probe_single(assets, tmp_path / "1x4.pt", micro=2)
-    zero3 = probe_two_ranks(assets, tmp_path / "2x2.pt", "cpu_zero3.yaml")
-    ddp = probe_two_ranks(assets, tmp_path / "ddp.pt", "cpu_ddp.yaml")
+def test_gradient_same_for_1x1_1x4_2x2_zero3_and_2x2_ddp(assets, one_rank, zero3, tmp_path):
+    ddp = probe_two_ranks(assets, tmp_path / "ddp.pt", "cpu_ddp.yaml", variant("token_mean", 2))
     # The checkpoint code reads the Adam state of the torch AdamW on every backend, not
     # Accelerate's wrapper nor DeepSpeed's ZeRO optimizer around it.
-    for probe in (whole, split, zero3, ddp):
-        assert probe["checkpoint_optimizer"] == ADAMW
-    grads = whole["gradients"]
+    for probe in (one_rank, zero3, ddp):
+        assert set(probe["checkpoint_optimizer"].values()) == {ADAMW}
+    grads = one_rank["gradients"]["token_mean"]
     assert any(g.abs().sum() > 0 for g in grads.values())
-    assert_same_gradients(grads, split["gradients"], 1e-5, "1x4")
-    assert_same_gradients(grads, zero3["gradients"], 1e-4, "2x2 ZeRO-3")
-    assert_same_gradients(grads, ddp["gradients"], 1e-4, "2x2 DDP")
+    assert_same_gradients(grads, one_rank["gradients"]["token_mean/1x4"], 1e-5, "1x4")
+    assert_same_gradients(grads, zero3["gradients"]["token_mean"], 1e-4, "2x2 ZeRO-3")
+    assert_same_gradients(grads, ddp["gradients"]["token_mean"], 1e-4, "2x2 DDP")
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ("--aggregation=seq_mean_token_sum",),
-        ("--aggregation=seq_mean_token_mean", "--critic-free"),
-    ],
-    ids=["seq_mean_token_sum", "seq_mean_token_mean-critic_free"],
-)
-def test_gradient_split_invariant_for_each_loss_aggregation(assets, tmp_path, flags):
+@pytest.mark.parametrize("aggregation", list(AGGREGATIONS))
+def test_gradient_split_invariant_for_each_loss_aggregation(one_rank, zero3, aggregation):
     """Sequence-level aggregations divide by the global SEQUENCE count; the critic-free
     case adds every other loss term (KL as k3 loss, entropy bonus, clip-higher, dual clip)."""
-    whole = probe_single(assets, tmp_path / "1x1.pt", 8, *flags)
-    split = probe_single(assets, tmp_path / "1x4.pt", 2, *flags)
-    zero3 = probe_two_ranks(assets, tmp_path / "2x2.pt", "cpu_zero3.yaml", *flags)
-    grads = whole["gradients"]
+    flags, token_mean_name = AGGREGATIONS[aggregation]
+    grads = one_rank["gradients"][aggregation]
     assert any(g.abs().sum() > 0 for g in grads.values())
     assert any(k.startswith("critic.") for k in grads) == ("--critic-free" not in flags)
-    token_mean = probe_single(assets, tmp_path / "tm.pt", 8, *flags[1:])["gradients"]
+    token_mean = one_rank["gradients"][token_mean_name]
     assert any((token_mean[k] - g).abs().max() > 1e-4 * g.abs().max() for k, g in grads.items())
-    assert_same_gradients(grads, split["gradients"], 1e-5, "1x4")
-    assert_same_gradients(grads, zero3["gradients"], 1e-4, "2x2 ZeRO-3")
+    assert_same_gradients(grads, one_rank["gradients"][f"{aggregation}/1x4"], 1e-5, "1x4")
+    assert_same_gradients(grads, zero3["gradients"][aggregation], 1e-4, "2x2 ZeRO-3")
 
 
-def test_gradient_and_checkpoint_optimizer_under_zero2(assets, tmp_path):
-    whole = probe_single(assets, tmp_path / "1x1.pt", micro=8)
-    zero2 = probe_two_ranks(assets, tmp_path / "zero2.pt", "cpu_zero2.yaml")
-    assert zero2["checkpoint_optimizer"] == ADAMW
-    assert_same_gradients(whole["gradients"], zero2["gradients"], 1e-4, "2x2 ZeRO-2")
+def test_gradient_and_checkpoint_optimizer_under_zero2(assets, one_rank, tmp_path):
+    zero2 = probe_two_ranks(assets, tmp_path / "zero2.pt", "cpu_zero2.yaml", variant("z2", 2))
+    assert zero2["checkpoint_optimizer"]["z2"] == ADAMW
+    grads = one_rank["gradients"]["token_mean"]
+    assert_same_gradients(grads, zero2["gradients"]["z2"], 1e-4, "2x2 ZeRO-2")
 
 
-UNEVEN = str(REPO / "tests" / "distributed" / "scripts" / "uneven_generation.py")
+def test_ranks_generating_different_lengths_do_not_hang(zero3):
+    """Rank 0 stops after 1 token, rank 1 runs 16, then both score and step (collectives
+    that need every rank); gathered and per-layer (synced) modes. A hang would time out
+    the zero3 launch."""
+    assert zero3["uneven_widths"] == {True: [1, 16], False: [1, 16]}
 
 
-def test_ranks_generating_different_lengths_do_not_hang(assets):
-    """Rank 0 stops after 1 token, rank 1 runs 16; gathered and per-layer (synced) modes."""
-    for gather in ("1", "0"):
-        cmd = [UNEVEN, assets["policy"], assets["reward"], str(assets["files"].prompts), gather]
-        proc = run_launch(launch_args("cpu_zero3.yaml", free_port(), *cmd), timeout=90)
-        assert "UNEVEN-OK widths=[1, 16]" in proc.stdout, proc.stdout[-2000:]
-
-
-def test_gradient_checkpointing_under_zero3_gives_the_same_gradients(assets, tmp_path):
+def test_gradient_checkpointing_under_zero3_gives_the_same_gradients(zero3):
     # Same backend and split, so the same reduction order: only recomputation differs.
-    plain = probe_two_ranks(assets, tmp_path / "plain.pt", "cpu_zero3.yaml")
-    ckpt = probe_two_ranks(
-        assets, tmp_path / "ckpt.pt", "cpu_zero3.yaml", "--gradient-checkpointing"
-    )
-    assert any(g.abs().sum() > 0 for g in plain["gradients"].values())
-    assert_same_gradients(plain["gradients"], ckpt["gradients"], 1e-5, "ZeRO-3 + checkpointing")
+    plain, ckpt = zero3["gradients"]["token_mean"], zero3["gradients"]["checkpointing"]
+    assert any(g.abs().sum() > 0 for g in plain.values())
+    assert_same_gradients(plain, ckpt, 1e-5, "ZeRO-3 + checkpointing")

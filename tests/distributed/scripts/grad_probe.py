@@ -1,15 +1,22 @@
 """Gradient of ONE PPO optimizer step on a fixed global minibatch of 8 sequences.
 
-Usage: grad_probe.py POLICY REWARD OUT MICRO_BATCH_SIZE [--gradient-checkpointing]
-       [--aggregation=MODE] [--critic-free]
+Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generation=PROMPTS]
+  VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
+  --aggregation=MODE, --critic-free
 (--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
 bonus, clip-higher and dual clip: every term of the loss in one gradient.)
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
 global minibatch with ragged response lengths, takes its share, and accumulates the
-gradient over its micro-batches with the trainer's own `minibatch_backward`. Rank 0
-writes {"gradients": {name: full gradient}, "checkpoint_optimizer": class name} to OUT, so
-tests can compare splits and check that the checkpoint code reaches the torch AdamW
-inside every backend's wrappers (Accelerate's, DeepSpeed's ZeRO optimizer).
+gradient over its micro-batches with the trainer's own `minibatch_backward`. Each variant
+builds its own models in this one process (one interpreter and one process group start-up
+for all of them; the RNGs are re-seeded per variant, so a variant's models are the same
+whichever variants ran before it). Rank 0 writes {"gradients": {NAME: {param: full
+gradient}}, "checkpoint_optimizer": {NAME: class name}} to OUT, so tests can compare splits
+and check that the checkpoint code reaches the torch AdamW inside every backend's wrappers
+(Accelerate's, DeepSpeed's ZeRO optimizer). With --uneven-generation, the same launch then
+runs uneven_generation.py's check (ranks generating different lengths must not hang) in
+both generation modes and adds {"uneven_widths": {gather: widths of all ranks}}: one
+process group start-up less for the 2-rank tests.
 """
 
 import sys
@@ -18,7 +25,7 @@ import torch
 
 from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict
-from rlhf_dist.distributed import Runtime
+from rlhf_dist.distributed import Runtime, seed_everything
 from rlhf_dist.distributed.training_state import innermost_optimizer
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
@@ -27,6 +34,16 @@ from rlhf_dist.trainers.ppo import UpdateKnobs, minibatch_backward
 from rlhf_dist.trainers.ppo_setup import build_models
 
 B, P, T, VOCAB = 8, 5, 7, 100
+
+CRITIC_FREE = {
+    "estimator": "grpo",
+    "samples_per_prompt": 2,
+    "kl_placement": "loss",
+    "kl_kind": "k3",
+    "entropy_coef": 0.01,
+    "clip_eps_high": 0.28,
+    "dual_clip": 3.0,
+}
 
 
 def fixed_minibatch():
@@ -51,24 +68,11 @@ def fixed_minibatch():
     return batch, torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
 
 
-def main():
-    policy, reward, out, micro = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    flags = sys.argv[5:]
+def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
     checkpointing = "--gradient-checkpointing" in flags
     aggregation = next(
         (f.split("=", 1)[1] for f in flags if f.startswith("--aggregation=")), "token_mean"
     )
-    critic_free = {
-        "estimator": "grpo",
-        "samples_per_prompt": 2,
-        "kl_placement": "loss",
-        "kl_kind": "k3",
-        "entropy_coef": 0.01,
-        "clip_eps_high": 0.28,
-        "dual_clip": 3.0,
-    }
-    quiet_transformers()
-    runtime = Runtime(seed=0, num_threads=1)
     tree = {
         "model": {"policy": policy, "reward": reward, "gradient_checkpointing": checkpointing},
         "data": {"train": "unused.jsonl"},
@@ -78,10 +82,15 @@ def main():
             "micro_batch_size": micro,
             "value_clip_eps": 0.2,
             "loss_aggregation": aggregation,
-            **(critic_free if "--critic-free" in flags else {}),
+            **(CRITIC_FREE if "--critic-free" in flags else {}),
         },
     }
-    cfg = config_from_dict(tree)
+    return config_from_dict(tree)
+
+
+def probe(runtime, cfg) -> tuple[dict, str]:
+    """(full gradients of one step, class name of the optimizer checkpoints read)."""
+    seed_everything(0)  # as a fresh process with Runtime(seed=0) would be
     plan = ppo_plan(cfg.ppo, runtime.world_size)
     built = build_models(cfg, runtime, plan, total_steps=1)
     built.model.train()  # as ppo_iteration does before the update (checkpointing is train-only)
@@ -95,9 +104,30 @@ def main():
     )
     grads = runtime.full_gradients(built.model)
     inner = type(innermost_optimizer(built.optimizer))
+    return grads, f"{inner.__module__}.{inner.__qualname__}"
+
+
+def main():
+    policy, reward, out = sys.argv[1:4]
+    uneven = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--uneven-generation=")]
+    quiet_transformers()
+    runtime = Runtime(seed=0, num_threads=1)
+    result = {"gradients": {}, "checkpoint_optimizer": {}}
+    for variant in (a for a in sys.argv[4:] if not a.startswith("--")):
+        name, micro, *flags = variant.split(":")
+        cfg = variant_config(policy, reward, int(micro), flags)
+        grads, optimizer = probe(runtime, cfg)
+        result["gradients"][name] = grads
+        result["checkpoint_optimizer"][name] = optimizer
+    if uneven:
+        from uneven_generation import uneven_rollout_and_step  # this script's directory
+
+        result["uneven_widths"] = {
+            gather: uneven_rollout_and_step(runtime, policy, reward, uneven[0], gather)
+            for gather in (True, False)
+        }
     if runtime.is_main:
-        name = f"{inner.__module__}.{inner.__qualname__}"
-        torch.save({"gradients": grads, "checkpoint_optimizer": name}, out)
+        torch.save(result, out)
     runtime.barrier()
 
 

@@ -1,9 +1,11 @@
 """Ranks that stop generating at different steps must not hang each other (ZeRO-3).
 
-Usage: uneven_generation.py POLICY REWARD PROMPTS GATHER(0|1)
+Usage: uneven_generation.py POLICY REWARD PROMPTS
 Rank 0 generates ONE token per prompt; rank 1 is forced to run to 16 tokens. Then both
 score the rollout and take an optimizer step (collectives that need every rank), and
-print a line the test looks for.
+print a line the test looks for. Both generation modes run, one after the other in this
+one process: weights gathered for generation, then per-layer (synced) fetching. The tests
+run `uneven_rollout_and_step` inside grad_probe.py's ZeRO-3 launch (--uneven-generation).
 """
 
 import sys
@@ -23,9 +25,17 @@ from rlhf_dist.trainers.ppo_setup import build_models
 
 
 def main():
-    policy, reward, prompts_path, gather = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+    policy, reward, prompts_path = sys.argv[1:4]
     quiet_transformers()
     runtime = Runtime(seed=0, num_threads=1)
+    for gather in (True, False):
+        widths = uneven_rollout_and_step(runtime, policy, reward, prompts_path, gather)
+        runtime.print(f"UNEVEN-OK gather={gather} widths={widths}")
+
+
+def uneven_rollout_and_step(runtime, policy, reward, prompts_path, gather: bool) -> list[int]:
+    """Build the models, roll out 8 prompts of uneven lengths and take one optimizer step;
+    the response widths of all ranks."""
     new_tokens = 1 if runtime.rank == 0 else 16
     tree = {
         "model": {"policy": policy, "reward": reward},
@@ -64,7 +74,7 @@ def main():
     )
     trained = (built.model, built.optimizer, built.scheduler)
     step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
-    runtime.print(f"UNEVEN-OK widths={widths}")
+    return widths
 
 
 if __name__ == "__main__":
