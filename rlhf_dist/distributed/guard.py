@@ -113,8 +113,31 @@ class NumericalGuard:
             model.optimizer.zero_grad(set_to_none=True)
             if hasattr(model.optimizer, "averaged_gradients"):
                 model.optimizer.averaged_gradients = {}
+            if self._backend.zero_stage == 3:
+                _release_zero3_params(model)
         else:
             optimizer.zero_grad(set_to_none=True)
+
+
+def _release_zero3_params(engine) -> None:
+    """Wait for and re-partition every ZeRO-3 parameter a skipped step's forwards left
+    gathered or in flight.
+
+    With a complete trace, ZeRO-3's parameter coordinator prefetches (async all-gather,
+    status INFLIGHT) the parameters of the modules that come next in the trace, and near
+    the end of a forward those belong to the BACKWARD pass (PPO with a critic, 2 CPU
+    ranks: the actor's embedding and first layer). Only that backward, or the next
+    forward's start-of-forward reset_step, waits for them. A skipped
+    step runs its forwards and no backward, so when the skipped step is the last of a PPO
+    iteration the next thing to touch the engine is generation: DeepSpeed's
+    unwrap_model_for_generation gathers only NOT_AVAILABLE parameters, runs the model with
+    the in-flight ones still empty ("'weight' must be 2-D") and fails to re-partition them
+    ("Cannot partition a param in flight"). Both ranks skip the same step and issued the
+    same prefetches (same trace), so waiting here is collective-safe. The engine's
+    empty_partition_cache (release_and_reset_all) waits for each in-flight all-gather and
+    partitions every parameter, as a finished backward would have left them.
+    """
+    engine.empty_partition_cache()
 
 
 def stepping_optimizer(optimizer):

@@ -39,11 +39,17 @@ def changed(before: dict, after: dict) -> bool:
     return any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_ppo_zero3_two_ranks_trains_and_aggregates(assets, tmp_path):
+def test_ppo_zero3_two_ranks_trains_aggregates_and_skips_a_one_rank_nan(assets, tmp_path):
+    """PPO with a critic under ZeRO-3, two micro-batches per rank per optimizer step, and
+    a NaN loss on rank 1 at step 2 (the last of iteration 1): the skipped step's forwards
+    leave ZeRO-3 prefetches in flight that only a backward would collect, and the next
+    iteration's generation must not find them (guard.py, _release_zero3_params)."""
     out, port = tmp_path / "ppo", free_port()
-    run_launch(launch_args("cpu_zero3.yaml", port, *ppo_command(assets, out)))
+    command = launch_args("cpu_zero3.yaml", port, *ppo_command(assets, out))
+    run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1"})
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
+    assert [r["guard/skipped_steps"] for r in rows] == [1, 1]
     for r in rows:
         # Each rank rolled out 8 prompts; the logged count is the sum over both ranks.
         assert r["rollout/sequences"] == 16
@@ -63,13 +69,11 @@ def test_ppo_zero3_two_ranks_trains_and_aggregates(assets, tmp_path):
 
 def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(assets, tmp_path):
     """GRPO under ZeRO-3, and the numerical guard in the same launch: optimizer step 2 (of
-    4, two per iteration, one micro-batch per rank each) has a NaN loss on rank 1 only, and
-    both ranks must skip it (docs/architecture.md section 7)."""
+    4, two per iteration, two micro-batches per rank each: the poisoned step's second
+    forward still runs) has a NaN loss on rank 1 only, and both ranks must skip it
+    (docs/architecture.md section 7)."""
     out = tmp_path / "grpo"
-    extra = (
-        "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4",
-        "ppo.micro_batch_size=4",
-    )  # fmt: skip
+    extra = ("ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4")
     command = launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra))
     run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1"})
     rows = metrics(out)
