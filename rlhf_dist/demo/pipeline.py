@@ -240,8 +240,8 @@ def offline_stage_config(root: Path, files: task.TaskFiles, seed: int, algorithm
     pairs (KTO reads them as desirable chosen / undesirable rejected completions). Numbers
     tuned for a 2-core CPU: README, "Algorithms on the demo"."""
     section = {
-        "dpo": {"beta": 0.1, "optim": {"lr": 1e-4}},
-        "kto": {"beta": 0.1, "optim": {"lr": 5e-5}},
+        "dpo": {"beta": 0.1, "optim": {"lr": 2e-4}},
+        "kto": {"beta": 0.1, "optim": {"lr": 1e-4}},
     }[algorithm]
     return {
         "run": {"output_dir": str(root / algorithm), "seed": seed, "log_every": 10},
