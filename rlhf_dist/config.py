@@ -757,7 +757,12 @@ def describe(section: str = "") -> str:
         head = f"  {name}  {_type_name(tp)} = {default}" + (
             f"  (one of: {', '.join(choices)})" if choices else ""
         )
-        lines += [head, textwrap.fill(text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6)]
+        lines += [
+            head,
+            textwrap.fill(
+                text, 100, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False
+            ),
+        ]
     return "\n".join(lines)
 
 
