@@ -95,6 +95,29 @@ def run_two_machines(config: str, command: list[str], timeout: float = 120.0) ->
             pytest.fail(f"machine exited {p.returncode}\n{out[-6000:]}")
 
 
+def ppo_command(assets, out: Path, *extra: str) -> list[str]:
+    """`python -m rlhf_dist ppo` on the tiny assets: 2 iterations of 16 prompts, minibatches
+    of 8 in micro-batches of 2, 12 new tokens; `extra` overrides come last and win."""
+    return [
+        "-m", "rlhf_dist", "ppo",
+        f"model.policy={assets['policy']}",
+        f"model.reward={assets['reward']}",
+        f"data.train={assets['files'].prompts}",
+        f"run.output_dir={out}",
+        "run.log_every=1",
+        "ppo.iterations=2",
+        "ppo.rollout_batch_size=16",
+        "ppo.rollout_micro_batch_size=8",
+        "ppo.minibatch_size=8",
+        "ppo.micro_batch_size=2",
+        "ppo.ppo_epochs=1",
+        "ppo.actor.lr=1e-3",
+        "ppo.critic.lr=1e-3",
+        "generation.max_new_tokens=12",
+        *extra,
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """Task files, tokenizer and random-init tiny policy + reward model (with its head)."""

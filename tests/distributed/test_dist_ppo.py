@@ -6,29 +6,15 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import free_port, launch_args, run_launch, run_two_machines, shm_buffers
+from conftest import (
+    free_port,
+    launch_args,
+    ppo_command,
+    run_launch,
+    run_two_machines,
+    shm_buffers,
+)
 from safetensors.torch import load_file
-
-
-def ppo_command(assets, out: Path, *extra: str) -> list[str]:
-    return [
-        "-m", "rlhf_dist", "ppo",
-        f"model.policy={assets['policy']}",
-        f"model.reward={assets['reward']}",
-        f"data.train={assets['files'].prompts}",
-        f"run.output_dir={out}",
-        "run.log_every=1",
-        "ppo.iterations=2",
-        "ppo.rollout_batch_size=16",
-        "ppo.rollout_micro_batch_size=8",
-        "ppo.minibatch_size=8",
-        "ppo.micro_batch_size=2",
-        "ppo.ppo_epochs=1",
-        "ppo.actor.lr=1e-3",
-        "ppo.critic.lr=1e-3",
-        "generation.max_new_tokens=12",
-        *extra,
-    ]  # fmt: skip
 
 
 def metrics(out: Path) -> list[dict]:

@@ -14,34 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, launch_args, run_launch
+from conftest import free_port, launch_args, ppo_command, run_launch
 from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
 
 def vllm_ppo_command(assets, out: Path, *extra: str) -> list[str]:
-    return [
-        "-m", "rlhf_dist", "ppo",
-        f"model.policy={assets['policy']}",
-        f"model.reward={assets['reward']}",
-        f"data.train={assets['files'].prompts}",
-        f"run.output_dir={out}",
-        "run.log_every=1",
-        "ppo.iterations=2",
-        "ppo.rollout_batch_size=16",
-        "ppo.rollout_micro_batch_size=8",
-        "ppo.minibatch_size=8",
-        "ppo.micro_batch_size=4",
-        "ppo.ppo_epochs=1",
-        "ppo.actor.lr=1e-3",
-        "ppo.critic.lr=1e-3",
-        "generation.max_new_tokens=12",
-        "generation.backend=vllm",
-        "generation.vllm_kv_cache_gib=0.25",
-        "debug.check_vllm_sync=true",
-        *extra,
-    ]  # fmt: skip
+    return ppo_command(
+        assets, out, "generation.backend=vllm", "generation.vllm_kv_cache_gib=0.25",
+        "debug.check_vllm_sync=true", *extra,
+    )  # fmt: skip
 
 
 def _rows(out: Path) -> list[dict]:
