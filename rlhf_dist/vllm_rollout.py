@@ -196,8 +196,9 @@ class VLLMEngine:
         difference comes from the weights (or from kernels at a near-tie: bf16).
         """
         rows = slice(0, min(4, prompt_ids.shape[0]))
+        n = min(8, gen_cfg.max_new_tokens)  # vLLM refuses min_tokens > max_tokens
         greedy = dataclasses.replace(
-            gen_cfg, top_k=1, max_new_tokens=min(8, gen_cfg.max_new_tokens)
+            gen_cfg, top_k=1, max_new_tokens=n, min_new_tokens=min(gen_cfg.min_new_tokens, n)
         )
         pad = tokenizer.pad_token_id
         ours = generate(
