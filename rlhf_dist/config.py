@@ -517,6 +517,14 @@ class DistributedConfig:
         "under ZeRO-3, gather the actor's full weights once per rollout for generation (fast; "
         "needs memory for one full copy); off: generate through ZeRO-3's per-layer gathers",
     )
+    gather_for_training: str = key(
+        "auto",
+        "under ZeRO-3, gather the trained model's full weights once per optimizer step "
+        "(one collective, ZeRO-3's per-module hooks off; gradients and optimizer states "
+        "stay partitioned) instead of per layer in every forward and backward; auto = when "
+        "a full copy takes at most a quarter of the free memory (printed)",
+        choices=("auto", "always", "never"),
+    )
     timeout_s: int = key(
         1800, "seconds a collective waits for the other ranks before the run fails with an error"
     )

@@ -8,6 +8,7 @@ scores (reward model at the last real token, or a Python reward function).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -235,8 +236,10 @@ def sequence_last_index(prompt_width: int, response_mask: torch.Tensor) -> torch
 class RolloutModels:
     """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
     yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
-    the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS) and,
-    with generation.backend=vllm, this rank's engine (vllm_rollout.VLLMEngine)."""
+    the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS),
+    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), and a
+    context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
+    not layer by layer in every forward; a no-op elsewhere)."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
@@ -244,6 +247,7 @@ class RolloutModels:
     scorer: Scorer
     stop_ids: tuple[int, ...] = ()
     engine: object | None = None
+    whole_weights: Callable = contextlib.nullcontext
 
 
 @torch.no_grad()
@@ -254,26 +258,31 @@ def collect_rollout(
     gen, micro = cfg.generation, cfg.ppo.rollout_micro_batch_size
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
-    start = time.perf_counter()
-    response_ids, sampler_logprobs = _sample(
-        models, prompt_ids, prompt_mask, gen, chunks, tokenizer
-    )
-    generated = time.perf_counter()
-    response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
-    texts = decode_responses(tokenizer, response_ids, response_mask, eos)
-    parts = [
-        _score_chunk(
-            models,
-            prompt_ids[s],
-            prompt_mask[s],
-            response_ids[s],
-            response_mask[s],
-            prompt_texts[s],
-            texts[s],
-            gen.temperature,
+    # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).
+    # vLLM samples from its own copy: whole weights only for its sync, then for scoring.
+    hf = models.engine is None
+    with models.whole_weights() if hf else contextlib.nullcontext():
+        start = time.perf_counter()
+        response_ids, sampler_logprobs = _sample(
+            models, prompt_ids, prompt_mask, gen, chunks, tokenizer
         )
-        for s in chunks
-    ]
+        generated = time.perf_counter()
+        response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
+        texts = decode_responses(tokenizer, response_ids, response_mask, eos)
+        with models.whole_weights():  # nested under hf: already whole
+            parts = [
+                _score_chunk(
+                    models,
+                    prompt_ids[s],
+                    prompt_mask[s],
+                    response_ids[s],
+                    response_mask[s],
+                    prompt_texts[s],
+                    texts[s],
+                    gen.temperature,
+                )
+                for s in chunks
+            ]
     merged = {
         k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]
     }

@@ -18,7 +18,9 @@ backends):
 - guard.py: micro_backward / optimizer_step behind the numerical guard;
 - collectives.py: all_sum, all_max, any_rank, gather_objects, barrier; dead-peer errors;
 - training_state.py: full state dicts and gradients, world-size independent checkpoints;
-- inference.py: frozen models, the generation context, loading outside ZeRO-3;
+- inference.py: frozen models, the generation context, training steps' weights, loading
+  outside ZeRO-3;
+- zero3.py: a ZeRO-3 model's weights gathered whole in one collective, per-module hooks off;
 - trackers.py: W&B / TensorBoard through Accelerate;
 - runtime.py: the `Runtime` facade.
 """

@@ -81,7 +81,12 @@ class Backend:
             fill_zero_buckets(ds, model)
             if self.zero_stage == 3:
                 fetch_whole_layers(model)
-        return self.accelerator.prepare(model, optimizer)
+        prepared = self.accelerator.prepare(model, optimizer)
+        if self.zero_stage == 3 and self.world_size > 1 and self.device.type == "cpu":
+            from rlhf_dist.distributed.zero3 import reduce_gradients_by_all_reduce
+
+            reduce_gradients_by_all_reduce()
+        return prepared
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model inside its backend wrapper, cached (Accelerate's unwrap walks the

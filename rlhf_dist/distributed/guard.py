@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from rlhf_dist.distributed import zero3
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max
 
@@ -88,6 +89,8 @@ class NumericalGuard:
         # DeepSpeed without ZeRO and without 16-bit clips fp32 gradients but keeps the norm
         # to itself (get_global_grad_norm() is None): measure it here, before the step.
         own_norm = _fp32_stage0_norm(model)
+        if zero3.is_whole(model):
+            zero3.release(model)  # what step() does first, without its per-weight cost
         model.step()  # clip + optimizer step + zero grad at the boundary we set
         norm = model.get_global_grad_norm()
         norm = float(norm) if norm is not None else own_norm

@@ -1,8 +1,9 @@
-"""Models used for inference only: frozen models, generation, loading outside ZeRO-3.
+"""Where weights are whole: frozen models, generation, training steps, loading outside ZeRO-3.
 
 Frozen models (reference, reward model) are replicated or partitioned like the trainable
 ones; generation gets the unwrapped module with, under ZeRO-3, its parameters gathered
-once; `local_loading` keeps a one-rank model load out of ZeRO-3's collective init.
+once; training steps gather the trained model whole when a copy fits (zero3.py);
+`local_loading` keeps a one-rank model load out of ZeRO-3's collective init.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from rlhf_dist.config import ConfigError
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max, any_rank
+from rlhf_dist.distributed.zero3 import whole_bytes, whole_weights
 
 
 def prepare_frozen(
@@ -74,7 +77,13 @@ def replicate_fits(backend: Backend, model: torch.nn.Module) -> bool:
     memory). Partitioned, a frozen model is gathered layer by layer on every forward of
     every rollout micro-batch: scoring cost 5-15x the replicated time under ZeRO-3. All
     ranks agree (a partitioned engine needs every rank)."""
-    fits = _bytes(model) <= REPLICATE_SHARE * _free_bytes(backend)
+    return copy_fits(backend, _bytes(model))
+
+
+def copy_fits(backend: Backend, nbytes: int) -> bool:
+    """Whether `nbytes` fit in REPLICATE_SHARE of the free memory of EVERY rank (a
+    collective; all ranks get the same answer)."""
+    fits = nbytes <= REPLICATE_SHARE * _free_bytes(backend)
     return not all_max(backend, torch.tensor(0.0 if fits else 1.0)) > 0
 
 
@@ -112,10 +121,40 @@ def generation_context(
     elif not gather:
         yield target, (functools.partial(any_rank, backend) if backend.world_size > 1 else None)
     else:
-        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
-
-        with unwrap_model_for_generation(model):
+        with whole_weights(model):
             yield target, None
+
+
+def weights_whole(backend: Backend, model, enabled: bool = True):
+    """Context: under ZeRO-3 (and `enabled`), every weight of trained `model` whole on
+    every rank for the body, gathered in one collective, ZeRO-3's per-module hooks off
+    (zero3.whole_weights); otherwise a no-op. Every rank enters together."""
+    if backend.zero_stage != 3 or not enabled:
+        return contextlib.nullcontext()
+    return whole_weights(model)
+
+
+# Engine -> whether its training steps gather it whole (decided once per engine).
+_TRAINING_GATHER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def training_weights(backend: Backend, model, setting: str = "auto", name: str = "model"):
+    """Context for `model`'s training steps (forwards, backwards, optimizer steps), per
+    distributed.gather_for_training: under ZeRO-3, "always" gathers its weights whole
+    once per optimizer step (zero3.py), "never" keeps ZeRO-3's per-layer fetching, and
+    "auto" gathers when one full copy takes at most REPLICATE_SHARE of every rank's free
+    memory (decided once per model, printed). A no-op without ZeRO-3."""
+    if backend.zero_stage != 3:
+        return contextlib.nullcontext()
+    if model not in _TRAINING_GATHER:
+        nbytes = whole_bytes(model)
+        whole = setting == "always" or (setting == "auto" and copy_fits(backend, nbytes))
+        _TRAINING_GATHER[model] = whole
+        if setting == "auto" and backend.is_main:
+            how = "gathered whole per optimizer step" if whole else "fetched layer by layer"
+            gib = nbytes / 2**30
+            print(f"distributed.gather_for_training=auto: {name} {how} ({gib:.2f} GiB)", flush=True)
+    return weights_whole(backend, model, _TRAINING_GATHER[model])
 
 
 @contextlib.contextmanager

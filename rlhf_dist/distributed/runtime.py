@@ -114,6 +114,17 @@ class Runtime:
         """Yield (module, keep_in_step) for `rollout.generate` (inference.py)."""
         return inference.generation_context(self.backend, model, submodule, gather)
 
+    def weights_whole(self, model, enabled: bool = True):
+        """Context: under ZeRO-3, `model`'s weights whole on every rank (one gather, no
+        per-layer fetching) for the body, e.g. a rollout's scoring (inference.py)."""
+        return inference.weights_whole(self.backend, model, enabled)
+
+    def training_weights(self, model, setting: str = "auto", name: str = "model"):
+        """Context around `model`'s training steps: under ZeRO-3, per
+        distributed.gather_for_training, its weights gathered whole once per optimizer
+        step instead of layer by layer in every forward and backward (inference.py)."""
+        return inference.training_weights(self.backend, model, setting, name)
+
     @staticmethod
     def local_loading() -> contextlib.AbstractContextManager[None]:
         """Load models whole in this process, even after ZeRO-3 engines exist."""

@@ -175,7 +175,10 @@ def step_loop(
     for step, (epoch, idx) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the checkpoint; the order is a function of the seed
-        metrics = step_fn(idx) | {
+        # ZeRO-3: the weights gathered whole for the step when a copy fits.
+        with runtime.training_weights(model, cfg.distributed.gather_for_training, stage):
+            metrics = step_fn(idx)
+        metrics |= {
             "guard/skipped_steps": runtime.skipped_steps,
             f"{stage}/epoch": epoch,
             f"{stage}/lr": scheduler.get_last_lr()[0],

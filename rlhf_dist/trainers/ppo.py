@@ -161,16 +161,20 @@ def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it:
     stats, plan = StatSums(), run.plan
     per_rank, slices = plan.update.per_rank, plan.update.micro_slices()
     trained = (run.model, run.optimizer, run.scheduler)
-    for _ in range(plan.ppo_epochs):
-        order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
-        for start in range(0, order.numel(), per_rank):
-            idx = order[start : start + per_rank]
-            mb, ret = batch.select(idx), None if returns is None else returns[idx]
-            minibatch_backward(runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats)
-            norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
-            for name, norm in zip(run.group_names, norms or ()):
-                stats.add(f"optim/grad_norm_{name}", norm, 1)
-            maybe_fault("update", it)  # killed with the weights half-way through an iteration
+    # ZeRO-3: the weights gathered whole once per optimizer step when a copy fits.
+    with runtime.training_weights(run.model, run.gather_for_training, "actor-critic"):
+        for _ in range(plan.ppo_epochs):
+            order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
+            for start in range(0, order.numel(), per_rank):
+                idx = order[start : start + per_rank]
+                mb, ret = batch.select(idx), None if returns is None else returns[idx]
+                minibatch_backward(
+                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats
+                )
+                norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
+                for name, norm in zip(run.group_names, norms or ()):
+                    stats.add(f"optim/grad_norm_{name}", norm, 1)
+                maybe_fault("update", it)  # killed with the weights half-way through an iteration
     return stats.reduce(runtime)
 
 
@@ -264,6 +268,7 @@ class PPORun:
     plan: PPOPlan
     score_moments: RunningMoments
     group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
+    gather_for_training: str = "auto"  # distributed.gather_for_training
     printed_first_batch: bool = False
 
 
@@ -424,7 +429,13 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
     stops = policy_stop_ids(cfg, tokenizer)
     engine = VLLMEngine(cfg, runtime.device) if cfg.generation.backend == "vllm" else None
     rollout_models = RolloutModels(
-        model, generation_context, built.reference, built.scorer, stops, engine
+        model,
+        generation_context,
+        built.reference,
+        built.scorer,
+        stops,
+        engine,
+        whole_weights=lambda: runtime.weights_whole(model, gather),
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:
@@ -441,6 +452,7 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         plan,
         moments,
         built.group_names,
+        cfg.distributed.gather_for_training,
     )
 
 

@@ -63,13 +63,21 @@ def one_rank(assets, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero3(assets, tmp_path_factory):
-    """Every 2 ranks x 2 micro-batches ZeRO-3 gradient, from ONE launch: each aggregation,
-    and token_mean again with gradient checkpointing; then, in the same launch, ranks
-    generating different lengths (scripts/uneven_generation.py)."""
+    """Every 2 ranks x 2 micro-batches ZeRO-3 gradient, from ONE launch: each aggregation
+    with ZeRO-3's per-layer fetching, token_mean again with gradient checkpointing, and
+    with the weights gathered whole (with and without checkpointing); then, in the same
+    launch, ranks generating different lengths (scripts/uneven_generation.py) and the
+    all-reduce gradient reduction against DeepSpeed's reduce-scatter."""
     variants = [variant("token_mean", 2)]
     variants += [variant(name, 2, *flags) for name, (flags, _) in AGGREGATIONS.items()]
     variants.append(variant("checkpointing", 2, "--gradient-checkpointing"))
-    variants.append(f"--uneven-generation={assets['files'].prompts}")
+    # The trainers' path: weights gathered whole for the step (zero3.py), with and
+    # without recomputation.
+    variants.append(variant("whole", 2, "--whole-weights"))
+    variants.append(
+        variant("whole-checkpointing", 2, "--whole-weights", "--gradient-checkpointing")
+    )
+    variants += [f"--uneven-generation={assets['files'].prompts}", "--check-reduce"]
     out = tmp_path_factory.mktemp("zero3") / "2x2.pt"
     return probe_two_ranks(assets, out, "cpu_zero3.yaml", *variants)
 
@@ -127,3 +135,24 @@ def test_gradient_checkpointing_under_zero3_gives_the_same_gradients(zero3):
     plain, ckpt = zero3["gradients"]["token_mean"], zero3["gradients"]["checkpointing"]
     assert any(g.abs().sum() > 0 for g in plain.values())
     assert_same_gradients(plain, ckpt, 1e-5, "ZeRO-3 + checkpointing")
+
+
+def test_whole_weights_give_the_same_gradients_with_one_all_gather_per_step(one_rank, zero3):
+    """zero3.whole_weights (the trainers' steps under ZeRO-3): the same gradient as the
+    per-layer fetching and as one process, from ONE all-gather for the step's two
+    micro-batches, with ZeRO-3's hooks, F.linear and partitioning put back afterwards."""
+    layered, facts = zero3["gradients"]["token_mean"], zero3["zero3"]
+    for name in ("whole", "whole-checkpointing"):
+        assert_same_gradients(layered, zero3["gradients"][name], 1e-6, f"ZeRO-3 {name}")
+        assert_same_gradients(
+            one_rank["gradients"]["token_mean"], zero3["gradients"][name], 1e-4, name
+        )
+        assert facts[name] == {"all_gathers": 1, "restored": True}
+    # Per-layer fetching: every module of actor and critic, in forward and backward.
+    assert facts["token_mean"]["restored"] and facts["token_mean"]["all_gathers"] > 10
+
+
+def test_all_reduce_gradient_reduction_equals_deepspeeds_reduce_scatter(zero3):
+    """Over gloo, ZeRO-3's reduce-scatter of each gradient bucket is one all-reduce in
+    place (zero3.reduce_gradients_by_all_reduce): bitwise the same partitions on 2 ranks."""
+    assert zero3["reduce_max_diff"] == 0.0

@@ -32,8 +32,12 @@ def test_zero_buckets_follow_the_largest_hidden_size_and_keep_explicit_values():
     model.weight = torch.nn.Parameter(torch.zeros(8000))
     ds = {"zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 7}}
     fill_zero_buckets(ds, model)
-    # hidden^2 = 64 is below the floor, an eighth of the 8000 trained parameters.
-    assert ds["zero_optimization"] == {"reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 7}
+    # hidden^2 = 64 is below the floors: the gradient bucket holds all 8000 trained
+    # parameters (one reduce per step), prefetching an eighth of them.
+    assert ds["zero_optimization"] == {"reduce_bucket_size": 8000, "stage3_prefetch_bucket_size": 7}
+    ds = {"zero_optimization": {"stage3_prefetch_bucket_size": "auto"}}
+    fill_zero_buckets(ds, model)
+    assert ds["zero_optimization"] == {"stage3_prefetch_bucket_size": 1000}
     # A large model (meta tensors: no memory): the floor is DeepSpeed's default...
     model.weight = torch.nn.Parameter(torch.empty(8 * MIN_BUCKET + 8, device="meta"))
     ds = {"zero_optimization": {"reduce_bucket_size": "auto"}}

@@ -1,10 +1,13 @@
 """Gradient of ONE PPO optimizer step on a fixed global minibatch of 8 sequences.
 
 Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generation=PROMPTS]
+  [--check-reduce]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
-  --aggregation=MODE, --critic-free
+  --aggregation=MODE, --critic-free, --whole-weights
 (--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
-bonus, clip-higher and dual clip: every term of the loss in one gradient.)
+bonus, clip-higher and dual clip: every term of the loss in one gradient. --whole-weights:
+the backward runs inside runtime.training_weights(model, "always"), as the trainers' steps
+do, instead of through ZeRO-3's per-layer fetching.)
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
 global minibatch with ragged response lengths, takes its share, and accumulates the
 gradient over its micro-batches with the trainer's own `minibatch_backward`. Each variant
@@ -16,9 +19,13 @@ and check that the checkpoint code reaches the torch AdamW inside every backend'
 (Accelerate's, DeepSpeed's ZeRO optimizer). With --uneven-generation, the same launch then
 runs uneven_generation.py's check (ranks generating different lengths must not hang) in
 both generation modes and adds {"uneven_widths": {gather: widths of all ranks}}: one
-process group start-up less for the 2-rank tests.
+process group start-up less for the 2-rank tests. Under ZeRO-3 each variant also records
+{"zero3": {NAME: {"all_gathers": all-gathers during the backward, "restored": hooks,
+F.linear and partitioning as before}}}; --check-reduce adds {"reduce_max_diff": ...}:
+zero3.py's all-reduce gradient reduction against DeepSpeed's reduce-scatter.
 """
 
+import contextlib
 import sys
 
 import torch
@@ -88,8 +95,10 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
     return config_from_dict(tree)
 
 
-def probe(runtime, cfg) -> tuple[dict, str]:
-    """(full gradients of one step, class name of the optimizer checkpoints read)."""
+def probe(runtime, cfg, whole: bool) -> tuple[dict, str, dict]:
+    """(full gradients of one step, class name of the optimizer checkpoints read, ZeRO-3
+    facts of the backward: all-gathers run, and whether hooks, F.linear and partitioning
+    are as they were before it)."""
     seed_everything(0)  # as a fresh process with Runtime(seed=0) would be
     plan = ppo_plan(cfg.ppo, runtime.world_size)
     built = build_models(cfg, runtime, plan, total_steps=1)
@@ -99,12 +108,80 @@ def probe(runtime, cfg) -> tuple[dict, str]:
     mb = batch.select(share)
     slices = plan.update.micro_slices()
     knobs = UpdateKnobs.from_config(cfg, group_names=built.group_names)
-    minibatch_backward(
-        runtime, built.model, mb, advantages[share], returns[share], knobs, slices, StatSums()
-    )
+    setting = "always" if whole else "never"
+    before = zero3_state(runtime, built.model)
+    with count_all_gathers(runtime) as gathers, runtime.training_weights(built.model, setting):
+        minibatch_backward(
+            runtime,
+            built.model,
+            mb,
+            advantages[share],
+            returns[share],
+            knobs,
+            slices,
+            StatSums(),
+        )
+    facts = {"all_gathers": gathers[0], "restored": zero3_state(runtime, built.model) == before}
     grads = runtime.full_gradients(built.model)
     inner = type(innermost_optimizer(built.optimizer))
-    return grads, f"{inner.__module__}.{inner.__qualname__}"
+    return grads, f"{inner.__module__}.{inner.__qualname__}", facts
+
+
+def zero3_state(runtime, engine) -> tuple | None:
+    """What whole_weights must leave as it found it: the number of ZeRO-3 module hooks,
+    torch's F.linear (ZeRO-3's replacement), every weight partitioned."""
+    if runtime.zero_stage != 3:
+        return None
+    offload = engine.optimizer.parameter_offload
+    hooks = len(offload.forward_hooks) + len(offload.backward_hooks)
+    partitioned = all(p.ds_status.name == "NOT_AVAILABLE" for p in engine.module.parameters())
+    return hooks, torch.nn.functional.linear, partitioned
+
+
+@contextlib.contextmanager
+def count_all_gathers(runtime):
+    """Count DeepSpeed's all-gathers in the body (yields a one-item list)."""
+    count = [0]
+    if runtime.zero_stage != 3:
+        yield count
+        return
+    import deepspeed.comm as ds_comm
+
+    backend = ds_comm.comm.cdb
+    original = backend.all_gather_function
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    backend.all_gather_function = counted
+    try:
+        yield count
+    finally:
+        backend.all_gather_function = original
+
+
+def reduce_max_diff(runtime) -> float:
+    """Largest difference, over all ranks, between zero3.py's all-reduce reduction and
+    DeepSpeed's reduce_scatter_coalesced: a shuffled bucket of views (reduced in place),
+    a tensor whose size the world does not divide, and tensors in separate storages."""
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+    from rlhf_dist.distributed.zero3 import _reduce_scatter_coalesced_by_all_reduce as ours
+
+    g = torch.Generator().manual_seed(runtime.rank)  # each rank holds other gradients
+    bucket = torch.randn(4 + 7 + 64, generator=g)
+    views = [bucket[11:].view(8, 8), bucket[:4], bucket[4:11]]  # not in bucket order
+    cases = [views, [torch.randn(7, generator=g)], [torch.randn(5, generator=g), torch.randn(3, 2)]]
+    worst = 0.0
+    for tensors in cases:
+        theirs = reduce_scatter_coalesced([t.clone() for t in tensors])
+        mine = ours(tensors)  # in place where the tensors tile one buffer
+        assert [m.shape for m in mine] == [t.shape for t in theirs]
+        worst = max(
+            [worst] + [float((m - t).abs().max()) for m, t in zip(mine, theirs) if t.numel()]
+        )
+    return float(runtime.all_max(torch.tensor(worst)))
 
 
 def main():
@@ -112,13 +189,16 @@ def main():
     uneven = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--uneven-generation=")]
     quiet_transformers()
     runtime = Runtime(seed=0, num_threads=1)
-    result = {"gradients": {}, "checkpoint_optimizer": {}}
+    result = {"gradients": {}, "checkpoint_optimizer": {}, "zero3": {}}
     for variant in (a for a in sys.argv[4:] if not a.startswith("--")):
         name, micro, *flags = variant.split(":")
         cfg = variant_config(policy, reward, int(micro), flags)
-        grads, optimizer = probe(runtime, cfg)
+        grads, optimizer, facts = probe(runtime, cfg, "--whole-weights" in flags)
         result["gradients"][name] = grads
         result["checkpoint_optimizer"][name] = optimizer
+        result["zero3"][name] = facts
+    if "--check-reduce" in sys.argv:
+        result["reduce_max_diff"] = reduce_max_diff(runtime)
     if uneven:
         from uneven_generation import uneven_rollout_and_step  # this script's directory
 

@@ -1,0 +1,202 @@
+"""ZeRO-3 with fewer collectives: weights gathered whole, gradients reduced in one piece.
+
+Under ZeRO-3 every module all-gathers its parameters in a forward hook and releases them
+after its backward. A PPO micro-batch of a 24-layer actor and critic then runs ~60
+all-gathers and ~1,000 hook calls; on 2 CPU ranks that was 2.7 s of an 8.4 s update
+(docs/benchmarks.md). When one full copy of the weights fits, `whole_weights` gathers all
+of them in ONE coalesced all-gather and takes ZeRO-3's per-module fetch/release hooks off
+for its duration. What stays partitioned: the gradients (ZeRO-3's per-parameter and
+leaf-module gradient hooks stay, so gradients are still reduce-scattered into partitions
+in buckets during backward) and the optimizer states (fp32 masters, Adam moments), which
+are most of ZeRO-3's saving (14 of the 16 bytes per parameter of bf16 Adam training).
+
+The peak is no higher than ZeRO-3's own: with DeepSpeed's defaults
+(`stage3_max_live_parameters` and `stage3_max_reuse_distance` 1e9) a layer fetched in the
+forward is kept for its backward, so at the end of a forward every weight of a model under
+~0.5B parameters is live anyway. The optimizer step updates the partitions and releases
+every whole weight; the next forward of the model gathers them again (a forward pre-hook),
+so one optimizer step costs one all-gather whatever its number of micro-batches.
+
+Over gloo (CPU ranks) ZeRO-3's gradient reduce-scatter is also replaced by one all-reduce
+of the bucket where it lies (`reduce_gradients_by_all_reduce`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+# Engines inside `whole_weights` now (nested uses of one engine are no-ops).
+_ACTIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def is_whole(engine) -> bool:
+    """Whether `engine` is inside `whole_weights` (its weights whole, fetch hooks off)."""
+    return engine in _ACTIVE
+
+
+@contextlib.contextmanager
+def whole_weights(engine) -> Iterator[None]:
+    """Run the body with every weight of ZeRO-3 `engine` whole on every rank.
+
+    Entry gathers (collective: every rank enters together); after an optimizer step the
+    next forward of the engine's module gathers again; exit re-partitions whatever is
+    still whole and puts ZeRO-3's per-module hooks back. A nested use is a no-op.
+    """
+    if engine in _ACTIVE:
+        yield
+        return
+    offload = _parameter_offload(engine)
+    params = list(engine.module.parameters())
+    _remove_fetch_hooks(offload)
+    # Registered after DeepSpeed's own start-of-forward pre-hook (its trace reset).
+    regather = engine.module.register_forward_pre_hook(lambda module, args: gather(params))
+    _ACTIVE.add(engine)
+    linear = _plain_linear()
+    try:
+        gather(params)
+        yield
+    finally:
+        _ACTIVE.discard(engine)
+        torch.nn.functional.linear = linear
+        regather.remove()
+        release(engine)
+        # release_and_reset_all: waits for anything in flight, partitions what is left.
+        offload.empty_partition_cache()
+        offload._register_deepspeed_module(offload.module)
+
+
+def gather(params: list[torch.nn.Parameter]) -> None:
+    """All-gather every partitioned parameter of `params` in one coalesced collective
+    (DeepSpeed's `all_gather_coalesced`, the call its prefetcher makes per module: one
+    flat buffer, one all-gather). Every rank must call it with the same list."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if missing:
+        missing[0].all_gather_coalesced(missing).wait()
+
+
+def release(engine) -> None:
+    """Drop the whole copies of the weights of `engine` (inside `whole_weights`; no
+    collective), as ZeRO-3's optimizer step first does itself: its release formats
+    debug strings for every parameter (~40 us each: 18 ms of every step of the deep CPU
+    benchmark). The partitions are untouched; the next forward gathers again."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
+
+    for p in engine.module.parameters():
+        if p.ds_status == ZeroParamStatus.AVAILABLE and _releasable(p):
+            free_param(p)
+
+
+def _releasable(p) -> bool:
+    """A whole parameter whose partition is in memory (not on NVMe), in no module's use."""
+    location = getattr(p.ds_tensor, "final_location", None)
+    return p.ds_tensor is not None and location is None and not p.ds_active_sub_modules
+
+
+def _plain_linear():
+    """Put torch's own F.linear back for the body; returns what to restore afterwards.
+
+    ZeRO-3 (memory_efficient_linear, on by default) replaces F.linear process-wide with
+    an autograd Function that re-binds its arguments through inspect.signature on every
+    call: 34% of a rollout of the deep CPU benchmark. It exists so that weights released
+    between forward and backward can be fetched again; whole weights are never released
+    mid-step, so torch's linear computes the same values without that cost.
+    """
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    current = torch.nn.functional.linear
+    torch.nn.functional.linear = getattr(
+        InsertPostInitMethodToModuleSubClasses, "linear_bk", current
+    )
+    return current
+
+
+def whole_bytes(engine) -> int:
+    """Bytes one full copy of the engine's weights takes (partitioned or not)."""
+    return sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
+
+
+def _parameter_offload(engine):
+    """The object holding ZeRO-3's module hooks (DeepSpeedZeRoOffload)."""
+    optimizer = engine.optimizer
+    return getattr(optimizer, "parameter_offload", optimizer)
+
+
+def _remove_fetch_hooks(offload) -> None:
+    """Take off the per-module forward/backward hooks that fetch and release parameters
+    (not the gradient-reduction hooks, which live on the parameters and the leaf modules,
+    nor the start-of-forward trace reset)."""
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+
+
+def reduce_gradients_by_all_reduce() -> None:
+    """Over a gloo process group, make ZeRO-3's gradient reduction one in-place all-reduce
+    of the bucket instead of an interleaving copy plus gloo's reduce-scatter. Idempotent.
+
+    ZeRO-3 partitions every parameter on its own (rank r owns chunk r of each), so its
+    `reduce_scatter_coalesced` copies a bucket's gradients into a rank-interleaved buffer
+    before one reduce-scatter. On gloo that collective is several times slower than an
+    all-reduce of the same input (2 CPU ranks: 2.6 vs 1.0 ms at 412K fp32 elements,
+    16.7 vs 8.6 ms at 3.3M), and the interleaving copy cost another ~10 ms per step of the
+    deep CPU benchmark. An all-reduce leaves every chunk in place, so each gradient's
+    partition is a view of the bucket. Same values: each gradient is divided by the world
+    size first and then summed, as DeepSpeed does.
+    """
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import stage3
+
+    if dist.get_backend() != "gloo" or getattr(stage3.reduce_scatter_coalesced, "ours", False):
+        return
+    stage3.reduce_scatter_coalesced = _reduce_scatter_coalesced_by_all_reduce
+
+
+def _reduce_scatter_coalesced_by_all_reduce(tensors: list[torch.Tensor], group=None):
+    """What DeepSpeed's `reduce_scatter_coalesced` returns: for each tensor, this rank's
+    chunk (ceil(numel / world) elements; the last ranks' may be shorter or empty) of the
+    mean over ranks. Tensors that tile one buffer (ZeRO-3's gradient bucket, in any order)
+    are reduced in place, as DeepSpeed does with a single tensor; others are copied."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat, starts = _span(tensors)
+    if flat is None:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat.div_(world)
+    dist.all_reduce(flat, group=group)
+    parts = []
+    for t, offset in zip(tensors, starts):
+        n = t.numel()
+        chunk = math.ceil(n / world)
+        start = min(rank * chunk, n)
+        parts.append(flat.narrow(0, offset + start, min(chunk, n - start)))
+    return parts
+
+
+def _span(tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[int]]:
+    """(one flat view over `tensors`, each tensor's start in it) if they tile one range of
+    one storage without gaps or overlaps, in whatever order; else (None, their starts in
+    their concatenation)."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    tiled = all(
+        t.untyped_storage().data_ptr() == storage and t.is_contiguous() and t.dtype == first.dtype
+        for t in tensors
+    )
+    if tiled:
+        ranges = sorted((t.storage_offset(), t.numel()) for t in tensors)
+        tiled = all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    if not tiled:
+        ends = list(itertools.accumulate(t.numel() for t in tensors))
+        return None, [0, *ends[:-1]]
+    base, total = ranges[0][0], ranges[-1][0] + ranges[-1][1] - ranges[0][0]
+    flat = first.new_empty(0).set_(first.untyped_storage(), base, (total,))
+    return flat, [t.storage_offset() - base for t in tensors]
