@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 
-from rlhf_dist.distributed.deepspeed_config import fill_deepspeed_config, fill_zero_buckets
+from rlhf_dist.distributed.deepspeed_config import (
+    fill_deepspeed_config,
+    fill_gloo_zero3,
+    fill_zero_buckets,
+)
 
 
 class Backend:
@@ -81,6 +85,8 @@ class Backend:
             fill_zero_buckets(ds, model)
             if self.zero_stage == 3:
                 fetch_whole_layers(model)
+                if self.device.type == "cpu":
+                    fill_gloo_zero3(ds)
         prepared = self.accelerator.prepare(model, optimizer)
         if self.zero_stage == 3 and self.world_size > 1 and self.device.type == "cpu":
             from rlhf_dist.distributed.zero3 import reduce_gradients_by_all_reduce

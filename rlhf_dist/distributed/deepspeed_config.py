@@ -71,6 +71,22 @@ def fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
             zero[key] = value
 
 
+def fill_gloo_zero3(ds: dict) -> None:
+    """ZeRO-3 over gloo (CPU ranks): fetch weights with an all-reduce of a zero-filled
+    buffer into which each rank writes its own partitions
+    (`stage3_use_all_reduce_for_fetch_params`), unless the DeepSpeed config says otherwise.
+
+    The all-gather path copies every weight out of the gathered buffer one by one (its
+    partitions lie rank after rank); with the all-reduce every weight is a view of the
+    summed buffer already. gloo's all-reduce of 13 MB costs about its all-gather; the deep
+    CPU benchmark's ZeRO-3 iteration went 5.30 -> 4.16 s (3 alternated rounds). On NCCL an
+    all-reduce moves twice an all-gather's bytes, so GPU runs keep the all-gather.
+    """
+    ds.setdefault("zero_optimization", {}).setdefault(
+        "stage3_use_all_reduce_for_fetch_params", True
+    )
+
+
 def _fill_auto(section: dict, key: str, value, name: str) -> None:
     current = section.get(key, "auto")
     if current == "auto":

@@ -137,19 +137,19 @@ def test_gradient_checkpointing_under_zero3_gives_the_same_gradients(zero3):
     assert_same_gradients(plain, ckpt, 1e-5, "ZeRO-3 + checkpointing")
 
 
-def test_whole_weights_give_the_same_gradients_with_one_all_gather_per_step(one_rank, zero3):
+def test_whole_weights_give_the_same_gradients_with_one_fetch_per_step(one_rank, zero3):
     """zero3.whole_weights (the trainers' steps under ZeRO-3): the same gradient as the
-    per-layer fetching and as one process, from ONE all-gather for the step's two
-    micro-batches, with ZeRO-3's hooks, F.linear and partitioning put back afterwards."""
+    per-layer fetching and as one process, from ONE weight-fetch collective for the step's
+    two micro-batches, with ZeRO-3's hooks, F.linear and partitioning put back afterwards."""
     layered, facts = zero3["gradients"]["token_mean"], zero3["zero3"]
     for name in ("whole", "whole-checkpointing"):
         assert_same_gradients(layered, zero3["gradients"][name], 1e-6, f"ZeRO-3 {name}")
         assert_same_gradients(
             one_rank["gradients"]["token_mean"], zero3["gradients"][name], 1e-4, name
         )
-        assert facts[name] == {"all_gathers": 1, "restored": True}
+        assert facts[name] == {"fetches": 1, "restored": True}
     # Per-layer fetching: every module of actor and critic, in forward and backward.
-    assert facts["token_mean"]["restored"] and facts["token_mean"]["all_gathers"] > 10
+    assert facts["token_mean"]["restored"] and facts["token_mean"]["fetches"] > 10
 
 
 def test_all_reduce_gradient_reduction_equals_deepspeeds_reduce_scatter(zero3):

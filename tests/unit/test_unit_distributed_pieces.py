@@ -13,6 +13,7 @@ from rlhf_dist.distributed import NumericalGuard
 from rlhf_dist.distributed.deepspeed_config import (
     MIN_BUCKET,
     fill_deepspeed_config,
+    fill_gloo_zero3,
     fill_zero_buckets,
 )
 
@@ -49,6 +50,15 @@ def test_zero_buckets_follow_the_largest_hidden_size_and_keep_explicit_values():
     fill_zero_buckets(ds, model)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 16384**2
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+
+
+def test_gloo_zero3_fetches_by_all_reduce_unless_the_deepspeed_config_says_otherwise():
+    ds = {"zero_optimization": {"stage": 3}}
+    fill_gloo_zero3(ds)
+    assert ds["zero_optimization"]["stage3_use_all_reduce_for_fetch_params"] is True
+    ds = {"zero_optimization": {"stage3_use_all_reduce_for_fetch_params": False}}
+    fill_gloo_zero3(ds)
+    assert ds["zero_optimization"]["stage3_use_all_reduce_for_fetch_params"] is False
 
 
 def one_rank_backend():

@@ -20,7 +20,7 @@ and check that the checkpoint code reaches the torch AdamW inside every backend'
 runs uneven_generation.py's check (ranks generating different lengths must not hang) in
 both generation modes and adds {"uneven_widths": {gather: widths of all ranks}}: one
 process group start-up less for the 2-rank tests. Under ZeRO-3 each variant also records
-{"zero3": {NAME: {"all_gathers": all-gathers during the backward, "restored": hooks,
+{"zero3": {NAME: {"fetches": weight-fetch collectives of the backward, "restored": hooks,
 F.linear and partitioning as before}}}; --check-reduce adds {"reduce_max_diff": ...}:
 zero3.py's all-reduce gradient reduction against DeepSpeed's reduce-scatter.
 """
@@ -97,8 +97,8 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
 
 def probe(runtime, cfg, whole: bool) -> tuple[dict, str, dict]:
     """(full gradients of one step, class name of the optimizer checkpoints read, ZeRO-3
-    facts of the backward: all-gathers run, and whether hooks, F.linear and partitioning
-    are as they were before it)."""
+    facts of the backward: weight-fetch collectives run, and whether hooks, F.linear and
+    partitioning are as they were before it)."""
     seed_everything(0)  # as a fresh process with Runtime(seed=0) would be
     plan = ppo_plan(cfg.ppo, runtime.world_size)
     built = build_models(cfg, runtime, plan, total_steps=1)
@@ -110,7 +110,7 @@ def probe(runtime, cfg, whole: bool) -> tuple[dict, str, dict]:
     knobs = UpdateKnobs.from_config(cfg, group_names=built.group_names)
     setting = "always" if whole else "never"
     before = zero3_state(runtime, built.model)
-    with count_all_gathers(runtime) as gathers, runtime.training_weights(built.model, setting):
+    with count_fetches(runtime) as fetches, runtime.training_weights(built.model, setting):
         minibatch_backward(
             runtime,
             built.model,
@@ -121,7 +121,7 @@ def probe(runtime, cfg, whole: bool) -> tuple[dict, str, dict]:
             slices,
             StatSums(),
         )
-    facts = {"all_gathers": gathers[0], "restored": zero3_state(runtime, built.model) == before}
+    facts = {"fetches": fetches[0], "restored": zero3_state(runtime, built.model) == before}
     grads = runtime.full_gradients(built.model)
     inner = type(innermost_optimizer(built.optimizer))
     return grads, f"{inner.__module__}.{inner.__qualname__}", facts
@@ -139,8 +139,10 @@ def zero3_state(runtime, engine) -> tuple | None:
 
 
 @contextlib.contextmanager
-def count_all_gathers(runtime):
-    """Count DeepSpeed's all-gathers in the body (yields a one-item list)."""
+def count_fetches(runtime):
+    """Count the collectives ZeRO-3 fetches weights with in the body (yields a one-item
+    list): all-gathers, or on gloo the asynchronous all-reduces that replace them
+    (deepspeed_config.fill_gloo_zero3); gradient and norm reductions are synchronous."""
     count = [0]
     if runtime.zero_stage != 3:
         yield count
@@ -148,17 +150,22 @@ def count_all_gathers(runtime):
     import deepspeed.comm as ds_comm
 
     backend = ds_comm.comm.cdb
-    original = backend.all_gather_function
+    all_gather, all_reduce = backend.all_gather_function, backend.all_reduce
 
-    def counted(*args, **kwargs):
+    def counted_all_gather(*args, **kwargs):
         count[0] += 1
-        return original(*args, **kwargs)
+        return all_gather(*args, **kwargs)
 
-    backend.all_gather_function = counted
+    def counted_all_reduce(tensor, op=None, group=None, async_op=False):
+        count[0] += bool(async_op)
+        return all_reduce(tensor, op, group, async_op)
+
+    backend.all_gather_function, backend.all_reduce = counted_all_gather, counted_all_reduce
     try:
         yield count
     finally:
-        backend.all_gather_function = original
+        backend.all_gather_function = all_gather
+        del backend.all_reduce  # the class's method again
 
 
 def reduce_max_diff(runtime) -> float:
