@@ -4,18 +4,19 @@ Under ZeRO-3 every module all-gathers its parameters in a forward hook and relea
 after its backward. A PPO micro-batch of a 24-layer actor and critic then runs ~60
 all-gathers and ~1,000 hook calls; on 2 CPU ranks that was 2.7 s of an 8.4 s update
 (docs/benchmarks.md). When one full copy of the weights fits, `whole_weights` gathers all
-of them in ONE coalesced all-gather and takes ZeRO-3's per-module fetch/release hooks off
+of them in ONE coalesced collective (an all-gather; on CPU ranks an all-reduce,
+deepspeed_config.fill_gloo_zero3) and takes ZeRO-3's per-module fetch/release hooks off
 for its duration. What stays partitioned: the gradients (ZeRO-3's per-parameter and
 leaf-module gradient hooks stay, so gradients are still reduce-scattered into partitions
 in buckets during backward) and the optimizer states (fp32 masters, Adam moments), which
 are most of ZeRO-3's saving (14 of the 16 bytes per parameter of bf16 Adam training).
 
-The peak is no higher than ZeRO-3's own: with DeepSpeed's defaults
+The peak is about ZeRO-3's own: with DeepSpeed's defaults
 (`stage3_max_live_parameters` and `stage3_max_reuse_distance` 1e9) a layer fetched in the
 forward is kept for its backward, so at the end of a forward every weight of a model under
 ~0.5B parameters is live anyway. The optimizer step updates the partitions and releases
 every whole weight; the next forward of the model gathers them again (a forward pre-hook),
-so one optimizer step costs one all-gather whatever its number of micro-batches.
+so one optimizer step costs one collective whatever its number of micro-batches.
 
 Over gloo (CPU ranks) ZeRO-3's gradient reduce-scatter is also replaced by one all-reduce
 of the bucket where it lies (`reduce_gradients_by_all_reduce`).
@@ -72,9 +73,9 @@ def whole_weights(engine) -> Iterator[None]:
 
 
 def gather(params: list[torch.nn.Parameter]) -> None:
-    """All-gather every partitioned parameter of `params` in one coalesced collective
+    """Gather every partitioned parameter of `params` in one coalesced collective
     (DeepSpeed's `all_gather_coalesced`, the call its prefetcher makes per module: one
-    flat buffer, one all-gather). Every rank must call it with the same list."""
+    flat buffer, one all-gather or all-reduce). Every rank must call it with the same list."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
