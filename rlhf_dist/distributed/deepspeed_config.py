@@ -54,8 +54,9 @@ def fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
         return
     # Floors no larger than the model: a 5e7-element bucket for a 4.7M-parameter model
     # made each ZeRO-3 rank hold 3.3x the model states of stage 0. The gradient bucket
-    # may hold the whole model's gradients (one reduce per optimizer step: the deep CPU
-    # benchmark's update took 3.4 s instead of 4.1 s with eighths); prefetching stays at
+    # may hold the whole model's gradients (one reduce per optimizer step: a ZeRO-3
+    # iteration of the deep CPU benchmark took 3.95 s instead of 5.11 s with eighths,
+    # 3 alternated rounds, docs/benchmarks.md); prefetching stays at
     # an eighth, so fetching layer by layer does not turn into fetching everything.
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     zero = ds.setdefault("zero_optimization", {})

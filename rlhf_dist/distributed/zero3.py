@@ -155,9 +155,8 @@ def reduce_gradients_by_all_reduce() -> None:
     import torch.distributed as dist
     from deepspeed.runtime.zero import stage3
 
-    if dist.get_backend() != "gloo" or getattr(stage3.reduce_scatter_coalesced, "ours", False):
-        return
-    stage3.reduce_scatter_coalesced = _reduce_scatter_coalesced_by_all_reduce
+    if dist.get_backend() == "gloo":
+        stage3.reduce_scatter_coalesced = _reduce_scatter_coalesced_by_all_reduce
 
 
 def _reduce_scatter_coalesced_by_all_reduce(tensors: list[torch.Tensor], group=None):
