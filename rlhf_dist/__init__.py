@@ -1,3 +1,18 @@
-"""rlhf_dist: RLHF (SFT -> Bradley-Terry reward model -> PPO) on Accelerate + DeepSpeed."""
+"""rlhf_dist: RLHF (SFT -> Bradley-Terry reward model -> PPO) on Accelerate + DeepSpeed.
+
+The stage functions of the Python API (rlhf_dist/api.py) are importable from here:
+`rlhf_dist.sft`, `reward_model`, `ppo`, `dpo`, `kto`, `evaluate`. They load on first use,
+so `import rlhf_dist.algo` stays torch-only and `rlhf-dist --help` stays instant.
+"""
 
 __version__ = "0.1.0"
+
+API = ("sft", "reward_model", "ppo", "dpo", "kto", "evaluate")
+
+
+def __getattr__(name: str):
+    if name in API:
+        from rlhf_dist import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'rlhf_dist' has no attribute {name!r}")

@@ -155,32 +155,36 @@ def chat_for(tokenizer, data_cfg, where: str) -> Chat:
 
 
 def export_tokenizer(tokenizer, data_cfg):
-    """The tokenizer an exported model is saved with: when data.chat_template is set, a
-    copy carrying it as its own template, so the next stage (rm or ppo after sft) renders
-    conversations as this one did with no extra config. The run's tokenizer is untouched:
-    it may still be compared with a reward model's (scoring.same_tokenizer)."""
-    if not data_cfg.chat_template:
+    """The tokenizer an exported model is saved with: the run's own, as it shipped. When
+    data.chat_template is set, a copy carrying it as its own template, so the next stage
+    (rm or ppo after sft) renders conversations as this one did with no extra config; when
+    the tokenizer shipped without PAD (models.load_tokenizer pads with EOS), a copy without
+    it again. The run's tokenizer is untouched: it may still be compared with a reward
+    model's (scoring.same_tokenizer)."""
+    pad_from_eos = getattr(tokenizer, "rlhf_dist_pad_from_eos", False)
+    if not data_cfg.chat_template and not pad_from_eos:
         return tokenizer
-    template = resolve_template(tokenizer, data_cfg.chat_template, "data.chat_template")
     out = copy.deepcopy(tokenizer)
-    out.chat_template = template
+    if data_cfg.chat_template:
+        out.chat_template = resolve_template(
+            tokenizer, data_cfg.chat_template, "data.chat_template"
+        )
+    if pad_from_eos:
+        out.pad_token = None
+        out.rlhf_dist_pad_from_eos = False
     return out
 
 
 def stop_token_ids(tokenizer, chat: Chat | None, extra=(), generation_eos=()) -> tuple[int, ...]:
     """Every id that ends a response, sorted: the tokenizer's EOS, the model's
     generation_config.eos_token_id (`generation_eos`, an int or a list), the template's
-    end-of-turn token and `extra` (generation.stop_token_ids). PAD may not be one."""
+    end-of-turn token and `extra` (generation.stop_token_ids). PAD may be one of them
+    (SmolLM2 ships PAD == EOS): padding is marked by masks, never found by its id."""
     if isinstance(generation_eos, int):
         generation_eos = (generation_eos,)
     ids = {tokenizer.eos_token_id, *generation_eos, *extra}
     if chat is not None and (eot := chat.end_of_turn_id()) is not None:
         ids.add(eot)
-    if tokenizer.pad_token_id in ids:
-        raise ConfigError(
-            f"generation.stop_token_ids: {tokenizer.pad_token_id} is the PAD token; "
-            "PAD must differ from every stop token"
-        )
     too_big = [i for i in ids if not 0 <= i < len(tokenizer)]
     if too_big:
         raise ConfigError(f"generation.stop_token_ids: {too_big[0]} is not in the vocabulary")

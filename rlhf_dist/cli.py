@@ -1,4 +1,5 @@
-"""`rlhf-dist {sft,rm,ppo,dpo,kto,eval,demo,report,config}`: the command line.
+"""`rlhf-dist {sft,rm,ppo,dpo,kto,eval,demo,report,config}`: the command line, a thin
+layer over the Python API (rlhf_dist/api.py).
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
 exit status 2, never a traceback. Heavy imports happen after argument parsing so that
@@ -17,25 +18,13 @@ from rlhf_dist.demo.pipeline import ALGORITHMS
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
-STAGES = {
-    "sft": ("supervised fine-tuning on prompt/response data", "rlhf_dist.trainers.sft:train_sft"),
-    "rm": (
-        "train a Bradley-Terry reward model on preference pairs",
-        "rlhf_dist.trainers.reward:train_reward_model",
-    ),
-    "ppo": ("PPO against a reward model or reward function", "rlhf_dist.trainers.ppo:train_ppo"),
-    "dpo": (
-        "DPO / conservative DPO / IPO on preference pairs (no reward model, no sampling)",
-        "rlhf_dist.trainers.dpo:train_dpo",
-    ),
-    "kto": (
-        "KTO on desirable / undesirable completions (or preference pairs)",
-        "rlhf_dist.trainers.kto:train_kto",
-    ),
-    "eval": (
-        "score a policy on held-out prompts; KL to a reference",
-        "rlhf_dist.evaluate:run_eval",
-    ),
+STAGES = {  # name -> help text; the runners are rlhf_dist.api.RUNNERS
+    "sft": "supervised fine-tuning on prompt/response data",
+    "rm": "train a Bradley-Terry reward model on preference pairs",
+    "ppo": "PPO against a reward model or reward function",
+    "dpo": "DPO / conservative DPO / IPO on preference pairs (no reward model, no sampling)",
+    "kto": "KTO on desirable / undesirable completions (or preference pairs)",
+    "eval": "score a policy on held-out prompts; KL to a reference",
 }
 
 EPILOG = (
@@ -52,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{sft,rm,ppo,dpo,kto,eval,demo,report,config}"
     )
-    for name, (help_text, _) in STAGES.items():
+    for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
         p.add_argument(
             "--config",
@@ -114,32 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_stage(name: str, args) -> int:
-    import importlib
-
-    from rlhf_dist.config import load_config, validate
+    from rlhf_dist import api
+    from rlhf_dist.config import load_config
 
     overrides = list(args.overrides) + (
         [f"run.resume={args.resume}"] if getattr(args, "resume", None) else []
     )
-    cfg = load_config(args.config, overrides)
-    # Checked before anything heavy: world size comes from the launcher's environment.
-    validate(cfg, name, int(os.environ.get("WORLD_SIZE", "1")))
-    from rlhf_dist.distributed import Runtime
-    from rlhf_dist.models import quiet_transformers
-
-    quiet_transformers()
-    module_name, _, fn_name = STAGES[name][1].partition(":")
-    runner = getattr(importlib.import_module(module_name), fn_name)
-    runtime = Runtime(
-        cfg.run.seed,
-        cfg.run.num_threads,
-        cfg.distributed.timeout_s,
-        cfg.model.dtype,
-        cfg.run.trackers,
-        cfg.run.output_dir,
-    )
-    runner(cfg, runtime)
-    runtime.close()
+    api.run(name, load_config(args.config, overrides))
+    api.close()
     return 0
 
 

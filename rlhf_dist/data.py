@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_dist import inputs
 from rlhf_dist.chat import (
     BadRow,
     Chat,
@@ -87,7 +88,10 @@ def _why_no_rows(path: Path) -> str | None:
 
 
 def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
-    """Rows of a local data file (by extension) or a hub dataset, as a list of dicts."""
+    """Rows of a local data file (by extension), a hub dataset, or rows a Python caller
+    gave (`python:` specs, rlhf_dist.inputs), as a list of dicts."""
+    if inputs.is_python(source):
+        return python_rows(inputs.lookup(source, key), key)
     import datasets
 
     datasets.disable_progress_bars()
@@ -113,6 +117,20 @@ def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
     except Exception as e:  # datasets raises many types for unreadable/absent data
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{key}: cannot load {source!r}: {first}") from None
+
+
+def python_rows(given, key: str) -> list[dict]:
+    """A `datasets.Dataset` or a sequence of dicts given through the Python API, as rows."""
+    rows = given.to_list() if hasattr(given, "to_list") else given
+    if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__iter__"):
+        raise ConfigError(f"{key}: expected a datasets.Dataset or a list of dicts")
+    rows = list(rows)
+    if not rows:
+        raise ConfigError(f"{key}: the dataset given has no rows")
+    bad = next((r for r in rows if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise ConfigError(f"{key}: rows must be dicts, got a {type(bad).__name__}")
+    return rows
 
 
 def _row_text(row: dict, name: str) -> str:

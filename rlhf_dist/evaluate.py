@@ -6,14 +6,13 @@ sampling temperature: an unbiased estimate of the sequence-level KL(pi || ref).
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import torch
 
 from rlhf_dist import diagnostics as diag
+from rlhf_dist import inputs
 from rlhf_dist.chat import prompt_text
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.models import load_causal_lm, policy_stop_ids, tokenizer_for
 from rlhf_dist.rollout import (
@@ -30,12 +29,9 @@ from rlhf_dist.tracking import open_run, write_summary
 
 
 def load_gold_function(spec: str):
-    """`module:callable(prompts, responses, finished) -> list[float]` (an oracle reward)."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"eval.gold_function: cannot import {spec!r} ({e})") from None
+    """`module:callable(prompts, responses, finished) -> list[float]` (an oracle reward),
+    or a callable given through the Python API."""
+    return inputs.resolve_callable(spec, "eval.gold_function")
 
 
 @torch.no_grad()

@@ -76,18 +76,34 @@ def _from_pretrained(loader, path: str, key: str, **kwargs):
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.tokenizer"):
-    """Tokenizer with a PAD token distinct from EOS (the reward is read at EOS, N+ study)."""
+    """The tokenizer at `path` as it ships: PAD distinct from EOS (Qwen2.5), PAD == EOS
+    (SmolLM2) and no PAD at all (Llama-3, Mistral) all load (docs/data.md, padding).
+
+    Padding is bookkeeping: attention masks and `response_mask` say which positions are
+    real, and no code finds EOS or a sequence's end by comparing ids with the PAD id. A
+    tokenizer without PAD pads with its EOS id (already in the vocabulary: embeddings are
+    never resized), said once; exports save the tokenizer without it again
+    (`chat.export_tokenizer`).
+    """
     from transformers import AutoTokenizer
 
     tok = _from_pretrained(AutoTokenizer, path, key, trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
         raise ConfigError(f"{key}: tokenizer at {path!r} has no EOS token")
-    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        raise ConfigError(
-            f"{key}: tokenizer at {path!r} needs a PAD token distinct from EOS "
-            "(add one, e.g. tokenizer.add_special_tokens({'pad_token': '<pad>'}), and save it)"
-        )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+        tok.rlhf_dist_pad_from_eos = True  # read by chat.export_tokenizer
+        if path not in _SAID_NO_PAD:
+            _SAID_NO_PAD.add(path)
+            print(
+                f"{key}: tokenizer at {path!r} has no PAD token; padding with EOS "
+                f"({tok.eos_token!r}, id {tok.eos_token_id}): masks mark padding, not ids",
+                flush=True,
+            )
     return tok
+
+
+_SAID_NO_PAD: set[str] = set()  # tokenizers already reported as padded with EOS
 
 
 def load_causal_lm(path: str, key: str, dtype: str = "float32", source=None):
@@ -122,8 +138,9 @@ def load_sequence_classifier(
             f"{key}: {path!r} has no trained reward head ({', '.join(sorted(missing_head))} "
             "missing); train one with `rlhf-dist rm` first"
         )
-    if model.config.pad_token_id is None:
-        raise ConfigError(f"{key}: model config at {path!r} has no pad_token_id")
+    # No pad_token_id needed: scores are read at positions found from the attention mask
+    # (ValueModel runs backbone + head), never by transformers' search for the first PAD,
+    # which reads the token before EOS when PAD == EOS.
     return disable_dropout(model)
 
 

@@ -7,7 +7,6 @@ Shared by PPO (rollout scores), reward-model training (held-out diagnostics) and
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist import diagnostics as diag
+from rlhf_dist import inputs
 from rlhf_dist.chat import BadRow, Chat, is_stop, stop_token_ids
 from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.data import close_with_stop, encode_response, right_pad
@@ -37,14 +37,7 @@ class RewardFunction:
     {role, content} messages; responses: the sampled texts, stop tokens removed."""
 
     def __init__(self, spec: str):
-        module_name, _, attr = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"reward.function: cannot import {spec!r} ({e})") from None
-        if not callable(fn):
-            raise ConfigError(f"reward.function: {spec!r} is not callable")
-        self.spec, self.fn = spec, fn
+        self.spec, self.fn = spec, inputs.resolve_callable(spec, "reward.function")
 
     def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         try:

@@ -68,7 +68,7 @@ def test_sft_writes_the_documented_run_outputs(sft_run, task_env, read_jsonl):
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     tok = AutoTokenizer.from_pretrained(out / "final")
     assert model.config.vocab_size == len(tok) == len(task_env.tokenizer)
-    # PAD distinct from EOS survives the export (PPO reads rewards at EOS).
+    # The tokenizer is exported as it shipped (here with a PAD distinct from EOS).
     assert tok.pad_token_id == task_env.tokenizer.pad_token_id != tok.eos_token_id
     assert (
         tok("review of the hotel :")["input_ids"]

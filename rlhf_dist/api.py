@@ -1,0 +1,167 @@
+"""The Python API: one function per stage, for notebooks and scripts.
+
+What a notebook user has is a `datasets.Dataset` (or a list of dicts), a reward callable
+defined in the same cell, and a model name. Each function takes those objects and the same
+config keys as the command line, runs the stage in this process, writes the same run
+directory as `rlhf-dist <stage>` and returns its summary (summary.json's contents):
+
+    import rlhf_dist
+    summary = rlhf_dist.ppo(
+        {"model": {"policy": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+         "ppo.estimator": "grpo", "run.output_dir": "runs/grpo"},
+        dataset=prompts,                      # rows with a "prompt" column
+        reward_fn=lambda prompts, responses: [len(r) / 100 for r in responses],
+    )
+
+`config` is a `Config`, a YAML path, or a dict of sections and/or dotted keys
+("ppo.kl_coef": 0.1); `overrides` are `section.key=value` strings applied last, as on the
+command line. The objects are registered for the run under `python:<key>` specs
+(rlhf_dist.inputs), so config.yaml records where each value came from. The command line
+is a thin layer over `run` (cli.py). Under `accelerate launch`, every rank runs the script
+and calls the same functions.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import importlib
+import os
+from pathlib import Path
+
+from rlhf_dist.config import (
+    Config,
+    _deep_merge,
+    apply_override,
+    config_from_dict,
+    load_config,
+    to_dict,
+    validate,
+)
+
+# stage -> "module:function" of its runner (cfg, runtime) -> summary
+RUNNERS = {
+    "sft": "rlhf_dist.trainers.sft:train_sft",
+    "rm": "rlhf_dist.trainers.reward:train_reward_model",
+    "ppo": "rlhf_dist.trainers.ppo:train_ppo",
+    "dpo": "rlhf_dist.trainers.dpo:train_dpo",
+    "kto": "rlhf_dist.trainers.kto:train_kto",
+    "eval": "rlhf_dist.evaluate:run_eval",
+}
+
+
+def config_of(config=None, overrides=()) -> Config:
+    """A frozen Config from a Config, a YAML path, a dict (sections and/or dotted keys) or
+    None (the defaults), with `section.key=value` overrides applied last."""
+    if isinstance(config, Config):
+        tree = to_dict(config)
+    elif isinstance(config, (str, Path)):
+        tree = to_dict(load_config(config))
+    elif config is None:
+        tree = {}
+    elif isinstance(config, dict):
+        tree = {}
+        for name, value in config.items():
+            for part in reversed(str(name).split(".")):
+                value = {part: value}
+            tree = _deep_merge(tree, value, str(name))
+    else:
+        from rlhf_dist.config import ConfigError
+
+        raise ConfigError(f"config: expected a Config, a YAML path or a dict, not {config!r}")
+    for override in overrides:
+        tree = apply_override(tree, override)
+    return config_from_dict(tree)
+
+
+def _with_keys(cfg: Config, values: dict[str, str]) -> Config:
+    """`cfg` with dotted keys set (the `python:` specs of the objects given)."""
+    sections = {}
+    for dotted, value in values.items():
+        section, name = dotted.split(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
+    )
+
+
+_RUNTIMES: dict[tuple, object] = {}
+
+
+def _runtime(cfg: Config):
+    """The process's Runtime for a run's settings (Accelerate's state is process-wide:
+    stages in one process share it), seeded for this run."""
+    from rlhf_dist.distributed import Runtime
+    from rlhf_dist.distributed.backend import seed_everything
+    from rlhf_dist.models import quiet_transformers
+
+    quiet_transformers()
+    r, d = cfg.run, cfg.distributed
+    settings = (r.num_threads, d.timeout_s, cfg.model.dtype, tuple(r.trackers), r.output_dir)
+    if settings not in _RUNTIMES:
+        if not _RUNTIMES:
+            atexit.register(close)
+        _RUNTIMES[settings] = Runtime(None, *settings)
+    seed_everything(r.seed)
+    return _RUNTIMES[settings]
+
+
+def close() -> None:
+    """Leave the process group (once per process, after the last stage)."""
+    while _RUNTIMES:
+        _RUNTIMES.popitem()[1].close()
+
+
+def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> dict:
+    """Run `stage` ("sft", "rm", "ppo", "dpo", "kto", "eval") with `cfg`; `objects` maps
+    config keys (e.g. "data.train", "reward.function") to Python objects standing for them.
+    Returns the stage's summary."""
+    from rlhf_dist import inputs
+
+    given = {k: v for k, v in (objects or {}).items() if v is not None}
+    with inputs.registered(given) as specs:
+        cfg = _with_keys(cfg, specs)
+        # Checked before anything heavy: world size comes from the launcher's environment.
+        validate(cfg, stage, int(os.environ.get("WORLD_SIZE", "1")))
+        module_name, _, fn_name = RUNNERS[stage].partition(":")
+        runner = getattr(importlib.import_module(module_name), fn_name)
+        return runner(cfg, _runtime(cfg))
+
+
+def sft(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+    """Supervised fine-tuning; `dataset` rows as in docs/data.md (messages, prompt +
+    completion, prompt + response)."""
+    objects = {"data.train": dataset, "data.eval": eval_dataset}
+    return run("sft", config_of(config, overrides), objects)
+
+
+def reward_model(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+    """A Bradley-Terry reward model on preference pairs (chosen / rejected)."""
+    objects = {"data.train": dataset, "data.eval": eval_dataset}
+    return run("rm", config_of(config, overrides), objects)
+
+
+def ppo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> dict:
+    """PPO or a critic-free estimator (ppo.estimator) on `dataset`'s prompts, scored by
+    `reward_fn(prompts, responses) -> list[float]` or by model.reward."""
+    objects = {"data.train": dataset, "reward.function": reward_fn}
+    return run("ppo", config_of(config, overrides), objects)
+
+
+def dpo(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+    """DPO / conservative DPO / IPO on preference pairs."""
+    objects = {"data.train": dataset, "data.eval": eval_dataset}
+    return run("dpo", config_of(config, overrides), objects)
+
+
+def kto(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+    """KTO on labelled completions (or preference pairs)."""
+    objects = {"data.train": dataset, "data.eval": eval_dataset}
+    return run("kto", config_of(config, overrides), objects)
+
+
+def evaluate(config=None, *, dataset=None, reward_fn=None, gold_fn=None, overrides=()) -> dict:
+    """Score model.policy on held-out prompts (`dataset`, else data.eval / data.train);
+    `gold_fn(prompts, responses, finished)` is an optional oracle (eval.gold_function)."""
+    objects = {"data.eval": dataset, "reward.function": reward_fn, "eval.gold_function": gold_fn}
+    return run("eval", config_of(config, overrides), objects)
