@@ -15,7 +15,7 @@ MODEL=$(python -c "from rlhf_dist.demo import smollm2; print(smollm2.build('$PAD
   || { echo "building the model failed: see $OUT/build.log"; exit 1; }
 python -c "from rlhf_dist.demo import smollm2; smollm2.write_chat_files('$OUT/data')"
 D=$OUT/data
-COMMON=(run.progress=false run.log_every=1 data.max_length=96 data.max_prompt_length=32)
+COMMON=(run.progress=false run.log_every=1 data.max_length=112 data.max_prompt_length=56)
 GEN=(generation.max_new_tokens=24 generation.temperature=1.0)
 RL=(ppo.iterations=2 ppo.rollout_batch_size=4 ppo.rollout_micro_batch_size=4
     ppo.minibatch_size=4 ppo.micro_batch_size=4 ppo.ppo_epochs=1 ppo.actor.lr=1e-5)

