@@ -172,11 +172,14 @@ def run_eval(cfg, runtime) -> dict:
     # Evaluation replicates its models on every rank: sampling from partitioned (ZeRO-3)
     # weights would need every rank to step each token together. Its chunks still run in
     # lock-step (evaluate_policy), as every forward-only loop does.
-    policy = load_causal_lm(m.policy, "model.policy", m.dtype, m)
+    # Whole on every rank even where ZeRO-3 engines exist in this process (local_loading).
+    with runtime.local_loading():
+        policy = load_causal_lm(m.policy, "model.policy", m.dtype, m)
     policy = runtime.prepare_frozen(policy, "replicate")
     reference = None
     if cfg.eval.reference:
-        reference = load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m)
+        with runtime.local_loading():
+            reference = load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m)
         reference = runtime.prepare_frozen(reference, "replicate")
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     out, logger = open_run(cfg, runtime, "eval", None)
