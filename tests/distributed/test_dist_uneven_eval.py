@@ -69,8 +69,10 @@ def stage_overrides(assets, root: Path) -> dict[str, list[str]]:
             f"eval.reference={policy}",
             "generation.max_new_tokens=8",
         ],  # fmt: skip
-        # Rollout scoring in micro-batches of 3 over 8 prompts per rank (3 + 3 + 2) with a
-        # partitioned reward model and reference.
+        # Rollout scoring in micro-batches of 3 over 16 prompts per rank (5 x 3 + 1) with a
+        # partitioned reward model and reference. (Micro-batch 8 and accumulation 2 as the
+        # stages before: DeepSpeed's batch entries, filled at the first prepare, hold for
+        # every engine of the process.)
         "ppo": [
             f"model.policy={policy}",
             f"model.reward={reward}",
@@ -78,10 +80,10 @@ def stage_overrides(assets, root: Path) -> dict[str, list[str]]:
             f"run.output_dir={root / 'ppo'}",
             *common,
             "ppo.iterations=2",
-            "ppo.rollout_batch_size=16",
+            "ppo.rollout_batch_size=32",
             "ppo.rollout_micro_batch_size=3",
-            "ppo.minibatch_size=8",
-            "ppo.micro_batch_size=2",
+            "ppo.minibatch_size=32",
+            "ppo.micro_batch_size=8",
             "ppo.ppo_epochs=1",
             "generation.max_new_tokens=8",
         ],  # fmt: skip
