@@ -328,6 +328,21 @@ class RewardConfig:
     clip: float | None = key(
         None, "clip (normalised) scores to [-clip, clip], after the missing-EOS penalty; null = no"
     )
+    retries: int = key(
+        2,
+        "reward.function: calls that raise or time out are tried again this many times, "
+        "with exponential backoff; then the run checkpoints its last completed iteration and "
+        "stops (exit 2; continue with --resume auto). A reward model's forward is not retried",
+    )
+    retry_delay_s: float = key(
+        1.0,
+        "seconds before the first retry of reward.function; each further retry waits twice as long",
+    )
+    timeout_s: float | None = key(
+        None,
+        "reward.function: stop waiting for a call after this many seconds (a failure, retried); "
+        "the call runs in a worker thread, which cannot be killed and is left behind; null = wait",
+    )
 
 
 @dataclass(frozen=True)
@@ -852,6 +867,17 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             raise ConfigError(
                 f"reward.function: expected 'module:callable', got {cfg.reward.function!r}"
             )
+        _validate_reward(cfg.reward)
+
+
+def _validate_reward(r) -> None:
+    """The ranges of the reward-failure keys (retries, backoff, timeout)."""
+    if isinstance(r.retries, bool) or not isinstance(r.retries, int) or r.retries < 0:
+        raise ConfigError(f"reward.retries: must be an integer >= 0, got {r.retries!r}")
+    if not (r.retry_delay_s >= 0 and math.isfinite(r.retry_delay_s)):
+        raise ConfigError(f"reward.retry_delay_s: must be >= 0, got {r.retry_delay_s}")
+    if r.timeout_s is not None:
+        _positive(r, "reward", "timeout_s")
 
 
 def _validate_objective(cfg: Config) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhf_dist import inputs
+from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.chat import (
     BadRow,
     Chat,
@@ -504,7 +505,7 @@ def collate_pairs(batch: list[PreferencePair], pad_id: int) -> dict[str, torch.T
     scores both; `last_index` (2B,) is each sequence's EOS position."""
     seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
     ids, attn = right_pad(seqs, pad_id)
-    return {"input_ids": ids, "attention_mask": attn, "last_index": attn.sum(1) - 1}
+    return {"input_ids": ids, "attention_mask": attn, "last_index": last_token_index(attn)}
 
 
 # ---------------------------------------------------------------------- unpaired (KTO)

@@ -1,28 +1,28 @@
 """Evaluate a policy: mean score on held-out prompts, gold reward if known, KL to a reference.
 
-KL to the reference is the mean over sampled responses of sum_t (log pi - log ref) at the
-sampling temperature: an unbiased estimate of the sequence-level KL(pi || ref).
+Responses come from the rollout's own path (rollout.collect_rollout). KL to the reference
+is the mean over sampled responses of the k1 estimate (algo.kl.kl_estimate) summed over the
+response's real tokens, at the sampling temperature: an unbiased estimate of the
+sequence-level KL(pi || ref).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
 
 from rlhf_dist import diagnostics as diag
 from rlhf_dist import inputs
+from rlhf_dist.algo.kl import kl_estimate
+from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.chat import prompt_text
+from rlhf_dist.config import RewardFunctionError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
-from rlhf_dist.models import load_causal_lm, policy_stop_ids, tokenizer_for
-from rlhf_dist.rollout import (
-    decode_responses,
-    generate,
-    policy_logprobs,
-    scores_with_eos_penalty,
-    sequence_last_index,
-    truncate_after_eos,
-)
+from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.models import ActorCritic, load_causal_lm, policy_stop_ids, tokenizer_for
+from rlhf_dist.rollout import RolloutModels, collect_rollout
 from rlhf_dist.scoring import build_scorer, probe_rephrasings, reward_inputs_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
@@ -34,38 +34,44 @@ def load_gold_function(spec: str):
     return inputs.resolve_callable(spec, "eval.gold_function")
 
 
+def eval_models(policy, reference, scorer, stops) -> RolloutModels:
+    """What the rollout reads, for evaluation: the policy without a critic (its log-probs
+    give the KL), the reference (None: no KL), the scorer and the stop ids. Models are
+    replicated in evaluation (run_eval), so generation needs no keep_in_step."""
+
+    @contextlib.contextmanager
+    def generation_context():
+        yield policy, None
+
+    return RolloutModels(ActorCritic(policy, None), generation_context, reference, scorer, stops)
+
+
 @torch.no_grad()
-def evaluate_chunk(
-    policy, reference, scorer, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer, stops=None
-):
-    """Generate for one chunk of prompts and measure it; returns per-sequence tensors.
-    stops: the ids that end a response (models.policy_stop_ids; None: the tokenizer's EOS)."""
-    eos, pad = stops or (tokenizer.eos_token_id,), tokenizer.pad_token_id
-    gen = cfg.generation
-    response_ids = generate(policy, prompt_ids, prompt_mask, gen, tokenizer, stop_ids=eos)
-    response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
-    responses = decode_responses(tokenizer, response_ids, response_mask, eos)
-    input_ids = torch.cat([prompt_ids, response_ids], 1)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], 1)
-    last = sequence_last_index(prompt_ids.shape[1], response_mask)
-    raw = scorer(texts, responses, input_ids, attention_mask, last)
-    out = {
-        "score": scores_with_eos_penalty(raw, finished, cfg.reward.missing_eos_penalty),
-        "length": response_mask.sum(1).float(),
-        "eos_rate": finished.float(),
-    }
-    if reference is not None:
-        temperature = cfg.generation.temperature
-        lp, _ = policy_logprobs(policy, input_ids, attention_mask, response_ids, temperature)
-        ref, _ = policy_logprobs(reference, input_ids, attention_mask, response_ids, temperature)
-        out["kl_to_ref"] = ((lp - ref) * response_mask).sum(1)
+def evaluate_chunk(models: RolloutModels, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer):
+    """Generate for one chunk of prompts and measure it, through the rollout's own
+    generate -> truncate -> decode -> score -> missing-EOS penalty path
+    (rollout.collect_rollout); returns per-sequence tensors, the response texts and the
+    rephrasing-probe items."""
+    batch, responses = collect_rollout(
+        models, prompt_ids, prompt_mask, texts, cfg, tokenizer,
+        micro_batch_size=prompt_ids.shape[0],
+    )  # fmt: skip
+    mask, finished = batch.response_mask, batch.finished
+    out = {"score": batch.scores, "length": mask.sum(1).float(), "eos_rate": finished.float()}
+    if models.reference is not None:
+        # k1 summed over the response's real tokens (algo/masking.py's rule): an unbiased
+        # estimate of the sequence-level KL(pi || ref) at the sampling temperature.
+        kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k1")
+        out["kl_to_ref"] = masked_sum(kl, mask, dim=1)
     if gold_fn is not None:
         out["gold_reward"] = torch.tensor(
             gold_fn(texts, responses, finished.tolist()), dtype=torch.float32
         )
-    probe = []
+    scorer, probe = models.scorer, []
     if scorer.reward_model is not None and scorer.inputs is None:
-        probe = probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out)
+        probe = probe_items(
+            batch.prompt_ids, batch.prompt_mask, batch.response_ids, mask, finished, out
+        )
     elif scorer.reward_model is not None:
         probe = own_token_probe_items(scorer.inputs, texts, responses, finished, out)
     return out, responses, probe
@@ -116,30 +122,25 @@ def length_bias(runtime, reward_model, items, batch_size: int, tokenizer) -> dic
     return out
 
 
-def evaluate_policy(
-    runtime, policy, reference, scorer, prompts, cfg, tokenizer, gold_fn=None, stops=None
-):
-    """Mean figures over `prompts` (each rank takes every world_size-th) and some samples;
-    stops: the ids that end a response (None: the tokenizer's EOS)."""
+def evaluate_policy(runtime, models: RolloutModels, prompts, cfg, tokenizer, gold_fn=None):
+    """Mean figures over `prompts` and some samples. Each rank takes every world_size-th
+    prompt, in chunks of eval.batch_size run in lock-step (distributed/lockstep.py; a
+    throw-away chunk is one prompt, scored and dropped)."""
     stats, samples, probe = StatSums(), [], []
     n = min(cfg.eval.num_prompts, len(prompts.ids))
-    mine = list(range(runtime.rank, n, runtime.world_size))
-    for start in range(0, len(mine), cfg.eval.batch_size):
-        chunk = mine[start : start + cfg.eval.batch_size]
+
+    def forward(chunk):
         ids, mask = left_pad([prompts.ids[i] for i in chunk], tokenizer.pad_token_id)
         texts = [prompts.texts[i] for i in chunk]
-        out, responses, chunk_probe = evaluate_chunk(
-            policy,
-            reference,
-            scorer,
-            gold_fn,
-            ids.to(runtime.device),
-            mask.to(runtime.device),
-            texts,
-            cfg,
-            tokenizer,
-            stops,
+        dev = runtime.device
+        return texts, *evaluate_chunk(
+            models, gold_fn, ids.to(dev), mask.to(dev), texts, cfg, tokenizer
         )
+
+    mine = list(range(runtime.rank, n, runtime.world_size))
+    for texts, out, responses, chunk_probe in lockstep_map(
+        runtime, mine, cfg.eval.batch_size, forward, [0]
+    ):
         for name, values in out.items():
             stats.add(name, values.sum(), values.numel())
         probe += chunk_probe
@@ -147,9 +148,11 @@ def evaluate_policy(
             {"prompt": prompt_text(t), "response": r, "score": float(s)}
             for t, r, s in zip(texts, responses, out["score"])
         ]
+    models.scorer.raise_failure(runtime)
     summary = stats.reduce(runtime)
     # A reward function has no length bias to find. A reward model with its own tokenizer
     # is probed in its tokens (own_token_probe_items), with its tokenizer's filler and PAD.
+    scorer = models.scorer
     if scorer.reward_model is not None:
         rm_tok = tokenizer if scorer.inputs is None else scorer.inputs.tokenizer
         summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, rm_tok)
@@ -163,28 +166,30 @@ def run_eval(cfg, runtime) -> dict:
     source = cfg.data.eval or cfg.data.train
     key = "data.eval" if cfg.data.eval else "data.train"
     prompts = prompt_set(load_rows(source, key), tokenizer, cfg.data, f"{key} {source!r}")
-    # Evaluation replicates its models on every rank: ranks may get different numbers of
-    # prompt chunks, which partitioned (ZeRO-3) models could not serve without lock-step.
-    policy = load_causal_lm(m.policy, "model.policy", m.dtype, m)
+    # Evaluation replicates its models on every rank: sampling from partitioned (ZeRO-3)
+    # weights would need every rank to step each token together. Its chunks still run in
+    # lock-step (evaluate_policy), as every forward-only loop does.
+    # Whole on every rank even where ZeRO-3 engines exist in this process (local_loading).
+    with runtime.local_loading():
+        policy = load_causal_lm(m.policy, "model.policy", m.dtype, m)
     policy = runtime.prepare_frozen(policy, "replicate")
     reference = None
     if cfg.eval.reference:
-        reference = load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m)
+        with runtime.local_loading():
+            reference = load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m)
         reference = runtime.prepare_frozen(reference, "replicate")
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     out, logger = open_run(cfg, runtime, "eval", None)
     runtime.seed_per_rank(cfg.run.seed)
-    summary, samples = evaluate_policy(
-        runtime,
-        policy,
-        reference,
-        build_scorer(runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg)),
-        prompts,
-        cfg,
-        tokenizer,
-        gold_fn,
-        policy_stop_ids(cfg, tokenizer),
+    scorer = build_scorer(
+        runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg), cfg.reward
     )
+    models = eval_models(policy, reference, scorer, policy_stop_ids(cfg, tokenizer))
+    try:
+        summary, samples = evaluate_policy(runtime, models, prompts, cfg, tokenizer, gold_fn)
+    except RewardFunctionError:
+        logger.discard()  # nothing measured: leave no run directory (a user mistake)
+        raise
     samples = runtime.gather_objects(samples)
     shown = ("score", "gold_reward", "kl_to_ref", "length", "eos_rate", "length_corr")
     logger.log(0, {f"eval/{k}": v for k, v in summary.items()}, tuple(f"eval/{k}" for k in shown))

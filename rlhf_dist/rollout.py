@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from rlhf_dist.algo.logprobs import logprobs_and_entropy, scale_logits
-from rlhf_dist.algo.rewards import last_token_index
+from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.chat import is_stop
 from rlhf_dist.models import position_ids_from
 from rlhf_dist.scoring import Scorer
@@ -252,10 +252,23 @@ class RolloutModels:
 
 @torch.no_grad()
 def collect_rollout(
-    models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, cfg, tokenizer, timings=None
+    models: RolloutModels,
+    prompt_ids,
+    prompt_mask,
+    prompt_texts,
+    cfg,
+    tokenizer,
+    timings=None,
+    micro_batch_size: int | None = None,
 ):
-    """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch."""
-    gen, micro = cfg.generation, cfg.ppo.rollout_micro_batch_size
+    """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch, and
+    the response texts: generate -> truncate after EOS -> decode -> old/ref log-probs,
+    values and scores -> missing-EOS penalty. PPO's rollout and `rlhf-dist eval` alike.
+
+    micro_batch_size: prompts per generation/scoring pass (None: ppo.rollout_micro_batch_size).
+    """
+    gen = cfg.generation
+    micro = micro_batch_size or cfg.ppo.rollout_micro_batch_size
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
     # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).

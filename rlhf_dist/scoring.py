@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rlhf_dist import diagnostics as diag
-from rlhf_dist import inputs
+from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.chat import BadRow, Chat, is_stop, stop_token_ids
 from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.data import close_with_stop, encode_response, right_pad
+from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.inputs import resolve_callable
 from rlhf_dist.models import (
     ValueModel,
     frozen_dtype,
@@ -31,31 +36,89 @@ from rlhf_dist.models import (
 
 
 class RewardFunction:
-    """A user's `module:callable(prompts, responses) -> list[float]`, checked on every call.
+    """A user's reward `(prompts, responses) -> list[float]`, checked on every call.
 
-    prompts: each prompt as its data row gave it, a text or (conversational data) a list of
-    {role, content} messages; responses: the sampled texts, stop tokens removed."""
+    fn: a `module:callable` spec (reward.function) or the callable itself (the Python API);
+    messages name it by its spec or its `__qualname__`. prompts: each prompt as its data row
+    gave it, a text or (conversational data) a list of {role, content} messages; responses:
+    the sampled texts, stop tokens removed.
 
-    def __init__(self, spec: str):
-        self.spec, self.fn = spec, inputs.resolve_callable(spec, "reward.function")
+    An exception or a timeout (`timeout_s`, None: wait for ever) is retried `retries` times,
+    after retry_delay_s, 2 x retry_delay_s, ... (exponential backoff): remote rewards,
+    judges and sandboxes fail transiently in long runs. With a timeout the function runs in
+    a worker thread and the caller stops waiting after timeout_s; a thread cannot be
+    killed, so a call that hangs keeps running in the background (a daemon thread, its
+    result dropped). A malformed result (wrong count, non-finite, not a number) is a bug in
+    the function, not a transient failure: never retried. Whatever ends the calls is a
+    RewardFunctionError (docs/architecture.md section 7 says what the run does then).
+    """
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        try:
-            out = list(self.fn(prompts, responses))
-        except Exception as e:
-            raise RewardFunctionError(
-                f"reward.function {self.spec} raised {type(e).__name__}: {e}"
-            ) from e
+    def __init__(self, fn, retries: int = 0, retry_delay_s: float = 1.0, timeout_s=None):
+        if isinstance(fn, str):
+            self.name, fn = fn, resolve_callable(fn, "reward.function")
+        else:
+            self.name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        if not callable(fn):
+            raise ConfigError(f"reward.function: {self.name!r} is not callable")
+        self.fn, self.retries, self.retry_delay_s, self.timeout_s = (
+            fn, retries, retry_delay_s, timeout_s,
+        )  # fmt: skip
+
+    def __call__(self, prompts: list, responses: list[str]) -> torch.Tensor:
+        out = self._call_with_retries(prompts, responses)
         if len(out) != len(responses):
             raise RewardFunctionError(
-                f"reward.function {self.spec} returned {len(out)} scores for {len(responses)} responses"
+                f"reward.function {self.name} returned {len(out)} scores for {len(responses)} responses"
             )
         bad = [v for v in out if not _is_finite_number(v)]
         if bad:
             raise RewardFunctionError(
-                f"reward.function {self.spec} returned a non-finite or non-number: {bad[0]!r}"
+                f"reward.function {self.name} returned a non-finite or non-number: {bad[0]!r}"
             )
         return torch.tensor([float(v) for v in out], dtype=torch.float32)
+
+    def _call_with_retries(self, prompts, responses) -> list:
+        for attempt in range(self.retries + 1):
+            try:
+                return self._call_once(prompts, responses)
+            except Exception as e:
+                what = "timed out" if isinstance(e, _Timeout) else f"raised {type(e).__name__}"
+                failure = f"reward.function {self.name} {what}: {e}"
+                if attempt == self.retries:
+                    tries = f" (after {attempt + 1} attempts)" if attempt else ""
+                    raise RewardFunctionError(failure + tries) from e
+                delay = self.retry_delay_s * 2**attempt
+                print(
+                    f"{failure}; retrying in {delay:g} s ({attempt + 1} of {self.retries} retries)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _call_once(self, prompts, responses) -> list:
+        if self.timeout_s is None:
+            return list(self.fn(prompts, responses))
+        box: dict = {}
+
+        def work():
+            try:
+                box["out"] = list(self.fn(prompts, responses))
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name=f"reward {self.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():  # left running: a thread cannot be stopped from outside
+            raise _Timeout(f"no answer within reward.timeout_s={self.timeout_s:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["out"]
+
+
+class _Timeout(Exception):
+    """A reward call that did not return within reward.timeout_s."""
 
 
 def _is_finite_number(v) -> bool:
@@ -142,28 +205,52 @@ class RewardInputs:
         seqs = [self.sequence(p, r, f) for p, r, f in zip(prompts, responses, finished)]
         ids, mask = right_pad(seqs, self.tokenizer.pad_token_id)
         ids, mask = ids.to(input_ids.device), mask.to(input_ids.device)
-        return ids, mask, mask.sum(1) - 1
+        return ids, mask, last_token_index(mask)
 
 
 @dataclass
 class Scorer:
-    """Scores whole sequences with a reward model or a reward function."""
+    """Scores whole sequences with a reward model or a reward function.
+
+    A reward function's failure (RewardFunctionError, after its retries) does not raise
+    here: it is kept in `failure` and this and every later call return NaN scores, so a
+    rank whose reward failed keeps taking part in the rollout's lock-step forwards; the
+    caller then asks `raise_failure`, a collective, once every rank is done scoring.
+    """
 
     reward_model: ValueModel | None = None
     reward_fn: Callable | None = None
     inputs: RewardInputs | None = None  # set: the RM reads its own tokens, not the policy's
+    failure: RewardFunctionError | None = None
 
     @torch.no_grad()
     def __call__(self, prompts, responses, input_ids, attention_mask, last_index) -> torch.Tensor:
         """prompts: B prompts as given (texts or message lists); responses: B texts;
         input_ids/attention_mask (B, P+T) the policy's tokens; last_index (B,)."""
         if self.reward_fn is not None:
-            return self.reward_fn(prompts, responses).to(input_ids.device)
+            return self._function_scores(prompts, responses).to(input_ids.device)
         if self.inputs is not None:
             input_ids, attention_mask, last_index = self.inputs.batch(
                 prompts, responses, input_ids, last_index
             )
         return sequence_scores(self.reward_model, input_ids, attention_mask, last_index).float()
+
+    def _function_scores(self, prompts, responses) -> torch.Tensor:
+        if self.failure is None:
+            try:
+                return self.reward_fn(prompts, responses)
+            except RewardFunctionError as e:
+                self.failure = e
+        return torch.full((len(responses),), float("nan"))
+
+    def raise_failure(self, runtime) -> None:
+        """Raise the reward failure of any rank on every rank (the first rank's message);
+        clears it. Every rank must call this."""
+        if not runtime.any_rank(self.failure is not None):
+            return
+        messages = runtime.gather_objects([str(self.failure)] if self.failure else [])
+        cause, self.failure = self.failure, None
+        raise RewardFunctionError(messages[0]) from cause
 
 
 def reward_inputs_for(cfg) -> RewardInputs | None:
@@ -183,14 +270,21 @@ def reward_inputs_for(cfg) -> RewardInputs | None:
 
 
 def build_scorer(
-    runtime, reward_function: str, model_cfg, placement: str, inputs: RewardInputs | None = None
+    runtime,
+    reward_function,
+    model_cfg,
+    placement: str,
+    inputs: RewardInputs | None = None,
+    reward_cfg=None,
 ) -> Scorer:
-    """The frozen reward: the Python function `reward_function` ("module:callable") if set,
-    else model_cfg.reward loaded as a ValueModel and prepared as a frozen model with
-    `placement` (distributed.frozen_models, or "replicate"), reading `inputs` (its own
-    tokens, reward_inputs_for) if given."""
+    """The frozen reward: `reward_function` if set ("module:callable" or a callable; its
+    retries and timeout from `reward_cfg`, the reward section), else model_cfg.reward
+    loaded as a ValueModel and prepared as a frozen model with `placement`
+    (distributed.frozen_models, or "replicate"), reading `inputs` (its own tokens,
+    reward_inputs_for) if given. A reward model's forward is not retried: it is local
+    computation, and under ZeRO-3 a collective that one rank cannot repeat alone."""
     if reward_function:
-        return Scorer(reward_fn=RewardFunction(reward_function))
+        return Scorer(reward_fn=RewardFunction(reward_function, **retry_settings(reward_cfg)))
     m, dtype = model_cfg, frozen_dtype(model_cfg)
     with runtime.local_loading():
         rm = load_sequence_classifier(m.reward, "model.reward", dtype, m)
@@ -198,32 +292,29 @@ def build_scorer(
     return Scorer(reward_model=rm, inputs=inputs)
 
 
-def lockstep_chunks(runtime, n_items: int, size: int):
-    """Slices of `size` over this rank's n_items, then None until every rank is done.
-
-    Ranks' shares differ in length, but each forward pass of a prepared model may be a
-    collective (ZeRO-3 gathers every layer's weights; DDP broadcasts buffers), so every
-    rank must run as many passes as the busiest one: a None asks for a throw-away pass.
-    """
-    mine = -(-n_items // size)
-    total = int(runtime.all_max(torch.tensor(mine, dtype=torch.long)))
-    for i in range(total):
-        yield slice(i * size, (i + 1) * size) if i < mine else None
+def retry_settings(reward_cfg) -> dict:
+    """RewardFunction's retries, retry_delay_s and timeout_s from the reward section (None:
+    no retries, no timeout)."""
+    if reward_cfg is None:
+        return {"retries": 0, "timeout_s": None}
+    r = reward_cfg
+    return {"retries": r.retries, "retry_delay_s": r.retry_delay_s, "timeout_s": r.timeout_s}
 
 
 @torch.no_grad()
 def score_sequences(runtime, value_model, seqs: list[list[int]], batch_size: int, pad_id: int):
     """Scores (len(seqs),) on CPU of whole token sequences, each read at its last token.
 
-    Every rank must call this (lock-step passes, see lockstep_chunks), each with its own seqs.
+    Every rank must call this, each with its own seqs (lock-step passes:
+    distributed/lockstep.py).
     """
-    out = []
-    for s in lockstep_chunks(runtime, len(seqs), batch_size):
-        ids, mask = right_pad(seqs[s] if s else [[pad_id]], pad_id)
+
+    def forward(chunk) -> torch.Tensor:
+        ids, mask = right_pad(chunk, pad_id)
         ids, mask = ids.to(runtime.device), mask.to(runtime.device)
-        scores = sequence_scores(value_model, ids, mask, mask.sum(1) - 1)
-        if s:
-            out.append(scores.float().cpu())
+        return sequence_scores(value_model, ids, mask, last_token_index(mask)).float().cpu()
+
+    out = lockstep_map(runtime, seqs, batch_size, forward, [[pad_id]])
     return torch.cat(out) if out else torch.zeros(0)
 
 

@@ -50,11 +50,30 @@ def _stack(values: list, device) -> torch.Tensor:
     return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
 
 
-def global_mean_var(
-    runtime, x: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked mean and unbiased variance of `x` over ALL ranks' tokens; x, mask (B, T)."""
+def global_moments(
+    runtime, x: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count, mean, sum of squared deviations) of `x` over ALL ranks' masked-in elements,
+    0-dim float64; x and mask the same shape (mask None: every element).
+
+    The one cross-rank mean and variance of the package (three collectives, two passes:
+    the deviations are taken from the global mean, never as E[x^2] - E[x]^2, which cancels
+    catastrophically). Every rank must call this.
+    """
+    x = x.to(torch.float64)
+    mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
     count = runtime.all_sum(mask.sum().to(torch.float64))
-    mean = runtime.all_sum(masked_sum(x.to(torch.float64), mask)) / count
-    sq_dev = runtime.all_sum(masked_sum((x.to(torch.float64) - mean) ** 2, mask))
-    return mean.to(x.dtype), (sq_dev / (count - 1)).to(x.dtype)
+    mean = runtime.all_sum(masked_sum(x, mask)) / count
+    sq_dev = runtime.all_sum(masked_sum((x - mean) ** 2, mask))
+    return count, mean, sq_dev
+
+
+def global_mean_var(
+    runtime, x: torch.Tensor, mask: torch.Tensor | None = None, unbiased: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked mean and variance of `x` over ALL ranks (`global_moments`), in x's dtype:
+    var = sum((x - mean)^2) / (n - 1) if unbiased (Bessel), else / n (the population
+    variance, as RunningMoments folds in). x, mask: (B, T) or (B,); mask None: all."""
+    count, mean, sq_dev = global_moments(runtime, x, mask)
+    var = sq_dev / (count - 1 if unbiased else count)
+    return mean.to(x.dtype), var.to(x.dtype)

@@ -106,6 +106,7 @@ class MetricsLogger:
         self.trackers = tuple(run_cfg.trackers)
         self.start, self.resume_step, self.total = time.time(), resume_step, total_steps
         self.bar = None
+        self.created_dir = False  # set by open_run: whether the run made output_dir
         if not runtime.is_main:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -212,6 +213,19 @@ class MetricsLogger:
         for name, message in alerts:
             self._print(f"[{self.stage} {step}] ALERT {name}: {message}")
 
+    def discard(self) -> None:
+        """Close, and remove what this run wrote: config.yaml and the row files, then the
+        directory if open_run created it and nothing else is in it (a tracker's own files
+        keep it). For a run that fails before its first step completes (docs/architecture.md
+        section 7); a resumed run keeps everything."""
+        self.close()
+        if not self.runtime.is_main or self.resume_step:
+            return
+        for name in (*FILES, "config.yaml"):
+            (self.dir / name).unlink(missing_ok=True)
+        if self.created_dir and not any(self.dir.iterdir()):
+            self.dir.rmdir()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -229,6 +243,7 @@ def open_run(
     half-written output directory behind.
     """
     out = Path(cfg.run.output_dir)
+    created = not out.exists()
     if runtime.is_main:
         save_config(cfg, out)
     runtime.barrier()
@@ -236,6 +251,7 @@ def open_run(
         runtime.print(f"{stage}: resuming from {ckpt.path} (step {ckpt.step})")
     start = ckpt.step if ckpt else 0
     logger = MetricsLogger(runtime, out, cfg.run, to_dict(cfg), stage, start, total_steps)
+    logger.created_dir = created  # MetricsLogger.discard removes only what this run made
     return out, logger
 
 

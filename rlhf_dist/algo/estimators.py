@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist.algo.advantages import gae
-from rlhf_dist.algo.rewards import last_token_index
+from rlhf_dist.algo.masking import last_token_index
 
 
 @dataclass(frozen=True)

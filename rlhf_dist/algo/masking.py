@@ -17,6 +17,20 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
     return x.sum() if dim is None else x.sum(dim=dim)
 
 
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last True position of each row; response_mask (B, T) -> (B,) int64.
+
+    The one "last real token" of the package: the reward is read there, the sequence score
+    added there. Found from the MASK alone (any mask: a response mask, or the attention
+    mask of a right-padded or prompt+response sequence), never by comparing ids with PAD,
+    which real tokenizers share with EOS. Rows with no True position give 0 (check
+    `response_mask.any(-1)` before using it).
+    """
+    T = response_mask.shape[-1]
+    positions = torch.arange(T, device=response_mask.device).expand_as(response_mask)
+    return torch.where(response_mask.bool(), positions, -1).amax(dim=-1).clamp(min=0)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """sum(x*mask)/sum(mask) over `dim` (all elements if None).
 

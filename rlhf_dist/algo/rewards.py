@@ -5,16 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_dist.algo.kl import kl_estimate
-
-
-def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last True position of each row; response_mask (B, T) -> (B,) int64.
-
-    Rows with no True position give 0 (check `response_mask.any(-1)` before using it).
-    """
-    T = response_mask.shape[-1]
-    positions = torch.arange(T, device=response_mask.device).expand_as(response_mask)
-    return torch.where(response_mask.bool(), positions, -1).amax(dim=-1).clamp(min=0)
+from rlhf_dist.algo.masking import last_token_index
 
 
 def shape_rewards(

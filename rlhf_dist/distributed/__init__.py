@@ -17,6 +17,8 @@ backends):
 - deepspeed_config.py: DeepSpeed's "auto" config entries filled from our config;
 - guard.py: micro_backward / optimizer_step behind the numerical guard;
 - collectives.py: all_sum, all_max, any_rank, gather_objects, barrier; dead-peer errors;
+- lockstep.py: forward-only loops over each rank's share in lock-step (`lockstep_map`,
+  `strided_map`), the one way every evaluation and scoring loop runs;
 - training_state.py: full state dicts and gradients, world-size independent checkpoints;
 - inference.py: frozen models, the generation context, training steps' weights, loading
   outside ZeRO-3;
@@ -28,6 +30,7 @@ backends):
 from rlhf_dist.distributed.backend import Backend, seed_everything
 from rlhf_dist.distributed.collectives import collective_failure
 from rlhf_dist.distributed.guard import NumericalGuard, TrainingDiverged
+from rlhf_dist.distributed.lockstep import lockstep_map, strided_map
 from rlhf_dist.distributed.runtime import Runtime
 
 __all__ = [
@@ -36,5 +39,7 @@ __all__ = [
     "Runtime",
     "TrainingDiverged",
     "collective_failure",
+    "lockstep_map",
     "seed_everything",
+    "strided_map",
 ]

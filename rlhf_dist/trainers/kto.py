@@ -18,6 +18,7 @@ from rlhf_dist.algo.preference import kto_reference_point, kto_terms
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import SFTExample, kto_examples, load_rows
+from rlhf_dist.distributed import lockstep_map
 from rlhf_dist.models import tokenizer_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
@@ -55,14 +56,24 @@ def global_reference_point(runtime, model, reference, share, kl_ref, plan: Batch
     """z0 of one global batch: mean log-ratio of its mismatched pairs over all ranks.
 
     share: this rank's examples; kl_ref: their mismatched pairs' reference log-probs (m,)
-    from the table, or None to run the reference. Returns a 0-dim tensor.
+    from the table, or None to run the reference. Returns a 0-dim tensor. Forward-only, so
+    in lock-step passes (distributed/lockstep.py), though BatchPlan gives equal shares.
     """
-    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
-    for s in plan.micro_slices():
-        batch = response_batch(mismatched_sequences(share[s]), pad_id, runtime.device)
+
+    def forward(chunk) -> torch.Tensor:
+        seqs, refs = zip(*chunk)
+        batch = response_batch(list(seqs), pad_id, runtime.device)
         policy = response_logprobs(model, batch)
-        ref = reference_logprobs(runtime, reference, batch) if kl_ref is None else kl_ref[s]
-        total += (policy.double() - ref.to(runtime.device).double()).sum()
+        # the reference now, or this chunk's rows of the table
+        ref = reference_logprobs(runtime, reference, batch) if kl_ref is None else torch.stack(refs)
+        return (policy.double() - ref.to(runtime.device).double()).sum()
+
+    refs = [None] * len(share) if kl_ref is None else list(kl_ref)  # 0-dim rows
+    items = list(zip(mismatched_sequences(share), refs))
+    filler = [(SFTExample([pad_id, pad_id], 1), torch.zeros(()))]
+    total = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    for part in lockstep_map(runtime, items, plan.micro_batch_size, forward, filler):
+        total += part
     return kto_reference_point(runtime.all_sum(total), plan.global_size).float()
 
 

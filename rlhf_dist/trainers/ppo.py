@@ -33,13 +33,13 @@ from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
 from rlhf_dist.chat import prompt_text
-from rlhf_dist.checkpoint import maybe_fault
-from rlhf_dist.config import ConfigError
+from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
+from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.lora import merged_adapters
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
-from rlhf_dist.stats import StatSums, global_mean_var
+from rlhf_dist.stats import StatSums, global_mean_var, global_moments
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
@@ -47,6 +47,7 @@ from rlhf_dist.trainers.common import (
     safe_point,
     share_of_global_mean,
     step_and_schedule,
+    write_checkpoint,
 )
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
 from rlhf_dist.vllm_rollout import VLLMEngine
@@ -193,7 +194,6 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
         ("rollout/eos_rate", batch.finished.float()),
     ):
         s.add(name, per_seq.sum(), B)
-    s.add("objective/score_sq", (batch.scores**2).sum(), B)
     s.add("objective/entropy", masked_sum(batch.entropy, mask), mask.sum())
     named = [("advantages/raw", advantages)]
     if returns is not None:
@@ -202,7 +202,6 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
         s.add("value/residual_sq", residual_sq, mask.sum())
     for name, x in named:
         s.add(name, masked_sum(x, mask), mask.sum())
-        s.add(name + "_sq", masked_sum(x**2, mask), mask.sum())
     if batch.sampler_logprobs is not None:  # vLLM sampled: how far its probabilities are
         gap = batch.old_logprobs - batch.sampler_logprobs  # log pi_old - log pi_vllm, (B, T)
         s.add("rollout/sampler_logprob_absdiff", masked_sum(gap.abs(), mask), mask.sum())
@@ -214,19 +213,20 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
     out = s.reduce(runtime)
     out["rollout/sequences"] = float(runtime.all_sum(torch.tensor(float(B), dtype=torch.float64)))
     out["rollout/length_min"] = -out.pop("rollout/length_min_neg")
-    out["objective/score_std"] = _std(out.pop("objective/score_sq"), out["objective/score"])
-    out["advantages/raw_std"] = _std(out.pop("advantages/raw_sq"), out["advantages/raw"])
+    out["objective/score_std"] = _population_var(runtime, batch.scores) ** 0.5
+    out["advantages/raw_std"] = _population_var(runtime, advantages, mask) ** 0.5
     if returns is not None:
-        returns_var = out.pop("value/returns_sq") - out["value/returns"] ** 2
-        out.pop("value/values_sq")
+        returns_var = _population_var(runtime, returns, mask)
         # Explained variance 1 - Var(R - V)/Var(R): 1 = the critic predicts returns perfectly.
         residual = out.pop("value/residual_sq")
         out["value/explained_variance"] = 1.0 - residual / max(returns_var, 1e-12)
     return out
 
 
-def _std(mean_sq: float, mean: float) -> float:
-    return max(mean_sq - mean**2, 0.0) ** 0.5
+def _population_var(runtime, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Variance over all ranks, divided by n (stats.global_moments)."""
+    count, _, sq_dev = global_moments(runtime, x, mask)
+    return float(sq_dev / count.clamp(min=1))
 
 
 def prompt_stream(
@@ -276,14 +276,9 @@ def normalize_scores(
     runtime, scores: torch.Tensor, moments: RunningMoments, reward_cfg
 ) -> torch.Tensor:
     """Running normalisation (statistics over all ranks) and clipping of the scores, (B,)."""
-    if reward_cfg.normalize:
-        total = runtime.all_sum(
-            torch.stack(
-                [scores.sum(), (scores**2).sum(), torch.tensor(float(scores.numel()))]
-            ).double()
-        )
-        mean = float(total[0] / total[2])
-        moments.update(mean, max(float(total[1] / total[2]) - mean**2, 0.0), float(total[2]))
+    if reward_cfg.normalize:  # RunningMoments folds in population variances
+        count, mean, sq_dev = global_moments(runtime, scores)
+        moments.update(float(mean), float(sq_dev / count), float(count))
         scores = (scores - moments.mean) / (moments.var + 1e-8) ** 0.5
     if reward_cfg.clip is not None:
         scores = scores.clamp(-reward_cfg.clip, reward_cfg.clip)
@@ -311,6 +306,7 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
             run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings
         )
     maybe_fault("rollout", it)
+    run.rollout_models.scorer.raise_failure(runtime)  # all ranks together, weights untouched
     if cfg.debug.print_first_batch and not run.printed_first_batch and runtime.is_main:
         print(describe_batch(run.tokenizer, batch, texts), flush=True)
         run.printed_first_batch = True
@@ -481,6 +477,30 @@ def trainer_state(run: PPORun, first_score: float, alerts: AlertMonitor) -> dict
     }
 
 
+def stop_on_reward_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
+    """The error to end the run with after the reward failed (RewardFunctionError `error`,
+    retries spent) in the iteration after `done`; raised on every rank together.
+
+    run_files: (output dir, MetricsLogger); done: (last completed iteration, the RNG
+    states at its end); state: trainer_state. The failed iteration's rollout changed no
+    weights, optimizer or trainer state, so with its RNG put back the checkpoint written
+    at `done` is the one the unbroken run would have written there: `--resume auto`
+    continues bitwise (docs/architecture.md section 7). With nothing completed (done 0)
+    there is nothing to keep, and the run directory is removed, as for any user mistake.
+    """
+    (out, logger), (step, rng) = run_files, done
+    if step == 0:
+        logger.discard()
+        return error
+    set_rng_state(rng)
+    write_checkpoint(cfg, runtime, out, step, run.model, run.optimizer, state)
+    logger.close()
+    return RewardFunctionError(
+        f"{error}; iteration {step} and all before it are checkpointed in "
+        f"{out / 'checkpoints'}: fix the reward, then continue with --resume auto"
+    )
+
+
 def train_ppo(cfg, runtime) -> dict:
     """Run PPO as configured; returns the summary written to summary.json."""
     ckpt, p = find_resume(cfg, runtime), cfg.ppo
@@ -513,7 +533,15 @@ def train_ppo(cfg, runtime) -> dict:
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
-        result = ppo_iteration(runtime, run, prompt_batch, cfg, it)
+        rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
+        try:
+            result = ppo_iteration(runtime, run, prompt_batch, cfg, it)
+        except RewardFunctionError as e:
+            state = trainer_state(run, first_score, alerts)
+            failure = stop_on_reward_failure(
+                cfg, runtime, (out, logger), run, (it - 1, rng), state, e
+            )
+            raise failure from e.__cause__
         stats = result.stats
         first_score = stats["objective/score"] if first_score is None else first_score
         report_iteration(logger, cfg, it, result, alerts)

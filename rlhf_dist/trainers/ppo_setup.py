@@ -133,7 +133,12 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
             None
             if shares_reward_with_critic(cfg)
             else build_scorer(
-                runtime, cfg.reward.function, m, cfg.distributed.frozen_models, reward_inputs
+                runtime,
+                cfg.reward.function,
+                m,
+                cfg.distributed.frozen_models,
+                reward_inputs,
+                cfg.reward,
             )
         )
     groups = {"actor": (net.actor.parameters(), p.actor)}

@@ -21,10 +21,10 @@ from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.preference import sequence_logprobs
 from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.data import SFTExample, collate_sft
+from rlhf_dist.distributed import strided_map
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.lora import AdapterOffReference, add_adapters, export_lora
 from rlhf_dist.models import frozen_dtype, load_causal_lm, position_ids_from, trained_load_dtype
-from rlhf_dist.scoring import lockstep_chunks
 from rlhf_dist.trainers.common import prepare_single_model, save_pretrained
 
 REFERENCE_FILE = "reference_logprobs.json"
@@ -96,16 +96,14 @@ def _fingerprint(cfg, seqs: list[SFTExample]) -> str:
 @torch.no_grad()
 def all_response_logprobs(runtime, reference, seqs: list[SFTExample], size: int, pad_id: int):
     """Reference log-probs of every sequence, (N,) on every rank: each rank scores every
-    world_size-th one, in lock-step passes (a partitioned reference gathers per forward)."""
-    mine = list(range(runtime.rank, len(seqs), runtime.world_size))
-    records = []
-    for s in lockstep_chunks(runtime, len(mine), size):
-        chunk = [seqs[i] for i in mine[s]] if s else [SFTExample([pad_id, pad_id], 1)]
-        lp = reference_logprobs(runtime, reference, response_batch(chunk, pad_id, runtime.device))
-        if s:
-            records += zip(mine[s], lp.cpu().tolist())
-    gathered = sorted(runtime.gather_objects(records))  # (index, value): back in order
-    return torch.tensor([v for _, v in gathered], dtype=torch.float32)
+    world_size-th one, in lock-step passes (a partitioned reference gathers per forward;
+    distributed/lockstep.py)."""
+
+    def forward(chunk) -> torch.Tensor:
+        return reference_logprobs(runtime, reference, response_batch(chunk, pad_id, runtime.device))
+
+    filler = [SFTExample([pad_id, pad_id], 1)]
+    return torch.tensor(strided_map(runtime, seqs, size, forward, filler), dtype=torch.float32)
 
 
 def reference_table(cfg, runtime, reference, seqs, size: int, pad_id: int, out: Path):

@@ -22,6 +22,7 @@ from rlhf_dist.data import (
     load_rows,
     preference_pairs,
 )
+from rlhf_dist.distributed import strided_map
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import (
     ValueModel,
@@ -30,7 +31,7 @@ from rlhf_dist.models import (
     tokenizer_for,
     trained_load_dtype,
 )
-from rlhf_dist.scoring import lockstep_chunks, probe_rephrasings
+from rlhf_dist.scoring import probe_rephrasings
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
@@ -103,21 +104,20 @@ def evaluate_pairs(
     runtime, value_model, pairs, micro_batch_size: int, pad_id: int, prompt_lengths=None
 ) -> tuple[dict, PairEval]:
     """Held-out loss, accuracy and calibration over all ranks' shares of `pairs`, and the
-    per-pair scores, lengths and categories the diagnostics read (scored once)."""
-    mine = list(range(runtime.rank, len(pairs), runtime.world_size))
-    records = []
-    for s in lockstep_chunks(runtime, len(mine), micro_batch_size):
-        chunk = [pairs[i] for i in mine[s]] if s else [PreferencePair([pad_id], [pad_id])]
+    per-pair scores, lengths and categories the diagnostics read (scored once, every rank
+    its strided share in lock-step: distributed/lockstep.py)."""
+
+    def forward(chunk) -> list[tuple[float, float]]:
         batch = {k: v.to(runtime.device) for k, v in collate_pairs(chunk, pad_id).items()}
         chosen, rejected = pair_scores(value_model, batch)
-        if s:
-            records += zip(mine[s], chosen.float().tolist(), rejected.float().tolist())
-    # (pair index, chosen, rejected): sorting the gathered records restores pair order.
-    gathered = sorted(runtime.gather_objects(records))
+        return list(zip(chosen.float().tolist(), rejected.float().tolist()))
+
+    filler = [PreferencePair([pad_id], [pad_id])]
+    gathered = strided_map(runtime, pairs, micro_batch_size, forward, filler)
     prompt_lengths = prompt_lengths or [0] * len(pairs)
     ev = PairEval(
-        torch.tensor([c for _, c, _ in gathered], dtype=torch.float64),
-        torch.tensor([r for _, _, r in gathered], dtype=torch.float64),
+        torch.tensor([c for c, _ in gathered], dtype=torch.float64),
+        torch.tensor([r for _, r in gathered], dtype=torch.float64),
         [p.category for p in pairs],
         torch.tensor([len(p.chosen) - n for p, n in zip(pairs, prompt_lengths)]),
         torch.tensor([len(p.rejected) - n for p, n in zip(pairs, prompt_lengths)]),

@@ -14,7 +14,8 @@ from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.config import ConfigError
-from rlhf_dist.data import collate_sft, load_rows, sft_examples
+from rlhf_dist.data import SFTExample, collate_sft, load_rows, sft_examples
+from rlhf_dist.distributed import lockstep_map
 from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for, trained_load_dtype
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
@@ -68,16 +69,19 @@ def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[fl
 
 @torch.no_grad()
 def eval_nll(runtime, model, examples, micro_batch_size: int, pad_id: int) -> float:
-    """Mean response-token NLL over `examples` (each rank takes every world_size-th)."""
-    mine = examples[runtime.rank :: runtime.world_size]
-    totals = torch.zeros(2, device=runtime.device)
-    for i in range(0, len(mine), micro_batch_size):
-        batch = {
-            k: v.to(runtime.device)
-            for k, v in collate_sft(mine[i : i + micro_batch_size], pad_id).items()
-        }
+    """Mean response-token NLL over `examples` (each rank takes every world_size-th), in
+    lock-step passes (distributed/lockstep.py: under ZeRO-3 each forward is a collective)."""
+
+    def forward(chunk) -> torch.Tensor:
+        batch = {k: v.to(runtime.device) for k, v in collate_sft(chunk, pad_id).items()}
         nll_sum, count = token_nll_sum(model, batch)
-        totals += torch.stack([nll_sum, count.float()])
+        return torch.stack([nll_sum, count.float()])
+
+    mine = examples[runtime.rank :: runtime.world_size]
+    filler = [SFTExample([pad_id, pad_id], 1)]  # one response token: a cheap pass
+    totals = torch.zeros(2, device=runtime.device)
+    for part in lockstep_map(runtime, mine, micro_batch_size, forward, filler):
+        totals += part
     totals = runtime.all_sum(totals)
     return float(totals[0] / totals[1])
 

@@ -227,3 +227,41 @@ def test_float32_inputs_agree_with_reference(ragged_mask):
     _close(masked_mean(x32, mask), ref_masked_mean(x, mask), atol=1e-5)
     _close(masked_var(x32, mask), ref_masked_var(x, mask), atol=1e-5)
     _close(masked_whiten(x32, mask), ref_masked_whiten(x, mask), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# last_token_index: the one "last real token", found from the mask alone.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_last_token_index_hand_computed():
+    from rlhf_dist.algo.masking import last_token_index
+
+    mask = torch.tensor(
+        [
+            [1, 1, 1, 0, 0],  # right-padded: last real token at 2
+            [0, 0, 1, 1, 1],  # left-padded prompt + response: at 4
+            [0, 1, 0, 1, 0],  # holes: the last True wins, at 3
+            [0, 0, 0, 0, 0],  # empty: 0 by contract
+        ],
+        dtype=torch.bool,
+    )
+    out = last_token_index(mask)
+    assert out.tolist() == [2, 4, 3, 0] and out.dtype == torch.int64
+    # The mask's dtype does not matter (attention masks are 0/1 integers).
+    assert last_token_index(mask.long()).tolist() == [2, 4, 3, 0]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_last_token_index_property(seed):
+    """For any mask: the largest index holding True (0 for an empty row); for right-padded
+    masks that is sum(mask) - 1, the count formula it replaces."""
+    from rlhf_dist.algo.masking import last_token_index
+
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(16, 11, generator=g) < 0.4
+    expected = [max([t for t, m in enumerate(row) if m], default=0) for row in mask.tolist()]
+    assert last_token_index(mask).tolist() == expected
+    lengths = torch.randint(1, 12, (16,), generator=g)
+    right = torch.arange(11) < lengths[:, None]
+    assert torch.equal(last_token_index(right), right.sum(1) - 1)

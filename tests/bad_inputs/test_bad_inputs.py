@@ -213,16 +213,19 @@ def test_bad_reward_functions_are_one_line(tiny, tmp_path, fn, words):
         f"data.train={CORPUS / 'prompts_ok.jsonl'}",
         f"reward.function=reward_fns:{fn}",
     ]
+    out = tmp_path / "out"
     proc = run(
         "ppo",
         *args,
-        f"run.output_dir={tmp_path / 'out'}",
+        f"run.output_dir={out}",
         "ppo.critic_init=policy",
         "ppo.iterations=1",
         "ppo.rollout_batch_size=16",
         "generation.max_new_tokens=4",
+        "reward.retry_delay_s=0",
     )
     assert_one_line_error(proc, *words)
+    assert not out.exists(), "a reward failure before any iteration left a run directory"
 
 
 def test_secrets_never_reach_the_written_config(tiny, tmp_path):

@@ -472,3 +472,32 @@ def test_describe_one_section_subsection_or_key():
 def test_describe_unknown_section_names_it(section):
     message = config_error(describe, section)
     assert message.startswith(f"{section}: ") and "ppo" in message
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("reward.retries=-1", "reward.retries"),
+        ("reward.retry_delay_s=-0.5", "reward.retry_delay_s"),
+        ("reward.retry_delay_s=inf", "reward.retry_delay_s"),
+        ("reward.timeout_s=0", "reward.timeout_s"),
+        ("reward.timeout_s=-3", "reward.timeout_s"),
+    ],
+)
+def test_reward_failure_keys_out_of_range(override, key):
+    for stage in ("ppo", "eval"):
+        message = config_error(validate, load_config(overrides=[*PPO_REQUIRED, override]), stage)
+        assert message.startswith(key + ":"), message
+
+
+def test_reward_failure_keys_in_range():
+    cfg = load_config(
+        overrides=[
+            *PPO_REQUIRED,
+            "reward.retries=0",
+            "reward.retry_delay_s=0",
+            "reward.timeout_s=2.5",
+        ]
+    )
+    validate(cfg, "ppo")
+    assert (cfg.reward.retries, cfg.reward.retry_delay_s, cfg.reward.timeout_s) == (0, 0.0, 2.5)

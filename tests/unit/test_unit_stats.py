@@ -66,3 +66,19 @@ def test_global_mean_var_matches_masked_stats_on_one_rank(seed):
     # And both equal the plain statistics of the selected elements.
     torch.testing.assert_close(mean, x[mask].mean(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(var, x[mask].var(unbiased=True), rtol=1e-5, atol=1e-5)
+
+
+def test_global_moments_hand_computed_and_population_variance():
+    from rlhf_dist.stats import global_moments
+
+    x = torch.tensor([[1.0, 2.0, 99.0], [3.0, 6.0, -7.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    count, mean, sq_dev = global_moments(FakeRuntime(), x, mask)
+    # Values 1, 2, 3, 6: mean 3, squared deviations 4 + 1 + 0 + 9 = 14.
+    assert (float(count), float(mean), float(sq_dev)) == (4.0, 3.0, 14.0)
+    assert mean.dtype == torch.float64
+    mean, var = global_mean_var(FakeRuntime(), x, mask, unbiased=False)
+    assert float(var) == pytest.approx(3.5) and float(mean) == 3.0
+    # No mask: every element (the scores of a rollout).
+    count, mean, _ = global_moments(FakeRuntime(), torch.tensor([2.0, 4.0]))
+    assert (float(count), float(mean)) == (2.0, 3.0)

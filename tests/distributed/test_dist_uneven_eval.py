@@ -1,0 +1,115 @@
+"""Evaluation that splits unevenly over 2 ZeRO-3 ranks finishes in every stage (issue 22).
+
+Under ZeRO-3 every forward pass is a collective, so a forward-only loop whose ranks run
+different numbers of passes hangs until distributed.timeout_s: `rlhf-dist sft` with a
+33-row data.eval in micro-batches of 8 did (17 rows = 3 passes on rank 0, 16 = 2 on rank 1)
+and lost its trained model. Every stage that evaluates or scores runs here in ONE launch
+(scripts/uneven_eval.py, one process group) on eval sets of odd size whose shares the
+micro-batch divides on neither rank, with frozen models partitioned, and a 120 s
+collective timeout: a hang fails the launch in two minutes, not thirty.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import REPO, free_port, launch_args, run_launch
+
+SCRIPT = str(REPO / "tests" / "distributed" / "scripts" / "uneven_eval.py")
+TIMEOUT_S = 120  # distributed.timeout_s of the launch: a hang fails after this
+
+
+def first_rows(src: Path, n: int, dst: Path) -> Path:
+    """The first n rows of a JSON-lines file, written to dst."""
+    lines = src.read_text(encoding="utf-8").splitlines()[:n]
+    assert len(lines) == n
+    dst.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return dst
+
+
+def stage_overrides(assets, root: Path) -> dict[str, list[str]]:
+    files = assets["files"]
+    sft_train = first_rows(files.sft, 64, root / "sft_train.jsonl")
+    sft_eval = first_rows(files.sft, 33, root / "sft_eval.jsonl")  # the 33-row case
+    prefs_train = first_rows(files.prefs_train, 64, root / "prefs_train.jsonl")
+    prefs_eval = first_rows(files.prefs_eval, 33, root / "prefs_eval.jsonl")
+    prompts = first_rows(files.prompts, 33, root / "prompts.jsonl")
+    policy, reward = assets["policy"], assets["reward"]
+    common = ["run.log_every=1", "run.num_threads=1", "distributed.frozen_models=partition"]
+
+    def trained(stage: str, data: list[str], *extra: str) -> list[str]:
+        return [
+            f"model.policy={policy}", *data, f"run.output_dir={root / stage}", *common,
+            f"{stage}.batch_size=32", f"{stage}.micro_batch_size=8", f"{stage}.epochs=1",
+            *extra,
+        ]  # fmt: skip
+
+    prefs = [f"data.train={prefs_train}", f"data.eval={prefs_eval}"]
+    return {
+        # 33 rows in micro-batches of 8: 17 rows (3 passes) on rank 0, 16 (2) on rank 1.
+        "sft": trained("sft", [f"data.train={sft_train}", f"data.eval={sft_eval}"]),
+        # 33 held-out pairs likewise, then the rephrasing probe over uneven shares.
+        "rm": trained("rm", prefs),
+        # Online reference: the eval scores 66 sequences with the policy and the
+        # partitioned reference, 33 per rank in passes of 16 (16 + 16 + 1).
+        "dpo": trained("dpo", prefs, "dpo.reference_logprobs=online"),
+        # The reference table (2 x 128 sequences, passes of 16) and z0 every step.
+        "kto": trained("kto", [f"data.train={prefs_train}"], "kto.reference_logprobs=precompute"),
+        # 33 prompts in chunks of 8 (3 chunks on rank 0, 2 on rank 1), the reward model's
+        # probe on each rank's finished responses (uneven by nature).
+        "eval": [
+            f"model.policy={policy}",
+            f"model.reward={reward}",
+            f"data.train={prompts}",
+            f"run.output_dir={root / 'eval'}",
+            *common,
+            "eval.num_prompts=33",
+            "eval.batch_size=8",
+            f"eval.reference={policy}",
+            "generation.max_new_tokens=8",
+        ],  # fmt: skip
+        # Rollout scoring in micro-batches of 3 over 16 prompts per rank (5 x 3 + 1) with a
+        # partitioned reward model and reference. (Micro-batch 8 and accumulation 2 as the
+        # stages before: DeepSpeed's batch entries, filled at the first prepare, hold for
+        # every engine of the process.)
+        "ppo": [
+            f"model.policy={policy}",
+            f"model.reward={reward}",
+            f"data.train={prompts}",
+            f"run.output_dir={root / 'ppo'}",
+            *common,
+            "ppo.iterations=2",
+            "ppo.rollout_batch_size=32",
+            "ppo.rollout_micro_batch_size=3",
+            "ppo.minibatch_size=32",
+            "ppo.micro_batch_size=8",
+            "ppo.ppo_epochs=1",
+            "generation.max_new_tokens=8",
+        ],  # fmt: skip
+    }
+
+
+def test_every_evaluating_stage_finishes_on_uneven_zero3_shares(assets, tmp_path):
+    stages = stage_overrides(assets, tmp_path)
+    args = []
+    for name, overrides in stages.items():
+        path = tmp_path / f"{name}.overrides"
+        path.write_text("\n".join(overrides) + "\n", encoding="utf-8")
+        args.append(f"{name}={path}")
+    command = launch_args("cpu_zero3.yaml", free_port(), SCRIPT, str(TIMEOUT_S), *args)
+    proc = run_launch(command, timeout=1500)
+    for name in stages:
+        assert proc.stdout.count(f"UNEVEN-EVAL-OK {name}") == 1, (name, proc.stdout[-3000:])
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary, name
+        if name != "eval":  # eval trains nothing; every other stage exports its model
+            assert (tmp_path / name / "final" / "model.safetensors").is_file(), name
+    sft = json.loads((tmp_path / "sft" / "summary.json").read_text())
+    assert sft["eval_loss"] > 0 and sft["train_examples"] == 64
+    rm = json.loads((tmp_path / "rm" / "summary.json").read_text())
+    assert rm["eval_pairs"] == 33 and 0 <= rm["eval_accuracy"] <= 1
+    assert json.loads((tmp_path / "dpo" / "summary.json").read_text())["eval_pairs"] == 33
+    ev = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    lines = (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 33 and "kl_to_ref" in ev and "length_corr" in ev
