@@ -22,9 +22,9 @@ RL=(ppo.iterations=2 ppo.rollout_batch_size=4 ppo.rollout_micro_batch_size=4
 stage_args() {
   case $1 in
     sft) echo sft model.policy="$MODEL" data.train="$D/sft.jsonl" data.eval="$D/sft.jsonl" \
-           sft.batch_size=8 sft.micro_batch_size=4 ;;
+           sft.batch_size=8 sft.micro_batch_size=4 sft.optim.lr=2e-5 ;;
     rm) echo rm model.policy="$MODEL" data.train="$D/prefs.jsonl" data.eval="$D/prefs.jsonl" \
-          rm.batch_size=8 rm.micro_batch_size=4 ;;
+          rm.batch_size=8 rm.micro_batch_size=4 rm.optim.lr=1e-5 ;;
     ppo) echo ppo model.policy="$MODEL" model.reward="$OUT/rm/final" data.train="$D/prompts.jsonl" \
            "${RL[@]}" "${GEN[@]}" ;;
     grpo) echo ppo model.policy="$MODEL" reward.function=rlhf_dist.demo.task:gold_reward_fn \

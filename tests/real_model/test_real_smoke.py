@@ -70,8 +70,10 @@ def test_sft_grpo_dpo_on_the_real_model_through_the_api(convention, smollm2, cha
     base = smollm2[convention]
     shipped_pad = AutoTokenizer.from_pretrained(str(base)).pad_token_id
     sft_rows = datasets.Dataset.from_list(_rows(chat_files["sft"])[:4])
+    # sft.optim.lr: the default (1e-3) suits the demo's random-init models, not a real one.
     rlhf_dist.sft({**COMMON, "model.policy": str(base), "run.output_dir": str(tmp_path / "sft"),
-                   "sft.batch_size": 4, "sft.micro_batch_size": 4}, dataset=sft_rows)  # fmt: skip
+                   "sft.batch_size": 4, "sft.micro_batch_size": 4, "sft.optim.lr": 2e-5},
+                  dataset=sft_rows)  # fmt: skip
     sft_final = tmp_path / "sft" / "final"
     assert not torch.equal(_probe(sft_final), _probe(base)), "SFT changed no weight"
     assert AutoTokenizer.from_pretrained(str(sft_final)).pad_token_id == shipped_pad
@@ -92,14 +94,14 @@ def test_sft_grpo_dpo_on_the_real_model_through_the_api(convention, smollm2, cha
         dataset=_rows(chat_files["prompts"]),
         reward_fn=reward,
     )
-    assert len(seen) == 2 and all(len(r) == 4 for _, r in seen), "2 iterations of 2 x 2"
+    assert len(seen) == 1 and len(seen[0][1]) == 4, "1 iteration of 2 prompts x 2 samples"
     assert seen[0][0][0][0]["role"] == "user", "prompts reach the reward as message lists"
-    assert summary["iterations"] == 2
+    assert summary["iterations"] == 1
     assert not torch.equal(_probe(tmp_path / "grpo" / "final"), _probe(sft_final))
 
     rlhf_dist.dpo({**COMMON, "model.policy": str(sft_final), "run.output_dir": str(tmp_path / "dpo"),
                    "data.train": str(chat_files["prefs"]), "dpo.batch_size": 4,
-                   "dpo.micro_batch_size": 4}, overrides=["data.train=" + str(chat_files["prefs"])])  # fmt: skip
+                   "dpo.micro_batch_size": 4, "dpo.optim.lr": 1e-6}, overrides=["data.train=" + str(chat_files["prefs"])])  # fmt: skip
     assert not torch.equal(_probe(tmp_path / "dpo" / "final"), _probe(sft_final))
 
 

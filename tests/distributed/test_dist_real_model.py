@@ -1,0 +1,55 @@
+"""The real chat model as it ships (SmolLM2-135M-Instruct, PAD == EOS) under 2-rank ZeRO-3:
+GRPO on message-list prompts with a reward function trains, keeps ranks in step while
+their responses end at different steps (the PAD ids after a finished response are EOS
+ids; only masks tell them apart), and exports the actor with the tokenizer as shipped.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import free_port, launch_args, run_launch
+from safetensors import safe_open
+
+PROBE = "model.layers.29.mlp.down_proj.weight"
+
+
+def _probe(model_dir):
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return f.get_tensor(PROBE)
+
+
+@pytest.mark.slow
+def test_grpo_on_the_real_model_with_pad_equal_to_eos_under_zero3(smollm2, chat_files, tmp_path):
+    from transformers import AutoTokenizer
+
+    base, out = smollm2["shipped"], tmp_path / "grpo"
+    command = [
+        "-m", "rlhf_dist", "ppo",
+        f"model.policy={base}", "reward.function=rlhf_dist.demo.task:gold_reward_fn",
+        f"data.train={chat_files['prompts']}", f"run.output_dir={out}",
+        "run.log_every=1", "run.num_threads=1", "distributed.timeout_s=240",
+        "data.max_length=96", "data.max_prompt_length=56",
+        "ppo.estimator=grpo", "ppo.iterations=1", "ppo.samples_per_prompt=2",
+        "ppo.rollout_batch_size=2", "ppo.rollout_micro_batch_size=2", "ppo.minibatch_size=4",
+        "ppo.micro_batch_size=2", "ppo.ppo_epochs=1", "ppo.actor.lr=1e-5",
+        "generation.max_new_tokens=10", "generation.temperature=1.0",
+    ]  # fmt: skip
+    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command), timeout=420)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    assert len(rows) == 1 and rows[0]["guard/skipped_steps"] == 0
+    lengths = (
+        [
+            json.loads(x)["response_length"]
+            for x in (out / "samples.jsonl").read_text().splitlines()
+            if x
+        ]
+        if (out / "samples.jsonl").exists()
+        else []
+    )
+    assert all(0 < n <= 10 for n in lengths)
+    assert not (_probe(out / "final") == _probe(base)).all(), "the actor did not train"
+    shipped = AutoTokenizer.from_pretrained(str(base))
+    exported = AutoTokenizer.from_pretrained(str(out / "final"))
+    assert exported.pad_token_id == shipped.pad_token_id == shipped.eos_token_id
