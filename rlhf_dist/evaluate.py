@@ -15,11 +15,10 @@ from rlhf_dist import diagnostics as diag
 from rlhf_dist.chat import prompt_text
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
-from rlhf_dist.models import load_causal_lm, policy_stop_ids, tokenizer_for
+from rlhf_dist.models import load_causal_lm, policy_stop_ids, token_logprobs, tokenizer_for
 from rlhf_dist.rollout import (
     decode_responses,
     generate,
-    policy_logprobs,
     scores_with_eos_penalty,
     sequence_last_index,
     truncate_after_eos,
@@ -60,8 +59,8 @@ def evaluate_chunk(
     }
     if reference is not None:
         temperature = cfg.generation.temperature
-        lp, _ = policy_logprobs(policy, input_ids, attention_mask, response_ids, temperature)
-        ref, _ = policy_logprobs(reference, input_ids, attention_mask, response_ids, temperature)
+        lp, _ = token_logprobs(policy, input_ids, attention_mask, response_mask, temperature)
+        ref, _ = token_logprobs(reference, input_ids, attention_mask, response_mask, temperature)
         out["kl_to_ref"] = ((lp - ref) * response_mask).sum(1)
     if gold_fn is not None:
         out["gold_reward"] = torch.tensor(

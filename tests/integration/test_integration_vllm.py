@@ -23,7 +23,8 @@ pytest.importorskip("vllm")
 
 from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.lora import merged_adapters  # noqa: E402
-from rlhf_dist.rollout import generate, policy_logprobs, truncate_after_eos  # noqa: E402
+from rlhf_dist.models import token_logprobs  # noqa: E402
+from rlhf_dist.rollout import generate, truncate_after_eos  # noqa: E402
 from rlhf_dist.vllm_rollout import SyncError, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -110,7 +111,7 @@ def test_sampler_logprobs_equal_the_trainers_logprobs(engine, actor, task_env):
     )
     full = torch.cat([ids, response], 1)
     attention = torch.cat([mask, response_mask.long()], 1)
-    ours, _ = policy_logprobs(actor, full, attention, response, gen.temperature)
+    ours, _ = token_logprobs(actor, full, attention, response_mask, gen.temperature)
     gap = (ours - sampler)[response_mask]
     assert gap.abs().max() < 1e-4, gap.abs().max()
 
