@@ -179,20 +179,21 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 def _chunk_grad_logits(
     hidden, weight, bias, tokens, entropy, grad_lp, grad_h, temperature: float
 ) -> torch.Tensor:
-    """dL/dlogits (C, V) of one chunk from the (C,) output gradients (either may be None)."""
+    """dL/dlogits (C, V) of one chunk from the (C,) output gradients (either may be None;
+    not both). The 1/temperature of dz/dlogits is folded into the (C,) gradients."""
     logp = _chunk_logp(hidden, weight, bias, temperature)
     p = logp.exp()
-    grad = torch.zeros_like(logp)
+    grad = None
     if grad_h is not None:
         # -g_H * p * (log p + H), with p log p taken as 0 where p == 0 (as `_entropy` does)
-        logp = torch.where(p > 0, logp, torch.zeros_like(logp)).add_(entropy.unsqueeze(-1))
-        grad.sub_(logp.mul_(p).mul_(grad_h.unsqueeze(-1)))
+        scale = (-grad_h / temperature).unsqueeze(-1)
+        grad = torch.where(p > 0, logp, 0.0).add_(entropy.unsqueeze(-1)).mul_(p).mul_(scale)
     del logp
     if grad_lp is not None:
-        grad.sub_(p.mul_(grad_lp.unsqueeze(-1)))
-        grad.scatter_add_(-1, tokens.unsqueeze(-1), grad_lp.unsqueeze(-1).to(grad.dtype))
-    if temperature != 1.0:
-        grad.div_(temperature)
+        g = (grad_lp / temperature).unsqueeze(-1)
+        term = p.mul_(-g)  # g_lp * (onehot - p): p is not needed after this
+        grad = term if grad is None else grad.add_(term)
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), g.to(grad.dtype))
     return grad
 
 
