@@ -142,6 +142,13 @@ class ModelConfig:
         "flash-attn package and a GPU",
         choices=("auto", "eager", "sdpa", "flash_attention_2"),
     )
+    logprob_chunk_tokens: int = key(
+        512,
+        "tokens whose vocabulary-wide logits are computed at once when log-probs and "
+        "entropies are taken (rollout scoring, the PPO update, SFT, DPO/KTO, eval): the "
+        "full (tokens, vocabulary) logits never exist, the extra memory is a few "
+        "(logprob_chunk_tokens, vocabulary) fp32 tensors",
+    )
 
 
 @dataclass(frozen=True)
@@ -826,6 +833,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         if tracker not in ("wandb", "tensorboard"):
             raise ConfigError(f"run.trackers: unknown tracker {tracker!r} (wandb, tensorboard)")
     _positive(cfg.data, "data", "max_prompt_length", "max_length")
+    _positive(cfg.model, "model", "logprob_chunk_tokens")
     if cfg.model.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
         raise ConfigError(
             "model.attn_implementation: flash_attention_2 needs the flash-attn package "

@@ -100,6 +100,14 @@ class AdapterOffReference(nn.Module):
         with adapters_disabled(actor):
             return actor(**kwargs)
 
+    @contextlib.contextmanager
+    def scoring_model(self):
+        """The actor with adapters off, for `models.token_logprobs`: its backbone AND its
+        output head (a LoRA-adapted lm_head too) run as the base inside."""
+        actor = self._actor_fn()
+        with torch.no_grad(), adapters_disabled(actor):
+            yield actor
+
 
 def export_lora(
     state: dict,

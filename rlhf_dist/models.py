@@ -18,9 +18,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
 from rlhf_dist.chat import chat_for, stop_token_ids
-from rlhf_dist.config import ConfigError
+from rlhf_dist.config import ConfigError, ModelConfig
+from rlhf_dist.distributed.zero3 import stays_whole
 
 # Names classification heads go by in transformers (Llama/GPT-2/Mistral: score;
 # BERT-likes: classifier). A head missing from a checkpoint must fail loudly
@@ -28,6 +31,9 @@ from rlhf_dist.config import ConfigError
 HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# model.logprob_chunk_tokens' default, for callers that were given no config.
+LOGPROB_CHUNK_TOKENS = ModelConfig.logprob_chunk_tokens
 
 
 def quiet_transformers() -> None:
@@ -111,6 +117,8 @@ def load_causal_lm(path: str, key: str, dtype: str = "float32", source=None):
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(AutoModelForCausalLM, path, key, **_load_kwargs(source, dtype))
+    # How `token_logprobs` chunks this model's head (model.logprob_chunk_tokens).
+    model.logprob_chunk_tokens = getattr(source, "logprob_chunk_tokens", LOGPROB_CHUNK_TOKENS)
     return disable_dropout(model)
 
 
@@ -218,6 +226,141 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside `model`: under a DeepSpeed engine or DDP wrapper
+    (`.module`) and a peft model (`get_base_model()`, with its adapters injected)."""
+    from transformers import PreTrainedModel
+
+    while not isinstance(model, PreTrainedModel):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            raise TypeError(f"no transformers model inside {type(model).__name__}")
+    return model
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predict_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """THE sequence log-prob function (docs/architecture.md section 10): log-probs (B, T) of
+    the last T tokens of `input_ids` under causal LM `model` at the sampling `temperature`
+    (N+ study: old, new and reference log-probs alike), each predicted from the position
+    before it; entropies (B, T) of those predictions with `with_entropy`, else None.
+
+    input_ids, attention_mask: (B, L); predict_mask: (B, T) bool, T < L, the tokens to
+    score (response_mask for a rollout; the shifted loss mask, T = L - 1, for SFT/DPO/KTO).
+    0 where predict_mask is False: those positions never reach the output head. `model`
+    may be wrapped (engine, DDP, peft) or offer `scoring_model()` (lora.AdapterOffReference).
+    The head runs over chunks of `chunk_tokens` tokens (`head_logprobs`; None: the
+    `logprob_chunk_tokens` that `load_causal_lm` gave the model, model.logprob_chunk_tokens),
+    so no (B, T, V) logits exist. Gradients flow when called with grad enabled.
+    """
+    if hasattr(model, "scoring_model"):
+        with model.scoring_model() as inner:
+            return token_logprobs(
+                inner, input_ids, attention_mask, predict_mask, temperature, chunk_tokens,
+                with_entropy,
+            )  # fmt: skip
+    L, T = input_ids.shape[1], predict_mask.shape[1]
+    predict_mask, lm = predict_mask.bool(), causal_lm(model)
+    if chunk_tokens is None:
+        chunk_tokens = getattr(lm, "logprob_chunk_tokens", LOGPROB_CHUNK_TOKENS)
+    hidden = final_hidden_states(model, lm, input_ids, attention_mask)[:, L - 1 - T : L - 1]
+    tokens = input_ids[:, L - T :]
+    lp, entropy = head_logprobs(
+        lm, hidden[predict_mask], tokens[predict_mask], temperature, chunk_tokens, with_entropy
+    )
+    zeros = torch.zeros(predict_mask.shape, dtype=lp.dtype, device=lp.device)
+    lp = zeros.masked_scatter(predict_mask, lp)
+    return lp, None if entropy is None else zeros.masked_scatter(predict_mask, entropy)
+
+
+def final_hidden_states(model, lm, input_ids, attention_mask) -> torch.Tensor:
+    """The backbone's last hidden states (B, L, H) of `lm` (the transformers model inside
+    `model`), from a forward of `model` itself: DeepSpeed's, DDP's and peft's forward
+    logic all run. The model's own head runs on the last position only (logits_to_keep=1)."""
+    seen = []
+    backbone = getattr(lm, lm.base_model_prefix)
+
+    def keep(module, args, output):
+        seen.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = backbone.register_forward_hook(keep)
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from(attention_mask),
+            logits_to_keep=1,
+            # A whole-sequence forward needs no KV cache; transformers would otherwise
+            # build one on every call (use_cache defaults to True in most configs):
+            # ~5% of a tiny model's training step, and memory on large ones.
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    return seen[-1]
+
+
+def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, with_entropy: bool):
+    """Log-probs (N,) of `tokens` (N,) given final hidden states (N, H), through the output
+    head of transformers model `lm`, chunk by chunk; entropies (N,) or None.
+
+    A plain linear head (tied embeddings alike) whose weights stay whole through the
+    backward (no ZeRO-3, or inside `whole_weights`) goes to `algo.logprobs_from_hidden`,
+    which recomputes each chunk's logits in backward. Any other head (peft's LoRA or
+    modules_to_save wrapper, a ZeRO-3 weight fetched per module, logits post-processed by
+    the model) is called as a module per chunk, under activation checkpointing when
+    gradients are recorded: the same memory bound, and ZeRO-3's hooks fetch the weight
+    for each call (zero3.stays_whole).
+    """
+    head, post = lm.get_output_embeddings(), _logit_postprocessing(lm.config)
+    params = [head.weight] if head.bias is None else [head.weight, head.bias]
+    if type(head) is nn.Linear and post is None and all(stays_whole(p) for p in params):
+        return logprobs_from_hidden(
+            hidden, head.weight, tokens, head.bias, temperature, chunk_tokens, with_entropy
+        )
+
+    def chunk(h, t):
+        logits = head(h)
+        return logprobs_and_entropy(logits if post is None else post(logits), t, temperature)
+
+    grads = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], tokens[start : start + chunk_tokens]
+        parts.append(checkpoint(chunk, h, t, use_reentrant=False) if grads else chunk(h, t))
+    if not parts:  # no token to score
+        parts = [(hidden.new_zeros(0, dtype=torch.float32),) * 2]
+    lp = torch.cat([p[0] for p in parts])
+    return lp, torch.cat([p[1] for p in parts]) if with_entropy else None
+
+
+def _logit_postprocessing(config):
+    """What a model does to its head's output before returning logits, or None: Cohere's
+    `logit_scale` (a product), Gemma 2/3's `final_logit_softcapping` (cap * tanh(z / cap))."""
+    scale = getattr(config, "logit_scale", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if scale in (None, 1.0) and cap is None:
+        return None
+
+    def post(logits):
+        logits = logits if scale in (None, 1.0) else logits * scale
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    return post
+
+
 class ValueModel(nn.Module):
     """Backbone + scalar head applied at every position: per-token values or scores."""
 
@@ -237,7 +380,7 @@ class ValueModel(nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            use_cache=False,  # see ActorCritic.forward
+            use_cache=False,  # see final_hidden_states
         ).last_hidden_state
         return head(hidden).squeeze(-1).float()
 
@@ -256,29 +399,36 @@ class ActorCritic(nn.Module):
         self.actor = actor
         self.critic = critic  # None: a critic-free estimator (grpo, rloo, reinforce_pp*)
 
-    def forward(self, input_ids, attention_mask, response_length: int):
-        """Logits and values at the positions that predict the last `response_length` tokens.
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        response_mask,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        with_actor: bool = True,
+    ):
+        """Log-probs, entropies and values at the positions that predict the last
+        T = response_mask.shape[1] tokens.
 
-        input_ids, attention_mask: (B, P+T) with left-padded prompt then response.
-        Returns logits (B, T, V) and values (B, T): position P-1+t predicts token P+t, and
-        its value is V(prompt + response[:t]); values is None without a critic.
+        input_ids, attention_mask: (B, P+T) with left-padded prompt then response;
+        response_mask: (B, T) bool. Returns logprobs (B, T) of the response tokens at the
+        sampling `temperature` (0 outside response_mask; `token_logprobs`), entropies
+        (B, T) or None (`with_entropy`), and values (B, T): position P-1+t predicts token
+        P+t, and its value is V(prompt + response[:t]); values is None without a critic,
+        logprobs and entropies None with with_actor=False (a critic-only pass).
         """
-        position_ids = position_ids_from(attention_mask)
-        out = self.actor(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=response_length + 1,
-            # A whole-sequence forward needs no KV cache; transformers would otherwise
-            # build one on every call (use_cache defaults to True in most configs):
-            # ~5% of a tiny model's training step, and memory on large ones.
-            use_cache=False,
-        )
-        logits = out.logits[:, :-1]
-        if self.critic is None:
-            return logits, None
-        values = self.critic(input_ids, attention_mask, position_ids)[:, -response_length - 1 : -1]
-        return logits, values
+        logprobs = entropy = values = None
+        if with_actor:
+            logprobs, entropy = token_logprobs(
+                self.actor, input_ids, attention_mask, response_mask, temperature, None,
+                with_entropy,
+            )  # fmt: skip
+        if self.critic is not None:
+            T = response_mask.shape[1]
+            position_ids = position_ids_from(attention_mask)
+            values = self.critic(input_ids, attention_mask, position_ids)[:, -T - 1 : -1]
+        return logprobs, entropy, values
 
 
 def sub_state_dict(state: dict, prefix: str) -> dict:

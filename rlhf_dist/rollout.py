@@ -15,10 +15,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rlhf_dist.algo.logprobs import logprobs_and_entropy, scale_logits
+from rlhf_dist.algo.logprobs import scale_logits
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.chat import is_stop
-from rlhf_dist.models import position_ids_from
+from rlhf_dist.models import position_ids_from, token_logprobs
 from rlhf_dist.scoring import Scorer
 
 
@@ -30,13 +30,15 @@ class RolloutBatch:
     prompt_mask: torch.Tensor  # (B, P) 1 on real prompt tokens
     response_ids: torch.Tensor  # (B, T) PAD after the first EOS
     response_mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
-    old_logprobs: torch.Tensor  # (B, T)
-    ref_logprobs: torch.Tensor  # (B, T)
+    # (B, T), 0 outside response_mask; None until the update's first forward gives them
+    # (the skip of trainers/ppo.py::old_logprobs_from_update)
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor  # (B, T), 0 outside response_mask
     old_values: torch.Tensor | None  # (B, T); None without a critic
     scores: torch.Tensor  # (B,) after the missing-EOS penalty
     raw_scores: torch.Tensor  # (B,) as the reward model / function gave them
     finished: torch.Tensor  # (B,) bool, the response ended with EOS
-    entropy: torch.Tensor  # (B, T) of the sampling distribution
+    entropy: torch.Tensor | None  # (B, T) of the sampling distribution; None like old_logprobs
     # (B, T) log-probs the sampled tokens had in the engine that sampled them, when that
     # is not the trainer (generation.backend=vllm); None with the hf backend.
     sampler_logprobs: torch.Tensor | None = None
@@ -197,20 +199,6 @@ def pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([x, pad], dim=1)
 
 
-@torch.no_grad()
-def policy_logprobs(model, input_ids, attention_mask, response_ids, temperature: float):
-    """Log-probs (B, T) and entropies (B, T) of `response_ids` under a causal LM."""
-    T = response_ids.shape[1]
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from(attention_mask),
-        logits_to_keep=T + 1,
-        use_cache=False,
-    ).logits[:, :-1]
-    return logprobs_and_entropy(logits, response_ids, temperature)
-
-
 def decode_responses(tokenizer, response_ids, response_mask, stop_ids) -> list[str]:
     """Response texts without PAD and stop tokens (an id or a sequence of ids)."""
     keep = response_mask & ~is_stop(response_ids, stop_ids)
@@ -260,13 +248,15 @@ def collect_rollout(
     tokenizer,
     timings=None,
     micro_batch_size: int | None = None,
+    old_logprobs: bool = True,
 ):
     """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch, and
     the response texts: generate -> truncate after EOS -> decode -> old/ref log-probs,
     values and scores -> missing-EOS penalty. PPO's rollout and `rlhf-dist eval` alike.
 
     micro_batch_size: prompts per generation/scoring pass (None: ppo.rollout_micro_batch_size).
-    """
+    old_logprobs=False: no actor pass in scoring (old_logprobs and entropy stay None; the
+    update's first forward gives them, trainers/ppo.py::old_logprobs_from_update)."""
     gen = cfg.generation
     micro = micro_batch_size or cfg.ppo.rollout_micro_batch_size
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -293,6 +283,7 @@ def collect_rollout(
                     prompt_texts[s],
                     texts[s],
                     gen.temperature,
+                    old_logprobs,
                 )
                 for s in chunks
             ]
@@ -338,25 +329,28 @@ def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokeniz
 
 
 def _score_chunk(
-    models, prompt_ids, prompt_mask, response_ids, response_mask, prompts, texts, temperature
-):
-    """Old log-probs and values, reference log-probs and scores of one micro-batch."""
+    models, prompt_ids, prompt_mask, response_ids, response_mask, prompts, texts, temperature,
+    with_actor=True,
+):  # fmt: skip
+    """Old log-probs, entropies and values, reference log-probs and scores of one
+    micro-batch; with_actor=False leaves old log-probs and entropies None."""
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    T = response_ids.shape[1]
-    logits, values = models.actor_critic(input_ids, attention_mask, T)
-    old_logprobs, entropy = logprobs_and_entropy(logits, response_ids, temperature)
+    old_logprobs, entropy, values = models.actor_critic(
+        input_ids, attention_mask, response_mask, temperature, with_entropy=True,
+        with_actor=with_actor,
+    )  # fmt: skip
     if models.reference is not None:
-        ref_logprobs, _ = policy_logprobs(
-            models.reference, input_ids, attention_mask, response_ids, temperature
+        ref_logprobs, _ = token_logprobs(
+            models.reference, input_ids, attention_mask, response_mask, temperature
         )
-    else:
-        ref_logprobs = old_logprobs.clone()
+    else:  # no reference: KL 0 (ref = old; with the skip, filled in after the update)
+        ref_logprobs = None if old_logprobs is None else old_logprobs.clone()
     last = sequence_last_index(prompt_ids.shape[1], response_mask)
     raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last)
     return {
         "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs.float(),
+        "ref_logprobs": None if ref_logprobs is None else ref_logprobs.float(),
         "old_values": None if values is None else values.float(),
         "raw_scores": raw_scores.float(),
         "entropy": entropy,
@@ -378,6 +372,8 @@ def describe_batch(tokenizer, batch: RolloutBatch, texts: list[str], rows: int =
         for t in range(batch.response_ids.shape[1]):
             token = tokenizer.convert_ids_to_tokens(int(batch.response_ids[b, t]))
             m = int(batch.response_mask[b, t])
-            old, ref = float(batch.old_logprobs[b, t]), float(batch.ref_logprobs[b, t])
+            # old log-probs are not known yet when the update's forward gives them
+            old = float("nan") if batch.old_logprobs is None else float(batch.old_logprobs[b, t])
+            ref = float(batch.ref_logprobs[b, t])
             lines.append(f"   R {token!s:>14} | {m} | {old:8.4f} | {ref:8.4f}")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ Usage: python launch/bench/gpu.py [--preset auto|gpu|cpu] [--batch 32] [--prompt
                                   [--response-len N] [--repeats 3] [--json OUT]
 
 Times the three phases of `rlhf-dist ppo` with the project's own pieces
-(rlhf_dist.rollout.generate / policy_logprobs, rlhf_dist.models.ActorCritic / ValueModel /
+(rlhf_dist.rollout.generate, rlhf_dist.models.token_logprobs / ActorCritic / ValueModel /
 sequence_scores, rlhf_dist.trainers.ppo.micro_batch_loss, rlhf_dist.algo rewards and GAE):
   generation  sampling `response-len` tokens for `batch` prompts (KV cache);
   scoring     actor+critic (old log-probs, values), reference, reward model forwards;
@@ -30,12 +30,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from rlhf_dist.algo.advantages import gae
-from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.masking import masked_mean, masked_var, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.config import GenerationConfig
-from rlhf_dist.models import ActorCritic, ValueModel, sequence_scores
-from rlhf_dist.rollout import RolloutBatch, generate, policy_logprobs, sequence_last_index
+from rlhf_dist.models import ActorCritic, ValueModel, sequence_scores, token_logprobs
+from rlhf_dist.rollout import RolloutBatch, generate, sequence_last_index
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.ppo import UpdateKnobs, micro_batch_loss
 
@@ -188,9 +187,8 @@ def iteration(p, model, reference, reward, optimizer, args, device, times: dict)
     ids = torch.cat([prompt_ids, resp], dim=1)
     attn = torch.cat([prompt_mask, mask.long()], dim=1)
     with timed(device, times["score"]), torch.no_grad():
-        logits, old_values = model(ids, attn, T)
-        old_logprobs = logprobs_from_logits(logits, resp, TEMPERATURE)
-        ref_logprobs, _ = policy_logprobs(reference, ids, attn, resp, TEMPERATURE)
+        old_logprobs, _, old_values = model(ids, attn, mask, TEMPERATURE)
+        ref_logprobs, _ = token_logprobs(reference, ids, attn, mask, TEMPERATURE)
         scores = sequence_scores(reward, ids, attn, sequence_last_index(P, mask))
     rewards, _ = shape_rewards(scores.float(), old_logprobs, ref_logprobs.float(), mask, 0.05)
     adv, returns = gae(rewards, old_values.float(), mask, 1.0, 0.95)

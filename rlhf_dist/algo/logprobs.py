@@ -67,3 +67,139 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logprobs_and_entropy` of the logits hidden @ weight.T + bias, without the (N, V)
+    logits of all tokens ever existing.
+
+    hidden: (N, H) final hidden states, one row per predicted token; weight: (V, H) the
+    output head (a tied embedding alike); bias: (V,) or None; tokens: (N,) int64 targets.
+    Returns logprobs (N,) and, with `with_entropy`, the entropy (N,) of softmax(logits /
+    temperature); float32 (float64 for float64 weights). The head runs over chunks of
+    `chunk_tokens` rows inside one autograd Function that recomputes each chunk's logits in
+    backward, so the extra memory is a few (chunk_tokens, V) tensors in both directions
+    (the whole-logits path kept ~6 (N, V) fp32 copies: logits, log_softmax, softmax and
+    their gradients). Gradients flow to hidden, weight and bias from both outputs. The
+    head is computed in the autocast dtype when autocast is on for hidden's device, else
+    in weight's dtype (as the model's own head would), then upcast as `scale_logits` does.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
+    logprobs, entropy = _ChunkedHeadLogprobs.apply(
+        hidden, weight, bias, tokens.long(), float(temperature), int(chunk_tokens),
+        bool(with_entropy), dtype,
+    )  # fmt: skip
+    return logprobs, (entropy if with_entropy else None)
+
+
+def _chunk_logp(hidden, weight, bias, temperature: float) -> torch.Tensor:
+    """log_softmax(scale_logits(hidden @ weight.T + bias)) of one chunk, (C, H) -> (C, V);
+    weight and bias already in the compute dtype."""
+    logits = F.linear(hidden.to(weight.dtype), weight, bias)
+    return F.log_softmax(scale_logits(logits, temperature), dim=-1)
+
+
+def _cast(weight, bias, dtype):
+    """The head in the compute dtype, cast once per pass (not once per chunk)."""
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """Forward: per chunk of rows, logits -> log_softmax -> gather (and entropy); keeps only
+    the (N,) results. Backward: per chunk, the logits again and, with z = logits / tau,
+    p = softmax(z) and H the entropy,
+        d logprob / dz = onehot(token) - p,      d H / dz = -p * (log p + H),
+    so dL/dz = g_lp * (onehot - p) - g_H * p * (log p + H); dL/dlogits = dL/dz / tau,
+    then dL/dhidden = dL/dlogits @ W, dL/dW = sum_chunks dL/dlogits^T @ hidden (fp32)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk, with_entropy, dtype):
+        n = hidden.shape[0]
+        out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        logprobs = torch.empty(n, dtype=out_dtype, device=hidden.device)
+        entropy = torch.zeros(n, dtype=out_dtype, device=hidden.device)
+        w, b = _cast(weight, bias, dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, n, chunk):
+                rows = slice(start, start + chunk)
+                logp = _chunk_logp(hidden[rows], w, b, temperature)
+                logprobs[rows] = _gather(logp, tokens[rows])
+                if with_entropy:
+                    entropy[rows] = _entropy(logp)
+                del logp
+        ctx.save_for_backward(hidden, weight, bias, tokens, entropy)
+        ctx.config = (temperature, chunk, with_entropy, dtype)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, tokens, entropy = ctx.saved_tensors
+        temperature, chunk, with_entropy, dtype = ctx.config
+        if not with_entropy:
+            grad_entropy = None
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_weight else None
+        )
+        grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs_bias else None
+        if grad_logprobs is None and grad_entropy is None:
+            return grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias), *(None,) * 5
+        w, b = _cast(weight, bias, dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                grad_logits = _chunk_grad_logits(
+                    hidden[rows], w, b, tokens[rows], entropy[rows],
+                    _part(grad_logprobs, rows), _part(grad_entropy, rows), temperature,
+                )  # fmt: skip
+                if needs_hidden:
+                    grad_hidden[rows] = (grad_logits.to(dtype) @ w).to(hidden.dtype)
+                if needs_weight:
+                    grad_weight.addmm_(grad_logits.t(), hidden[rows].to(acc))
+                if needs_bias:
+                    grad_bias += grad_logits.sum(0)
+        return grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias), *(None,) * 5
+
+
+def _chunk_grad_logits(
+    hidden, weight, bias, tokens, entropy, grad_lp, grad_h, temperature: float
+) -> torch.Tensor:
+    """dL/dlogits (C, V) of one chunk from the (C,) output gradients (either may be None;
+    not both). The 1/temperature of dz/dlogits is folded into the (C,) gradients."""
+    logp = _chunk_logp(hidden, weight, bias, temperature)
+    p = logp.exp()
+    grad = None
+    if grad_h is not None:
+        # -g_H * p * (log p + H), with p log p taken as 0 where p == 0 (as `_entropy` does)
+        scale = (-grad_h / temperature).unsqueeze(-1)
+        grad = torch.where(p > 0, logp, 0.0).add_(entropy.unsqueeze(-1)).mul_(p).mul_(scale)
+    del logp
+    if grad_lp is not None:
+        g = (grad_lp / temperature).unsqueeze(-1)
+        term = p.mul_(-g)  # g_lp * (onehot - p): p is not needed after this
+        grad = term if grad is None else grad.add_(term)
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), g.to(grad.dtype))
+    return grad
+
+
+def _part(grad: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if grad is None else grad[rows]
+
+
+def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else grad.to(like.dtype)

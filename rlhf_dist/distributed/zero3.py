@@ -34,11 +34,23 @@ import torch
 
 # Engines inside `whole_weights` now (nested uses of one engine are no-ops).
 _ACTIVE: weakref.WeakSet = weakref.WeakSet()
+# ids of the parameters of those engines (`stays_whole`).
+_WHOLE_IDS: set[int] = set()
 
 
 def is_whole(engine) -> bool:
     """Whether `engine` is inside `whole_weights` (its weights whole, fetch hooks off)."""
     return engine in _ACTIVE
+
+
+def stays_whole(param: torch.nn.Parameter) -> bool:
+    """Whether `param` may be read as a whole tensor for the rest of a forward AND its
+    backward: it is not managed by ZeRO-3 at all, or its engine is inside `whole_weights`
+    (read inside the engine's forward: after an optimizer step the forward pre-hook
+    gathers again). Under ZeRO-3's per-module fetching a weight is whole only while its
+    module runs, so code that reads it directly (the chunked log-prob head,
+    models.head_logprobs) must call the module instead."""
+    return not hasattr(param, "ds_id") or id(param) in _WHOLE_IDS
 
 
 @contextlib.contextmanager
@@ -58,12 +70,15 @@ def whole_weights(engine) -> Iterator[None]:
     # Registered after DeepSpeed's own start-of-forward pre-hook (its trace reset).
     regather = engine.module.register_forward_pre_hook(lambda module, args: gather(params))
     _ACTIVE.add(engine)
+    ids = {id(p) for p in params}
+    _WHOLE_IDS.update(ids)
     linear = _plain_linear()
     try:
         gather(params)
         yield
     finally:
         _ACTIVE.discard(engine)
+        _WHOLE_IDS.difference_update(ids)
         torch.nn.functional.linear = linear
         regather.remove()
         release(engine)

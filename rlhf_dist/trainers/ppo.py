@@ -12,6 +12,7 @@ so logged means and the loss do not depend on how batches are split.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ import torch
 from rlhf_dist.alerts import AlertMonitor
 from rlhf_dist.algo.estimators import ESTIMATORS, AdvantageInputs, estimate_advantages
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController, kl_estimate
-from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_logits
 from rlhf_dist.algo.losses import (
     aggregation_count,
     aggregation_weights,
@@ -93,29 +93,36 @@ class UpdateKnobs:
         )  # fmt: skip
 
 
-def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) -> torch.Tensor:
+def micro_batch_loss(
+    model, mb, advantages, returns, knobs: UpdateKnobs, stats, keep=None
+) -> torch.Tensor:
     """Weighted token SUM of one micro-batch's loss (the caller divides by the global
     count of tokens or sequences, per knobs.loss_aggregation): the clipped policy loss,
     plus vf_coef x the value loss with a critic, kl_loss_coef x the KL to the reference
     when KL is a loss term, minus entropy_coef x the entropy.
 
     mb: a RolloutBatch (B rows, T response columns); advantages: (B, T); returns: (B, T)
-    or None without a critic; stats: a StatSums the loss statistics are added to.
+    or None without a critic; stats: a StatSums the loss statistics are added to. When
+    mb.old_logprobs is None (`old_logprobs_from_update`), this forward's log-probs,
+    detached, are the old ones (ratio exactly 1) and keep(old_logprobs, entropy) gets
+    them, each (B, T).
     """
-    T = mb.response_ids.shape[1]
-    logits, values = model(mb.input_ids, mb.attention_mask, T)
-    if knobs.entropy_coef:
-        logprobs, entropy = logprobs_and_entropy(logits, mb.response_ids, knobs.temperature)
-    else:
-        logprobs = logprobs_from_logits(logits, mb.response_ids, knobs.temperature)
+    first = mb.old_logprobs is None
+    logprobs, entropy, values = model(
+        mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
+        bool(knobs.entropy_coef) or first,
+    )  # fmt: skip
+    old_logprobs = logprobs.detach() if first else mb.old_logprobs
+    if first:
+        keep(old_logprobs, entropy.detach())
     clip_eps = float("inf") if knobs.clip_eps is None else knobs.clip_eps
     pg = ppo_policy_terms(
-        logprobs, mb.old_logprobs, advantages, clip_eps, knobs.clip_eps_high, knobs.dual_clip
+        logprobs, old_logprobs, advantages, clip_eps, knobs.clip_eps_high, knobs.dual_clip
     )
     mask = mb.response_mask
     n = mask.sum()
     if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
-        weights = truncated_is_weights(mb.old_logprobs, mb.sampler_logprobs, knobs.tis_cap)
+        weights = truncated_is_weights(old_logprobs, mb.sampler_logprobs, knobs.tis_cap)
         pg["loss"] = weights * pg["loss"]
         stats.add("policy/tis_capped_frac", masked_sum((weights >= knobs.tis_cap).float(), mask), n)
     per_token, named = pg["loss"], [("policy", pg)]
@@ -140,19 +147,23 @@ def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) 
     return masked_sum(weights * per_token, mask)
 
 
-def minibatch_backward(runtime, model, mb, advantages, returns, knobs, slices, stats) -> None:
+def minibatch_backward(
+    runtime, model, mb, advantages, returns, knobs, slices, stats, keep=None
+) -> None:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
     mb: this rank's share of the global minibatch; slices: its micro-batches. Each
     micro-batch's loss SUM is divided by the count (response tokens or sequences, per
     knobs.loss_aggregation) of the WHOLE global minibatch (share_of_global_mean).
+    keep(s, old_logprobs, entropy): where a micro-batch without old log-probs puts them.
     """
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     for i, s in enumerate(slices):
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
         adv = advantages[s][:, :T]
         ret = None if returns is None else returns[s][:, :T]
-        loss_sum = micro_batch_loss(model, micro, adv, ret, knobs, stats)
+        keep_micro = None if keep is None else functools.partial(keep, s)
+        loss_sum = micro_batch_loss(model, micro, adv, ret, knobs, stats, keep_micro)
         loss = share_of_global_mean(runtime, loss_sum, count)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
 
@@ -162,6 +173,11 @@ def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it:
     stats, plan = StatSums(), run.plan
     per_rank, slices = plan.update.per_rank, plan.update.micro_slices()
     trained = (run.model, run.optimizer, run.scheduler)
+    record = None  # scoring skipped the actor: old log-probs from the first forward here
+    if batch.old_logprobs is None:
+        if plan.optimizer_steps_per_iteration != 1:
+            raise ValueError("a rollout without old log-probs gets exactly one optimizer step")
+        record = UpdateForwardRecord(batch)
     # ZeRO-3: the weights gathered whole once per optimizer step when a copy fits.
     with runtime.training_weights(run.model, run.gather_for_training, "actor-critic"):
         for _ in range(plan.ppo_epochs):
@@ -169,14 +185,50 @@ def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it:
             for start in range(0, order.numel(), per_rank):
                 idx = order[start : start + per_rank]
                 mb, ret = batch.select(idx), None if returns is None else returns[idx]
+                keep = None if record is None else functools.partial(record.keep, idx)
                 minibatch_backward(
-                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats
+                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, keep
                 )
                 norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
                 for name, norm in zip(run.group_names, norms or ()):
                     stats.add(f"optim/grad_norm_{name}", norm, 1)
                 maybe_fault("update", it)  # killed with the weights half-way through an iteration
+    if record is not None:
+        record.fill(batch)
     return stats.reduce(runtime)
+
+
+def old_logprobs_from_update(cfg, plan: PPOPlan) -> bool:
+    """Whether the rollout's scoring skips its actor pass (docs/architecture.md section 10,
+    "no redundant forwards"): with ONE optimizer step per rollout (ppo_epochs = 1, one
+    minibatch) pi_old is the policy of the update's forward, so its log-probs, detached,
+    are the old log-probs (ratio exactly 1, as TRL does). Nothing before the update may
+    need them: the KL must be a loss term (with kl_placement=reward the rewards read
+    them). The critic, reference and scorer passes still run in scoring; the statistics
+    that read old log-probs and entropies (objective/kl, objective/entropy, the vLLM
+    sampler gap) are taken after the update."""
+    return plan.optimizer_steps_per_iteration == 1 and cfg.ppo.kl_placement == "loss"
+
+
+class UpdateForwardRecord:
+    """Old log-probs and entropies (B, T) of a rollout, gathered from the update's
+    micro-batches (rows in shuffled order, columns trimmed) when scoring skipped them."""
+
+    def __init__(self, batch):
+        mask = batch.response_mask
+        self.logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        self.entropy = torch.zeros_like(self.logprobs)
+
+    def keep(self, idx, s: slice, logprobs: torch.Tensor, entropy: torch.Tensor) -> None:
+        """Micro-batch `s` of the minibatch holding rollout rows `idx`; (b, T') each."""
+        rows, T = idx[s], logprobs.shape[1]
+        self.logprobs[rows, :T] = logprobs.to(self.logprobs.dtype)
+        self.entropy[rows, :T] = entropy.to(self.entropy.dtype)
+
+    def fill(self, batch) -> None:
+        batch.old_logprobs, batch.entropy = self.logprobs, self.entropy
+        if batch.ref_logprobs is None:  # no reference model: KL 0
+            batch.ref_logprobs = self.logprobs.clone()
 
 
 def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> dict:
@@ -299,11 +351,12 @@ def due(every: int, it: int) -> bool:
 def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> IterationResult:
     """One iteration: rollout, shaped rewards, advantages (ppo.estimator), whitening, update."""
     p, kl_coef, timings = cfg.ppo, run.kl_ctl.coef, {}
+    skip = old_logprobs_from_update(cfg, run.plan)  # no actor pass in scoring
     t0 = time.time()
     run.model.eval()
     with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
         batch, texts = collect_rollout(
-            run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings
+            run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings, not skip
         )
     maybe_fault("rollout", it)
     run.rollout_models.scorer.raise_failure(runtime)  # all ranks together, weights untouched
@@ -314,21 +367,30 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
     mask = batch.response_mask
     batch.scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
     reward_kl_coef = kl_coef if p.kl_placement == "reward" else 0.0
+    # With the skip the KL is not in the rewards (coefficient 0): any log-probs do here.
+    old = batch.ref_logprobs if skip else batch.old_logprobs
     rewards, kl = shape_rewards(
-        batch.scores, batch.old_logprobs, batch.ref_logprobs, mask, reward_kl_coef, p.kl_kind
+        batch.scores, old, batch.ref_logprobs, mask, reward_kl_coef, p.kl_kind
     )
     advantages, returns = estimate_advantages(
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
-    stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef)
-    distributions = None
-    if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
-        distributions = gather_distributions(runtime, batch, advantages, kl)
+    raw_advantages = advantages
     if whitens(p):
         advantages = whiten_with(advantages, mask, *global_mean_var(runtime, advantages, mask))
     run.model.train()
     knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
-    stats |= ppo_update(runtime, run, batch, advantages, returns, knobs, it)
+    update_stats = ppo_update(runtime, run, batch, advantages, returns, knobs, it)
+    if skip:  # the update's forward gave the old log-probs: the KL of the rollout now
+        _, kl = shape_rewards(
+            batch.scores, batch.old_logprobs, batch.ref_logprobs, mask, 0.0, p.kl_kind
+        )
+    # Taken after the update, which leaves the rollout and the raw advantages as they were.
+    stats = rollout_stats(runtime, batch, kl, raw_advantages, returns, kl_coef)
+    distributions = None
+    if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
+        distributions = gather_distributions(runtime, batch, raw_advantages, kl)
+    stats |= update_stats
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
     prompts = [prompt_text(p) for p in prompt_batch[2]]  # conversations as readable text

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import torch
 
-from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.preference import sequence_logprobs
 from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.data import SFTExample, collate_sft
 from rlhf_dist.distributed import strided_map
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.lora import AdapterOffReference, add_adapters, export_lora
-from rlhf_dist.models import frozen_dtype, load_causal_lm, position_ids_from, trained_load_dtype
+from rlhf_dist.models import frozen_dtype, load_causal_lm, token_logprobs, trained_load_dtype
 from rlhf_dist.trainers.common import prepare_single_model, save_pretrained
 
 REFERENCE_FILE = "reference_logprobs.json"
@@ -45,15 +44,10 @@ def response_batch(seqs: list[SFTExample], pad_id: int, device) -> dict[str, tor
 def response_logprobs(model, batch: dict) -> torch.Tensor:
     """log pi(response | prompt) of each sequence of a `response_batch` under a causal LM;
     (B,) float32 (gradients flow when called with grad enabled)."""
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=position_ids_from(batch["attention_mask"]),
-        use_cache=False,
-    ).logits[:, :-1]
+    mask = batch["response_mask"]
     # Temperature 1: no sampling is involved, the labelled responses are scored as given.
-    logprobs = logprobs_from_logits(logits, batch["input_ids"][:, 1:])
-    return sequence_logprobs(logprobs, batch["response_mask"])
+    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask)
+    return sequence_logprobs(logprobs, mask)
 
 
 @torch.no_grad()

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_dist.algo.logprobs import logprobs_from_logits
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.chat import export_tokenizer
 from rlhf_dist.config import ConfigError
 from rlhf_dist.data import SFTExample, collate_sft, load_rows, sft_examples
 from rlhf_dist.distributed import lockstep_map
-from rlhf_dist.models import load_causal_lm, position_ids_from, tokenizer_for, trained_load_dtype
+from rlhf_dist.models import load_causal_lm, token_logprobs, tokenizer_for, trained_load_dtype
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
@@ -30,15 +29,13 @@ from rlhf_dist.trainers.common import (
 
 
 def sequence_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence (sum of response-token NLL, response-token count), each (B,)."""
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=position_ids_from(batch["attention_mask"]),
-        use_cache=False,
-    ).logits[:, :-1]
-    nll = -logprobs_from_logits(logits, batch["input_ids"][:, 1:])
-    return masked_sum(nll, batch["loss_mask"], dim=1), batch["loss_mask"].sum(1)
+    """Per-sequence (sum of response-token NLL, response-token count), each (B,).
+
+    loss_mask (B, L-1) marks the shifted positions scored; only those reach the output
+    head (models.token_logprobs)."""
+    mask = batch["loss_mask"]
+    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask)
+    return masked_sum(-logprobs, mask, dim=1), mask.sum(1)
 
 
 def token_nll_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ def actor_critic(task_env, lora: bool, checkpointing: bool) -> ActorCritic:
 
 
 def loss_and_saved_bytes(model: ActorCritic, ids, mask, T: int):
-    """Backward of a loss over logits and values; returns {name: grad} and the bytes autograd
+    """Backward of a loss over log-probs, entropies and values; returns {name: grad} and the bytes autograd
     saved for backward (the activation memory checkpointing trades for recomputation)."""
     saved = []
 
@@ -42,9 +42,10 @@ def loss_and_saved_bytes(model: ActorCritic, ids, mask, T: int):
         saved.append(t.numel() * t.element_size())
         return t
 
+    response_mask = mask[:, -T:].bool()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits, values = model(ids, mask, T)
-        loss = logits.float().logsumexp(-1).mean() + values.pow(2).mean()
+        logprobs, entropy, values = model(ids, mask, response_mask, 0.7, True)
+        loss = logprobs.mean() + entropy.mean() + values.pow(2).mean()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return grads, sum(saved)

@@ -23,7 +23,8 @@ pytest.importorskip("vllm")
 
 from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.lora import merged_adapters  # noqa: E402
-from rlhf_dist.rollout import generate, policy_logprobs, truncate_after_eos  # noqa: E402
+from rlhf_dist.models import token_logprobs  # noqa: E402
+from rlhf_dist.rollout import generate, truncate_after_eos  # noqa: E402
 from rlhf_dist.vllm_rollout import SyncError, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -110,7 +111,7 @@ def test_sampler_logprobs_equal_the_trainers_logprobs(engine, actor, task_env):
     )
     full = torch.cat([ids, response], 1)
     attention = torch.cat([mask, response_mask.long()], 1)
-    ours, _ = policy_logprobs(actor, full, attention, response, gen.temperature)
+    ours, _ = token_logprobs(actor, full, attention, response_mask, gen.temperature)
     gap = (ours - sampler)[response_mask]
     assert gap.abs().max() < 1e-4, gap.abs().max()
 
@@ -137,7 +138,11 @@ def test_stop_ids_and_min_new_tokens_mean_what_they_mean_in_the_hf_backend(engin
         assert ((v_mask.sum(1) > min_new) | ~v_done).all()  # no stop before min_new_tokens
 
 
-def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path):
+@pytest.mark.parametrize("one_step", [False, True], ids=["separate_pass", "one_step"])
+def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path, one_step):
+    # one_step: one optimizer step per rollout with the KL in the loss, so the old
+    # log-probs that tis_cap and the sampler gap compare with vLLM's come from the update's
+    # forward (trainers/ppo.py::old_logprobs_from_update), not from a scoring pass.
     from rlhf_dist.trainers.ppo import train_ppo
 
     out = tmp_path / "ppo_vllm"
@@ -161,6 +166,8 @@ def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path):
             "tis_cap": 2.0,
         },
     }
+    if one_step:
+        tree["ppo"] |= {"ppo_epochs": 1, "minibatch_size": 16, "kl_placement": "loss"}
     tree["run"]["checkpoint_every"] = 1
     train_ppo(config_from_dict(tree), runtime)
     rows = _metrics(out)
