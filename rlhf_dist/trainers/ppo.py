@@ -321,6 +321,7 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef)
+    stats |= run.rollout_models.scorer.component_stats(runtime)  # several rewards: each one
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)

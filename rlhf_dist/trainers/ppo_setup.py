@@ -92,7 +92,7 @@ def shares_reward_with_critic(cfg) -> bool:
         has_critic(cfg)
         and cfg.lora.critic
         and cfg.ppo.critic_init == "reward"
-        and not cfg.reward.function
+        and not cfg.reward.text_rewards()
     )
 
 
