@@ -570,6 +570,12 @@ class LoRAConfig:
         "initialised from the reward model, the frozen reward model is that same base with "
         "adapters disabled: one copy of the reward model's weights",
     )
+    load_in_4bit: bool = key(
+        False,
+        "QLoRA: load the LoRA base in 4-bit (bitsandbytes NF4, compute in model.dtype) with "
+        "the adapters trained in fp32/bf16; the merged export is dequantized (docs/rewards.md, "
+        "QLoRA). Needs lora.enabled, bitsandbytes, and no DeepSpeed",
+    )
     export: str = key(
         "both",
         "what final/ holds for a LoRA actor: the merged model, and/or the adapter in final_adapter/",
@@ -919,6 +925,8 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     _positive(cfg.lora, "lora", "r", "alpha")
     if cfg.lora.critic and not cfg.lora.enabled:
         raise ConfigError("lora.critic: needs lora.enabled=true")
+    if cfg.lora.load_in_4bit:
+        _validate_4bit(cfg)
     if stage == "eval":
         _positive(cfg.eval, "eval", "num_prompts", "batch_size")
     if stage in ("ppo", "eval"):
@@ -945,6 +953,33 @@ def _validate_reward(r) -> None:
         raise ConfigError(f"reward.retry_delay_s: must be >= 0, got {r.retry_delay_s}")
     if r.timeout_s is not None:
         _positive(r, "reward", "timeout_s")
+
+
+def _validate_4bit(cfg: Config) -> None:
+    """lora.load_in_4bit: LoRA on, and a bitsandbytes that loads with a usable backend."""
+    if not cfg.lora.enabled:
+        raise ConfigError("lora.load_in_4bit: needs lora.enabled=true (QLoRA trains adapters)")
+    problem = bitsandbytes_problem()
+    if problem:
+        raise ConfigError(f"lora.load_in_4bit: {problem}")
+
+
+def bitsandbytes_problem() -> str:
+    """Why bitsandbytes cannot quantize to NF4 here ("" when it can): checked by
+    quantizing one small tensor, which fails where no backend (CUDA or CPU) exists."""
+    if not _installed("bitsandbytes"):
+        return "needs the bitsandbytes package (pip install bitsandbytes)"
+    try:
+        import torch
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        x = torch.ones(64, 4, device=device)
+        packed, state = quantize_4bit(x, quant_type="nf4")
+        dequantize_4bit(packed, state)
+    except Exception as e:  # no backend for this device, a broken build
+        return f"bitsandbytes has no usable NF4 backend here ({type(e).__name__}: {e})"
+    return ""
 
 
 def _validate_reward_sources(r) -> None:
