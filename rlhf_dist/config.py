@@ -350,6 +350,66 @@ class RewardConfig:
         "reward.function: stop waiting for a call after this many seconds (a failure, retried); "
         "the call runs in a worker thread, which cannot be killed and is left behind; null = wait",
     )
+    functions: tuple[str, ...] = key(
+        (),
+        "several reward functions (module:callable each, as reward.function): the score is "
+        "sum_i weights[i] x f_i, each f_i logged as objective/score_<name> (docs/rewards.md); "
+        "not with reward.function. Like reward.function, they replace model.reward as the score",
+    )
+    weights: tuple[float, ...] = key((), "one weight per reward.functions entry; empty = all 1")
+    url: str = key(
+        "",
+        "remote reward model: POST {prompts, responses} -> {scores} to this URL, a reward "
+        "component of weight reward.url_weight (protocol: docs/rewards.md)",
+    )
+    url_weight: float = key(1.0, "weight of the reward.url component")
+    remote_batch_size: int = key(
+        32,
+        "responses per reward.url request; concurrent requests to reward.judge_url; prompts "
+        "per generation batch of a local judge",
+    )
+    api_key_env: str = key(
+        "",
+        "name of the environment variable holding the API key for reward.url and "
+        "reward.judge_url (sent as 'Authorization: Bearer ...'; the key itself is never "
+        "logged or written); empty = no key",
+    )
+    judge: str = key(
+        "none",
+        "a generative judge as a reward component of weight reward.judge_weight, and eval's "
+        "judge_win_rate: model = a local causal LM (reward.judge_model), url = an "
+        "OpenAI-compatible chat-completions endpoint (reward.judge_url)",
+        choices=("none", "model", "url"),
+    )
+    judge_model: str = key(
+        "",
+        "reward.judge=model: path of the judge causal LM (frozen, in model.dtype, replicated "
+        "on every rank, greedy decoding)",
+    )
+    judge_url: str = key(
+        "",
+        "reward.judge=url: base URL of an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1); "
+        "requests go to <judge_url>/chat/completions",
+    )
+    judge_model_name: str = key("", "reward.judge=url: the 'model' field of each request")
+    judge_template: str = key(
+        "Rate the response to the prompt on a scale of 1 to 10, where 10 is best. "
+        "Answer with the number only.\n\nPrompt: {prompt}\n\nResponse: {response}\n\nScore:",
+        "the judge's prompt; {prompt} and {response} are replaced (a message-list prompt "
+        "by its messages as 'role: content' lines); the first number of the reply is the score",
+    )
+    judge_max_new_tokens: int = key(8, "tokens the judge may write in its reply")
+    judge_fallback_score: float | None = key(
+        0.0,
+        "score of a judge reply without a number (counted as objective/judge_parse_failures); "
+        "null = such a reply is a reward failure (the run stops as for reward.function)",
+    )
+    judge_weight: float = key(1.0, "weight of the judge component")
+
+    def text_rewards(self) -> bool:
+        """Whether scores come from text-reading rewards (reward.function(s), url, judge)
+        rather than model.reward."""
+        return bool(self.function or self.functions or self.url or self.judge != "none")
 
 
 @dataclass(frozen=True)
@@ -517,6 +577,12 @@ class LoRAConfig:
         "initialised from the reward model, the frozen reward model is that same base with "
         "adapters disabled: one copy of the reward model's weights",
     )
+    load_in_4bit: bool = key(
+        False,
+        "QLoRA: load the LoRA base in 4-bit (bitsandbytes NF4, compute in model.dtype) with "
+        "the adapters trained in fp32/bf16; the merged export is dequantized (docs/rewards.md, "
+        "QLoRA). Needs lora.enabled, bitsandbytes, and no DeepSpeed",
+    )
     export: str = key(
         "both",
         "what final/ holds for a LoRA actor: the merged model, and/or the adapter in final_adapter/",
@@ -639,6 +705,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return tuple(v for v in items if v)
         if item is int and isinstance(items, (list, tuple)) and all(_is_int(v) for v in items):
             return tuple(items)
+        if item is float and isinstance(items, (list, tuple, int, float)):
+            items = [items] if isinstance(items, (int, float)) else items
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+                return tuple(float(v) for v in items)
     name = getattr(inner, "__name__", str(inner))
     raise ConfigError(f"{key}: expected {name}, got {value!r} ({type(value).__name__})")
 
@@ -863,19 +933,24 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     _positive(cfg.lora, "lora", "r", "alpha")
     if cfg.lora.critic and not cfg.lora.enabled:
         raise ConfigError("lora.critic: needs lora.enabled=true")
+    if cfg.lora.load_in_4bit:
+        _validate_4bit(cfg)
     if stage == "eval":
         _positive(cfg.eval, "eval", "num_prompts", "batch_size")
     if stage in ("ppo", "eval"):
         _validate_generation(cfg)
         if not cfg.model.policy:
             raise ConfigError("model.policy: required (the SFT policy)")
-        if not (cfg.reward.function or cfg.model.reward):
-            raise ConfigError("model.reward: required unless reward.function is set")
-        if cfg.reward.function and ":" not in cfg.reward.function:
+        if not (cfg.reward.text_rewards() or cfg.model.reward):
             raise ConfigError(
-                f"reward.function: expected 'module:callable', got {cfg.reward.function!r}"
+                "model.reward: required unless reward.function, reward.functions, reward.url "
+                "or reward.judge is set"
             )
+        for spec in (cfg.reward.function, *cfg.reward.functions):
+            if spec and ":" not in spec:
+                raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
         _validate_reward(cfg.reward)
+        _validate_reward_sources(cfg.reward)
 
 
 def _validate_reward(r) -> None:
@@ -886,6 +961,69 @@ def _validate_reward(r) -> None:
         raise ConfigError(f"reward.retry_delay_s: must be >= 0, got {r.retry_delay_s}")
     if r.timeout_s is not None:
         _positive(r, "reward", "timeout_s")
+
+
+def _validate_4bit(cfg: Config) -> None:
+    """lora.load_in_4bit: LoRA on, and a bitsandbytes that loads with a usable backend."""
+    if not cfg.lora.enabled:
+        raise ConfigError("lora.load_in_4bit: needs lora.enabled=true (QLoRA trains adapters)")
+    problem = bitsandbytes_problem()
+    if problem:
+        raise ConfigError(f"lora.load_in_4bit: {problem}")
+
+
+def bitsandbytes_problem() -> str:
+    """Why bitsandbytes cannot quantize to NF4 here ("" when it can): checked by
+    quantizing one small tensor, which fails where no backend (CUDA or CPU) exists."""
+    if not _installed("bitsandbytes"):
+        return "needs the bitsandbytes package (pip install bitsandbytes)"
+    try:
+        import torch
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        x = torch.ones(64, 4, device=device)
+        packed, state = quantize_4bit(x, quant_type="nf4")
+        dequantize_4bit(packed, state)
+    except Exception as e:  # no backend for this device, a broken build
+        return f"bitsandbytes has no usable NF4 backend here ({type(e).__name__}: {e})"
+    return ""
+
+
+def _validate_reward_sources(r) -> None:
+    """Several rewards, the remote reward model and the judge (docs/rewards.md)."""
+    if r.function and r.functions:
+        raise ConfigError("reward.function and reward.functions: set one of them, not both")
+    if r.weights and len(r.weights) != len(r.functions):
+        raise ConfigError(
+            f"reward.weights: {len(r.weights)} weights for {len(r.functions)} reward.functions"
+        )
+    for name in ("url_weight", "judge_weight"):
+        if not math.isfinite(getattr(r, name)):
+            raise ConfigError(f"reward.{name}: must be finite, got {getattr(r, name)}")
+    if not all(math.isfinite(w) for w in r.weights):
+        raise ConfigError(f"reward.weights: must be finite, got {list(r.weights)}")
+    _positive(r, "reward", "remote_batch_size", "judge_max_new_tokens")
+    for name in ("url", "judge_url"):
+        value = getattr(r, name)
+        if value and not value.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.{name}: expected an http:// or https:// URL, got {value!r}")
+    if r.judge == "model" and not r.judge_model:
+        raise ConfigError("reward.judge_model: required with reward.judge=model (a causal LM path)")
+    if r.judge == "url" and not (r.judge_url and r.judge_model_name):
+        raise ConfigError(
+            "reward.judge_url and reward.judge_model_name: required with reward.judge=url"
+        )
+    if r.judge != "none" and not (
+        "{prompt}" in r.judge_template and "{response}" in r.judge_template
+    ):
+        raise ConfigError("reward.judge_template: must contain {prompt} and {response}")
+    if r.judge_fallback_score is not None and not math.isfinite(r.judge_fallback_score):
+        raise ConfigError("reward.judge_fallback_score: must be finite or null")
+    if r.api_key_env and not r.api_key_env.replace("_", "").isalnum():
+        raise ConfigError(
+            f"reward.api_key_env: the NAME of an environment variable, got {r.api_key_env!r}"
+        )
 
 
 def _validate_objective(cfg: Config) -> None:

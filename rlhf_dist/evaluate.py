@@ -1,6 +1,8 @@
 """Evaluate a policy: mean score on held-out prompts, gold reward if known, KL to a reference.
 
-Responses come from the rollout's own path (rollout.collect_rollout). KL to the reference
+Responses come from the rollout's own path (rollout.collect_rollout). With reward.judge
+and eval.reference, the judge also scores responses the reference samples for the same
+prompts: judge_win_rate (docs/rewards.md). KL to the reference
 is the mean over sampled responses of the k1 estimate (algo.kl.kl_estimate) summed over the
 response's real tokens, at the sampling temperature: an unbiased estimate of the
 sequence-level KL(pi || ref).
@@ -22,8 +24,23 @@ from rlhf_dist.config import RewardFunctionError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.distributed import lockstep_map
 from rlhf_dist.models import ActorCritic, load_causal_lm, policy_stop_ids, tokenizer_for
-from rlhf_dist.rollout import RolloutModels, collect_rollout
-from rlhf_dist.scoring import build_scorer, probe_rephrasings, reward_inputs_for
+from rlhf_dist.rollout import (
+    RolloutModels,
+    collect_rollout,
+    decode_responses,
+    generate,
+    truncate_after_eos,
+)
+from rlhf_dist.scoring import (
+    RewardFunction,
+    Scorer,
+    WeightedReward,
+    build_judge_reward,
+    build_scorer,
+    probe_rephrasings,
+    retry_settings,
+    reward_inputs_for,
+)
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
 
@@ -47,7 +64,9 @@ def eval_models(policy, reference, scorer, stops) -> RolloutModels:
 
 
 @torch.no_grad()
-def evaluate_chunk(models: RolloutModels, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer):
+def evaluate_chunk(
+    models: RolloutModels, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer, win_scorer=None
+):
     """Generate for one chunk of prompts and measure it, through the rollout's own
     generate -> truncate -> decode -> score -> missing-EOS penalty path
     (rollout.collect_rollout); returns per-sequence tensors, the response texts and the
@@ -67,6 +86,10 @@ def evaluate_chunk(models: RolloutModels, gold_fn, prompt_ids, prompt_mask, text
         out["gold_reward"] = torch.tensor(
             gold_fn(texts, responses, finished.tolist()), dtype=torch.float32
         )
+    if win_scorer is not None:
+        out["judge_win_rate"] = judge_wins(
+            models, win_scorer, prompt_ids, prompt_mask, texts, responses, cfg, tokenizer
+        )
     scorer, probe = models.scorer, []
     if scorer.reward_model is not None and scorer.inputs is None:
         probe = probe_items(
@@ -75,6 +98,27 @@ def evaluate_chunk(models: RolloutModels, gold_fn, prompt_ids, prompt_mask, text
     elif scorer.reward_model is not None:
         probe = own_token_probe_items(scorer.inputs, texts, responses, finished, out)
     return out, responses, probe
+
+
+def judge_wins(models, win_scorer, prompt_ids, prompt_mask, texts, responses, cfg, tokenizer):
+    """(B,) 1 where the judge scores the policy's response above the reference's to the
+    same prompt, 0.5 on a tie, 0 below: the reference samples its own responses with the
+    same generation settings (docs/rewards.md, eval win rate). NaN once the judge failed
+    (Scorer.score_texts; raised on every rank after the loop)."""
+    stops = models.stop_ids or (tokenizer.eos_token_id,)
+    ref_ids = generate(
+        models.reference, prompt_ids, prompt_mask, cfg.generation, tokenizer, None, stops
+    )
+    ref_ids, ref_mask, _ = truncate_after_eos(ref_ids, stops, tokenizer.pad_token_id)
+    ref_texts = decode_responses(tokenizer, ref_ids, ref_mask, stops)
+    policy = win_scorer.score_texts(texts, responses)
+    return win_share(policy, win_scorer.score_texts(texts, ref_texts))
+
+
+def win_share(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> torch.Tensor:
+    """(B,) 1 where policy_scores (B,) > reference_scores (B,), 0.5 where equal, else 0."""
+    wins = (policy_scores > reference_scores).float()
+    return wins + 0.5 * (policy_scores == reference_scores).float()
 
 
 def probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out):
@@ -122,10 +166,13 @@ def length_bias(runtime, reward_model, items, batch_size: int, tokenizer) -> dic
     return out
 
 
-def evaluate_policy(runtime, models: RolloutModels, prompts, cfg, tokenizer, gold_fn=None):
+def evaluate_policy(
+    runtime, models: RolloutModels, prompts, cfg, tokenizer, gold_fn=None, win_scorer=None
+):
     """Mean figures over `prompts` and some samples. Each rank takes every world_size-th
     prompt, in chunks of eval.batch_size run in lock-step (distributed/lockstep.py; a
-    throw-away chunk is one prompt, scored and dropped)."""
+    throw-away chunk is one prompt, scored and dropped). win_scorer: the judge (a Scorer
+    of JudgeReward) for judge_win_rate against models.reference, or None."""
     stats, samples, probe = StatSums(), [], []
     n = min(cfg.eval.num_prompts, len(prompts.ids))
 
@@ -134,7 +181,7 @@ def evaluate_policy(runtime, models: RolloutModels, prompts, cfg, tokenizer, gol
         texts = [prompts.texts[i] for i in chunk]
         dev = runtime.device
         return texts, *evaluate_chunk(
-            models, gold_fn, ids.to(dev), mask.to(dev), texts, cfg, tokenizer
+            models, gold_fn, ids.to(dev), mask.to(dev), texts, cfg, tokenizer, win_scorer
         )
 
     mine = list(range(runtime.rank, n, runtime.world_size))
@@ -149,6 +196,8 @@ def evaluate_policy(runtime, models: RolloutModels, prompts, cfg, tokenizer, gol
             for t, r, s in zip(texts, responses, out["score"])
         ]
     models.scorer.raise_failure(runtime)
+    if win_scorer is not None:
+        win_scorer.raise_failure(runtime)
     summary = stats.reduce(runtime)
     # A reward function has no length bias to find. A reward model with its own tokenizer
     # is probed in its tokens (own_token_probe_items), with its tokenizer's filler and PAD.
@@ -157,6 +206,19 @@ def evaluate_policy(runtime, models: RolloutModels, prompts, cfg, tokenizer, gol
         rm_tok = tokenizer if scorer.inputs is None else scorer.inputs.tokenizer
         summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, rm_tok)
     return summary, samples
+
+
+def win_rate_judge(runtime, cfg, scorer) -> Scorer | None:
+    """The judge that compares policy and eval.reference (reward.judge; None: no judge):
+    the one the scorer already holds as a reward component, with the run's retries."""
+    if cfg.reward.judge == "none":
+        return None
+    fn = scorer.reward_fn
+    judge = fn.judge if isinstance(fn, WeightedReward) else None
+    if judge is None:  # not built as a reward component (cannot happen with reward.judge set)
+        judge = build_judge_reward(runtime, cfg.reward, cfg.model)
+    retry = retry_settings(cfg.reward) if cfg.reward.judge == "model" else {"retries": 0}
+    return Scorer(reward_fn=RewardFunction(judge, key="reward.judge", **retry))
 
 
 def run_eval(cfg, runtime) -> dict:
@@ -185,13 +247,24 @@ def run_eval(cfg, runtime) -> dict:
         runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg), cfg.reward
     )
     models = eval_models(policy, reference, scorer, policy_stop_ids(cfg, tokenizer))
+    win_scorer = win_rate_judge(runtime, cfg, scorer) if reference is not None else None
     try:
-        summary, samples = evaluate_policy(runtime, models, prompts, cfg, tokenizer, gold_fn)
+        summary, samples = evaluate_policy(
+            runtime, models, prompts, cfg, tokenizer, gold_fn, win_scorer
+        )
     except RewardFunctionError:
         logger.discard()  # nothing measured: leave no run directory (a user mistake)
         raise
     samples = runtime.gather_objects(samples)
-    shown = ("score", "gold_reward", "kl_to_ref", "length", "eos_rate", "length_corr")
+    shown = (
+        "score",
+        "gold_reward",
+        "kl_to_ref",
+        "judge_win_rate",
+        "length",
+        "eos_rate",
+        "length_corr",
+    )
     logger.log(0, {f"eval/{k}": v for k, v in summary.items()}, tuple(f"eval/{k}" for k in shown))
     if runtime.is_main:
         with (out / "samples.jsonl").open("w", encoding="utf-8") as f:

@@ -23,8 +23,10 @@ def add_adapters(model: nn.Module, lora_cfg, task_type: str, trainable_head: str
     task_type: "CAUSAL_LM" or "SEQ_CLS"; trainable_head: a module trained in full next
     to the adapters (the critic's value head).
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
+    if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms and head in fp32, base frozen
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     names = {name.split(".")[-1] for name, _ in model.named_modules()}
     missing = [t for t in lora_cfg.target_modules if t not in names]
     if missing:
@@ -62,6 +64,9 @@ def merged_adapters(model: nn.Module):
     """
     from peft.tuners.lora import LoraLayer
 
+    if any(is_4bit(m) for m in model.modules()):  # QLoRA: no whole weights to fold into
+        yield model
+        return
     originals = []
     try:
         with torch.no_grad():
@@ -82,6 +87,26 @@ def merged_adapters(model: nn.Module):
     finally:
         for base, weight in originals:
             base.weight = weight
+
+
+def is_4bit(module: nn.Module) -> bool:
+    """A bitsandbytes 4-bit layer (its weight carries a quantization state)."""
+    return getattr(getattr(module, "weight", None), "quant_state", None) is not None
+
+
+@torch.no_grad()
+def nf4_round_trip(model: nn.Module) -> nn.Module:
+    """`model` with the weight of every linear layer that a 4-bit load quantizes (all but
+    the output head, models.nf4_load_kwargs) replaced by its NF4 quantize-dequantize: the
+    weights a QLoRA base computed with, in the model's dtype, as plain tensors."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, nn.Linear) and not name.endswith("lm_head"):
+            w = layer.weight
+            packed, state = quantize_4bit(w.data.contiguous(), blocksize=64, quant_type="nf4")
+            w.data = dequantize_4bit(packed, state).to(w.dtype).reshape(w.shape)
+    return model
 
 
 class AdapterOffReference(nn.Module):
@@ -125,8 +150,15 @@ def export_lora(
     (e.g. "actor."); build_base(): a fresh copy of the base model. Writes the merged model
     (plain transformers checkpoint) and/or the adapter (PeftModel.from_pretrained).
     """
-    model = add_adapters(build_base(), lora_cfg, task_type, head)
+    base = build_base()
     own = sub_state_dict(state, prefix)
+    if getattr(lora_cfg, "load_in_4bit", False):
+        # QLoRA: the adapters were trained against the NF4 base; the export is that base
+        # dequantized (in build_base's dtype) with the adapters merged, and the state's
+        # packed 4-bit base weights are not loaded.
+        base = nf4_round_trip(base)
+        own = {k: v for k, v in own.items() if "lora_" in k or "modules_to_save" in k}
+    model = add_adapters(base, lora_cfg, task_type, head)
     result = model.load_state_dict(own, strict=False)
     lost = [k for k in result.missing_keys if "lora_" in k or "modules_to_save" in k]
     if lost:

@@ -112,14 +112,38 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
 _SAID_NO_PAD: set[str] = set()  # tokenizers already reported as padded with EOS
 
 
-def load_causal_lm(path: str, key: str, dtype: str = "float32", source=None):
-    """A causal LM with dropout off (dropout makes old and new log-probs disagree at ratio 1)."""
+def load_causal_lm(
+    path: str, key: str, dtype: str = "float32", source=None, load_in_4bit: bool = False
+):
+    """A causal LM with dropout off (dropout makes old and new log-probs disagree at ratio 1).
+
+    load_in_4bit (QLoRA, lora.load_in_4bit): every linear layer but the output head in
+    bitsandbytes NF4 (no double quantization, blocks of 64), computing in `dtype`, placed
+    on this process's device (quantization happens as the weights land there)."""
     from transformers import AutoModelForCausalLM
 
-    model = _from_pretrained(AutoModelForCausalLM, path, key, **_load_kwargs(source, dtype))
+    kwargs = _load_kwargs(source, dtype)
+    if load_in_4bit:
+        kwargs |= nf4_load_kwargs(dtype)
+    model = _from_pretrained(AutoModelForCausalLM, path, key, **kwargs)
     # How `token_logprobs` chunks this model's head (model.logprob_chunk_tokens).
     model.logprob_chunk_tokens = getattr(source, "logprob_chunk_tokens", LOGPROB_CHUNK_TOKENS)
     return disable_dropout(model)
+
+
+def nf4_load_kwargs(dtype: str) -> dict:
+    """from_pretrained arguments for an NF4 base (docs/rewards.md, QLoRA)."""
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=False,
+        bnb_4bit_compute_dtype=DTYPES[dtype],
+    )
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}
 
 
 def load_sequence_classifier(

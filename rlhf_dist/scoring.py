@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +30,8 @@ from rlhf_dist.models import (
     sequence_scores,
     tokenizer_for,
 )
+from rlhf_dist.retry import call_with_retries
+from rlhf_dist.stats import StatSums
 
 
 class RewardFunction:
@@ -53,72 +52,42 @@ class RewardFunction:
     RewardFunctionError (docs/architecture.md section 7 says what the run does then).
     """
 
-    def __init__(self, fn, retries: int = 0, retry_delay_s: float = 1.0, timeout_s=None):
+    def __init__(
+        self,
+        fn,
+        retries: int = 0,
+        retry_delay_s: float = 1.0,
+        timeout_s=None,
+        key="reward.function",
+    ):
         if isinstance(fn, str):
-            self.name, fn = fn, resolve_callable(fn, "reward.function")
+            self.name, fn = fn, resolve_callable(fn, key)
         else:
             self.name = getattr(fn, "__qualname__", type(fn).__qualname__)
         if not callable(fn):
-            raise ConfigError(f"reward.function: {self.name!r} is not callable")
-        self.fn, self.retries, self.retry_delay_s, self.timeout_s = (
-            fn, retries, retry_delay_s, timeout_s,
+            raise ConfigError(f"{key}: {self.name!r} is not callable")
+        self.fn, self.key, self.retries, self.retry_delay_s, self.timeout_s = (
+            fn, key, retries, retry_delay_s, timeout_s,
         )  # fmt: skip
 
     def __call__(self, prompts: list, responses: list[str]) -> torch.Tensor:
-        out = self._call_with_retries(prompts, responses)
+        out = call_with_retries(
+            lambda: list(self.fn(prompts, responses)),
+            f"{self.key} {self.name}",
+            self.retries,
+            self.retry_delay_s,
+            self.timeout_s,
+        )
         if len(out) != len(responses):
             raise RewardFunctionError(
-                f"reward.function {self.name} returned {len(out)} scores for {len(responses)} responses"
+                f"{self.key} {self.name} returned {len(out)} scores for {len(responses)} responses"
             )
         bad = [v for v in out if not _is_finite_number(v)]
         if bad:
             raise RewardFunctionError(
-                f"reward.function {self.name} returned a non-finite or non-number: {bad[0]!r}"
+                f"{self.key} {self.name} returned a non-finite or non-number: {bad[0]!r}"
             )
         return torch.tensor([float(v) for v in out], dtype=torch.float32)
-
-    def _call_with_retries(self, prompts, responses) -> list:
-        for attempt in range(self.retries + 1):
-            try:
-                return self._call_once(prompts, responses)
-            except Exception as e:
-                what = "timed out" if isinstance(e, _Timeout) else f"raised {type(e).__name__}"
-                failure = f"reward.function {self.name} {what}: {e}"
-                if attempt == self.retries:
-                    tries = f" (after {attempt + 1} attempts)" if attempt else ""
-                    raise RewardFunctionError(failure + tries) from e
-                delay = self.retry_delay_s * 2**attempt
-                print(
-                    f"{failure}; retrying in {delay:g} s ({attempt + 1} of {self.retries} retries)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                time.sleep(delay)
-        raise AssertionError("unreachable")  # the loop returns or raises
-
-    def _call_once(self, prompts, responses) -> list:
-        if self.timeout_s is None:
-            return list(self.fn(prompts, responses))
-        box: dict = {}
-
-        def work():
-            try:
-                box["out"] = list(self.fn(prompts, responses))
-            except BaseException as e:  # handed to the caller's thread
-                box["error"] = e
-
-        worker = threading.Thread(target=work, name=f"reward {self.name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        if worker.is_alive():  # left running: a thread cannot be stopped from outside
-            raise _Timeout(f"no answer within reward.timeout_s={self.timeout_s:g} s")
-        if "error" in box:
-            raise box["error"]
-        return box["out"]
-
-
-class _Timeout(Exception):
-    """A reward call that did not return within reward.timeout_s."""
 
 
 def _is_finite_number(v) -> bool:
@@ -129,6 +98,57 @@ def _is_finite_number(v) -> bool:
         return math.isfinite(float(v))
     except (TypeError, ValueError):
         return False
+
+
+class WeightedReward:
+    """Several text rewards combined: score = sum_i weight_i x f_i(prompts, responses)
+    (reward.functions, reward.url, reward.judge; docs/rewards.md).
+
+    components: (name, weight, RewardFunction) each, names unique; each has the run's
+    retries and timeout, and any one's failure is the whole call's (a RewardFunctionError,
+    kept by the Scorer so ranks stay in step). Per-component sums since the last
+    `take_sums` are kept for objective/score_<name>; judge: the JudgeReward among them
+    (its parse failures are counted), or None.
+    """
+
+    def __init__(self, components: list[tuple[str, float, Callable]], judge=None):
+        self.components, self.judge = components, judge
+        self.sums = {name: [0.0, 0] for name, _, _ in components}
+        self.__qualname__ = "+".join(name for name, _, _ in components)
+
+    def __call__(self, prompts: list, responses: list[str]) -> torch.Tensor:
+        parts = [(name, weight, fn(prompts, responses)) for name, weight, fn in self.components]
+        for name, _, scores in parts:
+            self.sums[name][0] += float(scores.sum())
+            self.sums[name][1] += scores.numel()
+        return sum(weight * scores for _, weight, scores in parts)
+
+    def take_sums(self) -> dict[str, tuple[float, int]]:
+        """{name: (sum of its scores, count)} since the last call (then reset), plus
+        "judge_parse_failures": (count, 1) when a judge is a component."""
+        out = {name: tuple(v) for name, v in self.sums.items()}
+        self.sums = {name: [0.0, 0] for name in self.sums}
+        if self.judge is not None:
+            out["judge_parse_failures"] = (float(self.judge.take_counts()), 1)
+        return out
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """names with later duplicates suffixed _2, _3, ... ("f", "f", "g" -> "f", "f_2", "g")."""
+    out, seen = [], {}
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        candidate = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        while candidate in out:
+            seen[name] += 1
+            candidate = f"{name}_{seen[name]}"
+        out.append(candidate)
+    return out
+
+
+def component_name(fn) -> str:
+    """A reward callable's __name__ (an object's class name where it has none)."""
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def same_tokenizer(a, b) -> bool:
@@ -243,6 +263,30 @@ class Scorer:
                 self.failure = e
         return torch.full((len(responses),), float("nan"))
 
+    def score_texts(self, prompts, responses) -> torch.Tensor:
+        """The reward function's scores (B,) of texts alone, NaN once it failed (no raise:
+        see the class docstring); for eval's judge win rate."""
+        return self._function_scores(prompts, responses)
+
+    def component_stats(self, runtime) -> dict[str, float]:
+        """objective/score_<name> (mean over all ranks' sequences since the last call) of
+        each reward component, and objective/judge_parse_failures (the count, summed over
+        ranks); {} unless several rewards score (WeightedReward). Every rank must call
+        this (a collective: the components are the same on every rank)."""
+        if not isinstance(self.reward_fn, WeightedReward):
+            return {}
+        sums = self.reward_fn.take_sums()
+        s = StatSums()
+        for name, (total, count) in sums.items():
+            s.add(name, total, count)
+        out = s.reduce(runtime)
+        if "judge_parse_failures" in out:
+            out["judge_parse_failures"] *= runtime.world_size  # a count: summed, not averaged
+        return {
+            f"objective/{name if name == 'judge_parse_failures' else 'score_' + name}": v
+            for name, v in out.items()
+        }
+
     def raise_failure(self, runtime) -> None:
         """Raise the reward failure of any rank on every rank (the first rank's message);
         clears it. Every rank must call this."""
@@ -258,7 +302,7 @@ def reward_inputs_for(cfg) -> RewardInputs | None:
     specials or template); None when they agree, model.tokenizer is shared by all models,
     or a reward function scores."""
     m = cfg.model
-    if cfg.reward.function or not m.reward or m.tokenizer:
+    if cfg.reward.text_rewards() or not m.reward or m.tokenizer:
         return None
     policy_tok = tokenizer_for(cfg, "policy")
     rm_tok = load_tokenizer(m.reward, m.trust_remote_code, "model.reward")
@@ -283,6 +327,10 @@ def build_scorer(
     (distributed.frozen_models, or "replicate"), reading `inputs` (its own tokens,
     reward_inputs_for) if given. A reward model's forward is not retried: it is local
     computation, and under ZeRO-3 a collective that one rank cannot repeat alone."""
+    if reward_cfg is not None and (
+        reward_cfg.functions or reward_cfg.url or reward_cfg.judge != "none"
+    ):
+        return Scorer(reward_fn=weighted_reward(runtime, reward_cfg, model_cfg, reward_function))
     if reward_function:
         return Scorer(reward_fn=RewardFunction(reward_function, **retry_settings(reward_cfg)))
     m, dtype = model_cfg, frozen_dtype(model_cfg)
@@ -290,6 +338,52 @@ def build_scorer(
         rm = load_sequence_classifier(m.reward, "model.reward", dtype, m)
     rm = runtime.prepare_frozen(ValueModel(rm), placement, dtype, "reward model")
     return Scorer(reward_model=rm, inputs=inputs)
+
+
+def weighted_reward(runtime, reward_cfg, model_cfg, reward_function="") -> WeightedReward:
+    """The components of reward.function or reward.functions (weights reward.weights, 1
+    each by default), reward.url (reward.url_weight) and reward.judge (reward.judge_weight),
+    each a RewardFunction with the run's retries and timeout (an HTTP component retries
+    each request itself: remote.HTTPClient)."""
+    r, retry = reward_cfg, retry_settings(reward_cfg)
+    specs = list(r.functions) or ([reward_function] if reward_function else [])
+    weights = list(r.weights) or [1.0] * len(specs)
+    fns = [RewardFunction(spec, **retry) for spec in specs]
+    names = [component_name(f.fn) for f in fns]
+    no_retry = {"retries": 0, "timeout_s": None}
+    judge = None
+    if r.url:
+        from rlhf_dist.remote import RemoteReward
+
+        fns.append(RewardFunction(RemoteReward(r), key="reward.url", **no_retry))
+        names, weights = names + ["remote"], weights + [r.url_weight]
+    if r.judge != "none":
+        judge = build_judge_reward(runtime, r, model_cfg)
+        retry_judge = no_retry if r.judge == "url" else retry
+        fns.append(RewardFunction(judge, key="reward.judge", **retry_judge))
+        names, weights = names + ["judge"], weights + [r.judge_weight]
+    return WeightedReward(list(zip(unique_names(names), weights, fns)), judge)
+
+
+def build_judge_reward(runtime, reward_cfg, model_cfg):
+    """judge.JudgeReward over a local causal LM (reward.judge=model: loaded whole and
+    replicated on every rank in model.dtype, frozen) or an OpenAI-compatible endpoint."""
+    from rlhf_dist.judge import JudgeReward, LocalJudge
+    from rlhf_dist.models import load_causal_lm
+
+    r = reward_cfg
+    if r.judge == "url":
+        from rlhf_dist.remote import ChatJudgeClient
+
+        judge = ChatJudgeClient(r)
+    else:
+        tok = load_tokenizer(r.judge_model, model_cfg.trust_remote_code, "reward.judge_model")
+        dtype = frozen_dtype(model_cfg)
+        with runtime.local_loading():
+            lm = load_causal_lm(r.judge_model, "reward.judge_model", dtype, model_cfg)
+        lm = runtime.prepare_frozen(lm, "replicate", dtype, "judge")
+        judge = LocalJudge(lm, tok, r.judge_max_new_tokens, r.remote_batch_size, runtime.device)
+    return JudgeReward(judge, r.judge_template, r.judge_fallback_score)
 
 
 def retry_settings(reward_cfg) -> dict:

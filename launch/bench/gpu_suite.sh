@@ -5,6 +5,7 @@
 #   plain   model.dtype=bfloat16 without DeepSpeed (fp32 master weights, bf16 autocast)
 #   zero3   the same under DeepSpeed ZeRO-3, one process (accelerate_configs/zero3.yaml)
 #   lora    the shipped one-GPU LoRA config (launch/configs/ppo_lora_1gpu.yaml)
+#   qlora   the lora case on an NF4 base (lora.load_in_4bit=true; needs bitsandbytes)
 #   gc      plain with model.gradient_checkpointing=true
 #   vllm    plain with generation.backend=vllm (skipped where vllm is not installed)
 # and print one table: s/iteration, phase times, peak memory, update MFU (vs 989 TFLOP/s
@@ -32,6 +33,10 @@ runs=()
 for case in $CASES; do
   base=$case extra=()
   [ "$case" = zero3 ] && base=plain
+  if [ "$case" = qlora ]; then
+    base=lora extra=(lora.load_in_4bit=true)
+    "$PY" -c "import bitsandbytes" 2>/dev/null || { echo "== qlora: bitsandbytes not installed, skipped"; continue; }
+  fi
   if [ "$case" = vllm ]; then
     base=plain extra=(generation.backend=vllm)
     "$PY" -c "import vllm" 2>/dev/null || { echo "== vllm: not installed, skipped"; continue; }

@@ -387,6 +387,7 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
         )
     # Taken after the update, which leaves the rollout and the raw advantages as they were.
     stats = rollout_stats(runtime, batch, kl, raw_advantages, returns, kl_coef)
+    stats |= run.rollout_models.scorer.component_stats(runtime)  # several rewards: each one
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, raw_advantages, kl)

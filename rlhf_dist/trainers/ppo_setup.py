@@ -69,7 +69,9 @@ def _trainable_actor_critic(cfg, deepspeed: bool) -> ActorCritic:
     LoRA base as asked, everything trained in fp32 unless DeepSpeed keeps the masters."""
     m, lora = cfg.model, cfg.lora
     actor_dtype = trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.enabled)
-    actor = load_causal_lm(m.policy, "model.policy", actor_dtype, m)
+    actor = load_causal_lm(
+        m.policy, "model.policy", actor_dtype, m, lora.enabled and lora.load_in_4bit
+    )
     if lora.enabled:
         actor = add_adapters(actor, lora, "CAUSAL_LM")
     if not has_critic(cfg):
@@ -92,7 +94,7 @@ def shares_reward_with_critic(cfg) -> bool:
         has_critic(cfg)
         and cfg.lora.critic
         and cfg.ppo.critic_init == "reward"
-        and not cfg.reward.function
+        and not cfg.reward.text_rewards()
     )
 
 

@@ -62,7 +62,7 @@ def build_policy(cfg, runtime, section, n_examples: int, ckpt):
     and schedule as SFT/RM models are; returns (trained, plan, batches) of prepare_single_model."""
     m, lora = cfg.model, cfg.lora
     dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=lora.enabled)
-    net = load_causal_lm(m.policy, "model.policy", dtype, m)
+    net = load_causal_lm(m.policy, "model.policy", dtype, m, lora.enabled and lora.load_in_4bit)
     if lora.enabled:
         net = add_adapters(net, lora, "CAUSAL_LM")
     return prepare_single_model(cfg, runtime, net, section, n_examples, ckpt)

@@ -1,0 +1,114 @@
+"""LLM-as-a-judge: a generative model scores (prompt, response) pairs (docs/rewards.md).
+
+One interface, two kinds of judge: `replies(texts) -> list[str]` from a local causal LM
+(`LocalJudge`, reward.judge=model) or from an OpenAI-compatible endpoint
+(`remote.ChatJudgeClient`, reward.judge=url). `JudgeReward` renders reward.judge_template,
+asks the judge and parses the first number of each reply; a reply without one gets
+reward.judge_fallback_score and is counted (`parse_failures`), or with a null fallback is
+a reward failure.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import torch
+
+from rlhf_dist.chat import Chat, stop_token_ids
+from rlhf_dist.config import RewardFunctionError
+from rlhf_dist.data import left_pad
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def parse_score(reply: str) -> float | None:
+    """The first number in `reply` ("Score: 7/10" -> 7.0), or None if it has none."""
+    found = _NUMBER.search(reply)
+    return float(found.group()) if found else None
+
+
+def render_prompt(prompt) -> str:
+    """A prompt as the judge template shows it: a text as is, a message list as one
+    'role: content' line per message."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+class JudgeReward:
+    """`(prompts, responses) -> list[float]`: the judge's number for each pair.
+
+    judge: anything with `replies(list[str]) -> list[str]`. template: with {prompt} and
+    {response}. fallback: the score of a reply without a number (None: raise
+    RewardFunctionError). `parse_failures` counts those replies since the last `take_counts`.
+    """
+
+    def __init__(self, judge, template: str, fallback: float | None):
+        self.judge, self.template, self.fallback = judge, template, fallback
+        self.parse_failures = 0
+        self.__name__ = "judge"
+
+    def __call__(self, prompts, responses) -> list[float]:
+        texts = [
+            self.template.replace("{prompt}", render_prompt(p)).replace("{response}", r)
+            for p, r in zip(prompts, responses)
+        ]
+        scores = []
+        for reply in self.judge.replies(texts):
+            score = parse_score(reply)
+            if score is None:
+                if self.fallback is None:
+                    raise RewardFunctionError(
+                        f"reward.judge: no number in the judge's reply {reply[:80]!r} "
+                        "(set reward.judge_fallback_score to score such replies)"
+                    )
+                self.parse_failures += 1
+                score = self.fallback
+            scores.append(score)
+        return scores
+
+    def take_counts(self) -> int:
+        """Parse failures since the last call, reset to 0."""
+        n, self.parse_failures = self.parse_failures, 0
+        return n
+
+
+class LocalJudge:
+    """A frozen causal LM on this rank answering judge prompts by greedy decoding through
+    the rollout's decode loop (rollout.generate with top_k=1).
+
+    model: replicated on every rank (no lock-step needed); tokenizer: the judge's own. A
+    tokenizer with a chat template gets each prompt as one user turn with the generation
+    prompt; otherwise the prompt text is encoded as is.
+    """
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, batch_size: int, device):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.batch_size = batch_size
+        self.chat = Chat(tokenizer, tokenizer.chat_template) if tokenizer.chat_template else None
+        self.stop_ids = stop_token_ids(tokenizer, self.chat)
+        # greedy: the single most likely token at every step
+        self.gen = SimpleNamespace(
+            max_new_tokens=max_new_tokens, min_new_tokens=0, temperature=1.0, top_k=1, top_p=1.0
+        )
+
+    def encode(self, text: str) -> list[int]:
+        if self.chat is None:
+            return self.tokenizer(text)["input_ids"]
+        return self.chat.prompt_ids([{"role": "user", "content": text}])
+
+    @torch.no_grad()
+    def replies(self, texts: list[str]) -> list[str]:
+        from rlhf_dist.rollout import decode_responses, generate, truncate_after_eos
+
+        tok, eos, out = self.tokenizer, self.stop_ids, []
+        for i in range(0, len(texts), self.batch_size):
+            ids, mask = left_pad(
+                [self.encode(t) for t in texts[i : i + self.batch_size]], tok.pad_token_id
+            )
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            response = generate(self.model, ids, mask, self.gen, tok, None, eos)
+            response, response_mask, _ = truncate_after_eos(response, eos, tok.pad_token_id)
+            out += decode_responses(tok, response, response_mask, eos)
+        return out

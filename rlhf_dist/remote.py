@@ -1,0 +1,133 @@
+"""A small client for HTTP rewards: a remote reward model (`reward.url`) and an
+OpenAI-compatible chat-completions judge (`reward.judge_url`). docs/rewards.md holds the
+protocols.
+
+Standard library only (urllib, JSON). Every request goes through retry.call_with_retries
+(the loop reward.function uses: reward.retries, reward.retry_delay_s); its socket timeout
+is reward.timeout_s (60 s when that is null: an HTTP call never waits for ever). The API
+key is read from the environment variable that reward.api_key_env names, sent as
+`Authorization: Bearer <key>`, and never logged: config.yaml holds only the variable's
+name, and every message this module makes has the key replaced by "***".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from rlhf_dist.config import ConfigError
+from rlhf_dist.retry import call_with_retries
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class RemoteError(Exception):
+    """One HTTP request that failed (status, network, unreadable answer); retried."""
+
+
+class HTTPClient:
+    """POSTs JSON to URLs with the run's key, timeout and retries."""
+
+    def __init__(self, reward_cfg, label: str):
+        r = reward_cfg
+        self.label = label  # the config key named in messages, e.g. "reward.url"
+        self.timeout_s = r.timeout_s or DEFAULT_TIMEOUT_S
+        self.retries, self.retry_delay_s = r.retries, r.retry_delay_s
+        self._key = api_key(r.api_key_env)
+
+    def redact(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+    def post(self, url: str, body: dict) -> dict:
+        """The JSON answer to one POST, tried again on failure (retry.call_with_retries)."""
+        return call_with_retries(
+            lambda: self._post_once(url, body), self.label, self.retries, self.retry_delay_s
+        )
+
+    def _post_once(self, url: str, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                data = answer.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read(200).decode("utf-8", "replace").strip()
+            raise RemoteError(self.redact(f"POST {url}: HTTP {e.code} {detail}")) from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RemoteError(self.redact(f"POST {url}: {reason}")) from None
+        try:
+            out = json.loads(data)
+        except ValueError:
+            raise RemoteError(f"POST {url}: the answer is not JSON") from None
+        if not isinstance(out, dict):
+            raise RemoteError(f"POST {url}: expected a JSON object, got {type(out).__name__}")
+        return out
+
+
+def api_key(env_name: str) -> str:
+    """The key in environment variable `env_name` ("" when no variable is named)."""
+    if not env_name:
+        return ""
+    value = os.environ.get(env_name, "")
+    if not value:
+        raise ConfigError(f"reward.api_key_env: environment variable {env_name} is not set")
+    return value
+
+
+class RemoteReward:
+    """`(prompts, responses) -> list[float]` from a remote reward model (reward.url):
+    POST {"prompts": [...], "responses": [...]} -> {"scores": [...]}, at most
+    reward.remote_batch_size responses per request. Prompts go as given (texts or
+    message lists). The answer's count and values are checked by scoring.RewardFunction."""
+
+    def __init__(self, reward_cfg):
+        self.url, self.batch_size = reward_cfg.url, reward_cfg.remote_batch_size
+        self.client = HTTPClient(reward_cfg, "reward.url")
+        self.__name__ = "remote"
+
+    def __call__(self, prompts, responses) -> list:
+        scores = []
+        for i in range(0, len(responses), self.batch_size):
+            part = slice(i, i + self.batch_size)
+            body = {"prompts": list(prompts[part]), "responses": list(responses[part])}
+            answer = self.client.post(self.url, body)
+            if not isinstance(answer.get("scores"), list):
+                raise RemoteError(f"POST {self.url}: the answer has no 'scores' list")
+            scores += answer["scores"]
+        return scores
+
+
+class ChatJudgeClient:
+    """Judge replies from an OpenAI-compatible server: one chat-completions request per
+    judge prompt (greedy: temperature 0), reward.remote_batch_size of them at a time."""
+
+    def __init__(self, reward_cfg):
+        r = reward_cfg
+        self.url = r.judge_url.rstrip("/") + "/chat/completions"
+        self.model, self.max_tokens = r.judge_model_name, r.judge_max_new_tokens
+        self.workers = r.remote_batch_size
+        self.client = HTTPClient(reward_cfg, "reward.judge_url")
+
+    def replies(self, texts: list[str]) -> list[str]:
+        with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(texts)))) as pool:
+            return list(pool.map(self._reply, texts))
+
+    def _reply(self, text: str) -> str:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": text}],
+            "temperature": 0.0,
+            "max_tokens": self.max_tokens,
+        }
+        answer = self.client.post(self.url, body)
+        try:
+            content = answer["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise RemoteError(f"POST {self.url}: no choices[0].message.content") from None
+        return content if isinstance(content, str) else ""
