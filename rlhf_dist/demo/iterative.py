@@ -16,7 +16,7 @@ from rlhf_dist.demo.pipeline import GOLD, rl_section, stage_configs, with_overri
 def iterate_tree(root: Path, trees: dict, files: task.TaskFiles, seed: int, quick: bool) -> dict:
     """The iterate config of the demo: the SFT policy, the demo's RM and PPO sections with
     shorter PPO per round, and the gold labeller. Sizes tuned for a 2-core CPU."""
-    ppo = rl_section("ppo", 0.1 if quick else 1.0) | {"iterations": 4 if quick else 30}
+    ppo = rl_section("ppo", 0.1 if quick else 1.0) | {"iterations": 4 if quick else 16}
     meta = json.loads((files.root / "task.json").read_text())
     return {
         "run": {"output_dir": str(root / "iterate"), "seed": seed, "log_every": 2},
@@ -35,7 +35,7 @@ def iterate_tree(root: Path, trees: dict, files: task.TaskFiles, seed: int, quic
             "rounds": 2,
             "labeller": "gold",
             "label_beta": meta["beta"],
-            "pairs_per_round": 128 if quick else 512,
+            "pairs_per_round": 128 if quick else 384,
             "heldout_pairs": 64 if quick else 256,
         },
     }
