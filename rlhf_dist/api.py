@@ -47,6 +47,7 @@ RUNNERS = {
     "dpo": "rlhf_dist.trainers.dpo:train_dpo",
     "kto": "rlhf_dist.trainers.kto:train_kto",
     "eval": "rlhf_dist.evaluate:run_eval",
+    "iterate": "rlhf_dist.iterate:run_iterate",
 }
 
 
@@ -113,7 +114,7 @@ def close() -> None:
 
 
 def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> dict:
-    """Run `stage` ("sft", "rm", "ppo", "dpo", "kto", "eval") with `cfg`; `objects` maps
+    """Run `stage` ("sft", "rm", "ppo", "dpo", "kto", "eval", "iterate") with `cfg`; `objects` maps
     config keys (e.g. "data.train", "reward.function") to Python objects standing for them.
     Returns the stage's summary."""
     from rlhf_dist import inputs
@@ -165,3 +166,10 @@ def evaluate(config=None, *, dataset=None, reward_fn=None, gold_fn=None, overrid
     `gold_fn(prompts, responses, finished)` is an optional oracle (eval.gold_function)."""
     objects = {"data.eval": dataset, "reward.function": reward_fn, "eval.gold_function": gold_fn}
     return run("eval", config_of(config, overrides), objects)
+
+
+def iterate(config=None, *, labeller=None, overrides=()) -> dict:
+    """Iterative RLHF (docs/iterate.md): iterate.rounds rounds of sampling answer pairs from
+    the current policy, labelling them with `labeller(prompt, a, b) -> bool or P(a
+    preferred)` (else iterate.labeller), a reward model on all pairs so far and PPO."""
+    return run("iterate", config_of(config, overrides), {"iterate.labeller": labeller})

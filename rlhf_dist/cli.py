@@ -1,4 +1,4 @@
-"""`rlhf-dist {sft,rm,ppo,dpo,kto,eval,demo,report,config}`: the command line, a thin
+"""`rlhf-dist {sft,rm,ppo,dpo,kto,eval,iterate,demo,report,config}`: the command line, a thin
 layer over the Python API (rlhf_dist/api.py).
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
@@ -25,6 +25,7 @@ STAGES = {  # name -> help text; the runners are rlhf_dist.api.RUNNERS
     "dpo": "DPO / conservative DPO / IPO on preference pairs (no reward model, no sampling)",
     "kto": "KTO on desirable / undesirable completions (or preference pairs)",
     "eval": "score a policy on held-out prompts; KL to a reference",
+    "iterate": "iterative RLHF: rounds of sample pairs -> label -> reward model -> PPO",
 }
 
 EPILOG = (
@@ -39,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlhf-dist", description="RLHF: SFT -> reward model -> PPO."
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{sft,rm,ppo,dpo,kto,eval,demo,report,config}"
+        dest="command",
+        required=True,
+        metavar="{sft,rm,ppo,dpo,kto,eval,iterate,demo,report,config}",
     )
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
@@ -69,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ALGORITHMS,
         help="the alignment stage: ppo (default) or a critic-free estimator (grpo, rloo, "
         "reinforce_pp, reinforce_pp_baseline): SFT -> RM -> it -> eval; dpo / kto: SFT -> "
-        "DPO or KTO on the preference pairs -> eval",
+        "DPO or KTO on the preference pairs -> eval; iterative: SFT -> 2 rounds of "
+        "rlhf-dist iterate",
     )
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"

@@ -619,6 +619,35 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class IterateConfig:
+    rounds: int = key(2, "rlhf-dist iterate: rounds of sample pairs -> label -> RM -> PPO")
+    labeller: str = key(
+        "gold",
+        "who labels each sampled pair: gold = Bradley-Terry labels on eval.gold_function at "
+        "iterate.label_beta (the demo's oracle); or module:function(prompt, a, b) returning "
+        "True/False (a preferred / b preferred) or P(a preferred) in [0, 1], drawn as a label "
+        "(docs/iterate.md)",
+    )
+    label_beta: float = key(
+        10.0, "labeller=gold: P(a preferred) = sigmoid(label_beta x (gold(a) - gold(b)))"
+    )
+    rm_init: str = key(
+        "continue",
+        "each round's reward model starts from the last round's (continue; round 1 from "
+        "model.reward if set, else model.policy) or afresh from model.policy (fresh)",
+        choices=("continue", "fresh"),
+    )
+    pairs_per_round: int = key(
+        256, "answer pairs sampled from the current policy on data.train prompts each round"
+    )
+    heldout_pairs: int = key(
+        128,
+        "labelled pairs sampled from each round's final policy on data.eval prompts, for "
+        "rm_accuracy_on_this_policy / _on_previous_policy",
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = key(RunConfig(), "output, logging, checkpoints, resume")
     model: ModelConfig = key(ModelConfig(), "which models, their dtype and loading")
@@ -640,6 +669,9 @@ class Config:
     debug: DebugConfig = key(DebugConfig(), "debugging aids (PPO)")
     distributed: DistributedConfig = key(
         DistributedConfig(), "placement of models across ranks, timeouts"
+    )
+    iterate: IterateConfig = key(
+        IterateConfig(), "rlhf-dist iterate: rounds of sampling, labelling, RM and PPO"
     )
 
 
@@ -888,8 +920,8 @@ def _installed(module: str) -> bool:
 
 
 def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
-    """Check the keys `stage` ("sft", "rm", "dpo", "kto", "ppo", "eval") uses; raise
-    ConfigError naming one."""
+    """Check the keys `stage` ("sft", "rm", "dpo", "kto", "ppo", "eval", "iterate") uses;
+    raise ConfigError naming one."""
     _positive(cfg.run, "run", "log_every")
     _positive(cfg.distributed, "distributed", "timeout_s")
     _positive(cfg.run, "run", "max_bad_steps", "num_samples")
@@ -930,6 +962,8 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         _validate_preference(cfg, stage)
     if stage == "ppo":
         _validate_ppo(cfg, world_size)
+    if stage == "iterate":
+        _validate_iterate(cfg, world_size)
     _positive(cfg.lora, "lora", "r", "alpha")
     if cfg.lora.critic and not cfg.lora.enabled:
         raise ConfigError("lora.critic: needs lora.enabled=true")
@@ -1145,3 +1179,29 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"reward.clip: must be > 0 or null, got {cfg.reward.clip}")
     if not cfg.data.train:
         raise ConfigError("data.train: required (a prompt file or a hub dataset name)")
+
+
+def _validate_iterate(cfg: Config, world_size: int) -> None:
+    """rlhf-dist iterate: its own keys, then the RM, PPO and eval stages it derives (with
+    the reward model each round trains standing in for model.reward)."""
+    it = cfg.iterate
+    _positive(it, "iterate", "rounds", "pairs_per_round", "heldout_pairs", "label_beta")
+    if it.labeller == "gold" and not cfg.eval.gold_function:
+        raise ConfigError(
+            "iterate.labeller: gold labels with eval.gold_function, which is not set "
+            "(set it, or name a module:function(prompt, a, b) labeller)"
+        )
+    if it.labeller != "gold" and ":" not in it.labeller:
+        raise ConfigError(
+            f"iterate.labeller: expected gold or 'module:function', got {it.labeller!r}"
+        )
+    if not cfg.data.eval:
+        raise ConfigError(
+            "data.eval: required by iterate (the held-out prompts of each round's pairs and gold)"
+        )
+    if cfg.reward.function:
+        raise ConfigError("reward.function: iterate scores PPO with the reward model it trains")
+    stand_in = dataclasses.replace(cfg.model, reward=cfg.model.reward or cfg.model.policy)
+    derived = dataclasses.replace(cfg, model=stand_in)
+    for stage in ("rm", "ppo", "eval"):
+        validate(derived, stage, world_size)

@@ -21,7 +21,9 @@ GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 # The offline preference algorithms: `rlhf-dist dpo` / `kto` on the preference pairs.
 OFFLINE = ("dpo", "kto")
-ALGORITHMS = RL_ALGORITHMS + OFFLINE
+# Iterative RLHF (rlhf_dist/iterate.py): SFT, then rounds of pairs -> RM -> PPO.
+ITERATIVE = ("iterative",)
+ALGORITHMS = RL_ALGORITHMS + OFFLINE + ITERATIVE
 
 
 def rl_section(algorithm: str, scale: float) -> dict:
@@ -140,6 +142,10 @@ def run_demo(
     DIR/summary.json."""
     if algorithm in OFFLINE:
         return run_offline_demo(output_dir, algorithm, seed, quick, overrides)
+    if algorithm in ITERATIVE:
+        from rlhf_dist.demo.iterative import run_iterative_demo
+
+        return run_iterative_demo(output_dir, seed, quick, overrides)
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers

@@ -1,0 +1,559 @@
+"""`rlhf-dist iterate`: iterative RLHF (InstructGPT's loop), R rounds of
+
+    sample answer pairs from the current policy -> label them -> reward model on all pairs
+    so far -> PPO (or any ppo.estimator) from the current policy against that reward model
+
+in one process, each stage an ordinary run of the existing trainers with a config derived
+from the iterate config (docs/iterate.md). Round k writes `<output_dir>/round-k/`:
+
+    samples/pairs.jsonl   this round's labelled pairs (a normal preference file)
+    samples/train.jsonl   every round's pairs so far: the reward model's data.train
+    rm/                   `rlhf-dist rm` run directory (final/ is RM_k)
+    ppo/                  `rlhf-dist ppo` run directory (final/ is pi_k)
+    heldout/pairs.jsonl   labelled pairs sampled from pi_k on data.eval prompts
+    eval/                 `rlhf-dist eval` of pi_k (gold reward where a gold function exists)
+
+and `<output_dir>/iterate_state.json` records the finished stages of every round, so a
+killed run resumes (`--resume auto`) at the stage it was in: finished stages are skipped,
+the unfinished one is re-entered with run.resume=auto (its own checkpoints).
+`<output_dir>/summary.json` holds one `rounds` entry per finished round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import numbers
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhf_dist import inputs
+from rlhf_dist.config import (
+    Config,
+    ConfigError,
+    UserError,
+    config_from_dict,
+    save_config,
+    to_dict,
+)
+from rlhf_dist.files import atomic_write_text
+
+STAGES = ("samples", "rm", "ppo", "eval")
+STATE_FILE = "iterate_state.json"
+STATE_FORMAT = 1
+# RLHF_DIST_FAULT (checkpoint.maybe_fault) names a step, and every round's stages count
+# their steps from 1; RLHF_DIST_FAULT_ROUND=k arms it in round k only (docs/architecture.md
+# section 7).
+FAULT_ROUND_ENV = "RLHF_DIST_FAULT_ROUND"
+
+
+class LabellerError(UserError):
+    """The labeller raised or returned something that is not a preference."""
+
+
+# ----------------------------------------------------------------------------- labellers
+
+
+class Labeller:
+    """Who judges answer pairs: `preferences(prompts, a, b)` -> P(a preferred over b) per
+    pair, each in [0, 1] (1.0 / 0.0 for a hard label). The loop draws the label from it
+    (`draw_labels`). A judge model is one more subclass (docs/iterate.md, the seam)."""
+
+    name = "labeller"
+
+    def preferences(self, prompts: list, a: list[str], b: list[str]) -> list[float]:
+        raise NotImplementedError
+
+
+class FunctionLabeller(Labeller):
+    """A user's `fn(prompt, a, b)` per pair: True / 1 = a preferred, False / 0 = b
+    preferred, or a float in [0, 1] = P(a preferred)."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+
+    def preferences(self, prompts, a, b) -> list[float]:
+        out = []
+        for prompt, x, y in zip(prompts, a, b, strict=True):
+            try:
+                value = self.fn(prompt, x, y)
+            except Exception as e:
+                raise LabellerError(
+                    f"iterate.labeller {self.name} raised {type(e).__name__}: {e}"
+                ) from e
+            out.append(preference_value(value, self.name))
+        return out
+
+
+@dataclass(frozen=True)
+class GoldLabeller(Labeller):
+    """Bradley-Terry labels on a gold reward, as the demo's preference data
+    (demo/task.py `bt_label`): P(a preferred) = sigmoid(beta * (gold(a) - gold(b))).
+    gold_fn: `(prompts, responses, finished) -> list[float]` (eval.gold_function)."""
+
+    gold_fn: Callable
+    beta: float
+    name: str = "gold"
+
+    def preferences(self, prompts, a, b) -> list[float]:
+        done = [True] * len(a)
+        gold_a, gold_b = self.gold_fn(prompts, a, done), self.gold_fn(prompts, b, done)
+        return [_sigmoid(self.beta * (x - y)) for x, y in zip(gold_a, gold_b, strict=True)]
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def preference_value(value, name: str) -> float:
+    """A labeller's answer as P(a preferred): a bool is a hard label, a real number must be
+    in [0, 1]; anything else is a LabellerError naming the labeller."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if isinstance(value, numbers.Real) and 0.0 <= float(value) <= 1.0:
+        return float(value)
+    raise LabellerError(
+        f"iterate.labeller {name} returned {value!r}: expected True/False (a / b preferred) "
+        "or P(a preferred) in [0, 1]"
+    )
+
+
+def build_labeller(cfg: Config) -> Labeller:
+    """iterate.labeller: gold (eval.gold_function with Bradley-Terry noise) or a
+    `module:function(prompt, a, b)` (or a `python:` spec from the API)."""
+    spec = cfg.iterate.labeller
+    if spec == "gold":
+        gold = inputs.resolve_callable(cfg.eval.gold_function, "eval.gold_function")
+        return GoldLabeller(gold, cfg.iterate.label_beta)
+    fn = inputs.resolve_callable(spec, "iterate.labeller")
+    return FunctionLabeller(fn, spec)
+
+
+def draw_labels(probs: list[float], rng: random.Random) -> list[bool]:
+    """True (a preferred) with probability p for each p in `probs`; one draw per pair in
+    order, so the labels are a function of the RNG's seed (a hard 1.0 / 0.0 is exact)."""
+    return [rng.random() < p for p in probs]
+
+
+# ------------------------------------------------------------------------------- pairs
+
+
+@dataclass(frozen=True)
+class AnswerPairs:
+    """Two sampled answers per prompt, in pair order; prompts as their rows gave them."""
+
+    prompts: list
+    a: list[str]
+    b: list[str]
+
+
+def pair_rows(pairs: AnswerPairs, probs: list[float], labels: list[bool], round_: int):
+    """Preference rows {prompt, chosen, rejected, round, p_chosen} (docs/data.md) of the
+    labelled pairs, and how many were dropped: pairs of two identical answers tell a
+    reward model nothing (docs/data.md refuses them)."""
+    rows, dropped = [], 0
+    for prompt, a, b, p, a_wins in zip(pairs.prompts, pairs.a, pairs.b, probs, labels, strict=True):
+        if a == b:
+            dropped += 1
+            continue
+        chosen, rejected = (a, b) if a_wins else (b, a)
+        if not isinstance(prompt, str):  # conversational prompt: answers as assistant turns
+            chosen, rejected = _assistant(chosen), _assistant(rejected)
+        p_chosen = p if a_wins else 1.0 - p
+        rows.append(
+            {"prompt": prompt, "chosen": chosen, "rejected": rejected, "round": round_,
+             "p_chosen": p_chosen}
+        )  # fmt: skip
+    return rows, dropped
+
+
+def _assistant(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """Rows as JSON lines, atomically (files.atomic_write_text)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+# ------------------------------------------------------------------------------- state
+
+
+class IterateState:
+    """`<output_dir>/iterate_state.json`: {"format", "rounds": {"k": {"stages": [...],
+    "entry": {...}}}}, the finished stages of each round and its summary entry, rewritten
+    atomically after every stage (a kill leaves the old state or the new one)."""
+
+    def __init__(self, path: Path, data: dict | None = None):
+        self.path = path
+        self.data = data or {"format": STATE_FORMAT, "rounds": {}}
+
+    @classmethod
+    def load(cls, root: Path, resume: str) -> IterateState:
+        """The state of a run under `root`; resume must be "auto" where one exists."""
+        path = root / STATE_FILE
+        if not path.is_file():
+            return cls(path)
+        if resume != "auto":
+            raise ConfigError(
+                f"run.resume: {str(root)!r} already holds an iterate run ({STATE_FILE}); "
+                "continue it with --resume auto, or choose another run.output_dir"
+            )
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != STATE_FORMAT:
+            raise ConfigError(f"run.resume: {path} has format {data.get('format')}")
+        return cls(path, data)
+
+    def _round(self, k: int) -> dict:
+        return self.data["rounds"].setdefault(str(k), {"stages": [], "entry": None})
+
+    def done(self, k: int, stage: str) -> bool:
+        return stage in self._round(k)["stages"]
+
+    def stages(self, k: int) -> list[str]:
+        return list(self._round(k)["stages"])
+
+    def entry(self, k: int) -> dict | None:
+        return self._round(k)["entry"]
+
+    def finish(self, k: int, stage: str, entry: dict | None = None, write: bool = True) -> None:
+        """Record `stage` of round k as done (and its entry); `write`: the main process
+        writes the file, every rank keeps the record."""
+        r = self._round(k)
+        r["stages"] = [*r["stages"], stage]
+        if entry is not None:
+            r["entry"] = entry
+        if write:
+            atomic_write_text(self.path, json.dumps(self.data, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------- stage configs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where round k's pieces live under the iterate run's output_dir."""
+
+    root: Path
+
+    def round_dir(self, k: int) -> Path:
+        return self.root / f"round-{k}"
+
+    def new_pairs(self, k: int) -> Path:
+        return self.round_dir(k) / "samples" / "pairs.jsonl"
+
+    def train_pairs(self, k: int) -> Path:
+        return self.round_dir(k) / "samples" / "train.jsonl"
+
+    def heldout(self, k: int) -> Path:
+        return self.round_dir(k) / "heldout" / "pairs.jsonl"
+
+    def rm(self, k: int) -> Path:
+        return self.round_dir(k) / "rm" / "final"
+
+    def policy(self, cfg: Config, k: int) -> str:
+        """pi_k: round k's PPO result; pi_0 is model.policy (the SFT policy)."""
+        return str(self.round_dir(k) / "ppo" / "final") if k else cfg.model.policy
+
+
+def stage_config(cfg: Config, layout: Layout, k: int, stage: str) -> Config:
+    """The config of round k's `stage` ("rm", "ppo", "eval"): the iterate config with
+    output_dir, seed, resume and the models and data that chain the stages replaced (a new
+    frozen Config; nothing is mutated). An unfinished stage is always entered with
+    run.resume=auto: with no checkpoint yet that is a fresh start."""
+    tree = to_dict(cfg)
+    tree["run"] |= {
+        "output_dir": str(layout.round_dir(k) / stage),
+        "seed": cfg.run.seed + k - 1,
+        "resume": "auto",
+    }
+    model, data = tree["model"], tree["data"]
+    if stage == "rm":
+        previous = str(layout.rm(k - 1)) if k > 1 else cfg.model.reward
+        model["reward"] = previous if cfg.iterate.rm_init == "continue" else ""
+        data |= {"train": str(layout.train_pairs(k)), "eval": ""}
+    elif stage == "ppo":
+        model |= {"policy": layout.policy(cfg, k - 1), "reward": str(layout.rm(k))}
+    else:
+        model |= {"policy": layout.policy(cfg, k), "reward": str(layout.rm(k))}
+        tree["eval"]["reference"] = cfg.eval.reference or cfg.model.policy
+        tree["run"]["resume"] = ""  # eval has no checkpoints
+    return config_from_dict(tree)
+
+
+@contextlib.contextmanager
+def fault_armed(k: int):
+    """RLHF_DIST_FAULT as set, unless RLHF_DIST_FAULT_ROUND names another round than k:
+    then hidden for the span of round k."""
+    wanted = os.environ.get(FAULT_ROUND_ENV)
+    fault = os.environ.get("RLHF_DIST_FAULT")
+    if not wanted or fault is None or int(wanted) == k:
+        yield
+        return
+    del os.environ["RLHF_DIST_FAULT"]
+    try:
+        yield
+    finally:
+        os.environ["RLHF_DIST_FAULT"] = fault
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def _no_scores(prompts, responses) -> torch.Tensor:
+    """The rollout path scores every response; pairs are judged by the labeller instead."""
+    return torch.zeros(len(responses))
+
+
+@torch.no_grad()
+def sample_pairs(cfg: Config, runtime, policy_path: str, source: str, key: str, n: int, seed: int):
+    """n answer pairs from the policy at policy_path, two samples per prompt at
+    generation.temperature, on the prompts of `source` (pair i takes prompt i mod count),
+    through `rlhf-dist eval`'s generation path (evaluate.eval_models ->
+    rollout.collect_rollout). Each rank samples every world_size-th pair, in chunks of
+    eval.batch_size prompts in lock-step (distributed/lockstep.py); the pairs are gathered
+    on every rank in order. A pair with an unfinished answer (no EOS) is dropped: a
+    preference row's answers are closed with EOS when the reward model reads them.
+    Returns (AnswerPairs, dropped count)."""
+    from rlhf_dist.data import left_pad, load_rows, prompt_set
+    from rlhf_dist.distributed import lockstep_map
+    from rlhf_dist.evaluate import eval_models
+    from rlhf_dist.models import load_causal_lm, policy_stop_ids, tokenizer_for
+    from rlhf_dist.rollout import collect_rollout
+    from rlhf_dist.scoring import Scorer
+
+    m, tokenizer = cfg.model, tokenizer_for(cfg, "policy")
+    prompts = prompt_set(load_rows(source, key), tokenizer, cfg.data, f"{key} {source!r}")
+    with runtime.local_loading():
+        policy = load_causal_lm(policy_path, "model.policy", m.dtype, m)
+    policy = runtime.prepare_frozen(policy, "replicate")
+    models = eval_models(
+        policy, None, Scorer(reward_fn=_no_scores), policy_stop_ids(cfg, tokenizer)
+    )
+    count = len(prompts.ids)
+
+    def forward(chunk):
+        rows = [j % count for j in chunk for _ in (0, 1)]  # the two samples side by side
+        ids, mask = left_pad([prompts.ids[r] for r in rows], tokenizer.pad_token_id)
+        texts = [prompts.texts[r] for r in rows]
+        batch, answers = collect_rollout(
+            models, ids.to(runtime.device), mask.to(runtime.device), texts, cfg, tokenizer,
+            micro_batch_size=len(rows),
+        )  # fmt: skip
+        done = batch.finished.tolist()
+        return [
+            (j, answers[2 * i], answers[2 * i + 1], done[2 * i] and done[2 * i + 1])
+            for i, j in enumerate(chunk)
+        ]
+
+    runtime.seed_per_rank(seed)
+    mine = list(range(runtime.rank, n, runtime.world_size))
+    chunks = lockstep_map(runtime, mine, cfg.eval.batch_size, forward, [0])
+    found = sorted(runtime.gather_objects([p for chunk in chunks for p in chunk]))
+    kept = [(j, a, b) for j, a, b, finished in found if finished]
+    pairs = AnswerPairs(
+        [prompts.texts[j % count] for j, _, _ in kept],
+        [a for _, a, _ in kept],
+        [b for *_, b in kept],
+    )
+    return pairs, len(found) - len(kept)
+
+
+def label_and_write(runtime, labeller: Labeller, pairs: AnswerPairs, path: Path, k: int, seed):
+    """Label the pairs and write them as a preference file at `path` (main process only;
+    every rank waits for the file). Returns {"pairs", "dropped_identical", "p_chosen_mean"}."""
+    info = {}
+    if runtime.is_main:
+        probs = labeller.preferences(pairs.prompts, pairs.a, pairs.b)
+        if len(probs) != len(pairs.a):
+            raise LabellerError(
+                f"iterate.labeller {labeller.name} returned {len(probs)} preferences for "
+                f"{len(pairs.a)} pairs"
+            )
+        probs = [preference_value(p, labeller.name) for p in probs]
+        labels = draw_labels(
+            probs, random.Random(f"rlhf_dist.iterate/{seed}/{k}/{path.parent.name}")
+        )
+        rows, dropped = pair_rows(pairs, probs, labels, k)
+        write_jsonl(path, rows)
+        mean = sum(r["p_chosen"] for r in rows) / len(rows) if rows else None
+        info = {"pairs": len(rows), "dropped_identical": dropped, "p_chosen_mean": mean}
+    runtime.barrier()
+    return info
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@torch.no_grad()
+def rm_accuracy(cfg: Config, runtime, rm_path: Path, pairs_path: Path) -> float:
+    """Share of the labelled pairs at pairs_path whose chosen answer the reward model at
+    rm_path scores strictly higher (a tie is wrong: algo.losses.pairwise_reward_loss),
+    scored by the reward-model trainer's own held-out evaluation (trainers/reward.py
+    `evaluate_pairs`: every rank its strided share in lock-step)."""
+    from rlhf_dist.data import preference_pairs
+    from rlhf_dist.models import (
+        ValueModel,
+        frozen_dtype,
+        load_sequence_classifier,
+        load_tokenizer,
+    )
+    from rlhf_dist.trainers.reward import evaluate_pairs
+
+    m = cfg.model
+    tokenizer = load_tokenizer(m.tokenizer or str(rm_path), m.trust_remote_code, "model.reward")
+    rows = read_jsonl(pairs_path)
+    pairs = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field, str(pairs_path))[0]
+    with runtime.local_loading():
+        net = load_sequence_classifier(str(rm_path), "model.reward", frozen_dtype(m), m)
+    model = runtime.prepare_frozen(ValueModel(net), "replicate")
+    metrics, _ = evaluate_pairs(
+        runtime, model, pairs, cfg.rm.micro_batch_size, tokenizer.pad_token_id
+    )
+    return metrics["accuracy"]
+
+
+# ------------------------------------------------------------------------------ rounds
+
+
+@dataclass
+class Loop:
+    """What every stage of the loop reads."""
+
+    cfg: Config
+    runtime: object
+    layout: Layout
+    state: IterateState
+    labeller: Labeller
+
+
+def samples_stage(loop: Loop, k: int) -> dict:
+    """Round k's new pairs from pi_{k-1} on data.train prompts, labelled, and the RM's
+    training file: every round's pairs so far."""
+    cfg, lay = loop.cfg, loop.layout
+    n, seed = cfg.iterate.pairs_per_round, cfg.run.seed + k - 1
+    pairs, unfinished = sample_pairs(
+        cfg, loop.runtime, lay.policy(cfg, k - 1), cfg.data.train, "data.train", n, seed
+    )
+    info = label_and_write(loop.runtime, loop.labeller, pairs, lay.new_pairs(k), k, seed)
+    if loop.runtime.is_main:
+        rows = [r for j in range(1, k + 1) for r in read_jsonl(lay.new_pairs(j))]
+        write_jsonl(lay.train_pairs(k), rows)
+        info |= {"rm_train_pairs": len(rows)}
+    loop.runtime.barrier()
+    return {"new_pairs": info.get("pairs"), "dropped_unfinished": unfinished, **info}
+
+
+def eval_stage(loop: Loop, k: int) -> dict:
+    """Round k's figures: held-out pairs from pi_k labelled, RM_k's accuracy on them and on
+    pi_{k-1}'s held-out pairs, and `rlhf-dist eval` of pi_k (gold reward, score, KL)."""
+    from rlhf_dist.evaluate import run_eval
+
+    cfg, lay, runtime = loop.cfg, loop.layout, loop.runtime
+    seed = cfg.run.seed + 7919 * k  # its own stream: not the training prompts' samples
+    pairs, _ = sample_pairs(
+        cfg,
+        runtime,
+        lay.policy(cfg, k),
+        cfg.data.eval,
+        "data.eval",
+        cfg.iterate.heldout_pairs,
+        seed,
+    )
+    held = label_and_write(runtime, loop.labeller, pairs, lay.heldout(k), k, seed)
+    entry = {
+        "round": k,
+        "rm_accuracy_on_this_policy": rm_accuracy(cfg, runtime, lay.rm(k), lay.heldout(k)),
+    }
+    if k > 1:
+        entry["rm_accuracy_on_previous_policy"] = rm_accuracy(
+            cfg, runtime, lay.rm(k), lay.heldout(k - 1)
+        )
+    ev = run_eval(stage_config(cfg, lay, k, "eval"), runtime)
+    if cfg.eval.gold_function:
+        entry["gold_reward"] = ev["gold_reward"]
+    entry |= {name: ev.get(name) for name in ("score", "kl_to_ref", "length", "eos_rate")}
+    return entry | {"heldout_pairs": held.get("pairs")}
+
+
+def run_round(loop: Loop, k: int) -> dict:
+    """Round k's unfinished stages in order, each recorded in the state file when done;
+    returns the round's summary entry."""
+    from rlhf_dist.trainers.ppo import train_ppo
+    from rlhf_dist.trainers.reward import train_reward_model
+
+    cfg, runtime, state = loop.cfg, loop.runtime, loop.state
+    start, info = time.time(), {}
+    if state.stages(k) and not state.done(k, "eval"):
+        runtime.print(f"== iterate: resuming round {k} after {', '.join(state.stages(k))}")
+    with fault_armed(k):
+        for stage in (s for s in STAGES if not state.done(k, s)):
+            runtime.print(f"== iterate round {k}/{cfg.iterate.rounds}: {stage}")
+            entry = None
+            if stage == "samples":
+                info = samples_stage(loop, k)
+                entry = {"samples": info}
+            elif stage == "rm":
+                train_reward_model(stage_config(cfg, loop.layout, k, "rm"), runtime)
+            elif stage == "ppo":
+                train_ppo(stage_config(cfg, loop.layout, k, "ppo"), runtime)
+            else:
+                entry = eval_stage(loop, k) | _sample_info(loop, k, info)
+                entry["wall_seconds"] = round(time.time() - start, 1)
+            state.finish(k, stage, entry, write=runtime.is_main)
+            runtime.barrier()
+    return state.entry(k)
+
+
+def _sample_info(loop: Loop, k: int, info: dict) -> dict:
+    """The samples stage's counts (this process's, or the state file's after a resume)."""
+    info = info or (loop.state.entry(k) or {}).get("samples", {})
+    names = ("new_pairs", "rm_train_pairs", "dropped_unfinished", "dropped_identical")
+    return {name: info.get(name) for name in names}
+
+
+def run_iterate(cfg: Config, runtime) -> dict:
+    """`rlhf-dist iterate`: iterate.rounds rounds (docs/iterate.md); writes and returns
+    <output_dir>/summary.json {"rounds": [...], "wall_seconds"}."""
+    root = Path(cfg.run.output_dir)
+    state = IterateState.load(root, cfg.run.resume)
+    labeller = build_labeller(cfg)
+    if runtime.is_main:
+        save_config(cfg, root)
+    runtime.barrier()
+    loop, start = Loop(cfg, runtime, Layout(root), state, labeller), time.time()
+    rounds = []
+    for k in range(1, cfg.iterate.rounds + 1):
+        rounds.append(run_round(loop, k))
+        summary = {"rounds": rounds, "wall_seconds": round(time.time() - start, 1)}
+        if runtime.is_main:
+            atomic_write_text(root / "summary.json", json.dumps(summary, indent=2) + "\n")
+        runtime.print(format_round(rounds[-1]))
+    runtime.barrier()
+    return summary
+
+
+def format_round(e: dict) -> str:
+    """One console line of a round's figures."""
+    parts = [f"== iterate round {e['round']}:"]
+    if e.get("gold_reward") is not None:
+        parts.append(f"gold {e['gold_reward']:.3f},")
+    parts.append(f"RM accuracy on this policy {e['rm_accuracy_on_this_policy']:.3f},")
+    if "rm_accuracy_on_previous_policy" in e:
+        parts.append(f"on the previous policy {e['rm_accuracy_on_previous_policy']:.3f},")
+    parts.append(f"KL to the reference {e['kl_to_ref']:.2f}")
+    return " ".join(parts)
