@@ -47,7 +47,7 @@ RUNNERS = {
     "dpo": "rlhf_dist.trainers.dpo:train_dpo",
     "kto": "rlhf_dist.trainers.kto:train_kto",
     "eval": "rlhf_dist.evaluate:run_eval",
-    "iterate": "rlhf_dist.iterate:run_iterate",
+    "iterate": "rlhf_dist.iterative:run_iterate",
 }
 
 
@@ -161,7 +161,8 @@ def kto(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
     return run("kto", config_of(config, overrides), objects)
 
 
-def evaluate(config=None, *, dataset=None, reward_fn=None, gold_fn=None, overrides=()) -> dict:
+def eval(config=None, *, dataset=None, reward_fn=None, gold_fn=None, overrides=()) -> dict:
+    # Named like the `rlhf-dist eval` stage: `rlhf_dist.evaluate` is the module that runs it.
     """Score model.policy on held-out prompts (`dataset`, else data.eval / data.train);
     `gold_fn(prompts, responses, finished)` is an optional oracle (eval.gold_function)."""
     objects = {"data.eval": dataset, "reward.function": reward_fn, "eval.gold_function": gold_fn}

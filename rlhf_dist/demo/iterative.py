@@ -1,5 +1,5 @@
 """`rlhf-dist demo --algorithm iterative`: SFT once on the demo task, then two rounds of
-iterative RLHF (rlhf_dist/iterate.py) labelled by the task's gold reward with the
+iterative RLHF (rlhf_dist/iterative.py) labelled by the task's gold reward with the
 Bradley-Terry noise of its preference data. Figures: docs/iterate.md."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run_iterative_demo(output_dir: str, seed: int = 0, quick: bool = False, over
     """SFT -> iterate (2 rounds); returns (and writes) DIR/iterate/summary.json with the
     demo's wall time added."""
     from rlhf_dist.distributed import Runtime
-    from rlhf_dist.iterate import run_iterate
+    from rlhf_dist.iterative import run_iterate
     from rlhf_dist.models import quiet_transformers
     from rlhf_dist.trainers.sft import train_sft
 

@@ -21,7 +21,7 @@ GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 # The offline preference algorithms: `rlhf-dist dpo` / `kto` on the preference pairs.
 OFFLINE = ("dpo", "kto")
-# Iterative RLHF (rlhf_dist/iterate.py): SFT, then rounds of pairs -> RM -> PPO.
+# Iterative RLHF (rlhf_dist/iterative.py): SFT, then rounds of pairs -> RM -> PPO.
 ITERATIVE = ("iterative",)
 ALGORITHMS = RL_ALGORITHMS + OFFLINE + ITERATIVE
 

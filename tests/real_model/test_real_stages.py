@@ -76,7 +76,7 @@ def test_every_stage_runs_with_the_tokenizer_as_shipped(
     )
     dpo = rlhf_dist.dpo(keys("dpo", **{"model.policy": sft_final, "data.train": f["prefs"]}))
     kto = rlhf_dist.kto(keys("kto", **{"model.policy": sft_final, "data.train": f["kto"]}))
-    ev = rlhf_dist.evaluate(
+    ev = rlhf_dist.eval(
         {**COMMON, "model.policy": str(tmp_path / "grpo" / "final"), "eval.reference": sft_final,
          "reward.function": GOLD, "data.eval": f["eval"], "run.output_dir": str(tmp_path / "eval")}
     )  # fmt: skip

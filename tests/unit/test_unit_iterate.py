@@ -1,4 +1,4 @@
-"""Pieces of `rlhf-dist iterate` (rlhf_dist/iterate.py): labellers, the labelled pair rows
+"""Pieces of `rlhf-dist iterate` (rlhf_dist/iterative.py): labellers, the labelled pair rows
 (a normal preference file), the state file, derived stage configs, the per-round fault."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from rlhf_dist import iterate as it
+from rlhf_dist import iterative as it
 from rlhf_dist.config import ConfigError, config_from_dict, to_dict, validate
 
 
