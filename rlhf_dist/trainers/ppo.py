@@ -30,8 +30,14 @@ from rlhf_dist.algo.losses import (
     value_terms,
 )
 from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
+from rlhf_dist.algo.objectives import (
+    cispo_terms,
+    drop_truncated,
+    overlong_penalty,
+    sequence_log_ratio,
+)
 from rlhf_dist.algo.rewards import shape_rewards
-from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
+from rlhf_dist.batching import PPOPlan, extra_batch, global_batches, ppo_plan
 from rlhf_dist.chat import prompt_text
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import ConfigError
@@ -48,6 +54,7 @@ from rlhf_dist.trainers.common import (
     share_of_global_mean,
     step_and_schedule,
 )
+from rlhf_dist.trainers.dynamic_sampling import rollout_until_full
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
 from rlhf_dist.vllm_rollout import VLLMEngine
 
@@ -76,6 +83,8 @@ class UpdateKnobs:
     loss_aggregation: str
     max_grad_norms: tuple[float, ...]
     tis_cap: float | None = None  # truncated IS weights against vLLM's sampler; None: off
+    ratio_level: str = "token"  # token (PPO) or sequence (GSPO)
+    policy_loss: str = "clip"  # clip (PPO) or cispo
 
     @classmethod
     def from_config(cls, cfg, kl_coef=None, group_names=("actor", "critic")) -> UpdateKnobs:
@@ -89,6 +98,7 @@ class UpdateKnobs:
         return cls(
             cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
             p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
+            ratio_level=p.ratio_level, policy_loss=p.policy_loss,
         )  # fmt: skip
 
 
@@ -107,10 +117,7 @@ def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) 
         logprobs, entropy = logprobs_and_entropy(logits, mb.response_ids, knobs.temperature)
     else:
         logprobs = logprobs_from_logits(logits, mb.response_ids, knobs.temperature)
-    clip_eps = float("inf") if knobs.clip_eps is None else knobs.clip_eps
-    pg = ppo_policy_terms(
-        logprobs, mb.old_logprobs, advantages, clip_eps, knobs.clip_eps_high, knobs.dual_clip
-    )
+    pg = policy_terms(logprobs, mb, advantages, knobs)
     mask = mb.response_mask
     n = mask.sum()
     if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
@@ -139,6 +146,22 @@ def micro_batch_loss(model, mb, advantages, returns, knobs: UpdateKnobs, stats) 
     return masked_sum(weights * per_token, mask)
 
 
+def policy_terms(logprobs, mb, advantages, knobs: UpdateKnobs) -> dict:
+    """Per-token policy terms (B, T) of knobs.policy_loss (clip: PPO's surrogate; cispo)
+    with knobs.ratio_level's ratio (token; sequence: GSPO's, from each row's own tokens,
+    which a micro-batch always holds whole). docs/architecture.md section 4."""
+    log_ratio = None
+    if knobs.ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(logprobs, mb.old_logprobs, mb.response_mask)
+    low = float("inf") if knobs.clip_eps is None else knobs.clip_eps
+    if knobs.policy_loss == "cispo":
+        high = low if knobs.clip_eps_high is None else knobs.clip_eps_high
+        return cispo_terms(logprobs, mb.old_logprobs, advantages, low, high, log_ratio)
+    return ppo_policy_terms(
+        logprobs, mb.old_logprobs, advantages, low, knobs.clip_eps_high, knobs.dual_clip, log_ratio
+    )
+
+
 def minibatch_backward(runtime, model, mb, advantages, returns, knobs, slices, stats) -> None:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
@@ -147,6 +170,7 @@ def minibatch_backward(runtime, model, mb, advantages, returns, knobs, slices, s
     knobs.loss_aggregation) of the WHOLE global minibatch (share_of_global_mean).
     """
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
+    count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
     for i, s in enumerate(slices):
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
         adv = advantages[s][:, :T]
@@ -249,10 +273,28 @@ def prompt_stream(
     if repeat_first:
         batches = itertools.repeat(next(batches))
     for _, idx in itertools.islice(batches, skip, None):
-        n = plan.samples_per_prompt
-        mine = [i for i in idx[plan.rollout.rank_slice(runtime.rank)] for _ in range(n)]
-        ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
-        yield ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
+        yield rank_prompts(prompts, plan, runtime, idx, pad_id)
+
+
+def rank_prompts(prompts, plan: PPOPlan, runtime, idx: list[int], pad_id: int):
+    """This rank's (prompt_ids, prompt_mask, texts) of the global batch `idx`, each prompt
+    n times in a row."""
+    n = plan.samples_per_prompt
+    mine = [i for i in idx[plan.rollout.rank_slice(runtime.rank)] for _ in range(n)]
+    ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
+    return ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
+
+
+def extra_prompts(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int, it: int):
+    """round -> this rank's prompt batch of dynamic sampling's extra round `round` of
+    iteration `it` (batching.extra_batch: a function of seed, it and round, so a resumed
+    run draws the same; the main stream is untouched)."""
+
+    def batch(round_: int):
+        idx = extra_batch(len(prompts.ids), plan.rollout.global_size, seed, it, round_)
+        return rank_prompts(prompts, plan, runtime, idx, pad_id)
+
+    return batch
 
 
 @dataclass
@@ -301,15 +343,61 @@ def due(every: int, it: int) -> bool:
     return every > 0 and it % every == 0
 
 
-def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> IterationResult:
-    """One iteration: rollout, shaped rewards, advantages (ppo.estimator), whitening, update."""
+def sample_rollout(runtime, run: PPORun, prompt_batch, cfg, timings: dict, more_prompts=None):
+    """This rank's rollout -> (batch, response texts, prompt texts, statistics), with the
+    soft overlong penalty added to the scores (ppo.overlong=soft) and, with
+    ppo.dynamic_sampling, tied groups replaced by groups of more prompts (more_prompts:
+    round -> prompt batch; trainers/dynamic_sampling.py)."""
+    p = cfg.ppo
+
+    def rollout(prompts):
+        spent = {}
+        with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
+            batch, texts = collect_rollout(run.rollout_models, *prompts, cfg, run.tokenizer, spent)
+        for name, seconds in spent.items():
+            timings[name] = timings.get(name, 0.0) + seconds
+        if p.overlong == "soft":  # DAPO eq. 13 on |y|, the response's token count
+            penalty = overlong_penalty(
+                batch.response_mask.sum(1), cfg.generation.max_new_tokens, p.overlong_buffer
+            )
+            batch.scores = batch.scores + penalty.to(batch.scores.dtype)
+        return batch, texts
+
+    if not p.dynamic_sampling:
+        return (*rollout(prompt_batch), prompt_batch[2], {})
+    n, rounds, pad = (
+        run.plan.samples_per_prompt,
+        p.dynamic_sampling_max_rounds,
+        run.tokenizer.pad_token_id,
+    )
+    return rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
+
+
+def overlong_stats(runtime, batch, loss_mask, cfg) -> dict:
+    """Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
+    penalty (ppo.overlong=soft) over all ranks."""
+    p, s = cfg.ppo, StatSums()
+    B = batch.response_mask.shape[0]
+    if p.overlong == "mask":
+        s.add("rollout/overlong_masked_rate", (~loss_mask.any(1)).float().sum(), B)
+    if p.overlong == "soft":
+        lengths = batch.response_mask.sum(1)
+        penalty = overlong_penalty(lengths, cfg.generation.max_new_tokens, p.overlong_buffer)
+        s.add("objective/overlong_penalty", penalty.sum(), B)
+    return s.reduce(runtime) if p.overlong != "none" else {}
+
+
+def ppo_iteration(
+    runtime, run: PPORun, prompt_batch, cfg, it: int, more_prompts=None
+) -> IterationResult:
+    """One iteration: rollout (with dynamic sampling: refilled), shaped rewards, advantages
+    (ppo.estimator), whitening, update (with ppo.overlong=mask: truncated rows masked out)."""
     p, kl_coef, timings = cfg.ppo, run.kl_ctl.coef, {}
     t0 = time.time()
     run.model.eval()
-    with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
-        batch, texts = collect_rollout(
-            run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings
-        )
+    batch, texts, prompt_texts, sampling = sample_rollout(
+        runtime, run, prompt_batch, cfg, timings, more_prompts
+    )
     maybe_fault("rollout", it)
     if cfg.debug.print_first_batch and not run.printed_first_batch and runtime.is_main:
         print(describe_batch(run.tokenizer, batch, texts), flush=True)
@@ -324,18 +412,24 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
     advantages, returns = estimate_advantages(
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
-    stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef)
+    stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef) | sampling
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)
+    # DAPO overlong filtering: the advantages above saw whole groups; the loss does not
+    # see truncated responses (docs/agents.md, "Objectives").
+    loss_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
+    stats |= overlong_stats(runtime, batch, loss_mask, cfg)
     if whitens(p):
-        advantages = whiten_with(advantages, mask, *global_mean_var(runtime, advantages, mask))
+        moments = global_mean_var(runtime, advantages, loss_mask)
+        advantages = whiten_with(advantages, loss_mask, *moments)
+    batch.response_mask = loss_mask
     run.model.train()
     knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
     stats |= ppo_update(runtime, run, batch, advantages, returns, knobs, it)
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
-    prompts = [prompt_text(p) for p in prompt_batch[2]]  # conversations as readable text
+    prompts = [prompt_text(p) for p in prompt_texts]  # conversations as readable text
     rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
     samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
     return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
@@ -512,8 +606,10 @@ def train_ppo(cfg, runtime) -> dict:
     preemption, alerts, stats = PreemptionFlag(), AlertMonitor(cfg.alerts), {}
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
+    pad = run.tokenizer.pad_token_id
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
-        result = ppo_iteration(runtime, run, prompt_batch, cfg, it)
+        more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
+        result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more)
         stats = result.stats
         first_score = stats["objective/score"] if first_score is None else first_score
         report_iteration(logger, cfg, it, result, alerts)
