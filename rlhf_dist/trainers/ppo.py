@@ -365,11 +365,8 @@ def sample_rollout(runtime, run: PPORun, prompt_batch, cfg, timings: dict, more_
 
     if not p.dynamic_sampling:
         return (*rollout(prompt_batch), prompt_batch[2], {})
-    n, rounds, pad = (
-        run.plan.samples_per_prompt,
-        p.dynamic_sampling_max_rounds,
-        run.tokenizer.pad_token_id,
-    )
+    n, pad = run.plan.samples_per_prompt, run.tokenizer.pad_token_id
+    rounds = p.dynamic_sampling_max_rounds
     return rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
 
 
