@@ -82,3 +82,16 @@ def global_batches(n: int, batch_size: int, seed: int, epochs: int):
         order = epoch_order(n, seed, epoch)
         for start in range(0, n - batch_size + 1, batch_size):
             yield epoch, order[start : start + batch_size]
+
+
+def extra_batch(n: int, batch_size: int, seed: int, iteration: int, round_: int) -> list[int]:
+    """Indices of the global batch of dynamic sampling's extra round `round_` (1, 2, ...)
+    of `iteration`: `batch_size` distinct prompts of n, drawn at random from all of them.
+
+    A function of (seed, iteration, round) only, the same on every rank: a resumed run
+    draws the same extra prompts without any saved state, and the main stream
+    (global_batches) is the same with or without dynamic sampling.
+    """
+    mixed = ((seed * 1_000_003 + iteration) * 1_009 + round_) % 2**62 + 2**62
+    g = torch.Generator().manual_seed(mixed)  # offset: never an epoch_order seed
+    return torch.randperm(n, generator=g)[:batch_size].tolist()

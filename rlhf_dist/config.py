@@ -468,6 +468,44 @@ class PPOConfig:
         "ratio min(pi_old / pi_vllm, tis_cap) between the trainer's and vLLM's sampling "
         "probabilities (TIS, Yao et al. 2025; typical 2); null = off",
     )
+    ratio_level: str = key(
+        "token",
+        "importance ratio of the policy loss: token (PPO's pi/pi_old per token) or sequence "
+        "(GSPO, Zheng et al. 2025: the row's length-normalised ratio exp(mean_t log pi/pi_old) "
+        "on every token, gradients per token; GSPO's paper pairs it with "
+        "loss_aggregation=seq_mean_token_mean and a small clip_eps)",
+        choices=("token", "sequence"),
+    )
+    policy_loss: str = key(
+        "clip",
+        "policy loss: clip (PPO's clipped surrogate) or cispo (MiniMax-M1 2025: "
+        "-sg[clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high)] * A * logprob, every token keeps "
+        "a gradient; clip_eps_low=1 is MiniMax's upper bound only; no dual_clip)",
+        choices=("clip", "cispo"),
+    )
+    dynamic_sampling: bool = key(
+        False,
+        "DAPO dynamic sampling (Yu et al. 2025): drop prompt groups whose n scores all tie "
+        "(no group-baseline signal) and roll out more prompts until every rank's batch is "
+        "full; needs a group estimator (grpo, rloo, reinforce_pp_baseline)",
+    )
+    dynamic_sampling_max_rounds: int = key(
+        3,
+        "dynamic sampling: extra rollout rounds per iteration at most (all ranks run the same "
+        "number); a batch still short after them is topped up with tied groups",
+    )
+    overlong: str = key(
+        "none",
+        "DAPO's overlong handling of truncated responses (no stop token within "
+        "generation.max_new_tokens): none; mask (they are left out of the loss); soft (the "
+        "length penalty of DAPO eq. 13 over the last overlong_buffer tokens is added to the score)",
+        choices=("none", "mask", "soft"),
+    )
+    overlong_buffer: int = key(
+        4,
+        "overlong=soft: L_cache, the last tokens before generation.max_new_tokens over which "
+        "the penalty falls from 0 to -1",
+    )
     value_clip_eps: float | None = key(
         0.2, "clip of the value update around the rollout's values; null = off"
     )
@@ -1075,8 +1113,18 @@ def _validate_objective(cfg: Config) -> None:
         value = getattr(p, name)
         if value is not None and (p.clip_eps is None or not value > 0):
             raise ConfigError(f"ppo.{name}: must be > 0 and needs ppo.clip_eps set, got {value}")
-    if p.clip_eps_low is not None and p.clip_eps_low >= 1:
+    if p.clip_eps_low is not None and p.clip_eps_low >= 1 and p.policy_loss != "cispo":
         raise ConfigError(f"ppo.clip_eps_low: must be < 1, got {p.clip_eps_low}")
+    if p.clip_eps_low is not None and p.clip_eps_low > 1:
+        raise ConfigError(
+            f"ppo.clip_eps_low: must be <= 1 (cispo: 1 = no lower bound), got {p.clip_eps_low}"
+        )
+    if p.policy_loss == "cispo" and p.dual_clip is not None:
+        raise ConfigError(
+            "ppo.dual_clip: bounds PPO's clipped surrogate (policy_loss=clip); cispo's weight "
+            "is already bounded, set dual_clip null"
+        )
+    _validate_dapo(cfg)
     if p.dual_clip is not None and (p.clip_eps is None or not p.dual_clip > 1):
         raise ConfigError(
             f"ppo.dual_clip: must be > 1 and needs ppo.clip_eps set, got {p.dual_clip}"
@@ -1088,6 +1136,31 @@ def _validate_objective(cfg: Config) -> None:
     if p.tis_cap is not None and cfg.generation.backend != "vllm":
         raise ConfigError(
             "ppo.tis_cap: needs generation.backend=vllm (the hf sampler is the trainer)"
+        )
+
+
+def _validate_dapo(cfg: Config) -> None:
+    """Dynamic sampling and overlong handling (DAPO, Yu et al. 2025)."""
+    p = cfg.ppo
+    if p.dynamic_sampling:
+        if not ESTIMATORS[p.estimator].needs_groups:
+            raise ConfigError(
+                f"ppo.dynamic_sampling: drops groups of tied scores, so it needs a group "
+                f"estimator (grpo, rloo, reinforce_pp_baseline), got ppo.estimator={p.estimator}"
+            )
+        if p.dynamic_sampling_max_rounds < 1:
+            raise ConfigError(
+                f"ppo.dynamic_sampling_max_rounds: must be >= 1, got {p.dynamic_sampling_max_rounds}"
+            )
+        if cfg.debug.overfit_one_batch:
+            raise ConfigError(
+                "ppo.dynamic_sampling: extra rounds draw other prompts; it cannot be combined "
+                "with debug.overfit_one_batch"
+            )
+    if p.overlong == "soft" and not 0 < p.overlong_buffer <= cfg.generation.max_new_tokens:
+        raise ConfigError(
+            f"ppo.overlong_buffer: must be in [1, generation.max_new_tokens="
+            f"{cfg.generation.max_new_tokens}] with ppo.overlong=soft, got {p.overlong_buffer}"
         )
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every alignment algorithm on the offline demo (seed 0), one after the other, then one
+# Every alignment algorithm on the offline demo (seed 0; the objective presets gspo, cispo
+# and dapo included: demo/pipeline.py ALGORITHMS), one after the other, then one
 # table: gold reward of SFT and of the aligned policy, KL to the SFT policy, wall time.
 # Usage: [ALGORITHMS="ppo grpo ..."] [SEED=0] bash launch/bench/algorithms.sh [OUT_DIR]
 # Run it on a quiet machine: the wall times are the figures in README's table.

@@ -21,6 +21,7 @@ def ppo_policy_terms(
     clip_eps: float,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
+    log_ratio: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token clipped surrogate (Schulman et al. 2017, eq. 7), negated for minimisation.
 
@@ -30,11 +31,13 @@ def ppo_policy_terms(
     bounds the loss of a negative-advantage token by -c*A, so one huge ratio cannot
     dominate the step. Returns per-token (B, T) tensors: `loss`, `clipped` (1.0 where a
     clip cut the gradient), `approx_kl` = 0.5*(logprobs-old)^2 (k2 estimate of
-    KL(old || new)), and `ratio`.
+    KL(old || new), per token whatever ratio is clipped), and `ratio`. log_ratio: the
+    log-ratio to clip, (B, T) (None: logprobs - old_logprobs, PPO's per-token ratio;
+    `objectives.sequence_log_ratio` for GSPO's sequence ratio).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    token_log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(token_log_ratio if log_ratio is None else log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
     loss = torch.maximum(unclipped, clipped)
@@ -47,7 +50,7 @@ def ppo_policy_terms(
     return {
         "loss": loss,
         "clipped": cut.to(logprobs.dtype),
-        "approx_kl": 0.5 * log_ratio.detach() ** 2,
+        "approx_kl": 0.5 * token_log_ratio.detach() ** 2,
         "ratio": ratio.detach(),
     }
 

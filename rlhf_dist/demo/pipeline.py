@@ -17,8 +17,32 @@ from rlhf_dist.demo import task
 GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 
 # The on-policy algorithms the demo runs with `rlhf-dist ppo` and a reward model: PPO
-# (GAE with a critic) and the critic-free estimators, each its own ppo.estimator.
+# (GAE with a critic) and the critic-free estimators, each its own ppo.estimator, then the
+# objectives on GRPO's estimator (OBJECTIVE_PRESETS).
 RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# GSPO, CISPO and DAPO: the ppo keys each preset sets over GRPO's (docs/agents.md,
+# "Objectives"; README, "Algorithms on the demo", has the measured figures).
+OBJECTIVE_PRESETS = {
+    # sequence ratio, per-sequence token means as in GSPO's paper; a narrower clip, as the
+    # length-normalised ratio moves less than a token's
+    "gspo": {
+        "ratio_level": "sequence",
+        "loss_aggregation": "seq_mean_token_mean",
+        "clip_eps": 0.1,
+    },
+    # MiniMax-M1: an upper bound on the stop-gradient IS weight only
+    "cispo": {"policy_loss": "cispo", "clip_eps_low": 1.0, "clip_eps_high": 0.28},
+    # DAPO: clip-higher, token-mean, dynamic sampling, soft overlong penalty
+    "dapo": {
+        "clip_eps": 0.2,
+        "clip_eps_high": 0.28,
+        "loss_aggregation": "token_mean",
+        "dynamic_sampling": True,
+        "overlong": "soft",
+        "overlong_buffer": 8,
+    },
+}
+RL_ALGORITHMS += tuple(OBJECTIVE_PRESETS)
 # The offline preference algorithms: `rlhf-dist dpo` / `kto` on the preference pairs.
 OFFLINE = ("dpo", "kto")
 # Iterative RLHF (rlhf_dist/iterative.py): SFT, then rounds of pairs -> RM -> PPO.
@@ -40,7 +64,10 @@ def rl_section(algorithm: str, scale: float) -> dict:
     }
     if algorithm == "ppo":
         return {**common, "rollout_batch_size": 64, "critic": {"lr": 3e-4}}
-    return {**common, "estimator": algorithm, "rollout_batch_size": 16, "samples_per_prompt": 4}
+    groups = {"rollout_batch_size": 16, "samples_per_prompt": 4}
+    if algorithm in OBJECTIVE_PRESETS:
+        return {**common, "estimator": "grpo", **groups, **OBJECTIVE_PRESETS[algorithm]}
+    return {**common, "estimator": algorithm, **groups}
 
 
 def stage_configs(

@@ -30,8 +30,14 @@ from rlhf_dist.algo.losses import (
     value_terms,
 )
 from rlhf_dist.algo.masking import RunningMoments, masked_sum, whiten_with
+from rlhf_dist.algo.objectives import (
+    cispo_terms,
+    drop_truncated,
+    overlong_penalty,
+    sequence_log_ratio,
+)
 from rlhf_dist.algo.rewards import shape_rewards
-from rlhf_dist.batching import PPOPlan, global_batches, ppo_plan
+from rlhf_dist.batching import PPOPlan, extra_batch, global_batches, ppo_plan
 from rlhf_dist.chat import prompt_text
 from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
 from rlhf_dist.config import ConfigError, RewardFunctionError
@@ -49,6 +55,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     write_checkpoint,
 )
+from rlhf_dist.trainers.dynamic_sampling import rollout_until_full
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
 from rlhf_dist.vllm_rollout import VLLMEngine
 
@@ -77,6 +84,8 @@ class UpdateKnobs:
     loss_aggregation: str
     max_grad_norms: tuple[float, ...]
     tis_cap: float | None = None  # truncated IS weights against vLLM's sampler; None: off
+    ratio_level: str = "token"  # token (PPO) or sequence (GSPO)
+    policy_loss: str = "clip"  # clip (PPO) or cispo
 
     @classmethod
     def from_config(cls, cfg, kl_coef=None, group_names=("actor", "critic")) -> UpdateKnobs:
@@ -90,6 +99,7 @@ class UpdateKnobs:
         return cls(
             cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
             p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
+            ratio_level=p.ratio_level, policy_loss=p.policy_loss,
         )  # fmt: skip
 
 
@@ -115,10 +125,7 @@ def micro_batch_loss(
     old_logprobs = logprobs.detach() if first else mb.old_logprobs
     if first:
         keep(old_logprobs, entropy.detach())
-    clip_eps = float("inf") if knobs.clip_eps is None else knobs.clip_eps
-    pg = ppo_policy_terms(
-        logprobs, old_logprobs, advantages, clip_eps, knobs.clip_eps_high, knobs.dual_clip
-    )
+    pg = policy_terms(logprobs, old_logprobs, mb.response_mask, advantages, knobs)
     mask = mb.response_mask
     n = mask.sum()
     if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
@@ -147,6 +154,22 @@ def micro_batch_loss(
     return masked_sum(weights * per_token, mask)
 
 
+def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: UpdateKnobs) -> dict:
+    """Per-token policy terms (B, T) of knobs.policy_loss (clip: PPO's surrogate; cispo)
+    with knobs.ratio_level's ratio (token; sequence: GSPO's, from each row's own tokens,
+    which a micro-batch always holds whole). docs/architecture.md section 4."""
+    log_ratio = None
+    if knobs.ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(logprobs, old_logprobs, response_mask)
+    low = float("inf") if knobs.clip_eps is None else knobs.clip_eps
+    if knobs.policy_loss == "cispo":
+        high = low if knobs.clip_eps_high is None else knobs.clip_eps_high
+        return cispo_terms(logprobs, old_logprobs, advantages, low, high, log_ratio)
+    return ppo_policy_terms(
+        logprobs, old_logprobs, advantages, low, knobs.clip_eps_high, knobs.dual_clip, log_ratio
+    )
+
+
 def minibatch_backward(
     runtime, model, mb, advantages, returns, knobs, slices, stats, keep=None
 ) -> None:
@@ -158,6 +181,7 @@ def minibatch_backward(
     keep(s, old_logprobs, entropy): where a micro-batch without old log-probs puts them.
     """
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
+    count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
     for i, s in enumerate(slices):
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
         adv = advantages[s][:, :T]
@@ -206,8 +230,16 @@ def old_logprobs_from_update(cfg, plan: PPOPlan) -> bool:
     need them: the KL must be a loss term (with kl_placement=reward the rewards read
     them). The critic, reference and scorer passes still run in scoring; the statistics
     that read old log-probs and entropies (objective/kl, objective/entropy, the vLLM
-    sampler gap) are taken after the update."""
-    return plan.optimizer_steps_per_iteration == 1 and cfg.ppo.kl_placement == "loss"
+    sampler gap) are taken after the update. Not with ppo.dynamic_sampling (its refill
+    joins rollouts) or ppo.overlong=mask (the update never sees a truncated row's tokens,
+    so it could not give their old log-probs)."""
+    p = cfg.ppo
+    return (
+        plan.optimizer_steps_per_iteration == 1
+        and p.kl_placement == "loss"
+        and not p.dynamic_sampling
+        and p.overlong != "mask"
+    )
 
 
 class UpdateForwardRecord:
@@ -301,10 +333,28 @@ def prompt_stream(
     if repeat_first:
         batches = itertools.repeat(next(batches))
     for _, idx in itertools.islice(batches, skip, None):
-        n = plan.samples_per_prompt
-        mine = [i for i in idx[plan.rollout.rank_slice(runtime.rank)] for _ in range(n)]
-        ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
-        yield ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
+        yield rank_prompts(prompts, plan, runtime, idx, pad_id)
+
+
+def rank_prompts(prompts, plan: PPOPlan, runtime, idx: list[int], pad_id: int):
+    """This rank's (prompt_ids, prompt_mask, texts) of the global batch `idx`, each prompt
+    n times in a row."""
+    n = plan.samples_per_prompt
+    mine = [i for i in idx[plan.rollout.rank_slice(runtime.rank)] for _ in range(n)]
+    ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
+    return ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
+
+
+def extra_prompts(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int, it: int):
+    """round -> this rank's prompt batch of dynamic sampling's extra round `round` of
+    iteration `it` (batching.extra_batch: a function of seed, it and round, so a resumed
+    run draws the same; the main stream is untouched)."""
+
+    def batch(round_: int):
+        idx = extra_batch(len(prompts.ids), plan.rollout.global_size, seed, it, round_)
+        return rank_prompts(prompts, plan, runtime, idx, pad_id)
+
+    return batch
 
 
 @dataclass
@@ -348,16 +398,64 @@ def due(every: int, it: int) -> bool:
     return every > 0 and it % every == 0
 
 
-def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> IterationResult:
-    """One iteration: rollout, shaped rewards, advantages (ppo.estimator), whitening, update."""
+def sample_rollout(
+    runtime, run: PPORun, prompt_batch, cfg, timings: dict, more_prompts=None, old_logprobs=True
+):
+    """This rank's rollout -> (batch, response texts, prompt texts, statistics), with the
+    soft overlong penalty added to the scores (ppo.overlong=soft) and, with
+    ppo.dynamic_sampling, tied groups replaced by groups of more prompts (more_prompts:
+    round -> prompt batch; trainers/dynamic_sampling.py). old_logprobs=False: scoring skips
+    the actor pass (old_logprobs_from_update)."""
+    p = cfg.ppo
+
+    def rollout(prompts):
+        spent = {}
+        with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
+            batch, texts = collect_rollout(
+                run.rollout_models, *prompts, cfg, run.tokenizer, spent, old_logprobs=old_logprobs
+            )
+        for name, seconds in spent.items():
+            timings[name] = timings.get(name, 0.0) + seconds
+        if p.overlong == "soft":  # DAPO eq. 13 on |y|, the response's token count
+            penalty = overlong_penalty(
+                batch.response_mask.sum(1), cfg.generation.max_new_tokens, p.overlong_buffer
+            )
+            batch.scores = batch.scores + penalty.to(batch.scores.dtype)
+        return batch, texts
+
+    if not p.dynamic_sampling:
+        return (*rollout(prompt_batch), prompt_batch[2], {})
+    n, pad = run.plan.samples_per_prompt, run.tokenizer.pad_token_id
+    rounds = p.dynamic_sampling_max_rounds
+    return rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
+
+
+def overlong_stats(runtime, batch, loss_mask, cfg) -> dict:
+    """Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
+    penalty (ppo.overlong=soft) over all ranks."""
+    p, s = cfg.ppo, StatSums()
+    B = batch.response_mask.shape[0]
+    if p.overlong == "mask":
+        s.add("rollout/overlong_masked_rate", (~loss_mask.any(1)).float().sum(), B)
+    if p.overlong == "soft":
+        lengths = batch.response_mask.sum(1)
+        penalty = overlong_penalty(lengths, cfg.generation.max_new_tokens, p.overlong_buffer)
+        s.add("objective/overlong_penalty", penalty.sum(), B)
+    return s.reduce(runtime) if p.overlong != "none" else {}
+
+
+def ppo_iteration(
+    runtime, run: PPORun, prompt_batch, cfg, it: int, more_prompts=None
+) -> IterationResult:
+    """One iteration: rollout (with dynamic sampling: refilled), shaped rewards, advantages
+    (ppo.estimator), whitening, update (with ppo.overlong=mask: truncated rows masked out)."""
     p, kl_coef, timings = cfg.ppo, run.kl_ctl.coef, {}
     skip = old_logprobs_from_update(cfg, run.plan)  # no actor pass in scoring
     t0 = time.time()
     run.model.eval()
-    with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
-        batch, texts = collect_rollout(
-            run.rollout_models, *prompt_batch, cfg, run.tokenizer, timings, not skip
-        )
+    batch, texts, prompt_texts, sampling = sample_rollout(
+        runtime, run, prompt_batch, cfg, timings, more_prompts, not skip
+    )
     maybe_fault("rollout", it)
     run.rollout_models.scorer.raise_failure(runtime)  # all ranks together, weights untouched
     if cfg.debug.print_first_batch and not run.printed_first_batch and runtime.is_main:
@@ -376,25 +474,32 @@ def ppo_iteration(runtime, run: PPORun, prompt_batch, cfg, it: int) -> Iteration
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
     raw_advantages = advantages
+    # DAPO overlong filtering: the advantages above saw whole groups; the loss does not
+    # see truncated responses (docs/agents.md, "Objectives").
+    loss_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
+    overlong = overlong_stats(runtime, batch, loss_mask, cfg)
     if whitens(p):
-        advantages = whiten_with(advantages, mask, *global_mean_var(runtime, advantages, mask))
+        moments = global_mean_var(runtime, advantages, loss_mask)
+        advantages = whiten_with(advantages, loss_mask, *moments)
+    batch.response_mask = loss_mask
     run.model.train()
     knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
     update_stats = ppo_update(runtime, run, batch, advantages, returns, knobs, it)
+    batch.response_mask = mask  # the rollout as sampled, for its statistics
     if skip:  # the update's forward gave the old log-probs: the KL of the rollout now
         _, kl = shape_rewards(
             batch.scores, batch.old_logprobs, batch.ref_logprobs, mask, 0.0, p.kl_kind
         )
     # Taken after the update, which leaves the rollout and the raw advantages as they were.
-    stats = rollout_stats(runtime, batch, kl, raw_advantages, returns, kl_coef)
-    stats |= run.rollout_models.scorer.component_stats(runtime)  # several rewards: each one
+    stats = rollout_stats(runtime, batch, kl, raw_advantages, returns, kl_coef) | sampling
+    stats |= overlong | run.rollout_models.scorer.component_stats(runtime)
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, raw_advantages, kl)
     stats |= update_stats
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
-    prompts = [prompt_text(p) for p in prompt_batch[2]]  # conversations as readable text
+    prompts = [prompt_text(p) for p in prompt_texts]  # conversations as readable text
     rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
     samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
     return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
@@ -595,10 +700,12 @@ def train_ppo(cfg, runtime) -> dict:
     preemption, alerts, stats = PreemptionFlag(), AlertMonitor(cfg.alerts), {}
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
+    pad = run.tokenizer.pad_token_id
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
         rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
+        more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
         try:
-            result = ppo_iteration(runtime, run, prompt_batch, cfg, it)
+            result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more)
         except RewardFunctionError as e:
             state = trainer_state(run, first_score, alerts)
             failure = stop_on_reward_failure(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 from conftest import (
+    REPO,
     free_port,
     launch_args,
     ppo_command,
@@ -60,17 +62,32 @@ def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(a
     """GRPO under ZeRO-3, and the numerical guard in the same launch: optimizer step 2 (of
     4, two per iteration, two micro-batches per rank each: the poisoned step's second
     forward still runs) has a NaN loss on rank 1 only, and both ranks must skip it
-    (docs/architecture.md section 7)."""
+    (docs/architecture.md section 7). Also DAPO's dynamic sampling with a reward under
+    which the groups of some prompts tie: the ranks may drop different numbers of groups,
+    yet run the same extra rounds (or ZeRO-3's collectives would hang) and each trains on
+    a full batch."""
     out = tmp_path / "grpo"
-    extra = ("ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4")
+    extra = (
+        "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4",
+        "reward.function=reward_fns_for_tests:ties_on_some_prompts",
+        "ppo.dynamic_sampling=true", "ppo.dynamic_sampling_max_rounds=2",
+    )  # fmt: skip
     command = launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra))
-    run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1"})
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "unit")])  # the reward's module
+    run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1", "PYTHONPATH": path})
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["guard/skipped_steps"] for r in rows] == [1, 1]
     for r in rows:
         assert r["rollout/sequences"] == 16  # 2 ranks x 2 prompts x 4 samples
+        rounds = r["rollout/dynamic_sampling_rounds"]
+        # groups sampled, summed over both ranks: 2 ranks x 2 prompts per round
+        assert r["rollout/dynamic_sampling_groups"] == 4 * (rounds + 1)
+        dropped = r["rollout/dynamic_sampling_drop_rate"] * r["rollout/dynamic_sampling_groups"]
+        assert abs(dropped - round(dropped)) < 1e-9
+        assert 0 <= r["rollout/dynamic_sampling_filled"] <= 1
         assert "value/explained_variance" not in r and "optim/grad_norm_critic" not in r
+    assert any(r["rollout/dynamic_sampling_drop_rate"] > 0 for r in rows)
     before = load_file(str(Path(assets["policy"]) / "model.safetensors"))
     after = load_file(str(out / "final" / "model.safetensors"))
     assert before.keys() == after.keys()

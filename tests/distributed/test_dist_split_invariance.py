@@ -28,6 +28,13 @@ AGGREGATIONS = {
         ("--aggregation=seq_mean_token_mean", "--critic-free"),
         "token_mean-critic_free",
     ),
+    # GSPO's sequence ratio with its paper's aggregation (and a critic), and CISPO with
+    # every critic-free term and truncated rows masked out (docs/agents.md, "Objectives")
+    "gspo": (("--ratio-level=sequence", "--aggregation=seq_mean_token_mean"), "token_mean"),
+    "cispo-overlong_mask": (
+        ("--policy-loss=cispo", "--critic-free", "--overlong-mask"),
+        "token_mean-critic_free",
+    ),
 }
 
 

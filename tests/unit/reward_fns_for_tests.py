@@ -48,3 +48,15 @@ def none_score(prompts, responses):
 def numpy_float32_scores(prompts, responses):
     """Finite scores as a float32 array, as a numpy-based scorer would return them."""
     return np.full(len(responses), 0.5, dtype=np.float32)
+
+
+def ties_on_some_prompts(prompts, responses):
+    """Dynamic sampling's case (DAPO): every sample of a prompt with an even number of
+    characters scores 1, so its group ties; the others score a checksum of the response
+    in [0, 1) (different responses: different scores, whatever their length)."""
+    import zlib
+
+    return [
+        1.0 if len(str(p)) % 2 == 0 else zlib.crc32(r.encode()) / 2**32
+        for p, r in zip(prompts, responses)
+    ]

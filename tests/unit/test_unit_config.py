@@ -279,6 +279,59 @@ def test_estimator_and_objective_combinations(overrides, key):
     assert config_error(validate, cfg, "ppo").startswith(key + ":")
 
 
+GROUPS = ["ppo.estimator=grpo", "ppo.samples_per_prompt=4"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["ppo.policy_loss=cispo", "ppo.dual_clip=3"], "ppo.dual_clip"),
+        (["ppo.clip_eps_low=1.0"], "ppo.clip_eps_low"),  # PPO's clip needs a lower bound
+        (["ppo.policy_loss=cispo", "ppo.clip_eps_low=1.5"], "ppo.clip_eps_low"),
+        (["ppo.ratio_level=seq"], "ppo.ratio_level"),
+        (["ppo.policy_loss=reinforce"], "ppo.policy_loss"),
+        (["ppo.overlong=cut"], "ppo.overlong"),
+        (["ppo.dynamic_sampling=true"], "ppo.dynamic_sampling"),  # gae has no groups
+        (["ppo.dynamic_sampling=true", "ppo.estimator=reinforce_pp"], "ppo.dynamic_sampling"),
+        (
+            [*GROUPS, "ppo.dynamic_sampling=true", "ppo.dynamic_sampling_max_rounds=0"],
+            "ppo.dynamic_sampling_max_rounds",
+        ),
+        (
+            [*GROUPS, "ppo.dynamic_sampling=true", "debug.overfit_one_batch=true"],
+            "ppo.dynamic_sampling",
+        ),
+        (["ppo.overlong=soft", "ppo.overlong_buffer=0"], "ppo.overlong_buffer"),
+        (
+            ["ppo.overlong=soft", "ppo.overlong_buffer=33", "generation.max_new_tokens=32"],
+            "ppo.overlong_buffer",
+        ),
+    ],
+)
+def test_gspo_cispo_dapo_keys_refuse_bad_combinations(overrides, key):
+    try:
+        cfg = load_config(overrides=[*PPO_REQUIRED, *overrides])
+    except ConfigError as e:  # a value outside the key's choices fails at load
+        assert str(e).startswith(key + ":")
+        return
+    assert config_error(validate, cfg, "ppo").startswith(key + ":")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["ppo.ratio_level=sequence", "ppo.loss_aggregation=seq_mean_token_mean"],
+        ["ppo.policy_loss=cispo", "ppo.clip_eps_low=1.0", "ppo.clip_eps_high=0.28"],
+        ["ppo.ratio_level=sequence", "ppo.policy_loss=cispo", "ppo.clip_eps=null"],
+        [*GROUPS, "ppo.dynamic_sampling=true", "ppo.overlong=soft", "ppo.overlong_buffer=32"],
+        ["ppo.estimator=rloo", "ppo.samples_per_prompt=2", "ppo.dynamic_sampling=true"],
+        ["ppo.overlong=mask", "ppo.overlong_buffer=0"],  # the buffer is read by soft only
+    ],
+)
+def test_gspo_cispo_dapo_keys_accept_good_combinations(overrides):
+    validate(load_config(overrides=[*PPO_REQUIRED, *overrides]), "ppo")
+
+
 def test_estimator_choices_come_from_the_registry():
     from rlhf_dist.algo.estimators import ESTIMATORS
 

@@ -3,11 +3,15 @@
 Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generation=PROMPTS]
   [--check-reduce]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
-  --aggregation=MODE, --critic-free, --whole-weights
+  --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
+  --policy-loss=cispo, --overlong-mask
 (--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
 bonus, clip-higher and dual clip: every term of the loss in one gradient. --whole-weights:
 the backward runs inside runtime.training_weights(model, "always"), as the trainers' steps
-do, instead of through ZeRO-3's per-layer fetching.)
+do, instead of through ZeRO-3's per-layer fetching. --ratio-level / --policy-loss set
+ppo.ratio_level / ppo.policy_loss: GSPO, CISPO (cispo drops --critic-free's dual clip).
+--overlong-mask: rows 0, 1 and 5 are truncated and masked out of the loss as
+ppo.overlong=mask does, so rank 0's first micro-batch has no loss token at all.)
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
 global minibatch with ragged response lengths, takes its share, and accumulates the
 gradient over its micro-batches with the trainer's own `minibatch_backward`. Each variant
@@ -30,6 +34,7 @@ import sys
 
 import torch
 
+from rlhf_dist.algo.objectives import drop_truncated
 from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.distributed import Runtime, seed_everything
@@ -75,11 +80,17 @@ def fixed_minibatch():
     return batch, torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
 
 
+def flag_value(flags: list[str], name: str, default: str) -> str:
+    return next((f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")), default)
+
+
 def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
     checkpointing = "--gradient-checkpointing" in flags
-    aggregation = next(
-        (f.split("=", 1)[1] for f in flags if f.startswith("--aggregation=")), "token_mean"
-    )
+    aggregation = flag_value(flags, "aggregation", "token_mean")
+    objective = {
+        "ratio_level": flag_value(flags, "ratio-level", "token"),
+        "policy_loss": flag_value(flags, "policy-loss", "clip"),
+    }
     tree = {
         "model": {"policy": policy, "reward": reward, "gradient_checkpointing": checkpointing},
         "data": {"train": "unused.jsonl"},
@@ -90,12 +101,15 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
             "value_clip_eps": 0.2,
             "loss_aggregation": aggregation,
             **(CRITIC_FREE if "--critic-free" in flags else {}),
+            **objective,
         },
     }
+    if objective["policy_loss"] == "cispo":
+        tree["ppo"]["dual_clip"] = None
     return config_from_dict(tree)
 
 
-def probe(runtime, cfg, whole: bool) -> tuple[dict, str, dict]:
+def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict, str, dict]:
     """(full gradients of one step, class name of the optimizer checkpoints read, ZeRO-3
     facts of the backward: weight-fetch collectives run, and whether hooks, F.linear and
     partitioning are as they were before it)."""
@@ -104,6 +118,9 @@ def probe(runtime, cfg, whole: bool) -> tuple[dict, str, dict]:
     built = build_models(cfg, runtime, plan, total_steps=1)
     built.model.train()  # as ppo_iteration does before the update (checkpointing is train-only)
     batch, advantages, returns = fixed_minibatch()
+    if overlong_mask:  # as ppo_iteration does with ppo.overlong=mask
+        batch.finished[[0, 1, 5]] = False
+        batch.response_mask = drop_truncated(batch.response_mask, batch.finished)
     share = plan.update.rank_slice(runtime.rank)
     mb = batch.select(share)
     slices = plan.update.micro_slices()
@@ -204,7 +221,9 @@ def main():
     for variant in (a for a in sys.argv[4:] if not a.startswith("--")):
         name, micro, *flags = variant.split(":")
         cfg = variant_config(policy, reward, int(micro), flags)
-        grads, optimizer, facts = probe(runtime, cfg, "--whole-weights" in flags)
+        grads, optimizer, facts = probe(
+            runtime, cfg, "--whole-weights" in flags, "--overlong-mask" in flags
+        )
         result["gradients"][name] = grads
         result["checkpoint_optimizer"][name] = optimizer
         result["zero3"][name] = facts
