@@ -90,6 +90,7 @@ def test_sft_grpo_dpo_on_the_real_model_through_the_api(convention, smollm2, cha
             **GRPO,
             "model.policy": str(sft_final),
             "run.output_dir": str(tmp_path / "grpo"),
+            "ppo.iterations": 1,
         },
         dataset=_rows(chat_files["prompts"]),
         reward_fn=reward,
