@@ -26,22 +26,16 @@ from typing import Any
 
 import yaml
 
-from rlhf_dist.algo.estimators import ESTIMATORS
-from rlhf_dist.algo.kl import KL_KINDS
-from rlhf_dist.algo.losses import LOSS_AGGREGATIONS
+from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 from rlhf_dist.files import atomic_write_text
-
-
-class UserError(Exception):
-    """A mistake of the user's (config, data, their code); the CLI prints it as one line."""
-
-
-class ConfigError(UserError, ValueError):
-    """A user mistake in the configuration; its message is one line naming the key."""
-
-
-class RewardFunctionError(UserError, RuntimeError):
-    """The user's reward function raised or returned something unusable."""
+from rlhf_dist.names import (
+    ESTIMATORS,
+    KL_KINDS,
+    LOSS_AGGREGATIONS,
+    OVERLONG,
+    POLICY_LOSSES,
+    RATIO_LEVELS,
+)
 
 
 def _choices(*values: str) -> dict:
@@ -474,14 +468,14 @@ class PPOConfig:
         "(GSPO, Zheng et al. 2025: the row's length-normalised ratio exp(mean_t log pi/pi_old) "
         "on every token, gradients per token; GSPO's paper pairs it with "
         "loss_aggregation=seq_mean_token_mean and a small clip_eps)",
-        choices=("token", "sequence"),
+        choices=RATIO_LEVELS,
     )
     policy_loss: str = key(
         "clip",
         "policy loss: clip (PPO's clipped surrogate) or cispo (MiniMax-M1 2025: "
         "-sg[clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high)] * A * logprob, every token keeps "
         "a gradient; clip_eps_low=1 is MiniMax's upper bound only; no dual_clip)",
-        choices=("clip", "cispo"),
+        choices=POLICY_LOSSES,
     )
     dynamic_sampling: bool = key(
         False,
@@ -499,7 +493,7 @@ class PPOConfig:
         "DAPO's overlong handling of truncated responses (no stop token within "
         "generation.max_new_tokens): none; mask (they are left out of the loss); soft (the "
         "length penalty of DAPO eq. 13 over the last overlong_buffer tokens is added to the score)",
-        choices=("none", "mask", "soft"),
+        choices=OVERLONG,
     )
     overlong_buffer: int = key(
         4,

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 
 # (file stem, title, panels): each panel is one axes with the series named; a group is
 # drawn when any of its series has a value. Known names: docs/metrics.md.

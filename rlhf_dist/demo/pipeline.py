@@ -11,15 +11,25 @@ import json
 import time
 from pathlib import Path
 
-from rlhf_dist.config import ConfigError, apply_override, config_from_dict, validate
+from rlhf_dist.config import apply_override, config_from_dict, validate
 from rlhf_dist.demo import task
+from rlhf_dist.errors import ConfigError
+from rlhf_dist.names import (
+    DEMO_ALGORITHMS,
+    DEMO_ITERATIVE,
+    DEMO_OBJECTIVES,
+    DEMO_OFFLINE,
+    DEMO_RL_ALGORITHMS,
+)
 
 GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 
-# The on-policy algorithms the demo runs with `rlhf-dist ppo` and a reward model: PPO
-# (GAE with a critic) and the critic-free estimators, each its own ppo.estimator, then the
-# objectives on GRPO's estimator (OBJECTIVE_PRESETS).
-RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# The algorithms' names live in rlhf_dist/names.py (the CLI's choices, torch-free): the
+# on-policy ones the demo runs with `rlhf-dist ppo` and a reward model (PPO, the
+# critic-free estimators, each its own ppo.estimator, then the objectives below on GRPO's
+# estimator), the offline ones (`rlhf-dist dpo` / `kto`) and iterative RLHF.
+RL_ALGORITHMS, OFFLINE, ITERATIVE = DEMO_RL_ALGORITHMS, DEMO_OFFLINE, DEMO_ITERATIVE
+ALGORITHMS = DEMO_ALGORITHMS
 # GSPO, CISPO and DAPO: the ppo keys each preset sets over GRPO's (docs/agents.md,
 # "Objectives"; README, "Algorithms on the demo", has the measured figures).
 OBJECTIVE_PRESETS = {
@@ -42,12 +52,7 @@ OBJECTIVE_PRESETS = {
         "overlong_buffer": 8,
     },
 }
-RL_ALGORITHMS += tuple(OBJECTIVE_PRESETS)
-# The offline preference algorithms: `rlhf-dist dpo` / `kto` on the preference pairs.
-OFFLINE = ("dpo", "kto")
-# Iterative RLHF (rlhf_dist/iterative.py): SFT, then rounds of pairs -> RM -> PPO.
-ITERATIVE = ("iterative",)
-ALGORITHMS = RL_ALGORITHMS + OFFLINE + ITERATIVE
+assert tuple(OBJECTIVE_PRESETS) == DEMO_OBJECTIVES  # one list of the presets' names
 
 
 def rl_section(algorithm: str, scale: float) -> dict:

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import torch
 
-from rlhf_dist.config import ConfigError
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max, any_rank
 from rlhf_dist.distributed.zero3 import whole_bytes, whole_weights
+from rlhf_dist.errors import ConfigError
 
 
 def prepare_frozen(

@@ -15,8 +15,8 @@ import torch
 
 from rlhf_dist.algo.preference import dpo_loss, dpo_terms
 from rlhf_dist.batching import BatchPlan
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import SFTExample, load_rows, preference_pairs
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary

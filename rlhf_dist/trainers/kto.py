@@ -16,9 +16,9 @@ import torch
 
 from rlhf_dist.algo.preference import kto_reference_point, kto_terms
 from rlhf_dist.batching import BatchPlan
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import SFTExample, kto_examples, load_rows
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary

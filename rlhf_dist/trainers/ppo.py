@@ -40,8 +40,8 @@ from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, extra_batch, global_batches, ppo_plan
 from rlhf_dist.chat import prompt_text
 from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
-from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.errors import ConfigError, RewardFunctionError
 from rlhf_dist.lora import merged_adapters
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
