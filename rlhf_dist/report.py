@@ -46,7 +46,7 @@ PANEL_GROUPS = (
         "preference_optim",
         "DPO / KTO reference & optimizer",
         (
-            ("logps/chosen", "logps/rejected", "kto/kl"),
+            ("logprobs/chosen", "logprobs/rejected", "kto/kl"),
             ("dpo/grad_norm", "kto/grad_norm"),
             ("dpo/lr", "kto/lr"),
         ),

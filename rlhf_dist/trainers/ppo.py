@@ -73,8 +73,8 @@ class UpdateKnobs:
     reward penalty), and one gradient-norm limit per optimizer param group."""
 
     temperature: float
-    clip_eps: float | None  # None: clipping off
-    clip_eps_high: float | None  # None: clip_eps
+    clip_eps_low: float | None  # ppo.clip_eps_low, else ppo.clip_eps; None: clipping off
+    clip_eps_high: float | None  # ppo.clip_eps_high, else ppo.clip_eps
     dual_clip: float | None
     value_clip_eps: float | None
     vf_coef: float
@@ -161,7 +161,7 @@ def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: Updat
     log_ratio = None
     if knobs.ratio_level == "sequence":
         log_ratio = sequence_log_ratio(logprobs, old_logprobs, response_mask)
-    low = float("inf") if knobs.clip_eps is None else knobs.clip_eps
+    low = float("inf") if knobs.clip_eps_low is None else knobs.clip_eps_low
     if knobs.policy_loss == "cispo":
         high = low if knobs.clip_eps_high is None else knobs.clip_eps_high
         return cispo_terms(logprobs, old_logprobs, advantages, low, high, log_ratio)
@@ -430,13 +430,13 @@ def sample_rollout(
     return rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
 
 
-def overlong_stats(runtime, batch, loss_mask, cfg) -> dict:
-    """Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
+def overlong_stats(runtime, batch, trained_mask, cfg) -> dict:
+    """trained_mask (B, T): the response_mask the update sees. Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
     penalty (ppo.overlong=soft) over all ranks."""
     p, s = cfg.ppo, StatSums()
     B = batch.response_mask.shape[0]
     if p.overlong == "mask":
-        s.add("rollout/overlong_masked_rate", (~loss_mask.any(1)).float().sum(), B)
+        s.add("rollout/overlong_masked_rate", (~trained_mask.any(1)).float().sum(), B)
     if p.overlong == "soft":
         lengths = batch.response_mask.sum(1)
         penalty = overlong_penalty(lengths, cfg.generation.max_new_tokens, p.overlong_buffer)
@@ -476,12 +476,12 @@ def ppo_iteration(
     raw_advantages = advantages
     # DAPO overlong filtering: the advantages above saw whole groups; the loss does not
     # see truncated responses (docs/agents.md, "Objectives").
-    loss_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
-    overlong = overlong_stats(runtime, batch, loss_mask, cfg)
+    trained_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
+    overlong = overlong_stats(runtime, batch, trained_mask, cfg)
     if whitens(p):
-        moments = global_mean_var(runtime, advantages, loss_mask)
-        advantages = whiten_with(advantages, loss_mask, *moments)
-    batch.response_mask = loss_mask
+        moments = global_mean_var(runtime, advantages, trained_mask)
+        advantages = whiten_with(advantages, trained_mask, *moments)
+    batch.response_mask = trained_mask
     run.model.train()
     knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
     update_stats = ppo_update(runtime, run, batch, advantages, returns, knobs, it)
@@ -599,7 +599,7 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         built.scorer,
         stops,
         engine,
-        whole_weights=lambda: runtime.weights_whole(model, gather),
+        whole_weights=lambda: runtime.whole_weights(model, gather),
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:

@@ -141,7 +141,7 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
     facts = {"fetches": fetches[0], "restored": zero3_state(runtime, built.model) == before}
     grads = runtime.full_gradients(built.model)
     if whole:  # an error inside whole weights leaves ZeRO-3 as it was too
-        with contextlib.suppress(ArithmeticError), runtime.weights_whole(built.model):
+        with contextlib.suppress(ArithmeticError), runtime.whole_weights(built.model):
             raise ArithmeticError("raised inside whole weights")
         facts["restored"] &= zero3_state(runtime, built.model) == before
     inner = type(innermost_optimizer(built.optimizer))
