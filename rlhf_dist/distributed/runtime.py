@@ -166,9 +166,6 @@ class Runtime:
     def full_state_dict(self, model) -> dict | None:
         return training_state.full_state_dict(self.backend, model)
 
-    def full_gradients(self, model) -> dict[str, torch.Tensor]:
-        return training_state.full_gradients(self.backend, model)
-
     def gather_training_state(self, model, optimizer) -> dict | None:
         """World-size independent training state, on the main process (training_state.py)."""
         return training_state.gather_training_state(self.backend, model, optimizer)
