@@ -204,7 +204,8 @@ def test_yaml_file_that_is_not_a_mapping(tmp_path):
 
 def test_yaml_file_that_is_not_a_mapping_with_overrides(tmp_path):
     path = write(tmp_path, "- a\n- b\n")
-    config_error(load_config, path, ["run.seed=1"])
+    message = config_error(load_config, path, ["run.seed=1"])
+    assert str(path) in message and "mapping" in message
 
 
 def test_missing_and_unreadable_files(tmp_path):
@@ -232,6 +233,12 @@ def test_valid_configs_pass_every_stage():
     # 64 prompts / 2 ranks, 16-sequence minibatches of 2 ranks x 8.
     cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.micro_batch_size=8"])
     validate(cfg, "ppo", world_size=2)
+    # The same config is refused where the world size does not split it: the calls above
+    # passed because the checks hold, not because none ran.
+    with pytest.raises(ConfigError, match=r"world size=3 must divide ppo.rollout_batch_size"):
+        validate(cfg, "ppo", world_size=3)
+    with pytest.raises(ConfigError, match=r"^model.policy: required"):
+        validate(load_config(overrides=["data.train=t.jsonl"]), "sft")
 
 
 def test_ppo_minibatch_must_divide_rollout_batch():
@@ -329,7 +336,12 @@ def test_gspo_cispo_dapo_keys_refuse_bad_combinations(overrides, key):
     ],
 )
 def test_gspo_cispo_dapo_keys_accept_good_combinations(overrides):
-    validate(load_config(overrides=[*PPO_REQUIRED, *overrides]), "ppo")
+    cfg = load_config(overrides=[*PPO_REQUIRED, *overrides])
+    validate(cfg, "ppo")
+    for override in overrides:  # accepted as given: nothing was dropped or fixed up
+        name, _, text = override.partition("=")
+        value = getattr(cfg.ppo, name.removeprefix("ppo."))
+        assert str(value).lower() == {"null": "none"}.get(text, text).lower(), override
 
 
 def test_estimator_choices_come_from_the_registry():
