@@ -518,10 +518,10 @@ def test_describe_lists_every_key_with_type_default_choices_and_help():
         assert " ".join(f.metadata["help"].split()) in " ".join(text.split())
     lines = text.splitlines()
     # A nested section shows its own defaults (sft.optim.lr is 1e-3, OptimConfig's is 1e-4).
-    assert "  sft.optim.lr  float = 0.001" in lines
-    assert "  ppo.actor.lr  float = 1e-05" in lines
+    assert "  sft.optim.lr  float = 0.001  (> 0)" in lines
+    assert "  ppo.actor.lr  float = 1e-05  (> 0)" in lines
     assert '  ppo.kl_kind  str = "k1"  (one of: k1, k2, k3)' in lines
-    assert "  reward.clip  float or null = null" in lines
+    assert "  reward.clip  float or null = null  (> 0 or null)" in lines
     assert any(line.startswith("  lora.target_modules  list of str = [") for line in lines)
 
 
@@ -566,3 +566,92 @@ def test_reward_failure_keys_in_range():
     )
     validate(cfg, "ppo")
     assert (cfg.reward.retries, cfg.reward.retry_delay_s, cfg.reward.timeout_s) == (0, 0.0, 2.5)
+
+
+# --------------------------------------------------------------- ranges declared with the key
+
+
+def test_range_text_and_in_range_by_hand():
+    from rlhf_dist.config import in_range, range_text
+
+    assert range_text({"gt": 0}) == "> 0"
+    assert range_text({"min": 0}) == ">= 0"
+    assert range_text({"min": 0, "max": 1}) == "in [0, 1]"
+    assert range_text({"gt": 0, "max": 1}) == "in (0, 1]"
+    assert range_text({"min": 0, "lt": 0.5}) == "in [0, 0.5)"
+    assert range_text({}) == "finite"
+    assert in_range(1.0, {"min": 0, "max": 1}) and not in_range(1.0, {"min": 0, "lt": 1})
+    assert in_range(0.0, {"min": 0}) and not in_range(0.0, {"gt": 0})
+    assert not in_range(math.nan, {}) and not in_range(math.inf, {"gt": 0})
+
+
+def ranged_keys():
+    from rlhf_dist.config import _walk
+
+    return [(name, f, value) for name, f, _, value in _walk(Config()) if "range" in f.metadata]
+
+
+def outside(bounds: dict, value):
+    """A value just outside `bounds`, of the key's type (list keys: one bad item)."""
+    if "min" in bounds:
+        bad = bounds["min"] - 1
+    elif "gt" in bounds:
+        bad = bounds["gt"]
+    elif "max" in bounds:
+        bad = bounds["max"] + 1
+    elif "lt" in bounds:
+        bad = bounds["lt"]
+    else:
+        bad = math.nan
+    return (bad,) if isinstance(value, tuple) else bad
+
+
+def test_every_declared_range_is_enforced_naming_its_key():
+    keys = ranged_keys()
+    assert len(keys) > 80, len(keys)  # every key validate range-checked, and alerts
+    for name, f, value in keys:
+        section, _, leaf = name.rpartition(".")
+        parts = section.split(".")
+        bad = outside(f.metadata["range"], value)
+        if isinstance(value, int) and not isinstance(bad, tuple) and math.isfinite(bad):
+            bad = int(bad) if float(bad).is_integer() else bad
+        obj = Config()
+        chain = [obj]
+        for p in parts:
+            chain.append(getattr(chain[-1], p))
+        new = dataclasses.replace(chain[-1], **{leaf: bad})
+        for holder, p in zip(reversed(chain[:-1]), reversed(parts), strict=True):
+            new = dataclasses.replace(holder, **{p: new})
+        message = config_error(validate, new, "sft")
+        assert message.startswith(f"{name}: "), (name, message)
+        # and the default, inside its range, passes the same check
+        from rlhf_dist.config import check_keys
+
+        check_keys(obj)
+
+
+def test_alerts_section_is_validated():
+    cfg = load_config(overrides=[*SFT_REQUIRED, "alerts.clipfrac_max=1.5"])
+    assert config_error(validate, cfg, "sft").startswith("alerts.clipfrac_max: must be in (0, 1]")
+    cfg = load_config(overrides=[*SFT_REQUIRED, "alerts.window=0"])
+    assert config_error(validate, cfg, "sft").startswith("alerts.window: must be >= 1")
+
+
+def test_optional_ranged_keys_take_null_and_list_keys_each_item():
+    validate(
+        load_config(overrides=[*PPO_REQUIRED, "ppo.clip_eps=null", "reward.timeout_s=null"]), "ppo"
+    )
+    cfg = load_config(overrides=[*PPO_REQUIRED, "generation.stop_token_ids=[3,-1]"])
+    assert (
+        config_error(validate, cfg, "ppo")
+        == "generation.stop_token_ids: each must be >= 0, got [3, -1]"
+    )
+    cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.tis_cap=0"])
+    assert config_error(validate, cfg, "ppo").startswith("ppo.tis_cap: must be > 0 or null")
+
+
+def test_config_listing_shows_ranges():
+    lines = describe("ppo").splitlines()
+    assert any(line.startswith("  ppo.gamma  float = 1.0  (in [0, 1])") for line in lines), lines
+    assert "(each >= 0)" in describe("generation.stop_token_ids")
+    assert "(one of: wandb, tensorboard)" in describe("run.trackers")
