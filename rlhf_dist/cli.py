@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="{sft,rm,ppo,dpo,kto,eval,iterate,demo,report,config}",
     )
+    _add_stages(sub)
+    _add_demo(sub)
+    _add_report_and_config(sub)
+    return parser
+
+
+def _add_stages(sub) -> None:
+    """One subcommand per stage runner: --config, --resume (not eval), overrides."""
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
         p.add_argument(
@@ -58,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                 help="continue from the latest checkpoint in run.output_dir (auto) or from PATH",
             )
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+
+def _add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo",
         help="offline end-to-end demo: SFT -> RM -> PPO -> eval on a generated task",
@@ -85,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="section.key=value overrides applied to every stage they concern "
         "(e.g. generation.backend=vllm)",
     )
+
+
+def _add_report_and_config(sub) -> None:
     report = sub.add_parser(
         "report",
         help="PNG plots and an HTML page of a run (or of a directory of runs, e.g. the demo's)",
@@ -104,7 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument(
         "section", nargs="?", default="", help="a section (ppo), subsection (ppo.actor) or key"
     )
-    return parser
 
 
 def _run_stage(name: str, args) -> int:
