@@ -673,34 +673,20 @@ def train_ppo(cfg, runtime) -> dict:
     """Run PPO as configured; returns the summary written to summary.json."""
     ckpt, p = find_resume(cfg, runtime), cfg.ppo
     run = start_ppo(cfg, runtime, ckpt)
-    d = cfg.data
-    prompts = prompt_set(
-        load_rows(d.train, "data.train", d.split), run.tokenizer, d, f"data.train {d.train!r}"
-    )
-    if len(prompts.ids) < p.rollout_batch_size:
-        raise ConfigError(
-            f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"
-        )
+    prompts = training_prompts(cfg, run.tokenizer)
     out, logger = open_run(cfg, runtime, "ppo", ckpt, p.iterations)
     runtime.print(prompts.report.summary("prompts"))
     start = ckpt.step if ckpt else 0
     runtime.seed_per_rank(cfg.run.seed)
     if ckpt:
         ckpt.restore_rng(cfg.run.seed)
-    stream = prompt_stream(
-        prompts,
-        run.plan,
-        runtime,
-        cfg.run.seed,
-        run.tokenizer.pad_token_id,
-        start,
-        cfg.debug.overfit_one_batch,
-    )
+    pad = run.tokenizer.pad_token_id
+    overfit = cfg.debug.overfit_one_batch
+    stream = prompt_stream(prompts, run.plan, runtime, cfg.run.seed, pad, start, overfit)
     first_score = ckpt.trainer["first_score"] if ckpt else None
     preemption, alerts, stats = PreemptionFlag(), AlertMonitor(cfg.alerts), {}
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
-    pad = run.tokenizer.pad_token_id
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
         rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
         more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
@@ -730,3 +716,16 @@ def train_ppo(cfg, runtime) -> dict:
     write_summary(runtime, out, summary)
     logger.close()
     return summary
+
+
+def training_prompts(cfg, tokenizer):
+    """data.train's usable prompts (`data.prompt_set`); at least one rollout batch of them."""
+    d, p = cfg.data, cfg.ppo
+    prompts = prompt_set(
+        load_rows(d.train, "data.train", d.split), tokenizer, d, f"data.train {d.train!r}"
+    )
+    if len(prompts.ids) < p.rollout_batch_size:
+        raise ConfigError(
+            f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"
+        )
+    return prompts
