@@ -474,14 +474,7 @@ def ppo_iteration(
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
     raw_advantages = advantages
-    # DAPO overlong filtering: the advantages above saw whole groups; the loss does not
-    # see truncated responses (docs/agents.md, "Objectives").
-    trained_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
-    overlong = overlong_stats(runtime, batch, trained_mask, cfg)
-    if whitens(p):
-        moments = global_mean_var(runtime, advantages, trained_mask)
-        advantages = whiten_with(advantages, trained_mask, *moments)
-    batch.response_mask = trained_mask
+    advantages, batch.response_mask, overlong = trained_advantages(runtime, batch, advantages, cfg)
     run.model.train()
     knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
     update_stats = ppo_update(runtime, run, batch, advantages, returns, knobs, it)
@@ -499,10 +492,30 @@ def ppo_iteration(
     stats |= update_stats
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
-    prompts = [prompt_text(p) for p in prompt_texts]  # conversations as readable text
+    samples = sample_rows(prompt_texts, texts, batch, kl)[: cfg.run.num_samples]
+    return IterationResult(stats, distributions, samples)
+
+
+def trained_advantages(runtime, batch, advantages, cfg):
+    """(advantages, trained_mask, overlong statistics) the update sees: with DAPO's overlong
+    filtering (ppo.overlong=mask) truncated responses leave the mask AFTER the advantages,
+    which saw whole groups (docs/agents.md, "Objectives"); then whitening over all ranks'
+    trained tokens when `whitens`. advantages, trained_mask: (B, T)."""
+    p, mask = cfg.ppo, batch.response_mask
+    trained_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
+    overlong = overlong_stats(runtime, batch, trained_mask, cfg)
+    if whitens(p):
+        moments = global_mean_var(runtime, advantages, trained_mask)
+        advantages = whiten_with(advantages, trained_mask, *moments)
+    return advantages, trained_mask, overlong
+
+
+def sample_rows(prompt_texts, texts, batch, kl) -> list[dict]:
+    """The samples table's rows: prompt (conversations as readable text), response, score,
+    the response's summed KL (kl: (B, T) per-token)."""
+    prompts = [prompt_text(p) for p in prompt_texts]
     rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
-    samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
-    return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
+    return [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
 
 
 def advantage_inputs(rewards, batch, group_size: int, ppo_cfg) -> AdvantageInputs:
