@@ -113,7 +113,7 @@ def _add_report_and_config(sub) -> None:
         "config",
         help="list the config keys: section.key, type, default, meaning",
         description="Print every config key of SECTION (all sections without one) as "
-        "section.key, its type, default, choices and meaning.",
+        "section.key, its type, default, choices or range, and meaning.",
     )
     config.add_argument(
         "section", nargs="?", default="", help="a section (ppo), subsection (ppo.actor) or key"

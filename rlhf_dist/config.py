@@ -1,13 +1,14 @@
 """Run configuration: frozen dataclasses, one per section, from YAML plus `a.b=c` overrides.
 
 Every mistake a user can make in a config (unknown key, wrong type, a value outside its
-choices, an impossible combination) raises `ConfigError` with a one-line message naming
+choices or range, an impossible combination) raises `ConfigError` with a one-line message naming
 the key, before any model is loaded. Config objects are never written to at run time;
 numbers derived from them (per-rank batch sizes, accumulation steps) live in
 `rlhf_dist.batching`.
 
-Each key is declared once, with `key(default, help, choices=...)`: its meaning lives there
-and nowhere else, `rlhf-dist config [SECTION]` prints it (`describe`), and a unit test fails
+Each key is declared once, with `key(default, help, choices=..., min=/max=/gt=/lt=)`: its
+meaning and its range live there and nowhere else (`validate` checks them, then only the
+rules between keys), `rlhf-dist config [SECTION]` prints it (`describe`), and a unit test fails
 for a key without help. A new key is one such line in its section's dataclass.
 """
 
@@ -1035,7 +1036,7 @@ def _walk(section: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, 
 
 def describe(section: str = "") -> str:
     """Every key under `section` ("" = all; "ppo", "ppo.actor" or one key) with its type,
-    default, choices and meaning: the text of `rlhf-dist config [SECTION]`."""
+    default, choices or range, and meaning: the text of `rlhf-dist config [SECTION]`."""
     entries = [e for e in _walk(Config()) if not section or f"{e[0]}.".startswith(f"{section}.")]
     if not entries:
         known = ", ".join(f.name for f in dataclasses.fields(Config))
