@@ -431,8 +431,9 @@ def sample_rollout(
 
 
 def overlong_stats(runtime, batch, trained_mask, cfg) -> dict:
-    """trained_mask (B, T): the response_mask the update sees. Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
-    penalty (ppo.overlong=soft) over all ranks."""
+    """Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
+    penalty (ppo.overlong=soft) over all ranks; trained_mask (B, T): the response_mask
+    the update sees."""
     p, s = cfg.ppo, StatSums()
     B = batch.response_mask.shape[0]
     if p.overlong == "mask":
