@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 
 
 class AlertMonitor:

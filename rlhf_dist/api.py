@@ -67,7 +67,7 @@ def config_of(config=None, overrides=()) -> Config:
                 value = {part: value}
             tree = _deep_merge(tree, value, str(name))
     else:
-        from rlhf_dist.config import ConfigError
+        from rlhf_dist.errors import ConfigError
 
         raise ConfigError(f"config: expected a Config, a YAML path or a dict, not {config!r}")
     for override in overrides:

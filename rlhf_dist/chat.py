@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 

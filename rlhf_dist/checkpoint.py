@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.files import atomic_write_text, fsync_dir, fsync_file
 
 FORMAT = 1

@@ -13,8 +13,9 @@ import dataclasses
 import os
 import sys
 
-from rlhf_dist.config import Config  # the section names for --help
-from rlhf_dist.demo.pipeline import ALGORITHMS
+from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
+from rlhf_dist.errors import Preempted, TrainingDiverged, UserError
+from rlhf_dist.names import DEMO_ALGORITHMS
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
@@ -44,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="{sft,rm,ppo,dpo,kto,eval,iterate,demo,report,config}",
     )
+    _add_stages(sub)
+    _add_demo(sub)
+    _add_report_and_config(sub)
+    return parser
+
+
+def _add_stages(sub) -> None:
+    """One subcommand per stage runner: --config, --resume (not eval), overrides."""
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
         p.add_argument(
@@ -57,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                 help="continue from the latest checkpoint in run.output_dir (auto) or from PATH",
             )
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+
+def _add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo",
         help="offline end-to-end demo: SFT -> RM -> PPO -> eval on a generated task",
@@ -69,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--algorithm",
         default="ppo",
-        choices=ALGORITHMS,
+        choices=DEMO_ALGORITHMS,
         help="the alignment stage: ppo (default) or a critic-free estimator (grpo, rloo, "
         "reinforce_pp, reinforce_pp_baseline): SFT -> RM -> it -> eval; dpo / kto: SFT -> "
         "DPO or KTO on the preference pairs -> eval; iterative: SFT -> 2 rounds of "
@@ -84,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="section.key=value overrides applied to every stage they concern "
         "(e.g. generation.backend=vllm)",
     )
+
+
+def _add_report_and_config(sub) -> None:
     report = sub.add_parser(
         "report",
         help="PNG plots and an HTML page of a run (or of a directory of runs, e.g. the demo's)",
@@ -98,22 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="list the config keys: section.key, type, default, meaning",
         description="Print every config key of SECTION (all sections without one) as "
-        "section.key, its type, default, choices and meaning.",
+        "section.key, its type, default, choices or range, and meaning.",
     )
     config.add_argument(
         "section", nargs="?", default="", help="a section (ppo), subsection (ppo.actor) or key"
     )
-    return parser
 
 
 def _run_stage(name: str, args) -> int:
-    from rlhf_dist import api
     from rlhf_dist.config import load_config
 
     overrides = list(args.overrides) + (
         [f"run.resume={args.resume}"] if getattr(args, "resume", None) else []
     )
-    api.run(name, load_config(args.config, overrides))
+    cfg = load_config(args.config, overrides)  # before torch loads: config errors are instant
+    from rlhf_dist import api
+
+    api.run(name, cfg)
     api.close()
     return 0
 
@@ -125,19 +141,14 @@ def _duplicate_error() -> bool:
     and raises the same error; one line per machine is enough (each machine may see its
     own files). Once they can talk, an error may be one rank's alone, so every rank prints.
     """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group either
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return False
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) != 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from rlhf_dist.config import UserError
-    from rlhf_dist.distributed import TrainingDiverged
-    from rlhf_dist.trainers.common import Preempted
-
     try:
         if args.command == "demo":
             from rlhf_dist.demo.pipeline import run_demo

@@ -27,7 +27,7 @@ from rlhf_dist.chat import (
     check_prompt_turns,
     stop_token_ids,
 )
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

@@ -20,9 +20,9 @@ from rlhf_dist import inputs
 from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.chat import prompt_text
-from rlhf_dist.config import RewardFunctionError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.errors import RewardFunctionError
 from rlhf_dist.models import ActorCritic, load_causal_lm, policy_stop_ids, tokenizer_for
 from rlhf_dist.rollout import (
     RolloutModels,

@@ -24,7 +24,7 @@ def is_python(spec: object) -> bool:
 
 def lookup(spec: str, key: str) -> object:
     """The object registered under `spec`; a ConfigError naming `key` if there is none."""
-    from rlhf_dist.config import ConfigError
+    from rlhf_dist.errors import ConfigError
 
     if spec not in _objects:
         raise ConfigError(
@@ -36,7 +36,7 @@ def lookup(spec: str, key: str) -> object:
 
 def resolve_callable(spec: str, key: str):
     """The callable a config names: `module:callable` imported, or a `python:` spec."""
-    from rlhf_dist.config import ConfigError
+    from rlhf_dist.errors import ConfigError
 
     if is_python(spec):
         fn = lookup(spec, key)

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import torch
 
 from rlhf_dist.chat import Chat, stop_token_ids
-from rlhf_dist.config import RewardFunctionError
 from rlhf_dist.data import left_pad
+from rlhf_dist.errors import RewardFunctionError
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 

@@ -13,7 +13,7 @@ import contextlib
 import torch
 from torch import nn
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import sub_state_dict
 
 

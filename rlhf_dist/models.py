@@ -22,8 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
 from rlhf_dist.chat import chat_for, stop_token_ids
-from rlhf_dist.config import ConfigError, ModelConfig
+from rlhf_dist.config import ModelConfig
 from rlhf_dist.distributed.zero3 import stays_whole
+from rlhf_dist.errors import ConfigError
 
 # Names classification heads go by in transformers (Llama/GPT-2/Mistral: score;
 # BERT-likes: classifier). A head missing from a checkpoint must fail loudly

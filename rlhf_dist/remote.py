@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.retry import call_with_retries
 
 DEFAULT_TIMEOUT_S = 60.0

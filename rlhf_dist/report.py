@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 
 # (file stem, title, panels): each panel is one axes with the series named; a group is
 # drawn when any of its series has a value. Known names: docs/metrics.md.
@@ -46,7 +46,7 @@ PANEL_GROUPS = (
         "preference_optim",
         "DPO / KTO reference & optimizer",
         (
-            ("logps/chosen", "logps/rejected", "kto/kl"),
+            ("logprobs/chosen", "logprobs/rejected", "kto/kl"),
             ("dpo/grad_norm", "kto/grad_norm"),
             ("dpo/lr", "kto/lr"),
         ),

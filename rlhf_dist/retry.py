@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rlhf_dist.config import RewardFunctionError
+from rlhf_dist.errors import RewardFunctionError
 
 
 class CallTimeout(Exception):

@@ -273,23 +273,8 @@ def collect_rollout(
         response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
         texts = decode_responses(tokenizer, response_ids, response_mask, eos)
         with models.whole_weights():  # nested under hf: already whole
-            parts = [
-                _score_chunk(
-                    models,
-                    prompt_ids[s],
-                    prompt_mask[s],
-                    response_ids[s],
-                    response_mask[s],
-                    prompt_texts[s],
-                    texts[s],
-                    gen.temperature,
-                    old_logprobs,
-                )
-                for s in chunks
-            ]
-    merged = {
-        k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]
-    }
+            sequences = (prompt_ids, prompt_mask, response_ids, response_mask, prompt_texts, texts)
+            merged = _score_chunks(models, sequences, chunks, gen.temperature, old_logprobs)
     scores = scores_with_eos_penalty(merged["raw_scores"], finished, cfg.reward.missing_eos_penalty)
     if timings is not None:  # seconds spent generating, and scoring with the four models
         timings |= {"generate": generated - start, "score": time.perf_counter() - generated}
@@ -304,6 +289,16 @@ def collect_rollout(
         **merged,
     )
     return batch, texts
+
+
+def _score_chunks(models: RolloutModels, sequences, chunks, temperature, old_logprobs) -> dict:
+    """`_score_chunk` on each chunk (a slice of rows) of `sequences` (prompt ids, prompt
+    mask, response ids, response mask, prompt texts, response texts), joined back into
+    one batch's fields (None where the chunks have none)."""
+    parts = [
+        _score_chunk(models, *(x[s] for x in sequences), temperature, old_logprobs) for s in chunks
+    ]
+    return {k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokenizer):

@@ -17,9 +17,9 @@ import torch
 from rlhf_dist import diagnostics as diag
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.chat import BadRow, Chat, is_stop, stop_token_ids
-from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.data import close_with_stop, encode_response, right_pad
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.errors import ConfigError, RewardFunctionError
 from rlhf_dist.inputs import resolve_callable
 from rlhf_dist.models import (
     ValueModel,

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.rollout import generate, pad_columns, truncate_after_eos
 
 _MISSING = (

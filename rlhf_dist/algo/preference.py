@@ -111,8 +111,8 @@ def kto_reference_point(logratio_sum: torch.Tensor, count) -> torch.Tensor:
 
 
 def kto_terms(
-    policy_logps: torch.Tensor,
-    ref_logps: torch.Tensor,
+    policy_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
     desirable: torch.Tensor,
     reference_point: torch.Tensor,
     beta: float,
@@ -121,13 +121,13 @@ def kto_terms(
 ) -> dict[str, torch.Tensor]:
     """Per-example KTO loss lambda_y - v(x, y) (Ethayarajh et al. 2024, section 4.1); (B,).
 
-    policy_logps, ref_logps: (B,) sequence log-prob sums; desirable: (B,) bool label;
+    policy_logprobs, ref_logprobs: (B,) sequence log-prob sums; desirable: (B,) bool label;
     reference_point: 0-dim z0 from `kto_reference_point`. With r = log pi - log pi_ref:
     v = lambda_D sigmoid(beta (r - z0)) for desirable examples and lambda_U sigmoid(beta (z0 - r))
     for undesirable ones (lambda_D = desirable_weight, lambda_U = undesirable_weight), so
     each loss lies in [0, lambda_y]. Returns `loss` and `rewards` = beta * r (detached).
     """
-    logratio = policy_logps - ref_logps
+    logratio = policy_logprobs - ref_logprobs
     z0 = reference_point.detach()
     desirable = desirable.bool()
     signed = torch.where(desirable, logratio - z0, z0 - logratio)
@@ -143,25 +143,27 @@ def kto_terms(
 
 
 def kto_loss(
-    policy_logps: torch.Tensor,
-    ref_logps: torch.Tensor,
+    policy_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
     desirable: torch.Tensor,
-    kl_policy_logps: torch.Tensor,
-    kl_ref_logps: torch.Tensor,
+    kl_policy_logprobs: torch.Tensor,
+    kl_ref_logprobs: torch.Tensor,
     beta: float,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean KTO loss of one batch, z0 estimated from the batch's mismatched pairs.
 
-    policy_logps, ref_logps, desirable: (B,) of the labelled examples; kl_policy_logps,
-    kl_ref_logps: (K,) sequence log-prob sums of the K mismatched (prompt, completion) pairs.
+    policy_logprobs, ref_logprobs, desirable: (B,) of the labelled examples; kl_policy_logprobs,
+    kl_ref_logprobs: (K,) sequence log-prob sums of the K mismatched (prompt, completion) pairs.
     Returns (loss, stats), 0-dim: stats `kl` (z0), `desirable_rewards` and
     `undesirable_rewards` (mean implicit reward of each class; NaN if the batch has none).
     """
-    z0 = kto_reference_point((kl_policy_logps - kl_ref_logps).sum(), kl_policy_logps.numel())
+    z0 = kto_reference_point(
+        (kl_policy_logprobs - kl_ref_logprobs).sum(), kl_policy_logprobs.numel()
+    )
     terms = kto_terms(
-        policy_logps, ref_logps, desirable, z0, beta, desirable_weight, undesirable_weight
+        policy_logprobs, ref_logprobs, desirable, z0, beta, desirable_weight, undesirable_weight
     )
     rewards, desirable = terms["rewards"], desirable.bool()
     stats = {

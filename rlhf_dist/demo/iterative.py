@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, validate
 from rlhf_dist.demo import task
-from rlhf_dist.demo.pipeline import GOLD, rl_section, stage_configs, with_overrides
+from rlhf_dist.demo.pipeline import GOLD, rl_section, stage_configs, task_and_models, with_overrides
 
 
 def iterate_tree(root: Path, trees: dict, files: task.TaskFiles, seed: int, quick: bool) -> dict:
@@ -51,10 +51,7 @@ def run_iterative_demo(output_dir: str, seed: int = 0, quick: bool = False, over
 
     quiet_transformers()
     start, root = time.time(), Path(output_dir)
-    files = task.write_task(root / "task", seed=seed)
-    models = task.build_tiny_models(
-        root / "models", task.build_tokenizer(files.tokenizer_dir), size="tiny", seed=seed
-    )
+    files, models = task_and_models(root, seed)
     trees = stage_configs(root, files, models, seed, quick)
     trees["iterate"] = iterate_tree(root, trees, files, seed, quick)
     trees = with_overrides({k: trees[k] for k in ("sft", "iterate")}, overrides)

@@ -11,15 +11,25 @@ import json
 import time
 from pathlib import Path
 
-from rlhf_dist.config import ConfigError, apply_override, config_from_dict, validate
+from rlhf_dist.config import apply_override, config_from_dict, validate
 from rlhf_dist.demo import task
+from rlhf_dist.errors import ConfigError
+from rlhf_dist.names import (
+    DEMO_ALGORITHMS,
+    DEMO_ITERATIVE,
+    DEMO_OBJECTIVES,
+    DEMO_OFFLINE,
+    DEMO_RL_ALGORITHMS,
+)
 
 GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 
-# The on-policy algorithms the demo runs with `rlhf-dist ppo` and a reward model: PPO
-# (GAE with a critic) and the critic-free estimators, each its own ppo.estimator, then the
-# objectives on GRPO's estimator (OBJECTIVE_PRESETS).
-RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# The algorithms' names live in rlhf_dist/names.py (the CLI's choices, torch-free): the
+# on-policy ones the demo runs with `rlhf-dist ppo` and a reward model (PPO, the
+# critic-free estimators, each its own ppo.estimator, then the objectives below on GRPO's
+# estimator), the offline ones (`rlhf-dist dpo` / `kto`) and iterative RLHF.
+RL_ALGORITHMS, OFFLINE, ITERATIVE = DEMO_RL_ALGORITHMS, DEMO_OFFLINE, DEMO_ITERATIVE
+ALGORITHMS = DEMO_ALGORITHMS
 # GSPO, CISPO and DAPO: the ppo keys each preset sets over GRPO's (docs/agents.md,
 # "Objectives"; README, "Algorithms on the demo", has the measured figures).
 OBJECTIVE_PRESETS = {
@@ -42,12 +52,7 @@ OBJECTIVE_PRESETS = {
         "overlong_buffer": 8,
     },
 }
-RL_ALGORITHMS += tuple(OBJECTIVE_PRESETS)
-# The offline preference algorithms: `rlhf-dist dpo` / `kto` on the preference pairs.
-OFFLINE = ("dpo", "kto")
-# Iterative RLHF (rlhf_dist/iterative.py): SFT, then rounds of pairs -> RM -> PPO.
-ITERATIVE = ("iterative",)
-ALGORITHMS = RL_ALGORITHMS + OFFLINE + ITERATIVE
+assert tuple(OBJECTIVE_PRESETS) == DEMO_OBJECTIVES  # one list of the presets' names
 
 
 def rl_section(algorithm: str, scale: float) -> dict:
@@ -70,6 +75,14 @@ def rl_section(algorithm: str, scale: float) -> dict:
     return {**common, "estimator": algorithm, **groups}
 
 
+def step_loop_stage(stage: str, run: dict, model: dict, data: dict, epochs: int, lr: float) -> dict:
+    """The tree of a demo stage on the SFT/RM step loop: 32 rows per step, one micro-batch,
+    a cosine schedule after 10 warmup steps."""
+    optim = {"lr": lr, "schedule": "cosine", "warmup_steps": 10}
+    section = {"epochs": epochs, "batch_size": 32, "micro_batch_size": 32, "optim": optim}
+    return {"run": run, "model": model, "data": data, stage: section}
+
+
 def stage_configs(
     root: Path, files: task.TaskFiles, models: dict, seed: int, quick: bool, algorithm: str = "ppo"
 ) -> dict:
@@ -87,29 +100,17 @@ def stage_configs(
     gen = {"max_new_tokens": 24, "temperature": 0.7}
     sft_policy, rm_path = str(root / "sft" / "final"), str(root / "rm" / "final")
     scale = 0.1 if quick else 1.0
+    prefs = {"train": str(files.prefs_train), "eval": str(files.prefs_eval)}
     return {
-        "sft": {
-            "run": run("sft"),
-            "model": {"policy": str(models["policy"])},
-            "data": {**data, "train": str(files.sft)},
-            "sft": {
-                "epochs": 3,
-                "batch_size": 32,
-                "micro_batch_size": 32,
-                "optim": {"lr": 3e-3, "schedule": "cosine", "warmup_steps": 10},
-            },
-        },
-        "rm": {
-            "run": run("rm"),
-            "model": {"policy": sft_policy},
-            "data": {**data, "train": str(files.prefs_train), "eval": str(files.prefs_eval)},
-            "rm": {
-                "epochs": 2,
-                "batch_size": 32,
-                "micro_batch_size": 32,
-                "optim": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 10},
-            },
-        },
+        "sft": step_loop_stage(
+            "sft",
+            run("sft"),
+            {"policy": str(models["policy"])},
+            {**data, "train": str(files.sft)},
+            3,
+            3e-3,
+        ),
+        "rm": step_loop_stage("rm", run("rm"), {"policy": sft_policy}, {**data, **prefs}, 2, 1e-3),
         algorithm: {
             "run": run(algorithm),
             "model": {"policy": sft_policy, "reward": rm_path},
@@ -183,9 +184,7 @@ def run_demo(
     quiet_transformers()
     start = time.time()
     root = Path(output_dir)
-    files = task.write_task(root / "task", seed=seed)
-    tokenizer = task.build_tokenizer(files.tokenizer_dir)
-    models = task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed)
+    files, models = task_and_models(root, seed)
     trees = with_overrides(stage_configs(root, files, models, seed, quick, algorithm), overrides)
     configs = {name: config_from_dict(tree) for name, tree in trees.items()}
     for name, cfg in configs.items():
@@ -206,12 +205,24 @@ def run_demo(
     aligned = run_eval(aligned_cfg, runtime)
     summary = demo_summary(files, rm, sft_eval, {algorithm: aligned}, time.time() - start)
     if runtime.is_main:
-        (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        say(format_summary(summary, root, algorithm))
-        from rlhf_dist.report import build_report
-
-        say(f"   report: {build_report(root)}")
+        finish(runtime, root, summary, format_summary(summary, root, algorithm))
     return summary
+
+
+def task_and_models(root: Path, seed: int) -> tuple[task.TaskFiles, dict]:
+    """The demo task's files under root/task and its tiny models under root/models."""
+    files = task.write_task(root / "task", seed=seed)
+    tokenizer = task.build_tokenizer(files.tokenizer_dir)
+    return files, task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed)
+
+
+def finish(runtime, root: Path, summary: dict, text: str) -> None:
+    """Main process: root/summary.json, the results `text` printed, then the report."""
+    (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    runtime.print(text)
+    from rlhf_dist.report import build_report
+
+    runtime.print(f"   report: {build_report(root)}")
 
 
 def _with_output(cfg, output_dir: Path, policy: str | None = None):
@@ -299,18 +310,7 @@ def run_offline_demo(
 
     quiet_transformers()
     start, root = time.time(), Path(output_dir)
-    files = task.write_task(root / "task", seed=seed)
-    models = task.build_tiny_models(
-        root / "models", task.build_tokenizer(files.tokenizer_dir), size="tiny", seed=seed
-    )
-    trees = stage_configs(root, files, models, seed, quick)
-    trees["eval"]["model"].pop("reward")
-    trees["eval"]["reward"] = {"function": GOLD_AS_SCORE}
-    trees[algorithm] = offline_stage_config(root, files, seed, algorithm)
-    trees = with_overrides(trees, overrides)
-    configs = {name: config_from_dict(trees[name]) for name in ("sft", algorithm, "eval")}
-    for name, cfg in configs.items():
-        validate(cfg, name)
+    files, configs = offline_demo_configs(root, algorithm, seed, quick, overrides)
     runtime = Runtime(seed=seed)
     runtime.print(f"== demo task written to {files.root}; stage 1/3: SFT")
     train_sft(configs["sft"], runtime)
@@ -325,16 +325,31 @@ def run_offline_demo(
     summary = {name: {k: ev[k] for k in keys} for name, ev in evals.items()}
     summary |= {"algorithm": algorithm, "wall_seconds": round(time.time() - start, 1)}
     if runtime.is_main:
-        (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        sft, new = summary["sft"], summary[algorithm]
-        runtime.print(
-            f"\n== demo results (held-out prompts; gold = the task's true reward in [0, 1])\n"
-            f"   gold reward   SFT {sft['gold_reward']:.3f}  ->  {algorithm.upper()} {new['gold_reward']:.3f}\n"
-            f"   KL to SFT     {algorithm.upper()} {new['kl_to_ref']:.2f} nats per response\n"
-            f"   wall time     {summary['wall_seconds']:.0f} s\n"
-            f"   summary: {root / 'summary.json'}"
-        )
-        from rlhf_dist.report import build_report
-
-        runtime.print(f"   report: {build_report(root)}")
+        finish(runtime, root, summary, _offline_results(root, summary, algorithm))
     return summary
+
+
+def offline_demo_configs(root: Path, algorithm: str, seed: int, quick: bool, overrides=()):
+    """The task files (written under root/task, tiny models under root/models) and the
+    validated configs of the offline demo's sft, `algorithm` and eval stages."""
+    files, models = task_and_models(root, seed)
+    trees = stage_configs(root, files, models, seed, quick)
+    trees["eval"]["model"].pop("reward")
+    trees["eval"]["reward"] = {"function": GOLD_AS_SCORE}
+    trees[algorithm] = offline_stage_config(root, files, seed, algorithm)
+    trees = with_overrides(trees, overrides)
+    configs = {name: config_from_dict(trees[name]) for name in ("sft", algorithm, "eval")}
+    for name, cfg in configs.items():
+        validate(cfg, name)
+    return files, configs
+
+
+def _offline_results(root: Path, summary: dict, algorithm: str) -> str:
+    sft, new = summary["sft"], summary[algorithm]
+    return (
+        f"\n== demo results (held-out prompts; gold = the task's true reward in [0, 1])\n"
+        f"   gold reward   SFT {sft['gold_reward']:.3f}  ->  {algorithm.upper()} {new['gold_reward']:.3f}\n"
+        f"   KL to SFT     {algorithm.upper()} {new['kl_to_ref']:.2f} nats per response\n"
+        f"   wall time     {summary['wall_seconds']:.0f} s\n"
+        f"   summary: {root / 'summary.json'}"
+    )

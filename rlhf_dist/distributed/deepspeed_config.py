@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 
 
 def fill_deepspeed_config(

@@ -15,10 +15,7 @@ import torch
 from rlhf_dist.distributed import zero3
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row (or a corrupted DeepSpeed step): the run stops."""
+from rlhf_dist.errors import TrainingDiverged
 
 
 class NumericalGuard:

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 
 import torch
 
-from rlhf_dist.config import ConfigError
+from rlhf_dist.distributed import zero3
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max, any_rank
-from rlhf_dist.distributed.zero3 import whole_bytes, whole_weights
+from rlhf_dist.distributed.zero3 import whole_bytes
+from rlhf_dist.errors import ConfigError
 
 
 def prepare_frozen(
@@ -121,17 +122,17 @@ def generation_context(
     elif not gather:
         yield target, (functools.partial(any_rank, backend) if backend.world_size > 1 else None)
     else:
-        with whole_weights(model):
+        with zero3.whole_weights(model):
             yield target, None
 
 
-def weights_whole(backend: Backend, model, enabled: bool = True):
+def whole_weights(backend: Backend, model, enabled: bool = True):
     """Context: under ZeRO-3 (and `enabled`), every weight of trained `model` whole on
     every rank for the body, gathered in one collective, ZeRO-3's per-module hooks off
     (zero3.whole_weights); otherwise a no-op. Every rank enters together."""
     if backend.zero_stage != 3 or not enabled:
         return contextlib.nullcontext()
-    return whole_weights(model)
+    return zero3.whole_weights(model)
 
 
 # Engine -> whether its training steps gather it whole (decided once per engine).
@@ -154,7 +155,7 @@ def training_weights(backend: Backend, model, setting: str = "auto", name: str =
             how = "gathered whole per optimizer step" if whole else "fetched layer by layer"
             gib = nbytes / 2**30
             print(f"distributed.gather_for_training=auto: {name} {how} ({gib:.2f} GiB)", flush=True)
-    return weights_whole(backend, model, _TRAINING_GATHER[model])
+    return whole_weights(backend, model, _TRAINING_GATHER[model])
 
 
 @contextlib.contextmanager

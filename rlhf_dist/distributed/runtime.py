@@ -114,10 +114,10 @@ class Runtime:
         """Yield (module, keep_in_step) for `rollout.generate` (inference.py)."""
         return inference.generation_context(self.backend, model, submodule, gather)
 
-    def weights_whole(self, model, enabled: bool = True):
+    def whole_weights(self, model, enabled: bool = True):
         """Context: under ZeRO-3, `model`'s weights whole on every rank (one gather, no
         per-layer fetching) for the body, e.g. a rollout's scoring (inference.py)."""
-        return inference.weights_whole(self.backend, model, enabled)
+        return inference.whole_weights(self.backend, model, enabled)
 
     def training_weights(self, model, setting: str = "auto", name: str = "model"):
         """Context around `model`'s training steps: under ZeRO-3, per
@@ -165,9 +165,6 @@ class Runtime:
     # ------------------------------------------------------- full / consolidated state
     def full_state_dict(self, model) -> dict | None:
         return training_state.full_state_dict(self.backend, model)
-
-    def full_gradients(self, model) -> dict[str, torch.Tensor]:
-        return training_state.full_gradients(self.backend, model)
 
     def gather_training_state(self, model, optimizer) -> dict | None:
         """World-size independent training state, on the main process (training_state.py)."""

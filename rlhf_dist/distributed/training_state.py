@@ -18,18 +18,6 @@ def full_state_dict(backend: Backend, model) -> dict | None:
     return state if backend.is_main else None
 
 
-def full_gradients(backend: Backend, model) -> dict[str, torch.Tensor]:
-    """{name: full gradient} of the trainable parameters, after backward and before the
-    optimizer step (under ZeRO-3 the partitions are gathered: every rank must call)."""
-    named = [(n, p) for n, p in backend.unwrap(model).named_parameters() if p.requires_grad]
-    if backend.zero_stage is None:
-        return {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
-    from deepspeed.utils import safe_get_full_grad
-
-    grads = {n: safe_get_full_grad(p) for n, p in named}
-    return {n: g.detach().float().clone() for n, g in grads.items() if g is not None}
-
-
 def gather_training_state(backend: Backend, model, optimizer) -> dict | None:
     """World-size independent training state, on the main process (None elsewhere).
 

@@ -12,12 +12,8 @@ import torch
 from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
 from rlhf_dist.config import Config, to_dict
-from rlhf_dist.distributed import TrainingDiverged
+from rlhf_dist.errors import Preempted, TrainingDiverged  # noqa: F401 (Preempted re-exported)
 from rlhf_dist.models import DTYPES, enable_gradient_checkpointing, sub_state_dict, upcast_trainable
-
-
-class Preempted(Exception):
-    """SIGTERM arrived; a checkpoint was written and the run stopped cleanly (exit 0)."""
 
 
 class PreemptionFlag:

@@ -15,8 +15,8 @@ import torch
 
 from rlhf_dist.algo.preference import dpo_loss, dpo_terms
 from rlhf_dist.batching import BatchPlan
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import SFTExample, load_rows, preference_pairs
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
@@ -48,17 +48,17 @@ def pair_sequences(pairs) -> list[SFTExample]:
     ]
 
 
-def add_pair_stats(stats: StatSums, terms: dict, logps: torch.Tensor) -> None:
+def add_pair_stats(stats: StatSums, terms: dict, logprobs: torch.Tensor) -> None:
     """Sums over this micro-batch's pairs of the logged DPO statistics (docs/metrics.md)."""
     chosen, rejected = terms["chosen_rewards"], terms["rejected_rewards"]
-    n, half = chosen.numel(), logps.shape[0] // 2
+    n, half = chosen.numel(), logprobs.shape[0] // 2
     stats.add("dpo/loss", terms["loss"].detach().sum(), n)
     stats.add("rewards/chosen", chosen.sum(), n)
     stats.add("rewards/rejected", rejected.sum(), n)
     stats.add("rewards/margins", (chosen - rejected).sum(), n)
     stats.add("rewards/accuracy", (chosen > rejected).float().sum(), n)
-    stats.add("logps/chosen", logps[:half].detach().sum(), n)
-    stats.add("logps/rejected", logps[half:].detach().sum(), n)
+    stats.add("logprobs/chosen", logprobs[:half].detach().sum(), n)
+    stats.add("logprobs/rejected", logprobs[half:].detach().sum(), n)
 
 
 def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pad_id: int):
@@ -73,20 +73,20 @@ def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pa
     stats, margins, slices = StatSums(), [], plan.micro_slices()
     for i, s in enumerate(slices):
         batch = response_batch(pair_sequences(share[s]), pad_id, runtime.device)
-        logps = response_logprobs(model, batch)  # (2m,): the m chosen, then the m rejected
+        logprobs = response_logprobs(model, batch)  # (2m,): the m chosen, then the m rejected
         if rows is None:
             ref = reference_logprobs(runtime, reference, batch)
         else:
-            ref = rows[s].T.reshape(-1).to(runtime.device)  # chosen then rejected, as logps
-        half = logps.shape[0] // 2
+            ref = rows[s].T.reshape(-1).to(runtime.device)  # chosen then rejected, as logprobs
+        half = logprobs.shape[0] // 2
         terms = dpo_terms(
-            logps[:half], logps[half:], ref[:half], ref[half:], dc.beta, dc.loss_type,
+            logprobs[:half], logprobs[half:], ref[:half], ref[half:], dc.beta, dc.loss_type,
             dc.label_smoothing,
         )  # fmt: skip
         # The pair-loss SUM over the global pair count: split-invariant (architecture.md s. 4).
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
-        add_pair_stats(stats, terms, logps)
+        add_pair_stats(stats, terms, logprobs)
         margins.append((terms["chosen_rewards"] - terms["rejected_rewards"]).cpu())
     return stats.reduce(runtime), {"reward_margin": torch.cat(margins)}
 

@@ -16,9 +16,9 @@ import torch
 
 from rlhf_dist.algo.preference import kto_reference_point, kto_terms
 from rlhf_dist.batching import BatchPlan
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import SFTExample, kto_examples, load_rows
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
 from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
@@ -99,18 +99,18 @@ def kto_step(runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc,
     stats, rewards, slices = StatSums(), [], plan.micro_slices()
     for i, s in enumerate(slices):
         batch = response_batch(completion_sequences(share[s]), pad_id, runtime.device)
-        logps = response_logprobs(model, batch)  # (m,) log pi of each labelled completion
+        logprobs = response_logprobs(model, batch)  # (m,) log pi of each labelled completion
         if rows is None:
             ref = reference_logprobs(runtime, reference, batch)
         else:
             ref = rows[s, 0].to(runtime.device)
         desirable = torch.tensor([ex.desirable for ex in share[s]], device=runtime.device)
         w = (kc.desirable_weight, kc.undesirable_weight)
-        terms = kto_terms(logps, ref, desirable, z0, kc.beta, *w)
+        terms = kto_terms(logprobs, ref, desirable, z0, kc.beta, *w)
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
         # On the right side of the reference point: the value v(x, y) is above half its weight.
-        right = torch.where(desirable, logps > ref + z0, logps < ref + z0).detach()
+        right = torch.where(desirable, logprobs > ref + z0, logprobs < ref + z0).detach()
         add_kto_stats(stats, terms, desirable, right)
         rewards.append(terms["rewards"].cpu())
     metrics = stats.reduce(runtime)

@@ -40,8 +40,8 @@ from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.batching import PPOPlan, extra_batch, global_batches, ppo_plan
 from rlhf_dist.chat import prompt_text
 from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
-from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.errors import ConfigError, RewardFunctionError
 from rlhf_dist.lora import merged_adapters
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
@@ -73,8 +73,8 @@ class UpdateKnobs:
     reward penalty), and one gradient-norm limit per optimizer param group."""
 
     temperature: float
-    clip_eps: float | None  # None: clipping off
-    clip_eps_high: float | None  # None: clip_eps
+    clip_eps_low: float | None  # ppo.clip_eps_low, else ppo.clip_eps; None: clipping off
+    clip_eps_high: float | None  # ppo.clip_eps_high, else ppo.clip_eps
     dual_clip: float | None
     value_clip_eps: float | None
     vf_coef: float
@@ -161,7 +161,7 @@ def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: Updat
     log_ratio = None
     if knobs.ratio_level == "sequence":
         log_ratio = sequence_log_ratio(logprobs, old_logprobs, response_mask)
-    low = float("inf") if knobs.clip_eps is None else knobs.clip_eps
+    low = float("inf") if knobs.clip_eps_low is None else knobs.clip_eps_low
     if knobs.policy_loss == "cispo":
         high = low if knobs.clip_eps_high is None else knobs.clip_eps_high
         return cispo_terms(logprobs, old_logprobs, advantages, low, high, log_ratio)
@@ -430,13 +430,14 @@ def sample_rollout(
     return rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
 
 
-def overlong_stats(runtime, batch, loss_mask, cfg) -> dict:
+def overlong_stats(runtime, batch, trained_mask, cfg) -> dict:
     """Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
-    penalty (ppo.overlong=soft) over all ranks."""
+    penalty (ppo.overlong=soft) over all ranks; trained_mask (B, T): the response_mask
+    the update sees."""
     p, s = cfg.ppo, StatSums()
     B = batch.response_mask.shape[0]
     if p.overlong == "mask":
-        s.add("rollout/overlong_masked_rate", (~loss_mask.any(1)).float().sum(), B)
+        s.add("rollout/overlong_masked_rate", (~trained_mask.any(1)).float().sum(), B)
     if p.overlong == "soft":
         lengths = batch.response_mask.sum(1)
         penalty = overlong_penalty(lengths, cfg.generation.max_new_tokens, p.overlong_buffer)
@@ -474,14 +475,7 @@ def ppo_iteration(
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
     raw_advantages = advantages
-    # DAPO overlong filtering: the advantages above saw whole groups; the loss does not
-    # see truncated responses (docs/agents.md, "Objectives").
-    loss_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
-    overlong = overlong_stats(runtime, batch, loss_mask, cfg)
-    if whitens(p):
-        moments = global_mean_var(runtime, advantages, loss_mask)
-        advantages = whiten_with(advantages, loss_mask, *moments)
-    batch.response_mask = loss_mask
+    advantages, batch.response_mask, overlong = trained_advantages(runtime, batch, advantages, cfg)
     run.model.train()
     knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
     update_stats = ppo_update(runtime, run, batch, advantages, returns, knobs, it)
@@ -499,10 +493,30 @@ def ppo_iteration(
     stats |= update_stats
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
-    prompts = [prompt_text(p) for p in prompt_texts]  # conversations as readable text
+    samples = sample_rows(prompt_texts, texts, batch, kl)[: cfg.run.num_samples]
+    return IterationResult(stats, distributions, samples)
+
+
+def trained_advantages(runtime, batch, advantages, cfg):
+    """(advantages, trained_mask, overlong statistics) the update sees: with DAPO's overlong
+    filtering (ppo.overlong=mask) truncated responses leave the mask AFTER the advantages,
+    which saw whole groups (docs/agents.md, "Objectives"); then whitening over all ranks'
+    trained tokens when `whitens`. advantages, trained_mask: (B, T)."""
+    p, mask = cfg.ppo, batch.response_mask
+    trained_mask = drop_truncated(mask, batch.finished) if p.overlong == "mask" else mask
+    overlong = overlong_stats(runtime, batch, trained_mask, cfg)
+    if whitens(p):
+        moments = global_mean_var(runtime, advantages, trained_mask)
+        advantages = whiten_with(advantages, trained_mask, *moments)
+    return advantages, trained_mask, overlong
+
+
+def sample_rows(prompt_texts, texts, batch, kl) -> list[dict]:
+    """The samples table's rows: prompt (conversations as readable text), response, score,
+    the response's summed KL (kl: (B, T) per-token)."""
+    prompts = [prompt_text(p) for p in prompt_texts]
     rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
-    samples = [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
-    return IterationResult(stats, distributions, samples[: cfg.run.num_samples])
+    return [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
 
 
 def advantage_inputs(rewards, batch, group_size: int, ppo_cfg) -> AdvantageInputs:
@@ -599,7 +613,7 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         built.scorer,
         stops,
         engine,
-        whole_weights=lambda: runtime.weights_whole(model, gather),
+        whole_weights=lambda: runtime.whole_weights(model, gather),
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:
@@ -673,34 +687,20 @@ def train_ppo(cfg, runtime) -> dict:
     """Run PPO as configured; returns the summary written to summary.json."""
     ckpt, p = find_resume(cfg, runtime), cfg.ppo
     run = start_ppo(cfg, runtime, ckpt)
-    d = cfg.data
-    prompts = prompt_set(
-        load_rows(d.train, "data.train", d.split), run.tokenizer, d, f"data.train {d.train!r}"
-    )
-    if len(prompts.ids) < p.rollout_batch_size:
-        raise ConfigError(
-            f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"
-        )
+    prompts = training_prompts(cfg, run.tokenizer)
     out, logger = open_run(cfg, runtime, "ppo", ckpt, p.iterations)
     runtime.print(prompts.report.summary("prompts"))
     start = ckpt.step if ckpt else 0
     runtime.seed_per_rank(cfg.run.seed)
     if ckpt:
         ckpt.restore_rng(cfg.run.seed)
-    stream = prompt_stream(
-        prompts,
-        run.plan,
-        runtime,
-        cfg.run.seed,
-        run.tokenizer.pad_token_id,
-        start,
-        cfg.debug.overfit_one_batch,
-    )
+    pad = run.tokenizer.pad_token_id
+    overfit = cfg.debug.overfit_one_batch
+    stream = prompt_stream(prompts, run.plan, runtime, cfg.run.seed, pad, start, overfit)
     first_score = ckpt.trainer["first_score"] if ckpt else None
     preemption, alerts, stats = PreemptionFlag(), AlertMonitor(cfg.alerts), {}
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
-    pad = run.tokenizer.pad_token_id
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
         rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
         more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
@@ -730,3 +730,16 @@ def train_ppo(cfg, runtime) -> dict:
     write_summary(runtime, out, summary)
     logger.close()
     return summary
+
+
+def training_prompts(cfg, tokenizer):
+    """data.train's usable prompts (`data.prompt_set`); at least one rollout batch of them."""
+    d, p = cfg.data, cfg.ppo
+    prompts = prompt_set(
+        load_rows(d.train, "data.train", d.split), tokenizer, d, f"data.train {d.train!r}"
+    )
+    if len(prompts.ids) < p.rollout_batch_size:
+        raise ConfigError(
+            f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"
+        )
+    return prompts

@@ -15,7 +15,7 @@ from torch import nn
 
 from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.chat import export_tokenizer
-from rlhf_dist.config import ConfigError
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
 from rlhf_dist.models import (
     ActorCritic,

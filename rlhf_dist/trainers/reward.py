@@ -15,7 +15,6 @@ from rlhf_dist import diagnostics as diag
 from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.chat import export_tokenizer
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import (
     PreferencePair,
     collate_pairs,
@@ -23,6 +22,7 @@ from rlhf_dist.data import (
     preference_pairs,
 )
 from rlhf_dist.distributed import strided_map
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import (
     ValueModel,

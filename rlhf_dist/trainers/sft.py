@@ -12,9 +12,9 @@ import torch
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.chat import export_tokenizer
-from rlhf_dist.config import ConfigError
 from rlhf_dist.data import SFTExample, collate_sft, load_rows, sft_examples
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import load_causal_lm, token_logprobs, tokenizer_for, trained_load_dtype
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (

@@ -17,6 +17,8 @@ CORPUS = Path(__file__).parent / "corpus"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from chat_tokenizers import build_chat_tokenizer
+
     from rlhf_dist.demo import task
     from rlhf_dist.models import quiet_transformers
 
@@ -28,7 +30,7 @@ def tiny(tmp_path_factory):
     no_pad = root / "no_pad"
     tok.pad_token = None
     tok.save_pretrained(no_pad)
-    chat_tok = task.build_chat_tokenizer(root / "chat_tok", "chatml")
+    chat_tok = build_chat_tokenizer(root / "chat_tok", "chatml")
     chat = task.build_tiny_models(root / "chat_models", chat_tok)
     return {
         "policy": str(models["policy"]),

@@ -46,7 +46,7 @@ def test_dpo_zero3_two_ranks_matches_one_process(assets, tmp_path):
     steps = [r for r in a if "dpo/loss" in r]
     assert len(steps) == 8 and abs(steps[0]["dpo/loss"] - math.log(2)) < 1e-5
     for x, y in zip(steps[:4], [r for r in b if "dpo/loss" in r][:4]):
-        for key in ("dpo/loss", "rewards/margins", "rewards/accuracy", "logps/chosen"):
+        for key in ("dpo/loss", "rewards/margins", "rewards/accuracy", "logprobs/chosen"):
             assert abs(x[key] - y[key]) < 1e-3 * max(1.0, abs(y[key])), (key, x[key], y[key])
     two_summary = json.loads((two / "summary.json").read_text())
     assert two_summary["eval_pairs"] == 64 and math.isfinite(two_summary["eval_accuracy"])

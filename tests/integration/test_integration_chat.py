@@ -18,6 +18,7 @@ import random
 
 import pytest
 import torch
+from chat_tokenizers import build_chat_tokenizer
 
 from rlhf_dist import scoring
 from rlhf_dist.config import ConfigError, config_from_dict
@@ -45,7 +46,7 @@ def chat_env(tmp_path_factory):
     rng = random.Random(0)
     toks, models = {}, {}
     for style in ("chatml", "llama3"):
-        toks[style] = task.build_chat_tokenizer(root / f"tok_{style}", style)
+        toks[style] = build_chat_tokenizer(root / f"tok_{style}", style)
         models[style] = task.build_tiny_models(root / f"models_{style}", toks[style], seed=0)
     sft, prefs, prompts = [], [], []
     for _ in range(N_ROWS):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from chat_tokenizers import build_chat_tokenizer
 
 from rlhf_dist.demo import task
 
@@ -64,7 +65,7 @@ def _rows(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_sft_rm_ppo_from_the_cli_on_trl_conversational_files(tmp_path):
-    tokenizer = task.build_chat_tokenizer(tmp_path / "tok", "chatml")
+    tokenizer = build_chat_tokenizer(tmp_path / "tok", "chatml")
     base = task.build_tiny_models(tmp_path / "models", tokenizer, seed=0)["policy"]
     files, out = _trl_files(tmp_path), {s: tmp_path / s for s in ("sft", "rm", "ppo")}
 

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from spies import capture_calls
 
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.models import ActorCritic
@@ -47,19 +48,6 @@ def tree_for(out, policy, data, estimator: str, **ppo_keys) -> dict:
     }
 
 
-def _capture(monkeypatch, module, name) -> list:
-    """Wrap module.name; keep (args, kwargs, result) of each call."""
-    calls, original = [], getattr(module, name)
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append((args, kwargs, result))
-        return result
-
-    monkeypatch.setattr(module, name, spy)
-    return calls
-
-
 def test_grpo_builds_no_critic_trains_the_actor_and_keeps_groups_on_one_rank(
     sft_run,
     rm_run,
@@ -73,9 +61,9 @@ def test_grpo_builds_no_critic_trains_the_actor_and_keeps_groups_on_one_rank(
     read_jsonl,
 ):
     policy, reward = sft_run.out / "final", rm_run.out / "final"
-    built = _capture(monkeypatch, ppo, "build_models")
-    estimates = _capture(monkeypatch, ppo, "estimate_advantages")
-    rollouts = _capture(monkeypatch, ppo, "collect_rollout")
+    built = capture_calls(monkeypatch, ppo, "build_models")
+    estimates = capture_calls(monkeypatch, ppo, "estimate_advantages")
+    rollouts = capture_calls(monkeypatch, ppo, "collect_rollout")
     out = tmp_path / "grpo"
     tree = tree_for(out, policy, data_cfg(train=str(task_env.files.prompts)), "grpo")
     tree["model"]["reward"] = str(reward)
@@ -192,7 +180,7 @@ def test_objective_knobs_run_and_log_their_statistics(
 def test_grpo_with_lora_trains_only_the_adapters_and_exports_no_critic(
     sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict, read_jsonl
 ):
-    built = _capture(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo, "build_models")
     out = tmp_path / "grpo_lora"
     tree = tree_for(out, sft_run.out / "final", data_cfg(train=str(task_env.prompts)), "grpo")
     tree["lora"] = {"enabled": True, "r": 4}

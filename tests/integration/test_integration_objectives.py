@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spies import capture_calls
 
 from rlhf_dist.algo.objectives import tied_groups
 from rlhf_dist.config import config_from_dict
@@ -57,18 +58,6 @@ def tree_for(out, policy, reward, data, **ppo_keys) -> dict:
     }
 
 
-def _capture(monkeypatch, module, name) -> list:
-    calls, original = [], getattr(module, name)
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append((args, kwargs, result))
-        return result
-
-    monkeypatch.setattr(module, name, spy)
-    return calls
-
-
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_objective_trains_the_actor_and_nothing_frozen(
     objective,
@@ -84,7 +73,7 @@ def test_objective_trains_the_actor_and_nothing_frozen(
     read_jsonl,
 ):
     policy, reward = sft_run.out / "final", rm_run.out / "final"
-    built = _capture(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo, "build_models")
     out = tmp_path / objective
     data = data_cfg(train=str(task_env.files.prompts))
     cfg = config_from_dict(tree_for(out, policy, reward, data, **OBJECTIVES[objective]))
@@ -115,8 +104,8 @@ def test_dynamic_sampling_drops_tied_groups_and_overlong_mask_trains_no_truncate
 ):
     """A reward under which the groups of some prompts tie (reward_fns_for_tests)."""
     monkeypatch.setattr(sys, "path", [str(UNIT_TESTS), *sys.path])
-    rollouts = _capture(monkeypatch, ppo, "collect_rollout")
-    updates = _capture(monkeypatch, ppo, "ppo_update")
+    rollouts = capture_calls(monkeypatch, ppo, "collect_rollout")
+    updates = capture_calls(monkeypatch, ppo, "ppo_update")
     out = tmp_path / "dynamic"
     keys = {"dynamic_sampling": True, "dynamic_sampling_max_rounds": 1, "overlong": "mask"}
     tree = tree_for(out, sft_run.out / "final", "", data_cfg(train=str(task_env.prompts)), **keys)

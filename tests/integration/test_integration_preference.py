@@ -74,7 +74,7 @@ def test_dpo_trains_the_policy_and_leaves_the_reference_and_inputs_alone(
     # Step 1 is computed before any update: policy == reference, every log-ratio is 0.
     assert abs(rows[0]["dpo/loss"] - math.log(2)) < 1e-5
     assert abs(rows[0]["rewards/margins"]) < 1e-5 and rows[0]["rewards/accuracy"] <= 0.5
-    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "dpo/grad_norm"):
+    for key in ("rewards/chosen", "rewards/rejected", "logprobs/chosen", "dpo/grad_norm"):
         assert all(math.isfinite(r[key]) for r in rows if "dpo/loss" in r), key
     # It learns the preference: held-out pairs ranked by the implicit reward.
     assert summary["eval_accuracy"] > 0.6 and summary["eval_margins"] > 0, summary

@@ -1,6 +1,6 @@
 """Conversational data (rlhf_dist.chat and the conversational paths of rlhf_dist.data).
 
-Two word-level chat tokenizers from the demo task (rlhf_dist.demo.task.CHAT_STYLES) with
+Two word-level chat tokenizers from the demo task (tests/chat_tokenizers.py, CHAT_STYLES) with
 different vocabularies and templates: "chatml" (no BOS, <|im_end|> closes a turn, EOS a
 separate token) and "llama3" (the template writes BOS and the tokenizer adds one too,
 <|eot_id|> closes a turn). Words are single tokens and whitespace vanishes, so every
@@ -10,6 +10,7 @@ expected id sequence below is written out by hand from the template's text.
 import json
 
 import pytest
+from chat_tokenizers import build_chat_tokenizer
 from transformers import AutoTokenizer
 
 from rlhf_dist.chat import (
@@ -33,7 +34,7 @@ from rlhf_dist.data import (
     sft_examples,
     split_implicit_prompt,
 )
-from rlhf_dist.demo.task import build_chat_tokenizer, build_tokenizer
+from rlhf_dist.demo.task import build_tokenizer
 
 CFG = DataConfig(max_prompt_length=32, max_length=64)
 

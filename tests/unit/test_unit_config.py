@@ -204,7 +204,8 @@ def test_yaml_file_that_is_not_a_mapping(tmp_path):
 
 def test_yaml_file_that_is_not_a_mapping_with_overrides(tmp_path):
     path = write(tmp_path, "- a\n- b\n")
-    config_error(load_config, path, ["run.seed=1"])
+    message = config_error(load_config, path, ["run.seed=1"])
+    assert str(path) in message and "mapping" in message
 
 
 def test_missing_and_unreadable_files(tmp_path):
@@ -232,6 +233,12 @@ def test_valid_configs_pass_every_stage():
     # 64 prompts / 2 ranks, 16-sequence minibatches of 2 ranks x 8.
     cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.micro_batch_size=8"])
     validate(cfg, "ppo", world_size=2)
+    # The same config is refused where the world size does not split it: the calls above
+    # passed because the checks hold, not because none ran.
+    with pytest.raises(ConfigError, match=r"world size=3 must divide ppo.rollout_batch_size"):
+        validate(cfg, "ppo", world_size=3)
+    with pytest.raises(ConfigError, match=r"^model.policy: required"):
+        validate(load_config(overrides=["data.train=t.jsonl"]), "sft")
 
 
 def test_ppo_minibatch_must_divide_rollout_batch():
@@ -329,7 +336,12 @@ def test_gspo_cispo_dapo_keys_refuse_bad_combinations(overrides, key):
     ],
 )
 def test_gspo_cispo_dapo_keys_accept_good_combinations(overrides):
-    validate(load_config(overrides=[*PPO_REQUIRED, *overrides]), "ppo")
+    cfg = load_config(overrides=[*PPO_REQUIRED, *overrides])
+    validate(cfg, "ppo")
+    for override in overrides:  # accepted as given: nothing was dropped or fixed up
+        name, _, text = override.partition("=")
+        value = getattr(cfg.ppo, name.removeprefix("ppo."))
+        assert str(value).lower() == {"null": "none"}.get(text, text).lower(), override
 
 
 def test_estimator_choices_come_from_the_registry():
@@ -506,10 +518,10 @@ def test_describe_lists_every_key_with_type_default_choices_and_help():
         assert " ".join(f.metadata["help"].split()) in " ".join(text.split())
     lines = text.splitlines()
     # A nested section shows its own defaults (sft.optim.lr is 1e-3, OptimConfig's is 1e-4).
-    assert "  sft.optim.lr  float = 0.001" in lines
-    assert "  ppo.actor.lr  float = 1e-05" in lines
+    assert "  sft.optim.lr  float = 0.001  (> 0)" in lines
+    assert "  ppo.actor.lr  float = 1e-05  (> 0)" in lines
     assert '  ppo.kl_kind  str = "k1"  (one of: k1, k2, k3)' in lines
-    assert "  reward.clip  float or null = null" in lines
+    assert "  reward.clip  float or null = null  (> 0 or null)" in lines
     assert any(line.startswith("  lora.target_modules  list of str = [") for line in lines)
 
 
@@ -554,3 +566,92 @@ def test_reward_failure_keys_in_range():
     )
     validate(cfg, "ppo")
     assert (cfg.reward.retries, cfg.reward.retry_delay_s, cfg.reward.timeout_s) == (0, 0.0, 2.5)
+
+
+# --------------------------------------------------------------- ranges declared with the key
+
+
+def test_range_text_and_in_range_by_hand():
+    from rlhf_dist.config import in_range, range_text
+
+    assert range_text({"gt": 0}) == "> 0"
+    assert range_text({"min": 0}) == ">= 0"
+    assert range_text({"min": 0, "max": 1}) == "in [0, 1]"
+    assert range_text({"gt": 0, "max": 1}) == "in (0, 1]"
+    assert range_text({"min": 0, "lt": 0.5}) == "in [0, 0.5)"
+    assert range_text({}) == "finite"
+    assert in_range(1.0, {"min": 0, "max": 1}) and not in_range(1.0, {"min": 0, "lt": 1})
+    assert in_range(0.0, {"min": 0}) and not in_range(0.0, {"gt": 0})
+    assert not in_range(math.nan, {}) and not in_range(math.inf, {"gt": 0})
+
+
+def ranged_keys():
+    from rlhf_dist.config import _walk
+
+    return [(name, f, value) for name, f, _, value in _walk(Config()) if "range" in f.metadata]
+
+
+def outside(bounds: dict, value):
+    """A value just outside `bounds`, of the key's type (list keys: one bad item)."""
+    if "min" in bounds:
+        bad = bounds["min"] - 1
+    elif "gt" in bounds:
+        bad = bounds["gt"]
+    elif "max" in bounds:
+        bad = bounds["max"] + 1
+    elif "lt" in bounds:
+        bad = bounds["lt"]
+    else:
+        bad = math.nan
+    return (bad,) if isinstance(value, tuple) else bad
+
+
+def test_every_declared_range_is_enforced_naming_its_key():
+    keys = ranged_keys()
+    assert len(keys) > 80, len(keys)  # every key validate range-checked, and alerts
+    for name, f, value in keys:
+        section, _, leaf = name.rpartition(".")
+        parts = section.split(".")
+        bad = outside(f.metadata["range"], value)
+        if isinstance(value, int) and not isinstance(bad, tuple) and math.isfinite(bad):
+            bad = int(bad) if float(bad).is_integer() else bad
+        obj = Config()
+        chain = [obj]
+        for p in parts:
+            chain.append(getattr(chain[-1], p))
+        new = dataclasses.replace(chain[-1], **{leaf: bad})
+        for holder, p in zip(reversed(chain[:-1]), reversed(parts), strict=True):
+            new = dataclasses.replace(holder, **{p: new})
+        message = config_error(validate, new, "sft")
+        assert message.startswith(f"{name}: "), (name, message)
+        # and the default, inside its range, passes the same check
+        from rlhf_dist.config import check_keys
+
+        check_keys(obj)
+
+
+def test_alerts_section_is_validated():
+    cfg = load_config(overrides=[*SFT_REQUIRED, "alerts.clipfrac_max=1.5"])
+    assert config_error(validate, cfg, "sft").startswith("alerts.clipfrac_max: must be in (0, 1]")
+    cfg = load_config(overrides=[*SFT_REQUIRED, "alerts.window=0"])
+    assert config_error(validate, cfg, "sft").startswith("alerts.window: must be >= 1")
+
+
+def test_optional_ranged_keys_take_null_and_list_keys_each_item():
+    validate(
+        load_config(overrides=[*PPO_REQUIRED, "ppo.clip_eps=null", "reward.timeout_s=null"]), "ppo"
+    )
+    cfg = load_config(overrides=[*PPO_REQUIRED, "generation.stop_token_ids=[3,-1]"])
+    assert (
+        config_error(validate, cfg, "ppo")
+        == "generation.stop_token_ids: each must be >= 0, got [3, -1]"
+    )
+    cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.tis_cap=0"])
+    assert config_error(validate, cfg, "ppo").startswith("ppo.tis_cap: must be > 0 or null")
+
+
+def test_config_listing_shows_ranges():
+    lines = describe("ppo").splitlines()
+    assert any(line.startswith("  ppo.gamma  float = 1.0  (in [0, 1])") for line in lines), lines
+    assert "(each >= 0)" in describe("generation.stop_token_ids")
+    assert "(one of: wandb, tensorboard)" in describe("run.trackers")

@@ -4,10 +4,11 @@ completions, and the dpo / kto config checks. The tokenizers are the demo's word
 (one token per word): the plain one, and the "chatml" one with its chat template."""
 
 import pytest
+from chat_tokenizers import build_chat_tokenizer
 
 from rlhf_dist.config import ConfigError, DataConfig, KTOConfig, load_config, validate
 from rlhf_dist.data import kto_examples, preference_pairs
-from rlhf_dist.demo.task import build_chat_tokenizer, build_tokenizer
+from rlhf_dist.demo.task import build_tokenizer
 
 DATA = DataConfig(max_prompt_length=8, max_length=16)
 

@@ -208,7 +208,7 @@ def test_odd_names_and_values_do_not_break_plots(tmp_path):
 def test_dpo_and_kto_runs_get_their_own_sections_and_panels(tmp_path):
     write_jsonl(tmp_path / "sft" / "metrics.jsonl", [{"step": 1, "sft/loss": 2.0}])
     for stage, extra in (
-        ("dpo", {"rewards/chosen": 0.1, "rewards/rejected": -0.1, "logps/chosen": -9.0}),
+        ("dpo", {"rewards/chosen": 0.1, "rewards/rejected": -0.1, "logprobs/chosen": -9.0}),
         ("kto", {"rewards/desirable": 0.2, "rewards/undesirable": -0.2, "kto/kl": 0.05}),
     ):
         rows = [

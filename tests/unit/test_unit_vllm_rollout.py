@@ -165,7 +165,12 @@ def test_vllm_config_errors_name_the_key(sections, message):
 
 def test_vllm_config_accepted():
     tree = _ppo_tree(generation={"backend": "vllm"}, ppo={"tis_cap": 2.0})
-    validate(config_from_dict(tree), "ppo")
+    cfg = config_from_dict(tree)
+    validate(cfg, "ppo")
+    assert cfg.generation.backend == "vllm" and cfg.ppo.tis_cap == 2.0
+    # tis_cap is accepted because the backend is vllm: with hf the same key is refused.
+    with pytest.raises(ConfigError, match=r"^ppo.tis_cap: needs generation.backend=vllm"):
+        validate(config_from_dict(_ppo_tree(ppo={"tis_cap": 2.0})), "ppo")
 
 
 def test_demo_overrides_reach_every_stage_and_owned_keys_are_refused():

@@ -58,6 +58,19 @@ CRITIC_FREE = {
 }
 
 
+def full_gradients(backend, model) -> dict[str, torch.Tensor]:
+    """{name: full gradient} of the trainable parameters, after backward and before the
+    optimizer step, to compare (moved here from distributed/training_state.py: only this
+    probe needs it; under ZeRO-3 the partitions are gathered: every rank must call)."""
+    named = [(n, p) for n, p in backend.unwrap(model).named_parameters() if p.requires_grad]
+    if backend.zero_stage is None:
+        return {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+    from deepspeed.utils import safe_get_full_grad
+
+    grads = {n: safe_get_full_grad(p) for n, p in named}
+    return {n: g.detach().float().clone() for n, g in grads.items() if g is not None}
+
+
 def fixed_minibatch():
     g = torch.Generator().manual_seed(1234)
     lengths = torch.tensor([1, 7, 3, 5, 2, 7, 4, 6])  # ragged: token counts differ per rank
@@ -139,9 +152,9 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
             StatSums(),
         )
     facts = {"fetches": fetches[0], "restored": zero3_state(runtime, built.model) == before}
-    grads = runtime.full_gradients(built.model)
+    grads = full_gradients(runtime.backend, built.model)
     if whole:  # an error inside whole weights leaves ZeRO-3 as it was too
-        with contextlib.suppress(ArithmeticError), runtime.weights_whole(built.model):
+        with contextlib.suppress(ArithmeticError), runtime.whole_weights(built.model):
             raise ArithmeticError("raised inside whole weights")
         facts["restored"] &= zero3_state(runtime, built.model) == before
     inner = type(innermost_optimizer(built.optimizer))
