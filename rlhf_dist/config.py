@@ -198,6 +198,11 @@ class SFTConfig:
     epochs: int = key(1, "passes over data.train")
     batch_size: int = key(32, "sequences per optimizer step, summed over all ranks")
     micro_batch_size: int = key(32, "sequences per forward/backward pass, per rank")
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: sequences longest first, cut so that rows x longest row stays within it (a longer sequence alone); 0 = off "
+        "(micro_batch_size rows)",
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-3), "optimizer of the policy")
 
 
@@ -206,6 +211,11 @@ class RMConfig:
     epochs: int = key(1, "passes over data.train")
     batch_size: int = key(32, "preference pairs per optimizer step, summed over all ranks")
     micro_batch_size: int = key(32, "preference pairs per forward/backward pass, per rank")
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: pairs longest first, cut so that 2 x pairs x longest sequence stays within it (a longer pair alone); 0 = off "
+        "(micro_batch_size rows)",
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-4), "optimizer of the reward model")
     responses_field: str = key(
         "responses", "column of ranked lists (best first), expanded to all C(n, 2) pairs"
@@ -220,6 +230,11 @@ class DPOConfig:
     epochs: int = key(1, "passes over data.train")
     batch_size: int = key(32, "preference pairs per optimizer step, summed over all ranks")
     micro_batch_size: int = key(32, "preference pairs per forward/backward pass, per rank")
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: pairs longest first, cut so that 2 x pairs x longest sequence stays within it (a longer pair alone); 0 = off "
+        "(micro_batch_size rows)",
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
     beta: float = key(
         0.1,
@@ -253,6 +268,11 @@ class KTOConfig:
     epochs: int = key(1, "passes over data.train")
     batch_size: int = key(32, "examples per optimizer step, summed over all ranks")
     micro_batch_size: int = key(32, "examples per forward/backward pass, per rank")
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: examples longest first, cut so that rows x longest row stays within it (a longer example alone); 0 = off "
+        "(micro_batch_size rows)",
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
     beta: float = key(0.1, "scale of the implicit reward beta x (log pi - log pi_ref)")
     desirable_weight: float = key(
@@ -436,6 +456,11 @@ class PPOConfig:
     ppo_epochs: int = key(4, "passes over each rollout batch")
     minibatch_size: int = key(16, "sequences per optimizer step, summed over all ranks")
     micro_batch_size: int = key(16, "sequences per forward/backward pass, per rank")
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: the update's rows longest first, cut so that rows x (longest prompt + longest response) stays within it (a longer row alone); every rank runs as many passes as the busiest; 0 = off "
+        "(micro_batch_size rows)",
+    )
     loss_aggregation: str = key(
         "token_mean",
         "how per-token losses make one loss: token_mean over all tokens of the minibatch, "
@@ -951,6 +976,14 @@ def _divides(small: tuple[str, int], big: tuple[str, int]) -> None:
         raise ConfigError(f"{small[0]}={small[1]} must divide {big[0]}={big[1]}")
 
 
+def _non_negative_tokens(section: Any, prefix: str) -> None:
+    value = section.micro_batch_tokens
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{prefix}.micro_batch_tokens: must be an integer >= 0 (0 = off), got {value!r}"
+        )
+
+
 def _installed(module: str) -> bool:
     import importlib.util
 
@@ -990,6 +1023,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             (f"{stage}.batch_size", section.batch_size),
         )
         _validate_optim(section.optim, f"{stage}.optim")
+        _non_negative_tokens(section, stage)
         if not cfg.data.train:
             raise ConfigError("data.train: required (a local data file or a hub dataset name)")
         if stage == "sft" and not cfg.model.policy:
@@ -1247,6 +1281,7 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
     if p.value_clip_eps is not None and p.value_clip_eps <= 0:
         raise ConfigError(f"ppo.value_clip_eps: must be > 0 or null, got {p.value_clip_eps}")
     _validate_optim(p.actor, "ppo.actor")
+    _non_negative_tokens(p, "ppo")
     _validate_optim(p.critic, "ppo.critic")
     if cfg.reward.clip is not None and not cfg.reward.clip > 0:
         raise ConfigError(f"reward.clip: must be > 0 or null, got {cfg.reward.clip}")
