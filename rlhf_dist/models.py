@@ -297,12 +297,23 @@ def token_logprobs(
     predict_mask, lm = predict_mask.bool(), causal_lm(model)
     if chunk_tokens is None:
         chunk_tokens = getattr(lm, "logprob_chunk_tokens", LOGPROB_CHUNK_TOKENS)
-    hidden = final_hidden_states(model, lm, input_ids, attention_mask)[:, L - 1 - T : L - 1]
-    tokens = input_ids[:, L - T :]
+    full = final_hidden_states(model, lm, input_ids, attention_mask)  # (B, L, H)
+    hidden, tokens = full[:, L - 1 - T : L - 1], input_ids[:, L - T :]
+    selected = predict_mask
+    if not bool(predict_mask.any()):
+        # Nothing to score (e.g. a micro-batch whose rows ppo.overlong=mask left out): score
+        # one position times 0 below, so a backward still reaches the backbone and the head
+        # (under ZeRO-3 every rank's backward must; DeepSpeed refuses a loss without a graph).
+        hidden, tokens = full[:1, -1:], input_ids[:1, -1:]
+        selected = torch.ones_like(tokens, dtype=torch.bool)
     lp, entropy = head_logprobs(
-        lm, hidden[predict_mask], tokens[predict_mask], temperature, chunk_tokens, with_entropy
+        lm, hidden[selected], tokens[selected], temperature, chunk_tokens, with_entropy
     )
     zeros = torch.zeros(predict_mask.shape, dtype=lp.dtype, device=lp.device)
+    if selected is not predict_mask:
+        anchor = 0.0 * lp.sum()
+        lp = zeros + anchor
+        return lp, None if entropy is None else zeros + 0.0 * entropy.sum()
     lp = zeros.masked_scatter(predict_mask, lp)
     return lp, None if entropy is None else zeros.masked_scatter(predict_mask, entropy)
 

@@ -90,11 +90,12 @@ def test_sft_grpo_dpo_on_the_real_model_through_the_api(convention, smollm2, cha
             **GRPO,
             "model.policy": str(sft_final),
             "run.output_dir": str(tmp_path / "grpo"),
+            "ppo.iterations": 1,
         },
         dataset=_rows(chat_files["prompts"]),
         reward_fn=reward,
     )
-    assert len(seen) == 1 and len(seen[0][1]) == 4, "1 iteration of 2 prompts x 2 samples"
+    assert [len(r) for _, r in seen] == [4], "1 iteration of 2 prompts x 2 samples"
     assert seen[0][0][0][0]["role"] == "user", "prompts reach the reward as message lists"
     assert summary["iterations"] == 1
     assert not torch.equal(_probe(tmp_path / "grpo" / "final"), _probe(sft_final))

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_dist.cli import STAGES
+from rlhf_dist.api import RUNNERS
 from rlhf_dist.config import load_config, validate
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import quiet_transformers
@@ -30,7 +30,7 @@ def main():
         overrides = Path(path).read_text(encoding="utf-8").split()
         cfg = load_config(None, overrides)
         validate(cfg, name, world)
-        module_name, _, fn_name = STAGES[name][1].partition(":")
+        module_name, _, fn_name = RUNNERS[name].partition(":")
         getattr(importlib.import_module(module_name), fn_name)(cfg, runtime)
         runtime.print(f"UNEVEN-EVAL-OK {name}")
     runtime.close()
