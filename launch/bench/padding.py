@@ -41,6 +41,7 @@ def micro_batches_per_step(cfg, stage: str, widths: list[int], rows_per_item: in
 def run_stage(stage: str, tree: dict, out: Path, budget: int, runtime) -> dict:
     from rlhf_dist.config import apply_override, config_from_dict
     from rlhf_dist.data import load_rows, preference_pairs, sft_examples
+    from rlhf_dist.distributed import seed_everything
     from rlhf_dist.models import tokenizer_for
     from rlhf_dist.trainers.reward import train_reward_model
     from rlhf_dist.trainers.sft import train_sft
@@ -58,6 +59,7 @@ def run_stage(stage: str, tree: dict, out: Path, budget: int, runtime) -> dict:
     else:
         pairs = preference_pairs(rows, tokenizer, cfg.data)[0]
         widths, rows_per_item = [max(len(p.chosen), len(p.rejected)) for p in pairs], 2
+    seed_everything(cfg.run.seed)  # the RM's new head: the same init in every setting
     start = time.perf_counter()
     summary = (train_sft if stage == "sft" else train_reward_model)(cfg, runtime)
     seconds = time.perf_counter() - start
