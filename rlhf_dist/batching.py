@@ -7,6 +7,7 @@ written back to the config.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ class BatchPlan:
     global_size: int
     world_size: int
     micro_batch_size: int
+    micro_batch_tokens: int = 0  # token budget of a micro-batch; 0: micro_batch_size rows
 
     @property
     def per_rank(self) -> int:
@@ -36,6 +38,63 @@ class BatchPlan:
 
     def rank_slice(self, rank: int) -> slice:
         return slice(rank * self.per_rank, (rank + 1) * self.per_rank)
+
+    def micro_batches(self, widths: Sequence, rank: int, rows_per_item: int = 1) -> list[list[int]]:
+        """This rank's micro-batches as lists of indices into its share of the global batch.
+
+        Without a token budget: `micro_slices` as index lists. With one: `token_budget_split`
+        of the share's widths into as many micro-batches as the busiest rank needs (under
+        ZeRO-3 every forward/backward is a collective). widths: one per item of the WHOLE
+        global batch (every rank holds it), so every rank computes every rank's count
+        without a collective. rows_per_item: padded rows per item (a pair stacks 2).
+        """
+        if not self.micro_batch_tokens:
+            return [list(range(s.start, s.stop)) for s in self.micro_slices()]
+        shares = [list(widths[self.rank_slice(r)]) for r in range(self.world_size)]
+        budget = self.micro_batch_tokens
+        parts = max(len(token_budget_split(w, budget, 1, rows_per_item)) for w in shares)
+        return token_budget_split(shares[rank], budget, parts, rows_per_item)
+
+
+def _width(widths: list[tuple[int, ...]], group: list[int]) -> int:
+    """Padded width of a micro-batch: the sum over parts of each part's longest row."""
+    return sum(max(widths[i][k] for i in group) for k in range(len(widths[group[0]])))
+
+
+def token_budget_split(
+    widths: Sequence, budget: int, parts: int = 1, rows_per_item: int = 1
+) -> list[list[int]]:
+    """Indices 0..n-1 cut into micro-batches by a token budget (docs/architecture.md
+    section 10, "token-budget micro-batches").
+
+    widths: per item an int (its length) or a tuple of lengths of separately padded parts
+    (a rollout row: (prompt, response), left- and right-padded), so a micro-batch of
+    items g costs len(g) x rows_per_item x sum over parts of the part's longest. Items are
+    taken longest first (ties by index: deterministic) and added to the current
+    micro-batch while its cost stays <= budget; an item over the budget by itself goes
+    alone. Then, while there are fewer than `parts` micro-batches, the costliest one with
+    2+ items is halved (a part of a micro-batch never costs more), so ranks can run the
+    same number of passes. Every index is in exactly one micro-batch; needs parts <= n.
+    """
+    items = [tuple(w) if isinstance(w, (tuple, list)) else (int(w),) for w in widths]
+    if not 1 <= parts <= max(len(items), 1):
+        raise ValueError(f"cannot cut {len(items)} items into {parts} micro-batches")
+    order = sorted(range(len(items)), key=lambda i: (-sum(items[i]), i))
+    groups: list[list[int]] = []
+    for i in order:
+        if (
+            groups
+            and (len(groups[-1]) + 1) * rows_per_item * _width(items, groups[-1] + [i]) <= budget
+        ):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    while len(groups) < parts:
+        splittable = [j for j, g in enumerate(groups) if len(g) > 1]
+        j = max(splittable, key=lambda j: (len(groups[j]) * _width(items, groups[j]), -j))
+        half = (len(groups[j]) + 1) // 2
+        groups[j : j + 1] = [groups[j][:half], groups[j][half:]]
+    return groups
 
 
 @dataclass(frozen=True)
@@ -64,7 +123,12 @@ class PPOPlan:
 def ppo_plan(ppo_cfg, world_size: int) -> PPOPlan:
     return PPOPlan(
         rollout=BatchPlan(ppo_cfg.rollout_batch_size, world_size, ppo_cfg.rollout_micro_batch_size),
-        update=BatchPlan(ppo_cfg.minibatch_size, world_size, ppo_cfg.micro_batch_size),
+        update=BatchPlan(
+            ppo_cfg.minibatch_size,
+            world_size,
+            ppo_cfg.micro_batch_size,
+            ppo_cfg.micro_batch_tokens,
+        ),
         ppo_epochs=ppo_cfg.ppo_epochs,
         samples_per_prompt=ppo_cfg.samples_per_prompt,
     )

@@ -245,6 +245,12 @@ class SFTConfig:
     epochs: int = key(1, "passes over data.train", gt=0)
     batch_size: int = key(32, "sequences per optimizer step, summed over all ranks", gt=0)
     micro_batch_size: int = key(32, "sequences per forward/backward pass, per rank", gt=0)
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: sequences longest first, cut so that rows x longest row stays within it (a longer sequence alone); 0 = off "
+        "(micro_batch_size rows)",
+        min=0,
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-3), "optimizer of the policy")
 
 
@@ -253,6 +259,12 @@ class RMConfig:
     epochs: int = key(1, "passes over data.train", gt=0)
     batch_size: int = key(32, "preference pairs per optimizer step, summed over all ranks", gt=0)
     micro_batch_size: int = key(32, "preference pairs per forward/backward pass, per rank", gt=0)
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: pairs longest first, cut so that 2 x pairs x longest sequence stays within it (a longer pair alone); 0 = off "
+        "(micro_batch_size rows)",
+        min=0,
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-4), "optimizer of the reward model")
     responses_field: str = key(
         "responses", "column of ranked lists (best first), expanded to all C(n, 2) pairs"
@@ -267,6 +279,12 @@ class DPOConfig:
     epochs: int = key(1, "passes over data.train", gt=0)
     batch_size: int = key(32, "preference pairs per optimizer step, summed over all ranks", gt=0)
     micro_batch_size: int = key(32, "preference pairs per forward/backward pass, per rank", gt=0)
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: pairs longest first, cut so that 2 x pairs x longest sequence stays within it (a longer pair alone); 0 = off "
+        "(micro_batch_size rows)",
+        min=0,
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
     beta: float = key(
         0.1,
@@ -303,6 +321,12 @@ class KTOConfig:
     epochs: int = key(1, "passes over data.train", gt=0)
     batch_size: int = key(32, "examples per optimizer step, summed over all ranks", gt=0)
     micro_batch_size: int = key(32, "examples per forward/backward pass, per rank", gt=0)
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: examples longest first, cut so that rows x longest row stays within it (a longer example alone); 0 = off "
+        "(micro_batch_size rows)",
+        min=0,
+    )
     optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
     beta: float = key(0.1, "scale of the implicit reward beta x (log pi - log pi_ref)", gt=0)
     desirable_weight: float = key(
@@ -506,6 +530,12 @@ class PPOConfig:
     ppo_epochs: int = key(4, "passes over each rollout batch", gt=0)
     minibatch_size: int = key(16, "sequences per optimizer step, summed over all ranks", gt=0)
     micro_batch_size: int = key(16, "sequences per forward/backward pass, per rank", gt=0)
+    micro_batch_tokens: int = key(
+        0,
+        "token budget of one forward/backward pass, per rank: the update's rows longest first, cut so that rows x (longest prompt + longest response) stays within it (a longer row alone); every rank runs as many passes as the busiest; 0 = off "
+        "(micro_batch_size rows)",
+        min=0,
+    )
     loss_aggregation: str = key(
         "token_mean",
         "how per-token losses make one loss: token_mean over all tokens of the minibatch, "

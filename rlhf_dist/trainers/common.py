@@ -210,7 +210,12 @@ def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
     finish_trainable(net, cfg.model, deepspeed=runtime.zero_stage is not None)
     if ckpt:
         ckpt.load_weights_into(net)  # before prepare: every backend partitions these
-    plan = BatchPlan(section.batch_size, runtime.world_size, section.micro_batch_size)
+    plan = BatchPlan(
+        section.batch_size,
+        runtime.world_size,
+        section.micro_batch_size,
+        section.micro_batch_tokens,
+    )
     batches = list(global_batches(n_examples, section.batch_size, cfg.run.seed, section.epochs))
     optimizer = make_optimizer([(net.parameters(), section.optim)])
     scheduler = make_scheduler(optimizer, [section.optim], len(batches))
@@ -248,3 +253,9 @@ def share_of_global_mean(runtime, loss_sum: torch.Tensor, global_count) -> torch
     micro-batches (a per-micro-batch mean would weight tokens of short batches more).
     """
     return loss_sum * runtime.world_size / global_count
+
+
+def padding_cells(attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(padding cells, all cells) of one padded (B, L) batch: the `<stage>/pad_fraction`
+    sums (docs/metrics.md), reduced over ranks by a StatSums like every logged mean."""
+    return attention_mask.numel() - attention_mask.sum(), attention_mask.numel()

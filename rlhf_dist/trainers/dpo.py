@@ -23,6 +23,7 @@ from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
+    padding_cells,
     share_of_global_mean,
     step_and_schedule,
     step_loop,
@@ -70,9 +71,12 @@ def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pa
     """
     mine = plan.rank_slice(runtime.rank)
     share, rows = pairs[mine], None if ref_rows is None else ref_rows[mine]
-    stats, margins, slices = StatSums(), [], plan.micro_slices()
+    widths = [max(len(p.chosen), len(p.rejected)) for p in pairs]
+    slices = plan.micro_batches(widths, runtime.rank, rows_per_item=2)  # chosen + rejected
+    stats, margins = StatSums(), []
     for i, s in enumerate(slices):
-        batch = response_batch(pair_sequences(share[s]), pad_id, runtime.device)
+        batch = response_batch(pair_sequences([share[j] for j in s]), pad_id, runtime.device)
+        stats.add("dpo/pad_fraction", *padding_cells(batch["attention_mask"]))
         logprobs = response_logprobs(model, batch)  # (2m,): the m chosen, then the m rejected
         if rows is None:
             ref = reference_logprobs(runtime, reference, batch)

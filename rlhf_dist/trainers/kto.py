@@ -25,6 +25,7 @@ from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
+    padding_cells,
     share_of_global_mean,
     step_and_schedule,
     step_loop,
@@ -96,15 +97,18 @@ def kto_step(runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc,
     share, rows = examples[mine], None if ref_rows is None else ref_rows[mine]
     kl_ref = None if rows is None else rows[:, 1]
     z0 = global_reference_point(runtime, model, reference, share, kl_ref, plan, pad_id)
-    stats, rewards, slices = StatSums(), [], plan.micro_slices()
+    widths = [len(ex.prompt) + len(ex.completion) for ex in examples]
+    stats, rewards, slices = StatSums(), [], plan.micro_batches(widths, runtime.rank)
     for i, s in enumerate(slices):
-        batch = response_batch(completion_sequences(share[s]), pad_id, runtime.device)
+        micro = [share[j] for j in s]
+        batch = response_batch(completion_sequences(micro), pad_id, runtime.device)
+        stats.add("kto/pad_fraction", *padding_cells(batch["attention_mask"]))
         logprobs = response_logprobs(model, batch)  # (m,) log pi of each labelled completion
         if rows is None:
             ref = reference_logprobs(runtime, reference, batch)
         else:
             ref = rows[s, 0].to(runtime.device)
-        desirable = torch.tensor([ex.desirable for ex in share[s]], device=runtime.device)
+        desirable = torch.tensor([ex.desirable for ex in micro], device=runtime.device)
         w = (kc.desirable_weight, kc.undesirable_weight)
         terms = kto_terms(logprobs, ref, desirable, z0, kc.beta, *w)
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)

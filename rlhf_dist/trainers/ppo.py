@@ -37,7 +37,14 @@ from rlhf_dist.algo.objectives import (
     sequence_log_ratio,
 )
 from rlhf_dist.algo.rewards import shape_rewards
-from rlhf_dist.batching import PPOPlan, extra_batch, global_batches, ppo_plan
+from rlhf_dist.batching import (
+    BatchPlan,
+    PPOPlan,
+    extra_batch,
+    global_batches,
+    ppo_plan,
+    token_budget_split,
+)
 from rlhf_dist.chat import prompt_text
 from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
 from rlhf_dist.data import left_pad, load_rows, prompt_set
@@ -50,6 +57,7 @@ from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
     find_resume,
+    padding_cells,
     safe_point,
     share_of_global_mean,
     step_and_schedule,
@@ -184,6 +192,7 @@ def minibatch_backward(
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
     for i, s in enumerate(slices):
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
+        stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
         adv = advantages[s][:, :T]
         ret = None if returns is None else returns[s][:, :T]
         keep_micro = None if keep is None else functools.partial(keep, s)
@@ -192,10 +201,27 @@ def minibatch_backward(
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
 
 
+def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:
+    """The micro-batches of this rank's share `mb` of a minibatch: `plan.micro_slices()`,
+    or with ppo.micro_batch_tokens index tensors from `batching.token_budget_split` of
+    each row's (prompt, response) length, the widths `RolloutBatch.trimmed` keeps, into
+    as many micro-batches as the busiest rank needs (one all-max: under ZeRO-3 every
+    forward/backward is a collective). A function of the rows, so of the seed."""
+    if not plan.micro_batch_tokens:
+        return plan.micro_slices()
+    prompt, response = mb.prompt_mask.sum(1), mb.response_mask.sum(1).clamp(min=1)
+    widths = torch.stack([prompt, response], dim=1).tolist()
+    budget = plan.micro_batch_tokens
+    mine = len(token_budget_split(widths, budget))
+    parts = int(runtime.all_max(torch.tensor(mine, dtype=torch.long, device=runtime.device)))
+    groups = token_budget_split(widths, budget, parts)
+    return [torch.tensor(g, dtype=torch.long, device=mb.response_mask.device) for g in groups]
+
+
 def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it: int = 0) -> dict:
     """ppo_epochs passes over this rank's rollout in minibatches; returns reduced stats."""
     stats, plan = StatSums(), run.plan
-    per_rank, slices = plan.update.per_rank, plan.update.micro_slices()
+    per_rank = plan.update.per_rank
     trained = (run.model, run.optimizer, run.scheduler)
     record = None  # scoring skipped the actor: old log-probs from the first forward here
     if batch.old_logprobs is None:
@@ -210,6 +236,7 @@ def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it:
                 idx = order[start : start + per_rank]
                 mb, ret = batch.select(idx), None if returns is None else returns[idx]
                 keep = None if record is None else functools.partial(record.keep, idx)
+                slices = update_micro_batches(runtime, mb, plan.update)
                 minibatch_backward(
                     runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, keep
                 )
@@ -279,6 +306,7 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
     ):
         s.add(name, per_seq.sum(), B)
     s.add("objective/entropy", masked_sum(batch.entropy, mask), mask.sum())
+    s.add("rollout/pad_fraction", *padding_cells(batch.attention_mask))
     named = [("advantages/raw", advantages)]
     if returns is not None:
         named += [("value/returns", returns), ("value/values", batch.old_values)]

@@ -32,10 +32,12 @@ from rlhf_dist.models import (
     trained_load_dtype,
 )
 from rlhf_dist.scoring import probe_rephrasings
+from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
+    padding_cells,
     prepare_single_model,
     save_pretrained,
     share_of_global_mean,
@@ -53,24 +55,28 @@ def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return scores[:half], scores[half:]
 
 
-def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[float, float, dict]:
-    """Backward over this rank's micro-batches; returns global (mean loss, accuracy) and
-    this rank's per-pair values for the histograms (margin, chosen and rejected scores)."""
+def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[dict, dict]:
+    """Backward over this rank's micro-batches; returns the global mean loss, accuracy and
+    padding share (`rm/loss`, `rm/accuracy`, `rm/pad_fraction`) and this rank's per-pair
+    values for the histograms (margin, chosen and rejected scores)."""
     share = pairs[plan.rank_slice(runtime.rank)]
-    slices = plan.micro_slices()
-    totals, seen = torch.zeros(2, device=runtime.device), []
-    for i, s in enumerate(slices):
-        batch = {k: v.to(runtime.device) for k, v in collate_pairs(share[s], pad_id).items()}
+    widths = [max(len(p.chosen), len(p.rejected)) for p in pairs]
+    groups = plan.micro_batches(widths, runtime.rank, rows_per_item=2)  # chosen + rejected
+    stats, seen = StatSums(), []
+    for i, g in enumerate(groups):
+        batch = collate_pairs([share[j] for j in g], pad_id)
+        stats.add("rm/pad_fraction", *padding_cells(batch["attention_mask"]))
+        batch = {k: v.to(runtime.device) for k, v in batch.items()}
         chosen, rejected = pair_scores(model, batch)
         seen.append(torch.stack([chosen.detach(), rejected.detach()]).cpu())
         loss_sum = pairwise_reward_terms(chosen, rejected).sum()
         loss = share_of_global_mean(runtime, loss_sum, plan.global_size)
-        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
-        totals += torch.stack([loss_sum.detach(), (chosen > rejected).float().sum()])
-    totals = runtime.all_sum(totals) / plan.global_size
+        runtime.micro_backward(model, loss, last=i == len(groups) - 1)
+        stats.add("rm/loss", loss_sum.detach(), len(g))
+        stats.add("rm/accuracy", (chosen > rejected).float().sum(), len(g))
     chosen, rejected = torch.cat(seen, dim=1)
     values = {"margin": chosen - rejected, "chosen_score": chosen, "rejected_score": rejected}
-    return float(totals[0]), float(totals[1]), values
+    return stats.reduce(runtime), values
 
 
 def expected_calibration_error(prob_chosen: torch.Tensor, n_bins: int = 10) -> float:
@@ -250,10 +256,10 @@ def train_reward_model(cfg, runtime) -> dict:
     out, logger = open_run(cfg, runtime, "rm", ckpt)
 
     def step(idx) -> dict:
-        loss, acc, values = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
+        metrics, values = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
         norms = step_and_schedule(runtime, trained, [rc.optim.max_grad_norm])
         norm = norms[0] if norms else None
-        return {"rm/loss": loss, "rm/accuracy": acc, "rm/grad_norm": norm, DISTRIBUTIONS: values}
+        return metrics | {"rm/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(
         cfg, runtime, out, logger, ckpt, trained, batches, step, "rm", ("rm/loss", "rm/accuracy")

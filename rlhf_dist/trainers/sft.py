@@ -16,10 +16,12 @@ from rlhf_dist.data import SFTExample, collate_sft, load_rows, sft_examples
 from rlhf_dist.distributed import lockstep_map
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import load_causal_lm, token_logprobs, tokenizer_for, trained_load_dtype
+from rlhf_dist.stats import StatSums
 from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
+    padding_cells,
     prepare_single_model,
     save_pretrained,
     share_of_global_mean,
@@ -44,24 +46,27 @@ def token_nll_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return nll.sum(), count.sum()
 
 
-def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[float, dict]:
+def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[dict, dict]:
     """Forward/backward every micro-batch of this rank's share; returns the global mean NLL
-    and this rank's per-sequence values for the histograms (mean NLL, response length)."""
+    (`sft/loss`) and padding share (`sft/pad_fraction`), and this rank's per-sequence
+    values for the histograms (mean NLL, response length)."""
     share = examples[plan.rank_slice(runtime.rank)]
-    micro = [collate_sft(share[s], pad_id) for s in plan.micro_slices()]
+    groups = plan.micro_batches([len(ex.ids) for ex in examples], runtime.rank)
+    micro = [collate_sft([share[i] for i in g], pad_id) for g in groups]
     local_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
     total_tokens = runtime.all_sum(torch.tensor(float(local_tokens), device=runtime.device))
-    loss_sum, per_seq, lengths = torch.zeros((), device=runtime.device), [], []
+    stats, per_seq, lengths = StatSums(), [], []
     for i, batch in enumerate(micro):
+        stats.add("sft/pad_fraction", *padding_cells(batch["attention_mask"]))
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
         nll, count = sequence_nll(model, batch)
         loss = share_of_global_mean(runtime, nll.sum(), total_tokens)
         runtime.micro_backward(model, loss, last=i == len(micro) - 1)
-        loss_sum += nll.sum().detach()
+        stats.add("sft/loss", nll.sum().detach(), count.sum())
         per_seq.append((nll.detach() / count.clamp(min=1)).cpu())
         lengths.append(count.float().cpu())
     values = {"sequence_nll": torch.cat(per_seq), "response_length": torch.cat(lengths)}
-    return float(runtime.all_sum(loss_sum) / total_tokens), values
+    return stats.reduce(runtime), values
 
 
 @torch.no_grad()
@@ -112,10 +117,10 @@ def train_sft(cfg, runtime) -> dict:
     out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
 
     def step(idx) -> dict:
-        loss, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
+        metrics, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
         norms = step_and_schedule(runtime, trained, [sc.optim.max_grad_norm])
         norm = norms[0] if norms else None
-        return {"sft/loss": loss, "sft/grad_norm": norm, DISTRIBUTIONS: values}
+        return metrics | {"sft/grad_norm": norm, DISTRIBUTIONS: values}
 
     last = step_loop(
         cfg,

@@ -63,6 +63,8 @@ def one_rank(assets, tmp_path_factory):
     ("NAME/1x4"), and token_mean with the critic-free terms."""
     variants = [variant("token_mean", 8), variant("token_mean/1x4", 2)]
     variants.append(variant("token_mean-critic_free", 8, "--critic-free"))
+    # ppo.micro_batch_tokens=30: rows sorted by length into micro-batches of 1-3 rows
+    variants.append(variant("token_mean/budget", 8, "--tokens=30"))
     for name, (flags, _) in AGGREGATIONS.items():
         variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
     return probe_single(assets, tmp_path_factory.mktemp("one_rank") / "1.pt", *variants)
@@ -71,12 +73,15 @@ def one_rank(assets, tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3(assets, tmp_path_factory):
     """Every 2 ranks x 2 micro-batches ZeRO-3 gradient, from ONE launch: each aggregation
-    with ZeRO-3's per-layer fetching, token_mean again with gradient checkpointing, and
+    with ZeRO-3's per-layer fetching, token_mean by a token budget that gives the ranks
+    different micro-batch counts, token_mean again with gradient checkpointing, and
     with the weights gathered whole (with and without checkpointing); then, in the same
     launch, ranks generating different lengths (scripts/uneven_generation.py) and the
     all-reduce gradient reduction against DeepSpeed's reduce-scatter."""
     variants = [variant("token_mean", 2)]
     variants += [variant(name, 2, *flags) for name, (flags, _) in AGGREGATIONS.items()]
+    # A token budget of 16 cells: rank 0's share needs 3 micro-batches, rank 1's 4.
+    variants.append(variant("budget", 2, "--tokens=16"))
     variants.append(variant("checkpointing", 2, "--gradient-checkpointing"))
     # The trainers' path: weights gathered whole for the step (zero3.py), with and
     # without recomputation.
@@ -121,6 +126,20 @@ def test_gradient_split_invariant_for_each_loss_aggregation(one_rank, zero3, agg
     assert any((token_mean[k] - g).abs().max() > 1e-4 * g.abs().max() for k, g in grads.items())
     assert_same_gradients(grads, one_rank["gradients"][f"{aggregation}/1x4"], 1e-5, "1x4")
     assert_same_gradients(grads, zero3["gradients"][aggregation], 1e-4, "2x2 ZeRO-3")
+
+
+def test_token_budget_micro_batches_give_the_same_gradient(one_rank, zero3):
+    """ppo.micro_batch_tokens (update_micro_batches): rows sorted by length and cut by the
+    budget, the same gradient as one micro-batch of 8 on 1 rank and on 2 ZeRO-3 ranks,
+    where rank 0's budget alone needs 3 micro-batches and rank 1's 4: rank 0 runs 4 too
+    (every pass is a collective; a hang would time out the zero3 launch)."""
+    grads = one_rank["gradients"]["token_mean"]
+    assert_same_gradients(grads, one_rank["gradients"]["token_mean/budget"], 1e-6, "1 budget")
+    assert one_rank["micro_counts"]["token_mean/budget"] == {"greedy": [4], "passes": [4]}
+    assert_same_gradients(grads, zero3["gradients"]["budget"], 1e-4, "2 ranks budget")
+    layered = zero3["gradients"]["token_mean"]
+    assert_same_gradients(layered, zero3["gradients"]["budget"], 1e-6, "ZeRO-3 budget")
+    assert zero3["micro_counts"]["budget"] == {"greedy": [3, 4], "passes": [4, 4]}
 
 
 def test_gradient_and_checkpoint_optimizer_under_zero2(assets, one_rank, tmp_path):

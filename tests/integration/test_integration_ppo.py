@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 import torch
 
-from rlhf_dist.batching import ppo_plan
+from rlhf_dist.batching import BatchPlan, ppo_plan
 from rlhf_dist.config import config_from_dict, to_dict
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.scoring import Scorer
@@ -264,6 +264,10 @@ def test_ppo_iteration_runs_epochs_x_minibatches_of_micro_batches(
     # The scheduler stepped with the optimizer: 4 of 8 total steps after iteration 1.
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["optim/lr_actor"] for r in rows] == pytest.approx([0.5e-4, 0.0], abs=1e-12)
+    # Padding shares (docs/metrics.md): left-padded prompts and responses cut at EOS pad
+    # the rollout; a micro-batch drops all-padding columns, so it pays no more than that.
+    for r in rows:
+        assert 0 <= r["update/pad_fraction"] <= r["rollout/pad_fraction"] < 1, r
 
 
 # ----------------------------------------------------------------- split invariance
@@ -329,11 +333,12 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     # the clipped branches of both losses take part in the gradient.
     base = copy.deepcopy(runtime.unwrap(args["run"].model))
 
-    def step_grads(micro_batch_size):
+    def step_grads(micro_batch_size, micro_batch_tokens=0):
         t = to_dict(config_from_dict(tree))
         # A tight value clip: the critic moved little in one iteration, and the clipped
         # value branch should be exercised as well.
         t["ppo"] |= {"micro_batch_size": micro_batch_size, "ppo_epochs": 1, "value_clip_eps": 1e-3}
+        t["ppo"]["micro_batch_tokens"] = micro_batch_tokens
         # Norm clipping off: the recorder then sees the raw accumulated gradient.
         t["ppo"]["actor"]["max_grad_norm"] = t["ppo"]["critic"]["max_grad_norm"] = 1e9
         cfg = config_from_dict(t)
@@ -365,6 +370,20 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     for name in whole:
         scale = whole[name].norm()
         assert (split[name] - whole[name]).norm() <= 1e-5 * scale + 1e-12, name
+
+    # ppo.micro_batch_tokens through ppo_update: rows sorted by length, several
+    # micro-batches of different row counts, the same gradient and less padding.
+    widths = (batch.prompt_mask.sum(1) + lengths).tolist()
+    budget = 3 * max(widths)
+    groups = ppo.update_micro_batches(runtime, batch, BatchPlan(16, 1, 16, budget))
+    assert len(groups) >= 3 and len({len(g) for g in groups}) >= 2, groups
+    budgeted, stats_budget = step_grads(16, budget)
+    for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl"):
+        assert stats_budget[key] == pytest.approx(stats_whole[key], rel=1e-5, abs=1e-9), key
+    for name in whole:
+        scale = whole[name].norm()
+        assert (budgeted[name] - whole[name]).norm() <= 1e-6 * scale + 1e-12, name
+    assert 0 <= stats_budget["update/pad_fraction"] < stats_whole["update/pad_fraction"] < 1
 
 
 # ------------------------------------------------------- reward post-processing options

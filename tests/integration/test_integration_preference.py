@@ -16,10 +16,11 @@ from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data import kto_examples, load_rows, preference_pairs
 from rlhf_dist.demo import task
-from rlhf_dist.models import load_causal_lm
+from rlhf_dist.models import ValueModel, load_causal_lm, load_sequence_classifier
 from rlhf_dist.trainers import preference
 from rlhf_dist.trainers.dpo import dpo_step, train_dpo
 from rlhf_dist.trainers.kto import kto_step, train_kto
+from rlhf_dist.trainers.reward import rm_step
 
 
 def _cfg(stage, sft_run, out, data, extra=None, **section):
@@ -206,12 +207,12 @@ def test_dpo_with_lora_trains_adapters_only_and_exports(
     assert any(not torch.equal(merged[k], base[k]) for k in base), "merged export == SFT"
 
 
-def _split_grads(step_fn, base, batch, micro_sizes):
-    """(gradients, metrics) of one step_fn call per micro-batch size, each on a fresh copy."""
+def _split_grads(step_fn, base, batch, plans):
+    """(gradients, metrics) of one step_fn call per BatchPlan, each on a fresh copy."""
     out = []
-    for m in micro_sizes:
+    for plan in plans:
         model = copy.deepcopy(base)
-        metrics, _ = step_fn(model, batch, BatchPlan(16, 1, m))
+        metrics, _ = step_fn(model, batch, plan)
         out.append(({n: p.grad.clone() for n, p in model.named_parameters()}, metrics))
     return out
 
@@ -221,7 +222,8 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_split(
     stage, sft_run, task_env, runtime, data_cfg
 ):
     """One optimizer step's gradient is that of the global-batch mean loss, however the
-    batch is cut, including KTO's reference point z0 (one number for the whole batch)."""
+    batch is cut (4 micro-batches of 4, or by a token budget: sorted by length, different
+    row counts), including KTO's reference point z0 (one number for the whole batch)."""
     tok, pad = task_env.tokenizer, task_env.tokenizer.pad_token_id
     rows = load_rows(str(task_env.files.prefs_train), "data.train")[:16]
     data = config_from_dict({"data": data_cfg()}).data
@@ -231,22 +233,60 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_split(
     if stage == "dpo":
         batch = preference_pairs(rows, tok, data)[0]
         section = config_from_dict({}).dpo
+        widths, rows_per_item = [max(len(p.chosen), len(p.rejected)) for p in batch], 2
 
         def step(model, items, plan):
             return dpo_step(runtime, model, reference, items, None, plan, section, pad)
     else:
         batch = kto_examples(rows, tok, data, config_from_dict({}).kto)[0][:16]
         section = config_from_dict({}).kto
+        widths, rows_per_item = [len(ex.prompt) + len(ex.completion) for ex in batch], 1
 
         def step(model, items, plan):
             return kto_step(runtime, model, reference, items, None, plan, section, pad)
 
-    (whole, m_whole), (split, m_split) = _split_grads(step, policy, batch, (16, 4))
+    budget = BatchPlan(16, 1, 16, micro_batch_tokens=3 * rows_per_item * max(widths))
+    groups = budget.micro_batches(widths, 0, rows_per_item)
+    assert len(groups) >= 3 and len({len(g) for g in groups}) >= 2, groups
+    plans = (BatchPlan(16, 1, 16), BatchPlan(16, 1, 4), budget)
+    (whole, m_whole), *splits = _split_grads(step, policy, batch, plans)
     loss = f"{stage}/loss"
-    assert m_split[loss] == pytest.approx(m_whole[loss], rel=1e-5)
-    if stage == "kto":
-        assert m_whole["kto/kl"] > 0 and m_split["kto/kl"] == pytest.approx(m_whole["kto/kl"])
+    for (split, m_split), tolerance in zip(splits, (1e-4, 1e-6)):
+        assert m_split[loss] == pytest.approx(m_whole[loss], rel=1e-5)
+        if stage == "kto":
+            assert m_whole["kto/kl"] > 0
+            assert m_split["kto/kl"] == pytest.approx(m_whole["kto/kl"])
+        for name in whole:
+            scale = whole[name].norm()
+            assert scale > 0, name
+            assert (split[name] - whole[name]).norm() <= tolerance * scale, name
+    pad_fraction = f"{stage}/pad_fraction"
+    assert 0 <= splits[-1][1][pad_fraction] < m_whole[pad_fraction] < 1
+
+
+def test_reward_model_gradient_same_with_a_token_budget(sft_run, task_env, runtime, data_cfg):
+    """rm.micro_batch_tokens: pairs sorted by length in micro-batches of 2 x pairs x
+    longest sequence within the budget; the step's gradient is the whole batch's."""
+    tok, pad = task_env.tokenizer, task_env.tokenizer.pad_token_id
+    rows = load_rows(str(task_env.files.prefs_train), "data.train")[:16]
+    batch = preference_pairs(rows, tok, config_from_dict({"data": data_cfg()}).data)[0][:16]
+    torch.manual_seed(0)  # the new head
+    classifier = load_sequence_classifier(str(sft_run.out / "final"), "model.reward", new_head=True)
+    base = ValueModel(classifier)
+    widths = [max(len(p.chosen), len(p.rejected)) for p in batch]
+    budget = BatchPlan(16, 1, 16, micro_batch_tokens=3 * 2 * max(widths))
+    assert len(budget.micro_batches(widths, 0, rows_per_item=2)) >= 3
+
+    def step(model, items, plan):
+        return rm_step(runtime, model, items, plan, pad)
+
+    (whole, m_whole), (split, m_split) = _split_grads(
+        step, base, batch, (BatchPlan(16, 1, 16), budget)
+    )
+    assert m_split["rm/loss"] == pytest.approx(m_whole["rm/loss"], rel=1e-6)
+    assert m_split["rm/accuracy"] == m_whole["rm/accuracy"]
     for name in whole:
         scale = whole[name].norm()
         assert scale > 0, name
-        assert (split[name] - whole[name]).norm() <= 1e-4 * scale, name
+        assert (split[name] - whole[name]).norm() <= 1e-6 * scale, name
+    assert 0 <= m_split["rm/pad_fraction"] < m_whole["rm/pad_fraction"] < 1

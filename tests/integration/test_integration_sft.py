@@ -84,18 +84,28 @@ def test_sft_gradient_does_not_depend_on_the_micro_batch_split(task_env, runtime
     assert len({len(ex.ids) - ex.prompt_len for ex in examples}) >= 4
     base = load_causal_lm(str(task_env.policy), "model.policy")
 
-    def grads_and_loss(micro_batch_size):
+    def grads_and_metrics(plan):
         model = copy.deepcopy(base)
-        loss, _ = sft_step(runtime, model, examples, BatchPlan(16, 1, micro_batch_size), pad)
-        return {n: p.grad.clone() for n, p in model.named_parameters()}, loss
+        metrics, _ = sft_step(runtime, model, examples, plan, pad)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
 
-    whole, loss_whole = grads_and_loss(16)
-    split, loss_split = grads_and_loss(4)
-    assert loss_split == pytest.approx(loss_whole, rel=1e-6)
-    for name in whole:
-        scale = whole[name].norm()
-        assert scale > 0, name
-        assert (split[name] - whole[name]).norm() <= 1e-5 * scale, name
+    whole, m_whole = grads_and_metrics(BatchPlan(16, 1, 16))
+    # A token budget of 3 longest rows: sorted by length, several micro-batches of
+    # different row counts (sft.micro_batch_tokens).
+    longest = max(len(ex.ids) for ex in examples)
+    budget = BatchPlan(16, 1, 16, micro_batch_tokens=3 * longest)
+    groups = budget.micro_batches([len(ex.ids) for ex in examples], 0)
+    assert len(groups) >= 4 and len({len(g) for g in groups}) >= 2, groups
+    for plan, tolerance in ((BatchPlan(16, 1, 4), 1e-5), (budget, 1e-6)):
+        split, m_split = grads_and_metrics(plan)
+        assert m_split["sft/loss"] == pytest.approx(m_whole["sft/loss"], rel=1e-6)
+        for name in whole:
+            scale = whole[name].norm()
+            assert scale > 0, name
+            assert (split[name] - whole[name]).norm() <= tolerance * scale, name
+    # Rows of similar length share a micro-batch (m_split: the budget's): less padding
+    # than one batch of 16.
+    assert 0 <= m_split["sft/pad_fraction"] < m_whole["sft/pad_fraction"] < 1
 
     # Control: the naive recipe (mean over each micro-batch's own tokens, averaged over
     # micro-batches) gives a visibly different gradient on this batch, so the equality

@@ -6,11 +6,19 @@ over a grid of sizes rather than on one example.
 """
 
 import itertools
+import random
 from types import SimpleNamespace
 
 import pytest
 
-from rlhf_dist.batching import BatchPlan, PPOPlan, epoch_order, global_batches, ppo_plan
+from rlhf_dist.batching import (
+    BatchPlan,
+    PPOPlan,
+    epoch_order,
+    global_batches,
+    ppo_plan,
+    token_budget_split,
+)
 
 # (world size, per-rank size, micro-batch size); global = world * per-rank, as validate() asks.
 GRID = [
@@ -53,6 +61,7 @@ def test_ppo_plan_counts():
         rollout_micro_batch_size=8,
         minibatch_size=16,
         micro_batch_size=4,
+        micro_batch_tokens=0,
         ppo_epochs=3,
         samples_per_prompt=1,
     )
@@ -73,6 +82,7 @@ def test_ppo_plan_counts_sequences_with_several_samples_per_prompt():
         rollout_micro_batch_size=8,
         minibatch_size=16,
         micro_batch_size=4,
+        micro_batch_tokens=0,
         ppo_epochs=2,
         samples_per_prompt=4,
     )
@@ -114,3 +124,69 @@ def test_global_batches_fewer_rows_than_a_batch():
     exact = list(global_batches(6, 3, seed=1, epochs=1))
     assert len(exact) == 2
     assert sorted(exact[0][1] + exact[1][1]) == list(range(6))
+
+
+# ---------------------------------------------------------- token-budget micro-batches
+
+
+def budget_cost(widths, group, rows_per_item=1) -> int:
+    """Padded cells of a micro-batch: rows x the sum over parts of each part's longest."""
+    parts = [w if isinstance(w, tuple) else (w,) for w in widths]
+    width = sum(max(parts[i][k] for i in group) for k in range(len(parts[group[0]])))
+    return len(group) * rows_per_item * width
+
+
+def test_token_budget_split_by_hand():
+    # longest first: 2 (8), 0 (5), 1 (3), 3 (2), 4 (2); 0 and 1 cost 2 x 5 = 10 <= 10
+    assert token_budget_split([5, 3, 8, 2, 2], 10) == [[2], [0, 1], [3, 4]]
+    # a row over the budget by itself goes alone
+    assert token_budget_split([20, 3, 3], 10) == [[0], [1, 2]]
+    # pairs stack 2 rows each: 2 x 2 x 3 = 12 fits, 2 x 3 x 3 = 18 does not
+    assert token_budget_split([3, 3, 3], 12, rows_per_item=2) == [[0, 1], [2]]
+    # (prompt, response): left- and right-padded parts, each padded to its own longest;
+    # rows 2 and 3 cost 2 x (5 + 3) = 16, rows 1 and 2 2 x (5 + 5) = 20
+    rollout = [(5, 7), (3, 5), (5, 3), (3, 1)]
+    assert token_budget_split(rollout, 16) == [[0], [1], [2, 3]]
+    # equalised to 4 passes: the costliest micro-batch of 2+ rows is halved
+    assert token_budget_split(rollout, 16, parts=4) == [[0], [1], [2], [3]]
+    # equal costs: the first is halved
+    assert token_budget_split([4, 4, 4, 4], 100, parts=3) == [[0], [1], [2, 3]]
+    with pytest.raises(ValueError, match="micro-batches"):
+        token_budget_split([1, 2], 10, parts=3)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_token_budget_split_properties(seed):
+    """Every row in exactly one micro-batch, each within the budget unless it is one row
+    over it, rows longest first in a deterministic order, at least `parts` micro-batches
+    and no more than the budget alone needs."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 24)
+    two_parts = seed % 2 == 0
+    widths = [
+        (rng.randint(1, 20), rng.randint(1, 30)) if two_parts else rng.randint(1, 40)
+        for _ in range(n)
+    ]
+    budget, rows_per_item = rng.randint(1, 200), rng.choice([1, 2])
+    parts = rng.randint(1, n)
+    groups = token_budget_split(widths, budget, parts, rows_per_item)
+    flat = [i for g in groups for i in g]
+    assert sorted(flat) == list(range(n))
+    total = [sum(w) if two_parts else w for w in widths]
+    assert flat == sorted(range(n), key=lambda i: (-total[i], i))
+    for g in groups:
+        assert g and (len(g) == 1 or budget_cost(widths, g, rows_per_item) <= budget)
+    greedy = len(token_budget_split(widths, budget, 1, rows_per_item))
+    assert len(groups) == max(parts, greedy)
+    assert token_budget_split(widths, budget, parts, rows_per_item) == groups
+
+
+def test_batch_plan_micro_batches_same_count_on_every_rank():
+    widths = [9, 1, 1, 1, 9, 9, 1, 1]  # rank 0: one long row; rank 1: two
+    plan = BatchPlan(8, 2, 4, micro_batch_tokens=10)
+    groups = [plan.micro_batches(widths, rank) for rank in range(2)]
+    assert groups[1] == [[0], [1], [2, 3]]  # 9 and 9 one each, then the two 1s
+    assert groups[0] == [[0], [1, 2], [3]]  # [0] [1, 2, 3] would do; halved to three passes
+    assert len(groups[0]) == len(groups[1])
+    off = BatchPlan(8, 2, 3)
+    assert off.micro_batches(widths, 1) == [[0, 1, 2], [3]]

@@ -390,6 +390,16 @@ def test_sft_rm_micro_batch_must_divide_batch(stage):
     assert f"{stage}.batch_size" in config_error(validate, ok, stage, world_size=4)
 
 
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto", "ppo"])
+def test_micro_batch_tokens_is_off_by_default_and_refuses_a_negative_budget(stage):
+    required = PPO_REQUIRED if stage == "ppo" else SFT_REQUIRED
+    validate(load_config(overrides=[*required, f"{stage}.micro_batch_tokens=4096"]), stage)
+    assert getattr(load_config(), stage).micro_batch_tokens == 0
+    bad = load_config(overrides=[*required, f"{stage}.micro_batch_tokens=-1"])
+    message = config_error(validate, bad, stage)
+    assert message.startswith(f"{stage}.micro_batch_tokens:"), message
+
+
 def test_sft_divisibility_message_states_the_users_value():
     cfg = load_config(overrides=[*SFT_REQUIRED, "sft.batch_size=32", "sft.micro_batch_size=32"])
     message = config_error(validate, cfg, "sft", world_size=2)

@@ -4,14 +4,18 @@ Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generatio
   [--check-reduce]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
-  --policy-loss=cispo, --overlong-mask
+  --policy-loss=cispo, --overlong-mask, --tokens=N
 (--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
 bonus, clip-higher and dual clip: every term of the loss in one gradient. --whole-weights:
 the backward runs inside runtime.training_weights(model, "always"), as the trainers' steps
 do, instead of through ZeRO-3's per-layer fetching. --ratio-level / --policy-loss set
 ppo.ratio_level / ppo.policy_loss: GSPO, CISPO (cispo drops --critic-free's dual clip).
 --overlong-mask: rows 0, 1 and 5 are truncated and masked out of the loss as
-ppo.overlong=mask does, so rank 0's first micro-batch has no loss token at all.)
+ppo.overlong=mask does, so rank 0's first micro-batch has no loss token at all. --tokens=N: ppo.micro_batch_tokens=N,
+the share cut by that token budget as ppo_update does (`update_micro_batches`: sorted by
+length, as many passes on every rank as the busiest needs); the variant then also records
+{"micro_counts": {NAME: {"greedy": [passes each rank's budget alone needs],
+"passes": [passes each rank ran]}}}.)
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
 global minibatch with ragged response lengths, takes its share, and accumulates the
 gradient over its micro-batches with the trainer's own `minibatch_backward`. Each variant
@@ -35,14 +39,14 @@ import sys
 import torch
 
 from rlhf_dist.algo.objectives import drop_truncated
-from rlhf_dist.batching import ppo_plan
+from rlhf_dist.batching import ppo_plan, token_budget_split
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.distributed import Runtime, seed_everything
 from rlhf_dist.distributed.training_state import innermost_optimizer
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo import UpdateKnobs, minibatch_backward
+from rlhf_dist.trainers.ppo import UpdateKnobs, minibatch_backward, update_micro_batches
 from rlhf_dist.trainers.ppo_setup import build_models
 
 B, P, T, VOCAB = 8, 5, 7, 100
@@ -111,6 +115,7 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
             "rollout_batch_size": B,
             "minibatch_size": B,
             "micro_batch_size": micro,
+            "micro_batch_tokens": int(flag_value(flags, "tokens", "0")),
             "value_clip_eps": 0.2,
             "loss_aggregation": aggregation,
             **(CRITIC_FREE if "--critic-free" in flags else {}),
@@ -136,7 +141,7 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
         batch.response_mask = drop_truncated(batch.response_mask, batch.finished)
     share = plan.update.rank_slice(runtime.rank)
     mb = batch.select(share)
-    slices = plan.update.micro_slices()
+    slices = update_micro_batches(runtime, mb, plan.update)
     knobs = UpdateKnobs.from_config(cfg, group_names=built.group_names)
     setting = "always" if whole else "never"
     before = zero3_state(runtime, built.model)
@@ -157,8 +162,21 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
         with contextlib.suppress(ArithmeticError), runtime.whole_weights(built.model):
             raise ArithmeticError("raised inside whole weights")
         facts["restored"] &= zero3_state(runtime, built.model) == before
+    if plan.update.micro_batch_tokens:
+        facts["micro_counts"] = micro_counts(runtime, mb, plan.update, len(slices))
     inner = type(innermost_optimizer(built.optimizer))
     return grads, f"{inner.__module__}.{inner.__qualname__}", facts
+
+
+def micro_counts(runtime, mb, plan, passes: int) -> dict:
+    """Every rank's micro-batch count under the token budget alone, and the passes run."""
+    response = mb.response_mask.sum(1).clamp(min=1)  # as update_micro_batches
+    widths = torch.stack([mb.prompt_mask.sum(1), response], dim=1).tolist()
+    greedy = len(token_budget_split(widths, plan.micro_batch_tokens))
+    return {
+        "greedy": runtime.gather_objects([greedy]),
+        "passes": runtime.gather_objects([passes]),
+    }
 
 
 def zero3_state(runtime, engine) -> tuple | None:
@@ -239,6 +257,8 @@ def main():
         )
         result["gradients"][name] = grads
         result["checkpoint_optimizer"][name] = optimizer
+        if "micro_counts" in facts:
+            result.setdefault("micro_counts", {})[name] = facts.pop("micro_counts")
         result["zero3"][name] = facts
     if "--check-reduce" in sys.argv:
         result["reduce_max_diff"] = reduce_max_diff(runtime)
