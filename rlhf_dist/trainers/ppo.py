@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.agent import build_agent, episode_stats
 from rlhf_dist.alerts import AlertMonitor
 from rlhf_dist.algo.estimators import ESTIMATORS, AdvantageInputs, estimate_advantages
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController, kl_estimate
@@ -292,6 +293,9 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
         # KL(pi_vllm || pi_old), k3 estimate on the tokens vLLM sampled
         sampler_kl = kl_estimate(batch.sampler_logprobs, batch.old_logprobs, "k3")
         s.add("rollout/sampler_kl", masked_sum(sampler_kl, mask), mask.sum())
+    if batch.turns is not None:  # multi-turn: turns, tool calls, errors, truncations
+        for name, (total, count) in episode_stats(batch).items():
+            s.add(name, total, count)
     s.add_max("rollout/length_max", lengths.max())
     s.add_max("rollout/length_min_neg", -lengths.min())
     out = s.reduce(runtime)
@@ -600,6 +604,8 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         stops,
         engine,
         whole_weights=lambda: runtime.weights_whole(model, gather),
+        agent=build_agent(cfg, tokenizer),  # None without generation.tools / environment
+        any_rank=runtime.any_rank if runtime.world_size > 1 else None,
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:
