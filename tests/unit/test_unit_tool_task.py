@@ -1,0 +1,45 @@
+"""The tool-use task (rlhf_dist/demo/tool_task.py): its demonstrations render as the
+multi-turn rollout renders its prompts, the call parses and runs, the reward is exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_dist.agent import Renderer, ToolEnvironment, tool_schema
+from rlhf_dist.demo import tool_task
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return tool_task.build_tool_tokenizer(tmp_path_factory.mktemp("tool_tok"))
+
+
+def test_a_demonstration_starts_with_the_rollouts_prompt_and_its_call_runs(tok):
+    demo = tool_task.demonstration("river")["messages"]
+    renderer = Renderer(tok, tool_task.TEMPLATE, (tool_schema(tool_task.lookup),))
+    prompt = renderer.render(demo[1:2], generation_prompt=True)
+    full = tok.apply_chat_template(demo, tokenize=False, chat_template=tool_task.TEMPLATE)
+    assert full.startswith(prompt)  # SFT's system turn = the template's tools turn
+    ids = tok(full, add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids
+    call = tok.decode(tok(demo[2]["content"], add_special_tokens=False)["input_ids"])
+    env = ToolEnvironment({"lookup": tool_task.lookup}, 1.0)
+    new, done, _ = env.step([*demo[:2], {"role": "assistant", "content": call}])
+    assert new == [{"role": "tool", "content": tool_task.TABLE["river"]}] and not done
+
+
+def test_answer_reward_is_the_exact_answer():
+    code = tool_task.TABLE["stone"]
+    other = next(c for c in tool_task.CODES if c != code)
+    prompts = [tool_task.QUESTION.format("stone")] * 3 + [[{"role": "user", "content": "hi"}]]
+    responses = [f"the code is {code}", f"the code is {other}", f"code {code}", "the code is red"]
+    assert tool_task.answer_reward(prompts, responses) == [1.0, 0.0, 0.0, 0.0]
+    messages = [{"role": "user", "content": tool_task.QUESTION.format("stone")}]
+    assert tool_task.answer_reward([messages], [f"the code is {code}"]) == [1.0]
+
+
+def test_held_out_keys_are_not_in_the_demonstrations(tmp_path):
+    files = tool_task.write_tool_task(tmp_path, train_keys=16)
+    sft = files["sft"].read_text()
+    assert all(k in sft for k in tool_task.KEYS[:16])
+    assert not any(f" {k} " in sft for k in tool_task.KEYS[16:])
