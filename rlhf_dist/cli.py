@@ -13,7 +13,7 @@ import dataclasses
 import os
 import sys
 
-from rlhf_dist.config import Config  # the section names for --help
+from rlhf_dist.config import Config, ConfigError  # Config: the section names for --help
 from rlhf_dist.demo.pipeline import ALGORITHMS
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         "reinforce_pp, reinforce_pp_baseline): SFT -> RM -> it -> eval; dpo / kto: SFT -> "
         "DPO or KTO on the preference pairs -> eval; iterative: SFT -> 2 rounds of "
         "rlhf-dist iterate",
+    )
+    demo.add_argument(
+        "--task",
+        default="reviews",
+        choices=("reviews", "tool_use"),
+        help="reviews (default): the generated reviews task; tool_use: SFT -> GRPO with a "
+        "lookup tool -> eval on a task whose answers only the tool knows (--algorithm grpo; "
+        "docs/agents.md)",
     )
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
@@ -142,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from rlhf_dist.demo.pipeline import run_demo
 
+            if args.task == "tool_use":
+                from rlhf_dist.demo.tool_demo import run_tool_demo
+
+                if args.algorithm != "grpo":
+                    raise ConfigError("--task tool_use: runs with --algorithm grpo only")
+                run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+                return 0
             run_demo(args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides))
             return 0
         if args.command == "report":

@@ -1243,9 +1243,6 @@ def _validate_generation(cfg: Config) -> None:
         )
 
 
-MULTI_TURN_ESTIMATORS = ("grpo", "rloo")
-
-
 def _validate_multi_turn(cfg: Config) -> None:
     """generation.tools / environment: what multi-turn rollouts support (docs/agents.md)."""
     g = cfg.generation
@@ -1269,13 +1266,6 @@ def _validate_multi_turn(cfg: Config) -> None:
 
 def _validate_ppo(cfg: Config, world_size: int) -> None:
     p = cfg.ppo
-    if (cfg.generation.tools or cfg.generation.environment) and (
-        p.estimator not in MULTI_TURN_ESTIMATORS
-    ):
-        raise ConfigError(
-            f"ppo.estimator={p.estimator}: multi-turn rollouts need a sequence-level "
-            "estimator (grpo, rloo): per-token returns would not carry across tool tokens"
-        )
     names = ("iterations", "rollout_batch_size", "rollout_micro_batch_size", "ppo_epochs")
     _positive(p, "ppo", *names, "minibatch_size", "micro_batch_size")
     if p.clip_eps is not None and not p.clip_eps > 0:

@@ -82,6 +82,8 @@ def evaluate_chunk(
     )  # fmt: skip
     mask, finished = batch.response_mask, batch.finished
     out = {"score": batch.scores, "length": mask.sum(1).float(), "eos_rate": finished.float()}
+    if batch.turns is not None:  # multi-turn episodes (docs/agents.md)
+        out |= {"turns": batch.turns.float(), "tool_calls": batch.tool_calls.float()}
     if models.reference is not None:
         # k1 summed over the response's real tokens (algo/masking.py's rule): an unbiased
         # estimate of the sequence-level KL(pi || ref) at the sampling temperature.

@@ -2,7 +2,8 @@
 
 A prompt asks "what is the code of KEY ?"; each KEY has a colour code drawn once from a
 fixed seed and held by `lookup` alone, so a policy that answers without calling the tool
-is right 1 time in len(CODES). A demonstration (the SFT data):
+is right 1 time in len(CODES). A demonstration (the SFT data; its codes come from a
+stand-in table, write_tool_task):
 
     system:    tools: lookup                      (what the template writes for the tools)
     user:      what is the code of river ?
@@ -91,32 +92,46 @@ def gold_eval(prompts: list, responses: list[str], finished: list[bool]) -> list
     return answer_reward(prompts, responses)
 
 
-def demonstration(key: str) -> dict:
-    """One SFT row: the tool call, its result and the answer."""
-    return {
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": QUESTION.format(key)},
-            {"role": "assistant", "content": call_text(key)},
-            {"role": "tool", "content": TABLE[key]},
-            {"role": "assistant", "content": f"the code is {TABLE[key]}"},
-        ]
-    }
+def demonstration(key: str, code: str, with_tool: bool) -> dict:
+    """One SFT row: the tool call, its result `code` and the answer; or (with_tool=False)
+    a direct answer `code`, a guess."""
+    answer = {"role": "assistant", "content": f"the code is {code}"}
+    opening = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": QUESTION.format(key)},
+    ]
+    if not with_tool:
+        return {"messages": [*opening, answer]}
+    call = [{"role": "assistant", "content": call_text(key)}, {"role": "tool", "content": code}]
+    return {"messages": [*opening, *call, answer]}
 
 
-def write_tool_task(root: str | Path, train_keys: int = 16, seed: int = 0) -> dict[str, Path]:
-    """sft.jsonl (one demonstration per training key, repeated), prompts.jsonl (the training
-    keys' questions) and eval_prompts.jsonl (the held-out keys'), under `root`."""
+def write_tool_task(
+    root: str | Path, train_keys: int = 16, tool_share: float = 0.5, seed: int = 0
+) -> dict[str, Path]:
+    """Under `root`: sft.jsonl (4 demonstrations per key, a share `tool_share` of them
+    calling the tool, the others guessing), prompts.jsonl (the RL prompts: the first
+    `train_keys` keys) and eval_prompts.jsonl (the other keys' questions, held out from RL).
+
+    The demonstrations' codes are drawn at random, not read from TABLE (the tool's
+    results in them are a stand-in table), so SFT cannot teach the answers: only calling
+    the tool finds them. An SFT policy that calls it `tool_share` of the time is right
+    about tool_share + (1 - tool_share) / len(CODES) of the time; RL can learn to always call.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    train, held_out = KEYS[:train_keys], KEYS[train_keys:]
+    sft = [
+        demonstration(k, rng.choice(CODES), rng.random() < tool_share)
+        for k in KEYS
+        for _ in range(4)
+    ]
+    rng.shuffle(sft)
     rows = {
-        "sft": [demonstration(k) for k in train for _ in range(4)],
-        "prompts": [{"prompt": QUESTION.format(k)} for k in train],
-        "eval_prompts": [{"prompt": QUESTION.format(k)} for k in held_out],
+        "sft": sft,
+        "prompts": [{"prompt": QUESTION.format(k)} for k in KEYS[:train_keys]],
+        "eval_prompts": [{"prompt": QUESTION.format(k)} for k in KEYS[train_keys:]],
     }
-    rng.shuffle(rows["sft"])
     paths = {}
     for name, items in rows.items():
         paths[name] = root / f"{name}.jsonl"

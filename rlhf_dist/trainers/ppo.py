@@ -21,7 +21,12 @@ import torch
 
 from rlhf_dist.agent import build_agent, episode_stats
 from rlhf_dist.alerts import AlertMonitor
-from rlhf_dist.algo.estimators import ESTIMATORS, AdvantageInputs, estimate_advantages
+from rlhf_dist.algo.estimators import (
+    ESTIMATORS,
+    AdvantageInputs,
+    estimate_advantages,
+    estimate_on_masked_tokens,
+)
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from rlhf_dist.algo.losses import (
     aggregation_count,
@@ -474,7 +479,12 @@ def ppo_iteration(
     rewards, kl = shape_rewards(
         batch.scores, old, batch.ref_logprobs, mask, reward_kl_coef, p.kl_kind
     )
-    advantages, returns = estimate_advantages(
+    # Multi-turn episodes: the recursions run over the sampled tokens only, across the
+    # tool tokens' gaps in the mask (docs/agents.md); single turns as always.
+    estimate = (
+        estimate_advantages if batch.response_attention is None else estimate_on_masked_tokens
+    )
+    advantages, returns = estimate(
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
     raw_advantages = advantages

@@ -360,8 +360,7 @@ def test_multi_turn_config_errors():
     check({"tools": ["m:f"]})  # fine
     with pytest.raises(ConfigError, match="generation.backend=vllm"):
         check({"tools": ["m:f"], "backend": "vllm"})
-    with pytest.raises(ConfigError, match="ppo.estimator=gae"):
-        check({"tools": ["m:f"]}, {"estimator": "gae"})
+    check({"tools": ["m:f"]}, {"estimator": "gae"})  # across tool tokens (docs/agents.md)
     with pytest.raises(ConfigError, match="not together"):
         check({"tools": ["m:f"], "environment": "m:g"})
     with pytest.raises(ConfigError, match="max_turns"):

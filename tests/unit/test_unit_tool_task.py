@@ -15,7 +15,7 @@ def tok(tmp_path_factory):
 
 
 def test_a_demonstration_starts_with_the_rollouts_prompt_and_its_call_runs(tok):
-    demo = tool_task.demonstration("river")["messages"]
+    demo = tool_task.demonstration("river", tool_task.TABLE["river"], True)["messages"]
     renderer = Renderer(tok, tool_task.TEMPLATE, (tool_schema(tool_task.lookup),))
     prompt = renderer.render(demo[1:2], generation_prompt=True)
     full = tok.apply_chat_template(demo, tokenize=False, chat_template=tool_task.TEMPLATE)
@@ -38,8 +38,16 @@ def test_answer_reward_is_the_exact_answer():
     assert tool_task.answer_reward([messages], [f"the code is {code}"]) == [1.0]
 
 
-def test_held_out_keys_are_not_in_the_demonstrations(tmp_path):
-    files = tool_task.write_tool_task(tmp_path, train_keys=16)
-    sft = files["sft"].read_text()
-    assert all(k in sft for k in tool_task.KEYS[:16])
-    assert not any(f" {k} " in sft for k in tool_task.KEYS[16:])
+def test_demonstrations_do_not_teach_the_table_and_rl_prompts_hold_keys_out(tmp_path):
+    import json
+
+    files = tool_task.write_tool_task(tmp_path, train_keys=16, tool_share=0.5)
+    rows = [json.loads(line) for line in files["sft"].read_text().splitlines()]
+    calls = [r for r in rows if len(r["messages"]) == 5]
+    assert 0.3 < len(calls) / len(rows) < 0.7
+    # The stand-in codes often differ from the tool's table: no answer to memorise.
+    key = lambda r: tool_task.key_of(r["messages"][1]["content"])  # noqa: E731
+    wrong = [r for r in rows if r["messages"][-1]["content"].split()[-1] != tool_task.TABLE[key(r)]]
+    assert len(wrong) > len(rows) / 2
+    rl = files["prompts"].read_text() + files["eval_prompts"].read_text()
+    assert all(rl.count(f" {k} ") == 1 for k in tool_task.KEYS)
