@@ -303,16 +303,17 @@ def advance(agent: Agent, e: Episode, row: list[int], tokenizer, stop_ids) -> No
     if end is None:
         e.done = True
         return
-    new, done, reward = e.env.step(e.messages)
+    new, done, reward = e.env.step(list(e.messages))
+    new = list(new)
     e.tool_calls += sum(m.get("role") == "tool" for m in new)
     if done:
         e.done, e.finished, e.reward = True, True, reward
         return
-    more = agent.renderer.continuation_ids(e.messages, list(new))
-    e.messages += list(new)
-    if e.turns >= agent.max_turns or len(e.tokens) + len(more) >= agent.max_episode_tokens:
-        e.done = True
+    more = [] if e.turns >= agent.max_turns else agent.renderer.continuation_ids(e.messages, new)
+    if not more or len(e.tokens) + len(more) >= agent.max_episode_tokens:
+        e.done = True  # the conversation ends with the policy's turn, as scored
         return
+    e.messages += new
     e.tokens += more
     e.sampled += [False] * len(more)
 

@@ -277,6 +277,7 @@ def test_max_turns_truncates_an_episode_that_keeps_calling_tools(tok):
     _, [e] = play(tok, agent, [call_turn(tok)])  # always calls the tool
     assert (e.turns, e.finished, e.done) == (3, False, True)
     assert e.sampled[-1] is True  # ends on the policy's turn, no tool tokens after it
+    assert e.messages[-1]["role"] == "assistant"  # the tool's last result is not kept
     out = episode_batch([e], tok.pad_token_id, "cpu")
     assert out["finished"].tolist() == [False] and out["tool_calls"].tolist() == [3]
 
