@@ -277,32 +277,16 @@ def collect_rollout(
     update's first forward gives them, trainers/ppo.py::old_logprobs_from_update)."""
     gen = cfg.generation
     micro = micro_batch_size or cfg.ppo.rollout_micro_batch_size
-    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
     # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).
     # vLLM samples from its own copy: whole weights only for its sync, then for scoring.
     hf = models.engine is None
     with models.whole_weights() if hf else contextlib.nullcontext():
         start = time.perf_counter()
-        if models.agent is None:
-            response_ids, sampler_logprobs = _sample(
-                models, prompt_ids, prompt_mask, gen, chunks, tokenizer
-            )
-            response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
-            texts = decode_responses(tokenizer, response_ids, response_mask, eos)
-            sampled = {
-                "prompt_ids": prompt_ids,
-                "prompt_mask": prompt_mask,
-                "response_ids": response_ids,
-                "response_mask": response_mask,
-                "finished": finished,
-                "sampler_logprobs": sampler_logprobs,
-            }
-            score_prompts, env_scores = prompt_texts, None
-        else:  # multi-turn episodes (rlhf_dist/agent.py): prompts rendered with the tools
-            sampled, score_prompts, texts, env_scores = _episodes(
-                models, prompt_texts, gen, chunks, tokenizer
-            )
+        play = _single_turn if models.agent is None else _episodes  # episodes: agent.py
+        sampled, score_prompts, texts, env_scores = play(
+            models, prompt_ids, prompt_mask, prompt_texts, gen, chunks, tokenizer
+        )
         generated = time.perf_counter()
         with models.whole_weights():  # nested under hf: already whole
             parts = [
@@ -324,10 +308,35 @@ def collect_rollout(
     return RolloutBatch(scores=scores, **sampled, **merged), texts
 
 
-def _episodes(models: RolloutModels, prompt_texts, gen, chunks, tokenizer):
+def _single_turn(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
+                 tokenizer):  # fmt: skip
+    """One response per prompt -> (the rollout tensors, the prompts and response texts the
+    scorer reads, None: no environment rewards)."""
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    response_ids, sampler_logprobs = _sample(
+        models, prompt_ids, prompt_mask, gen, chunks, tokenizer
+    )
+    response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
+    texts = decode_responses(tokenizer, response_ids, response_mask, eos)
+    sampled = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "finished": finished,
+        "sampler_logprobs": sampler_logprobs,
+    }
+    return sampled, prompt_texts, texts, None
+
+
+def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
+              tokenizer):  # fmt: skip
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
-    the final answers and the answers, the environment's rewards (B,), NaN where none)."""
+    the final answers and the answers, the environment's rewards (B,), NaN where none).
+    The data's prompt ids are not used: an episode starts from the environment's first
+    messages, rendered with the tools."""
+    del prompt_ids, prompt_mask
     eos = models.stop_ids or (tokenizer.eos_token_id,)
     episodes = []
     with models.generation_context() as (actor, keep_in_step):
