@@ -110,13 +110,14 @@ def write_tool_task(
     root: str | Path, train_keys: int = 16, tool_share: float = 0.5, seed: int = 0
 ) -> dict[str, Path]:
     """Under `root`: sft.jsonl (4 demonstrations per key, a share `tool_share` of them
-    calling the tool, the others guessing), prompts.jsonl (the RL prompts: the first
-    `train_keys` keys) and eval_prompts.jsonl (the other keys' questions, held out from RL).
+        calling the tool, the others guessing), prompts.jsonl (the RL prompts: the first
+        `train_keys` keys) and eval_prompts.jsonl (the other keys' questions, 8 times each,
+    held out from RL).
 
-    The demonstrations' codes are drawn at random, not read from TABLE (the tool's
-    results in them are a stand-in table), so SFT cannot teach the answers: only calling
-    the tool finds them. An SFT policy that calls it `tool_share` of the time is right
-    about tool_share + (1 - tool_share) / len(CODES) of the time; RL can learn to always call.
+        The demonstrations' codes are drawn at random, not read from TABLE (the tool's
+        results in them are a stand-in table), so SFT cannot teach the answers: only calling
+        the tool finds them. An SFT policy that calls it `tool_share` of the time is right
+        about tool_share + (1 - tool_share) / len(CODES) of the time; RL can learn to always call.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,9 @@ def write_tool_task(
     rows = {
         "sft": sft,
         "prompts": [{"prompt": QUESTION.format(k)} for k in KEYS[:train_keys]],
-        "eval_prompts": [{"prompt": QUESTION.format(k)} for k in KEYS[train_keys:]],
+        "eval_prompts": [
+            {"prompt": QUESTION.format(k)} for k in KEYS[train_keys:] for _ in range(8)
+        ],
     }
     paths = {}
     for name, items in rows.items():

@@ -49,5 +49,15 @@ def test_demonstrations_do_not_teach_the_table_and_rl_prompts_hold_keys_out(tmp_
     key = lambda r: tool_task.key_of(r["messages"][1]["content"])  # noqa: E731
     wrong = [r for r in rows if r["messages"][-1]["content"].split()[-1] != tool_task.TABLE[key(r)]]
     assert len(wrong) > len(rows) / 2
-    rl = files["prompts"].read_text() + files["eval_prompts"].read_text()
-    assert all(rl.count(f" {k} ") == 1 for k in tool_task.KEYS)
+    rl, held_out = files["prompts"].read_text(), files["eval_prompts"].read_text()
+    assert all(f" {k} " in rl for k in tool_task.KEYS[:16])
+    assert all(f" {k} " not in rl and f" {k} " in held_out for k in tool_task.KEYS[16:])
+
+
+def test_the_tool_demo_runs_with_grpo_only(tmp_path, capsys):
+    from rlhf_dist.cli import main
+
+    argv = ["demo", "--task", "tool_use", "--algorithm", "ppo", "--output-dir", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--task tool_use: runs with --algorithm grpo only" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
