@@ -23,6 +23,7 @@ a rank with nothing left generating a throw-away row while forwards are collecti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import threading
@@ -228,6 +229,7 @@ class Episode:
     finished: bool = False  # ended by the environment, not by a limit
     reward: float | None = None
     answer: str = ""  # the last assistant turn's text
+    sampler_logprobs: list[float] = field(default_factory=list)  # vLLM: per token, 0 on context
 
 
 def start_episode(agent: Agent, prompt) -> Episode:
@@ -237,9 +239,11 @@ def start_episode(agent: Agent, prompt) -> Episode:
 
 
 def run_episodes(
-    agent: Agent, actor, keep_in_step, prompts, gen, tokenizer, stop_ids, any_rank=None
-) -> list[Episode]:
-    """Play one episode per prompt, all rows of a turn in one `rollout.generate` call.
+    agent: Agent, actor, keep_in_step, prompts, gen, tokenizer, stop_ids, any_rank=None,
+    sampler=None,
+) -> list[Episode]:  # fmt: skip
+    """Play one episode per prompt, all rows of a turn in one `rollout.generate` call over
+    `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine).
 
     any_rank (several ranks): every rank runs as many turns as the busiest one; a rank whose
     episodes are all done runs a throw-away one-token generate while its forwards are
@@ -250,7 +254,8 @@ def run_episodes(
         if not (any_rank(bool(active)) if any_rank is not None else active):
             break
         if active:
-            sample_turn(agent, actor, keep_in_step, active, gen, tokenizer, stop_ids)
+            sample = sampler or functools.partial(_hf_sample, actor, keep_in_step, tokenizer)
+            sample_turn(agent, sample, active, gen, tokenizer, stop_ids)
         elif keep_in_step is not None:
             filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
             throw_away = dataclasses.replace(gen, max_new_tokens=1, min_new_tokens=0)
@@ -265,29 +270,35 @@ def _generate(*args):
     return generate(*args)
 
 
+def _hf_sample(actor, keep_in_step, tokenizer, ids, mask, gen, stop_ids):
+    """(ids (B, T), None) of rollout.generate over `actor` (the trainer's own sampler)."""
+    device = _device(actor)
+    out = _generate(actor, ids.to(device), mask.to(device), gen, tokenizer, keep_in_step, stop_ids)
+    return out, None
+
+
 def _device(model) -> torch.device:
     return next(iter(model.parameters()), torch.empty(0)).device
 
 
-def sample_turn(agent: Agent, actor, keep_in_step, active: list[Episode], gen, tokenizer, stop_ids):
+def sample_turn(agent: Agent, sample, active: list[Episode], gen, tokenizer, stop_ids):
     """One turn of every active episode: its context (prompt + all ids so far, exactly as
     sampled) left-padded into one batch, sampled until a stop token, then `advance`d. The
     turn is capped at generation.max_new_tokens and at what is left of the episode's
-    budget."""
+    budget. sample(ids, mask, gen, stop_ids) -> (ids (B, T), sampler log-probs or None)."""
     room = [agent.max_episode_tokens - len(e.tokens) for e in active]
     cap = min(gen.max_new_tokens, max(room))
     turn_gen = dataclasses.replace(
         gen, max_new_tokens=cap, min_new_tokens=min(gen.min_new_tokens, cap)
     )
     ids, mask = left_pad([e.prompt + e.tokens for e in active], tokenizer.pad_token_id)
-    device = _device(actor)
-    out = _generate(actor, ids.to(device), mask.to(device), turn_gen, tokenizer, keep_in_step,
-                    stop_ids)  # fmt: skip
-    for e, row, r in zip(active, out.tolist(), room):
-        advance(agent, e, row[:r], tokenizer, stop_ids)
+    out, logprobs = sample(ids, mask, turn_gen, stop_ids)
+    logprobs = [None] * len(active) if logprobs is None else logprobs.tolist()
+    for e, row, lp, r in zip(active, out.tolist(), logprobs, room):
+        advance(agent, e, row[:r], tokenizer, stop_ids, lp)
 
 
-def advance(agent: Agent, e: Episode, row: list[int], tokenizer, stop_ids) -> None:
+def advance(agent: Agent, e: Episode, row: list[int], tokenizer, stop_ids, logprobs=None) -> None:
     """Append a sampled turn (up to and including its first stop token) to the episode,
     let the environment answer it, and append the tokens of the answer (context: not in
     response_mask). A turn without a stop token (cut by a limit), max_turns reached or
@@ -297,6 +308,9 @@ def advance(agent: Agent, e: Episode, row: list[int], tokenizer, stop_ids) -> No
     turn = row if end is None else row[: end + 1]
     e.tokens += turn
     e.sampled += [True] * len(turn)
+    if logprobs is not None:  # the engine's log-prob of each sampled token
+        e.sampler_logprobs += [0.0] * (len(e.tokens) - len(turn) - len(e.sampler_logprobs))
+        e.sampler_logprobs += logprobs[: len(turn)]
     e.turns += 1
     e.answer = tokenizer.decode([t for t in turn if t not in stops], skip_special_tokens=True)
     e.messages.append({"role": "assistant", "content": e.answer})
@@ -352,6 +366,11 @@ def episode_batch(episodes: list[Episode], pad_id: int, device) -> dict:
             [float("nan") if e.reward is None else float(e.reward) for e in episodes]
         ),
     }
+    if any(e.sampler_logprobs for e in episodes):  # (B, T), 0 outside the sampled tokens
+        lp = [
+            e.sampler_logprobs + [0.0] * (len(e.tokens) - len(e.sampler_logprobs)) for e in episodes
+        ]
+        out["sampler_logprobs"] = torch.tensor(right(lp, 0.0))
     return {k: v.to(device) for k, v in out.items()}
 
 

@@ -1257,11 +1257,6 @@ def _validate_multi_turn(cfg: Config) -> None:
         raise ConfigError(
             "generation.max_turns must be >= 1, max_episode_tokens >= 0 and tool_timeout_s > 0"
         )
-    if g.backend != "hf":
-        raise ConfigError(
-            "generation.backend=vllm: multi-turn rollouts (generation.tools / environment) run "
-            "on the hf backend only so far"
-        )
 
 
 def _validate_ppo(cfg: Config, world_size: int) -> None:

@@ -9,6 +9,7 @@ scores (reward model at the last real token, or a Python reward function).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -337,14 +338,20 @@ def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen,
     The data's prompt ids are not used: an episode starts from the environment's first
     messages, rendered with the tools."""
     del prompt_ids, prompt_mask
-    eos = models.stop_ids or (tokenizer.eos_token_id,)
-    episodes = []
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
+                             stop_ids=eos, any_rank=models.any_rank)  # fmt: skip
+    episodes, engine = [], models.engine
     with models.generation_context() as (actor, keep_in_step):
-        for s in chunks:
-            episodes += agent_mod.run_episodes(
-                models.agent, actor, keep_in_step, prompt_texts[s], gen, tokenizer, eos,
-                models.any_rank,
-            )  # fmt: skip
+        if engine is None:
+            for s in chunks:
+                episodes += play(actor, keep_in_step, prompt_texts[s])
+        else:  # vLLM schedules its own batches: the whole shard, every turn in one call
+            engine.load_weights(actor)
+    if engine is not None:
+        sampler = functools.partial(_engine_sample, engine, pad)
+        episodes = play(None, None, list(prompt_texts), sampler=sampler)
+        engine.sleep()  # GPU: free its memory for scoring and the update
     device = next(iter(models.actor_critic.parameters())).device
     sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
     env_scores = sampled.pop("env_scores")
@@ -404,6 +411,11 @@ def _score_chunk(models, sampled: dict, s: slice, prompts, texts, temperature, w
         "raw_scores": raw_scores.float(),
         "entropy": entropy,
     }
+
+
+def _engine_sample(engine, pad: int, ids, mask, gen, stop_ids):
+    """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
+    return engine.generate(ids, mask, gen, stop_ids, pad)
 
 
 def describe_batch(tokenizer, batch: RolloutBatch, texts: list[str], rows: int = 2) -> str:

@@ -344,6 +344,30 @@ def test_a_rank_with_no_episode_left_runs_throw_away_turns_in_lock_step(tok):
     assert model.prefills[1] == [[tok.pad_token_id]]
 
 
+def test_an_engine_samples_the_turns_and_its_log_probs_sit_on_the_sampled_tokens(tok):
+    """generation.backend=vllm: a sampler (ids, mask, gen, stop_ids) -> (ids, log-probs)
+    stands for the engine; its log-probs land on the sampled tokens, 0 on the tool's."""
+    from rlhf_dist.rollout import generate
+
+    agent = make_agent(tok, {"lookup": lookup})
+    model = Scripted(turn_policy(tok, [call_turn(tok), answer_turn(tok)]), len(tok))
+    calls = []
+
+    def sampler(ids, mask, gen, stop_ids):
+        calls.append(ids.shape[0])
+        out = generate(model, ids, mask, gen, tok, None, stop_ids)
+        return out, -0.25 * torch.ones(out.shape)
+
+    [e] = run_episodes(agent, None, None, ["q"], gen_cfg(), tok, stops(tok), sampler=sampler)
+    assert calls == [1, 1] and e.turns == 2 and e.finished
+    out = episode_batch([e], tok.pad_token_id, "cpu")
+    lp, mask = out["sampler_logprobs"][0], out["response_mask"][0]
+    assert (lp[mask] == -0.25).all() and (lp[~mask] == 0).all()
+    assert "sampler_logprobs" not in episode_batch(
+        play(tok, agent, [answer_turn(tok)])[1], 0, "cpu"
+    )
+
+
 # ---------------------------------------------------------------------------- config
 
 
@@ -359,8 +383,7 @@ def test_multi_turn_config_errors():
         validate(config_from_dict(tree), "ppo")
 
     check({"tools": ["m:f"]})  # fine
-    with pytest.raises(ConfigError, match="generation.backend=vllm"):
-        check({"tools": ["m:f"], "backend": "vllm"})
+    check({"tools": ["m:f"], "backend": "vllm"})  # the engine samples each turn
     check({"tools": ["m:f"]}, {"estimator": "gae"})  # across tool tokens (docs/agents.md)
     with pytest.raises(ConfigError, match="not together"):
         check({"tools": ["m:f"], "environment": "m:g"})
