@@ -335,9 +335,8 @@ def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen,
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
     the final answers and the answers, the environment's rewards (B,), NaN where none).
-    The data's prompt ids are not used: an episode starts from the environment's first
-    messages, rendered with the tools."""
-    del prompt_ids, prompt_mask
+    The data's prompt ids are not sampled from (an episode starts from the environment's
+    first messages, rendered with the tools); vLLM's sync check reads them."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
                              stop_ids=eos, any_rank=models.any_rank)  # fmt: skip
@@ -348,6 +347,8 @@ def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen,
                 episodes += play(actor, keep_in_step, prompt_texts[s])
         else:  # vLLM schedules its own batches: the whole shard, every turn in one call
             engine.load_weights(actor)
+            if engine.checks_sync:
+                engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
     if engine is not None:
         sampler = functools.partial(_engine_sample, engine, pad)
         episodes = play(None, None, list(prompt_texts), sampler=sampler)
