@@ -128,3 +128,18 @@ def test_grpo_with_a_tool_trains_the_actor_and_logs_multi_turn_metrics(
         assert r["rollout/tool_calls"] > 0
         assert 0.0 <= r["rollout/tool_errors"] <= r["rollout/tool_calls"]
         assert 0.0 <= r["rollout/truncated_episodes"] <= 1.0
+
+
+@pytest.mark.slow
+def test_grpo_with_a_tool_on_the_vllm_backend(tool_sft, runtime, tmp_path, read_jsonl):
+    """The engine samples every turn; its log-probs of the sampled tokens agree with the
+    trainer's (the tool's tokens carry none: masked like the losses)."""
+    pytest.importorskip("vllm")
+    files, policy = tool_sft
+    out = tmp_path / "grpo_vllm"
+    tree = grpo_tree(out, policy, files, backend="vllm", vllm_kv_cache_gib=0.25)
+    tree["ppo"]["iterations"] = 1
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    (row,) = read_jsonl(out / "metrics.jsonl")
+    assert row["rollout/tool_calls"] > 0 and row["rollout/turns"] > 1.0
+    assert row["rollout/sampler_logprob_absdiff"] < 0.05
