@@ -3,9 +3,13 @@ with the `lookup` tool, then both policies evaluated on held-out prompts (docs/a
 
 The answer to "what is the code of KEY ?" is in a table only the tool sees
 (demo/tool_task.py). Half the demonstrations call the tool, half guess, so the SFT policy
-is right about 1/2 + 1/12 of the time; GRPO, rewarded for the exact answer, learns to call
-the tool every time. summary.json: `sft.gold_reward`, `grpo.gold_reward` (exact-answer
-rate on the held-out keys' prompts) and `*.tool_calls_per_response`.
+is right about 1/2 + 1/12 of the time. summary.json: `sft.gold_reward`,
+`grpo.gold_reward` (exact-answer rate on the held-out keys' prompts) and
+`*.tool_calls_per_response`.
+
+NOT YET LEARNING (docs/agents.md, "The tool-use demo"): the table is fixed, so GRPO on
+the RL keys can memorise their answers through the reward instead of calling the tool,
+and on the held-out keys the GRPO policy calls it less than the SFT policy did.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ GOLD = "rlhf_dist.demo.tool_task:gold_eval"
 def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: bool) -> dict:
     """The config trees of the three stages (numbers tuned for a 2-core CPU)."""
     data = {"max_prompt_length": 32, "max_length": 64}
-    gen = {"max_new_tokens": 16, "temperature": 1.0, "tools": TOOLS, "max_turns": 3}
+    gen = {"max_new_tokens": 16, "temperature": 0.7, "tools": TOOLS, "max_turns": 3}
     sft_policy = str(root / "sft" / "final")
 
     def run(name, every=10):
@@ -37,7 +41,7 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
             "model": {"policy": str(policy)},
             "data": {**data, "train": str(files["sft"])},
             "sft": {
-                "epochs": 2 if quick else 10,
+                "epochs": 2 if quick else 40,
                 "batch_size": 16,
                 "micro_batch_size": 16,
                 "optim": {"lr": 3e-3, "schedule": "cosine", "warmup_steps": 5},
@@ -66,7 +70,7 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
             "run": run("eval"),
             "model": {"policy": sft_policy},
             "data": {**data, "train": str(files["eval_prompts"])},
-            "generation": {**gen, "temperature": 0.7},
+            "generation": gen,
             "reward": {"function": REWARD},
             "eval": {"num_prompts": 64, "gold_function": GOLD},
         },
