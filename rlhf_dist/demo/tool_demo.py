@@ -7,9 +7,8 @@ is right about 1/2 + 1/12 of the time. summary.json: `sft.gold_reward`,
 `grpo.gold_reward` (exact-answer rate on the held-out keys' prompts) and
 `*.tool_calls_per_response`.
 
-NOT YET LEARNING (docs/agents.md, "The tool-use demo"): the table is fixed, so GRPO on
-the RL keys can memorise their answers through the reward instead of calling the tool,
-and on the held-out keys the GRPO policy calls it less than the SFT policy did.
+Measured (docs/agents.md, "The tool-use demo"): gold 0.59 -> 0.83, tool calls per
+response 0.45 -> 0.78, about a minute on a quiet 2-core CPU.
 """
 
 from __future__ import annotations
@@ -59,11 +58,11 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
                 "rollout_batch_size": 8,
                 "samples_per_prompt": 4,
                 "rollout_micro_batch_size": 32,
-                "ppo_epochs": 2,
+                "ppo_epochs": 1,
                 "minibatch_size": 16,
                 "micro_batch_size": 16,
-                "actor": {"lr": 1e-3},
-                "kl_coef": 0.01,
+                "actor": {"lr": 3e-4},
+                "kl_coef": 0.05,
             },
         },
         "eval": {

@@ -6,26 +6,30 @@ is right 1 time in len(CODES). A demonstration (the SFT data; its codes come fro
 stand-in table, write_tool_task):
 
     system:    tools: lookup                      (what the template writes for the tools)
-    user:      what is the code of river ?
-    assistant: <tool_call> {"name": "lookup", "arguments": {"key": " river "}} </tool_call>
+    user:      what is the code of old river ?
+    assistant: <tool_call> {"name": "lookup", "arguments": {"key": " old river "}} </tool_call>
     tool:      blue
     assistant: the code is blue
 
 The tokenizer is word-level (whitespace-split), so the call's JSON is spelt in a few
-words and the key inside it is the same token as in the question.
+words and the key inside it is the same two tokens as in the question.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
-KEYS: tuple[str, ...] = (
+NOUNS: tuple[str, ...] = (
     "river", "stone", "apple", "cloud", "tiger", "piano", "lemon", "candle",
     "forest", "rocket", "garden", "window", "bottle", "mirror", "pencil", "jacket",
-    "island", "ladder", "violin", "basket", "castle", "saddle", "anchor", "feather",
 )  # fmt: skip
+ADJECTIVES: tuple[str, ...] = ("old", "new", "big", "small", "dark", "bright", "cold", "warm")
+# A key is an adjective and a noun: 128 keys, too many for RL to memorise their codes
+# through the reward within the demo's iterations, so calling the tool is what pays.
+KEYS: tuple[str, ...] = tuple(f"{a} {n}" for a in ADJECTIVES for n in NOUNS)
 CODES: tuple[str, ...] = ("red", "blue", "green", "gold", "gray", "pink")
 TABLE: dict[str, str] = dict(
     zip(KEYS, (random.Random(7 + i).choice(CODES) for i in range(len(KEYS))))
@@ -64,15 +68,15 @@ def words() -> list[str]:
     text = " ".join(
         [CALL_OPEN, CALL_CLOSE, SYSTEM, QUESTION, "the code is", "system user assistant tool"]
     )
-    return sorted({*text.split(), *KEYS, *CODES})
+    return sorted({*text.split(), *NOUNS, *ADJECTIVES, *CODES})
 
 
 def key_of(prompt) -> str | None:
     """The key a prompt (a text or a message list) asks about."""
     if not isinstance(prompt, str):
         prompt = " ".join(m["content"] for m in prompt if m["role"] == "user")
-    found = [w for w in prompt.split() if w in TABLE]
-    return found[0] if found else None
+    found = re.search(r"code of (\w+ \w+) \?", prompt)
+    return found.group(1) if found and found.group(1) in TABLE else None
 
 
 def answer_reward(prompts: list, responses: list[str]) -> list[float]:
@@ -107,33 +111,27 @@ def demonstration(key: str, code: str, with_tool: bool) -> dict:
 
 
 def write_tool_task(
-    root: str | Path, train_keys: int = 16, tool_share: float = 0.5, seed: int = 0
+    root: str | Path, train_keys: int = 96, tool_share: float = 0.5, seed: int = 0
 ) -> dict[str, Path]:
-    """Under `root`: sft.jsonl (4 demonstrations per key, a share `tool_share` of them
-        calling the tool, the others guessing), prompts.jsonl (the RL prompts: the first
-        `train_keys` keys) and eval_prompts.jsonl (the other keys' questions, 8 times each,
-    held out from RL).
+    """Under `root`: sft.jsonl (one demonstration per RL key, a share `tool_share` of them
+    calling the tool, the others guessing), prompts.jsonl (the RL prompts: `train_keys`
+    keys) and eval_prompts.jsonl (the other keys' questions, twice each, held out from RL).
 
-        The demonstrations' codes are drawn at random, not read from TABLE (the tool's
-        results in them are a stand-in table), so SFT cannot teach the answers: only calling
-        the tool finds them. An SFT policy that calls it `tool_share` of the time is right
-        about tool_share + (1 - tool_share) / len(CODES) of the time; RL can learn to always call.
+    The demonstrations' codes are drawn at random, not read from TABLE (the tool's results
+    in them are a stand-in table), so SFT cannot teach the answers: only calling the tool
+    finds them. An SFT policy that calls it `tool_share` of the time is right about
+    tool_share + (1 - tool_share) / len(CODES) of the time; RL can learn to always call.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    sft = [
-        demonstration(k, rng.choice(CODES), rng.random() < tool_share)
-        for k in KEYS
-        for _ in range(4)
-    ]
-    rng.shuffle(sft)
+    keys = list(KEYS)
+    rng.shuffle(keys)
+    train, held_out = keys[:train_keys], keys[train_keys:]
     rows = {
-        "sft": sft,
-        "prompts": [{"prompt": QUESTION.format(k)} for k in KEYS[:train_keys]],
-        "eval_prompts": [
-            {"prompt": QUESTION.format(k)} for k in KEYS[train_keys:] for _ in range(8)
-        ],
+        "sft": [demonstration(k, rng.choice(CODES), rng.random() < tool_share) for k in train],
+        "prompts": [{"prompt": QUESTION.format(k)} for k in train],
+        "eval_prompts": [{"prompt": QUESTION.format(k)} for k in held_out for _ in range(2)],
     }
     paths = {}
     for name, items in rows.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_dist.agent import TOOL_CALL
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import tool_task
 from rlhf_dist.models import token_logprobs
@@ -109,8 +110,12 @@ def test_rollout_scores_the_sampled_sequence_and_masks_tool_tokens(
     blind = torch.cat([batch.prompt_mask, batch.response_mask.long()], dim=1)
     hidden, _ = token_logprobs(models.reference, batch.input_ids, blind, batch.response_mask, 1.0)
     assert not torch.allclose(hidden, batch.ref_logprobs, atol=1e-3)
-    # Texts handed to the reward are the final answers, not the tool's output.
-    assert all("<tool_call>" not in t for t, n in zip(texts, batch.turns.tolist()) if n > 1)
+    # Texts handed to the reward are the final turns: an episode the environment ended
+    # (finished) ends with a turn that calls no tool.
+    done = [
+        t for t, f, n in zip(texts, batch.finished.tolist(), batch.turns.tolist()) if f and n > 1
+    ]
+    assert done and not any(TOOL_CALL.search(t) for t in done)
 
 
 @pytest.mark.slow
