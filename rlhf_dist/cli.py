@@ -14,7 +14,7 @@ import os
 import sys
 
 from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
-from rlhf_dist.errors import Preempted, TrainingDiverged, UserError
+from rlhf_dist.errors import ConfigError, Preempted, TrainingDiverged, UserError
 from rlhf_dist.names import DEMO_ALGORITHMS
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
@@ -88,6 +88,14 @@ def _add_demo(sub) -> None:
         "rlhf-dist iterate",
     )
     demo.add_argument(
+        "--task",
+        default="reviews",
+        choices=("reviews", "tool_use"),
+        help="reviews (default): the generated reviews task; tool_use: SFT -> GRPO with a "
+        "lookup tool -> eval on a task whose answers only the tool knows (--algorithm grpo; "
+        "docs/agents.md)",
+    )
+    demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
     )
     demo.add_argument(
@@ -153,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from rlhf_dist.demo.pipeline import run_demo
 
+            if args.task == "tool_use":
+                from rlhf_dist.demo.tool_demo import run_tool_demo
+
+                if args.algorithm != "grpo":
+                    raise ConfigError("--task tool_use: runs with --algorithm grpo only")
+                run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+                return 0
             run_demo(args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides))
             return 0
         if args.command == "report":

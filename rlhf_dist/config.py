@@ -399,6 +399,29 @@ class GenerationConfig:
     vllm_enforce_eager: bool = key(
         False, "vllm on GPU: no CUDA graphs or compilation (faster start); CPU engines always eager"
     )
+    tools: tuple[str, ...] = key(
+        (),
+        "multi-turn rollouts with tools (docs/agents.md): module:callable functions the policy "
+        'may call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>; their JSON '
+        "schemas (type hints + Args docstring, or a `schema` attribute) go to the chat template",
+    )
+    environment: str = key(
+        "",
+        "multi-turn rollouts with an environment (docs/agents.md): module:factory returning an "
+        "object with reset(prompt) -> messages and step(messages) -> (new messages, done, "
+        "reward or None); a fresh one per episode. Not together with generation.tools",
+    )
+    max_turns: int = key(
+        4, "multi-turn rollouts: assistant turns per episode at most (then truncated)"
+    )
+    max_episode_tokens: int = key(
+        0,
+        "multi-turn rollouts: tokens after the prompt per episode at most, sampled turns and "
+        "tool/environment messages together; 0 = max_turns x max_new_tokens",
+    )
+    tool_timeout_s: float = key(
+        10.0, "multi-turn rollouts: seconds a tool call may run; then the model reads an error"
+    )
 
 
 @dataclass(frozen=True)
@@ -1282,10 +1305,28 @@ def _validate_generation(cfg: Config) -> None:
         raise ConfigError(
             f"generation.min_new_tokens: must be in [0, max_new_tokens], got {g.min_new_tokens}"
         )
+    if g.tools or g.environment:
+        _validate_multi_turn(cfg)
     if g.backend == "vllm" and not cfg.distributed.gather_for_generation:
         raise ConfigError(
             "generation.backend=vllm: needs distributed.gather_for_generation=true (the engine "
             "loads whole weights, gathered once per rollout)"
+        )
+
+
+def _validate_multi_turn(cfg: Config) -> None:
+    """generation.tools / environment: what multi-turn rollouts support (docs/agents.md)."""
+    g = cfg.generation
+    if g.tools and g.environment:
+        raise ConfigError("generation.tools: not together with generation.environment")
+    for spec in (*g.tools, g.environment):
+        if spec and ":" not in spec:
+            raise ConfigError(
+                f"generation.tools/environment: expected 'module:callable', got {spec!r}"
+            )
+    if g.max_turns < 1 or g.max_episode_tokens < 0 or not g.tool_timeout_s > 0:
+        raise ConfigError(
+            "generation.max_turns must be >= 1, max_episode_tokens >= 0 and tool_timeout_s > 0"
         )
 
 

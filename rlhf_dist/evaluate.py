@@ -17,6 +17,7 @@ import torch
 
 from rlhf_dist import diagnostics as diag
 from rlhf_dist import inputs
+from rlhf_dist.agent import build_agent
 from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.chat import prompt_text
@@ -51,16 +52,20 @@ def load_gold_function(spec: str):
     return inputs.resolve_callable(spec, "eval.gold_function")
 
 
-def eval_models(policy, reference, scorer, stops) -> RolloutModels:
+def eval_models(policy, reference, scorer, stops, agent=None) -> RolloutModels:
     """What the rollout reads, for evaluation: the policy without a critic (its log-probs
-    give the KL), the reference (None: no KL), the scorer and the stop ids. Models are
-    replicated in evaluation (run_eval), so generation needs no keep_in_step."""
+    give the KL), the reference (None: no KL), the scorer, the stop ids and the agent of
+    multi-turn episodes (generation.tools / environment; None: single turns). Models are
+    replicated in evaluation (run_eval), so generation needs no keep_in_step and the
+    turns no lock-step."""
 
     @contextlib.contextmanager
     def generation_context():
         yield policy, None
 
-    return RolloutModels(ActorCritic(policy, None), generation_context, reference, scorer, stops)
+    return RolloutModels(
+        ActorCritic(policy, None), generation_context, reference, scorer, stops, agent=agent
+    )
 
 
 @torch.no_grad()
@@ -77,6 +82,8 @@ def evaluate_chunk(
     )  # fmt: skip
     mask, finished = batch.response_mask, batch.finished
     out = {"score": batch.scores, "length": mask.sum(1).float(), "eos_rate": finished.float()}
+    if batch.turns is not None:  # multi-turn episodes (docs/agents.md)
+        out |= {"turns": batch.turns.float(), "tool_calls": batch.tool_calls.float()}
     if models.reference is not None:
         # k1 summed over the response's real tokens (algo/masking.py's rule): an unbiased
         # estimate of the sequence-level KL(pi || ref) at the sampling temperature.
@@ -246,7 +253,8 @@ def run_eval(cfg, runtime) -> dict:
     scorer = build_scorer(
         runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg), cfg.reward
     )
-    models = eval_models(policy, reference, scorer, policy_stop_ids(cfg, tokenizer))
+    stops, agent = policy_stop_ids(cfg, tokenizer), build_agent(cfg, tokenizer)
+    models = eval_models(policy, reference, scorer, stops, agent)
     win_scorer = win_rate_judge(runtime, cfg, scorer) if reference is not None else None
     try:
         summary, samples = evaluate_policy(

@@ -9,12 +9,14 @@ scores (reward model at the last real token, or a Python reward function).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
+from rlhf_dist import agent as agent_mod
 from rlhf_dist.algo.logprobs import scale_logits
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.chat import is_stop
@@ -42,6 +44,13 @@ class RolloutBatch:
     # (B, T) log-probs the sampled tokens had in the engine that sampled them, when that
     # is not the trainer (generation.backend=vllm); None with the hf backend.
     sampler_logprobs: torch.Tensor | None = None
+    # Multi-turn rollouts (rlhf_dist/agent.py); None for single-turn ones. (B, T) long, 1
+    # on every token of the episode: sampled turns AND tool/environment messages, which
+    # are attended to but are not in response_mask (never trained on, no KL, no entropy).
+    response_attention: torch.Tensor | None = None
+    turns: torch.Tensor | None = None  # (B,) long, assistant turns per episode
+    tool_calls: torch.Tensor | None = None  # (B,) long, tool messages per episode
+    tool_errors: torch.Tensor | None = None  # (B,) long, tool calls that failed
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -49,7 +58,14 @@ class RolloutBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+        return torch.cat([self.prompt_mask, self.response_attention_mask], dim=1)
+
+    @property
+    def response_attention_mask(self) -> torch.Tensor:
+        """(B, T) long: the response positions attended to (response_mask single-turn)."""
+        if self.response_attention is not None:
+            return self.response_attention
+        return self.response_mask.long()
 
     def select(self, index) -> RolloutBatch:
         return RolloutBatch(**{f.name: _index(getattr(self, f.name), index) for f in fields(self)})
@@ -68,7 +84,7 @@ class RolloutBatch:
         P, T = self.prompt_ids.shape[1], self.response_ids.shape[1]
         cols = torch.arange(max(P, T), device=self.prompt_ids.device)
         first = torch.where(self.prompt_mask.bool().any(0), cols[:P], P).min()
-        end = torch.where(self.response_mask.any(0), cols[:T] + 1, 1).max()
+        end = torch.where(self.response_attention_mask.bool().any(0), cols[:T] + 1, 1).max()
         start, keep = torch.stack([first, end]).tolist()  # one host sync for both
         if start == 0 and keep == T:
             return self, T
@@ -225,9 +241,10 @@ class RolloutModels:
     """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
     yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
     the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS),
-    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), and a
+    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), a
     context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
-    not layer by layer in every forward; a no-op elsewhere)."""
+    not layer by layer in every forward; a no-op elsewhere), and for multi-turn rollouts
+    the agent (rlhf_dist/agent.py) and the per-turn lock-step collective."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
@@ -236,6 +253,8 @@ class RolloutModels:
     stop_ids: tuple[int, ...] = ()
     engine: object | None = None
     whole_weights: Callable = contextlib.nullcontext
+    agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
+    any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
 
 
 @torch.no_grad()
@@ -259,46 +278,86 @@ def collect_rollout(
     update's first forward gives them, trainers/ppo.py::old_logprobs_from_update)."""
     gen = cfg.generation
     micro = micro_batch_size or cfg.ppo.rollout_micro_batch_size
-    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
     # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).
     # vLLM samples from its own copy: whole weights only for its sync, then for scoring.
     hf = models.engine is None
     with models.whole_weights() if hf else contextlib.nullcontext():
         start = time.perf_counter()
-        response_ids, sampler_logprobs = _sample(
-            models, prompt_ids, prompt_mask, gen, chunks, tokenizer
+        play = _single_turn if models.agent is None else _episodes  # episodes: agent.py
+        sampled, score_prompts, texts, env_scores = play(
+            models, prompt_ids, prompt_mask, prompt_texts, gen, chunks, tokenizer
         )
         generated = time.perf_counter()
-        response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
-        texts = decode_responses(tokenizer, response_ids, response_mask, eos)
         with models.whole_weights():  # nested under hf: already whole
-            sequences = (prompt_ids, prompt_mask, response_ids, response_mask, prompt_texts, texts)
-            merged = _score_chunks(models, sequences, chunks, gen.temperature, old_logprobs)
+            parts = [
+                _score_chunk(
+                    models, sampled, s, score_prompts[s], texts[s], gen.temperature, old_logprobs
+                )
+                for s in chunks
+            ]
+    merged = {
+        k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]
+    }
+    if env_scores is not None:  # the environment's reward where it gave one
+        given = ~torch.isnan(env_scores)
+        merged["raw_scores"] = torch.where(given, env_scores, merged["raw_scores"])
+    finished = sampled["finished"]
     scores = scores_with_eos_penalty(merged["raw_scores"], finished, cfg.reward.missing_eos_penalty)
     if timings is not None:  # seconds spent generating, and scoring with the four models
         timings |= {"generate": generated - start, "score": time.perf_counter() - generated}
-    batch = RolloutBatch(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        scores=scores,
-        finished=finished,
-        sampler_logprobs=sampler_logprobs,
-        **merged,
+    return RolloutBatch(scores=scores, **sampled, **merged), texts
+
+
+def _single_turn(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
+                 tokenizer):  # fmt: skip
+    """One response per prompt -> (the rollout tensors, the prompts and response texts the
+    scorer reads, None: no environment rewards)."""
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    response_ids, sampler_logprobs = _sample(
+        models, prompt_ids, prompt_mask, gen, chunks, tokenizer
     )
-    return batch, texts
+    response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
+    texts = decode_responses(tokenizer, response_ids, response_mask, eos)
+    sampled = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "finished": finished,
+        "sampler_logprobs": sampler_logprobs,
+    }
+    return sampled, prompt_texts, texts, None
 
 
-def _score_chunks(models: RolloutModels, sequences, chunks, temperature, old_logprobs) -> dict:
-    """`_score_chunk` on each chunk (a slice of rows) of `sequences` (prompt ids, prompt
-    mask, response ids, response mask, prompt texts, response texts), joined back into
-    one batch's fields (None where the chunks have none)."""
-    parts = [
-        _score_chunk(models, *(x[s] for x in sequences), temperature, old_logprobs) for s in chunks
-    ]
-    return {k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]}
+def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
+              tokenizer):  # fmt: skip
+    """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
+    tensors of agent.episode_batch, what reward.function reads: the conversations before
+    the final answers and the answers, the environment's rewards (B,), NaN where none).
+    The data's prompt ids are not sampled from (an episode starts from the environment's
+    first messages, rendered with the tools); vLLM's sync check reads them."""
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
+                             stop_ids=eos, any_rank=models.any_rank)  # fmt: skip
+    episodes, engine = [], models.engine
+    with models.generation_context() as (actor, keep_in_step):
+        if engine is None:
+            for s in chunks:
+                episodes += play(actor, keep_in_step, prompt_texts[s])
+        else:  # vLLM schedules its own batches: the whole shard, every turn in one call
+            engine.load_weights(actor)
+            if engine.checks_sync:
+                engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
+    if engine is not None:
+        sampler = functools.partial(_engine_sample, engine, pad)
+        episodes = play(None, None, list(prompt_texts), sampler=sampler)
+        engine.sleep()  # GPU: free its memory for scoring and the update
+    device = next(iter(models.actor_critic.parameters())).device
+    sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
+    env_scores = sampled.pop("env_scores")
+    score_prompts, texts = agent_mod.scoring_inputs(episodes)
+    return sampled, score_prompts, texts, env_scores
 
 
 def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokenizer):
@@ -323,14 +382,17 @@ def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokeniz
     return torch.cat([pad_columns(r, width, pad) for r in responses]), None
 
 
-def _score_chunk(
-    models, prompt_ids, prompt_mask, response_ids, response_mask, prompts, texts, temperature,
-    with_actor=True,
-):  # fmt: skip
-    """Old log-probs, entropies and values, reference log-probs and scores of one
-    micro-batch; with_actor=False leaves old log-probs and entropies None."""
+def _score_chunk(models, sampled: dict, s: slice, prompts, texts, temperature, with_actor=True):
+    """Old log-probs, entropies and values, reference log-probs and scores of the rows `s`
+    of the rollout tensors `sampled`; with_actor=False leaves old log-probs and entropies
+    None. Attention covers response_attention where a multi-turn rollout has it (tool
+    tokens are context); log-probs, values and the score use response_mask."""
+    prompt_ids, prompt_mask = sampled["prompt_ids"][s], sampled["prompt_mask"][s]
+    response_ids, response_mask = sampled["response_ids"][s], sampled["response_mask"][s]
+    attended = sampled.get("response_attention")
+    attended = response_mask.long() if attended is None else attended[s]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    attention_mask = torch.cat([prompt_mask, attended], dim=1)
     old_logprobs, entropy, values = models.actor_critic(
         input_ids, attention_mask, response_mask, temperature, with_entropy=True,
         with_actor=with_actor,
@@ -350,6 +412,11 @@ def _score_chunk(
         "raw_scores": raw_scores.float(),
         "entropy": entropy,
     }
+
+
+def _engine_sample(engine, pad: int, ids, mask, gen, stop_ids):
+    """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
+    return engine.generate(ids, mask, gen, stop_ids, pad)
 
 
 def describe_batch(tokenizer, batch: RolloutBatch, texts: list[str], rows: int = 2) -> str:

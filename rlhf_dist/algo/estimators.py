@@ -14,13 +14,14 @@ when KL is a reward penalty); `scores` (B,) are the sequence scores alone.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from rlhf_dist.algo.advantages import gae
-from rlhf_dist.algo.masking import last_token_index
+from rlhf_dist.algo.masking import last_token_index, pack_masked, unpack_masked
 
 
 @dataclass(frozen=True)
@@ -132,3 +133,22 @@ ESTIMATORS: dict[str, Estimator] = {
 def estimate_advantages(name: str, inputs: AdvantageInputs):
     """(advantages (B, T), returns (B, T) or None) of the registered estimator `name`."""
     return ESTIMATORS[name].fn(inputs)
+
+
+def estimate_on_masked_tokens(name: str, inputs: AdvantageInputs):
+    """`estimate_advantages` with each row's masked tokens packed to a prefix first
+    (masking.pack_masked), and the results put back at their positions (0 elsewhere).
+
+    For multi-turn episodes, whose response_mask has gaps where tool and environment
+    tokens are (docs/agents.md): the recursions of gae and reinforce_pp then run over the
+    policy's own tokens only, so the return of a turn carries the later turns' rewards
+    and values across the tool's tokens (delta_t bootstraps from V at the next SAMPLED
+    token) instead of stopping at the first gap. With a prefix mask it equals
+    estimate_advantages on the masked tokens.
+    """
+    m = inputs.response_mask
+    rewards, packed_mask = pack_masked(inputs.rewards, m)
+    values = None if inputs.values is None else pack_masked(inputs.values, m)[0]
+    packed = dataclasses.replace(inputs, rewards=rewards, values=values, response_mask=packed_mask)
+    advantages, returns = estimate_advantages(name, packed)
+    return unpack_masked(advantages, m), None if returns is None else unpack_masked(returns, m)

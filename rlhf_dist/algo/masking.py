@@ -120,3 +120,30 @@ class RunningMoments:
             float(state["var"]),
             float(state["count"]),
         )
+
+
+def pack_masked(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's masked entries moved, in order, to the front of the row.
+
+    x: (B, T), mask: (B, T) bool -> (packed (B, T), packed_mask (B, T) bool) with
+    packed[b, :n_b] = x[b][mask[b]] (n_b = mask[b].sum()), packed_mask[b, t] = t < n_b and
+    packed = 0 after n_b. A mask with gaps (the tool tokens of a multi-turn episode,
+    docs/agents.md) becomes a prefix mask over the same entries; a prefix mask stays as it
+    is. `unpack_masked` is its inverse on the masked entries.
+    """
+    mask = mask.bool()
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # masked first, in order
+    count = mask.sum(1, keepdim=True)
+    packed_mask = torch.arange(mask.shape[1], device=mask.device) < count
+    packed = torch.gather(x, 1, order)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(packed_mask, packed, zero), packed_mask
+
+
+def unpack_masked(packed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): out[b, t] = packed[b, k] where t is row b's k-th masked position, 0 where
+    mask is False; packed (B, T) as pack_masked gives it, mask (B, T) bool."""
+    mask = mask.bool()
+    rank = (torch.cumsum(mask.long(), dim=1) - 1).clamp(min=0)
+    out = torch.gather(packed, 1, rank)
+    return torch.where(mask, out, torch.zeros((), dtype=packed.dtype, device=packed.device))

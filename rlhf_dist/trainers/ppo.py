@@ -19,8 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.agent import build_agent, episode_stats
 from rlhf_dist.alerts import AlertMonitor
-from rlhf_dist.algo.estimators import ESTIMATORS, AdvantageInputs, estimate_advantages
+from rlhf_dist.algo.estimators import (
+    ESTIMATORS,
+    AdvantageInputs,
+    estimate_advantages,
+    estimate_on_masked_tokens,
+)
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController, kl_estimate
 from rlhf_dist.algo.losses import (
     aggregation_count,
@@ -320,6 +326,9 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
         # KL(pi_vllm || pi_old), k3 estimate on the tokens vLLM sampled
         sampler_kl = kl_estimate(batch.sampler_logprobs, batch.old_logprobs, "k3")
         s.add("rollout/sampler_kl", masked_sum(sampler_kl, mask), mask.sum())
+    if batch.turns is not None:  # multi-turn: turns, tool calls, errors, truncations
+        for name, (total, count) in episode_stats(batch).items():
+            s.add(name, total, count)
     s.add_max("rollout/length_max", lengths.max())
     s.add_max("rollout/length_min_neg", -lengths.min())
     out = s.reduce(runtime)
@@ -499,7 +508,12 @@ def ppo_iteration(
     rewards, kl = shape_rewards(
         batch.scores, old, batch.ref_logprobs, mask, reward_kl_coef, p.kl_kind
     )
-    advantages, returns = estimate_advantages(
+    # Multi-turn episodes: the recursions run over the sampled tokens only, across the
+    # tool tokens' gaps in the mask (docs/agents.md); single turns as always.
+    estimate = (
+        estimate_advantages if batch.response_attention is None else estimate_on_masked_tokens
+    )
+    advantages, returns = estimate(
         p.estimator, advantage_inputs(rewards, batch, run.plan.samples_per_prompt, p)
     )
     raw_advantages = advantages
@@ -642,6 +656,8 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         stops,
         engine,
         whole_weights=lambda: runtime.whole_weights(model, gather),
+        agent=build_agent(cfg, tokenizer),  # None without generation.tools / environment
+        any_rank=runtime.any_rank if runtime.world_size > 1 else None,
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:

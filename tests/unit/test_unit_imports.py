@@ -9,7 +9,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "rlhf_dist"
 # Entry points that run a stage: the CLI, the demo pipeline, and iterate (which chains the
 # RM and PPO runners and scores with the RM trainer's held-out evaluation).
-STAGE_RUNNERS = {"cli.py", "demo/pipeline.py", "iterative.py", "demo/iterative.py"}
+STAGE_RUNNERS = {
+    "cli.py",
+    "demo/pipeline.py",
+    "iterative.py",
+    "demo/iterative.py",
+    "demo/tool_demo.py",
+}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -1,0 +1,391 @@
+"""Multi-turn rollouts: the policy talks to tools or an environment (docs/agents.md,
+"Multi-turn rollouts and tools").
+
+An episode: the environment's first messages, rendered by the chat template (with the
+tools' JSON schemas) -> the policy samples a turn (rollout.generate, until a stop token) ->
+the environment answers it (a tool call is parsed and run; a tool message comes back) ->
+the template's rendering of ONLY the new messages is appended to the ids sampled so far ->
+the next turn ... until the environment is done, generation.max_turns or the episode's
+token budget (generation.max_episode_tokens).
+
+Token-in/token-out: the ids the policy sampled are never decoded and tokenised again;
+a turn's prompt is the previous prompt + the sampled ids + the new messages' tokens. So
+the sequence scored and trained on is exactly the one sampled (re-tokenising can merge or
+split tokens: trl#5144). `response_mask` is True on sampled tokens only; tool and
+environment tokens are attended to (`RolloutBatch.response_attention`) but never trained
+on, nor counted in KL or entropy (docs/architecture.md section 3).
+
+Lock-step (docs/architecture.md section 6): ranks may need different numbers of turns.
+Every rank runs the same number of turns (one "any rank unfinished" all-reduce per turn),
+a rank with nothing left generating a throw-away row while forwards are collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf_dist.chat import resolve_template
+from rlhf_dist.config import ConfigError
+from rlhf_dist.inputs import resolve_callable
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+# A ChatML template with Hermes/Qwen-style tool support, for tokenizers whose own template
+# has none (pass it as data.chat_template): the tools' schemas go into a system turn, tool
+# results are turns of role "tool".
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}"
+    '{% endfor %}\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ToolCallError(Exception):
+    """A tool call that cannot be run; its message goes back to the model."""
+
+
+def parse_tool_call(text: str):
+    """(name, arguments) of the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+    in a turn's text (the Hermes / Qwen format); None when the turn calls no tool. A
+    malformed call raises ToolCallError."""
+    found = TOOL_CALL.search(text)
+    if found is None:
+        return None
+    try:
+        call = json.loads(found.group(1))
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"the tool call is not valid JSON ({e.msg})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ToolCallError('a tool call needs {"name": ..., "arguments": {...}}')
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, dict):
+        raise ToolCallError("the tool call's arguments must be a JSON object")
+    return call["name"], arguments
+
+
+def run_tool(fn: Callable, arguments: dict, timeout_s: float) -> tuple[str, bool]:
+    """(text for the model, whether it is an error) of fn(**arguments), run in a daemon
+    thread for at most timeout_s seconds. An exception or a timeout becomes an error text,
+    never a crash (a timed-out call is abandoned, still running in its thread)."""
+    result: dict = {}
+
+    def call():
+        try:
+            result["value"] = fn(**arguments)
+        except Exception as e:  # the tool's own failure: the model reads it
+            result["error"] = f"{type(e).__name__}: {e}"
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        return f"error: the tool timed out after {timeout_s:g} s", True
+    if "error" in result:
+        return f"error: {result['error']}", True
+    value = result.get("value")
+    return (value if isinstance(value, str) else json.dumps(value)), False
+
+
+def tool_schema(fn: Callable, key: str = "generation.tools") -> dict:
+    """The JSON schema a chat template renders for `fn`: its `schema` attribute when it has
+    one, else transformers' reading of its signature and Google-style docstring."""
+    if isinstance(getattr(fn, "schema", None), dict):
+        return fn.schema
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:
+        raise ConfigError(
+            f"{key}: no JSON schema for {getattr(fn, '__name__', fn)!r} ({e}); give it type "
+            "hints and an Args: docstring, or a `schema` dict attribute"
+        ) from None
+
+
+class ToolEnvironment:
+    """The environment of plain tools: a turn with a tool call gets the tool's result as a
+    tool message; a turn without one ends the episode (reward: reward.function / model)."""
+
+    def __init__(self, tools: dict[str, Callable], timeout_s: float):
+        self.tools, self.timeout_s = tools, timeout_s
+        self.tool_errors = 0
+
+    def reset(self, prompt) -> list[dict]:
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return [dict(m) for m in prompt]
+
+    def step(self, messages: list[dict]):
+        try:
+            call = parse_tool_call(messages[-1]["content"])
+            if call is None:
+                return [], True, None
+            name, arguments = call
+            if name not in self.tools:
+                raise ToolCallError(f"unknown tool {name!r} (tools: {', '.join(self.tools)})")
+            text, failed = run_tool(self.tools[name], arguments, self.timeout_s)
+        except ToolCallError as e:
+            text, failed = f"error: {e}", True
+        self.tool_errors += failed
+        return [{"role": "tool", "content": text}], False, None
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """The chat template and the tools' schemas every turn is rendered with."""
+
+    tokenizer: object
+    template: str
+    tools: tuple = ()
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=list(self.tools) or None,
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def continuation_ids(self, messages: list[dict], new: list[dict]) -> list[int]:
+        """Tokens of ONLY the new messages and the next generation prompt, after a
+        conversation whose last (assistant) turn ends at its stop token: the rendering
+        with `new` minus the rendering without it, cut after the turn's last non-space
+        character (the sampled turn ends at its end-of-turn token, so the separator after
+        it, verl#6921, is part of the new tokens)."""
+        closed = self.render(messages, generation_prompt=False).rstrip()
+        full = self.render(messages + new, generation_prompt=True)
+        if not full.startswith(closed):
+            raise ConfigError(
+                "data.chat_template: the template does not render earlier turns as a prefix "
+                "of later ones (multi-turn rollouts need that)"
+            )
+        return self.encode(full[len(closed) :])
+
+
+@dataclass(frozen=True)
+class Agent:
+    """What a multi-turn rollout needs: a fresh environment per episode, the renderer and
+    the limits (generation.max_turns, max_episode_tokens)."""
+
+    new_environment: Callable[[], object]
+    renderer: Renderer
+    max_turns: int
+    max_episode_tokens: int
+
+
+def build_agent(cfg, tokenizer) -> Agent | None:
+    """The Agent generation.tools / generation.environment ask for; None when neither."""
+    g = cfg.generation
+    if not (g.tools or g.environment):
+        return None
+    where = "generation.tools" if g.tools else "generation.environment"
+    template = resolve_template(tokenizer, cfg.data.chat_template, where)
+    if g.environment:
+        factory, schemas = resolve_callable(g.environment, "generation.environment"), ()
+    else:
+        tools = {}
+        for spec in g.tools:
+            fn = resolve_callable(spec, "generation.tools")
+            tools[getattr(fn, "__name__", spec.rpartition(":")[2])] = fn
+        schemas = tuple(tool_schema(fn) for fn in tools.values())
+
+        def factory():
+            return ToolEnvironment(tools, g.tool_timeout_s)
+
+    budget = g.max_episode_tokens or g.max_turns * g.max_new_tokens
+    return Agent(factory, Renderer(tokenizer, template, schemas), g.max_turns, budget)
+
+
+@dataclass
+class Episode:
+    """One conversation in progress. `tokens` is everything after the prompt (sampled turns
+    and environment messages, as ids); `sampled[t]` says whether the policy sampled it."""
+
+    env: object
+    messages: list[dict]
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    done: bool = False
+    finished: bool = False  # ended by the environment, not by a limit
+    reward: float | None = None
+    answer: str = ""  # the last assistant turn's text
+    sampler_logprobs: list[float] = field(default_factory=list)  # vLLM: per token, 0 on context
+
+
+def start_episode(agent: Agent, prompt) -> Episode:
+    env = agent.new_environment()
+    messages = env.reset(prompt)
+    return Episode(env, messages, agent.renderer.prompt_ids(messages))
+
+
+def run_episodes(
+    agent: Agent, actor, keep_in_step, prompts, gen, tokenizer, stop_ids, any_rank=None,
+    sampler=None,
+) -> list[Episode]:  # fmt: skip
+    """Play one episode per prompt, all rows of a turn in one `rollout.generate` call over
+    `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine).
+
+    any_rank (several ranks): every rank runs as many turns as the busiest one; a rank whose
+    episodes are all done runs a throw-away one-token generate while its forwards are
+    collectives (keep_in_step not None), so ZeRO-3's per-layer gathers stay matched."""
+    episodes = [start_episode(agent, p) for p in prompts]
+    for _ in range(agent.max_turns):
+        active = [e for e in episodes if not e.done]
+        if not (any_rank(bool(active)) if any_rank is not None else active):
+            break
+        if active:
+            sample = sampler or functools.partial(_hf_sample, actor, keep_in_step, tokenizer)
+            sample_turn(agent, sample, active, gen, tokenizer, stop_ids)
+        elif keep_in_step is not None:
+            filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
+            throw_away = dataclasses.replace(gen, max_new_tokens=1, min_new_tokens=0)
+            _generate(actor, filler, torch.ones_like(filler), throw_away, tokenizer,
+                      keep_in_step, stop_ids)  # fmt: skip
+    return episodes
+
+
+def _generate(*args):
+    from rlhf_dist.rollout import generate  # rollout imports this module
+
+    return generate(*args)
+
+
+def _hf_sample(actor, keep_in_step, tokenizer, ids, mask, gen, stop_ids):
+    """(ids (B, T), None) of rollout.generate over `actor` (the trainer's own sampler)."""
+    device = _device(actor)
+    out = _generate(actor, ids.to(device), mask.to(device), gen, tokenizer, keep_in_step, stop_ids)
+    return out, None
+
+
+def _device(model) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
+def sample_turn(agent: Agent, sample, active: list[Episode], gen, tokenizer, stop_ids):
+    """One turn of every active episode: its context (prompt + all ids so far, exactly as
+    sampled) left-padded into one batch, sampled until a stop token, then `advance`d. The
+    turn is capped at generation.max_new_tokens and at what is left of the episode's
+    budget. sample(ids, mask, gen, stop_ids) -> (ids (B, T), sampler log-probs or None)."""
+    room = [agent.max_episode_tokens - len(e.tokens) for e in active]
+    cap = min(gen.max_new_tokens, max(room))
+    turn_gen = dataclasses.replace(
+        gen, max_new_tokens=cap, min_new_tokens=min(gen.min_new_tokens, cap)
+    )
+    ids, mask = left_pad([e.prompt + e.tokens for e in active], tokenizer.pad_token_id)
+    out, logprobs = sample(ids, mask, turn_gen, stop_ids)
+    logprobs = [None] * len(active) if logprobs is None else logprobs.tolist()
+    for e, row, lp, r in zip(active, out.tolist(), logprobs, room):
+        advance(agent, e, row[:r], tokenizer, stop_ids, lp)
+
+
+def advance(agent: Agent, e: Episode, row: list[int], tokenizer, stop_ids, logprobs=None) -> None:
+    """Append a sampled turn (up to and including its first stop token) to the episode,
+    let the environment answer it, and append the tokens of the answer (context: not in
+    response_mask). A turn without a stop token (cut by a limit), max_turns reached or
+    no room left for the answer and a next turn: the episode ends truncated."""
+    stops = {int(s) for s in torch.as_tensor(stop_ids).reshape(-1).tolist()}
+    end = next((i for i, t in enumerate(row) if t in stops), None)
+    turn = row if end is None else row[: end + 1]
+    e.tokens += turn
+    e.sampled += [True] * len(turn)
+    if logprobs is not None:  # the engine's log-prob of each sampled token
+        e.sampler_logprobs += [0.0] * (len(e.tokens) - len(turn) - len(e.sampler_logprobs))
+        e.sampler_logprobs += logprobs[: len(turn)]
+    e.turns += 1
+    e.answer = tokenizer.decode([t for t in turn if t not in stops], skip_special_tokens=True)
+    e.messages.append({"role": "assistant", "content": e.answer})
+    if end is None:
+        e.done = True
+        return
+    new, done, reward = e.env.step(list(e.messages))
+    new = list(new)
+    e.tool_calls += sum(m.get("role") == "tool" for m in new)
+    if done:
+        e.done, e.finished, e.reward = True, True, reward
+        return
+    more = [] if e.turns >= agent.max_turns else agent.renderer.continuation_ids(e.messages, new)
+    if not more or len(e.tokens) + len(more) >= agent.max_episode_tokens:
+        e.done = True  # the conversation ends with the policy's turn, as scored
+        return
+    e.messages += new
+    e.tokens += more
+    e.sampled += [False] * len(more)
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (B, max length): rows left-padded with pad_id, mask 1 on tokens."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids, mask
+
+
+def episode_batch(episodes: list[Episode], pad_id: int, device) -> dict:
+    """The episodes as rollout tensors: prompt_ids/prompt_mask (B, P) left-padded;
+    response_ids (B, T) (PAD after the end), response_mask (B, T) bool True on sampled
+    tokens only, response_attention (B, T) long 1 on every token of the episode;
+    finished (B,) bool; turns, tool_calls, tool_errors (B,) long; env_scores (B,) float
+    (NaN where the environment gave no reward)."""
+    prompt_ids, prompt_mask = left_pad([e.prompt for e in episodes], pad_id)
+    T = max(1, max(len(e.tokens) for e in episodes))
+
+    def right(values, fill):
+        return [v + [fill] * (T - len(v)) for v in values]
+
+    out = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": torch.tensor(right([e.tokens for e in episodes], pad_id)),
+        "response_mask": torch.tensor(right([e.sampled for e in episodes], False)),
+        "response_attention": torch.tensor(right([[1] * len(e.tokens) for e in episodes], 0)),
+        "finished": torch.tensor([e.finished for e in episodes]),
+        "turns": torch.tensor([e.turns for e in episodes]),
+        "tool_calls": torch.tensor([e.tool_calls for e in episodes]),
+        "tool_errors": torch.tensor([getattr(e.env, "tool_errors", 0) for e in episodes]),
+        "env_scores": torch.tensor(
+            [float("nan") if e.reward is None else float(e.reward) for e in episodes]
+        ),
+    }
+    if any(e.sampler_logprobs for e in episodes):  # (B, T), 0 outside the sampled tokens
+        lp = [
+            e.sampler_logprobs + [0.0] * (len(e.tokens) - len(e.sampler_logprobs)) for e in episodes
+        ]
+        out["sampler_logprobs"] = torch.tensor(right(lp, 0.0))
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def scoring_inputs(episodes: list[Episode]) -> tuple[list, list[str]]:
+    """What reward.function reads of each episode: (the conversation before the final
+    answer, as a message list; the final assistant turn's text)."""
+    return [e.messages[:-1] for e in episodes], [e.answer for e in episodes]
+
+
+def episode_stats(batch) -> dict[str, tuple[torch.Tensor, int]]:
+    """name -> (sum over this rank's episodes, count) of the multi-turn rollout metrics."""
+    B = batch.turns.shape[0]
+    return {
+        "rollout/turns": (batch.turns.sum().float(), B),
+        "rollout/tool_calls": (batch.tool_calls.sum().float(), B),
+        "rollout/tool_errors": (batch.tool_errors.sum().float(), B),
+        "rollout/truncated_episodes": ((~batch.finished).sum().float(), B),
+    }

@@ -1,0 +1,391 @@
+"""Multi-turn rollouts (rlhf_dist/agent.py, docs/agents.md "Multi-turn rollouts and tools").
+
+A scripted policy (its next token a function of the context it was given) drives whole
+episodes deterministically through `rollout.generate`, over a character-level BPE
+tokenizer with one merge ("name" is one token), so a turn sampled character by character
+is NOT the tokenizer's encoding of its own text: re-tokenising it would change the ids.
+"""
+
+from __future__ import annotations
+
+import string
+import time
+
+import pytest
+import torch
+
+from rlhf_dist import agent as agent_mod
+from rlhf_dist.agent import (
+    CHATML_TOOLS_TEMPLATE,
+    Agent,
+    Renderer,
+    ToolEnvironment,
+    episode_batch,
+    parse_tool_call,
+    run_episodes,
+    run_tool,
+    tool_schema,
+)
+from rlhf_dist.config import ConfigError, GenerationConfig, config_from_dict, validate
+from rlhf_dist.rollout import RolloutBatch
+
+SPECIALS = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable))
+    vocab = {t: i for i, t in enumerate([*SPECIALS, *chars, "na", "nam", "name"])}
+    merges = [("n", "a"), ("na", "m"), ("nam", "e")]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.add_special_tokens(SPECIALS)
+    backend.decoder = decoders.Fuse()
+    t = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    t.chat_template = CHATML_TOOLS_TEMPLATE
+    return t
+
+
+def chars(tok, text: str) -> list[int]:
+    """`text` spelt one character per token (not the canonical encoding of "name")."""
+    return [tok.convert_tokens_to_ids(c) for c in text]
+
+
+def lookup(key: str) -> str:
+    """Look a key up in the table.
+
+    Args:
+        key: the key to look up
+    """
+    return {"b": "value-b"}[key]
+
+
+def explode(key: str) -> str:
+    """A tool that always fails.
+
+    Args:
+        key: ignored
+    """
+    raise ValueError(f"no {key}")
+
+
+def sleepy(key: str) -> str:
+    """A tool that never answers in time.
+
+    Args:
+        key: ignored
+    """
+    time.sleep(30)
+    return "late"
+
+
+class _Output(dict):
+    __getattr__ = dict.__getitem__
+
+
+class Scripted(torch.nn.Module):
+    """A 'model' whose next token is policy(context) (one-hot logits): it records the
+    context each generate call starts from (its prefill) and follows the fed tokens."""
+
+    def __init__(self, policy, vocab: int):
+        super().__init__()
+        self.policy, self.vocab, self.prefills = policy, vocab, []
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask, past_key_values=None, **kwargs):
+        if past_key_values is None:  # prefill: the turn's whole prompt
+            self.rows = [r[m.bool()].tolist() for r, m in zip(input_ids, attention_mask)]
+            self.prefills.append([list(r) for r in self.rows])
+        else:
+            for row, t in zip(self.rows, input_ids[:, 0].tolist()):
+                row.append(t)
+        logits = torch.full((input_ids.shape[0], 1, self.vocab), -1e9)
+        for b, row in enumerate(self.rows):
+            logits[b, 0, self.policy(row)] = 0.0
+        return _Output(logits=logits, past_key_values="cache")
+
+
+def turn_policy(tok, turns: list[list[int]]):
+    """The scripted policy: the k-th assistant turn (k = tool messages seen so far) is
+    turns[min(k, last)], then <|im_end|> forever."""
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    header, tool = chars(tok, "assistant\n"), [im_start, *chars(tok, "tool")]
+
+    def policy(ctx: list[int]) -> int:
+        if im_start not in ctx:  # a throw-away row
+            return im_end
+        start = max(i for i, t in enumerate(ctx) if t == im_start) + 1 + len(header)
+        seen = sum(ctx[i : i + len(tool)] == tool for i in range(len(ctx)))
+        script = turns[min(seen, len(turns) - 1)]
+        so_far = len(ctx) - start
+        return script[so_far] if so_far < len(script) else im_end
+
+    return policy
+
+
+def make_agent(tok, tools, max_turns=4, budget=400, timeout_s=5.0) -> Agent:
+    schemas = tuple(tool_schema(fn) for fn in tools.values())
+    renderer = Renderer(tok, CHATML_TOOLS_TEMPLATE, schemas)
+    return Agent(lambda: ToolEnvironment(tools, timeout_s), renderer, max_turns, budget)
+
+
+def gen_cfg(max_new_tokens=120):
+    return GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.7)
+
+
+def stops(tok):
+    return (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+
+
+CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call>'
+
+
+def call_turn(tok, tool="lookup") -> list[int]:
+    return chars(tok, CALL.replace("lookup", tool)) + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def answer_turn(tok) -> list[int]:
+    return chars(tok, "It is value-b.") + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def play(tok, agent, turns, prompts=("What is b?",), **kwargs):
+    model = Scripted(turn_policy(tok, turns), len(tok))
+    episodes = run_episodes(agent, model, None, list(prompts), gen_cfg(), tok, stops(tok), **kwargs)
+    return model, episodes
+
+
+# ---------------------------------------------------------------- token-in / token-out
+
+
+def test_turns_keep_the_exact_sampled_ids_and_append_only_the_new_messages(tok):
+    agent = make_agent(tok, {"lookup": lookup})
+    turn1, turn2 = call_turn(tok), answer_turn(tok)
+    model, [e] = play(tok, agent, [turn1, turn2])
+    # The sampled turn is not the canonical encoding of its text: re-tokenising changes it.
+    text1 = tok.decode(turn1, skip_special_tokens=True)
+    assert tok(text1, add_special_tokens=False)["input_ids"] != turn1[:-1]
+    tool_msg = {"role": "tool", "content": "value-b"}
+    messages = [{"role": "user", "content": "What is b?"}, {"role": "assistant", "content": text1}]
+    tool_ids = agent.renderer.continuation_ids(messages, [tool_msg])
+    first, second = model.prefills[0][0], model.prefills[1][0]
+    assert first == agent.renderer.prompt_ids(messages[:1])
+    assert second == first + turn1 + tool_ids  # exact ids, earlier turns never re-encoded
+    assert e.tokens == turn1 + tool_ids + turn2
+    assert e.sampled == [True] * len(turn1) + [False] * len(tool_ids) + [True] * len(turn2)
+    assert e.messages[2] == tool_msg and e.answer == "It is value-b."
+    assert (e.turns, e.tool_calls, e.finished, e.env.tool_errors) == (2, 1, True, 0)
+
+
+def test_new_messages_carry_the_separator_after_the_end_of_turn_token(tok):
+    """verl#6921: the newline the template writes after <|im_end|> belongs to the tool
+    message's tokens (the sampled turn ends at <|im_end|>)."""
+    renderer = Renderer(tok, CHATML_TOOLS_TEMPLATE)
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    ids = renderer.continuation_ids(messages, [{"role": "tool", "content": "r"}])
+    assert tok.decode(ids) == "\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_tool_schema_is_rendered_into_the_prompt(tok):
+    agent = make_agent(tok, {"lookup": lookup})
+    text = agent.renderer.render([{"role": "user", "content": "q"}], generation_prompt=True)
+    assert '"name": "lookup"' in text and "the key to look up" in text
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def test_episode_batch_masks_tool_tokens_out_of_the_loss_but_not_out_of_attention(tok):
+    agent = make_agent(tok, {"lookup": lookup})
+    _, episodes = play(tok, agent, [call_turn(tok), answer_turn(tok)], prompts=("q", "What?"))
+    out = episode_batch(episodes, tok.pad_token_id, "cpu")
+    for b, e in enumerate(episodes):
+        n = len(e.tokens)
+        assert out["response_ids"][b, :n].tolist() == e.tokens
+        assert out["response_mask"][b, :n].tolist() == e.sampled
+        width = out["response_attention"].shape[1]
+        assert out["response_attention"][b].tolist() == [1] * n + [0] * (width - n)
+        assert not out["response_mask"][b, n:].any()
+    tool_positions = ~out["response_mask"] & out["response_attention"].bool()
+    assert tool_positions.any()  # the tool message is context
+    assert out["turns"].tolist() == [2, 2] and out["tool_calls"].tolist() == [1, 1]
+    assert torch.isnan(out["env_scores"]).all()
+
+
+def test_rollout_batch_attends_to_tool_tokens_and_single_turn_is_unchanged():
+    prompt_ids, prompt_mask = torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]])
+    response_mask = torch.tensor([[True, False, False, True, False]])
+    attention = torch.tensor([[1, 1, 1, 1, 0]])
+    common = dict(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=torch.tensor([[7, 8, 9, 3, 0]]),
+        response_mask=response_mask, old_logprobs=None, ref_logprobs=torch.zeros(1, 5),
+        old_values=None, scores=torch.zeros(1), raw_scores=torch.zeros(1),
+        finished=torch.tensor([True]), entropy=None,
+    )  # fmt: skip
+    multi = RolloutBatch(**common, response_attention=attention)
+    assert multi.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 1, 0]]
+    cut, keep = multi.trimmed()
+    assert keep == 4 and cut.response_attention.tolist() == [[1, 1, 1, 1]]
+    assert cut.prompt_ids.tolist() == [[5, 6]]
+    single = RolloutBatch(**common)  # no response_attention: response_mask, as before
+    assert torch.equal(single.attention_mask, torch.cat([prompt_mask, response_mask.long()], 1))
+    assert single.trimmed()[1] == 4
+
+
+# ----------------------------------------------------------------------- tool errors
+
+
+@pytest.mark.parametrize(
+    "tools, tool, expected",
+    [
+        ({"explode": explode}, "explode", "error: ValueError: no b"),
+        ({"sleepy": sleepy}, "sleepy", "error: the tool timed out after 0.2 s"),
+        ({"lookup": lookup}, "nope", "error: unknown tool 'nope' (tools: lookup)"),
+    ],
+)
+def test_a_failing_tool_call_becomes_an_error_message_to_the_model(tok, tools, tool, expected):
+    agent = make_agent(tok, tools, timeout_s=0.2)
+    _, [e] = play(tok, agent, [call_turn(tok, tool), answer_turn(tok)])
+    assert e.messages[2] == {"role": "tool", "content": expected}
+    assert (e.turns, e.tool_calls, e.env.tool_errors, e.finished) == (2, 1, 1, True)
+
+
+def test_parse_tool_call():
+    assert parse_tool_call("no call here") is None
+    assert parse_tool_call('x <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>') == (
+        "f",
+        {"a": 1},
+    )
+    assert parse_tool_call('<tool_call>{"name": "f"}</tool_call>') == ("f", {})
+    for bad in ("<tool_call>{nope</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'):  # fmt: skip
+        with pytest.raises(agent_mod.ToolCallError):
+            parse_tool_call(bad)
+
+
+def test_run_tool_turns_results_into_text():
+    assert run_tool(lambda: {"a": [1, 2]}, {}, 1.0) == ('{"a": [1, 2]}', False)
+    assert run_tool(lambda x: x, {"y": 1}, 1.0)[1] is True  # wrong arguments: an error text
+
+
+# ------------------------------------------------------------------------ truncation
+
+
+def test_max_turns_truncates_an_episode_that_keeps_calling_tools(tok):
+    agent = make_agent(tok, {"lookup": lookup}, max_turns=3)
+    _, [e] = play(tok, agent, [call_turn(tok)])  # always calls the tool
+    assert (e.turns, e.finished, e.done) == (3, False, True)
+    assert e.sampled[-1] is True  # ends on the policy's turn, no tool tokens after it
+    assert e.messages[-1]["role"] == "assistant"  # the tool's last result is not kept
+    out = episode_batch([e], tok.pad_token_id, "cpu")
+    assert out["finished"].tolist() == [False] and out["tool_calls"].tolist() == [3]
+
+
+def test_the_token_budget_truncates_an_episode(tok):
+    turn1 = call_turn(tok)
+    agent = make_agent(tok, {"lookup": lookup}, budget=len(turn1) + 10)
+    _, [e] = play(tok, agent, [turn1, answer_turn(tok)])
+    # No room for the tool message and a next turn: the episode stops after turn 1.
+    assert e.tokens == turn1 and not e.finished and e.turns == 1
+    agent = make_agent(tok, {"lookup": lookup}, budget=20)  # cut inside the first turn
+    _, [e] = play(tok, agent, [turn1])
+    assert e.tokens == turn1[:20] and not e.finished and all(e.sampled)
+
+
+# -------------------------------------------------------------- environments, lock-step
+
+
+class CountdownEnv:
+    """Ends after `self.steps` turns with reward = number of turns taken."""
+
+    def __init__(self, steps):
+        self.steps, self.seen = steps, 0
+
+    def reset(self, prompt):
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, messages):
+        self.seen += 1
+        if self.seen >= self.steps:
+            return [], True, float(self.seen)
+        return [{"role": "user", "content": "again"}], False, None
+
+
+def test_an_environment_ends_episodes_with_its_reward(tok):
+    envs = iter([CountdownEnv(1), CountdownEnv(3)])
+    agent = Agent(lambda: next(envs), Renderer(tok, CHATML_TOOLS_TEMPLATE), 4, 400)
+    _, episodes = play(tok, agent, [answer_turn(tok)], prompts=("a", "b"))
+    assert [e.turns for e in episodes] == [1, 3]
+    assert [e.reward for e in episodes] == [1.0, 3.0]
+    assert episode_batch(episodes, tok.pad_token_id, "cpu")["env_scores"].tolist() == [1.0, 3.0]
+
+
+def test_a_rank_with_no_episode_left_runs_throw_away_turns_in_lock_step(tok):
+    """The other rank (any_rank always True) needs every turn: this rank, done after one
+    turn, keeps calling any_rank and runs a one-token throw-away generate per turn while
+    its forwards are collectives (keep_in_step given)."""
+    agent = make_agent(tok, {"lookup": lookup}, max_turns=4)
+    flags, steps = [], []
+
+    def any_rank(flag):
+        flags.append(flag)
+        return True
+
+    def keep_in_step(more):
+        steps.append(more)
+        return more
+
+    model = Scripted(turn_policy(tok, [answer_turn(tok)]), len(tok))
+    [e] = run_episodes(agent, model, keep_in_step, ["q"], gen_cfg(), tok, stops(tok), any_rank)
+    assert e.turns == 1 and e.finished
+    assert flags == [True, False, False, False]  # one collective per turn on every rank
+    assert len(model.prefills) == 4  # 1 real turn + 3 throw-away generate calls
+    assert model.prefills[1] == [[tok.pad_token_id]]
+
+
+def test_an_engine_samples_the_turns_and_its_log_probs_sit_on_the_sampled_tokens(tok):
+    """generation.backend=vllm: a sampler (ids, mask, gen, stop_ids) -> (ids, log-probs)
+    stands for the engine; its log-probs land on the sampled tokens, 0 on the tool's."""
+    from rlhf_dist.rollout import generate
+
+    agent = make_agent(tok, {"lookup": lookup})
+    model = Scripted(turn_policy(tok, [call_turn(tok), answer_turn(tok)]), len(tok))
+    calls = []
+
+    def sampler(ids, mask, gen, stop_ids):
+        calls.append(ids.shape[0])
+        out = generate(model, ids, mask, gen, tok, None, stop_ids)
+        return out, -0.25 * torch.ones(out.shape)
+
+    [e] = run_episodes(agent, None, None, ["q"], gen_cfg(), tok, stops(tok), sampler=sampler)
+    assert calls == [1, 1] and e.turns == 2 and e.finished
+    out = episode_batch([e], tok.pad_token_id, "cpu")
+    lp, mask = out["sampler_logprobs"][0], out["response_mask"][0]
+    assert (lp[mask] == -0.25).all() and (lp[~mask] == 0).all()
+    assert "sampler_logprobs" not in episode_batch(
+        play(tok, agent, [answer_turn(tok)])[1], 0, "cpu"
+    )
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def test_multi_turn_config_errors():
+    base = {"model": {"policy": "p"}, "reward": {"function": "m:f"}, "data": {"train": "x"}}
+
+    def check(generation, ppo=None):
+        tree = {
+            **base,
+            "generation": generation,
+            "ppo": {"samples_per_prompt": 2, **(ppo or {"estimator": "grpo"})},
+        }
+        validate(config_from_dict(tree), "ppo")
+
+    check({"tools": ["m:f"]})  # fine
+    check({"tools": ["m:f"], "backend": "vllm"})  # the engine samples each turn
+    check({"tools": ["m:f"]}, {"estimator": "gae"})  # across tool tokens (docs/agents.md)
+    with pytest.raises(ConfigError, match="not together"):
+        check({"tools": ["m:f"], "environment": "m:g"})
+    with pytest.raises(ConfigError, match="max_turns"):
+        check({"environment": "m:g", "max_turns": 0})
