@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,7 +188,12 @@ def _extra_peak_bytes(how: str, tries: int = 2) -> int:
     mapped (its mmap threshold grows after frees), which only ever ADDS to the peak seen;
     a low mmap threshold returns large blocks at once, and the minimum drops such noise
     (a true peak shows in every try)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    # A minimal environment: inside the whole suite, variables other tests leave set made
+    # a fresh probe process start ~250 MiB higher.
+    keep = ("PATH", "HOME", "PYTHONPATH", "VIRTUAL_ENV")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env |= {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     peaks = []
     for _ in range(tries):
         out = subprocess.run(
