@@ -251,6 +251,17 @@ def test_a_failing_tool_call_becomes_an_error_message_to_the_model(tok, tools, t
     assert (e.turns, e.tool_calls, e.env.tool_errors, e.finished) == (2, 1, 1, True)
 
 
+def test_a_malformed_call_is_an_error_message_and_the_episode_goes_on(tok):
+    agent = make_agent(tok, {"lookup": lookup})
+    broken = chars(tok, '<tool_call>{"name": "lookup", "arguments": {"key": }</tool_call>')
+    _, [e] = play(
+        tok, agent, [broken + [tok.convert_tokens_to_ids("<|im_end|>")], answer_turn(tok)]
+    )
+    assert e.messages[2]["role"] == "tool"
+    assert e.messages[2]["content"].startswith("error: the tool call is not valid JSON")
+    assert (e.turns, e.tool_calls, e.env.tool_errors, e.finished) == (2, 1, 1, True)
+
+
 def test_parse_tool_call():
     assert parse_tool_call("no call here") is None
     assert parse_tool_call('x <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>') == (
