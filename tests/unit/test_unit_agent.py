@@ -332,6 +332,18 @@ def test_an_environment_ends_episodes_with_its_reward(tok):
     assert episode_batch(episodes, tok.pad_token_id, "cpu")["env_scores"].tolist() == [1.0, 3.0]
 
 
+def test_reward_function_reads_the_whole_conversation_and_the_final_answer(tok):
+    agent = make_agent(tok, {"lookup": lookup})
+    _, [e] = play(tok, agent, [call_turn(tok), answer_turn(tok)])
+    [conversation], [answer] = agent_mod.scoring_inputs([e])
+    assert conversation == [
+        {"role": "user", "content": "What is b?"},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "value-b"},
+    ]
+    assert answer == "It is value-b."
+
+
 def test_a_rank_with_no_episode_left_runs_throw_away_turns_in_lock_step(tok):
     """The other rank (any_rank always True) needs every turn: this rank, done after one
     turn, keeps calling any_rank and runs a one-token throw-away generate per turn while
