@@ -48,8 +48,11 @@ def _save(obj, path: Path) -> None:
 
 
 def rng_state() -> dict:
+    """This process's python, numpy and torch generators; on a GPU also the current CUDA
+    device's, which samples every token there (rollout.sample_next draws on the logits'
+    device): without it a resumed GPU run would replay the random stream of its seed."""
     np_state = np.random.get_state()
-    return {
+    state = {
         "python": random.getstate(),
         "numpy": {
             "keys": torch.from_numpy(np_state[1].astype(np.int64)),
@@ -58,6 +61,9 @@ def rng_state() -> dict:
         },
         "torch": torch.get_rng_state(),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
@@ -67,6 +73,8 @@ def set_rng_state(state: dict) -> None:
         ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["gauss"][0], n["gauss"][1])
     )
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():  # a GPU run resumed on a GPU
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _as_tuple(x):

@@ -4,7 +4,11 @@ task (rlhf_dist/demo/tool_task.py) with a tiny Llama (docs/agents.md):
 - a short SFT on demonstrations makes the policy call the tool;
 - the rollout's scoring attends to the tool's tokens but gives them no log-prob, KL or
   entropy (response_mask), and its log-probs are those of the exact sampled sequence;
-- a GRPO run with the tool trains the actor and logs the multi-turn metrics.
+- a GRPO run with the tool trains the actor and logs the multi-turn metrics;
+- killed half-way through an iteration and resumed, it logs bitwise the metrics and
+  exports bitwise the weights of the unbroken run;
+- under LoRA it trains the adapters only, its reference is the adapters-off base, and its
+  first rollout (adapters at zero) is bitwise the rollout without LoRA.
 """
 
 from __future__ import annotations
@@ -50,9 +54,14 @@ def tool_sft(runtime, tmp_path_factory):
     return files, root / "sft" / "final"
 
 
-def grpo_tree(out, policy, files, **generation) -> dict:
+def grpo_tree(out, policy, files, checkpoint_every: int = 0, **generation) -> dict:
     return {
-        "run": {"output_dir": str(out), "seed": 0, "log_every": 1},
+        "run": {
+            "output_dir": str(out),
+            "seed": 0,
+            "log_every": 1,
+            "checkpoint_every": checkpoint_every,
+        },
         "model": {"policy": str(policy)},
         "data": {**DATA, "train": str(files["prompts"])},
         "generation": {
@@ -69,7 +78,7 @@ def grpo_tree(out, policy, files, **generation) -> dict:
             "samples_per_prompt": 4,
             "rollout_micro_batch_size": 16,
             "ppo_epochs": 1,
-            "minibatch_size": 16,
+            "minibatch_size": 8,
             "micro_batch_size": 8,
             "actor": {"lr": 1e-3},
             "kl_coef": 0.05,
@@ -78,28 +87,39 @@ def grpo_tree(out, policy, files, **generation) -> dict:
     }
 
 
-def test_rollout_scores_the_sampled_sequence_and_masks_tool_tokens(
-    tool_sft, runtime, tmp_path, monkeypatch
-):
-    files, policy = tool_sft
-    rollouts = []
-    original = ppo.collect_rollout
+def record_rollouts(mp) -> list:
+    """(batch, texts, RolloutModels) of every rollout PPO collects while `mp` is active."""
+    rollouts, original = [], ppo.collect_rollout
 
     def spy(*args, **kwargs):
         batch, texts = original(*args, **kwargs)
         rollouts.append((batch, texts, args[0]))
         return batch, texts
 
-    monkeypatch.setattr(ppo, "collect_rollout", spy)
-    tree = grpo_tree(tmp_path / "grpo", policy, files)
-    tree["ppo"]["iterations"] = 1
-    ppo.train_ppo(config_from_dict(tree), runtime)
-    ((batch, texts, models),) = rollouts
+    mp.setattr(ppo, "collect_rollout", spy)
+    return rollouts
+
+
+@pytest.fixture(scope="module")
+def tool_grpo(tool_sft, runtime, tmp_path_factory):
+    """(output dir, the rollouts) of one unbroken 2-iteration GRPO run with the tool, two
+    optimizer steps per iteration, a checkpoint after each iteration."""
+    files, policy = tool_sft
+    out = tmp_path_factory.mktemp("tool_grpo") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        rollouts = record_rollouts(mp)
+        ppo.train_ppo(config_from_dict(grpo_tree(out, policy, files, checkpoint_every=1)), runtime)
+    return out, rollouts
+
+
+def test_rollout_scores_the_sampled_sequence_and_masks_tool_tokens(tool_grpo):
+    (batch, texts, models), _ = tool_grpo[1]
     tool_tokens = batch.response_attention.bool() & ~batch.response_mask
     assert tool_tokens.any(), "the SFT policy called no tool"
     assert batch.tool_calls.sum() > 0 and (batch.turns >= 2).any()
     # Context tokens get nothing: log-probs and the reference's 0 there.
     assert (batch.ref_logprobs[tool_tokens] == 0).all()
+    assert (batch.old_logprobs[tool_tokens] == 0).all()
     # The reference (the SFT policy, frozen) scored exactly the sampled ids with the tool
     # tokens attended: recomputing on the batch's own tensors gives the same log-probs, and
     # hiding the tool tokens from attention changes them.
@@ -120,11 +140,9 @@ def test_rollout_scores_the_sampled_sequence_and_masks_tool_tokens(
 
 @pytest.mark.slow
 def test_grpo_with_a_tool_trains_the_actor_and_logs_multi_turn_metrics(
-    tool_sft, runtime, tmp_path, saved_state_dict, changed_tensors, read_jsonl
+    tool_sft, tool_grpo, saved_state_dict, changed_tensors, read_jsonl
 ):
-    files, policy = tool_sft
-    out = tmp_path / "grpo"
-    ppo.train_ppo(config_from_dict(grpo_tree(out, policy, files)), runtime)
+    (_, policy), (out, _) = tool_sft, tool_grpo
     assert changed_tensors(saved_state_dict(policy), saved_state_dict(out / "final"))
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
@@ -133,6 +151,113 @@ def test_grpo_with_a_tool_trains_the_actor_and_logs_multi_turn_metrics(
         assert r["rollout/tool_calls"] > 0
         assert 0.0 <= r["rollout/tool_errors"] <= r["rollout/tool_calls"]
         assert 0.0 <= r["rollout/truncated_episodes"] <= 1.0
+
+
+class Killed(Exception):
+    """Stands for the SIGKILL of checkpoint.maybe_fault, in-process."""
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    machine = ("time/", "throughput/", "memory/")  # the machine's figures, not the run's
+    return [{k: v for k, v in r.items() if not k.startswith(machine)} for r in rows]
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_killed_mid_iteration_resumes_bitwise(
+    tool_sft, tool_grpo, runtime, tmp_path, monkeypatch, saved_state_dict, read_jsonl
+):
+    """Killed after the first of iteration 2's two optimizer steps (its episodes played,
+    tools called, weights half-updated), resumed from iteration 1's checkpoint: the
+    episodes, tool calls, metrics (bitwise, every float) and final weights are the
+    unbroken run's. A kill leaves the process, so nothing of it may carry over: every
+    piece of state the episode loop reads must come from the checkpoint."""
+    files, policy = tool_sft
+    unbroken, rollouts = tool_grpo
+    out = tmp_path / "run"
+    tree = grpo_tree(out, policy, files, checkpoint_every=1)
+
+    def fault(point: str, step: int) -> None:
+        if (point, step) == ("update", 2):
+            raise Killed
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ppo, "maybe_fault", fault)
+        with pytest.raises(Killed):
+            ppo.train_ppo(config_from_dict(tree), runtime)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"
+    assert not (out / "final").exists()
+    tree["run"]["resume"] = "auto"
+    resumed = record_rollouts(monkeypatch)
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    ((again, texts, _),) = resumed  # iteration 2 only
+    batch, unbroken_texts, _ = rollouts[1]
+    assert torch.equal(again.response_ids, batch.response_ids) and texts == unbroken_texts
+    assert torch.equal(again.tool_calls, batch.tool_calls)
+    assert untimed(read_jsonl(out / "metrics.jsonl")) == untimed(
+        read_jsonl(unbroken / "metrics.jsonl")
+    )
+    want, got = saved_state_dict(unbroken / "final"), saved_state_dict(out / "final")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.slow
+def test_grpo_with_a_tool_under_lora_trains_adapters_against_the_adapters_off_base(
+    tool_sft, tool_grpo, runtime, tmp_path, monkeypatch, saved_state_dict, read_jsonl
+):
+    """LoRA changes nothing of the episode: the first rollout (adapters at zero) is
+    bitwise the full model's (same ids, masks, tool tokens, log-probs). Then the adapters
+    train, the base stays the SFT policy's, and the reference of the second rollout is
+    that base (adapters off), not the adapted actor; tool tokens get no log-prob."""
+    from rlhf_dist.lora import AdapterOffReference
+
+    files, policy = tool_sft
+    out = tmp_path / "lora"
+    tree = grpo_tree(out, policy, files)
+    tree["lora"] = {"enabled": True, "r": 4}
+    built = []
+    original = ppo.build_models
+    monkeypatch.setattr(ppo, "build_models", lambda *a: built.append(original(*a)) or built[-1])
+    rollouts = record_rollouts(monkeypatch)
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    (first, first_texts, models), (second, _, _) = rollouts
+    plain, plain_texts, plain_models = tool_grpo[1][0]
+    assert isinstance(models.reference, AdapterOffReference)
+    for name in ("response_ids", "response_mask", "response_attention", "turns", "tool_calls"):
+        assert torch.equal(getattr(first, name), getattr(plain, name)), name
+    assert first_texts == plain_texts
+    assert torch.equal(first.ref_logprobs, plain.ref_logprobs)
+    assert torch.equal(first.old_logprobs, first.ref_logprobs)  # adapters start at zero
+    # The second rollout: the reference is still the SFT policy; the actor moved.
+    tool_tokens = second.response_attention.bool() & ~second.response_mask
+    assert tool_tokens.any()
+    sft, _ = token_logprobs(
+        plain_models.reference,
+        second.input_ids,
+        second.attention_mask,
+        second.response_mask,
+        1.0,
+    )
+    assert torch.allclose(second.ref_logprobs, sft, atol=1e-5)
+    sampled = second.response_mask
+    assert not torch.allclose(second.old_logprobs[sampled], second.ref_logprobs[sampled])
+    for x in (second.old_logprobs, second.ref_logprobs, second.entropy):
+        assert (x[tool_tokens] == 0).all()
+    # Only the adapters trained; the base weights are the SFT policy's.
+    net = runtime.unwrap(built[0].model)
+    trained = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert any(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)
+    base = {
+        n.replace("base_model.model.", "").replace("base_layer.", ""): p
+        for n, p in net.actor.state_dict().items()
+        if "lora_" not in n
+    }
+    for name, tensor in saved_state_dict(policy).items():
+        assert torch.equal(base[name], tensor), name
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows[0]["objective/kl"] == 0.0 and rows[1]["objective/kl"] != 0.0
+    assert rows[0]["rollout/tool_calls"] > 0
 
 
 @pytest.mark.slow

@@ -251,6 +251,17 @@ def test_a_failing_tool_call_becomes_an_error_message_to_the_model(tok, tools, t
     assert (e.turns, e.tool_calls, e.env.tool_errors, e.finished) == (2, 1, 1, True)
 
 
+def test_a_malformed_call_is_an_error_message_and_the_episode_goes_on(tok):
+    agent = make_agent(tok, {"lookup": lookup})
+    broken = chars(tok, '<tool_call>{"name": "lookup", "arguments": {"key": }</tool_call>')
+    _, [e] = play(
+        tok, agent, [broken + [tok.convert_tokens_to_ids("<|im_end|>")], answer_turn(tok)]
+    )
+    assert e.messages[2]["role"] == "tool"
+    assert e.messages[2]["content"].startswith("error: the tool call is not valid JSON")
+    assert (e.turns, e.tool_calls, e.env.tool_errors, e.finished) == (2, 1, 1, True)
+
+
 def test_parse_tool_call():
     assert parse_tool_call("no call here") is None
     assert parse_tool_call('x <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>') == (
@@ -319,6 +330,18 @@ def test_an_environment_ends_episodes_with_its_reward(tok):
     assert [e.turns for e in episodes] == [1, 3]
     assert [e.reward for e in episodes] == [1.0, 3.0]
     assert episode_batch(episodes, tok.pad_token_id, "cpu")["env_scores"].tolist() == [1.0, 3.0]
+
+
+def test_reward_function_reads_the_whole_conversation_and_the_final_answer(tok):
+    agent = make_agent(tok, {"lookup": lookup})
+    _, [e] = play(tok, agent, [call_turn(tok), answer_turn(tok)])
+    [conversation], [answer] = agent_mod.scoring_inputs([e])
+    assert conversation == [
+        {"role": "user", "content": "What is b?"},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "value-b"},
+    ]
+    assert answer == "It is value-b."
 
 
 def test_a_rank_with_no_episode_left_runs_throw_away_turns_in_lock_step(tok):
