@@ -98,7 +98,7 @@ def keep_4bit_differentiable(model: nn.Module) -> nn.Module:
     and from then on, training forwards included, multiplies with a kernel that has no
     autograd formula: the backward silently stops at every 4-bit layer, so the adapters
     below it (all of them, once the output projections cut the residual stream) get no
-    gradient (optim/grad_norm_actor 0; docs/rewards.md, QLoRA). The repack is switched off
+    gradient (optim/grad_norm_actor 0; docs/distributed.md, QLoRA). The repack is switched off
     here for a base whose adapters train. GPUs never take that path.
     """
     for module in model.modules():

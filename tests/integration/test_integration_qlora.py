@@ -1,4 +1,4 @@
-"""QLoRA (lora.load_in_4bit, docs/rewards.md): a clear error where bitsandbytes cannot
+"""QLoRA (lora.load_in_4bit, docs/distributed.md): a clear error where bitsandbytes cannot
 run, and where it can (its CPU backend, bitsandbytes 0.50.2 here, installed by
 launch/setup.sh) a LoRA PPO run on an NF4 base: the adapters train, the 4-bit base stays
 as loaded, and the merged export is the dequantized base plus the trained adapters."""
