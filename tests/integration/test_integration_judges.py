@@ -191,14 +191,14 @@ def test_http_judge_trains_grpo_keeps_the_key_secret_and_gives_eval_a_win_rate(
     sft_run, task_env, runtime, tmp_path, monkeypatch, capfd, data_cfg, read_jsonl
 ):
     monkeypatch.setenv("TEST_JUDGE_KEY", KEY)
-    judge = ChatJudge(slow_s=1.5)
+    judge = ChatJudge(slow_s=2.0)
     reward = {
         "judge": "url",
         "judge_model_name": "judge-1",
         "api_key_env": "TEST_JUDGE_KEY",
         "remote_batch_size": 4,
         "retries": 2,
-        "timeout_s": 0.5,
+        "timeout_s": 1.0,  # a local answer takes milliseconds; the slow one 2 s
     }
     out, data = tmp_path / "grpo", data_cfg(train=str(task_env.files.prompts))
     with StubServer(judge, max_requests=1000) as stub:
