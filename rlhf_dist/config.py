@@ -763,7 +763,7 @@ class LoRAConfig:
     load_in_4bit: bool = key(
         False,
         "QLoRA: load the LoRA base in 4-bit (bitsandbytes NF4, compute in model.dtype) with "
-        "the adapters trained in fp32/bf16; the merged export is dequantized (docs/rewards.md, "
+        "the adapters trained in fp32/bf16; the merged export is dequantized (docs/distributed.md, "
         "QLoRA). Needs lora.enabled, bitsandbytes, and no DeepSpeed",
     )
     export: str = key(

@@ -27,6 +27,7 @@ def add_adapters(model: nn.Module, lora_cfg, task_type: str, trainable_head: str
 
     if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms and head in fp32, base frozen
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        keep_4bit_differentiable(model)
     names = {name.split(".")[-1] for name, _ in model.named_modules()}
     missing = [t for t in lora_cfg.target_modules if t not in names]
     if missing:
@@ -87,6 +88,23 @@ def merged_adapters(model: nn.Module):
     finally:
         for base, weight in originals:
             base.weight = weight
+
+
+def keep_4bit_differentiable(model: nn.Module) -> nn.Module:
+    """Keep every bitsandbytes 4-bit layer of `model` on its differentiable matmul.
+
+    bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a Linear4bit's weight into an
+    inference layout at the layer's first eval-mode forward without gradients (a rollout),
+    and from then on, training forwards included, multiplies with a kernel that has no
+    autograd formula: the backward silently stops at every 4-bit layer, so the adapters
+    below it (all of them, once the output projections cut the residual stream) get no
+    gradient (optim/grad_norm_actor 0; docs/distributed.md, QLoRA). The repack is switched off
+    here for a base whose adapters train. GPUs never take that path.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def is_4bit(module: nn.Module) -> bool:

@@ -133,7 +133,7 @@ def load_causal_lm(
 
 
 def nf4_load_kwargs(dtype: str) -> dict:
-    """from_pretrained arguments for an NF4 base (docs/rewards.md, QLoRA)."""
+    """from_pretrained arguments for an NF4 base (docs/distributed.md, QLoRA)."""
     from transformers import BitsAndBytesConfig
 
     config = BitsAndBytesConfig(
