@@ -110,9 +110,11 @@ def test_config_command_lists_keys_with_type_default_and_meaning(tmp_path):
     lines = proc.stdout.splitlines()
     assert "  ppo.actor.lr  float = 1e-05  (> 0)" in lines
     assert '  ppo.kl_controller  str = "fixed"  (one of: fixed, adaptive)' in lines
+    assert "  ppo.ptx_coef  float = 0.0  (>= 0)" in lines
     assert "run.seed" not in proc.stdout
     everything = run_cli("config", cwd=tmp_path).stdout
     assert "run.seed" in everything and "distributed.timeout_s" in everything
+    assert '  data.ptx  str = ""' in everything.splitlines()
 
 
 def test_config_command_unknown_section_is_one_line(tmp_path):
