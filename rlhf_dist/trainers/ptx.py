@@ -55,6 +55,8 @@ class PtxStream:
         _, idx = next(self._batches)
         self.position += 1
         share = [self.examples[i] for i in idx[self.plan.rank_slice(runtime.rank)]]
+        if not 1 <= parts <= len(share):
+            raise ValueError(f"cannot cut {len(share)} ptx rows into {parts} micro-batches")
         chunks = [c.tolist() for c in torch.arange(len(share)).tensor_split(parts)]
         micro = []
         for chunk in chunks:

@@ -77,3 +77,9 @@ def test_a_stream_resumed_at_its_position_continues_the_unbroken_one(position):
         a, b = unbroken.next_step(FakeRuntime(), 2), resumed.next_step(FakeRuntime(), 2)
         assert rows_of(a) == rows_of(b)
     assert resumed.position == unbroken.position == position + 3
+
+
+def test_more_micro_batches_than_rows_is_refused():
+    stream = PtxStream(examples(), BatchPlan(4, 2, 2), 1.0, 0, PAD)
+    with pytest.raises(ValueError, match="2 ptx rows into 3"):
+        stream.next_step(FakeRuntime(0, 2), 3)
