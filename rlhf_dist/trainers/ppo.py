@@ -195,12 +195,18 @@ def minibatch_backward(
     knobs.loss_aggregation) of the WHOLE global minibatch (share_of_global_mean).
     keep(s, old_logprobs, entropy): where a micro-batch without old log-probs puts them.
     ptx: the PtxStream with PPO-ptx on (InstructGPT eq. 2): the step's ptx batch, in as
-    many micro-batches, adds ptx_coef x its global token-mean NLL (trainers/ptx.py).
+    many micro-batches, adds ptx_coef x its global token-mean NLL (trainers/ptx.py), each
+    ptx micro-batch with its own forward and backward before PPO micro-batch i's, so the
+    step's last backward is PPO's (every parameter gets its gradient there) and each
+    forward is followed by its backward, as DeepSpeed's ZeRO-3 hooks require.
     """
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
     ptx_step = None if ptx is None else ptx.next_step(runtime, len(slices))
     for i, s in enumerate(slices):
+        if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
+            with runtime.accumulating(model):  # its forward leaves the critic unused
+                runtime.micro_backward(model, ptx_step.loss(runtime, model, i, stats), last=False)
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
         stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
         adv = advantages[s][:, :T]
@@ -208,8 +214,6 @@ def minibatch_backward(
         keep_micro = None if keep is None else functools.partial(keep, s)
         loss_sum = micro_batch_loss(model, micro, adv, ret, knobs, stats, keep_micro)
         loss = share_of_global_mean(runtime, loss_sum, count)
-        if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
-            loss = loss + ptx_step.loss(runtime, model, i, stats)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
 
 

@@ -8,9 +8,11 @@ of data.ptx rows (the trained tokens of an SFT file: responses, assistant turns)
 come from their own seed-determined stream (`batching.global_batches`, ppo.minibatch_size
 rows per optimizer step), sharded across ranks like every global batch; a rank's share is
 cut into as many micro-batches as the step's PPO micro-batches, and micro-batch i's NLL
-SUM, divided by the token count of the WHOLE ptx batch (all ranks), joins PPO micro-batch
-i's loss before its one backward. So the ptx gradient is that of the global token mean,
-whatever the split (section 4, split invariance). The stream's position (batches drawn) is
+SUM, divided by the token count of the WHOLE ptx batch (all ranks), is backwarded just
+before PPO micro-batch i (its own forward and backward: ZeRO-3 wants each forward followed
+by its backward, and the step's last, gradient-syncing backward stays PPO's, which reaches
+every parameter). So the ptx gradient is that of the global token mean, whatever the split
+(section 4, split invariance). The stream's position (batches drawn) is
 checkpointed with the trainer state.
 """
 
@@ -73,8 +75,8 @@ class PtxStep:
         self.micro, self.count, self.coef = micro, count, coef
 
     def loss(self, runtime, model, i: int, stats) -> torch.Tensor:
-        """coef x micro-batch i's share of the global token-mean NLL, to add to PPO
-        micro-batch i's loss; `policy/ptx_loss` (the token mean) goes to `stats`."""
+        """coef x micro-batch i's share of the global token-mean NLL, the loss to backward
+        (it adds to the step's gradient); `policy/ptx_loss` (the token mean) goes to `stats`."""
         nll_sum, tokens = token_nll_sum(model, self.micro[i], actor_logprobs)
         stats.add("policy/ptx_loss", nll_sum.detach(), tokens)
         return self.coef * share_of_global_mean(runtime, nll_sum, self.count)
