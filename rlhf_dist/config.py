@@ -218,6 +218,12 @@ class DataConfig:
         "(a conversational prompt is always skipped: cutting it would cut its template)",
         choices=("truncate", "drop"),
     )
+    ptx: str = key(
+        "",
+        "PPO-ptx: SFT-format rows (the formats of data.train for SFT, docs/data.md) whose "
+        "token-mean NLL, x ppo.ptx_coef, joins the actor's loss at every optimizer step; "
+        "empty: none",
+    )
     chat_template: str = key(
         "",
         "chat template for conversational rows (lists of {role, content} messages) of the "
@@ -591,6 +597,13 @@ class PPOConfig:
     )
     entropy_coef: float = key(
         0.0, "weight of the entropy bonus in the policy loss; 0 = none", min=0
+    )
+    ptx_coef: float = key(
+        0.0,
+        "PPO-ptx (InstructGPT eq. 2): weight of the token-mean NLL of a batch of data.ptx rows "
+        "(ppo.minibatch_size rows per optimizer step, a seed-determined stream) added to the "
+        "actor's loss; 0 = off",
+        min=0,
     )
     tis_cap: float | None = key(
         None,
@@ -1345,6 +1358,15 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
     _validate_objective(cfg)
     if not cfg.data.train:
         raise ConfigError("data.train: required (a prompt file or a hub dataset name)")
+    if p.ptx_coef > 0 and not cfg.data.ptx:
+        raise ConfigError(
+            f"ppo.ptx_coef: {p.ptx_coef} needs data.ptx (the SFT-format rows of the ptx term)"
+        )
+    if cfg.data.ptx and not p.ptx_coef > 0:
+        raise ConfigError(
+            "data.ptx: set, but ppo.ptx_coef is 0 (ptx off): set ppo.ptx_coef > 0 or leave "
+            "data.ptx empty"
+        )
 
 
 def _validate_iterate(cfg: Config, world_size: int) -> None:

@@ -443,6 +443,7 @@ class ActorCritic(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         with_actor: bool = True,
+        with_critic: bool = True,
     ):
         """Log-probs, entropies and values at the positions that predict the last
         T = response_mask.shape[1] tokens.
@@ -452,7 +453,8 @@ class ActorCritic(nn.Module):
         sampling `temperature` (0 outside response_mask; `token_logprobs`), entropies
         (B, T) or None (`with_entropy`), and values (B, T): position P-1+t predicts token
         P+t, and its value is V(prompt + response[:t]); values is None without a critic,
-        logprobs and entropies None with with_actor=False (a critic-only pass).
+        logprobs and entropies None with with_actor=False (a critic-only pass), values None
+        with with_critic=False (an actor-only pass: PPO-ptx's SFT rows, trainers/ptx.py).
         """
         logprobs = entropy = values = None
         if with_actor:
@@ -460,7 +462,7 @@ class ActorCritic(nn.Module):
                 self.actor, input_ids, attention_mask, response_mask, temperature, None,
                 with_entropy,
             )  # fmt: skip
-        if self.critic is not None:
+        if self.critic is not None and with_critic:
             T = response_mask.shape[1]
             position_ids = position_ids_from(attention_mask)
             values = self.critic(input_ids, attention_mask, position_ids)[:, -T - 1 : -1]

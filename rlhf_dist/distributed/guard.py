@@ -7,6 +7,7 @@ not poison the weights. `TrainingDiverged` ends a run the guard cannot save.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -51,6 +52,18 @@ class NumericalGuard:
             with backend.accelerator.no_sync(model):
                 backend.accelerator.backward(loss)
         return True
+
+    def accumulating(self, model):
+        """Context around the forward AND backward of a micro-batch that is not the step's
+        last (`micro_backward(..., last=False)`), for a forward that leaves parameters
+        unused: under DDP (several ranks, no DeepSpeed) `no_sync`, so that the forward does
+        not arm DDP's reducer for a gradient sync it would wait for in vain; the gradients
+        accumulate locally and the step's last backward reduces them. Elsewhere nothing
+        (DeepSpeed counts the gradients each backward produces)."""
+        backend = self._backend
+        if backend.zero_stage is None and backend.world_size > 1:
+            return backend.accelerator.no_sync(model)
+        return contextlib.nullcontext()
 
     def optimizer_step(self, model, optimizer, max_norms: list[float]) -> list[float] | None:
         """Clip, step and zero gradients; returns the pre-clip gradient norm of each param

@@ -90,6 +90,11 @@ class Runtime:
         """Backward of one micro-batch, behind the numerical guard (guard.py)."""
         return self.guard.micro_backward(model, loss, last)
 
+    def accumulating(self, model):
+        """Context for the forward and backward of a micro-batch that is not the step's
+        last and may leave parameters unused (PPO-ptx's actor-only pass; guard.py)."""
+        return self.guard.accumulating(model)
+
     def optimizer_step(self, model, optimizer, max_norms: list[float]) -> list[float] | None:
         """Clip, step and zero gradients; returns the pre-clip gradient norm of each param
         group, or None when the numerical guard skipped the step (non-finite loss on any

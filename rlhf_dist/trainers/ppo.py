@@ -71,6 +71,7 @@ from rlhf_dist.trainers.common import (
 )
 from rlhf_dist.trainers.dynamic_sampling import rollout_until_full
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
+from rlhf_dist.trainers.ptx import PtxStream, ptx_stream
 from rlhf_dist.vllm_rollout import VLLMEngine
 
 
@@ -185,7 +186,7 @@ def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: Updat
 
 
 def minibatch_backward(
-    runtime, model, mb, advantages, returns, knobs, slices, stats, keep=None
+    runtime, model, mb, advantages, returns, knobs, slices, stats, keep=None, ptx=None
 ) -> None:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
@@ -193,10 +194,19 @@ def minibatch_backward(
     micro-batch's loss SUM is divided by the count (response tokens or sequences, per
     knobs.loss_aggregation) of the WHOLE global minibatch (share_of_global_mean).
     keep(s, old_logprobs, entropy): where a micro-batch without old log-probs puts them.
+    ptx: the PtxStream with PPO-ptx on (InstructGPT eq. 2): the step's ptx batch, in as
+    many micro-batches, adds ptx_coef x its global token-mean NLL (trainers/ptx.py), each
+    ptx micro-batch with its own forward and backward before PPO micro-batch i's, so the
+    step's last backward is PPO's (every parameter gets its gradient there) and each
+    forward is followed by its backward, as DeepSpeed's ZeRO-3 hooks require.
     """
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
+    ptx_step = None if ptx is None else ptx.next_step(runtime, len(slices))
     for i, s in enumerate(slices):
+        if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
+            with runtime.accumulating(model):  # its forward leaves the critic unused
+                runtime.micro_backward(model, ptx_step.loss(runtime, model, i, stats), last=False)
         micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
         stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
         adv = advantages[s][:, :T]
@@ -244,8 +254,9 @@ def ppo_update(runtime, run, batch, advantages, returns, knobs: UpdateKnobs, it:
                 keep = None if record is None else functools.partial(record.keep, idx)
                 slices = update_micro_batches(runtime, mb, plan.update)
                 minibatch_backward(
-                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, keep
-                )
+                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, keep,
+                    run.ptx,
+                )  # fmt: skip
                 norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
                 for name, norm in zip(run.group_names, norms or ()):
                     stats.add(f"optim/grad_norm_{name}", norm, 1)
@@ -409,6 +420,7 @@ class PPORun:
     group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
     gather_for_training: str = "auto"  # distributed.gather_for_training
     printed_first_batch: bool = False
+    ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), trainers/ptx.py
 
 
 def normalize_scores(
@@ -629,6 +641,10 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
     p = cfg.ppo
     tokenizer = tokenizer_for(cfg, "policy")
     plan = ppo_plan(p, runtime.world_size)
+    # PPO-ptx rows, before any model loads (a data mistake is found first); one global
+    # batch of ppo.minibatch_size rows per optimizer step, from where the checkpoint was.
+    position = ckpt.trainer.get("ptx_position", 0) if ckpt else 0
+    ptx = ptx_stream(cfg, runtime, tokenizer, plan.update, position)
     total_steps = p.iterations * plan.optimizer_steps_per_iteration
     built = build_models(cfg, runtime, plan, total_steps, ckpt)
     model = built.model
@@ -675,6 +691,7 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         moments,
         built.group_names,
         cfg.distributed.gather_for_training,
+        ptx=ptx,
     )
 
 
@@ -700,6 +717,7 @@ def trainer_state(run: PPORun, first_score: float, alerts: AlertMonitor) -> dict
         "scheduler": run.scheduler.state_dict(),
         "first_score": first_score,
         "alerts": alerts.state_dict(),
+        "ptx_position": run.ptx.position if run.ptx is not None else 0,  # batches drawn
     }
 
 

@@ -30,19 +30,25 @@ from rlhf_dist.trainers.common import (
 )
 
 
-def sequence_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_nll(
+    model, batch: dict, logprobs_fn=token_logprobs
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence (sum of response-token NLL, response-token count), each (B,).
 
     loss_mask (B, L-1) marks the shifted positions scored; only those reach the output
-    head (models.token_logprobs)."""
+    head (models.token_logprobs). logprobs_fn(model, input_ids, attention_mask,
+    predict_mask) -> (log-probs (B, L-1), _): token_logprobs of a causal LM, or PPO-ptx's
+    actor pass of an ActorCritic (trainers/ptx.py)."""
     mask = batch["loss_mask"]
-    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask)
+    logprobs, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"], mask)
     return masked_sum(-logprobs, mask, dim=1), mask.sum(1)
 
 
-def token_nll_sum(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of NLL over loss_mask, token count) of one micro-batch."""
-    nll, count = sequence_nll(model, batch)
+def token_nll_sum(
+    model, batch: dict, logprobs_fn=token_logprobs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of NLL over loss_mask, token count) of one micro-batch (`sequence_nll`)."""
+    nll, count = sequence_nll(model, batch, logprobs_fn)
     return nll.sum(), count.sum()
 
 

@@ -19,11 +19,13 @@ from collections import Counter
 import pytest
 import torch
 
-from rlhf_dist.batching import BatchPlan, ppo_plan
+from rlhf_dist.batching import BatchPlan, global_batches, ppo_plan
 from rlhf_dist.config import config_from_dict, to_dict
-from rlhf_dist.models import ActorCritic
+from rlhf_dist.data import collate_sft
+from rlhf_dist.models import ActorCritic, token_logprobs
 from rlhf_dist.scoring import Scorer
 from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ptx import ptx_stream
 
 POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"
 
@@ -384,6 +386,81 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
         scale = whole[name].norm()
         assert (budgeted[name] - whole[name]).norm() <= 1e-6 * scale + 1e-12, name
     assert 0 <= stats_budget["update/pad_fraction"] < stats_whole["update/pad_fraction"] < 1
+
+
+def test_ppo_ptx_term_is_the_global_token_mean_nll_whatever_the_split(
+    sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, read_jsonl
+):
+    """PPO-ptx (trainers/ptx.py): one optimizer step's gradient with ppo.ptx_coef is the
+    same for 1 x 16, 2 x 8 and 4 x 4 micro-batches, and it exceeds the step without ptx
+    by exactly ptx_coef x the gradient of the token-mean NLL of the step's 16 ptx rows
+    (the first batch of their seed-determined stream), computed here on its own."""
+    calls, original = [], ppo.ppo_update
+
+    def keep(*args, **kwargs):
+        calls.append(inspect.signature(original).bind(*args, **kwargs).arguments)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ppo, "ppo_update", keep)
+    coef, out = 0.5, tmp_path / "ptx_split"
+    tree = ppo_tree(
+        out,
+        sft_run.out / "final",
+        data_cfg(train=str(task_env.files.prompts), ptx=str(task_env.files.sft)),
+        reward={"function": POSITIVE_REWARD},
+        ppo={"iterations": 1, "minibatch_size": 16, "micro_batch_size": 16, "ptx_coef": coef},
+    )
+    tree["ppo"] |= {"critic_init": "policy", "ppo_epochs": 1}
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    (row,) = read_jsonl(out / "metrics.jsonl")
+    assert 0 < row["policy/ptx_loss"] < 10, row  # logged: the SFT rows' NLL, in nats
+    (args,) = calls
+    base = copy.deepcopy(runtime.unwrap(args["run"].model))
+
+    def step_grads(micro_batch_size, ptx_on=True):
+        t = to_dict(config_from_dict(tree))
+        t["ppo"] |= {"micro_batch_size": micro_batch_size}
+        t["ppo"]["actor"]["max_grad_norm"] = t["ppo"]["critic"]["max_grad_norm"] = 1e9
+        cfg = config_from_dict(t)
+        model, plan = copy.deepcopy(base), ppo_plan(cfg.ppo, runtime.world_size)
+        recorder = GradRecorder(model)
+        stream = ptx_stream(cfg, runtime, args["run"].tokenizer, plan.update) if ptx_on else None
+        torch.manual_seed(0)  # the same minibatch order for every split
+        run = dataclasses.replace(
+            args["run"], model=model, optimizer=recorder, plan=plan, ptx=stream,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(recorder, lambda _: 1.0),
+        )  # fmt: skip
+        stats = original(**{**args, "run": run, "knobs": ppo.UpdateKnobs.from_config(cfg)})
+        (grads,) = recorder.grads
+        return grads, stats
+
+    (whole, stats), without = step_grads(16), step_grads(16, ptx_on=False)[0]
+    assert stats["policy/ptx_loss"] > 0 and "policy/ptx_loss" not in step_grads(8, False)[1]
+    for micro_batch_size in (8, 4):
+        split, split_stats = step_grads(micro_batch_size)
+        assert split_stats["policy/ptx_loss"] == pytest.approx(stats["policy/ptx_loss"], rel=1e-6)
+        for name in whole:
+            assert (split[name] - whole[name]).norm() <= 1e-5 * whole[name].norm() + 1e-12, name
+
+    # The reference: coef x the gradient of the whole batch's token-mean NLL, in one pass.
+    cfg, reference = config_from_dict(tree), copy.deepcopy(base)
+    rows = ptx_stream(cfg, runtime, args["run"].tokenizer, ppo_plan(cfg.ppo, 1).update).examples
+    _, idx = next(global_batches(len(rows), 16, cfg.run.seed, epochs=1))
+    batch = collate_sft([rows[i] for i in idx], args["run"].tokenizer.pad_token_id)
+    mask = batch["loss_mask"]
+    logprobs, _ = token_logprobs(reference.actor, batch["input_ids"], batch["attention_mask"], mask)
+    nll = -logprobs[mask].sum() / mask.sum()
+    assert float(nll.detach()) == pytest.approx(stats["policy/ptx_loss"], rel=1e-5)
+    (coef * nll).backward()
+    moved = 0.0
+    for name in whole:
+        part, param = name.split(".", 1)
+        grad = getattr(reference, part).get_parameter(param).grad  # None: the critic
+        expected = torch.zeros_like(whole[name]) if grad is None else grad
+        scale = expected.norm() + without[name].norm()
+        assert (whole[name] - without[name] - expected).norm() <= 1e-5 * scale + 1e-9, name
+        moved += float(expected.norm())
+    assert moved > 0
 
 
 # ------------------------------------------------------- reward post-processing options

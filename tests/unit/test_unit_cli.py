@@ -113,6 +113,7 @@ def test_config_command_lists_keys_with_type_default_and_meaning(tmp_path):
     lines = proc.stdout.splitlines()
     assert "  ppo.actor.lr  float = 1e-05  (> 0)" in lines
     assert '  ppo.kl_controller  str = "fixed"  (one of: fixed, adaptive)' in lines
+    assert "  ppo.ptx_coef  float = 0.0  (>= 0)" in lines
     assert "run.seed" not in proc.stdout
     everything = run_cli("config", cwd=tmp_path).stdout
     assert "run.seed" in everything and "distributed.timeout_s" in everything
@@ -120,7 +121,8 @@ def test_config_command_lists_keys_with_type_default_and_meaning(tmp_path):
     # `rlhf-dist config` prints: issue 25's reward, judge and QLoRA keys among them.
     keys = dict(config_keys(Config))
     assert {"reward.functions", "reward.weights", "reward.url", "reward.judge_model",
-            "reward.judge_url", "reward.api_key_env", "lora.load_in_4bit"} <= keys.keys()  # fmt: skip
+            "reward.judge_url", "reward.api_key_env", "lora.load_in_4bit", "ppo.ptx_coef",
+            "data.ptx"} <= keys.keys()  # fmt: skip
     heads = [line.split(":")[0] if not line.startswith(" ") else line.split()[0]
              for line in everything.splitlines() if line.strip()]  # fmt: skip
     flat = " ".join(everything.split())

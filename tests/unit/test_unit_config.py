@@ -344,6 +344,28 @@ def test_gspo_cispo_dapo_keys_accept_good_combinations(overrides):
         assert str(value).lower() == {"null": "none"}.get(text, text).lower(), override
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["ppo.ptx_coef=0.5"], "ppo.ptx_coef"),  # the coefficient without its rows
+        (["data.ptx=sft.jsonl"], "data.ptx"),  # rows without a coefficient: ptx off
+        (["data.ptx=sft.jsonl", "ppo.ptx_coef=-1"], "ppo.ptx_coef"),
+        (["data.ptx=sft.jsonl", "ppo.ptx_coef=nan"], "ppo.ptx_coef"),
+    ],
+)
+def test_ptx_keys_come_together(overrides, key):
+    cfg = load_config(overrides=[*PPO_REQUIRED, *overrides])
+    assert config_error(validate, cfg, "ppo").startswith(key + ":")
+
+
+def test_ptx_is_off_by_default_and_accepted_with_its_rows():
+    cfg = load_config(overrides=PPO_REQUIRED)
+    assert cfg.ppo.ptx_coef == 0 and cfg.data.ptx == ""
+    cfg = load_config(overrides=[*PPO_REQUIRED, "data.ptx=sft.jsonl", "ppo.ptx_coef=0.5"])
+    validate(cfg, "ppo")
+    assert (cfg.ppo.ptx_coef, cfg.data.ptx) == (0.5, "sft.jsonl")
+
+
 def test_estimator_choices_come_from_the_registry():
     from rlhf_dist.algo.estimators import ESTIMATORS
 
