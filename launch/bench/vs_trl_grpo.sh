@@ -17,7 +17,9 @@ ITERATIONS=${ITERATIONS:-6}
 SIZE=${SIZE:-smollm2}
 DTYPE=${DTYPE:-float32}
 VLLM=${VLLM:-0}
-OUT=${OUT:-runs/bench/vs_trl_grpo/$SIZE-$DTYPE$([ "$VLLM" = 1 ] && echo -vllm)}
+suffix=""
+[ "$VLLM" = 1 ] && suffix=-vllm
+OUT=${OUT:-runs/bench/vs_trl_grpo/$SIZE-$DTYPE$suffix}
 RESULTS=$OUT/results
 
 # PYTHON / TRL_PYTHON: other interpreters (a GPU image with trl on its path: both the same).

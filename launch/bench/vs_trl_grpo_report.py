@@ -45,11 +45,11 @@ def prompt_tokens(prepared: Path) -> float:
 
     tok = AutoTokenizer.from_pretrained(str(prepared / "policy"))
     lines = (prepared / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
-    ids = [
-        tok.apply_chat_template(json.loads(x)["prompt"], add_generation_prompt=True, tokenize=True)
+    texts = [
+        tok.apply_chat_template(json.loads(x)["prompt"], add_generation_prompt=True, tokenize=False)
         for x in lines
     ]
-    return statistics.mean(len(i["input_ids"] if isinstance(i, dict) else i) for i in ids)
+    return statistics.mean(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
 
 
 def flop_floor(prepared: Path) -> dict:
