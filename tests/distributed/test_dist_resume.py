@@ -125,7 +125,10 @@ def test_grpo_killed_mid_update_resumes_to_the_same_metrics(assets, tmp_path):
     assert any(r["rollout/dynamic_sampling_rounds"] > 0 for r in rows(out)[2:])
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto"])
+# The loop SFT, RM, DPO and KTO share (trainers/common.py), really SIGKILLed once; each
+# other stage's batches are stopped in-process and resumed in
+# tests/integration/test_integration_step_resume.py.
+@pytest.mark.parametrize("stage", ["sft"])
 def test_step_loop_stages_killed_resume_to_the_same_metrics(assets, tmp_path, stage):
     files = assets["files"]
     data = f"data.train={files.sft}" if stage == "sft" else f"data.train={files.prefs_train}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from faults import Killed, kill_at, untimed
 
 from rlhf_dist.agent import TOOL_CALL
 from rlhf_dist.config import config_from_dict
@@ -153,15 +154,6 @@ def test_grpo_with_a_tool_trains_the_actor_and_logs_multi_turn_metrics(
         assert 0.0 <= r["rollout/truncated_episodes"] <= 1.0
 
 
-class Killed(Exception):
-    """Stands for the SIGKILL of checkpoint.maybe_fault, in-process."""
-
-
-def untimed(rows: list[dict]) -> list[dict]:
-    machine = ("time/", "throughput/", "memory/")  # the machine's figures, not the run's
-    return [{k: v for k, v in r.items() if not k.startswith(machine)} for r in rows]
-
-
 @pytest.mark.slow
 def test_a_multi_turn_run_killed_mid_iteration_resumes_bitwise(
     tool_sft, tool_grpo, runtime, tmp_path, monkeypatch, saved_state_dict, read_jsonl
@@ -176,12 +168,8 @@ def test_a_multi_turn_run_killed_mid_iteration_resumes_bitwise(
     out = tmp_path / "run"
     tree = grpo_tree(out, policy, files, checkpoint_every=1)
 
-    def fault(point: str, step: int) -> None:
-        if (point, step) == ("update", 2):
-            raise Killed
-
     with monkeypatch.context() as mp:
-        mp.setattr(ppo, "maybe_fault", fault)
+        kill_at(mp, ppo, "update", 2)
         with pytest.raises(Killed):
             ppo.train_ppo(config_from_dict(tree), runtime)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"

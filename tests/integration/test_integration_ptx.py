@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import Killed, kill_at, untimed
 
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data import load_rows, sft_examples
@@ -25,17 +26,10 @@ from rlhf_dist.trainers import ppo
 from rlhf_dist.trainers.sft import eval_nll
 
 GOLD = "rlhf_dist.demo.task:gold_reward_fn"
-UNTIMED = ("time/", "throughput/", "memory/")  # the machine's figures, not the run's
 
 
 def metrics(out: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(UNTIMED)} for r in rows]
-
-
-class Killed(Exception):
-    """Stands for the SIGKILL of RLHF_DIST_FAULT: nothing after the fault point runs, and
-    the resumed run starts from what is on disk."""
+    return untimed([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
 
 
 def test_ptx_killed_mid_update_resumes_to_the_same_metrics(
@@ -68,12 +62,8 @@ def test_ptx_killed_mid_update_resumes_to_the_same_metrics(
     ptx_losses = [r["policy/ptx_loss"] for r in expected]
     assert len(set(ptx_losses)) == 3, ptx_losses  # each iteration drew other rows
 
-    def fault(point: str, step: int) -> None:
-        if (point, step) == ("update", 2):  # after the 1st of iteration 2's 2 steps
-            raise Killed
-
     out = tmp_path / "killed"
-    monkeypatch.setattr(ppo, "maybe_fault", fault)
+    kill_at(monkeypatch, ppo, "update", 2)  # after the 1st of iteration 2's 2 steps
     with pytest.raises(Killed):
         ppo.train_ppo(config_from_dict(tree(out)), runtime)
     monkeypatch.undo()
