@@ -67,13 +67,13 @@ def packed_layout(
     first = torch.where(mask, cols, L).min(1).values  # L for a row without real tokens
     last = torch.where(mask, cols, -1).max(1).values
     gaps = (lengths > 0) & (last - first + 1 != lengths)
-    if bool(gaps.any()):
-        rows = gaps.nonzero().flatten().tolist()
+    sizes, gapped = torch.stack([lengths, gaps.long()]).tolist()  # one host sync
+    if any(gapped):
+        rows = [i for i, g in enumerate(gapped) if g]
         raise ValueError(
             f"packed sequences need each row's real tokens contiguous; rows {rows} have "
             "padding between real tokens"
         )
-    sizes = lengths.tolist()
     bins = first_fit_decreasing(sizes, capacity)
     fills = [sum(sizes[i] for i in b) for b in bins]
     R, W = len(bins), max(fills, default=0)

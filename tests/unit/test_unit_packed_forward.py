@@ -57,7 +57,7 @@ def run(model, lm, packed: bool, fn):
     model.zero_grad(set_to_none=True)
     outputs = fn(model)
     g = torch.Generator().manual_seed(2)
-    sum(((o * torch.randn(o.shape, generator=g)).sum() for o in outputs)).backward()
+    sum((o * torch.randn(o.shape, generator=g)).sum() for o in outputs).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return [o.detach() for o in outputs], grads
 

@@ -4,8 +4,9 @@ Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generatio
   [--check-reduce]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
-  --policy-loss=cispo, --overlong-mask, --tokens=N
-(--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
+  --policy-loss=cispo, --overlong-mask, --tokens=N, --packed
+(--packed: model.packed_sequences, every forward of the step on packed rows.
+--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
 bonus, clip-higher and dual clip: every term of the loss in one gradient. --whole-weights:
 the backward runs inside runtime.training_weights(model, "always"), as the trainers' steps
 do, instead of through ZeRO-3's per-layer fetching. --ratio-level / --policy-loss set
@@ -109,7 +110,12 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
         "policy_loss": flag_value(flags, "policy-loss", "clip"),
     }
     tree = {
-        "model": {"policy": policy, "reward": reward, "gradient_checkpointing": checkpointing},
+        "model": {
+            "policy": policy,
+            "reward": reward,
+            "gradient_checkpointing": checkpointing,
+            "packed_sequences": "--packed" in flags,
+        },
         "data": {"train": "unused.jsonl"},
         "ppo": {
             "rollout_batch_size": B,
