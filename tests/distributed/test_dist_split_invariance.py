@@ -149,7 +149,11 @@ def test_token_budget_micro_batches_give_the_same_gradient(one_rank, zero3):
 def test_packed_sequences_give_the_same_gradient(one_rank, zero3):
     """model.packed_sequences: actor, critic and reward forwards on packed rows, by 4
     micro-batches, by a token budget, and on 2 ZeRO-3 ranks with gradient checkpointing:
-    the padded batch's gradient."""
+    the padded batch's gradient. Sequences share packed rows (the probe's are twice the
+    padded width)."""
+    for probe in (one_rank, zero3):
+        for padded, packed in probe["packed_rows"].values():
+            assert packed < padded, probe["packed_rows"]
     grads = one_rank["gradients"]["token_mean"]
     for name in ("token_mean/packed-1x4", "token_mean/packed-budget"):
         assert_same_gradients(grads, one_rank["gradients"][name], 1e-5, name)

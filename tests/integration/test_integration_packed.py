@@ -1,11 +1,12 @@
 """model.packed_sequences through a whole PPO run (docs/architecture.md section 10): the
-actor's, reference's, critic's and reward model's forwards run on packed rows (fewer token
-slots, no attention mask), generation stays padded with its KV cache, and the run logs the
-same metrics as the padded run."""
+actor's, reference's, critic's and reward model's forwards run on packed rows (several
+sequences per row, no attention mask), generation stays padded with its KV cache, and the
+run logs the same metrics as the padded run."""
 
 from __future__ import annotations
 
 import pytest
+from packed_models import shared_rows
 
 from rlhf_dist import models
 from rlhf_dist.config import config_from_dict
@@ -57,6 +58,7 @@ def test_ppo_with_packed_sequences_logs_the_padded_runs_metrics(
     padded, padded_forwards = run(
         gae_tree(tmp_path / "padded", task_env, data, False), runtime, monkeypatch, read_jsonl
     )
+    rows = shared_rows(monkeypatch)  # the demo's lengths are close: rows of 2 x the width
     packed, packed_forwards = run(
         gae_tree(tmp_path / "packed", task_env, data, True), runtime, monkeypatch, read_jsonl
     )
@@ -65,10 +67,8 @@ def test_ppo_with_packed_sequences_logs_the_padded_runs_metrics(
     assert all(masked for *_, masked in padded_forwards)
     assert not any(masked for *_, masked in packed_forwards)
     assert [real for _, real, _ in packed_forwards] == [real for _, real, _ in padded_forwards]
-    slots = sum(s for s, *_ in packed_forwards)
-    assert (
-        sum(real for _, real, _ in packed_forwards) <= slots < sum(s for s, *_ in padded_forwards)
-    )
+    assert len(rows) == len(packed_forwards)
+    assert sum(r for _, r in rows) < sum(b for b, _ in rows)  # sequences shared rows
     assert len(packed) == len(padded) == 2
     for a, b in zip(packed, padded):
         keys = [k for k in a if not k.startswith(NOISY)]

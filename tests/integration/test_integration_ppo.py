@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from packed_models import packed
+from packed_models import packed, shared_rows
 
 from rlhf_dist.batching import BatchPlan, ppo_plan
 from rlhf_dist.config import config_from_dict, to_dict
@@ -387,7 +387,9 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     assert 0 <= stats_budget["update/pad_fraction"] < stats_whole["update/pad_fraction"] < 1
 
     # model.packed_sequences: actor and critic forwards on each micro-batch's packed rows
-    # (left-padded prompts + right-padded responses), by 4 and by the token budget.
+    # (left-padded prompts + right-padded responses), by 4 and by the token budget,
+    # several sequences per packed row.
+    rows = shared_rows(monkeypatch)
     for micro, tokens in ((4, 0), (16, budget)):
         packed_grads, stats_packed = step_grads(micro, tokens, packing=True)
         for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl"):
@@ -395,6 +397,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
         for name in whole:
             scale = whole[name].norm()
             assert (packed_grads[name] - whole[name]).norm() <= 1e-5 * scale + 1e-12, name
+    assert any(packed_rows < padded for padded, packed_rows in rows), rows
 
 
 # ------------------------------------------------------- reward post-processing options

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from packed_models import packed
+from packed_models import packed, shared_rows
 
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import config_from_dict
@@ -223,7 +223,7 @@ def _split_grads(step_fn, base, batch, plans):
 
 @pytest.mark.parametrize("stage", ["dpo", "kto"])
 def test_step_gradient_does_not_depend_on_the_micro_batch_split(
-    stage, sft_run, task_env, runtime, data_cfg
+    stage, sft_run, task_env, runtime, data_cfg, monkeypatch
 ):
     """One optimizer step's gradient is that of the global-batch mean loss, however the
     batch is cut (4 micro-batches of 4, or by a token budget: sorted by length, different
@@ -253,7 +253,9 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_split(
     groups = budget.micro_batches(widths, 0, rows_per_item)
     assert len(groups) >= 3 and len({len(g) for g in groups}) >= 2, groups
     plans = (BatchPlan(16, 1, 16), BatchPlan(16, 1, 4), budget, ("packed", budget))
+    rows = shared_rows(monkeypatch)  # packed: several sequences per packed row
     (whole, m_whole), *splits = _split_grads(step, policy, batch, plans)
+    assert any(packed_rows < padded for padded, packed_rows in rows), rows
     loss = f"{stage}/loss"
     # model.packed_sequences (last): the budget's micro-batches packed, padding-free.
     for (split, m_split), tolerance in zip(splits, (1e-4, 1e-6, 1e-5)):
@@ -269,7 +271,9 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_split(
     assert 0 <= splits[1][1][pad_fraction] < m_whole[pad_fraction] < 1
 
 
-def test_reward_model_gradient_same_with_a_token_budget(sft_run, task_env, runtime, data_cfg):
+def test_reward_model_gradient_same_with_a_token_budget(
+    sft_run, task_env, runtime, data_cfg, monkeypatch
+):
     """rm.micro_batch_tokens: pairs sorted by length in micro-batches of 2 x pairs x
     longest sequence within the budget; the step's gradient is the whole batch's."""
     tok, pad = task_env.tokenizer, task_env.tokenizer.pad_token_id
@@ -286,7 +290,9 @@ def test_reward_model_gradient_same_with_a_token_budget(sft_run, task_env, runti
         return rm_step(runtime, model, items, plan, pad)
 
     plans = (BatchPlan(16, 1, 16), budget, ("packed", budget))  # last: packed rows
+    rows = shared_rows(monkeypatch)  # several sequences per packed row
     (whole, m_whole), *splits = _split_grads(step, base, batch, plans)
+    assert any(packed_rows < padded for padded, packed_rows in rows), rows
     for (split, m_split), tolerance in zip(splits, (1e-6, 1e-5)):
         assert m_split["rm/loss"] == pytest.approx(m_whole["rm/loss"], rel=tolerance)
         assert m_split["rm/accuracy"] == m_whole["rm/accuracy"]
