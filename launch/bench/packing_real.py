@@ -7,8 +7,9 @@ per attention implementation.
         [--reps 3] [--attn sdpa,eager]
 
 --model defaults to SmolLM2-135M-Instruct as shipped (rlhf_dist.demo.smollm2.build, cached).
-Prints, per setting, the token slots the backbone computed, the median seconds of the
-no-grad forward (rollout scoring) and of the forward + backward (an update's micro-batch),
+Prints, per setting, the token slots the backbone computed, the median seconds (wall, and
+CPU seconds of this process, which other processes' load disturbs less) of the no-grad
+forward (rollout scoring) and of the forward + backward (an update's micro-batch),
 and the largest log-prob difference to the padded forward. Run with PYTHONPATH set to the
 tree to measure; times on a shared CPU are noisy (alternate settings, take medians).
 """
@@ -53,24 +54,28 @@ def bench(lm, batch, reps: int) -> dict:
         lp, _ = models.token_logprobs(lm, ids, attention, mask)
         lp.sum().backward()
 
-    out = {packed: {"forward_s": [], "fwd_bwd_s": []} for packed in (False, True)}
+    keys = ("forward_s", "fwd_bwd_s", "forward_cpu", "fwd_bwd_cpu")
+    out = {packed: {k: [] for k in keys} for packed in (False, True)}
     models.backbone_inputs = counting
     try:
         for _ in range(reps):
             for packed in (False, True):
                 lm.packed_sequences = packed
                 with torch.no_grad():
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     out[packed]["lp"], _ = models.token_logprobs(lm, ids, attention, mask)
-                    middle = time.perf_counter()
+                    middle, cpu_middle = time.perf_counter(), time.process_time()
                 step()
-                out[packed]["forward_s"].append(middle - start)
-                out[packed]["fwd_bwd_s"].append(time.perf_counter() - middle)
-                out[packed]["slots"] = slots[-2]
+                r = out[packed]
+                r["forward_s"].append(middle - start)
+                r["fwd_bwd_s"].append(time.perf_counter() - middle)
+                r["forward_cpu"].append(cpu_middle - cpu_start)
+                r["fwd_bwd_cpu"].append(time.process_time() - cpu_middle)
+                r["slots"] = slots[-2]
     finally:
         models.backbone_inputs = original
     for r in out.values():
-        r["forward_s"], r["fwd_bwd_s"] = map(statistics.median, (r["forward_s"], r["fwd_bwd_s"]))
+        r.update({k: statistics.median(r[k]) for k in keys})
     diff = (out[True]["lp"] - out[False]["lp"]).abs().max().item()
     return {"real": int(attention.sum()), "diff": diff, **out}
 
@@ -96,7 +101,8 @@ def main() -> None:
         args.model = str(smollm2.build("shipped"))
     print(f"model {args.model}, {args.rows} rows x {args.max_len}, torch threads "
           f"{torch.get_num_threads()}")  # fmt: skip
-    print(f"{'attn':<6} {'packed':<6} {'slots':>6} {'real':>6} {'fwd s':>7} {'fwd+bwd s':>9}")
+    header = f"{'attn':<6} {'packed':<6} {'slots':>6} {'real':>6} {'fwd s':>7} {'fwd+bwd s':>9}"
+    print(f"{header} {'fwd cpu-s':>9} {'fwd+bwd cpu-s':>13}")
     for attn in args.attn.split(","):
         lm = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=attn)
         lm = disable_dropout(lm).train()
@@ -106,7 +112,8 @@ def main() -> None:
             r = result[packed]
             print(
                 f"{attn:<6} {str(packed):<6} {r['slots']:>6} {result['real']:>6} "
-                f"{r['forward_s']:>7.3f} {r['fwd_bwd_s']:>9.3f}"
+                f"{r['forward_s']:>7.3f} {r['fwd_bwd_s']:>9.3f} {r['forward_cpu']:>9.3f} "
+                f"{r['fwd_bwd_cpu']:>13.3f}"
             )
         print(f"{attn}: largest |packed - padded| log-prob difference {result['diff']:.2e}")
 
