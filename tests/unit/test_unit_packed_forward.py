@@ -146,3 +146,17 @@ def test_loaders_carry_the_switch_and_refuse_other_backbones(tmp_path):
 
     with pytest.raises(ConfigError, match="model.packed_sequences: model.policy's Linear"):
         models.mark_packing(OwnMasks(), on, "model.policy")
+
+
+def test_flash_attention_gets_every_sequence_in_one_row():
+    # transformers runs flash attention's varlen kernels from position ids only in a batch
+    # of one (modeling_flash_attention_utils._is_packed_sequence): one row, no padding.
+    lm = tiny(LlamaForCausalLM, "sdpa")
+    lm.packed_sequences = True
+    _, attention, _ = batch()
+    gather, _, position_ids = models.packing_layout(lm, attention)
+    assert gather.shape == (2, 14)  # bins of the padded width for the masked kernels
+    lm.config._attn_implementation = "flash_attention_2"  # the layout only: no forward here
+    gather, _, position_ids = models.packing_layout(lm, attention)
+    assert gather.shape == (1, 27) and bool((gather >= 0).all())
+    assert int((position_ids == 0).sum()) == 4  # one start per sequence
