@@ -194,6 +194,18 @@ class ModelConfig:
         "(logprob_chunk_tokens, vocabulary) fp32 tensors",
         gt=0,
     )
+    packed_sequences: bool = key(
+        False,
+        "padding-free whole-sequence forwards: each forward's rows (log-probs in rollout "
+        "scoring, the PPO update, SFT, DPO/KTO and eval; critic, reward-model and RM "
+        "training values) have their real tokens packed into rows no longer than the padded "
+        "ones (first-fit decreasing; flash_attention_2: one row), position ids restarting "
+        "per sequence, and the outputs mapped back: no compute on padding. Exact (equal to "
+        "float rounding) for models whose masks come from transformers' masking_utils "
+        "(Llama, Qwen, Mistral, Gemma, GPT-2; others are refused at load): eager/sdpa get a "
+        "block-diagonal causal mask (on CPU it can cost what the padding did), "
+        "flash_attention_2 its varlen kernels. Generation is never packed",
+    )
 
 
 @dataclass(frozen=True)

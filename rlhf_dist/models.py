@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
+from rlhf_dist.algo.packing import pack_tokens, packed_layout, unpack_tokens
 from rlhf_dist.chat import chat_for, stop_token_ids
 from rlhf_dist.config import ModelConfig
 from rlhf_dist.distributed.zero3 import stays_whole
@@ -129,6 +130,7 @@ def load_causal_lm(
     model = _from_pretrained(AutoModelForCausalLM, path, key, **kwargs)
     # How `token_logprobs` chunks this model's head (model.logprob_chunk_tokens).
     model.logprob_chunk_tokens = getattr(source, "logprob_chunk_tokens", LOGPROB_CHUNK_TOKENS)
+    mark_packing(model, source, key)
     return disable_dropout(model)
 
 
@@ -174,6 +176,7 @@ def load_sequence_classifier(
     # No pad_token_id needed: scores are read at positions found from the attention mask
     # (ValueModel runs backbone + head), never by transformers' search for the first PAD,
     # which reads the token before EOS when PAD == EOS.
+    mark_packing(model, source, key)
     return disable_dropout(model)
 
 
@@ -322,9 +325,12 @@ def token_logprobs(
 def final_hidden_states(model, lm, input_ids, attention_mask) -> torch.Tensor:
     """The backbone's last hidden states (B, L, H) of `lm` (the transformers model inside
     `model`), from a forward of `model` itself: DeepSpeed's, DDP's and peft's forward
-    logic all run. The model's own head runs on the last position only (logits_to_keep=1)."""
+    logic all run. The model's own head runs on the last position only (logits_to_keep=1).
+    With model.packed_sequences the forward runs on the packed rows (`packing_layout`)
+    and the states come back in the padded layout, 0 at padding."""
     seen = []
     backbone = getattr(lm, lm.base_model_prefix)
+    layout = packing_layout(lm, attention_mask)
 
     def keep(module, args, output):
         seen.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
@@ -332,9 +338,7 @@ def final_hidden_states(model, lm, input_ids, attention_mask) -> torch.Tensor:
     handle = backbone.register_forward_hook(keep)
     try:
         model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from(attention_mask),
+            **backbone_inputs(input_ids, attention_mask, layout),
             logits_to_keep=1,
             # A whole-sequence forward needs no KV cache; transformers would otherwise
             # build one on every call (use_cache defaults to True in most configs):
@@ -343,7 +347,70 @@ def final_hidden_states(model, lm, input_ids, attention_mask) -> torch.Tensor:
         )
     finally:
         handle.remove()
-    return seen[-1]
+    return seen[-1] if layout is None else unpack_tokens(seen[-1], layout[1])
+
+
+def packing_layout(lm, attention_mask: torch.Tensor):
+    """`algo.packing.packed_layout` of a batch for transformers model `lm` when its
+    packed_sequences is on (model.packed_sequences, set by the loaders), else None (also
+    when no row has a real token).
+
+    Flash attention gets everything in ONE row: transformers reads sequence starts from
+    position ids only in a batch of one (modeling_flash_attention_utils
+    `_is_packed_sequence`) and runs its varlen kernels, whose cost stays per sequence.
+    Every other implementation (eager, sdpa) gets bins of the padded width L: with no
+    attention mask, masking_utils finds the sequences from the position ids
+    (`find_packed_sequence_indices`) and builds a block-diagonal causal mask, whose cost
+    grows with the row's length squared, so no packed row is longer than the padded one.
+    """
+    if not getattr(lm, "packed_sequences", False):
+        return None
+    B, L = attention_mask.shape
+    flash = "flash" in str(getattr(lm.config, "_attn_implementation", None) or "")
+    layout = packed_layout(attention_mask, B * L if flash else L)
+    return None if layout[0].shape[0] == 0 else layout
+
+
+def backbone_inputs(input_ids, attention_mask, layout) -> dict:
+    """A whole-sequence forward's inputs: padded, positions counting real tokens; or
+    packed by `layout` (packing_layout's), no attention mask, positions per sequence."""
+    if layout is None:
+        position_ids = position_ids_from(attention_mask)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        }
+    gather, _, position_ids = layout
+    return {
+        "input_ids": pack_tokens(input_ids, gather),
+        "attention_mask": None,
+        "position_ids": position_ids,
+    }
+
+
+def mark_packing(model: nn.Module, source, key: str) -> None:
+    """Give a freshly loaded transformers model its model.packed_sequences (read from
+    `source`, the run's ModelConfig; off without one). On needs a backbone whose masks
+    come from transformers' masking_utils (Llama, Qwen2/3, Mistral, Gemma, GPT-2, ...):
+    only there does a forward without an attention mask keep attention inside each
+    sequence the position ids delimit; any other backbone is a ConfigError."""
+    on = bool(getattr(source, "packed_sequences", False))
+    if on:
+        import sys
+
+        from transformers import masking_utils
+
+        backbone = getattr(model, model.base_model_prefix)
+        module = sys.modules.get(type(backbone).__module__)
+        names = ("create_causal_mask", "create_sliding_window_causal_mask")
+        if not any(getattr(module, n, None) is getattr(masking_utils, n) for n in names):
+            raise ConfigError(
+                f"model.packed_sequences: {key}'s {type(backbone).__name__} does not build "
+                "its attention masks with transformers' masking_utils, so packed rows "
+                "would attend across sequences; set model.packed_sequences=false"
+            )
+    model.packed_sequences = on
 
 
 def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, with_entropy: bool):
@@ -408,17 +475,21 @@ class ValueModel(nn.Module):
         self.classifier = classifier
 
     def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-        """input_ids, attention_mask: (B, L). Returns (B, L) float32 head outputs."""
-        if position_ids is None:
-            position_ids = position_ids_from(attention_mask)
+        """input_ids, attention_mask: (B, L). Returns (B, L) float32 head outputs.
+
+        With model.packed_sequences the backbone and head run on the packed rows
+        (`packing_layout`; position_ids must be None: positions restart per sequence)
+        and the outputs come back in the padded layout, 0 at padding."""
         backbone, head = split_classifier(self.classifier)
-        hidden = backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,  # see final_hidden_states
-        ).last_hidden_state
-        return head(hidden).squeeze(-1).float()
+        layout = packing_layout(causal_lm(self.classifier), attention_mask)
+        inputs = backbone_inputs(input_ids, attention_mask, layout)
+        if position_ids is not None:
+            if layout is not None:
+                raise ValueError("ValueModel: packed sequences take their own position ids")
+            inputs["position_ids"] = position_ids
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state  # see final_hidden_states
+        values = head(hidden).squeeze(-1).float()
+        return values if layout is None else unpack_tokens(values, layout[1])
 
 
 def sequence_scores(value_model: ValueModel, input_ids, attention_mask, last_index) -> torch.Tensor:
@@ -464,8 +535,7 @@ class ActorCritic(nn.Module):
             )  # fmt: skip
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]
-            position_ids = position_ids_from(attention_mask)
-            values = self.critic(input_ids, attention_mask, position_ids)[:, -T - 1 : -1]
+            values = self.critic(input_ids, attention_mask)[:, -T - 1 : -1]
         return logprobs, entropy, values
 
 

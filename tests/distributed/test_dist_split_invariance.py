@@ -65,6 +65,9 @@ def one_rank(assets, tmp_path_factory):
     variants.append(variant("token_mean-critic_free", 8, "--critic-free"))
     # ppo.micro_batch_tokens=30: rows sorted by length into micro-batches of 1-3 rows
     variants.append(variant("token_mean/budget", 8, "--tokens=30"))
+    # model.packed_sequences: by 4 micro-batches of 2, and by the token budget
+    variants.append(variant("token_mean/packed-1x4", 2, "--packed"))
+    variants.append(variant("token_mean/packed-budget", 8, "--tokens=30", "--packed"))
     for name, (flags, _) in AGGREGATIONS.items():
         variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
     return probe_single(assets, tmp_path_factory.mktemp("one_rank") / "1.pt", *variants)
@@ -83,6 +86,7 @@ def zero3(assets, tmp_path_factory):
     # A token budget of 16 cells: rank 0's share needs 3 micro-batches, rank 1's 4.
     variants.append(variant("budget", 2, "--tokens=16"))
     variants.append(variant("checkpointing", 2, "--gradient-checkpointing"))
+    variants.append(variant("packed-checkpointing", 2, "--packed", "--gradient-checkpointing"))
     # The trainers' path: weights gathered whole for the step (zero3.py), with and
     # without recomputation.
     variants.append(variant("whole", 2, "--whole-weights"))
@@ -140,6 +144,22 @@ def test_token_budget_micro_batches_give_the_same_gradient(one_rank, zero3):
     layered = zero3["gradients"]["token_mean"]
     assert_same_gradients(layered, zero3["gradients"]["budget"], 1e-6, "ZeRO-3 budget")
     assert zero3["micro_counts"]["budget"] == {"greedy": [3, 4], "passes": [4, 4]}
+
+
+def test_packed_sequences_give_the_same_gradient(one_rank, zero3):
+    """model.packed_sequences: actor, critic and reward forwards on packed rows, by 4
+    micro-batches, by a token budget, and on 2 ZeRO-3 ranks with gradient checkpointing:
+    the padded batch's gradient. Sequences share packed rows (the probe's are twice the
+    padded width)."""
+    for probe in (one_rank, zero3):
+        for padded, packed in probe["packed_rows"].values():
+            assert packed < padded, probe["packed_rows"]
+    grads = one_rank["gradients"]["token_mean"]
+    for name in ("token_mean/packed-1x4", "token_mean/packed-budget"):
+        assert_same_gradients(grads, one_rank["gradients"][name], 1e-5, name)
+    assert_same_gradients(grads, zero3["gradients"]["packed-checkpointing"], 1e-4, "ZeRO-3 packed")
+    layered = zero3["gradients"]["checkpointing"]
+    assert_same_gradients(layered, zero3["gradients"]["packed-checkpointing"], 1e-5, "packed")
 
 
 def test_gradient_and_checkpoint_optimizer_under_zero2(assets, one_rank, tmp_path):

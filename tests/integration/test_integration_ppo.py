@@ -18,6 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
+from packed_models import packed, shared_rows
 
 from rlhf_dist.batching import BatchPlan, global_batches, ppo_plan
 from rlhf_dist.config import config_from_dict, to_dict
@@ -335,7 +336,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     # the clipped branches of both losses take part in the gradient.
     base = copy.deepcopy(runtime.unwrap(args["run"].model))
 
-    def step_grads(micro_batch_size, micro_batch_tokens=0):
+    def step_grads(micro_batch_size, micro_batch_tokens=0, packing=False):
         t = to_dict(config_from_dict(tree))
         # A tight value clip: the critic moved little in one iteration, and the clipped
         # value branch should be exercised as well.
@@ -344,7 +345,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
         # Norm clipping off: the recorder then sees the raw accumulated gradient.
         t["ppo"]["actor"]["max_grad_norm"] = t["ppo"]["critic"]["max_grad_norm"] = 1e9
         cfg = config_from_dict(t)
-        model = copy.deepcopy(base)
+        model = packed(copy.deepcopy(base)) if packing else copy.deepcopy(base)
         recorder = GradRecorder(model)
         scheduler = torch.optim.lr_scheduler.LambdaLR(recorder, lambda _: 1.0)
         torch.manual_seed(0)  # the same minibatch order for both splits
@@ -386,6 +387,19 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
         scale = whole[name].norm()
         assert (budgeted[name] - whole[name]).norm() <= 1e-6 * scale + 1e-12, name
     assert 0 <= stats_budget["update/pad_fraction"] < stats_whole["update/pad_fraction"] < 1
+
+    # model.packed_sequences: actor and critic forwards on each micro-batch's packed rows
+    # (left-padded prompts + right-padded responses), by 4 and by the token budget,
+    # several sequences per packed row.
+    rows = shared_rows(monkeypatch)
+    for micro, tokens in ((4, 0), (16, budget)):
+        packed_grads, stats_packed = step_grads(micro, tokens, packing=True)
+        for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl"):
+            assert stats_packed[key] == pytest.approx(stats_whole[key], rel=1e-5, abs=1e-9), key
+        for name in whole:
+            scale = whole[name].norm()
+            assert (packed_grads[name] - whole[name]).norm() <= 1e-5 * scale + 1e-12, name
+    assert any(packed_rows < padded for padded, packed_rows in rows), rows
 
 
 def test_ppo_ptx_term_is_the_global_token_mean_nll_whatever_the_split(

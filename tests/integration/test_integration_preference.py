@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from packed_models import packed, shared_rows
 
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import config_from_dict
@@ -208,10 +209,13 @@ def test_dpo_with_lora_trains_adapters_only_and_exports(
 
 
 def _split_grads(step_fn, base, batch, plans):
-    """(gradients, metrics) of one step_fn call per BatchPlan, each on a fresh copy."""
+    """(gradients, metrics) of one step_fn call per BatchPlan, each on a fresh copy; a
+    ("packed", plan) entry: the copy with model.packed_sequences on."""
     out = []
     for plan in plans:
         model = copy.deepcopy(base)
+        if isinstance(plan, tuple):
+            model, plan = packed(model), plan[1]
         metrics, _ = step_fn(model, batch, plan)
         out.append(({n: p.grad.clone() for n, p in model.named_parameters()}, metrics))
     return out
@@ -219,7 +223,7 @@ def _split_grads(step_fn, base, batch, plans):
 
 @pytest.mark.parametrize("stage", ["dpo", "kto"])
 def test_step_gradient_does_not_depend_on_the_micro_batch_split(
-    stage, sft_run, task_env, runtime, data_cfg
+    stage, sft_run, task_env, runtime, data_cfg, monkeypatch
 ):
     """One optimizer step's gradient is that of the global-batch mean loss, however the
     batch is cut (4 micro-batches of 4, or by a token budget: sorted by length, different
@@ -248,10 +252,13 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_split(
     budget = BatchPlan(16, 1, 16, micro_batch_tokens=3 * rows_per_item * max(widths))
     groups = budget.micro_batches(widths, 0, rows_per_item)
     assert len(groups) >= 3 and len({len(g) for g in groups}) >= 2, groups
-    plans = (BatchPlan(16, 1, 16), BatchPlan(16, 1, 4), budget)
+    plans = (BatchPlan(16, 1, 16), BatchPlan(16, 1, 4), budget, ("packed", budget))
+    rows = shared_rows(monkeypatch)  # packed: several sequences per packed row
     (whole, m_whole), *splits = _split_grads(step, policy, batch, plans)
+    assert any(packed_rows < padded for padded, packed_rows in rows), rows
     loss = f"{stage}/loss"
-    for (split, m_split), tolerance in zip(splits, (1e-4, 1e-6)):
+    # model.packed_sequences (last): the budget's micro-batches packed, padding-free.
+    for (split, m_split), tolerance in zip(splits, (1e-4, 1e-6, 1e-5)):
         assert m_split[loss] == pytest.approx(m_whole[loss], rel=1e-5)
         if stage == "kto":
             assert m_whole["kto/kl"] > 0
@@ -261,10 +268,12 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_split(
             assert scale > 0, name
             assert (split[name] - whole[name]).norm() <= tolerance * scale, name
     pad_fraction = f"{stage}/pad_fraction"
-    assert 0 <= splits[-1][1][pad_fraction] < m_whole[pad_fraction] < 1
+    assert 0 <= splits[1][1][pad_fraction] < m_whole[pad_fraction] < 1
 
 
-def test_reward_model_gradient_same_with_a_token_budget(sft_run, task_env, runtime, data_cfg):
+def test_reward_model_gradient_same_with_a_token_budget(
+    sft_run, task_env, runtime, data_cfg, monkeypatch
+):
     """rm.micro_batch_tokens: pairs sorted by length in micro-batches of 2 x pairs x
     longest sequence within the budget; the step's gradient is the whole batch's."""
     tok, pad = task_env.tokenizer, task_env.tokenizer.pad_token_id
@@ -280,13 +289,16 @@ def test_reward_model_gradient_same_with_a_token_budget(sft_run, task_env, runti
     def step(model, items, plan):
         return rm_step(runtime, model, items, plan, pad)
 
-    (whole, m_whole), (split, m_split) = _split_grads(
-        step, base, batch, (BatchPlan(16, 1, 16), budget)
-    )
-    assert m_split["rm/loss"] == pytest.approx(m_whole["rm/loss"], rel=1e-6)
-    assert m_split["rm/accuracy"] == m_whole["rm/accuracy"]
-    for name in whole:
-        scale = whole[name].norm()
-        assert scale > 0, name
-        assert (split[name] - whole[name]).norm() <= 1e-6 * scale, name
+    plans = (BatchPlan(16, 1, 16), budget, ("packed", budget))  # last: packed rows
+    rows = shared_rows(monkeypatch)  # several sequences per packed row
+    (whole, m_whole), *splits = _split_grads(step, base, batch, plans)
+    assert any(packed_rows < padded for padded, packed_rows in rows), rows
+    for (split, m_split), tolerance in zip(splits, (1e-6, 1e-5)):
+        assert m_split["rm/loss"] == pytest.approx(m_whole["rm/loss"], rel=tolerance)
+        assert m_split["rm/accuracy"] == m_whole["rm/accuracy"]
+        for name in whole:
+            scale = whole[name].norm()
+            assert scale > 0, name
+            assert (split[name] - whole[name]).norm() <= tolerance * scale, name
+    m_split = splits[0][1]
     assert 0 <= m_split["rm/pad_fraction"] < m_whole["rm/pad_fraction"] < 1

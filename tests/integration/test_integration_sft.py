@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import yaml
+from packed_models import packed, shared_rows
 
 from rlhf_dist.batching import BatchPlan
 from rlhf_dist.config import load_config, to_dict
@@ -76,7 +77,9 @@ def test_sft_writes_the_documented_run_outputs(sft_run, task_env, read_jsonl):
     )
 
 
-def test_sft_gradient_does_not_depend_on_the_micro_batch_split(task_env, runtime, sft_run):
+def test_sft_gradient_does_not_depend_on_the_micro_batch_split(
+    task_env, runtime, sft_run, monkeypatch
+):
     rows = load_rows(str(task_env.files.sft), "data.train")[100:116]
     examples, _ = sft_examples(rows, task_env.tokenizer, sft_run.cfg.data)
     pad = task_env.tokenizer.pad_token_id
@@ -84,8 +87,8 @@ def test_sft_gradient_does_not_depend_on_the_micro_batch_split(task_env, runtime
     assert len({len(ex.ids) - ex.prompt_len for ex in examples}) >= 4
     base = load_causal_lm(str(task_env.policy), "model.policy")
 
-    def grads_and_metrics(plan):
-        model = copy.deepcopy(base)
+    def grads_and_metrics(plan, packing=False):
+        model = packed(copy.deepcopy(base)) if packing else copy.deepcopy(base)
         metrics, _ = sft_step(runtime, model, examples, plan, pad)
         return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
 
@@ -106,6 +109,15 @@ def test_sft_gradient_does_not_depend_on_the_micro_batch_split(task_env, runtime
     # Rows of similar length share a micro-batch (m_split: the budget's): less padding
     # than one batch of 16.
     assert 0 <= m_split["sft/pad_fraction"] < m_whole["sft/pad_fraction"] < 1
+    # model.packed_sequences: each micro-batch's rows packed, padding-free, by 4 and by
+    # the token budget, several sequences per packed row; the gradient of the padded 16.
+    rows = shared_rows(monkeypatch)
+    for plan in (BatchPlan(16, 1, 4), budget):
+        split, m_split = grads_and_metrics(plan, packing=True)
+        assert m_split["sft/loss"] == pytest.approx(m_whole["sft/loss"], rel=1e-5)
+        for name in whole:
+            assert (split[name] - whole[name]).norm() <= 1e-5 * whole[name].norm(), name
+    assert any(packed_rows < padded for padded, packed_rows in rows), rows
 
     # Control: the naive recipe (mean over each micro-batch's own tokens, averaged over
     # micro-batches) gives a visibly different gradient on this batch, so the equality

@@ -4,8 +4,11 @@ Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generatio
   [--check-reduce]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
-  --policy-loss=cispo, --overlong-mask, --tokens=N
-(--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
+  --policy-loss=cispo, --overlong-mask, --tokens=N, --packed
+(--packed: model.packed_sequences, every forward of the step on packed rows, here of twice
+the padded width, so that the minibatch's sequences share rows; the variant also records
+{"packed_rows": {NAME: [padded rows, packed rows] summed over its forwards}}.
+--critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
 bonus, clip-higher and dual clip: every term of the loss in one gradient. --whole-weights:
 the backward runs inside runtime.training_weights(model, "always"), as the trainers' steps
 do, instead of through ZeRO-3's per-layer fetching. --ratio-level / --policy-loss set
@@ -38,6 +41,7 @@ import sys
 
 import torch
 
+from rlhf_dist import models
 from rlhf_dist.algo.objectives import drop_truncated
 from rlhf_dist.batching import ppo_plan, token_budget_split
 from rlhf_dist.config import config_from_dict
@@ -109,7 +113,12 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
         "policy_loss": flag_value(flags, "policy-loss", "clip"),
     }
     tree = {
-        "model": {"policy": policy, "reward": reward, "gradient_checkpointing": checkpointing},
+        "model": {
+            "policy": policy,
+            "reward": reward,
+            "gradient_checkpointing": checkpointing,
+            "packed_sequences": "--packed" in flags,
+        },
         "data": {"train": "unused.jsonl"},
         "ppo": {
             "rollout_batch_size": B,
@@ -243,6 +252,26 @@ def reduce_max_diff(runtime) -> float:
     return float(runtime.all_max(torch.tensor(worst)))
 
 
+@contextlib.contextmanager
+def shared_packed_rows(on: bool):
+    """With `on`: packed rows of twice the padded width for the duration (the probe's rows
+    are close in length); yields [padded rows, packed rows] summed over the forwards."""
+    counts, original = [0, 0], models.packed_layout
+
+    def wider(attention_mask, capacity):
+        layout = original(attention_mask, 2 * capacity)
+        counts[0] += attention_mask.shape[0]
+        counts[1] += layout[0].shape[0]
+        return layout
+
+    if on:
+        models.packed_layout = wider
+    try:
+        yield counts
+    finally:
+        models.packed_layout = original
+
+
 def main():
     policy, reward, out = sys.argv[1:4]
     uneven = [a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--uneven-generation=")]
@@ -252,9 +281,12 @@ def main():
     for variant in (a for a in sys.argv[4:] if not a.startswith("--")):
         name, micro, *flags = variant.split(":")
         cfg = variant_config(policy, reward, int(micro), flags)
-        grads, optimizer, facts = probe(
-            runtime, cfg, "--whole-weights" in flags, "--overlong-mask" in flags
-        )
+        with shared_packed_rows("--packed" in flags) as rows:
+            grads, optimizer, facts = probe(
+                runtime, cfg, "--whole-weights" in flags, "--overlong-mask" in flags
+            )
+        if "--packed" in flags:
+            result.setdefault("packed_rows", {})[name] = rows
         result["gradients"][name] = grads
         result["checkpoint_optimizer"][name] = optimizer
         if "micro_counts" in facts:
