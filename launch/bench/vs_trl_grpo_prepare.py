@@ -65,7 +65,7 @@ def ours_yaml(out: Path, iterations: int) -> dict:
             "iterations": iterations, "estimator": "grpo",
             "rollout_batch_size": s["prompts_per_iteration"],
             "samples_per_prompt": s["samples_per_prompt"],
-            "rollout_micro_batch_size": s["prompts_per_iteration"],
+            "rollout_micro_batch_size": rows,  # sequences per pass: all 16 at once, as TRL
             "ppo_epochs": 1, "minibatch_size": rows, "micro_batch_size": rows,
             "kl_placement": "loss", "kl_kind": "k3", "kl_coef": s["kl_coef"],
             "loss_aggregation": "token_mean", "actor": {"lr": s["lr"]},

@@ -24,7 +24,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl_report import forward_flops, matmul_rate, median_spread, model_shapes  # noqa: E402
+from vs_trl_report import (  # noqa: E402
+    forward_flops,
+    matmul_rate,
+    median_spread,
+    model_shapes,
+    read_rounds,
+)
 
 NOTES = """\
 Fairness notes (same weights, tokenizer, chat template, prompts, reward, threads, fp32):
@@ -80,29 +86,13 @@ def flop_floor(prepared: Path) -> dict:
     }  # fmt: skip
 
 
-def read_rounds(results: Path, warmup: int) -> tuple[list, list, dict]:
-    ours, trl, phases = [], [], {"time/generate": [], "time/score": [], "time/update": []}
-    for rnd in sorted(results.glob("round*")):
-        metrics = rnd / "ours" / "metrics.jsonl"
-        if metrics.exists():
-            rows = [json.loads(x) for x in metrics.read_text(encoding="utf-8").splitlines()]
-            rows = [r for r in rows if "time/total" in r][warmup:]
-            ours.append([r["time/total"] for r in rows])
-            for k in phases:
-                phases[k] += [r[k] for r in rows if k in r]
-        if (rnd / "trl.json").exists():
-            seconds = json.loads((rnd / "trl.json").read_text(encoding="utf-8"))["seconds"]
-            trl.append(seconds[warmup:])
-    return ours, trl, phases
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("prepared", type=Path)
     ap.add_argument("results", type=Path)
     ap.add_argument("--warmup", type=int, default=1)
     args = ap.parse_args()
-    ours, trl, phases = read_rounds(args.results, args.warmup)
+    ours, trl, phases = read_rounds(args.results, args.warmup, set())
     all_ours, all_trl = [x for r in ours for x in r], [x for r in trl for x in r]
     fl = flop_floor(args.prepared)
     out = {"ours": ours, "trl": trl, "floor": fl}

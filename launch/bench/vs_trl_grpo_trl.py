@@ -14,30 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_reward import trl_reward  # noqa: E402
-
-
-class IterationTimer(TrainerCallback):
-    def __init__(self):
-        self.seconds: list[float] = []
-        self.last = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.last = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        self.seconds.append(now - self.last)
-        self.last = now
+from trl_timer import IterationTimer  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -25,9 +25,11 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    TrainerCallback,
 )
 from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trl_timer import IterationTimer  # noqa: E402
 
 # Same numbers as vs_trl_prepare.py (a separate venv cannot import it: no rlhf_dist there).
 ROLLOUT_BATCH = 32
@@ -35,22 +37,6 @@ RESPONSE_LENGTH = 32
 PPO_EPOCHS = 4
 MINIBATCHES = 4
 TEMPERATURE = 0.7
-
-
-class IterationTimer(TrainerCallback):
-    """Wall-clock seconds of each PPO update (= iteration) of TRL's loop."""
-
-    def __init__(self):
-        self.seconds: list[float] = []
-        self.last = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.last = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        self.seconds.append(now - self.last)
-        self.last = now
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import torch
 from faults import Killed, kill_at, untimed
 
 from rlhf_dist.agent import TOOL_CALL
+from rlhf_dist.algo.objectives import tied_groups
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import tool_task
 from rlhf_dist.models import token_logprobs
@@ -59,7 +60,7 @@ def grpo_tree(out, policy, files, checkpoint_every: int = 0, **generation) -> di
     return {
         "run": {
             "output_dir": str(out),
-            "seed": 0,
+            "seed": 1,  # seed 0's first rollout ties every group (no GRPO gradient)
             "log_every": 1,
             "checkpoint_every": checkpoint_every,
         },
@@ -228,6 +229,9 @@ def test_grpo_with_a_tool_under_lora_trains_adapters_against_the_adapters_off_ba
     )
     assert torch.allclose(second.ref_logprobs, sft, atol=1e-5)
     sampled = second.response_mask
+    # GRPO trains nothing on a rollout whose groups all tie (exact-answer rewards of 4
+    # samples often do): the run's seed gives iteration 1 some spread.
+    assert not tied_groups(first.scores, 4).all(), "every group tied: nothing trained"
     assert not torch.allclose(second.old_logprobs[sampled], second.ref_logprobs[sampled])
     for x in (second.old_logprobs, second.ref_logprobs, second.entropy):
         assert (x[tool_tokens] == 0).all()

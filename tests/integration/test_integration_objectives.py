@@ -105,7 +105,15 @@ def test_dynamic_sampling_drops_tied_groups_and_overlong_mask_trains_no_truncate
     """A reward under which the groups of some prompts tie (reward_fns_for_tests)."""
     monkeypatch.setattr(sys, "path", [str(UNIT_TESTS), *sys.path])
     rollouts = capture_calls(monkeypatch, ppo, "collect_rollout")
-    updates = capture_calls(monkeypatch, ppo, "ppo_update")
+    # The mask the update trains on, as it was DURING the call (the trainer puts the rollout's
+    # own mask back on the batch afterwards, for its statistics).
+    updates, update = [], ppo.ppo_update
+
+    def ppo_update(runtime, run, batch, *args, **kwargs):
+        updates.append((batch, batch.response_mask.clone()))
+        return update(runtime, run, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ppo, "ppo_update", ppo_update)
     out = tmp_path / "dynamic"
     keys = {"dynamic_sampling": True, "dynamic_sampling_max_rounds": 1, "overlong": "mask"}
     tree = tree_for(out, sft_run.out / "final", "", data_cfg(train=str(task_env.prompts)), **keys)
@@ -117,7 +125,7 @@ def test_dynamic_sampling_drops_tied_groups_and_overlong_mask_trains_no_truncate
     # Every rollout call of the run, in order; the iterations split them by their rounds.
     tied = [tied_groups(batch.scores, 4) for _, _, (batch, _) in rollouts]
     calls = iter(tied)
-    for r, (args, _, _) in zip(rows, updates):
+    for r, (batch, trained_mask) in zip(rows, updates):
         rounds = int(r["rollout/dynamic_sampling_rounds"])
         mine = torch.cat([next(calls) for _ in range(rounds + 1)])
         assert r["rollout/dynamic_sampling_groups"] == mine.numel() == 8 * (rounds + 1)
@@ -125,14 +133,14 @@ def test_dynamic_sampling_drops_tied_groups_and_overlong_mask_trains_no_truncate
         untied = int((~mine).sum())
         assert rounds == 1 or untied >= 8  # more rounds only while the batch is short
         assert r["rollout/dynamic_sampling_filled"] == pytest.approx(max(0, 8 - untied) / 8)
-        batch = args[2]
         assert batch.scores.shape[0] == 32
         if untied >= 8:  # the trained batch holds no tied group
             assert not tied_groups(batch.scores, 4).any()
         # overlong=mask: truncated rows have no loss token; finished rows keep theirs
-        has_tokens = batch.response_mask.any(1)
+        has_tokens = trained_mask.any(1)
         assert torch.equal(has_tokens, batch.finished)
         assert r["rollout/overlong_masked_rate"] == pytest.approx(1 - r["rollout/eos_rate"])
     assert next(calls, None) is None
     assert any(r["rollout/dynamic_sampling_drop_rate"] > 0 for r in rows)
     assert any(r["rollout/dynamic_sampling_rounds"] > 0 for r in rows)
+    assert any(r["rollout/overlong_masked_rate"] > 0 for r in rows)  # the mask check bites
