@@ -206,6 +206,16 @@ class ModelConfig:
         "block-diagonal causal mask (on CPU it can cost what the padding did), "
         "flash_attention_2 its varlen kernels. Generation is never packed",
     )
+    shared_prompt_forward: bool = key(
+        True,
+        "rollout forwards run each distinct prompt once: generation's prefill, rollout "
+        "scoring (actor and reference log-probs) and the PPO update's actor forward run "
+        "the prompts, deduplicated, with a KV cache that is then indexed out to every row "
+        "of the prompt's group, and the responses on it; with samples_per_prompt = n the "
+        "prompt tokens cost 1/n of the FLOPs. Equal to float rounding; gradients of a "
+        "shared prompt sum over its group. Off under gradient checkpointing (no KV cache "
+        "there) and with packed_sequences (packing already drops the padding)",
+    )
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
 from rlhf_dist.algo.packing import pack_tokens, packed_layout, unpack_tokens
+from rlhf_dist.algo.prefix import unique_prompts
 from rlhf_dist.chat import chat_for, stop_token_ids
 from rlhf_dist.config import ModelConfig
 from rlhf_dist.distributed.zero3 import stays_whole
@@ -131,6 +132,8 @@ def load_causal_lm(
     # How `token_logprobs` chunks this model's head (model.logprob_chunk_tokens).
     model.logprob_chunk_tokens = getattr(source, "logprob_chunk_tokens", LOGPROB_CHUNK_TOKENS)
     mark_packing(model, source, key)
+    # Whether rollout forwards run each distinct prompt once (model.shared_prompt_forward).
+    model.shared_prompt_forward = bool(getattr(source, "shared_prompt_forward", False))
     return disable_dropout(model)
 
 
@@ -277,6 +280,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
     with_entropy: bool = False,
+    prompt_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """THE sequence log-prob function (docs/architecture.md section 10): log-probs (B, T) of
     the last T tokens of `input_ids` under causal LM `model` at the sampling `temperature`
@@ -290,18 +294,21 @@ def token_logprobs(
     The head runs over chunks of `chunk_tokens` tokens (`head_logprobs`; None: the
     `logprob_chunk_tokens` that `load_causal_lm` gave the model, model.logprob_chunk_tokens),
     so no (B, T, V) logits exist. Gradients flow when called with grad enabled.
+    prompt_width: the first prompt_width columns are a left-padded prompt that rows may
+    share (a rollout); with model.shared_prompt_forward each distinct one is run once
+    (`final_hidden_states`).
     """
     if hasattr(model, "scoring_model"):
         with model.scoring_model() as inner:
             return token_logprobs(
                 inner, input_ids, attention_mask, predict_mask, temperature, chunk_tokens,
-                with_entropy,
+                with_entropy, prompt_width,
             )  # fmt: skip
     L, T = input_ids.shape[1], predict_mask.shape[1]
     predict_mask, lm = predict_mask.bool(), causal_lm(model)
     if chunk_tokens is None:
         chunk_tokens = getattr(lm, "logprob_chunk_tokens", LOGPROB_CHUNK_TOKENS)
-    full = final_hidden_states(model, lm, input_ids, attention_mask)  # (B, L, H)
+    full = final_hidden_states(model, lm, input_ids, attention_mask, prompt_width)  # (B, L, H)
     hidden, tokens = full[:, L - 1 - T : L - 1], input_ids[:, L - T :]
     selected = predict_mask
     if not bool(predict_mask.any()):
@@ -322,21 +329,27 @@ def token_logprobs(
     return lp, None if entropy is None else zeros.masked_scatter(predict_mask, entropy)
 
 
-def final_hidden_states(model, lm, input_ids, attention_mask) -> torch.Tensor:
+def final_hidden_states(model, lm, input_ids, attention_mask, prompt_width=None) -> torch.Tensor:
     """The backbone's last hidden states (B, L, H) of `lm` (the transformers model inside
     `model`), from a forward of `model` itself: DeepSpeed's, DDP's and peft's forward
     logic all run. The model's own head runs on the last position only (logits_to_keep=1).
     With model.packed_sequences the forward runs on the packed rows (`packing_layout`)
-    and the states come back in the padded layout, 0 at padding."""
+    and the states come back in the padded layout, 0 at padding. Otherwise, given a
+    prompt_width and model.shared_prompt_forward, the prompt columns run once per
+    distinct prompt (`_shared_prompt_forward`)."""
     seen = []
     backbone = getattr(lm, lm.base_model_prefix)
     layout = packing_layout(lm, attention_mask)
+    shared = layout is None and prompt_width is not None and shares_prompts(lm)
 
     def keep(module, args, output):
         seen.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
     handle = backbone.register_forward_hook(keep)
     try:
+        if shared:
+            inverse = _shared_prompt_forward(model, input_ids, attention_mask, prompt_width)
+            return torch.cat([seen[0].index_select(0, inverse), seen[1]], dim=1)
         model(
             **backbone_inputs(input_ids, attention_mask, layout),
             logits_to_keep=1,
@@ -348,6 +361,45 @@ def final_hidden_states(model, lm, input_ids, attention_mask) -> torch.Tensor:
     finally:
         handle.remove()
     return seen[-1] if layout is None else unpack_tokens(seen[-1], layout[1])
+
+
+def shares_prompts(lm) -> bool:
+    """Whether rollout forwards of transformers model `lm` run each distinct prompt once:
+    model.shared_prompt_forward, and no gradient checkpointing (transformers turns the
+    KV cache off under it in training). The same answer on every rank (config only), so
+    under ZeRO-3 every rank runs the same number of forwards."""
+    return bool(getattr(lm, "shared_prompt_forward", False)) and not getattr(
+        lm, "is_gradient_checkpointing", False
+    )
+
+
+def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Tensor:
+    """Two forwards of `model` (algo/prefix.py): the U distinct prompts (U, P) with a KV
+    cache, the cache indexed out to all B rows, then the B responses (B, L - P) on it.
+    Always two, also when every prompt is distinct (U == B), so that the count does not
+    depend on the data. Returns inverse (B,): row b's prompt is distinct prompt inverse[b].
+    The backbone hook sees (U, P, H) and then (B, L - P, H)."""
+    ids, mask, inverse = unique_prompts(input_ids[:, :P], attention_mask[:, :P])
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask),
+        use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    cache = cache_of(out)
+    next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...), differentiable
+    model(
+        input_ids=input_ids[:, P:], attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask)[:, P:], use_cache=True,
+        logits_to_keep=1, **cache,
+    )  # fmt: skip
+    return inverse
+
+
+def cache_of(output) -> dict:
+    """The KV cache a model output carries, under the keyword the model takes it back by
+    (`cache` since transformers 5.2x, `past_key_values` before)."""
+    if "cache" in output:
+        return {"cache": output["cache"]}
+    return {"past_key_values": output["past_key_values"]}
 
 
 def packing_layout(lm, attention_mask: torch.Tensor):
@@ -531,7 +583,7 @@ class ActorCritic(nn.Module):
         if with_actor:
             logprobs, entropy = token_logprobs(
                 self.actor, input_ids, attention_mask, response_mask, temperature, None,
-                with_entropy,
+                with_entropy, prompt_width=input_ids.shape[1] - response_mask.shape[1],
             )  # fmt: skip
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]

@@ -323,3 +323,23 @@ def test_generation_stops_at_the_first_of_several_stop_ids(tok):
     short = [[7, 6, 6, 6], [9, 6, 6, 6], [1, 6, 6, 6]]
     out = generate(_Scripted(short), prompt, torch.ones_like(prompt), gen, tok, stop_ids=STOPS)
     assert out.tolist() == [[7], [9], [1]]
+
+
+def test_weight_major_linears_same_products_and_restored():
+    from rlhf_dist.rollout import weight_major_linears
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 6), torch.nn.Linear(6, 5, bias=False), torch.nn.Linear(5, 3)
+    )
+    net[2].double()  # not fp32: left as it is
+    x = torch.randn(4, 2, 8)
+    with torch.no_grad():
+        want = net[1](net[0](x))
+        with weight_major_linears(net):
+            assert "forward" in vars(net[0]) and "forward" in vars(net[1])
+            assert "forward" not in vars(net[2])
+            got = net[1](net[0](x))
+    assert got.is_contiguous() and got.shape == (4, 2, 5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert not any("forward" in vars(m) for m in net)  # plain modules again
