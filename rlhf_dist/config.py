@@ -214,7 +214,8 @@ class ModelConfig:
         "of the prompt's group, and the responses on it; with samples_per_prompt = n the "
         "prompt tokens cost 1/n of the FLOPs. Equal to float rounding; gradients of a "
         "shared prompt sum over its group. Off under gradient checkpointing (no KV cache "
-        "there) and with packed_sequences (packing already drops the padding)",
+        "there), with packed_sequences (packing already drops the padding) and in the "
+        "ZeRO-3 update (scoring and generation there still share)",
     )
 
 

@@ -365,12 +365,18 @@ def final_hidden_states(model, lm, input_ids, attention_mask, prompt_width=None)
 
 def shares_prompts(lm) -> bool:
     """Whether rollout forwards of transformers model `lm` run each distinct prompt once:
-    model.shared_prompt_forward, and no gradient checkpointing (transformers turns the
-    KV cache off under it in training). The same answer on every rank (config only), so
-    under ZeRO-3 every rank runs the same number of forwards."""
-    return bool(getattr(lm, "shared_prompt_forward", False)) and not getattr(
-        lm, "is_gradient_checkpointing", False
-    )
+    model.shared_prompt_forward, no gradient checkpointing (transformers turns the KV
+    cache off under it in training) and, when gradients are recorded, no ZeRO-3
+    partitioned weights (its gradient buckets take each parameter once per backward; a
+    second forward of the same modules hands them in twice: DeepSpeed asserts). The same
+    answer on every rank (config, grad mode and the engine only), so ZeRO-3 ranks run the
+    same number of forwards."""
+    if not getattr(lm, "shared_prompt_forward", False):
+        return False
+    if getattr(lm, "is_gradient_checkpointing", False):
+        return False
+    first = next(lm.parameters(), None)
+    return not (torch.is_grad_enabled() and first is not None and hasattr(first, "ds_id"))
 
 
 def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Tensor:

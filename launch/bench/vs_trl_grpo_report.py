@@ -75,6 +75,12 @@ def flop_floor(prepared: Path) -> dict:
     big = matmul_rate(int(round(rows * L)), d, f)  # the update's and scoring's MLP shape
     small = matmul_rate(rows, d, f)  # one decode step's MLP shape
     total = prefill + decode + reference + update
+    # The work left when each distinct prompt runs once (ours' model.shared_prompt_forward):
+    # the projections of the prompt tokens of n - 1 of every n rows are not needed in the
+    # prefill, the reference pass and the update's forward + backward (5 forwards' worth);
+    # the attention over the prompt is still counted for every row.
+    repeated = rows - s["prompts_per_iteration"]
+    shared = total - 5 * repeated * 2 * actor["body"] * P
     return {
         "rows": rows, "new_tokens": T, "prompt_tokens_mean": P, "size": s["size"],
         "params_matmul": actor["body"] + actor["lm_head"],
@@ -83,6 +89,7 @@ def flop_floor(prepared: Path) -> dict:
         "rate_update_shape": big, "rate_decode_shape": small,
         "floor_s": total / big,
         "floor_s_decode_at_its_shape": (prefill + reference + update) / big + decode / small,
+        "flops_total_shared_prompts": shared, "floor_s_shared_prompts": shared / big,
     }  # fmt: skip
 
 
@@ -126,6 +133,14 @@ def main() -> None:
         f"   floor {fl['floor_s']:.2f} s (one rate); {fl['floor_s_decode_at_its_shape']:.2f} s "
         "(decode at its own shape)"
     )
+    print(
+        f"   floor {fl['floor_s_shared_prompts']:.2f} s with each distinct prompt run once "
+        f"({fl['flops_total_shared_prompts']:.3g} FLOPs; ours does this, TRL does not)"
+    )
+    if all_ours:
+        m = statistics.median(all_ours)
+        out["ours_over_floor_shared_prompts"] = m / fl["floor_s_shared_prompts"]
+        print(f"   ours/floor with shared prompts {m / fl['floor_s_shared_prompts']:.2f}x")
     for name, xs in (("ours", all_ours), ("TRL", all_trl)):
         if xs:
             m = statistics.median(xs)

@@ -22,6 +22,9 @@ def gae_tree(out, task_env, data, packed: bool) -> dict:
             "policy": str(task_env.policy),
             "reward": str(task_env.reward),
             "packed_sequences": packed,
+            # The baseline is the whole-row padded forward, one per call as packed runs do
+            # (shared prompts would split the actor's into two: test_unit_shared_prompt).
+            "shared_prompt_forward": False,
         },
         "data": data,
         "generation": {"max_new_tokens": 12, "temperature": 0.7},

@@ -383,9 +383,11 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     budgeted, stats_budget = step_grads(16, budget)
     for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl"):
         assert stats_budget[key] == pytest.approx(stats_whole[key], rel=1e-5, abs=1e-9), key
+    # 1e-5 as for the split above: with shared prompts (model.shared_prompt_forward) each
+    # micro-batch runs its own distinct prompts, so the sums group differently (1.1e-6 seen).
     for name in whole:
         scale = whole[name].norm()
-        assert (budgeted[name] - whole[name]).norm() <= 1e-6 * scale + 1e-12, name
+        assert (budgeted[name] - whole[name]).norm() <= 1e-5 * scale + 1e-12, name
     assert 0 <= stats_budget["update/pad_fraction"] < stats_whole["update/pad_fraction"] < 1
 
     # model.packed_sequences: actor and critic forwards on each micro-batch's packed rows

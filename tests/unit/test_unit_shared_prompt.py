@@ -149,3 +149,13 @@ def test_generation_prefill_runs_each_prompt_once_with_the_same_samples():
         assert all(s == (9, 1) for s in shapes[1:])
     assert torch.equal(samples[True], samples[False])
     assert len({tuple(r) for r in samples[True].tolist()}) > 3  # rows of a group differ
+
+
+def test_no_sharing_with_gradients_under_zero3_partitioned_weights():
+    lm = tiny()
+    lm.shared_prompt_forward = True
+    for i, p in enumerate(lm.parameters()):
+        p.ds_id = i  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+    assert not models.shares_prompts(lm)  # grad enabled: one forward, whole rows
+    with torch.no_grad():
+        assert models.shares_prompts(lm)  # scoring and generation still share
