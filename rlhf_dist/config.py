@@ -214,8 +214,9 @@ class ModelConfig:
         "of the prompt's group, and the responses on it; with samples_per_prompt = n the "
         "prompt tokens cost 1/n of the FLOPs. Equal to float rounding; gradients of a "
         "shared prompt sum over its group. Off under gradient checkpointing (no KV cache "
-        "there), with packed_sequences (packing already drops the padding) and in the "
-        "ZeRO-3 update (scoring and generation there still share)",
+        "there), for the forwards packed_sequences packs (packing already drops the "
+        "padding; generation's prefill still shares) and in the ZeRO-3 update (scoring "
+        "and generation there still share)",
     )
 
 

@@ -385,19 +385,29 @@ def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Te
     Always two, also when every prompt is distinct (U == B), so that the count does not
     depend on the data. Returns inverse (B,): row b's prompt is distinct prompt inverse[b].
     The backbone hook sees (U, P, H) and then (B, L - P, H)."""
-    ids, mask, inverse = unique_prompts(input_ids[:, :P], attention_mask[:, :P])
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask),
-        use_cache=True, logits_to_keep=1,
-    )  # fmt: skip
-    cache = cache_of(out)
-    next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...), differentiable
+    _, cache, inverse = distinct_prompt_cache(model, input_ids[:, :P], attention_mask[:, :P])
     model(
         input_ids=input_ids[:, P:], attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask)[:, P:], use_cache=True,
         logits_to_keep=1, **cache,
     )  # fmt: skip
     return inverse
+
+
+def distinct_prompt_cache(model, prompt_ids, prompt_mask):
+    """One forward of `model` over the distinct rows of left-padded prompts (B, P)
+    (algo/prefix.py `unique_prompts`) with a KV cache, the cache then indexed out to the
+    B rows (`Cache.reorder_cache`: index_select, so gradients sum over each group).
+    Returns (the forward's output, U rows; the cache as `cache_of` gives it, B rows;
+    inverse (B,): row b's prompt is distinct row inverse[b])."""
+    ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask),
+        use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    cache = cache_of(out)
+    next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
+    return out, cache, inverse
 
 
 def cache_of(output) -> dict:
@@ -573,6 +583,7 @@ class ActorCritic(nn.Module):
         with_entropy: bool = False,
         with_actor: bool = True,
         with_critic: bool = True,
+        share_prompts: bool = True,
     ):
         """Log-probs, entropies and values at the positions that predict the last
         T = response_mask.shape[1] tokens.
@@ -584,12 +595,16 @@ class ActorCritic(nn.Module):
         P+t, and its value is V(prompt + response[:t]); values is None without a critic,
         logprobs and entropies None with with_actor=False (a critic-only pass), values None
         with with_critic=False (an actor-only pass: PPO-ptx's SFT rows, trainers/ptx.py).
+        share_prompts: the first P columns are a prompt that rows may share
+        (model.shared_prompt_forward); False for rows that are not prompt + response
+        (PPO-ptx's SFT rows, where every column but the first is scored).
         """
         logprobs = entropy = values = None
         if with_actor:
             logprobs, entropy = token_logprobs(
                 self.actor, input_ids, attention_mask, response_mask, temperature, None,
-                with_entropy, prompt_width=input_ids.shape[1] - response_mask.shape[1],
+                with_entropy,
+                input_ids.shape[1] - response_mask.shape[1] if share_prompts else None,
             )  # fmt: skip
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]

@@ -19,11 +19,11 @@ import torch
 from rlhf_dist import agent as agent_mod
 from rlhf_dist.algo.logprobs import scale_logits
 from rlhf_dist.algo.masking import last_token_index
-from rlhf_dist.algo.prefix import unique_prompts
 from rlhf_dist.chat import is_stop
 from rlhf_dist.models import (
     cache_of,
     causal_lm,
+    distinct_prompt_cache,
     position_ids_from,
     shares_prompts,
     token_logprobs,
@@ -181,18 +181,14 @@ def _prefill(model, prompt_ids, mask):
     (B, V) and the KV cache (`cache_of`). With model.shared_prompt_forward each distinct
     prompt runs once and its cache and logits are indexed out to its rows (algo/prefix.py):
     GRPO's n samples of a prompt cost one prompt forward, not n."""
-    ids, m, inverse = prompt_ids, mask, None
     if _shares_prompts(model):
-        ids, m, inverse = unique_prompts(prompt_ids, mask)
+        out, cache, inverse = distinct_prompt_cache(model, prompt_ids, mask)
+        return out.logits[:, -1].index_select(0, inverse), cache
     out = model(
-        input_ids=ids, attention_mask=m, position_ids=position_ids_from(m), use_cache=True,
-        logits_to_keep=1,
+        input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from(mask),
+        use_cache=True, logits_to_keep=1,
     )  # fmt: skip
-    logits, cache = out.logits[:, -1], cache_of(out)
-    if inverse is not None:
-        next(iter(cache.values())).reorder_cache(inverse)
-        logits = logits.index_select(0, inverse)
-    return logits, cache
+    return out.logits[:, -1], cache_of(out)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,9 @@ def actor_logprobs(model, input_ids, attention_mask, predict_mask):
     through its own forward (engine and DDP logic run), critic skipped, at temperature 1:
     the likelihood SFT trains, not the sampling distribution. `sft.sequence_nll`'s
     `logprobs_fn` (models.token_logprobs underneath)."""
-    logprobs, _, _ = model(input_ids, attention_mask, predict_mask, with_critic=False)
+    logprobs, _, _ = model(
+        input_ids, attention_mask, predict_mask, with_critic=False, share_prompts=False
+    )
     return logprobs, None
 
 

@@ -121,6 +121,10 @@ def test_actor_critic_passes_the_prompt_width():
     with torch.no_grad():
         ActorCritic(lm, None)(ids, attention, mask, TEMPERATURE, with_entropy=True)
     assert shapes == [(3, P), (9, T)]
+    shapes.clear()  # PPO-ptx's SFT rows are no prompt + response: whole rows, one forward
+    with torch.no_grad():
+        ActorCritic(lm, None)(ids, attention, mask, with_critic=False, share_prompts=False)
+    assert shapes == [(9, P + T)]
 
 
 def test_loader_carries_the_switch(tmp_path):
