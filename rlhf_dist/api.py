@@ -98,7 +98,10 @@ def _runtime(cfg: Config):
 
     quiet_transformers()
     r, d = cfg.run, cfg.distributed
-    settings = (r.num_threads, d.timeout_s, cfg.model.dtype, tuple(r.trackers), r.output_dir)
+    settings = (
+        r.num_threads, d.timeout_s, cfg.model.dtype, tuple(r.trackers), r.output_dir,
+        r.retain_host_memory,
+    )  # fmt: skip
     if settings not in _RUNTIMES:
         if not _RUNTIMES:
             atexit.register(close)

@@ -138,6 +138,13 @@ class RunConfig:
         "(oversubscribed OpenMP threads spin-wait and run 10-100x slower)",
         min=0,
     )
+    retain_host_memory: bool = key(
+        True,
+        "CPU runs: keep freed host memory in the process for the next tensor (glibc malloc: "
+        "no mmap, no trim) instead of handing every large block back to the OS, whose fresh "
+        "pages then fault in one by one (~30% of a SmolLM2 GRPO update; docs/benchmarks.md); "
+        "false: the resident size falls back after each peak",
+    )
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -408,6 +409,33 @@ def distinct_prompt_cache(model, prompt_ids, prompt_mask):
     cache = cache_of(out)
     next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
     return out, cache, inverse
+
+
+@contextlib.contextmanager
+def grouped_query_attention_on_cpu():
+    """Inside: transformers' sdpa attention hands grouped-query K/V of CPU tensors to
+    torch's scaled_dot_product_attention as they are (enable_gqa) instead of first copying
+    every KV head num_key_value_groups times (its repeat_kv). transformers turns enable_gqa
+    on only without an attention mask, because CUDA's fused kernels then fall back to the
+    math one; CPU's flash kernel takes the mask and the grouped heads alike and returns the
+    same values bitwise. In a decode step the copy is of the whole KV cache, every layer:
+    SmolLM2 (3 KV heads for 9) at 16 rows spends ~1 ms a layer on it, ~3x its attention.
+    Process-wide while inside; a no-op where transformers lacks the hook."""
+    from transformers.integrations import sdpa_attention
+
+    original = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if original is None:
+        yield
+        return
+
+    def use_gqa(attention_mask, key, value):
+        return key.device.type == "cpu" or original(attention_mask, key, value)
+
+    sdpa_attention.use_gqa_in_sdpa = use_gqa
+    try:
+        yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = original
 
 
 def cache_of(output) -> dict:

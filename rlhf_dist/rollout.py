@@ -24,6 +24,7 @@ from rlhf_dist.models import (
     cache_of,
     causal_lm,
     distinct_prompt_cache,
+    grouped_query_attention_on_cpu,
     position_ids_from,
     shares_prompts,
     token_logprobs,
@@ -146,7 +147,7 @@ def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=No
     pad, steps = tokenizer.pad_token_id, gen_cfg.max_new_tokens
     stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
     eos = torch.as_tensor(stops, dtype=torch.long, device=prompt_ids.device).reshape(-1)
-    with weight_major_linears(model):
+    with weight_major_linears(model), grouped_query_attention_on_cpu():
         return _decode(model, prompt_ids, prompt_mask, gen_cfg, keep_in_step, eos, pad, steps)
 
 

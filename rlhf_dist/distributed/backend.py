@@ -31,12 +31,15 @@ class Backend:
         dtype: str = "float32",
         trackers: tuple[str, ...] = (),
         logging_dir: str | None = None,
+        retain_host_memory: bool = True,
     ):
         self.accelerator = _make_accelerator(timeout_s, dtype, trackers, logging_dir)
         _remove_shm_allreduce_buffer(self.accelerator)
         if self.device.type == "cpu":
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
+            if retain_host_memory:
+                retain_freed_host_memory()
         self._unwrapped: dict[int, tuple] = {}  # id -> (wrapper, kept alive; inner module)
 
     @property
@@ -206,6 +209,38 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def retain_freed_host_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (run.retain_host_memory); process-wide.
+
+    By default glibc serves every block above 32 MiB (less before its threshold adapts)
+    with its own mmap and unmaps it on free, and trims the heap's free top: a (C, V) logits
+    chunk, an activation or a gradient of a real model then arrives as fresh pages, and
+    the kernel zero-fills each 4 KiB page on its first touch. On CPU that page-fault work
+    was ~2 s of a ~7.5 s SmolLM2 GRPO update (docs/benchmarks.md). With mmap off and the
+    trim threshold at its maximum (mallopt takes a C int: 2 GiB), blocks come from the heap and freed ones are reused: the
+    resident size stays at its peak instead of falling back. PyTorch's own advice for CPU
+    is a caching allocator (jemalloc/tcmalloc preloaded); this needs no preload.
+    Returns whether it applied (False off glibc, e.g. macOS or musl)."""
+    if not _glibc_version():
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def _glibc_version() -> str:
+    """'glibc 2.36' under glibc, '' elsewhere (musl, macOS, Windows: no confstr)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (AttributeError, ValueError, OSError):
+        return ""
 
 
 def _usable_cores() -> int:

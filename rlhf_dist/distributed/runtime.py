@@ -27,8 +27,11 @@ class Runtime:
         dtype: str = "float32",
         trackers: tuple[str, ...] = (),
         logging_dir: str | None = None,
+        retain_host_memory: bool = True,
     ):
-        self.backend = Backend(num_threads, timeout_s, dtype, trackers, logging_dir)
+        self.backend = Backend(
+            num_threads, timeout_s, dtype, trackers, logging_dir, retain_host_memory
+        )
         self.guard = NumericalGuard(self.backend)
         if seed is not None:
             # The same seed on every rank: freshly initialised weights (a new value head)

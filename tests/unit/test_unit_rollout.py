@@ -5,6 +5,9 @@ section 3: response_mask is True up to and including the first EOS), so it is ch
 hand-made rows covering every position of the first EOS.
 """
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -343,3 +346,45 @@ def test_weight_major_linears_same_products_and_restored():
     assert got.is_contiguous() and got.shape == (4, 2, 5)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert not any("forward" in vars(m) for m in net)  # plain modules again
+
+
+def test_grouped_query_attention_on_cpu_same_samples_without_copying_kv_heads(monkeypatch):
+    """Decode of a tiny Llama with 1 KV head for 2 query heads: the same tokens inside
+    and outside the context, and inside no repeat_kv copy of the cache is made; the
+    hook is back on exit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import sdpa_attention
+
+    from rlhf_dist.models import grouped_query_attention_on_cpu
+    from rlhf_dist.rollout import generate
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    mask = (prompt != 0).long()
+    gen = SimpleNamespace(max_new_tokens=6, min_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    copies, repeat = [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or repeat(x, n))
+    original = sdpa_attention.use_gqa_in_sdpa
+    torch.manual_seed(3)
+    with torch.no_grad():
+        with grouped_query_attention_on_cpu():
+            assert sdpa_attention.use_gqa_in_sdpa is not original
+            inside = model(input_ids=prompt, attention_mask=mask).logits
+        assert copies == [] and sdpa_attention.use_gqa_in_sdpa is original
+        outside = model(input_ids=prompt, attention_mask=mask).logits
+    assert copies  # the plain path does copy: the check above can fail
+    assert torch.equal(inside, outside)
+    torch.manual_seed(3)
+    sampled = generate(model, prompt, mask, gen, tok)  # generate uses the context
+    with monkeypatch.context() as m:
+        m.setattr("rlhf_dist.rollout.grouped_query_attention_on_cpu", contextlib.nullcontext)
+        torch.manual_seed(3)
+        assert torch.equal(generate(model, prompt, mask, gen, tok), sampled)
