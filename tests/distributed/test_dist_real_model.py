@@ -7,9 +7,10 @@ ids; only masks tell them apart), and exports the actor with the tokenizer as sh
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
-from conftest import free_port, launch_args, run_launch
+from conftest import REPO, free_port, launch_args, run_launch
 from safetensors import safe_open
 
 PROBE = "model.layers.29.mlp.down_proj.weight"
@@ -27,7 +28,9 @@ def test_grpo_on_the_real_model_with_pad_equal_to_eos_under_zero3(smollm2, chat_
     base, out = smollm2["shipped"], tmp_path / "grpo"
     command = [
         "-m", "rlhf_dist", "ppo",
-        f"model.policy={base}", "reward.function=rlhf_dist.demo.task:gold_reward_fn",
+        # Words per response: samples of 10 tokens differ in it, so a group has spread and
+        # GRPO a gradient (the demo's gold reward is 0 for nearly all of them: ties).
+        f"model.policy={base}", "reward.function=reward_fns_for_tests:length_reward",
         f"data.train={chat_files['prompts']}", f"run.output_dir={out}",
         "run.log_every=1", "run.num_threads=1", "distributed.timeout_s=240",
         "data.max_length=96", "data.max_prompt_length=56",
@@ -36,7 +39,11 @@ def test_grpo_on_the_real_model_with_pad_equal_to_eos_under_zero3(smollm2, chat_
         "ppo.micro_batch_size=2", "ppo.ppo_epochs=1", "ppo.actor.lr=1e-5",
         "generation.max_new_tokens=10", "generation.temperature=1.0",
     ]  # fmt: skip
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command), timeout=420)
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "unit")])  # the reward's module
+    run_launch(
+        launch_args("cpu_zero3.yaml", free_port(), *command), timeout=420,
+        env={"PYTHONPATH": path},
+    )  # fmt: skip
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     assert len(rows) == 1 and rows[0]["guard/skipped_steps"] == 0
     lengths = (

@@ -60,7 +60,7 @@ def grpo_tree(out, policy, files, checkpoint_every: int = 0, **generation) -> di
     return {
         "run": {
             "output_dir": str(out),
-            "seed": 0,
+            "seed": 1,  # seed 0's first rollout ties every group (no GRPO gradient)
             "log_every": 1,
             "checkpoint_every": checkpoint_every,
         },
