@@ -201,32 +201,38 @@ def test_sample_next_suppresses_eos_and_applies_temperature():
     assert torch.equal(logits[0], torch.tensor([0.0, 5.0, 0.0]))  # input untouched
 
 
-def test_sample_categorical_by_hand_and_never_a_zero_probability_entry(monkeypatch):
+@pytest.mark.parametrize("block", [256, 2, 1])
+def test_sample_categorical_by_hand_and_never_a_zero_probability_entry(monkeypatch, block):
     probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.0, 0.0, 1.0]])
     torch.manual_seed(0)
-    drawn = torch.stack([sample_categorical(probs) for _ in range(500)])  # (500, 3)
+    drawn = torch.stack([sample_categorical(probs, block) for _ in range(500)])  # (500, 3)
     assert (drawn[:, 0] == 1).all() and (drawn[:, 2] == 2).all()
     assert set(drawn[:, 1].tolist()) == {0, 2}  # never the middle entry
+    # blocks of no mass (of 2: [0, 0], [0, 0]) and zeros inside a block of mass
+    sparse = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.0, 0.0, 0.0, 0.7, 0.0]])
+    drawn = torch.cat([sample_categorical(sparse, block) for _ in range(300)])
+    assert set(drawn.tolist()) == {2, 7}
     # the largest uniform reaches the last entry of mass, never the zero ones after it
-    tail = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    tail = torch.tensor([[0.25, 0.75, 0.0, 0.0, 0.0]])
     with monkeypatch.context() as m:
         m.setattr(torch, "rand", lambda shape, **k: torch.full(shape, 1 - 2**-53, **k))
-        assert sample_categorical(tail).tolist() == [1]
+        assert sample_categorical(tail, block).tolist() == [1]
     for bad in ([[float("nan"), 1.0]], [[0.0, 0.0]], [[float("inf"), 1.0]]):
         with pytest.raises(ValueError, match="not finite or sum to 0"):
             sample_categorical(torch.tensor(bad))
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_sample_categorical_frequencies_match_the_probabilities(seed):
-    """200,000 draws from a random 50-entry distribution with some zeros: each entry's
+@pytest.mark.parametrize(("seed", "block"), [(0, 256), (1, 8), (2, 10), (3, 1)])
+def test_sample_categorical_frequencies_match_the_probabilities(seed, block):
+    """200,000 draws from a random 50-entry distribution with some zeros, in one short
+    block, 6 blocks and a short one, 5 whole blocks, one entry a block: each entry's
     frequency is within 5 standard errors of its probability, zeros never drawn."""
     g = torch.Generator().manual_seed(seed)
     probs = torch.rand(50, generator=g) ** 3
     probs[torch.randperm(50, generator=g)[:10]] = 0.0
     probs = probs / probs.sum()
     torch.manual_seed(seed)
-    drawn = sample_categorical(probs.expand(200_000, 50))
+    drawn = sample_categorical(probs.expand(200_000, 50), block)
     freq = torch.bincount(drawn, minlength=50).double() / drawn.numel()
     stderr = (probs.double() * (1 - probs.double()) / drawn.numel()).sqrt()
     assert ((freq - probs.double()).abs() <= 5 * stderr + 1e-12).all()
