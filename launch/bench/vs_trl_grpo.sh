@@ -8,6 +8,10 @@
 # Usage: bash launch/bench/vs_trl_grpo.sh [ROUNDS=2] [ITERATIONS=6] [SIZE=smollm2|deep]
 #          [DTYPE=float32|bfloat16] [VLLM=0|1] [TOKENIZER=dir (deep: SmolLM2's tokenizer files)]
 #   VLLM=1: both generate with vLLM (ours generation.backend=vllm, TRL's colocate mode; GPUs).
+#   OURS_ARGS="key=value ...": config overrides for ours (e.g. run.retain_host_memory=true).
+#   TRL_RETAIN=1: TRL's process gets glibc's malloc set as ours sets it for itself
+#     (run.retain_host_memory: no mmap, no trim; here through MALLOC_* variables), to
+#     show what of the gap that setting is. Off by default: TRL as its users run it.
 # Output: the table (medians, ratio, floor, fairness notes); raw numbers in
 # runs/bench/vs_trl_grpo/<size>/results/ (summary.json, report.txt).
 set -euo pipefail
@@ -19,6 +23,7 @@ DTYPE=${DTYPE:-float32}
 VLLM=${VLLM:-0}
 suffix=""
 [ "$VLLM" = 1 ] && suffix=-vllm
+[ "${TRL_RETAIN:-0}" = 1 ] && suffix=$suffix-trl-retain
 OUT=${OUT:-runs/bench/vs_trl_grpo/$SIZE-$DTYPE$suffix}
 RESULTS=$OUT/results
 
@@ -41,7 +46,8 @@ fi
 rm -rf "$OUT"
 "$PY" launch/bench/vs_trl_grpo_prepare.py "$OUT" --size "$SIZE" --iterations "$ITERATIONS" \
   --dtype "$DTYPE" ${TOKENIZER:+--tokenizer "$TOKENIZER"}
-ours_vllm=() trl_vllm=()
+ours_vllm=() trl_vllm=() trl_env=(env)
+[ "${TRL_RETAIN:-0}" = 1 ] && trl_env=(env MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647)
 [ "$VLLM" = 1 ] && ours_vllm=(generation.backend=vllm) trl_vllm=(--vllm)
 
 export PYTHONPATH=$PWD/launch/bench${PYTHONPATH:+:$PYTHONPATH}  # grpo_reward for ours
@@ -51,9 +57,9 @@ for round in $(seq 1 "$ROUNDS"); do
   mkdir -p "$dir"
   echo "round $round/$ROUNDS: rlhf-dist ppo (grpo)"
   "$PY" -m rlhf_dist ppo --config "$OUT/ours.yaml" run.output_dir="$dir/ours" \
-    "${ours_vllm[@]}" > "$dir/ours.log" 2>&1 || { tail -20 "$dir/ours.log"; exit 1; }
+    "${ours_vllm[@]}" ${OURS_ARGS:-} > "$dir/ours.log" 2>&1 || { tail -20 "$dir/ours.log"; exit 1; }
   echo "round $round/$ROUNDS: TRL GRPOTrainer"
-  "$TRL_PY" launch/bench/vs_trl_grpo_trl.py "$OUT" "$dir/trl.json" \
+  "${trl_env[@]}" "$TRL_PY" launch/bench/vs_trl_grpo_trl.py "$OUT" "$dir/trl.json" \
     --output-dir "$dir/trl_out" "${trl_vllm[@]}" > "$dir/trl.log" 2>&1 || { tail -20 "$dir/trl.log"; exit 1; }
 done
 

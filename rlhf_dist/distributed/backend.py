@@ -31,7 +31,7 @@ class Backend:
         dtype: str = "float32",
         trackers: tuple[str, ...] = (),
         logging_dir: str | None = None,
-        retain_host_memory: bool = True,
+        retain_host_memory: bool = False,
     ):
         self.accelerator = _make_accelerator(timeout_s, dtype, trackers, logging_dir)
         _remove_shm_allreduce_buffer(self.accelerator)

@@ -27,7 +27,7 @@ class Runtime:
         dtype: str = "float32",
         trackers: tuple[str, ...] = (),
         logging_dir: str | None = None,
-        retain_host_memory: bool = True,
+        retain_host_memory: bool = False,
     ):
         self.backend = Backend(
             num_threads, timeout_s, dtype, trackers, logging_dir, retain_host_memory
