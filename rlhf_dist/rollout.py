@@ -238,7 +238,7 @@ def sample_next(logits, gen_cfg, eos_id, allow_eos: bool) -> torch.Tensor:
     suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V). eos_id: one
     id or a (S,) tensor of stop ids, all suppressed alike."""
     logits = scale_logits(logits, gen_cfg.temperature)
-    if gen_cfg.top_k == 0 and gen_cfg.top_p == 1.0:
+    if not truncates(gen_cfg.top_k, gen_cfg.top_p, logits.shape[-1]):
         # No truncation: suppressing EOS is zeroing its probability (the sampler takes
         # unnormalised rows), in the softmax's own output: no copy of the logits.
         probs = torch.softmax(logits, dim=-1)
@@ -295,6 +295,11 @@ def _below(u: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """u capped at the largest float below `total`: searchsorted(cdf, u, right=True) then
     lands on an entry of mass, never past the last one."""
     return torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+
+
+def truncates(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether `truncate_logits` drops any token of a `vocab`-wide distribution."""
+    return 0 < top_k < vocab or top_p < 1.0
 
 
 def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -393,18 +398,16 @@ def collect_rollout(
     # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).
     # vLLM samples from its own copy: whole weights only for its sync, then for scoring.
     hf = models.engine is None
-    # No gradients here: the grouped KV heads go to CPU attention uncopied, same values.
-    with (
-        grouped_query_attention_on_cpu(),
-        models.whole_weights() if hf else contextlib.nullcontext(),
-    ):
+    with models.whole_weights() if hf else contextlib.nullcontext():
         start = time.perf_counter()
         play = _single_turn if models.agent is None else _episodes  # episodes: agent.py
         sampled, score_prompts, texts, env_scores = play(
             models, prompt_ids, prompt_mask, prompt_texts, gen, chunks, tokenizer
         )
         generated = time.perf_counter()
-        with models.whole_weights():  # nested under hf: already whole
+        # nested under hf: already whole. No gradients: the grouped KV heads go to CPU
+        # attention uncopied, the same values (generate has its own context).
+        with models.whole_weights(), grouped_query_attention_on_cpu():
             parts = [
                 _score_chunk(
                     models, sampled, s, score_prompts[s], texts[s], gen.temperature, old_logprobs
