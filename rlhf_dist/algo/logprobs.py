@@ -104,11 +104,41 @@ def logprobs_from_hidden(
     return logprobs, (entropy if with_entropy else None)
 
 
-def _chunk_logp(hidden, weight, bias, temperature: float) -> torch.Tensor:
-    """log_softmax(scale_logits(hidden @ weight.T + bias)) of one chunk, (C, H) -> (C, V);
-    weight and bias already in the compute dtype."""
-    logits = F.linear(hidden.to(weight.dtype), weight, bias)
-    return F.log_softmax(scale_logits(logits, temperature), dim=-1)
+def _chunk_logp(hidden, weight, bias, temperature: float, work: torch.Tensor) -> torch.Tensor:
+    """log_softmax(scale_logits(hidden @ weight.T + bias)) of one chunk, (C, H) -> (C, V),
+    written into work[1] (work: (2, >= C, V), the call's workspace; work[0] is scratch);
+    weight and bias already in the compute dtype. The same kernels as F.linear and
+    F.log_softmax (mm, or addmm with a bias), so the same bits."""
+    rows = hidden.shape[0]
+    logits, logp = work[0, :rows], work[1, :rows]
+    hidden = hidden.to(weight.dtype)
+    if weight.dtype != work.dtype:  # a bf16/fp16 head: its logits, then upcast
+        logits.copy_(F.linear(hidden, weight, bias))
+    elif bias is None:
+        torch.mm(hidden, weight.t(), out=logits)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=logits)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return torch.log_softmax(logits, dim=-1, out=logp)
+
+
+def _workspace(rows: int, chunk: int, weight: torch.Tensor, dtype) -> torch.Tensor:
+    """(2, min(rows, chunk), V) float32 (float64 for float64) buffers that every chunk of
+    one forward or backward reuses. Fresh (C, V) tensors per op are each a large
+    allocation that glibc maps and unmaps (page faults, TLB shootdowns): ~5 of them per
+    chunk cost the SmolLM2 update ~2 s of its ~17 on the 2-core CPU (docs/benchmarks.md)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.empty((2, min(rows, chunk), weight.shape[0]), dtype=acc, device=weight.device)
+
+
+def _entropy_into(logp: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """`_entropy` of logp (C, V) -> (C,), using scratch (C, V) for p and CONSUMING logp.
+    Where p underflows to 0, `_entropy` takes p log p as 0; here log p is clamped to the
+    dtype's lowest finite value first, so 0 * log p is 0 (never 0 * -inf = nan) and every
+    other term is the same product: the same sum."""
+    p = torch.exp(logp, out=scratch)
+    return -p.mul_(logp.clamp_(min=torch.finfo(logp.dtype).min)).sum(-1)
 
 
 def _cast(weight, bias, dtype):
@@ -131,14 +161,15 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=out_dtype, device=hidden.device)
         entropy = torch.zeros(n, dtype=out_dtype, device=hidden.device)
         w, b = _cast(weight, bias, dtype)
+        work = _workspace(n, chunk, weight, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n, chunk):
                 rows = slice(start, start + chunk)
-                logp = _chunk_logp(hidden[rows], w, b, temperature)
+                logp = _chunk_logp(hidden[rows], w, b, temperature, work)
                 logprobs[rows] = _gather(logp, tokens[rows])
                 if with_entropy:
-                    entropy[rows] = _entropy(logp)
-                del logp
+                    entropy[rows] = _entropy_into(logp, work[0, : logp.shape[0]])
+        del work
         ctx.save_for_backward(hidden, weight, bias, tokens, entropy)
         ctx.config = (temperature, chunk, with_entropy, dtype)
         ctx.set_materialize_grads(False)
@@ -160,12 +191,13 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias), *(None,) * 5
         w, b = _cast(weight, bias, dtype)
+        work = _workspace(hidden.shape[0], chunk, weight, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 grad_logits = _chunk_grad_logits(
                     hidden[rows], w, b, tokens[rows], entropy[rows],
-                    _part(grad_logprobs, rows), _part(grad_entropy, rows), temperature,
+                    _part(grad_logprobs, rows), _part(grad_entropy, rows), temperature, work,
                 )  # fmt: skip
                 if needs_hidden:
                     grad_hidden[rows] = (grad_logits.to(dtype) @ w).to(hidden.dtype)
@@ -177,18 +209,20 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
 
 def _chunk_grad_logits(
-    hidden, weight, bias, tokens, entropy, grad_lp, grad_h, temperature: float
+    hidden, weight, bias, tokens, entropy, grad_lp, grad_h, temperature: float, work
 ) -> torch.Tensor:
     """dL/dlogits (C, V) of one chunk from the (C,) output gradients (either may be None;
-    not both). The 1/temperature of dz/dlogits is folded into the (C,) gradients."""
-    logp = _chunk_logp(hidden, weight, bias, temperature)
-    p = logp.exp()
+    not both), a view of the workspace `work` (2, >= C, V), valid until the next chunk.
+    The 1/temperature of dz/dlogits is folded into the (C,) gradients."""
+    logp = _chunk_logp(hidden, weight, bias, temperature, work)  # work[1]
+    p = torch.exp(logp, out=work[0, : logp.shape[0]])
     grad = None
     if grad_h is not None:
-        # -g_H * p * (log p + H), with p log p taken as 0 where p == 0 (as `_entropy` does)
+        # -g_H * p * (log p + H) in logp's buffer; where p == 0 the product is 0 because
+        # log p is clamped finite first (`_entropy_into`), as `_entropy` takes p log p = 0
         scale = (-grad_h / temperature).unsqueeze(-1)
-        grad = torch.where(p > 0, logp, 0.0).add_(entropy.unsqueeze(-1)).mul_(p).mul_(scale)
-    del logp
+        low = torch.finfo(logp.dtype).min
+        grad = logp.clamp_(min=low).add_(entropy.unsqueeze(-1)).mul_(p).mul_(scale)
     if grad_lp is not None:
         g = (grad_lp / temperature).unsqueeze(-1)
         term = p.mul_(-g)  # g_lp * (onehot - p): p is not needed after this

@@ -96,6 +96,35 @@ def test_values_and_gradients_equal_the_whole_logits(seed):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("chunk", [2, 64])
+def test_underflowing_probabilities_give_finite_equal_results(chunk):
+    # Masked entries (-inf logits) and ones whose probability underflows to 0 (-200): the
+    # entropy takes p log p as 0 there, never 0 * -inf, in values and gradients; with one
+    # chunk the forward's kernels are the whole-logits path's, so its values are bitwise.
+    g = torch.Generator().manual_seed(11)
+    hidden0, weight0 = torch.randn(6, 4, generator=g), torch.randn(10, 4, generator=g)
+    bias0 = torch.zeros(10)
+    bias0[[1, 4]], bias0[[2, 7]] = float("-inf"), -200.0
+    tokens = torch.tensor([0, 3, 5, 6, 8, 9])
+    g_lp, g_h = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    results = []
+    for fn in ("chunked", "full"):
+        hidden, weight, bias = _leaf(hidden0), _leaf(weight0), _leaf(bias0)
+        if fn == "chunked":
+            lp, ent = logprobs_from_hidden(hidden, weight, tokens, bias, 1.0, chunk, True)
+        else:
+            lp, ent = _full(hidden, weight, bias, tokens, 1.0)
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        results.append([lp.detach(), ent.detach(), hidden.grad, weight.grad, bias.grad])
+    for name, a, b in zip(["logprobs", "entropy", "hidden", "weight", "bias"], *results):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+    if chunk >= 6:
+        assert torch.equal(results[0][0], results[1][0])
+        assert torch.equal(results[0][1], results[1][1])
+    assert (results[0][4][[1, 4, 2, 7]] == 0).all()  # no gradient reaches p = 0 entries
+
+
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_logprob_gradient_alone_and_entropy_unused(with_entropy):
     # A loss on the log-probs only (the entropy not asked for, or asked for and unused):
