@@ -139,12 +139,13 @@ class RunConfig:
         min=0,
     )
     retain_host_memory: bool = key(
-        False,
+        True,
         "CPU runs: keep freed host memory in the process for the next tensor (glibc malloc: "
         "no mmap, no trim) instead of handing every large block back to the OS, whose fresh "
-        "pages then fault in one by one: a SmolLM2 GRPO update ~7.3 -> ~5.6 s, but the peak "
-        "grows by fragmentation and varies run to run (the 151,936-vocabulary probe 2.05 -> "
-        "1.9-2.9 GiB; docs/benchmarks.md)",
+        "pages then fault in one by one: a SmolLM2 GRPO update ~4.0 -> ~3.4 s and its minor "
+        "page faults ~200k -> ~0; the resident size stays at the run's peak (the "
+        "151,936-vocabulary probe 1.53 -> 1.56 GiB; docs/benchmarks.md). false: glibc's "
+        "defaults",
     )
 
 

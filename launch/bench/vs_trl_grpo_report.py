@@ -41,8 +41,9 @@ Fairness notes (same weights, tokenizer, chat template, prompts, reward, threads
   16, no accumulation); k3 KL in the loss at beta 0.04 against a frozen fp32 reference;
   token-mean loss (TRL loss_type="dapo"); group-std-normalised advantages; clip 0.2; grad
   clipping at norm 1 on both (TRL's default max_grad_norm=1.0); constant LR 1e-5.
-- Host memory: glibc's default malloc on both, unless OURS_ARGS=run.retain_host_memory=true
-  (freed memory kept for reuse) and TRL_RETAIN=1 (the same through MALLOC_* variables).
+- Host memory: ours keeps freed memory for reuse (run.retain_host_memory, on by default;
+  OURS_ARGS=run.retain_host_memory=false for glibc's defaults); TRL runs with glibc's
+  defaults, as its users run it, unless TRL_RETAIN=1 (the same through MALLOC_* variables).
 - Timing: ours is `time/total` (rollout + update inside the loop); TRL's is wall clock
   between `on_step_end` callbacks, which includes its logging (logging_steps=1)."""
 

@@ -222,11 +222,13 @@ def retain_freed_host_memory() -> bool:
     with its own mmap and unmaps it on free, and trims the heap's free top: a (C, V) logits
     chunk, an activation or a gradient of a real model then arrives as fresh pages, and
     the kernel zero-fills each 4 KiB page on its first touch. On CPU that page-fault work
-    was ~2 s of a ~7.5 s SmolLM2 GRPO update (docs/benchmarks.md). With mmap off and the
-    trim threshold at its maximum (mallopt takes a C int: 2 GiB), blocks come from the
-    heap and freed ones are reused: the resident size stays at its peak instead of
-    falling back, and fragmentation can raise that peak (why it is opt-in). PyTorch's own advice for CPU
-    is a caching allocator (jemalloc/tcmalloc preloaded); this needs no preload.
+    was ~2 s of a ~7.5 s SmolLM2 GRPO update, and ~0.6 s of ~4.0 s once the head's chunks
+    shared a workspace (docs/benchmarks.md). With mmap off and the trim threshold at its
+    maximum (mallopt takes a C int: 2 GiB), blocks come from the heap and freed ones are
+    reused: the resident size stays at its peak instead of falling back, and fragmentation
+    can raise that peak (measured: 1.53 -> 1.56 GiB on the 151,936-vocabulary probe).
+    PyTorch's own advice for CPU is a caching allocator (jemalloc/tcmalloc preloaded);
+    this needs no preload.
     Returns whether it applied (False off glibc, e.g. macOS or musl)."""
     if not _glibc_version():
         return False
