@@ -20,6 +20,7 @@ from rlhf_dist import agent as agent_mod
 from rlhf_dist.algo.logprobs import scale_logits
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.chat import is_stop
+from rlhf_dist.distributed.zero3 import stays_whole
 from rlhf_dist.models import (
     cache_of,
     causal_lm,
@@ -147,7 +148,7 @@ def generate(model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=No
     pad, steps = tokenizer.pad_token_id, gen_cfg.max_new_tokens
     stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
     eos = torch.as_tensor(stops, dtype=torch.long, device=prompt_ids.device).reshape(-1)
-    with weight_major_linears(model), grouped_query_attention_on_cpu():
+    with packed_linears(model, prompt_ids.shape[0]), grouped_query_attention_on_cpu():
         return _decode(model, prompt_ids, prompt_mask, gen_cfg, keep_in_step, eos, pad, steps)
 
 
@@ -192,22 +193,32 @@ def _prefill(model, prompt_ids, mask):
     return out.logits[:, -1], cache_of(out)
 
 
+# The packed copies live for one `generate` call; above this many bytes of linear weights
+# (a ~0.5B-parameter fp32 model) that second copy of the weights costs more host memory
+# than a CPU rollout should take, and the products are nearer the GEMM rate anyway.
+PACK_LIMIT_BYTES = 2 * 2**30
+
+
 @contextlib.contextmanager
-def weight_major_linears(model):
-    """Inside: every plain fp32 `nn.Linear` of `model` on a CPU computes y = (W x^T)^T
-    instead of x W^T. Decode feeds each linear a few rows (B, the rollout micro-batch),
-    and there MKL's sgemm runs the (out, in) x (in, B) product 1.3-1.9x faster than the
-    (B, in) x (in, out) one (SmolLM2 at B = 16: 88 -> 60 ms of matmul per decode step,
-    the 49152-wide head 35 -> 19 ms; docs/benchmarks.md); for the hundreds of rows of a
-    prefill or an update the two are alike, and GPUs' cuBLAS has no such gap, so nothing
-    else changes. The same products to float rounding. Modules are restored on exit."""
-    linears = [
-        m for m in model.modules()
-        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.float32
-    ]  # fmt: skip
+def packed_linears(model, rows: int):
+    """Inside: every plain fp32 `nn.Linear` of `model` whose weight is a whole CPU tensor
+    computes its products from a copy of the weight that MKL packed once for `rows`-row
+    inputs (cblas_sgemm_pack, torch.ops.mkl), instead of MKL packing the weight again in
+    every call. A decode step feeds each linear the B rows of the micro-batch, so that
+    repacking streamed every weight through memory twice per token: SmolLM2 at B = 16 on
+    the 2-core AMX VM, the linears of 48 decode steps 2.7 s -> 1.9-2.1 s, a whole
+    generate ~4.6 -> ~3.9 s with the packing (docs/benchmarks.md). MKL computes a packed
+    product with the same kernels: the same bits as F.linear, for `rows` rows and for any
+    other row count (which it runs unpacked). No autograd: `generate` only (no grad).
+    Left as they are: other dtypes, fp32 weights under CPU autocast (mixed precision: the
+    products run in bf16), ZeRO-3 partitioned weights (whole only while their module
+    runs), a build without MKL, and models whose linear weights exceed PACK_LIMIT_BYTES;
+    an input that is not fp32, or autocast entered inside, goes to F.linear. Modules are restored on exit; the packed
+    copies are freed."""
+    linears = _packable_linears(model)
     for m in linears:
-        m.forward = functools.partial(_weight_major_forward, m)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), rows)
+        m.forward = functools.partial(_packed_forward, m, packed, rows)
     try:
         yield
     finally:
@@ -215,12 +226,29 @@ def weight_major_linears(model):
             del m.forward
 
 
-def _weight_major_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """linear(x) for x (..., in) as (W x^T)^T: (..., out), contiguous."""
+def _packable_linears(model) -> list[torch.nn.Linear]:
+    """`packed_linears`' modules: plain fp32 CPU linears with whole weights, or none."""
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return []
+    if torch.is_autocast_enabled("cpu"):
+        return []
+    linears = [
+        m for m in model.modules()
+        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32 and stays_whole(m.weight)
+        and m.weight.dim() == 2 and m.weight.numel() > 0
+    ]  # fmt: skip
+    size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    return linears if size <= PACK_LIMIT_BYTES else []
+
+
+def _packed_forward(linear: torch.nn.Linear, packed, rows: int, x: torch.Tensor):
+    """linear(x) for x (..., in) from the packed weight: (..., out), contiguous."""
+    if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        # MKL's packed product is fp32 x fp32 only; autocast's is the module's own
+        return torch.nn.functional.linear(x, linear.weight, linear.bias)
     flat = x.reshape(-1, x.shape[-1])
-    y = torch.mm(linear.weight, flat.t()).t().contiguous()
-    if linear.bias is not None:
-        y = y + linear.bias
+    y = torch.ops.mkl._mkl_linear(flat, packed, linear.weight, linear.bias, rows)
     return y.reshape(*x.shape[:-1], linear.weight.shape[0])
 
 

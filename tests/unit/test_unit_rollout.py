@@ -367,24 +367,57 @@ def test_generation_stops_at_the_first_of_several_stop_ids(tok):
     assert out.tolist() == [[7], [9], [1]]
 
 
-def test_weight_major_linears_same_products_and_restored():
-    from rlhf_dist.rollout import weight_major_linears
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's packed sgemm")
+def test_packed_linears_same_bits_and_restored():
+    """Inside packed_linears the fp32 linears compute from MKL-packed weights: bitwise the
+    products of F.linear, for the packed row count, another one and a 3-d input; the
+    float64 one is left alone; every module is plain again after."""
+    from rlhf_dist.rollout import packed_linears
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Linear(8, 6), torch.nn.Linear(6, 5, bias=False), torch.nn.Linear(5, 3)
     )
     net[2].double()  # not fp32: left as it is
-    x = torch.randn(4, 2, 8)
+    inputs = [torch.randn(4, 8), torch.randn(7, 8), torch.randn(2, 2, 8)]
     with torch.no_grad():
-        want = net[1](net[0](x))
-        with weight_major_linears(net):
+        want = [net[1](net[0](x)) for x in inputs]
+        with packed_linears(net, rows=4):
             assert "forward" in vars(net[0]) and "forward" in vars(net[1])
             assert "forward" not in vars(net[2])
-            got = net[1](net[0](x))
-    assert got.is_contiguous() and got.shape == (4, 2, 5)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            got = [net[1](net[0](x)) for x in inputs]
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and g.shape == w.shape and torch.equal(g, w)
     assert not any("forward" in vars(m) for m in net)  # plain modules again
+    # autocast entered inside the context: the module's own (bf16) product, as without it
+    x = inputs[0]
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = net[1](net[0](x))
+        with packed_linears(net, rows=4), torch.autocast("cpu", dtype=torch.bfloat16):
+            got = net[1](net[0](x))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_packed_linears_leave_what_they_cannot_pack(monkeypatch):
+    """No packing without MKL, for a ZeRO-3 partitioned weight (whole only while its
+    module runs), or above PACK_LIMIT_BYTES of linear weights (a second copy of them)."""
+    import rlhf_dist.rollout as rollout
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5))
+    net[0].weight.ds_id = 0  # what DeepSpeed marks its partitioned parameters with
+    if torch.backends.mkl.is_available():
+        with rollout.packed_linears(net, rows=2):
+            assert ["forward" in vars(m) for m in net] == [False, True]
+    with torch.autocast("cpu", dtype=torch.bfloat16), rollout.packed_linears(net, rows=2):
+        assert not any("forward" in vars(m) for m in net)  # mixed precision: bf16 products
+    monkeypatch.setattr(rollout, "PACK_LIMIT_BYTES", 6 * 5 * 4 - 1)
+    with rollout.packed_linears(net, rows=2):
+        assert not any("forward" in vars(m) for m in net)
+    monkeypatch.setattr(rollout, "PACK_LIMIT_BYTES", 2**30)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    with rollout.packed_linears(net, rows=2):
+        assert not any("forward" in vars(m) for m in net)
 
 
 def test_grouped_query_attention_on_cpu_same_samples_without_copying_kv_heads(monkeypatch):
