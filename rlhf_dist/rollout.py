@@ -206,15 +206,16 @@ def packed_linears(model, rows: int):
     inputs (cblas_sgemm_pack, torch.ops.mkl), instead of MKL packing the weight again in
     every call. A decode step feeds each linear the B rows of the micro-batch, so that
     repacking streamed every weight through memory twice per token: SmolLM2 at B = 16 on
-    the 2-core AMX VM, the linears of 48 decode steps 2.7 s -> 1.9-2.1 s, a whole
-    generate ~4.6 -> ~3.9 s with the packing (docs/benchmarks.md). MKL computes a packed
-    product with the same kernels: the same bits as F.linear, for `rows` rows and for any
-    other row count (which it runs unpacked). No autograd: `generate` only (no grad).
-    Left as they are: other dtypes, fp32 weights under CPU autocast (mixed precision: the
-    products run in bf16), ZeRO-3 partitioned weights (whole only while their module
-    runs), a build without MKL, and models whose linear weights exceed PACK_LIMIT_BYTES;
-    an input that is not fp32, or autocast entered inside, goes to F.linear. Modules are restored on exit; the packed
-    copies are freed."""
+    the 2-core AMX VM, the linears of 48 decode steps 2.7 s -> 1.9-2.1 s, a whole generate
+    4.14 s (plain) / 4.40 s (W x^T products, what this replaced) -> 3.75 s with the
+    packing, the same tokens (docs/benchmarks.md). MKL computes a packed product with the
+    same kernels: the same bits as F.linear, for `rows` rows and for any other row count
+    (which it runs unpacked). No autograd: `generate` only (no grad). Left as they are:
+    other dtypes, fp32 weights under CPU autocast (mixed precision: the products run in
+    bf16), ZeRO-3 partitioned weights (whole only while their module runs), a build
+    without MKL, and models whose linear weights exceed PACK_LIMIT_BYTES; an input that is
+    not fp32, or autocast entered inside, goes to F.linear. Modules are restored on exit;
+    the packed copies are freed."""
     linears = _packable_linears(model)
     for m in linears:
         packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), rows)
