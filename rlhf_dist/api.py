@@ -31,9 +31,9 @@ from pathlib import Path
 
 from rlhf_dist.config import (
     Config,
-    _deep_merge,
     apply_override,
     config_from_dict,
+    deep_merge,
     load_config,
     to_dict,
     validate,
@@ -65,7 +65,7 @@ def config_of(config=None, overrides=()) -> Config:
         for name, value in config.items():
             for part in reversed(str(name).split(".")):
                 value = {part: value}
-            tree = _deep_merge(tree, value, str(name))
+            tree = deep_merge(tree, value, str(name))
     else:
         from rlhf_dist.errors import ConfigError
 
@@ -94,18 +94,17 @@ def _runtime(cfg: Config):
     stages in one process share it), seeded for this run."""
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.distributed.backend import seed_everything
+    from rlhf_dist.engine.cpu import apply_host_memory_setting
     from rlhf_dist.models import quiet_transformers
 
     quiet_transformers()
     r, d = cfg.run, cfg.distributed
-    settings = (
-        r.num_threads, d.timeout_s, cfg.model.dtype, tuple(r.trackers), r.output_dir,
-        r.retain_host_memory,
-    )  # fmt: skip
+    settings = (cfg.perf.num_threads, d.timeout_s, cfg.model.dtype, tuple(r.trackers), r.output_dir)
     if settings not in _RUNTIMES:
         if not _RUNTIMES:
             atexit.register(close)
         _RUNTIMES[settings] = Runtime(None, *settings)
+        apply_host_memory_setting(cfg.perf, _RUNTIMES[settings].device)
     seed_everything(r.seed)
     return _RUNTIMES[settings]
 
@@ -120,7 +119,7 @@ def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> di
     """Run `stage` ("sft", "rm", "ppo", "dpo", "kto", "eval", "iterate") with `cfg`; `objects` maps
     config keys (e.g. "data.train", "reward.function") to Python objects standing for them.
     Returns the stage's summary."""
-    from rlhf_dist import inputs
+    from rlhf_dist.data import inputs
 
     given = {k: v for k, v in (objects or {}).items() if v is not None}
     with inputs.registered(given) as specs:

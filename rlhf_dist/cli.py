@@ -15,7 +15,7 @@ import sys
 
 from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
 from rlhf_dist.errors import ConfigError, Preempted, TrainingDiverged, UserError
-from rlhf_dist.names import DEMO_ALGORITHMS
+from rlhf_dist.names import DEMO_ALGORITHMS, DEMO_ITERATIVE
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
@@ -168,10 +168,15 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError("--task tool_use: runs with --algorithm grpo only")
                 run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
                 return 0
+            if args.algorithm in DEMO_ITERATIVE:
+                from rlhf_dist.demo.iterative import run_iterative_demo
+
+                run_iterative_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+                return 0
             run_demo(args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides))
             return 0
         if args.command == "report":
-            from rlhf_dist.report import build_report
+            from rlhf_dist.observability.report import build_report
 
             print(build_report(args.path, args.output))
             return 0

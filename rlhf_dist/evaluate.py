@@ -15,24 +15,20 @@ import json
 
 import torch
 
-from rlhf_dist import diagnostics as diag
-from rlhf_dist import inputs
-from rlhf_dist.agent import build_agent
 from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.masking import masked_sum
-from rlhf_dist.chat import prompt_text
-from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data import inputs
+from rlhf_dist.data.chat import prompt_text
+from rlhf_dist.data.rows import left_pad, load_rows, prompt_set
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
+from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import RewardFunctionError
 from rlhf_dist.models import ActorCritic, load_causal_lm, policy_stop_ids, tokenizer_for
-from rlhf_dist.rollout import (
-    RolloutModels,
-    collect_rollout,
-    decode_responses,
-    generate,
-    truncate_after_eos,
-)
-from rlhf_dist.scoring import (
+from rlhf_dist.observability import diagnostics as diag
+from rlhf_dist.observability.tracking import open_run, write_summary
+from rlhf_dist.rewards.scoring import (
     RewardFunction,
     Scorer,
     WeightedReward,
@@ -42,8 +38,9 @@ from rlhf_dist.scoring import (
     retry_settings,
     reward_inputs_for,
 )
+from rlhf_dist.rollout import RolloutModels, collect_rollout
+from rlhf_dist.rollout.agent import build_agent
 from rlhf_dist.stats import StatSums
-from rlhf_dist.tracking import open_run, write_summary
 
 
 def load_gold_function(spec: str):
@@ -52,20 +49,23 @@ def load_gold_function(spec: str):
     return inputs.resolve_callable(spec, "eval.gold_function")
 
 
-def eval_models(policy, reference, scorer, stops, agent=None) -> RolloutModels:
+def eval_models(
+    policy, reference, scorer, stops, agent=None, perf: PerfConfig = DEFAULT_PERF
+) -> RolloutModels:
     """What the rollout reads, for evaluation: the policy without a critic (its log-probs
     give the KL), the reference (None: no KL), the scorer, the stop ids and the agent of
     multi-turn episodes (generation.tools / environment; None: single turns). Models are
     replicated in evaluation (run_eval), so generation needs no keep_in_step and the
-    turns no lock-step."""
+    turns no lock-step. perf: the speed paths of generation and scoring."""
 
     @contextlib.contextmanager
     def generation_context():
         yield policy, None
 
     return RolloutModels(
-        ActorCritic(policy, None), generation_context, reference, scorer, stops, agent=agent
-    )
+        ActorCritic(policy, None, perf), generation_context, reference, scorer, stops,
+        agent=agent, perf=perf,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -114,8 +114,9 @@ def judge_wins(models, win_scorer, prompt_ids, prompt_mask, texts, responses, cf
     (Scorer.score_texts; raised on every rank after the loop)."""
     stops = models.stop_ids or (tokenizer.eos_token_id,)
     ref_ids = generate(
-        models.reference, prompt_ids, prompt_mask, cfg.generation, tokenizer, None, stops
-    )
+        models.reference, prompt_ids, prompt_mask, cfg.generation, tokenizer, None, stops,
+        cfg.perf,
+    )  # fmt: skip
     ref_ids, ref_mask, _ = truncate_after_eos(ref_ids, stops, tokenizer.pad_token_id)
     ref_texts = decode_responses(tokenizer, ref_ids, ref_mask, stops)
     policy = win_scorer.score_texts(texts, responses)
@@ -223,7 +224,7 @@ def win_rate_judge(runtime, cfg, scorer) -> Scorer | None:
     fn = scorer.reward_fn
     judge = fn.judge if isinstance(fn, WeightedReward) else None
     if judge is None:  # not built as a reward component (cannot happen with reward.judge set)
-        judge = build_judge_reward(runtime, cfg.reward, cfg.model)
+        judge = build_judge_reward(runtime, cfg.reward, cfg.model, cfg.perf)
     retry = retry_settings(cfg.reward) if cfg.reward.judge == "model" else {"retries": 0}
     return Scorer(reward_fn=RewardFunction(judge, key="reward.judge", **retry))
 
@@ -251,10 +252,11 @@ def run_eval(cfg, runtime) -> dict:
     out, logger = open_run(cfg, runtime, "eval", None)
     runtime.seed_per_rank(cfg.run.seed)
     scorer = build_scorer(
-        runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg), cfg.reward
-    )
+        runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg), cfg.reward,
+        cfg.perf,
+    )  # fmt: skip
     stops, agent = policy_stop_ids(cfg, tokenizer), build_agent(cfg, tokenizer)
-    models = eval_models(policy, reference, scorer, stops, agent)
+    models = eval_models(policy, reference, scorer, stops, agent, cfg.perf)
     win_scorer = win_rate_judge(runtime, cfg, scorer) if reference is not None else None
     try:
         summary, samples = evaluate_policy(

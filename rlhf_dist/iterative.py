@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_dist import inputs
 from rlhf_dist.config import (
     Config,
     ConfigError,
@@ -43,7 +42,24 @@ from rlhf_dist.config import (
     save_config,
     to_dict,
 )
+from rlhf_dist.data import inputs
+from rlhf_dist.data.rows import left_pad, load_rows, preference_pairs, prompt_set
+from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.evaluate import eval_models, run_eval
 from rlhf_dist.files import atomic_write_text
+from rlhf_dist.models import (
+    ValueModel,
+    frozen_dtype,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+    policy_stop_ids,
+    tokenizer_for,
+)
+from rlhf_dist.rewards.scoring import Scorer
+from rlhf_dist.rollout import collect_rollout
+from rlhf_dist.trainers.ppo import train_ppo
+from rlhf_dist.trainers.reward import evaluate_pairs, train_reward_model
 
 STAGES = ("samples", "rm", "ppo", "eval")
 STATE_FILE = "iterate_state.json"
@@ -329,21 +345,14 @@ def sample_pairs(cfg: Config, runtime, policy_path: str, source: str, key: str, 
     on every rank in order. A pair with an unfinished answer (no EOS) is dropped: a
     preference row's answers are closed with EOS when the reward model reads them.
     Returns (AnswerPairs, dropped count)."""
-    from rlhf_dist.data import left_pad, load_rows, prompt_set
-    from rlhf_dist.distributed import lockstep_map
-    from rlhf_dist.evaluate import eval_models
-    from rlhf_dist.models import load_causal_lm, policy_stop_ids, tokenizer_for
-    from rlhf_dist.rollout import collect_rollout
-    from rlhf_dist.scoring import Scorer
 
     m, tokenizer = cfg.model, tokenizer_for(cfg, "policy")
     prompts = prompt_set(load_rows(source, key), tokenizer, cfg.data, f"{key} {source!r}")
     with runtime.local_loading():
         policy = load_causal_lm(policy_path, "model.policy", m.dtype, m)
     policy = runtime.prepare_frozen(policy, "replicate")
-    models = eval_models(
-        policy, None, Scorer(reward_fn=_no_scores), policy_stop_ids(cfg, tokenizer)
-    )
+    stops = policy_stop_ids(cfg, tokenizer)
+    models = eval_models(policy, None, Scorer(reward_fn=_no_scores), stops, perf=cfg.perf)
     count = len(prompts.ids)
 
     def forward(chunk):
@@ -405,14 +414,6 @@ def rm_accuracy(cfg: Config, runtime, rm_path: Path, pairs_path: Path) -> float:
     rm_path scores strictly higher (a tie is wrong: algo.losses.pairwise_reward_loss),
     scored by the reward-model trainer's own held-out evaluation (trainers/reward.py
     `evaluate_pairs`: every rank its strided share in lock-step)."""
-    from rlhf_dist.data import preference_pairs
-    from rlhf_dist.models import (
-        ValueModel,
-        frozen_dtype,
-        load_sequence_classifier,
-        load_tokenizer,
-    )
-    from rlhf_dist.trainers.reward import evaluate_pairs
 
     m = cfg.model
     tokenizer = load_tokenizer(m.tokenizer or str(rm_path), m.trust_remote_code, "model.reward")
@@ -420,7 +421,7 @@ def rm_accuracy(cfg: Config, runtime, rm_path: Path, pairs_path: Path) -> float:
     pairs = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field, str(pairs_path))[0]
     with runtime.local_loading():
         net = load_sequence_classifier(str(rm_path), "model.reward", frozen_dtype(m), m)
-    model = runtime.prepare_frozen(ValueModel(net), "replicate")
+    model = runtime.prepare_frozen(ValueModel(net, cfg.perf), "replicate")
     metrics, _ = evaluate_pairs(
         runtime, model, pairs, cfg.rm.micro_batch_size, tokenizer.pad_token_id
     )
@@ -461,7 +462,6 @@ def samples_stage(loop: Loop, k: int) -> dict:
 def eval_stage(loop: Loop, k: int) -> dict:
     """Round k's figures: held-out pairs from pi_k labelled, RM_k's accuracy on them and on
     pi_{k-1}'s held-out pairs, and `rlhf-dist eval` of pi_k (gold reward, score, KL)."""
-    from rlhf_dist.evaluate import run_eval
 
     cfg, lay, runtime = loop.cfg, loop.layout, loop.runtime
     seed = cfg.run.seed + 7919 * k  # its own stream: not the training prompts' samples
@@ -493,8 +493,6 @@ def eval_stage(loop: Loop, k: int) -> dict:
 def run_round(loop: Loop, k: int) -> dict:
     """Round k's unfinished stages in order, each recorded in the state file when done;
     returns the round's summary entry."""
-    from rlhf_dist.trainers.ppo import train_ppo
-    from rlhf_dist.trainers.reward import train_reward_model
 
     cfg, runtime, state = loop.cfg, loop.runtime, loop.state
     start, info = time.time(), {}

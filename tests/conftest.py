@@ -28,3 +28,16 @@ def chat_files(tmp_path_factory):
     from rlhf_dist.demo import smollm2 as real
 
     return real.write_chat_files(tmp_path_factory.mktemp("chat_files"), n=16)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (launch/test.sh runs 2 workers) each worker process and the
+    single-process runs it starts take one CPU thread (OMP_NUM_THREADS, which
+    distributed/backend.py's default_threads honours for one process), so two workers
+    share 2 cores without oversubscribed OpenMP threads spin-waiting on each other.
+    2-rank launches take one thread per rank as always, one launch at a time
+    (tests/distributed/conftest.py puts them in one xdist group)."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"

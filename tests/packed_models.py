@@ -1,19 +1,22 @@
-"""model.packed_sequences in tests (on the tests' path): switched on in a model built
-without a config, and packed rows made to hold several sequences."""
+"""perf.packed_sequences in tests (on the tests' path): switched on in an ActorCritic
+built for another run, and packed rows made to hold several sequences."""
 
-from transformers import PreTrainedModel
+import dataclasses
 
-from rlhf_dist import models
 from rlhf_dist.algo.packing import packed_layout
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.engine import packing as engine_packing
+from rlhf_dist.models import ActorCritic, ValueModel
+
+PACKED = PerfConfig(packed_sequences=True)  # the step functions' perf argument
 
 
 def packed(model):
-    """`model` with packed_sequences on in every transformers model inside it (an LM, a
-    ValueModel, an ActorCritic, peft-wrapped or not), as the loaders set it from
-    model.packed_sequences; returns `model`."""
+    """`model` (an ActorCritic or ValueModel, or a module holding them) with
+    perf.packed_sequences on in each, as if built with it; returns `model`."""
     for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            module.packed_sequences = True
+        if isinstance(module, (ActorCritic, ValueModel)):
+            module.perf = dataclasses.replace(module.perf, packed_sequences=True)
     return model
 
 
@@ -28,5 +31,5 @@ def shared_rows(monkeypatch) -> list[tuple[int, int]]:
         seen.append((attention_mask.shape[0], layout[0].shape[0]))
         return layout
 
-    monkeypatch.setattr(models, "packed_layout", wider)
+    monkeypatch.setattr(engine_packing, "packed_layout", wider)
     return seen

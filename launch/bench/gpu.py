@@ -4,7 +4,7 @@ Usage: python launch/bench/gpu.py [--preset auto|gpu|cpu] [--batch 32] [--prompt
                                   [--response-len N] [--repeats 3] [--json OUT]
 
 Times the three phases of `rlhf-dist ppo` with the project's own pieces
-(rlhf_dist.rollout.generate, rlhf_dist.models.token_logprobs / ActorCritic / ValueModel /
+(rlhf_dist.engine.decode.generate, rlhf_dist.engine.forward.token_logprobs / ActorCritic / ValueModel /
 sequence_scores, rlhf_dist.trainers.ppo.micro_batch_loss, rlhf_dist.algo rewards and GAE):
   generation  sampling `response-len` tokens for `batch` prompts (KV cache);
   scoring     actor+critic (old log-probs, values), reference, reward model forwards;
@@ -33,8 +33,11 @@ from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.masking import masked_mean, masked_var, whiten_with
 from rlhf_dist.algo.rewards import shape_rewards
 from rlhf_dist.config import GenerationConfig
-from rlhf_dist.models import ActorCritic, ValueModel, sequence_scores, token_logprobs
-from rlhf_dist.rollout import RolloutBatch, generate, sequence_last_index
+from rlhf_dist.engine.decode import generate
+from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.models import ActorCritic, ValueModel, sequence_scores
+from rlhf_dist.rollout import RolloutBatch
+from rlhf_dist.rollout.batch import sequence_last_index
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.ppo import UpdateKnobs, micro_batch_loss
 

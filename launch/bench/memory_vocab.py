@@ -11,7 +11,7 @@ parameters, so the peak is about the (B, T, V) logits: a whole fp32 copy of them
 
 Prints the subprocess's peak RSS (getrusage of the child: the whole run, model load
 included) and the phase times the run logged. Extra KEY=VALUE pairs are passed on as
-config overrides (e.g. model.logprob_chunk_tokens=256). Run it with PYTHONPATH set to the
+config overrides (e.g. perf.logprob_chunk_tokens=256). Run it with PYTHONPATH set to the
 tree to measure (the "before" figures of docs/benchmarks.md come from main's tree).
 Times on the shared 2-core CPU are noisy; memory is the figure this measures.
 """

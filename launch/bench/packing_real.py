@@ -1,6 +1,6 @@
 """Packed, padding-free sequences on a real model (issue #23): one log-prob forward and
-one forward + backward of `models.token_logprobs` over a rollout-shaped batch (left-padded
-prompts, right-padded responses of ragged lengths), padded vs `model.packed_sequences`,
+one forward + backward of `engine.forward.token_logprobs` over a rollout-shaped batch (left-padded
+prompts, right-padded responses of ragged lengths), padded vs `perf.packed_sequences`,
 per attention implementation.
 
     python launch/bench/packing_real.py [--model DIR] [--rows 8] [--max-len 256]
@@ -40,10 +40,10 @@ def bench(lm, batch, reps: int) -> dict:
     """Per setting (False: padded, True: packed): token slots of the backbone's forward,
     median seconds of the no-grad forward and of forward + backward, settings alternated
     in every round; and the largest log-prob difference between the two."""
-    from rlhf_dist import models
+    from rlhf_dist.engine import forward, packing
 
     ids, attention, mask = batch
-    slots, original = [], models.backbone_inputs
+    slots, original = [], packing.backbone_inputs
 
     def counting(*args):
         inputs = original(*args)
@@ -51,19 +51,19 @@ def bench(lm, batch, reps: int) -> dict:
         return inputs
 
     def step():
-        lp, _ = models.token_logprobs(lm, ids, attention, mask)
+        lp, _ = forward.token_logprobs(lm, ids, attention, mask)
         lp.sum().backward()
 
     keys = ("forward_s", "fwd_bwd_s", "forward_cpu", "fwd_bwd_cpu")
     out = {packed: {k: [] for k in keys} for packed in (False, True)}
-    models.backbone_inputs = counting
+    packing.backbone_inputs = counting
     try:
         for _ in range(reps):
             for packed in (False, True):
                 lm.packed_sequences = packed
                 with torch.no_grad():
                     start, cpu_start = time.perf_counter(), time.process_time()
-                    out[packed]["lp"], _ = models.token_logprobs(lm, ids, attention, mask)
+                    out[packed]["lp"], _ = forward.token_logprobs(lm, ids, attention, mask)
                     middle, cpu_middle = time.perf_counter(), time.process_time()
                 step()
                 r = out[packed]
@@ -73,7 +73,7 @@ def bench(lm, batch, reps: int) -> dict:
                 r["fwd_bwd_cpu"].append(time.process_time() - cpu_middle)
                 r["slots"] = slots[-2]
     finally:
-        models.backbone_inputs = original
+        packing.backbone_inputs = original
     for r in out.values():
         r.update({k: statistics.median(r[k]) for k in keys})
     diff = (out[True]["lp"] - out[False]["lp"]).abs().max().item()

@@ -36,7 +36,7 @@ def mean_logged(path: Path, name: str) -> float:
 
 def micro_batches_per_step(cfg, stage: str, widths: list[int], rows_per_item: int) -> float:
     """Mean micro-batches per optimizer step of one rank over the run's global batches."""
-    from rlhf_dist.batching import BatchPlan, global_batches
+    from rlhf_dist.data.batching import BatchPlan, global_batches
 
     section = getattr(cfg, stage)
     plan = BatchPlan(section.batch_size, 1, section.micro_batch_size, section.micro_batch_tokens)
@@ -55,7 +55,7 @@ class ForwardSlots:
         self.slots = self.real = self.forwards = 0
 
     def __enter__(self):
-        from rlhf_dist import models
+        from rlhf_dist.engine import packing as models
 
         self.original = original = models.backbone_inputs
 
@@ -70,7 +70,7 @@ class ForwardSlots:
         return self
 
     def __exit__(self, *exc):
-        from rlhf_dist import models
+        from rlhf_dist.engine import packing as models
 
         models.backbone_inputs = self.original
 
@@ -94,7 +94,7 @@ def setting_name(stage: str, budget: int, packed: bool) -> str:
 
 def run_stage(stage: str, tree: dict, out: Path, budget: int, packed: bool, runtime) -> dict:
     from rlhf_dist.config import config_from_dict
-    from rlhf_dist.data import load_rows, preference_pairs, sft_examples
+    from rlhf_dist.data.rows import load_rows, preference_pairs, sft_examples
     from rlhf_dist.distributed import seed_everything
     from rlhf_dist.models import tokenizer_for
     from rlhf_dist.trainers.reward import train_reward_model

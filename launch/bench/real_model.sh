@@ -18,7 +18,7 @@ D=$OUT/data
 COMMON=(run.progress=false run.log_every=1 data.max_length=112 data.max_prompt_length=56)
 GEN=(generation.max_new_tokens=24 generation.temperature=1.0)
 RL=(ppo.iterations=2 ppo.rollout_batch_size=4 ppo.rollout_micro_batch_size=4
-    ppo.minibatch_size=4 ppo.micro_batch_size=4 ppo.ppo_epochs=1 ppo.actor.lr=1e-5)
+    ppo.minibatch_size=4 ppo.micro_batch_size=4 ppo.ppo_epochs=1 ppo.optim.lr=1e-5)
 stage_args() {
   case $1 in
     sft) echo sft model.policy="$MODEL" data.train="$D/sft.jsonl" data.eval="$D/sft.jsonl" \

@@ -44,7 +44,7 @@ def build(size: str, root: Path, vocab: int = 8000) -> Path:
 
 
 def prompts(n: int = 64, vocab: int = 8000):
-    from rlhf_dist.data import left_pad
+    from rlhf_dist.data.rows import left_pad
 
     g = torch.Generator().manual_seed(0)
     rows = [
@@ -77,8 +77,8 @@ def bench(size: str, root: Path, repeats: int, new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlhf_dist.config import GenerationConfig, config_from_dict
-    from rlhf_dist.rollout import generate
-    from rlhf_dist.vllm_rollout import VLLMEngine
+    from rlhf_dist.engine.decode import generate
+    from rlhf_dist.rollout.vllm import VLLMEngine
 
     path = build(size, root)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
@@ -123,7 +123,7 @@ def with_adapters(model):
 def sync_lora(engine, lora_model) -> None:
     """A LoRA actor's sync: adapters merged into copies of the base weights, loaded, the
     originals put back (what a LoRA run does before each rollout)."""
-    from rlhf_dist.lora import merged_adapters
+    from rlhf_dist.models.lora import merged_adapters
 
     with merged_adapters(lora_model) as merged:
         engine.load_weights(merged)

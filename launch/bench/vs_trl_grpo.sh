@@ -8,9 +8,9 @@
 # Usage: bash launch/bench/vs_trl_grpo.sh [ROUNDS=2] [ITERATIONS=6] [SIZE=smollm2|deep]
 #          [DTYPE=float32|bfloat16] [VLLM=0|1] [TOKENIZER=dir (deep: SmolLM2's tokenizer files)]
 #   VLLM=1: both generate with vLLM (ours generation.backend=vllm, TRL's colocate mode; GPUs).
-#   OURS_ARGS="key=value ...": config overrides for ours (e.g. run.retain_host_memory=false).
+#   OURS_ARGS="key=value ...": config overrides for ours (e.g. perf.retain_host_memory=false).
 #   TRL_RETAIN=1: TRL's process gets glibc's malloc set as ours sets it for itself by
-#     default (run.retain_host_memory: no mmap, no trim; here through MALLOC_* variables),
+#     default (perf.retain_host_memory: no mmap, no trim; here through MALLOC_* variables),
 #     to show what of the gap that setting is. Off by default: TRL as its users run it.
 # Output: the table (medians, ratio, floor, fairness notes); raw numbers in
 # runs/bench/vs_trl_grpo/<size>/results/ (summary.json, report.txt).

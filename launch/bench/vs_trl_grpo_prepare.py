@@ -59,8 +59,8 @@ def ours_yaml(out: Path, iterations: int) -> dict:
         "model": {"policy": str(out / "policy"), "dtype": "float32"},
         "data": {"train": str(out / "prompts.jsonl"), "max_prompt_length": 128},
         "reward": {"function": "grpo_reward:reward"},
-        "run": {"num_threads": s["threads"], "histogram_every": 0, "samples_every": 0,
-                "progress": False},
+        "run": {"histogram_every": 0, "samples_every": 0, "progress": False},
+        "perf": {"num_threads": s["threads"]},
         "ppo": {
             "iterations": iterations, "estimator": "grpo",
             "rollout_batch_size": s["prompts_per_iteration"],
@@ -68,7 +68,7 @@ def ours_yaml(out: Path, iterations: int) -> dict:
             "rollout_micro_batch_size": rows,  # sequences per pass: all 16 at once, as TRL
             "ppo_epochs": 1, "minibatch_size": rows, "micro_batch_size": rows,
             "kl_placement": "loss", "kl_kind": "k3", "kl_coef": s["kl_coef"],
-            "loss_aggregation": "token_mean", "actor": {"lr": s["lr"]},
+            "loss_aggregation": "token_mean", "optim": {"lr": s["lr"]},
         },
         # Exactly new_tokens on both sides (TRL gets min_new_tokens too): equal work per row.
         "generation": {"max_new_tokens": s["new_tokens"], "min_new_tokens": s["new_tokens"],

@@ -41,8 +41,8 @@ Fairness notes (same weights, tokenizer, chat template, prompts, reward, threads
   16, no accumulation); k3 KL in the loss at beta 0.04 against a frozen fp32 reference;
   token-mean loss (TRL loss_type="dapo"); group-std-normalised advantages; clip 0.2; grad
   clipping at norm 1 on both (TRL's default max_grad_norm=1.0); constant LR 1e-5.
-- Host memory: ours keeps freed memory for reuse (run.retain_host_memory, on by default;
-  OURS_ARGS=run.retain_host_memory=false for glibc's defaults); TRL runs with glibc's
+- Host memory: ours keeps freed memory for reuse (perf.retain_host_memory, on by default;
+  OURS_ARGS=perf.retain_host_memory=false for glibc's defaults); TRL runs with glibc's
   defaults, as its users run it, unless TRL_RETAIN=1 (the same through MALLOC_* variables).
 - Timing: ours is `time/total` (rollout + update inside the loop); TRL's is wall clock
   between `on_step_end` callbacks, which includes its logging (logging_steps=1)."""
@@ -78,7 +78,7 @@ def flop_floor(prepared: Path) -> dict:
     big = matmul_rate(int(round(rows * L)), d, f)  # the update's and scoring's MLP shape
     small = matmul_rate(rows, d, f)  # one decode step's MLP shape
     total = prefill + decode + reference + update
-    # The work left when each distinct prompt runs once (ours' model.shared_prompt_forward):
+    # The work left when each distinct prompt runs once (ours' perf.shared_prompt_forward):
     # the projections of the prompt tokens of n - 1 of every n rows are not needed in the
     # prefill, the reference pass and the update's forward + backward (5 forwards' worth);
     # the attention over the prompt is still counted for every row.

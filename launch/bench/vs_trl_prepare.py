@@ -42,8 +42,8 @@ def ours_yaml(out: Path, iterations: int, precision: str = "fp32") -> str:
             "histogram_every": 0,
             "samples_every": 0,
             "progress": False,
-            "num_threads": 0,  # = all cores for one process, like TRL's torch default
         },
+        "perf": {"num_threads": 0},  # = all cores for one process, like TRL's torch default
         "ppo": {
             "iterations": iterations,
             "rollout_batch_size": ROLLOUT_BATCH,

@@ -64,11 +64,11 @@ def rl_section(algorithm: str, scale: float) -> dict:
         "ppo_epochs": 4,
         "minibatch_size": 16,
         "micro_batch_size": 16,
-        "actor": {"lr": 3e-4},
+        "optim": {"lr": 3e-4},
         "kl_coef": 0.05,
     }
     if algorithm == "ppo":
-        return {**common, "rollout_batch_size": 64, "critic": {"lr": 3e-4}}
+        return {**common, "rollout_batch_size": 64, "critic_optim": {"lr": 3e-4}}
     groups = {"rollout_batch_size": 16, "samples_per_prompt": 4}
     if algorithm in OBJECTIVE_PRESETS:
         return {**common, "estimator": "grpo", **groups, **OBJECTIVE_PRESETS[algorithm]}
@@ -170,10 +170,8 @@ def run_demo(
     DIR/summary.json."""
     if algorithm in OFFLINE:
         return run_offline_demo(output_dir, algorithm, seed, quick, overrides)
-    if algorithm in ITERATIVE:
-        from rlhf_dist.demo.iterative import run_iterative_demo
-
-        return run_iterative_demo(output_dir, seed, quick, overrides)
+    if algorithm in ITERATIVE:  # its own module, which builds on this one
+        raise ValueError("run_demo: the iterative demo is demo.iterative.run_iterative_demo")
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers
@@ -220,7 +218,7 @@ def finish(runtime, root: Path, summary: dict, text: str) -> None:
     """Main process: root/summary.json, the results `text` printed, then the report."""
     (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     runtime.print(text)
-    from rlhf_dist.report import build_report
+    from rlhf_dist.observability.report import build_report
 
     runtime.print(f"   report: {build_report(root)}")
 

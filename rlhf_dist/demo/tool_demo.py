@@ -61,7 +61,7 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
                 "ppo_epochs": 1,
                 "minibatch_size": 16,
                 "micro_batch_size": 16,
-                "actor": {"lr": 3e-4},
+                "optim": {"lr": 3e-4},
                 "kl_coef": 0.05,
             },
         },

@@ -31,15 +31,11 @@ class Backend:
         dtype: str = "float32",
         trackers: tuple[str, ...] = (),
         logging_dir: str | None = None,
-        retain_host_memory: bool = False,
     ):
         self.accelerator = _make_accelerator(timeout_s, dtype, trackers, logging_dir)
         _remove_shm_allreduce_buffer(self.accelerator)
         if self.device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            torch.set_num_threads(num_threads or max(1, _usable_cores() // local))
-            if retain_host_memory:
-                retain_freed_host_memory()
+            torch.set_num_threads(num_threads or default_threads())
         self._unwrapped: dict[int, tuple] = {}  # id -> (wrapper, kept alive; inner module)
 
     @property
@@ -211,39 +207,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-
-
-def retain_freed_host_memory() -> bool:
-    """Make glibc's malloc keep freed memory for reuse (run.retain_host_memory); process-wide.
-
-    By default glibc serves every block above 32 MiB (less before its threshold adapts)
-    with its own mmap and unmaps it on free, and trims the heap's free top: a (C, V) logits
-    chunk, an activation or a gradient of a real model then arrives as fresh pages, and
-    the kernel zero-fills each 4 KiB page on its first touch. On CPU that page-fault work
-    was ~2 s of a ~7.5 s SmolLM2 GRPO update, and ~0.6 s of ~4.0 s once the head's chunks
-    shared a workspace (docs/benchmarks.md). With mmap off and the trim threshold at its
-    maximum (mallopt takes a C int: 2 GiB), blocks come from the heap and freed ones are
-    reused: the resident size stays at its peak instead of falling back, and fragmentation
-    can raise that peak (measured: 1.53 -> 1.56 GiB on the 151,936-vocabulary probe).
-    PyTorch's own advice for CPU is a caching allocator (jemalloc/tcmalloc preloaded);
-    this needs no preload.
-    Returns whether it applied (False off glibc, e.g. macOS or musl)."""
-    if not _glibc_version():
-        return False
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-
-
-def _glibc_version() -> str:
-    """'glibc 2.36' under glibc, '' elsewhere (musl, macOS, Windows: no confstr)."""
-    try:
-        return os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (AttributeError, ValueError, OSError):
-        return ""
+def default_threads() -> int:
+    """CPU threads of this process when perf.num_threads is 0: the usable cores divided
+    among the ranks on this machine (oversubscribed OpenMP threads spin-wait). A single
+    process takes OMP_NUM_THREADS where it is set (a shared node, a test runner with
+    several workers); with several local ranks the launcher sets that variable to 1 by
+    itself (torchrun), so there it says nothing of the user's wish."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if local == 1 and given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, _usable_cores() // local)
 
 
 def _usable_cores() -> int:

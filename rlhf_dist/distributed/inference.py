@@ -104,7 +104,7 @@ def _free_bytes(backend: Backend) -> int:
 def generation_context(
     backend: Backend, model, submodule: str | None = None, gather: bool = True
 ) -> Iterator:
-    """Yield (module, keep_in_step) for `rollout.generate`: `module` is the unwrapped
+    """Yield (module, keep_in_step) for `engine.decode.generate`: `module` is the unwrapped
     model (or its `submodule`); keep_in_step is None, or (ranks in lock-step) a
     function from "this rank needs another forward" to "some rank does".
 
@@ -141,7 +141,7 @@ _TRAINING_GATHER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def training_weights(backend: Backend, model, setting: str = "auto", name: str = "model"):
     """Context for `model`'s training steps (forwards, backwards, optimizer steps), per
-    distributed.gather_for_training: under ZeRO-3, "always" gathers its weights whole
+    perf.gather_for_training: under ZeRO-3, "always" gathers its weights whole
     once per optimizer step (zero3.py), "never" keeps ZeRO-3's per-layer fetching, and
     "auto" gathers when one full copy takes at most REPLICATE_SHARE of every rank's free
     memory (decided once per model, printed). A no-op without ZeRO-3."""
@@ -154,7 +154,7 @@ def training_weights(backend: Backend, model, setting: str = "auto", name: str =
         if setting == "auto" and backend.is_main:
             how = "gathered whole per optimizer step" if whole else "fetched layer by layer"
             gib = nbytes / 2**30
-            print(f"distributed.gather_for_training=auto: {name} {how} ({gib:.2f} GiB)", flush=True)
+            print(f"perf.gather_for_training=auto: {name} {how} ({gib:.2f} GiB)", flush=True)
     return whole_weights(backend, model, _TRAINING_GATHER[model])
 
 

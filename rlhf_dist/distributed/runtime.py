@@ -27,11 +27,8 @@ class Runtime:
         dtype: str = "float32",
         trackers: tuple[str, ...] = (),
         logging_dir: str | None = None,
-        retain_host_memory: bool = False,
     ):
-        self.backend = Backend(
-            num_threads, timeout_s, dtype, trackers, logging_dir, retain_host_memory
-        )
+        self.backend = Backend(num_threads, timeout_s, dtype, trackers, logging_dir)
         self.guard = NumericalGuard(self.backend)
         if seed is not None:
             # The same seed on every rank: freshly initialised weights (a new value head)
@@ -119,7 +116,7 @@ class Runtime:
 
     # ------------------------------------------------- inference-only models
     def generation_context(self, model, submodule: str | None = None, gather: bool = True):
-        """Yield (module, keep_in_step) for `rollout.generate` (inference.py)."""
+        """Yield (module, keep_in_step) for `engine.decode.generate` (inference.py)."""
         return inference.generation_context(self.backend, model, submodule, gather)
 
     def whole_weights(self, model, enabled: bool = True):
@@ -129,7 +126,7 @@ class Runtime:
 
     def training_weights(self, model, setting: str = "auto", name: str = "model"):
         """Context around `model`'s training steps: under ZeRO-3, per
-        distributed.gather_for_training, its weights gathered whole once per optimizer
+        perf.gather_for_training, its weights gathered whole once per optimizer
         step instead of layer by layer in every forward and backward (inference.py)."""
         return inference.training_weights(self.backend, model, setting, name)
 

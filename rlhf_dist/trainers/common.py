@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf_dist.batching import BatchPlan, global_batches
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
 from rlhf_dist.config import Config, to_dict
+from rlhf_dist.data.batching import BatchPlan, global_batches
 from rlhf_dist.errors import Preempted, TrainingDiverged  # noqa: F401 (Preempted re-exported)
 from rlhf_dist.models import DTYPES, enable_gradient_checkpointing, sub_state_dict, upcast_trainable
 
@@ -172,7 +172,7 @@ def step_loop(
         if step <= start:
             continue  # done before the checkpoint; the order is a function of the seed
         # ZeRO-3: the weights gathered whole for the step when a copy fits.
-        with runtime.training_weights(model, cfg.distributed.gather_for_training, stage):
+        with runtime.training_weights(model, cfg.perf.gather_for_training, stage):
             metrics = step_fn(idx)
         metrics |= {
             "guard/skipped_steps": runtime.skipped_steps,

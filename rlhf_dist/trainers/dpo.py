@@ -14,12 +14,14 @@ from __future__ import annotations
 import torch
 
 from rlhf_dist.algo.preference import dpo_loss, dpo_terms
-from rlhf_dist.batching import BatchPlan
-from rlhf_dist.data import SFTExample, load_rows, preference_pairs
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.rows import SFTExample, load_rows, preference_pairs
+from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
-from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
@@ -62,7 +64,10 @@ def add_pair_stats(stats: StatSums, terms: dict, logprobs: torch.Tensor) -> None
     stats.add("logprobs/rejected", logprobs[half:].detach().sum(), n)
 
 
-def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pad_id: int):
+def dpo_step(
+    runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
+):  # fmt: skip
     """Backward over this rank's micro-batches of one global batch.
 
     pairs: the global batch's PreferencePairs; ref_rows: (len(pairs), 2) reference log-probs
@@ -77,9 +82,9 @@ def dpo_step(runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pa
     for i, s in enumerate(slices):
         batch = response_batch(pair_sequences([share[j] for j in s]), pad_id, runtime.device)
         stats.add("dpo/pad_fraction", *padding_cells(batch["attention_mask"]))
-        logprobs = response_logprobs(model, batch)  # (2m,): the m chosen, then the m rejected
+        logprobs = response_logprobs(model, batch, perf)  # (2m,): m chosen, then m rejected
         if rows is None:
-            ref = reference_logprobs(runtime, reference, batch)
+            ref = reference_logprobs(runtime, reference, batch, perf)
         else:
             ref = rows[s].T.reshape(-1).to(runtime.device)  # chosen then rejected, as logprobs
         half = logprobs.shape[0] // 2
@@ -112,17 +117,19 @@ def load_dpo_pairs(cfg, runtime, tokenizer) -> tuple[list, list]:
     return train, evals
 
 
-def evaluate_dpo(runtime, model, reference, evals, ref_table, dc, pad_id: int) -> dict:
+def evaluate_dpo(
+    runtime, model, reference, evals, ref_table, dc, pad_id: int, perf: PerfConfig = DEFAULT_PERF
+) -> dict:
     """Held-out DPO loss and reward accuracy/margin over `evals` (every rank scores a share).
 
     ref_table: the eval pairs' reference log-probs [all chosen, all rejected], or None to
     score them with `reference` now."""
     seqs, size = pair_sequences(evals), 2 * dc.micro_batch_size
-    policy = all_response_logprobs(runtime, model, seqs, size, pad_id)
+    policy = all_response_logprobs(runtime, model, seqs, size, pad_id, perf)
     ref = (
         ref_table
         if ref_table is not None
-        else all_response_logprobs(runtime, reference, seqs, size, pad_id)
+        else all_response_logprobs(runtime, reference, seqs, size, pad_id, perf)
     )
     n, policy, ref = len(evals), policy.double(), ref.double()
     loss, stats = dpo_loss(
@@ -155,7 +162,7 @@ def train_dpo(cfg, runtime) -> dict:
     def step(idx) -> dict:
         rows = None if table is None else table[idx]
         metrics, values = dpo_step(
-            runtime, model, reference, [train[i] for i in idx], rows, plan, dc, pad
+            runtime, model, reference, [train[i] for i in idx], rows, plan, dc, pad, cfg.perf
         )
         norms = step_and_schedule(runtime, trained, [dc.optim.max_grad_norm])
         return metrics | {"dpo/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}
@@ -169,7 +176,7 @@ def train_dpo(cfg, runtime) -> dict:
         "train_margins": last.get("rewards/margins"),
     }
     if evals:
-        numbers = evaluate_dpo(runtime, model, reference, evals, eval_table, dc, pad)
+        numbers = evaluate_dpo(runtime, model, reference, evals, eval_table, dc, pad, cfg.perf)
         logger.log(len(batches), {f"dpo/{k}": v for k, v in numbers.items()}, ())
         summary |= numbers
     export_policy(cfg, runtime, model, tokenizer, out)

@@ -15,13 +15,15 @@ from __future__ import annotations
 import torch
 
 from rlhf_dist.algo.preference import kto_reference_point, kto_terms
-from rlhf_dist.batching import BatchPlan
-from rlhf_dist.data import SFTExample, kto_examples, load_rows
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.rows import SFTExample, kto_examples, load_rows
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
-from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
@@ -53,7 +55,9 @@ def mismatched_sequences(examples) -> list[SFTExample]:
 
 
 @torch.no_grad()
-def global_reference_point(runtime, model, reference, share, kl_ref, plan: BatchPlan, pad_id):
+def global_reference_point(
+    runtime, model, reference, share, kl_ref, plan: BatchPlan, pad_id, perf: PerfConfig
+):
     """z0 of one global batch: mean log-ratio of its mismatched pairs over all ranks.
 
     share: this rank's examples; kl_ref: their mismatched pairs' reference log-probs (m,)
@@ -64,9 +68,10 @@ def global_reference_point(runtime, model, reference, share, kl_ref, plan: Batch
     def forward(chunk) -> torch.Tensor:
         seqs, refs = zip(*chunk)
         batch = response_batch(list(seqs), pad_id, runtime.device)
-        policy = response_logprobs(model, batch)
+        policy = response_logprobs(model, batch, perf)
         # the reference now, or this chunk's rows of the table
-        ref = reference_logprobs(runtime, reference, batch) if kl_ref is None else torch.stack(refs)
+        online = kl_ref is None
+        ref = reference_logprobs(runtime, reference, batch, perf) if online else torch.stack(refs)
         return (policy.double() - ref.to(runtime.device).double()).sum()
 
     refs = [None] * len(share) if kl_ref is None else list(kl_ref)  # 0-dim rows
@@ -87,7 +92,10 @@ def add_kto_stats(stats: StatSums, terms: dict, desirable: torch.Tensor, right) 
     stats.add("rewards/accuracy", right.float().sum(), n)
 
 
-def kto_step(runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc, pad_id: int):
+def kto_step(
+    runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc, pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
+):  # fmt: skip
     """z0, then backward over this rank's micro-batches of one global batch.
 
     ref_rows: (len(examples), 2) reference log-probs [completion, mismatched] from the table,
@@ -96,16 +104,16 @@ def kto_step(runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc,
     mine = plan.rank_slice(runtime.rank)
     share, rows = examples[mine], None if ref_rows is None else ref_rows[mine]
     kl_ref = None if rows is None else rows[:, 1]
-    z0 = global_reference_point(runtime, model, reference, share, kl_ref, plan, pad_id)
+    z0 = global_reference_point(runtime, model, reference, share, kl_ref, plan, pad_id, perf)
     widths = [len(ex.prompt) + len(ex.completion) for ex in examples]
     stats, rewards, slices = StatSums(), [], plan.micro_batches(widths, runtime.rank)
     for i, s in enumerate(slices):
         micro = [share[j] for j in s]
         batch = response_batch(completion_sequences(micro), pad_id, runtime.device)
         stats.add("kto/pad_fraction", *padding_cells(batch["attention_mask"]))
-        logprobs = response_logprobs(model, batch)  # (m,) log pi of each labelled completion
+        logprobs = response_logprobs(model, batch, perf)  # (m,) log pi of each completion
         if rows is None:
-            ref = reference_logprobs(runtime, reference, batch)
+            ref = reference_logprobs(runtime, reference, batch, perf)
         else:
             ref = rows[s, 0].to(runtime.device)
         desirable = torch.tensor([ex.desirable for ex in micro], device=runtime.device)
@@ -157,7 +165,7 @@ def train_kto(cfg, runtime) -> dict:
     def step(idx) -> dict:
         rows = None if table is None else table[idx]
         metrics, values = kto_step(
-            runtime, model, reference, [train[i] for i in idx], rows, plan, kc, pad
+            runtime, model, reference, [train[i] for i in idx], rows, plan, kc, pad, cfg.perf
         )
         norms = step_and_schedule(runtime, trained, [kc.optim.max_grad_norm])
         return metrics | {"kto/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_dist.agent import build_agent, episode_stats
-from rlhf_dist.alerts import AlertMonitor
 from rlhf_dist.algo.estimators import (
     ESTIMATORS,
     AdvantageInputs,
@@ -43,7 +41,8 @@ from rlhf_dist.algo.objectives import (
     sequence_log_ratio,
 )
 from rlhf_dist.algo.rewards import shape_rewards
-from rlhf_dist.batching import (
+from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
+from rlhf_dist.data.batching import (
     BatchPlan,
     PPOPlan,
     extra_batch,
@@ -51,15 +50,18 @@ from rlhf_dist.batching import (
     ppo_plan,
     token_budget_split,
 )
-from rlhf_dist.chat import prompt_text
-from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
-from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.data.chat import prompt_text
+from rlhf_dist.data.rows import left_pad, load_rows, prompt_set
 from rlhf_dist.errors import ConfigError, RewardFunctionError
-from rlhf_dist.lora import merged_adapters
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
-from rlhf_dist.rollout import RolloutModels, collect_rollout, describe_batch
+from rlhf_dist.models.lora import merged_adapters
+from rlhf_dist.observability.alerts import AlertMonitor
+from rlhf_dist.observability.tracking import open_run, write_summary
+from rlhf_dist.rollout import RolloutModels, collect_rollout
+from rlhf_dist.rollout.agent import build_agent, episode_stats
+from rlhf_dist.rollout.batch import describe_batch
+from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.stats import StatSums, global_mean_var, global_moments
-from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
     find_resume,
@@ -72,7 +74,6 @@ from rlhf_dist.trainers.common import (
 from rlhf_dist.trainers.dynamic_sampling import rollout_until_full
 from rlhf_dist.trainers.ppo_setup import build_models, export_models
 from rlhf_dist.trainers.ptx import PtxStream, ptx_stream
-from rlhf_dist.vllm_rollout import VLLMEngine
 
 
 def make_kl_controller(ppo_cfg):
@@ -110,7 +111,8 @@ class UpdateKnobs:
         low = p.clip_eps if p.clip_eps_low is None else p.clip_eps_low
         high = p.clip_eps if p.clip_eps_high is None else p.clip_eps_high
         kl_loss_coef = kl_coef if p.kl_placement == "loss" else 0.0
-        norms = tuple(getattr(p, name).max_grad_norm for name in group_names)
+        optim = {"actor": p.optim, "critic": p.critic_optim}  # param group -> its section
+        norms = tuple(optim[name].max_grad_norm for name in group_names)
         return cls(
             cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
             p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
@@ -279,7 +281,8 @@ def old_logprobs_from_update(cfg, plan: PPOPlan) -> bool:
     so it could not give their old log-probs)."""
     p = cfg.ppo
     return (
-        plan.optimizer_steps_per_iteration == 1
+        cfg.perf.old_logprobs_from_update
+        and plan.optimizer_steps_per_iteration == 1
         and p.kl_placement == "loss"
         and not p.dynamic_sampling
         and p.overlong != "mask"
@@ -418,7 +421,7 @@ class PPORun:
     plan: PPOPlan
     score_moments: RunningMoments
     group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
-    gather_for_training: str = "auto"  # distributed.gather_for_training
+    gather_for_training: str = "auto"  # perf.gather_for_training
     printed_first_batch: bool = False
     ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), trainers/ptx.py
 
@@ -649,7 +652,7 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
     built = build_models(cfg, runtime, plan, total_steps, ckpt)
     model = built.model
 
-    gather = cfg.distributed.gather_for_generation
+    gather = cfg.perf.gather_for_generation
     # LoRA: generate with the adapters folded into the base (whole tensors only: not
     # through ZeRO-3's per-layer gathers).
     merge = cfg.lora.enabled and (runtime.zero_stage != 3 or gather)
@@ -674,6 +677,7 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         whole_weights=lambda: runtime.whole_weights(model, gather),
         agent=build_agent(cfg, tokenizer),  # None without generation.tools / environment
         any_rank=runtime.any_rank if runtime.world_size > 1 else None,
+        perf=cfg.perf,
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     if ckpt:
@@ -690,7 +694,7 @@ def start_ppo(cfg, runtime, ckpt) -> PPORun:
         plan,
         moments,
         built.group_names,
-        cfg.distributed.gather_for_training,
+        cfg.perf.gather_for_training,
         ptx=ptx,
     )
 

@@ -14,9 +14,8 @@ from pathlib import Path
 from torch import nn
 
 from rlhf_dist.algo.estimators import ESTIMATORS
-from rlhf_dist.chat import export_tokenizer
+from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
 from rlhf_dist.models import (
     ActorCritic,
     ValueModel,
@@ -27,7 +26,8 @@ from rlhf_dist.models import (
     sub_state_dict,
     trained_load_dtype,
 )
-from rlhf_dist.scoring import Scorer, build_scorer, reward_inputs_for
+from rlhf_dist.models.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
+from rlhf_dist.rewards.scoring import Scorer, build_scorer, reward_inputs_for
 from rlhf_dist.trainers.common import (
     finish_trainable,
     make_optimizer,
@@ -75,12 +75,13 @@ def _trainable_actor_critic(cfg, deepspeed: bool) -> ActorCritic:
     if lora.enabled:
         actor = add_adapters(actor, lora, "CAUSAL_LM")
     if not has_critic(cfg):
-        return finish_trainable(ActorCritic(actor, None), m, deepspeed)
+        return finish_trainable(ActorCritic(actor, None, cfg.perf), m, deepspeed)
     critic = build_critic(cfg, trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.critic))
     if lora.critic:
         head_name = _head_name(critic.classifier)
-        critic = ValueModel(add_adapters(critic.classifier, lora, "SEQ_CLS", head_name))
-    return finish_trainable(ActorCritic(actor, critic), m, deepspeed)
+        adapted = add_adapters(critic.classifier, lora, "SEQ_CLS", head_name)
+        critic = ValueModel(adapted, cfg.perf)
+    return finish_trainable(ActorCritic(actor, critic, cfg.perf), m, deepspeed)
 
 
 def _head_name(classifier: nn.Module) -> str:
@@ -119,11 +120,11 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     if (
         critic
         and runtime.zero_stage is not None
-        and p.critic.max_grad_norm != p.actor.max_grad_norm
+        and p.critic_optim.max_grad_norm != p.optim.max_grad_norm
     ):
         raise ConfigError(
-            "ppo.critic.max_grad_norm: DeepSpeed clips actor and critic together at one norm; "
-            f"set it equal to ppo.actor.max_grad_norm ({p.actor.max_grad_norm})"
+            "ppo.critic_optim.max_grad_norm: DeepSpeed clips actor and critic together at one "
+            f"norm; set it equal to ppo.optim.max_grad_norm ({p.optim.max_grad_norm})"
         )
     # Every model is loaded whole on every rank first; DeepSpeed partitions it afterwards.
     with runtime.local_loading():
@@ -141,16 +142,17 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
                 cfg.distributed.frozen_models,
                 reward_inputs,
                 cfg.reward,
+                cfg.perf,
             )
         )
-    groups = {"actor": (net.actor.parameters(), p.actor)}
+    groups = {"actor": (net.actor.parameters(), p.optim)}
     if critic:
-        groups["critic"] = (net.critic.parameters(), p.critic)
+        groups["critic"] = (net.critic.parameters(), p.critic_optim)
     optimizer = make_optimizer(list(groups.values()))
     scheduler = make_scheduler(optimizer, [optim for _, optim in groups.values()], total_steps)
     accumulation = plan.update.accumulation_steps
     model, optimizer = runtime.prepare(
-        net, optimizer, p.micro_batch_size, accumulation, p.actor.max_grad_norm, m.dtype
+        net, optimizer, p.micro_batch_size, accumulation, p.optim.max_grad_norm, m.dtype
     )
     if ckpt:
         runtime.restore_optimizer_state(model, optimizer, ckpt.training)

@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 
 from rlhf_dist.algo.preference import sequence_logprobs
-from rlhf_dist.chat import export_tokenizer
-from rlhf_dist.data import SFTExample, collate_sft
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.chat import export_tokenizer
+from rlhf_dist.data.rows import SFTExample, collate_sft
 from rlhf_dist.distributed import strided_map
+from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.files import atomic_write_text
-from rlhf_dist.lora import AdapterOffReference, add_adapters, export_lora
-from rlhf_dist.models import frozen_dtype, load_causal_lm, token_logprobs, trained_load_dtype
+from rlhf_dist.models import frozen_dtype, load_causal_lm, trained_load_dtype
+from rlhf_dist.models.lora import AdapterOffReference, add_adapters, export_lora
 from rlhf_dist.trainers.common import prepare_single_model, save_pretrained
 
 REFERENCE_FILE = "reference_logprobs.json"
@@ -41,20 +43,23 @@ def response_batch(seqs: list[SFTExample], pad_id: int, device) -> dict[str, tor
     }
 
 
-def response_logprobs(model, batch: dict) -> torch.Tensor:
+def response_logprobs(model, batch: dict, perf: PerfConfig = DEFAULT_PERF) -> torch.Tensor:
     """log pi(response | prompt) of each sequence of a `response_batch` under a causal LM;
     (B,) float32 (gradients flow when called with grad enabled)."""
     mask = batch["response_mask"]
     # Temperature 1: no sampling is involved, the labelled responses are scored as given.
-    logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask)
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    logprobs, _ = token_logprobs(model, ids, attention, mask, perf=perf)
     return sequence_logprobs(logprobs, mask)
 
 
 @torch.no_grad()
-def reference_logprobs(runtime, reference, batch: dict) -> torch.Tensor:
+def reference_logprobs(
+    runtime, reference, batch: dict, perf: PerfConfig = DEFAULT_PERF
+) -> torch.Tensor:
     """`response_logprobs` under the frozen reference, in the training forward's precision."""
     with runtime.autocast():
-        return response_logprobs(reference, batch).float()
+        return response_logprobs(reference, batch, perf).float()
 
 
 def build_policy(cfg, runtime, section, n_examples: int, ckpt):
@@ -88,13 +93,17 @@ def _fingerprint(cfg, seqs: list[SFTExample]) -> str:
 
 
 @torch.no_grad()
-def all_response_logprobs(runtime, reference, seqs: list[SFTExample], size: int, pad_id: int):
+def all_response_logprobs(
+    runtime, reference, seqs: list[SFTExample], size: int, pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
+):  # fmt: skip
     """Reference log-probs of every sequence, (N,) on every rank: each rank scores every
     world_size-th one, in lock-step passes (a partitioned reference gathers per forward;
     distributed/lockstep.py)."""
 
     def forward(chunk) -> torch.Tensor:
-        return reference_logprobs(runtime, reference, response_batch(chunk, pad_id, runtime.device))
+        batch = response_batch(chunk, pad_id, runtime.device)
+        return reference_logprobs(runtime, reference, batch, perf)
 
     filler = [SFTExample([pad_id, pad_id], 1)]
     return torch.tensor(strided_map(runtime, seqs, size, forward, filler), dtype=torch.float32)
@@ -114,7 +123,7 @@ def reference_table(cfg, runtime, reference, seqs, size: int, pad_id: int, out: 
         if saved.get("fingerprint") == fingerprint:
             runtime.print(f"reference log-probs: read {len(seqs)} from {path}")
             return torch.tensor(saved["logprobs"], dtype=torch.float32)
-    table = all_response_logprobs(runtime, reference, seqs, size, pad_id)
+    table = all_response_logprobs(runtime, reference, seqs, size, pad_id, cfg.perf)
     if runtime.is_main:
         saved = {"fingerprint": fingerprint, "logprobs": table.tolist()}
         atomic_write_text(path, json.dumps(saved) + "\n")

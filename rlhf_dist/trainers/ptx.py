@@ -22,8 +22,8 @@ import itertools
 
 import torch
 
-from rlhf_dist.batching import BatchPlan, global_batches
-from rlhf_dist.data import collate_sft, load_rows, sft_examples
+from rlhf_dist.data.batching import BatchPlan, global_batches
+from rlhf_dist.data.rows import collate_sft, load_rows, sft_examples
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.trainers.common import share_of_global_mean
 from rlhf_dist.trainers.sft import token_nll_sum
@@ -33,7 +33,7 @@ def actor_logprobs(model, input_ids, attention_mask, predict_mask):
     """(log-probs (B, L-1), None) of the actor inside the prepared ActorCritic `model`,
     through its own forward (engine and DDP logic run), critic skipped, at temperature 1:
     the likelihood SFT trains, not the sampling distribution. `sft.sequence_nll`'s
-    `logprobs_fn` (models.token_logprobs underneath)."""
+    `logprobs_fn` (engine.forward.token_logprobs underneath)."""
     logprobs, _, _ = model(
         input_ids, attention_mask, predict_mask, with_critic=False, share_prompts=False
     )

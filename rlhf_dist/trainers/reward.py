@@ -11,16 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_dist import diagnostics as diag
 from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
-from rlhf_dist.batching import BatchPlan
-from rlhf_dist.chat import export_tokenizer
-from rlhf_dist.data import (
-    PreferencePair,
-    collate_pairs,
-    load_rows,
-    preference_pairs,
-)
+from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.chat import export_tokenizer
+from rlhf_dist.data.rows import PreferencePair, collate_pairs, load_rows, preference_pairs
 from rlhf_dist.distributed import strided_map
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.files import atomic_write_text
@@ -31,9 +25,10 @@ from rlhf_dist.models import (
     tokenizer_for,
     trained_load_dtype,
 )
-from rlhf_dist.scoring import probe_rephrasings
+from rlhf_dist.observability import diagnostics as diag
+from rlhf_dist.observability.tracking import open_run, write_summary
+from rlhf_dist.rewards.scoring import probe_rephrasings
 from rlhf_dist.stats import StatSums
-from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
@@ -250,7 +245,8 @@ def train_reward_model(cfg, runtime) -> dict:
     tokenizer = tokenizer_for(cfg, key.split(".")[1])
     train, evals, prompt_lengths = load_pairs(cfg, runtime, tokenizer)
     dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=False)
-    net = ValueModel(load_sequence_classifier(m.reward or m.policy, key, dtype, m, new_head=True))
+    classifier = load_sequence_classifier(m.reward or m.policy, key, dtype, m, new_head=True)
+    net = ValueModel(classifier, cfg.perf)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, rc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "rm", ckpt)

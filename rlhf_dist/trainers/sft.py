@@ -7,17 +7,21 @@ the batch is split into ranks and micro-batches.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlhf_dist.algo.masking import masked_sum
-from rlhf_dist.batching import BatchPlan
-from rlhf_dist.chat import export_tokenizer
-from rlhf_dist.data import SFTExample, collate_sft, load_rows, sft_examples
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.chat import export_tokenizer
+from rlhf_dist.data.rows import SFTExample, collate_sft, load_rows, sft_examples
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.models import load_causal_lm, token_logprobs, tokenizer_for, trained_load_dtype
+from rlhf_dist.models import load_causal_lm, tokenizer_for, trained_load_dtype
+from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
-from rlhf_dist.tracking import open_run, write_summary
 from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
@@ -30,29 +34,32 @@ from rlhf_dist.trainers.common import (
 )
 
 
-def sequence_nll(
-    model, batch: dict, logprobs_fn=token_logprobs
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_nll(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence (sum of response-token NLL, response-token count), each (B,).
 
     loss_mask (B, L-1) marks the shifted positions scored; only those reach the output
-    head (models.token_logprobs). logprobs_fn(model, input_ids, attention_mask,
-    predict_mask) -> (log-probs (B, L-1), _): token_logprobs of a causal LM, or PPO-ptx's
-    actor pass of an ActorCritic (trainers/ptx.py)."""
+    head (engine.forward.token_logprobs). logprobs_fn(model, input_ids, attention_mask,
+    predict_mask) -> (log-probs (B, L-1), _): `causal_lm_logprobs` of a causal LM, or
+    PPO-ptx's actor pass of an ActorCritic (trainers/ptx.py)."""
     mask = batch["loss_mask"]
     logprobs, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"], mask)
     return masked_sum(-logprobs, mask, dim=1), mask.sum(1)
 
 
-def token_nll_sum(
-    model, batch: dict, logprobs_fn=token_logprobs
-) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_logprobs(perf: PerfConfig):
+    """sequence_nll's logprobs_fn for a causal LM: token_logprobs with the run's speed paths."""
+    return functools.partial(token_logprobs, perf=perf)
+
+
+def token_nll_sum(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of NLL over loss_mask, token count) of one micro-batch (`sequence_nll`)."""
     nll, count = sequence_nll(model, batch, logprobs_fn)
     return nll.sum(), count.sum()
 
 
-def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[dict, dict]:
+def sft_step(
+    runtime, model, examples, plan: BatchPlan, pad_id: int, perf: PerfConfig = DEFAULT_PERF
+) -> tuple[dict, dict]:
     """Forward/backward every micro-batch of this rank's share; returns the global mean NLL
     (`sft/loss`) and padding share (`sft/pad_fraction`), and this rank's per-sequence
     values for the histograms (mean NLL, response length)."""
@@ -65,7 +72,7 @@ def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[di
     for i, batch in enumerate(micro):
         stats.add("sft/pad_fraction", *padding_cells(batch["attention_mask"]))
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
-        nll, count = sequence_nll(model, batch)
+        nll, count = sequence_nll(model, batch, causal_lm_logprobs(perf))
         loss = share_of_global_mean(runtime, nll.sum(), total_tokens)
         runtime.micro_backward(model, loss, last=i == len(micro) - 1)
         stats.add("sft/loss", nll.sum().detach(), count.sum())
@@ -76,13 +83,16 @@ def sft_step(runtime, model, examples, plan: BatchPlan, pad_id: int) -> tuple[di
 
 
 @torch.no_grad()
-def eval_nll(runtime, model, examples, micro_batch_size: int, pad_id: int) -> float:
+def eval_nll(
+    runtime, model, examples, micro_batch_size: int, pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
+) -> float:  # fmt: skip
     """Mean response-token NLL over `examples` (each rank takes every world_size-th), in
     lock-step passes (distributed/lockstep.py: under ZeRO-3 each forward is a collective)."""
 
     def forward(chunk) -> torch.Tensor:
         batch = {k: v.to(runtime.device) for k, v in collate_sft(chunk, pad_id).items()}
-        nll_sum, count = token_nll_sum(model, batch)
+        nll_sum, count = token_nll_sum(model, batch, causal_lm_logprobs(perf))
         return torch.stack([nll_sum, count.float()])
 
     mine = examples[runtime.rank :: runtime.world_size]
@@ -123,7 +133,7 @@ def train_sft(cfg, runtime) -> dict:
     out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
 
     def step(idx) -> dict:
-        metrics, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad)
+        metrics, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad, cfg.perf)
         norms = step_and_schedule(runtime, trained, [sc.optim.max_grad_norm])
         norm = norms[0] if norms else None
         return metrics | {"sft/grad_norm": norm, DISTRIBUTIONS: values}
@@ -146,7 +156,7 @@ def train_sft(cfg, runtime) -> dict:
         "train_examples": len(train),
     }
     if evals:
-        summary["eval_loss"] = eval_nll(runtime, model, evals, sc.micro_batch_size, pad)
+        summary["eval_loss"] = eval_nll(runtime, model, evals, sc.micro_batch_size, pad, cfg.perf)
         logger.log(len(batches), {"sft/eval_loss": summary["eval_loss"]}, ("sft/eval_loss",))
     export = export_tokenizer(tokenizer, cfg.data)
     save_pretrained(runtime, model, export, out / "final", dtype=cfg.model.dtype)

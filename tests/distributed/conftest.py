@@ -111,8 +111,8 @@ def ppo_command(assets, out: Path, *extra: str) -> list[str]:
         "ppo.minibatch_size=8",
         "ppo.micro_batch_size=2",
         "ppo.ppo_epochs=1",
-        "ppo.actor.lr=1e-3",
-        "ppo.critic.lr=1e-3",
+        "ppo.optim.lr=1e-3",
+        "ppo.critic_optim.lr=1e-3",
         "generation.max_new_tokens=12",
         *extra,
     ]  # fmt: skip
@@ -143,3 +143,13 @@ def assets(tmp_path_factory):
         "reward": str(models["reward"]),
         "root": root,
     }
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every 2-rank test in one xdist group (launch/test.sh runs 2 workers): two launches
+    at once would put 4 ranks on the 2 cores and stretch their collectives towards
+    distributed.timeout_s."""
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.xdist_group("two_ranks"))

@@ -1,7 +1,7 @@
 """Multi-turn rollouts under 2-rank ZeRO-3 with ranks running different numbers of turns
 (docs/agents.md, "Distribution"): episodes end after 1 turn on rank 0 and 3 turns on
 rank 1, with generation's forwards gathering layers with collectives
-(distributed.gather_for_generation=false). Rank 0 must run throw-away turns in lock-step;
+(perf.gather_for_generation=false). Rank 0 must run throw-away turns in lock-step;
 a hang fails the launch at distributed.timeout_s."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_uneven_turns_under_zero3_stay_in_lock_step(assets, tmp_path):
         "ppo.iterations=1", "reward.function=rlhf_dist.demo.task:positive_word_reward",
         "generation.environment=uneven_turns_env:make", "generation.max_turns=4",
         f"generation.stop_token_ids={every_token}", f"data.chat_template={template}",
-        "distributed.gather_for_generation=false", "distributed.timeout_s=120",
+        "perf.gather_for_generation=false", "distributed.timeout_s=120",
     ]  # fmt: skip
     command = launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra))
     path = os.pathsep.join([str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH", "")])

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 def sft_args(assets, out: Path, *extra: str) -> list[str]:
     return [
         "sft", f"model.policy={assets['policy']}", f"data.train={assets['files'].sft}",
-        f"run.output_dir={out}", "run.num_threads=1", "sft.batch_size=32", "sft.micro_batch_size=8",
+        f"run.output_dir={out}", "perf.num_threads=1", "sft.batch_size=32", "sft.micro_batch_size=8",
         "sft.optim.lr=1e-3", *extra,
     ]  # fmt: skip
 

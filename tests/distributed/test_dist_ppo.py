@@ -32,10 +32,10 @@ def test_ppo_zero3_two_ranks_trains_aggregates_and_skips_a_one_rank_nan(assets, 
     a NaN loss on rank 1 at step 2 (the last of iteration 1): the skipped step's forwards
     leave ZeRO-3 prefetches in flight that only a backward would collect, and the next
     iteration's generation must not find them (guard.py, _release_zero3_params). The
-    update fetches layer by layer here (distributed.gather_for_training=never: the path
+    update fetches layer by layer here (perf.gather_for_training=never: the path
     of models whose full copy does not fit); every other ZeRO-3 run gathers it whole."""
     out, port = tmp_path / "ppo", free_port()
-    layered = "distributed.gather_for_training=never"
+    layered = "perf.gather_for_training=never"
     command = launch_args("cpu_zero3.yaml", port, *ppo_command(assets, out, layered))
     run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1"})
     rows = metrics(out)

@@ -18,7 +18,7 @@ def command(stage: str, assets, out: Path, *extra: str) -> list[str]:
         f"data.train={assets['files'].prefs_train}",
         f"run.output_dir={out}",
         "run.log_every=1",
-        "run.num_threads=1",
+        "perf.num_threads=1",
         f"{stage}.batch_size=32",
         f"{stage}.micro_batch_size=4",
         f"{stage}.optim.lr=1e-3",

@@ -32,11 +32,11 @@ def test_grpo_on_the_real_model_with_pad_equal_to_eos_under_zero3(smollm2, chat_
         # GRPO a gradient (the demo's gold reward is 0 for nearly all of them: ties).
         f"model.policy={base}", "reward.function=reward_fns_for_tests:length_reward",
         f"data.train={chat_files['prompts']}", f"run.output_dir={out}",
-        "run.log_every=1", "run.num_threads=1", "distributed.timeout_s=240",
+        "run.log_every=1", "perf.num_threads=1", "distributed.timeout_s=240",
         "data.max_length=96", "data.max_prompt_length=56",
         "ppo.estimator=grpo", "ppo.iterations=1", "ppo.samples_per_prompt=2",
         "ppo.rollout_batch_size=2", "ppo.rollout_micro_batch_size=2", "ppo.minibatch_size=4",
-        "ppo.micro_batch_size=2", "ppo.ppo_epochs=1", "ppo.actor.lr=1e-5",
+        "ppo.micro_batch_size=2", "ppo.ppo_epochs=1", "ppo.optim.lr=1e-5",
         "generation.max_new_tokens=10", "generation.temperature=1.0",
     ]  # fmt: skip
     path = os.pathsep.join([str(REPO), str(REPO / "tests" / "unit")])  # the reward's module

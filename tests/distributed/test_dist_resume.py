@@ -48,8 +48,8 @@ def ppo_args(assets, out: Path, *extra: str) -> list[str]:
     return [
         "ppo", f"model.policy={assets['policy']}", f"model.reward={assets['reward']}",
         f"data.train={assets['files'].prompts}", f"run.output_dir={out}", "run.checkpoint_every=1",
-        "run.num_threads=1", "ppo.iterations=4", "ppo.rollout_batch_size=8", "ppo.minibatch_size=4",
-        "ppo.micro_batch_size=2", "ppo.ppo_epochs=1", "ppo.actor.lr=1e-3", "ppo.critic.lr=1e-3",
+        "perf.num_threads=1", "ppo.iterations=4", "ppo.rollout_batch_size=8", "ppo.minibatch_size=4",
+        "ppo.micro_batch_size=2", "ppo.ppo_epochs=1", "ppo.optim.lr=1e-3", "ppo.critic_optim.lr=1e-3",
         "generation.max_new_tokens=8", "reward.normalize=true", "ppo.kl_controller=adaptive", *extra,
     ]  # fmt: skip
 
@@ -150,7 +150,7 @@ def test_step_loop_stages_killed_resume_to_the_same_metrics(assets, tmp_path, st
             data,
             f"run.output_dir={out}",
             "run.checkpoint_every=2",
-            "run.num_threads=1",
+            "perf.num_threads=1",
             *common,
         ]
 

@@ -65,7 +65,7 @@ def one_rank(assets, tmp_path_factory):
     variants.append(variant("token_mean-critic_free", 8, "--critic-free"))
     # ppo.micro_batch_tokens=30: rows sorted by length into micro-batches of 1-3 rows
     variants.append(variant("token_mean/budget", 8, "--tokens=30"))
-    # model.packed_sequences: by 4 micro-batches of 2, and by the token budget
+    # perf.packed_sequences: by 4 micro-batches of 2, and by the token budget
     variants.append(variant("token_mean/packed-1x4", 2, "--packed"))
     variants.append(variant("token_mean/packed-budget", 8, "--tokens=30", "--packed"))
     for name, (flags, _) in AGGREGATIONS.items():
@@ -147,7 +147,7 @@ def test_token_budget_micro_batches_give_the_same_gradient(one_rank, zero3):
 
 
 def test_packed_sequences_give_the_same_gradient(one_rank, zero3):
-    """model.packed_sequences: actor, critic and reward forwards on packed rows, by 4
+    """perf.packed_sequences: actor, critic and reward forwards on packed rows, by 4
     micro-batches, by a token budget, and on 2 ZeRO-3 ranks with gradient checkpointing:
     the padded batch's gradient. Sequences share packed rows (the probe's are twice the
     padded width)."""

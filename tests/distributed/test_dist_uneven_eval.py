@@ -36,7 +36,7 @@ def stage_overrides(assets, root: Path) -> dict[str, list[str]]:
     prefs_eval = first_rows(files.prefs_eval, 33, root / "prefs_eval.jsonl")
     prompts = first_rows(files.prompts, 33, root / "prompts.jsonl")
     policy, reward = assets["policy"], assets["reward"]
-    common = ["run.log_every=1", "run.num_threads=1", "distributed.frozen_models=partition"]
+    common = ["run.log_every=1", "perf.num_threads=1", "distributed.frozen_models=partition"]
 
     def trained(stage: str, data: list[str], *extra: str) -> list[str]:
         return [

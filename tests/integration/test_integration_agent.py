@@ -17,11 +17,11 @@ import pytest
 import torch
 from faults import Killed, kill_at, untimed
 
-from rlhf_dist.agent import TOOL_CALL
 from rlhf_dist.algo.objectives import tied_groups
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import tool_task
-from rlhf_dist.models import token_logprobs
+from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.rollout.agent import TOOL_CALL
 from rlhf_dist.trainers import ppo
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
@@ -82,7 +82,7 @@ def grpo_tree(out, policy, files, checkpoint_every: int = 0, **generation) -> di
             "ppo_epochs": 1,
             "minibatch_size": 8,
             "micro_batch_size": 8,
-            "actor": {"lr": 1e-3},
+            "optim": {"lr": 1e-3},
             "kl_coef": 0.05,
             "estimator": "grpo",
         },
@@ -200,7 +200,7 @@ def test_grpo_with_a_tool_under_lora_trains_adapters_against_the_adapters_off_ba
     wrapper computes them on another path). Then the adapters
     train, the base stays the SFT policy's, and the reference of the second rollout is
     that base (adapters off), not the adapted actor; tool tokens get no log-prob."""
-    from rlhf_dist.lora import AdapterOffReference
+    from rlhf_dist.models.lora import AdapterOffReference
 
     files, policy = tool_sft
     out = tmp_path / "lora"

@@ -20,9 +20,9 @@ import pytest
 import torch
 from chat_tokenizers import build_chat_tokenizer
 
-from rlhf_dist import scoring
 from rlhf_dist.config import ConfigError, config_from_dict
 from rlhf_dist.demo import task
+from rlhf_dist.rewards import scoring
 
 N_ROWS = 64
 
@@ -115,7 +115,7 @@ def test_sft_export_carries_data_chat_template(chat_env, runtime, tmp_path):
     saves it, so a later stage renders the same conversation with no template key."""
     from transformers import AutoTokenizer
 
-    from rlhf_dist.data import prompt_set
+    from rlhf_dist.data.rows import prompt_set
     from rlhf_dist.trainers.sft import train_sft
 
     plain = task.build_tokenizer(tmp_path / "plain")

@@ -40,7 +40,7 @@ def tree_for(out, policy, data, estimator: str, **ppo_keys) -> dict:
             "ppo_epochs": 1,
             "minibatch_size": 16,
             "micro_batch_size": 8,
-            "actor": {"lr": 1e-3},
+            "optim": {"lr": 1e-3},
             "kl_coef": 0.05,
             "estimator": estimator,
             **ppo_keys,
@@ -112,8 +112,8 @@ def test_grpo_builds_no_critic_trains_the_actor_and_keeps_groups_on_one_rank(
 
 
 def test_prompt_stream_repeats_each_prompt_n_times_in_a_row(runtime, task_env):
-    from rlhf_dist.batching import ppo_plan
-    from rlhf_dist.data import PromptSet
+    from rlhf_dist.data.batching import ppo_plan
+    from rlhf_dist.data.rows import PromptSet
 
     cfg = config_from_dict({"ppo": {"rollout_batch_size": 4, "samples_per_prompt": 3}})
     plan = ppo_plan(cfg.ppo, world_size=1)

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from rlhf_dist.config import LoRAConfig
-from rlhf_dist.lora import add_adapters
 from rlhf_dist.models import (
     ActorCritic,
     ValueModel,
@@ -13,6 +12,7 @@ from rlhf_dist.models import (
     load_causal_lm,
     load_sequence_classifier,
 )
+from rlhf_dist.models.lora import add_adapters
 
 
 def actor_critic(task_env, lora: bool, checkpointing: bool) -> ActorCritic:

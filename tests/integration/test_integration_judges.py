@@ -84,7 +84,7 @@ def grpo_tree(out, policy, data, reward: dict, iterations: int = 2) -> dict:
             "ppo_epochs": 1,
             "minibatch_size": 16,
             "micro_batch_size": 16,
-            "actor": {"lr": 1e-3},
+            "optim": {"lr": 1e-3},
         },
     }
 

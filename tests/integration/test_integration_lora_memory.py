@@ -3,8 +3,8 @@ frozen reward model is the LoRA critic with adapters off, so they add no weights
 
 from torch import nn
 
-from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict
+from rlhf_dist.data.batching import ppo_plan
 from rlhf_dist.trainers.ppo_setup import build_models
 
 

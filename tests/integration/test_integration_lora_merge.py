@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from rlhf_dist.config import GenerationConfig, LoRAConfig
-from rlhf_dist.lora import add_adapters, merged_adapters
-from rlhf_dist.rollout import generate
+from rlhf_dist.engine.decode import generate
+from rlhf_dist.models.lora import add_adapters, merged_adapters
 
 
 @pytest.fixture

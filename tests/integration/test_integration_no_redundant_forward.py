@@ -1,7 +1,8 @@
 """No redundant forwards (docs/architecture.md section 10): with one optimizer step per
 rollout and the KL in the loss, the rollout's scoring runs no actor pass; the old
 log-probs and entropies come from the update's forward (ratio exactly 1). The run logs
-the same metrics as with the separate pass, to 1e-6."""
+the same metrics as with the separate pass (perf.old_logprobs_from_update=false, the
+reference path), to 1e-6."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def grpo_tree(out, policy, data) -> dict:
         "ppo": {
             "iterations": 2, "rollout_batch_size": 4, "samples_per_prompt": 4,
             "rollout_micro_batch_size": 8, "ppo_epochs": 1, "minibatch_size": 16,
-            "micro_batch_size": 8, "actor": {"lr": 1e-3}, "estimator": "grpo",
+            "micro_batch_size": 8, "optim": {"lr": 1e-3}, "estimator": "grpo",
             "kl_placement": "loss", "kl_kind": "k3", "kl_coef": 0.04, "entropy_coef": 0.01,
         },
     }  # fmt: skip
@@ -43,8 +44,7 @@ def run(tree, runtime, monkeypatch, read_jsonl, skip: bool):
 
     with monkeypatch.context() as m:
         m.setattr(ActorCritic, "forward", counting)
-        if not skip:
-            m.setattr(ppo, "old_logprobs_from_update", lambda cfg, plan: False)
+        tree = tree | {"perf": {"old_logprobs_from_update": skip}}
         ppo.train_ppo(config_from_dict(tree), runtime)
     return read_jsonl(tree["run"]["output_dir"] + "/metrics.jsonl"), len(scoring)
 

@@ -51,7 +51,7 @@ def tree_for(out, policy, reward, data, **ppo_keys) -> dict:
             "ppo_epochs": 1,
             "minibatch_size": 16,
             "micro_batch_size": 8,
-            "actor": {"lr": 1e-3},
+            "optim": {"lr": 1e-3},
             "estimator": "grpo",
             **ppo_keys,
         },

@@ -1,4 +1,4 @@
-"""model.packed_sequences through a whole PPO run (docs/architecture.md section 10): the
+"""perf.packed_sequences through a whole PPO run (docs/architecture.md section 10): the
 actor's, reference's, critic's and reward model's forwards run on packed rows (several
 sequences per row, no attention mask), generation stays padded with its KV cache, and the
 run logs the same metrics as the padded run."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from packed_models import shared_rows
 
-from rlhf_dist import models
 from rlhf_dist.config import config_from_dict
+from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.trainers import ppo
 
 NOISY = ("time/", "throughput/", "memory/")
@@ -21,17 +21,16 @@ def gae_tree(out, task_env, data, packed: bool) -> dict:
         "model": {
             "policy": str(task_env.policy),
             "reward": str(task_env.reward),
-            "packed_sequences": packed,
-            # The baseline is the whole-row padded forward, one per call as packed runs do
-            # (shared prompts would split the actor's into two: test_unit_shared_prompt).
-            "shared_prompt_forward": False,
         },
+        # The baseline is the whole-row padded forward, one per call as packed runs do
+        # (shared prompts would split the actor's into two: test_unit_shared_prompt).
+        "perf": {"packed_sequences": packed, "shared_prompt_forward": False},
         "data": data,
         "generation": {"max_new_tokens": 12, "temperature": 0.7},
         "ppo": {
             "iterations": 2, "rollout_batch_size": 8, "rollout_micro_batch_size": 8,
             "ppo_epochs": 1, "minibatch_size": 8, "micro_batch_size": 4,
-            "actor": {"lr": 1e-3}, "critic": {"lr": 1e-3}, "kl_coef": 0.05,
+            "optim": {"lr": 1e-3}, "critic_optim": {"lr": 1e-3}, "kl_coef": 0.05,
         },
     }  # fmt: skip
 
@@ -40,7 +39,7 @@ def run(tree, runtime, monkeypatch, read_jsonl):
     """metrics.jsonl rows and (token slots, real tokens, masked) of every whole-sequence
     forward."""
     forwards = []
-    original = models.backbone_inputs
+    original = engine_packing.backbone_inputs
 
     def spy(input_ids, attention_mask, layout):
         inputs = original(input_ids, attention_mask, layout)
@@ -49,7 +48,7 @@ def run(tree, runtime, monkeypatch, read_jsonl):
         return inputs
 
     with monkeypatch.context() as m:
-        m.setattr(models, "backbone_inputs", spy)
+        m.setattr(engine_packing, "backbone_inputs", spy)
         ppo.train_ppo(config_from_dict(tree), runtime)
     return read_jsonl(tree["run"]["output_dir"] + "/metrics.jsonl"), forwards
 

@@ -20,11 +20,12 @@ import pytest
 import torch
 from packed_models import packed, shared_rows
 
-from rlhf_dist.batching import BatchPlan, global_batches, ppo_plan
 from rlhf_dist.config import config_from_dict, to_dict
-from rlhf_dist.data import collate_sft
-from rlhf_dist.models import ActorCritic, token_logprobs
-from rlhf_dist.scoring import Scorer
+from rlhf_dist.data.batching import BatchPlan, global_batches, ppo_plan
+from rlhf_dist.data.rows import collate_sft
+from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.models import ActorCritic
+from rlhf_dist.rewards.scoring import Scorer
 from rlhf_dist.trainers import ppo
 from rlhf_dist.trainers.ptx import ptx_stream
 
@@ -45,8 +46,8 @@ def ppo_tree(out, policy, data, **sections) -> dict:
             "ppo_epochs": 2,
             "minibatch_size": 8,
             "micro_batch_size": 8,
-            "actor": {"lr": 3e-4},
-            "critic": {"lr": 3e-4},
+            "optim": {"lr": 3e-4},
+            "critic_optim": {"lr": 3e-4},
             "kl_coef": 0.05,
         },
     }
@@ -169,8 +170,8 @@ def test_ppo_raises_a_reward_function_score_on_user_prompts(
             "ppo_epochs": 2,
             "minibatch_size": 16,
             "micro_batch_size": 16,
-            "actor": {"lr": 1e-3},
-            "critic": {"lr": 1e-3},
+            "optim": {"lr": 1e-3},
+            "critic_optim": {"lr": 1e-3},
             # No reward model to start the critic from.
             "critic_init": "policy",
         },
@@ -239,7 +240,7 @@ def test_ppo_iteration_runs_epochs_x_minibatches_of_micro_batches(
             "micro_batch_size": 4,
             "critic_init": "policy",
             # A linear decay to 0 over all steps makes the logged lr count the steps taken.
-            "actor": {"lr": 1e-4, "schedule": "linear"},
+            "optim": {"lr": 1e-4, "schedule": "linear"},
         },
     )
     ppo.train_ppo(config_from_dict(tree), runtime)
@@ -321,8 +322,8 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
             "minibatch_size": 16,
             "micro_batch_size": 16,
             "critic_init": "policy",
-            "actor": {"lr": 1e-3},
-            "critic": {"lr": 1e-3},
+            "optim": {"lr": 1e-3},
+            "critic_optim": {"lr": 1e-3},
         },
     )
     ppo.train_ppo(config_from_dict(tree), runtime)
@@ -343,7 +344,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
         t["ppo"] |= {"micro_batch_size": micro_batch_size, "ppo_epochs": 1, "value_clip_eps": 1e-3}
         t["ppo"]["micro_batch_tokens"] = micro_batch_tokens
         # Norm clipping off: the recorder then sees the raw accumulated gradient.
-        t["ppo"]["actor"]["max_grad_norm"] = t["ppo"]["critic"]["max_grad_norm"] = 1e9
+        t["ppo"]["optim"]["max_grad_norm"] = t["ppo"]["critic_optim"]["max_grad_norm"] = 1e9
         cfg = config_from_dict(t)
         model = packed(copy.deepcopy(base)) if packing else copy.deepcopy(base)
         recorder = GradRecorder(model)
@@ -383,14 +384,14 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     budgeted, stats_budget = step_grads(16, budget)
     for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl"):
         assert stats_budget[key] == pytest.approx(stats_whole[key], rel=1e-5, abs=1e-9), key
-    # 1e-5 as for the split above: with shared prompts (model.shared_prompt_forward) each
+    # 1e-5 as for the split above: with shared prompts (perf.shared_prompt_forward) each
     # micro-batch runs its own distinct prompts, so the sums group differently (1.1e-6 seen).
     for name in whole:
         scale = whole[name].norm()
         assert (budgeted[name] - whole[name]).norm() <= 1e-5 * scale + 1e-12, name
     assert 0 <= stats_budget["update/pad_fraction"] < stats_whole["update/pad_fraction"] < 1
 
-    # model.packed_sequences: actor and critic forwards on each micro-batch's packed rows
+    # perf.packed_sequences: actor and critic forwards on each micro-batch's packed rows
     # (left-padded prompts + right-padded responses), by 4 and by the token budget,
     # several sequences per packed row.
     rows = shared_rows(monkeypatch)
@@ -436,7 +437,7 @@ def test_ppo_ptx_term_is_the_global_token_mean_nll_whatever_the_split(
     def step_grads(micro_batch_size, ptx_on=True):
         t = to_dict(config_from_dict(tree))
         t["ppo"] |= {"micro_batch_size": micro_batch_size}
-        t["ppo"]["actor"]["max_grad_norm"] = t["ppo"]["critic"]["max_grad_norm"] = 1e9
+        t["ppo"]["optim"]["max_grad_norm"] = t["ppo"]["critic_optim"]["max_grad_norm"] = 1e9
         cfg = config_from_dict(t)
         model, plan = copy.deepcopy(base), ppo_plan(cfg.ppo, runtime.world_size)
         recorder = GradRecorder(model)

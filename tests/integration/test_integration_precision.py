@@ -40,7 +40,7 @@ def test_bf16_ppo_at_small_lr_moves_most_actor_weights(sft_run, rm_run, task_env
         "model.dtype=bfloat16", f"data.train={task_env.prompts}", f"run.output_dir={out}",
         "data.max_prompt_length=16", "ppo.iterations=3", "ppo.rollout_batch_size=8",
         "ppo.rollout_micro_batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
-        "ppo.actor.lr=3e-6", "ppo.critic.lr=3e-6", "generation.max_new_tokens=8",
+        "ppo.optim.lr=3e-6", "ppo.critic_optim.lr=3e-6", "generation.max_new_tokens=8",
         "run.checkpoint_every=1", "run.keep_checkpoints=3", "run.progress=false",
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")

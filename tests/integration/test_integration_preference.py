@@ -11,11 +11,11 @@ import random
 
 import pytest
 import torch
-from packed_models import packed, shared_rows
+from packed_models import PACKED, shared_rows
 
-from rlhf_dist.batching import BatchPlan
-from rlhf_dist.config import config_from_dict
-from rlhf_dist.data import kto_examples, load_rows, preference_pairs
+from rlhf_dist.config import PerfConfig, config_from_dict
+from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.rows import kto_examples, load_rows, preference_pairs
 from rlhf_dist.demo import task
 from rlhf_dist.models import ValueModel, load_causal_lm, load_sequence_classifier
 from rlhf_dist.trainers import preference
@@ -210,13 +210,13 @@ def test_dpo_with_lora_trains_adapters_only_and_exports(
 
 def _split_grads(step_fn, base, batch, plans):
     """(gradients, metrics) of one step_fn call per BatchPlan, each on a fresh copy; a
-    ("packed", plan) entry: the copy with model.packed_sequences on."""
+    ("packed", plan) entry: that step with perf.packed_sequences on."""
     out = []
     for plan in plans:
-        model = copy.deepcopy(base)
+        model, perf = copy.deepcopy(base), PerfConfig()
         if isinstance(plan, tuple):
-            model, plan = packed(model), plan[1]
-        metrics, _ = step_fn(model, batch, plan)
+            perf, plan = PACKED, plan[1]
+        metrics, _ = step_fn(model, batch, plan, perf)
         out.append(({n: p.grad.clone() for n, p in model.named_parameters()}, metrics))
     return out
 
@@ -239,15 +239,15 @@ def test_step_gradient_does_not_depend_on_the_micro_batch_split(
         section = config_from_dict({}).dpo
         widths, rows_per_item = [max(len(p.chosen), len(p.rejected)) for p in batch], 2
 
-        def step(model, items, plan):
-            return dpo_step(runtime, model, reference, items, None, plan, section, pad)
+        def step(model, items, plan, perf):
+            return dpo_step(runtime, model, reference, items, None, plan, section, pad, perf)
     else:
         batch = kto_examples(rows, tok, data, config_from_dict({}).kto)[0][:16]
         section = config_from_dict({}).kto
         widths, rows_per_item = [len(ex.prompt) + len(ex.completion) for ex in batch], 1
 
-        def step(model, items, plan):
-            return kto_step(runtime, model, reference, items, None, plan, section, pad)
+        def step(model, items, plan, perf):
+            return kto_step(runtime, model, reference, items, None, plan, section, pad, perf)
 
     budget = BatchPlan(16, 1, 16, micro_batch_tokens=3 * rows_per_item * max(widths))
     groups = budget.micro_batches(widths, 0, rows_per_item)
@@ -286,7 +286,8 @@ def test_reward_model_gradient_same_with_a_token_budget(
     budget = BatchPlan(16, 1, 16, micro_batch_tokens=3 * 2 * max(widths))
     assert len(budget.micro_batches(widths, 0, rows_per_item=2)) >= 3
 
-    def step(model, items, plan):
+    def step(model, items, plan, perf):
+        model.perf = perf  # the ValueModel's forward reads its perf (packed_models.packed)
         return rm_step(runtime, model, items, plan, pad)
 
     plans = (BatchPlan(16, 1, 16), budget, ("packed", budget))  # last: packed rows

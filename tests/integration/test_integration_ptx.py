@@ -19,7 +19,7 @@ import torch
 from faults import Killed, kill_at, untimed
 
 from rlhf_dist.config import config_from_dict
-from rlhf_dist.data import load_rows, sft_examples
+from rlhf_dist.data.rows import load_rows, sft_examples
 from rlhf_dist.demo import task
 from rlhf_dist.models import load_causal_lm
 from rlhf_dist.trainers import ppo
@@ -51,7 +51,7 @@ def test_ptx_killed_mid_update_resumes_to_the_same_metrics(
                 "minibatch_size": 4,
                 "micro_batch_size": 2,
                 "ppo_epochs": 1,
-                "actor": {"lr": 1e-3},
+                "optim": {"lr": 1e-3},
                 "ptx_coef": 1.0,
             },
         }
@@ -88,7 +88,7 @@ PTX_DEMO_PPO = {
     "ppo_epochs": 2,
     "minibatch_size": 16,
     "micro_batch_size": 16,
-    "actor": {"lr": 1e-3},
+    "optim": {"lr": 1e-3},
     "kl_coef": 0.05,
 }
 PTX_DEMO_COEF = 0.5

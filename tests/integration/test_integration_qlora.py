@@ -9,8 +9,8 @@ import pytest
 import torch
 from spies import capture_calls
 
-from rlhf_dist import config as config_module
 from rlhf_dist.config import ConfigError, config_from_dict, load_config, validate
+from rlhf_dist.config import validation as config_module
 from rlhf_dist.trainers import ppo
 
 
@@ -37,7 +37,7 @@ def test_qlora_ppo_trains_the_adapters_and_exports_dequantized_base_plus_adapter
     from bitsandbytes.nn import Linear4bit
     from transformers import AutoModelForCausalLM
 
-    from rlhf_dist.lora import nf4_round_trip
+    from rlhf_dist.models.lora import nf4_round_trip
 
     built = capture_calls(monkeypatch, ppo, "build_models")
     out = tmp_path / "run"
@@ -50,7 +50,7 @@ def test_qlora_ppo_trains_the_adapters_and_exports_dequantized_base_plus_adapter
         "ppo": {
             "critic_init": "policy", "iterations": 2, "rollout_batch_size": 8,
             "rollout_micro_batch_size": 8, "minibatch_size": 4, "micro_batch_size": 4,
-            "ppo_epochs": 1, "actor": {"lr": 1e-2},
+            "ppo_epochs": 1, "optim": {"lr": 1e-2},
         },
         "lora": {
             "enabled": True, "load_in_4bit": True, "r": 4,

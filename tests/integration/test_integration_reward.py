@@ -10,7 +10,7 @@ import random
 import torch
 
 from rlhf_dist.config import config_from_dict
-from rlhf_dist.data import collate_pairs, load_rows, preference_pairs
+from rlhf_dist.data.rows import collate_pairs, load_rows, preference_pairs
 from rlhf_dist.demo import task
 from rlhf_dist.trainers.reward import train_reward_model
 

@@ -30,7 +30,7 @@ def ppo(task_env, out: Path, env: dict, *extra: str) -> subprocess.CompletedProc
         "data.max_prompt_length=16",
         "data.max_length=48",
         f"run.output_dir={out}",
-        "run.num_threads=1",
+        "perf.num_threads=1",
         "reward.function=flaky_rewards:flaky",
         "reward.retries=1",
         "reward.retry_delay_s=0",

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from rlhf_dist import diagnostics
 from rlhf_dist.config import config_from_dict
-from rlhf_dist.data import load_rows
+from rlhf_dist.data.rows import load_rows
 from rlhf_dist.demo import task
 from rlhf_dist.evaluate import run_eval
+from rlhf_dist.observability import diagnostics
 from rlhf_dist.trainers import reward
 
 REPORT_KEYS = {

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf_dist.config import config_from_dict
+from rlhf_dist.engine.decode import generate
 from rlhf_dist.models import load_causal_lm
-from rlhf_dist.rollout import generate
 from rlhf_dist.trainers import ppo
 
 

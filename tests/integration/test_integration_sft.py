@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 import yaml
-from packed_models import packed, shared_rows
+from packed_models import PACKED, shared_rows
 
-from rlhf_dist.batching import BatchPlan
-from rlhf_dist.config import load_config, to_dict
-from rlhf_dist.data import collate_sft, load_rows, sft_examples
+from rlhf_dist.config import PerfConfig, load_config, to_dict
+from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.rows import collate_sft, load_rows, sft_examples
 from rlhf_dist.models import load_causal_lm
-from rlhf_dist.trainers.sft import eval_nll, sft_step, token_nll_sum
+from rlhf_dist.trainers.sft import causal_lm_logprobs, eval_nll, sft_step, token_nll_sum
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,9 @@ def test_sft_gradient_does_not_depend_on_the_micro_batch_split(
     base = load_causal_lm(str(task_env.policy), "model.policy")
 
     def grads_and_metrics(plan, packing=False):
-        model = packed(copy.deepcopy(base)) if packing else copy.deepcopy(base)
-        metrics, _ = sft_step(runtime, model, examples, plan, pad)
+        model = copy.deepcopy(base)
+        perf = PACKED if packing else PerfConfig()
+        metrics, _ = sft_step(runtime, model, examples, plan, pad, perf)
         return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
 
     whole, m_whole = grads_and_metrics(BatchPlan(16, 1, 16))
@@ -124,7 +125,9 @@ def test_sft_gradient_does_not_depend_on_the_micro_batch_split(
     # above is a property of sft_step and not of the data.
     model = copy.deepcopy(base)
     for s in BatchPlan(16, 1, 4).micro_slices():
-        nll_sum, count = token_nll_sum(model, collate_sft(examples[s], pad))
+        nll_sum, count = token_nll_sum(
+            model, collate_sft(examples[s], pad), causal_lm_logprobs(PerfConfig())
+        )
         (nll_sum / count / 4).backward()
     naive = dict(model.named_parameters())
     total = torch.stack([whole[n].norm() ** 2 for n in whole]).sum().sqrt()

@@ -22,10 +22,10 @@ import torch
 pytest.importorskip("vllm")
 
 from rlhf_dist.config import config_from_dict  # noqa: E402
-from rlhf_dist.lora import merged_adapters  # noqa: E402
-from rlhf_dist.models import token_logprobs  # noqa: E402
-from rlhf_dist.rollout import generate, truncate_after_eos  # noqa: E402
-from rlhf_dist.vllm_rollout import SyncError, VLLMEngine  # noqa: E402
+from rlhf_dist.engine.decode import generate, truncate_after_eos  # noqa: E402
+from rlhf_dist.engine.forward import token_logprobs  # noqa: E402
+from rlhf_dist.models.lora import merged_adapters  # noqa: E402
+from rlhf_dist.rollout.vllm import SyncError, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def actor(task_env):
 
 
 def _prompts(task_env, n=6):
-    from rlhf_dist.data import left_pad
+    from rlhf_dist.data.rows import left_pad
 
     tok = task_env.tokenizer
     texts = ["the food was", "i think the service", "a great", "the room", "we loved it", "meh"]
@@ -162,7 +162,7 @@ def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path, one_step):
             "ppo_epochs": 2,
             "minibatch_size": 8,
             "micro_batch_size": 8,
-            "actor": {"lr": 1e-3},
+            "optim": {"lr": 1e-3},
             "tis_cap": 2.0,
         },
     }

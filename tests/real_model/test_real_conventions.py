@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rlhf_dist.config import DataConfig
-from rlhf_dist.data import collate_sft, sft_examples
+from rlhf_dist.data.rows import collate_sft, sft_examples
+from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
 from rlhf_dist.models import ValueModel, load_sequence_classifier, load_tokenizer
-from rlhf_dist.rollout import decode_responses, generate, truncate_after_eos
 
 EOS = 2  # <|im_end|>: SmolLM2's EOS and its template's end-of-turn token
 CONVENTIONS = ("shipped", "nopad", "distinct")
@@ -76,7 +76,7 @@ def test_eos_ended_and_truncated_responses_when_pad_is_eos(smollm2, convention):
 
 
 def test_reward_score_is_read_at_the_last_real_token_when_pad_is_eos(tiny_real_vocab, smollm2):
-    from rlhf_dist.scoring import score_sequences
+    from rlhf_dist.rewards.scoring import score_sequences
 
     tok = load_tokenizer(str(smollm2["shipped"]))
     rm = ValueModel(
@@ -147,7 +147,7 @@ def test_generation_config_eos_lists_stop_generation(tmp_path, smollm2):
 def test_exports_keep_the_tokenizer_as_shipped(smollm2, tmp_path):
     from transformers import AutoTokenizer
 
-    from rlhf_dist.chat import export_tokenizer
+    from rlhf_dist.data.chat import export_tokenizer
 
     for c in CONVENTIONS:
         tok = load_tokenizer(str(smollm2[c]))

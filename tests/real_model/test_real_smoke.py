@@ -32,7 +32,7 @@ PROBE = "model.layers.29.mlp.down_proj.weight"  # the last layer: trained by eve
 COMMON = {
     "run.progress": False,
     "run.log_every": 1,
-    "run.num_threads": 2,
+    "perf.num_threads": 2,
     "data.max_length": 96,
     "data.max_prompt_length": 56,
 }
@@ -48,7 +48,7 @@ GRPO = {
     "ppo.kl_placement": "loss",
     "ppo.kl_kind": "k3",
     "ppo.kl_coef": 0.04,
-    "ppo.actor.lr": 1e-5,
+    "ppo.optim.lr": 1e-5,
     "generation.max_new_tokens": 12,
     "generation.temperature": 1.0,
 }

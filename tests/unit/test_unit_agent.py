@@ -1,7 +1,7 @@
-"""Multi-turn rollouts (rlhf_dist/agent.py, docs/agents.md "Multi-turn rollouts and tools").
+"""Multi-turn rollouts (rlhf_dist/rollout/agent.py, docs/agents.md "Multi-turn rollouts and tools").
 
 A scripted policy (its next token a function of the context it was given) drives whole
-episodes deterministically through `rollout.generate`, over a character-level BPE
+episodes deterministically through `engine.decode.generate`, over a character-level BPE
 tokenizer with one merge ("name" is one token), so a turn sampled character by character
 is NOT the tokenizer's encoding of its own text: re-tokenising it would change the ids.
 """
@@ -14,8 +14,10 @@ import time
 import pytest
 import torch
 
-from rlhf_dist import agent as agent_mod
-from rlhf_dist.agent import (
+from rlhf_dist.config import ConfigError, GenerationConfig, config_from_dict, validate
+from rlhf_dist.rollout import RolloutBatch
+from rlhf_dist.rollout import agent as agent_mod
+from rlhf_dist.rollout.agent import (
     CHATML_TOOLS_TEMPLATE,
     Agent,
     Renderer,
@@ -26,8 +28,6 @@ from rlhf_dist.agent import (
     run_tool,
     tool_schema,
 )
-from rlhf_dist.config import ConfigError, GenerationConfig, config_from_dict, validate
-from rlhf_dist.rollout import RolloutBatch
 
 SPECIALS = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
 
@@ -370,7 +370,7 @@ def test_a_rank_with_no_episode_left_runs_throw_away_turns_in_lock_step(tok):
 def test_an_engine_samples_the_turns_and_its_log_probs_sit_on_the_sampled_tokens(tok):
     """generation.backend=vllm: a sampler (ids, mask, gen, stop_ids) -> (ids, log-probs)
     stands for the engine; its log-probs land on the sampled tokens, 0 on the tool's."""
-    from rlhf_dist.rollout import generate
+    from rlhf_dist.engine.decode import generate
 
     agent = make_agent(tok, {"lookup": lookup})
     model = Scripted(turn_policy(tok, [call_turn(tok), answer_turn(tok)]), len(tok))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlhf_dist.alerts import AlertMonitor
 from rlhf_dist.config import AlertsConfig, ConfigError
+from rlhf_dist.observability.alerts import AlertMonitor
 
 
 def healthy(i: int) -> dict:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf_dist.batching import (
+from rlhf_dist.data.batching import (
     BatchPlan,
     PPOPlan,
     epoch_order,

@@ -13,7 +13,8 @@ import pytest
 from chat_tokenizers import build_chat_tokenizer
 from transformers import AutoTokenizer
 
-from rlhf_dist.chat import (
+from rlhf_dist.config import ConfigError, DataConfig
+from rlhf_dist.data.chat import (
     BadRow,
     Chat,
     chat_for,
@@ -22,8 +23,7 @@ from rlhf_dist.chat import (
     resolve_template,
     stop_token_ids,
 )
-from rlhf_dist.config import ConfigError, DataConfig
-from rlhf_dist.data import (
+from rlhf_dist.data.rows import (
     SFTExample,
     close_with_stop,
     collate_sft,

@@ -95,4 +95,4 @@ class C: pass
         "transformers.integrations.deepspeed",
     ]
     assert in_distributed_layer("rlhf_dist/distributed/guard.py")
-    assert not in_distributed_layer("rlhf_dist/models.py")
+    assert not in_distributed_layer("rlhf_dist/models/")

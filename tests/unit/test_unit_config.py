@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 import pytest
+import yaml
 
 from rlhf_dist.config import (
     Config,
@@ -59,20 +60,20 @@ def test_yaml_file_sets_nested_values(tmp_path):
     assert cfg.run.trackers == ("wandb", "tensorboard")
     assert cfg.ppo.kl_coef == 0.2
     # PyYAML (YAML 1.1) reads `3e-6` as a string; the loader must still make it a float.
-    assert cfg.ppo.actor.lr == 3e-6 and isinstance(cfg.ppo.actor.lr, float)
+    assert cfg.ppo.optim.lr == 3e-6 and isinstance(cfg.ppo.optim.lr, float)
     # An int where a float is declared is widened, not rejected.
     assert cfg.reward.missing_eos_penalty == -1.0
     assert isinstance(cfg.reward.missing_eos_penalty, float)
     # Keys not in the file keep their defaults, including the section-specific ones.
-    assert cfg.ppo.critic == Config().ppo.critic
+    assert cfg.ppo.critic_optim == Config().ppo.critic_optim
     assert cfg.ppo.iterations == Config().ppo.iterations
 
 
 def test_overrides_parse_like_yaml():
     cfg = load_config(
         overrides=[
-            "ppo.actor.lr=1e-5",
-            "ppo.critic.lr=2.5e-4",
+            "ppo.optim.lr=1e-5",
+            "ppo.critic_optim.lr=2.5e-4",
             "ppo.iterations=3",
             "ppo.whiten_advantages=false",
             "run.trackers=[wandb]",
@@ -80,8 +81,8 @@ def test_overrides_parse_like_yaml():
             "reward.missing_eos_penalty=-1",
         ]
     )
-    assert cfg.ppo.actor.lr == 1e-5 and isinstance(cfg.ppo.actor.lr, float)
-    assert cfg.ppo.critic.lr == 2.5e-4
+    assert cfg.ppo.optim.lr == 1e-5 and isinstance(cfg.ppo.optim.lr, float)
+    assert cfg.ppo.critic_optim.lr == 2.5e-4
     assert cfg.ppo.iterations == 3
     assert cfg.ppo.whiten_advantages is False
     assert cfg.run.trackers == ("wandb",)
@@ -90,11 +91,11 @@ def test_overrides_parse_like_yaml():
 
 
 def test_nested_override_keeps_the_section_specific_defaults():
-    # ppo.actor defaults to lr=1e-5, not OptimConfig's 1e-4: touching one key of the
+    # ppo.optim defaults to lr=1e-5, not OptimConfig's 1e-4: touching one key of the
     # nested section must not reset its siblings to the generic dataclass defaults.
-    cfg = load_config(overrides=["ppo.actor.weight_decay=0.1", "sft.optim.warmup_steps=5"])
-    assert cfg.ppo.actor.weight_decay == 0.1
-    assert cfg.ppo.actor.lr == Config().ppo.actor.lr == 1e-5
+    cfg = load_config(overrides=["ppo.optim.weight_decay=0.1", "sft.optim.warmup_steps=5"])
+    assert cfg.ppo.optim.weight_decay == 0.1
+    assert cfg.ppo.optim.lr == Config().ppo.optim.lr == 1e-5
     assert cfg.sft.optim.lr == Config().sft.optim.lr == 1e-3
     assert cfg.sft.optim.warmup_steps == 5
     assert OptimConfig().lr != 1e-5  # otherwise the check above would prove nothing
@@ -128,7 +129,7 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
         (["nonsense.key=1"], "nonsense"),
         (["typo=1"], "typo"),
         (["ppo.kl_coeff=0.1"], "ppo.kl_coeff"),
-        (["ppo.actor.learning_rate=1e-5"], "ppo.actor.learning_rate"),
+        (["ppo.optim.learning_rate=1e-5"], "ppo.optim.learning_rate"),
     ],
 )
 def test_unknown_keys(overrides, key):
@@ -140,7 +141,7 @@ def test_unknown_keys(overrides, key):
 def test_unknown_key_in_yaml_file(tmp_path):
     path = write(tmp_path, "ppo:\n  actor:\n    lr: 1e-5\n    betas: [0.9, 0.95]\n")
     message = config_error(load_config, path)
-    assert "ppo.actor.betas" in message
+    assert "ppo.optim.betas" in message
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
         ("ppo.clip_eps=true", "ppo.clip_eps"),
         ("run.trackers=[1, 2]", "run.trackers"),  # list of non-text
         ("model.policy=null", "model.policy"),  # not optional
-        ("ppo.actor=3", "ppo.actor"),  # a section given a scalar
+        ("ppo.optim=3", "ppo.optim"),  # a section given a scalar
         ("ppo=3", "ppo"),
     ],
 )
@@ -454,7 +455,7 @@ def test_required_keys_per_stage(stage, overrides, key):
         ("ppo.clip_eps=0", "ppo.clip_eps"),
         ("ppo.kl_coef=-1", "ppo.kl_coef"),
         ("ppo.value_clip_eps=0", "ppo.value_clip_eps"),
-        ("ppo.actor.lr=0", "ppo.actor.lr"),
+        ("ppo.optim.lr=0", "ppo.optim.lr"),
         ("generation.top_p=0", "generation.top_p"),
         ("generation.top_k=-1", "generation.top_k"),
         ("generation.temperature=0", "generation.temperature"),
@@ -468,9 +469,9 @@ def test_ppo_range_checks(override, key):
 
 
 def test_nan_learning_rate_is_rejected():
-    cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.actor.lr=nan"])
-    assert math.isnan(cfg.ppo.actor.lr)
-    assert "ppo.actor.lr" in config_error(validate, cfg, "ppo")
+    cfg = load_config(overrides=[*PPO_REQUIRED, "ppo.optim.lr=nan"])
+    assert math.isnan(cfg.ppo.optim.lr)
+    assert "ppo.optim.lr" in config_error(validate, cfg, "ppo")
 
 
 # ------------------------------------------------------------------- save / frozen objects
@@ -479,8 +480,8 @@ def test_nan_learning_rate_is_rejected():
 def test_save_config_round_trip(tmp_path):
     cfg = load_config(
         overrides=[
-            "ppo.actor.lr=1e-5",
-            "ppo.critic.lr=3.3e-7",
+            "ppo.optim.lr=1e-5",
+            "ppo.critic_optim.lr=3.3e-7",
             "run.trackers=[wandb, tensorboard]",
             "reward.missing_eos_penalty=-1",
             "ppo.value_clip_eps=null",
@@ -502,14 +503,14 @@ def test_config_objects_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.ppo.iterations = 4
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.ppo.actor.lr = 1.0
+        cfg.ppo.optim.lr = 1.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.run = None
     assert cfg.ppo.iterations == 3
 
 
 def test_flash_attention_without_the_package_is_an_error_naming_the_key(monkeypatch):
-    import rlhf_dist.config as config_module
+    import rlhf_dist.config.validation as config_module
 
     cfg = load_config(overrides=PPO_REQUIRED + ["model.attn_implementation=flash_attention_2"])
     monkeypatch.setattr(config_module, "_installed", lambda module: False)
@@ -534,7 +535,7 @@ def _all_fields(cls, prefix=""):
 
 def test_every_key_and_section_has_help_text():
     names = [name for name, _ in _all_fields(Config)]
-    assert "ppo.actor.lr" in names and "sft.optim.schedule" in names  # the walk reaches nests
+    assert "ppo.optim.lr" in names and "sft.optim.schedule" in names  # the walk reaches nests
     missing = [
         name
         for name, f in _all_fields(Config)
@@ -551,7 +552,7 @@ def test_describe_lists_every_key_with_type_default_choices_and_help():
     lines = text.splitlines()
     # A nested section shows its own defaults (sft.optim.lr is 1e-3, OptimConfig's is 1e-4).
     assert "  sft.optim.lr  float = 0.001  (> 0)" in lines
-    assert "  ppo.actor.lr  float = 1e-05  (> 0)" in lines
+    assert "  ppo.optim.lr  float = 1e-05  (> 0)" in lines
     assert '  ppo.kl_kind  str = "k1"  (one of: k1, k2, k3)' in lines
     assert "  reward.clip  float or null = null  (> 0 or null)" in lines
     assert any(line.startswith("  lora.target_modules  list of str = [") for line in lines)
@@ -559,13 +560,17 @@ def test_describe_lists_every_key_with_type_default_choices_and_help():
 
 def test_describe_one_section_subsection_or_key():
     ppo = describe("ppo")
-    assert "ppo.actor.lr" in ppo and "ppo.kl_coef" in ppo and "run.seed" not in ppo
-    actor = describe("ppo.actor")
-    assert "ppo.actor.lr" in actor and "ppo.critic.lr" not in actor and "ppo.kl_coef" not in actor
+    assert "ppo.optim.lr" in ppo and "ppo.kl_coef" in ppo and "run.seed" not in ppo
+    actor = describe("ppo.optim")
+    assert (
+        "ppo.optim.lr" in actor
+        and "ppo.critic_optim.lr" not in actor
+        and "ppo.kl_coef" not in actor
+    )
     assert describe("ppo.kl_kind").splitlines()[0].startswith("  ppo.kl_kind  str")
 
 
-@pytest.mark.parametrize("section", ["ppx", "ppo.act", "ppo.actor.lr.x"])
+@pytest.mark.parametrize("section", ["ppx", "ppo.act", "ppo.optim.lr.x"])
 def test_describe_unknown_section_names_it(section):
     message = config_error(describe, section)
     assert message.startswith(f"{section}: ") and "ppo" in message
@@ -618,7 +623,7 @@ def test_range_text_and_in_range_by_hand():
 
 
 def ranged_keys():
-    from rlhf_dist.config import _walk
+    from rlhf_dist.config.loading import _walk
 
     return [(name, f, value) for name, f, _, value in _walk(Config()) if "range" in f.metadata]
 
@@ -687,3 +692,58 @@ def test_config_listing_shows_ranges():
     assert any(line.startswith("  ppo.gamma  float = 1.0  (in [0, 1])") for line in lines), lines
     assert "(each >= 0)" in describe("generation.stop_token_ids")
     assert "(one of: wandb, tensorboard)" in describe("run.trackers")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("ppo.actor.lr", "ppo.optim.lr", 3e-6),
+        ("ppo.critic.max_grad_norm", "ppo.critic_optim.max_grad_norm", 0.5),
+        ("run.num_threads", "perf.num_threads", 3),
+        ("run.retain_host_memory", "perf.retain_host_memory", False),
+        ("model.logprob_chunk_tokens", "perf.logprob_chunk_tokens", 64),
+        ("model.packed_sequences", "perf.packed_sequences", True),
+        ("model.shared_prompt_forward", "perf.shared_prompt_forward", False),
+        ("distributed.gather_for_generation", "perf.gather_for_generation", False),
+        ("distributed.gather_for_training", "perf.gather_for_training", "never"),
+    ],
+)
+def test_renamed_keys_still_work_with_one_deprecation_line(old, new, value, capsys, tmp_path):
+    """A key renamed in this release (config.RENAMED_KEYS) is accepted for one release,
+    from an override and from a YAML file, with one stderr line naming the new key."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    for load in (
+        lambda: load_config(None, [f"{old}={text}"]),
+        lambda: load_config(write_yaml(tmp_path, old, value), []),
+    ):
+        cfg = load()
+        section, *rest = new.split(".")
+        got = getattr(cfg, section)
+        for part in rest:
+            got = getattr(got, part)
+        assert got == value
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and old.rsplit(".", 1)[0] in err[0] and "renamed" in err[0], err
+        assert new.rsplit(".", 1)[0] in err[0]
+
+
+def write_yaml(tmp_path, dotted: str, value) -> str:
+    tree: dict = {}
+    node = tree
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+def test_a_renamed_key_given_under_both_names_is_an_error():
+    with pytest.raises(ConfigError, match=r"^ppo.actor: renamed to ppo.optim; set only ppo.optim"):
+        load_config(None, ["ppo.actor.lr=1e-6", "ppo.optim.lr=2e-6"])
+
+
+def test_new_names_print_no_deprecation(capsys):
+    load_config(None, ["ppo.optim.lr=1e-6", "perf.num_threads=2"])
+    assert capsys.readouterr().err == ""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf_dist.config import ConfigError, DataConfig
-from rlhf_dist.data import (
+from rlhf_dist.data.rows import (
     PreferencePair,
     SFTExample,
     collate_pairs,

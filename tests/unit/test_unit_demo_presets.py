@@ -34,4 +34,4 @@ def test_objective_preset_is_a_valid_grpo_config(algorithm, tmp_path):
     grpo = config_from_dict(
         pipeline.stage_configs(tmp_path, files, {"policy": Path("p")}, 0, False, "grpo")["grpo"]
     )
-    assert cfg.ppo.actor == grpo.ppo.actor and cfg.ppo.kl_coef == grpo.ppo.kl_coef
+    assert cfg.ppo.optim == grpo.ppo.optim and cfg.ppo.kl_coef == grpo.ppo.kl_coef

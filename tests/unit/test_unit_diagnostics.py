@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from rlhf_dist import diagnostics as d
-from rlhf_dist.diagnostics import Response
+from rlhf_dist.observability import diagnostics as d
+from rlhf_dist.observability.diagnostics import Response
 from rlhf_dist.trainers.reward import expected_calibration_error
 
 # ------------------------------------------------------------------ accuracy_by_category

@@ -85,7 +85,7 @@ def test_guard_skips_a_non_finite_step_counts_it_and_steps_the_next():
 
 RSS_AFTER_FREE = """
 import sys, torch
-from rlhf_dist.distributed.backend import retain_freed_host_memory
+from rlhf_dist.engine.cpu import retain_freed_host_memory
 if sys.argv[1] == "retain":
     assert retain_freed_host_memory()
 def rss():
@@ -99,11 +99,11 @@ print(held - rss())
 
 
 @pytest.mark.skipif(
-    not __import__("rlhf_dist.distributed.backend", fromlist=["_glibc_version"])._glibc_version(),
+    not __import__("rlhf_dist.engine.cpu", fromlist=["_glibc_version"])._glibc_version(),
     reason="glibc's malloc only",
 )
 def test_retained_host_memory_stays_in_the_process_for_the_next_tensor():
-    """run.retain_host_memory: a freed 256 MiB tensor stays resident (its pages serve the
+    """perf.retain_host_memory: a freed 256 MiB tensor stays resident (its pages serve the
     next one without faults); by default glibc hands it back to the OS at once."""
     import subprocess
     import sys

@@ -66,7 +66,7 @@ def test_pair_rows_order_by_label_and_drop_identical_answers():
 
 
 def test_written_pairs_are_a_preference_file_rlhf_dist_rm_reads(tmp_path):
-    from rlhf_dist.data import load_rows, preference_pairs
+    from rlhf_dist.data.rows import load_rows, preference_pairs
     from rlhf_dist.demo import task
 
     tok = task.build_tokenizer(tmp_path / "tok")

@@ -1,4 +1,4 @@
-"""model.packed_sequences (docs/architecture.md section 10): token_logprobs and ValueModel
+"""perf.packed_sequences (docs/architecture.md section 6): token_logprobs and ValueModel
 on packed rows equal the padded forward in values and in every parameter's gradient (fp32,
 tiny Llama, uneven rows with left and right padding), through eager and sdpa attention,
 LoRA and gradient checkpointing; the backbone sees fewer, no wider rows."""
@@ -8,13 +8,17 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from rlhf_dist import models
-from rlhf_dist.config import LoRAConfig
+from rlhf_dist.config import LoRAConfig, PerfConfig
+from rlhf_dist.engine import forward as engine_forward
+from rlhf_dist.engine import packing as engine_packing
+from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.lora import add_adapters
-from rlhf_dist.models import ValueModel, enable_gradient_checkpointing, token_logprobs
+from rlhf_dist.models import ValueModel, enable_gradient_checkpointing
+from rlhf_dist.models.lora import add_adapters
 
 V, TEMPERATURE = 50, 0.7
+PACKED = PerfConfig(logprob_chunk_tokens=4, packed_sequences=True)
+PADDED = PerfConfig(logprob_chunk_tokens=4)
 
 
 def tiny(kind, attn: str, seed: int = 0):
@@ -52,10 +56,9 @@ def backbone_widths(lm):
     return shapes
 
 
-def run(model, lm, packed: bool, fn):
-    lm.packed_sequences = packed
+def run(model, packed: bool, fn):
     model.zero_grad(set_to_none=True)
-    outputs = fn(model)
+    outputs = fn(model, PACKED if packed else PADDED)
     g = torch.Generator().manual_seed(2)
     sum((o * torch.randn(o.shape, generator=g)).sum() for o in outputs).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -64,8 +67,8 @@ def run(model, lm, packed: bool, fn):
 
 def assert_packed_equals_padded(model, lm, fn):
     shapes = backbone_widths(lm)
-    padded, padded_grads = run(model, lm, False, fn)
-    packed, packed_grads = run(model, lm, True, fn)
+    padded, padded_grads = run(model, False, fn)
+    packed, packed_grads = run(model, True, fn)
     assert shapes == [(4, 14), (2, 14)]  # 56 -> 28 token slots, rows no wider
     for a, b in zip(packed, padded):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -77,14 +80,14 @@ def assert_packed_equals_padded(model, lm, fn):
     return packed_grads
 
 
-def logprobs_fn(model):
+def logprobs_fn(model, perf):
     ids, attention, mask = batch()
-    return token_logprobs(model, ids, attention, mask, TEMPERATURE, 4, True)
+    return token_logprobs(model, ids, attention, mask, TEMPERATURE, True, perf=perf)
 
 
-def values_fn(model):
+def values_fn(classifier, perf):
     ids, attention, mask = batch()
-    values = model(ids, attention)
+    values = ValueModel(classifier, perf)(ids, attention)
     return (values * attention,)  # padding values are read nowhere (0 when packed)
 
 
@@ -98,14 +101,13 @@ def test_token_logprobs_packed_equal_padded(attn):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_value_model_packed_equal_padded(attn):
     classifier = tiny(LlamaForSequenceClassification, attn)
-    model = ValueModel(classifier)
-    assert_packed_equals_padded(model, classifier, values_fn)
-    classifier.packed_sequences = True
+    assert_packed_equals_padded(classifier, classifier, values_fn)
+    model = ValueModel(classifier, PACKED)
     ids, attention, _ = batch()
     with torch.no_grad():
         assert bool((model(ids, attention)[attention == 0] == 0).all())
         with pytest.raises(ValueError, match="own position ids"):
-            model(ids, attention, models.position_ids_from(attention))
+            model(ids, attention, engine_packing.position_ids_from(attention))
 
 
 def test_lora_and_gradient_checkpointing_packed_equal_padded():
@@ -115,27 +117,20 @@ def test_lora_and_gradient_checkpointing_packed_equal_padded():
     for name, p in model.named_parameters():
         if "lora_B" in name:  # non-zero B: the adapters change the outputs
             torch.nn.init.normal_(p, 0.0, 0.1, generator=torch.Generator().manual_seed(3))
-    grads = assert_packed_equals_padded(model, models.causal_lm(model), logprobs_fn)
+    grads = assert_packed_equals_padded(model, engine_forward.causal_lm(model), logprobs_fn)
     assert any("lora_A" in n for n in grads) and not any("lora" not in n for n in grads)
 
 
 def test_rows_with_a_gap_are_refused():
     lm = tiny(LlamaForCausalLM, "eager")
-    lm.packed_sequences = True
     ids, attention, mask = batch()
     attention[1, 9] = 0  # a hole inside row 1's response
     with pytest.raises(ValueError, match=r"contiguous; rows \[1\]"):
-        token_logprobs(lm, ids, attention, mask)
+        token_logprobs(lm, ids, attention, mask, perf=PACKED)
 
 
-def test_loaders_carry_the_switch_and_refuse_other_backbones(tmp_path):
-    tiny(LlamaForCausalLM, "sdpa").save_pretrained(str(tmp_path / "lm"))
-    tiny(LlamaForSequenceClassification, "sdpa").save_pretrained(str(tmp_path / "rm"))
-    on = type("M", (), {"packed_sequences": True})()
-    assert models.load_causal_lm(str(tmp_path / "lm"), "model.policy", source=on).packed_sequences
-    assert not models.load_causal_lm(str(tmp_path / "lm"), "model.policy").packed_sequences
-    rm = models.load_sequence_classifier(str(tmp_path / "rm"), "model.reward", source=on)
-    assert rm.packed_sequences
+def test_backbones_without_masking_utils_are_refused():
+    engine_packing.check_packable(tiny(LlamaForCausalLM, "sdpa"))  # Llama: accepted
 
     class OwnMasks(nn.Module):  # a backbone that builds its masks itself
         base_model_prefix = "body"
@@ -144,19 +139,22 @@ def test_loaders_carry_the_switch_and_refuse_other_backbones(tmp_path):
             super().__init__()
             self.body = nn.Linear(2, 2)
 
-    with pytest.raises(ConfigError, match="model.packed_sequences: model.policy's Linear"):
-        models.mark_packing(OwnMasks(), on, "model.policy")
+    with pytest.raises(ConfigError, match="perf.packed_sequences: Linear does not build"):
+        engine_packing.check_packable(OwnMasks())
+    _, attention, _ = batch()
+    with pytest.raises(ConfigError, match="perf.packed_sequences"):
+        engine_packing.packing_layout(OwnMasks(), attention, packed=True)
+    assert engine_packing.packing_layout(OwnMasks(), attention, packed=False) is None
 
 
 def test_flash_attention_gets_every_sequence_in_one_row():
     # transformers runs flash attention's varlen kernels from position ids only in a batch
     # of one (modeling_flash_attention_utils._is_packed_sequence): one row, no padding.
     lm = tiny(LlamaForCausalLM, "sdpa")
-    lm.packed_sequences = True
     _, attention, _ = batch()
-    gather, _, position_ids = models.packing_layout(lm, attention)
+    gather, _, position_ids = engine_packing.packing_layout(lm, attention, packed=True)
     assert gather.shape == (2, 14)  # bins of the padded width for the masked kernels
     lm.config._attn_implementation = "flash_attention_2"  # the layout only: no forward here
-    gather, _, position_ids = models.packing_layout(lm, attention)
+    gather, _, position_ids = engine_packing.packing_layout(lm, attention, packed=True)
     assert gather.shape == (1, 27) and bool((gather >= 0).all())
     assert int((position_ids == 0).sum()) == 4  # one start per sequence

@@ -7,7 +7,7 @@ import pytest
 from chat_tokenizers import build_chat_tokenizer
 
 from rlhf_dist.config import ConfigError, DataConfig, KTOConfig, load_config, validate
-from rlhf_dist.data import kto_examples, preference_pairs
+from rlhf_dist.data.rows import kto_examples, preference_pairs
 from rlhf_dist.demo.task import build_tokenizer
 
 DATA = DataConfig(max_prompt_length=8, max_length=16)

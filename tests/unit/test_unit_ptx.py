@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_dist.batching import BatchPlan, global_batches
-from rlhf_dist.data import SFTExample
+from rlhf_dist.data.batching import BatchPlan, global_batches
+from rlhf_dist.data.rows import SFTExample
 from rlhf_dist.trainers.ptx import PtxStream
 
 PAD = 0

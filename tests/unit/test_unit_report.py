@@ -14,7 +14,7 @@ from matplotlib import image as mpimg
 
 from rlhf_dist.cli import main
 from rlhf_dist.config import ConfigError
-from rlhf_dist.report import build_report
+from rlhf_dist.observability.report import build_report
 
 EVIL = "<script>alert('x')</script> & more"
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from chat_tokenizers import build_chat_tokenizer
 
-from rlhf_dist.chat import Chat, prompt_text, stop_token_ids
 from rlhf_dist.config import ConfigError, config_from_dict
+from rlhf_dist.data.chat import Chat, prompt_text, stop_token_ids
 from rlhf_dist.demo.task import build_tokenizer
 from rlhf_dist.models import generation_eos_ids
-from rlhf_dist.scoring import RewardFunction, RewardInputs, Scorer, same_tokenizer
+from rlhf_dist.rewards.scoring import RewardFunction, RewardInputs, Scorer, same_tokenizer
 from rlhf_dist.trainers.ppo_setup import check_critic_tokenizer
 
 PROMPT = [{"role": "user", "content": "review of the food :"}]

@@ -12,9 +12,9 @@ from http_stub import StubServer, chat_reply
 
 from rlhf_dist.config import ConfigError, RewardFunctionError, load_config, validate
 from rlhf_dist.evaluate import win_share
-from rlhf_dist.judge import JudgeReward, parse_score, render_prompt
-from rlhf_dist.remote import ChatJudgeClient, RemoteReward
-from rlhf_dist.scoring import RewardFunction, Scorer, WeightedReward, unique_names
+from rlhf_dist.rewards.judge import JudgeReward, parse_score, render_prompt
+from rlhf_dist.rewards.remote import ChatJudgeClient, RemoteReward
+from rlhf_dist.rewards.scoring import RewardFunction, Scorer, WeightedReward, unique_names
 
 HELPERS = "reward_fns_for_tests"
 KEY = "sk-test-4f1d9c0e-never-write-me"

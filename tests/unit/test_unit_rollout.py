@@ -5,24 +5,14 @@ section 3: response_mask is True up to and including the first EOS), so it is ch
 hand-made rows covering every position of the first EOS.
 """
 
-import contextlib
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from rlhf_dist.demo.task import build_tokenizer
-from rlhf_dist.rollout import (
-    RolloutBatch,
-    decode_responses,
-    pad_columns,
-    sample_categorical,
-    sample_next,
-    scores_with_eos_penalty,
-    sequence_last_index,
-    truncate_after_eos,
-    truncate_logits,
-)
+from rlhf_dist.engine.decode import decode_responses, pad_columns, truncate_after_eos
+from rlhf_dist.engine.sampling import sample_categorical, sample_next, truncate_logits
+from rlhf_dist.rollout import RolloutBatch
+from rlhf_dist.rollout.batch import scores_with_eos_penalty, sequence_last_index
 
 EOS, PAD = 1, 0
 
@@ -349,7 +339,7 @@ class _Scripted(torch.nn.Module):
 
 
 def test_generation_stops_at_the_first_of_several_stop_ids(tok):
-    from rlhf_dist.rollout import generate
+    from rlhf_dist.engine.decode import generate
 
     script = [[5, 7, 6, 6], [5, 6, 9, 6], [5, 6, 6, 6]]
     gen = type("Gen", (), {"temperature": 1.0, "top_k": 0, "top_p": 1.0})()
@@ -365,107 +355,3 @@ def test_generation_stops_at_the_first_of_several_stop_ids(tok):
     short = [[7, 6, 6, 6], [9, 6, 6, 6], [1, 6, 6, 6]]
     out = generate(_Scripted(short), prompt, torch.ones_like(prompt), gen, tok, stop_ids=STOPS)
     assert out.tolist() == [[7], [9], [1]]
-
-
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's packed sgemm")
-def test_packed_linears_same_bits_and_restored():
-    """Inside packed_linears the fp32 linears compute from MKL-packed weights: the products
-    of F.linear to fp32 rounding (1e-6 relative: MKL may pick other kernels for packed and
-    unpacked operands on other CPUs, e.g. AVX2 EPYC vs AVX-512), for the packed row count,
-    another one and a 3-d input; the float64 one is left alone; every module is plain
-    again after. Each path run twice gives the same bits."""
-    from rlhf_dist.rollout import packed_linears
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(8, 6), torch.nn.Linear(6, 5, bias=False), torch.nn.Linear(5, 3)
-    )
-    net[2].double()  # not fp32: left as it is
-    inputs = [torch.randn(4, 8), torch.randn(7, 8), torch.randn(2, 2, 8)]
-    with torch.no_grad():
-        want = [net[1](net[0](x)) for x in inputs]
-        with packed_linears(net, rows=4):
-            assert "forward" in vars(net[0]) and "forward" in vars(net[1])
-            assert "forward" not in vars(net[2])
-            got = [net[1](net[0](x)) for x in inputs]
-        with packed_linears(net, rows=4):
-            again = [net[1](net[0](x)) for x in inputs]
-    for g, w, a in zip(got, want, again):
-        assert g.is_contiguous() and g.shape == w.shape and torch.equal(g, a)
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
-    assert not any("forward" in vars(m) for m in net)  # plain modules again
-    # autocast entered inside the context: the module's own (bf16) product, as without it
-    x = inputs[0]
-    with torch.no_grad():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            want = net[1](net[0](x))
-        with packed_linears(net, rows=4), torch.autocast("cpu", dtype=torch.bfloat16):
-            got = net[1](net[0](x))
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-
-
-def test_packed_linears_leave_what_they_cannot_pack(monkeypatch):
-    """No packing without MKL, for a ZeRO-3 partitioned weight (whole only while its
-    module runs), or above PACK_LIMIT_BYTES of linear weights (a second copy of them)."""
-    import rlhf_dist.rollout as rollout
-
-    net = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5))
-    net[0].weight.ds_id = 0  # what DeepSpeed marks its partitioned parameters with
-    if torch.backends.mkl.is_available():
-        with rollout.packed_linears(net, rows=2):
-            assert ["forward" in vars(m) for m in net] == [False, True]
-    with torch.autocast("cpu", dtype=torch.bfloat16), rollout.packed_linears(net, rows=2):
-        assert not any("forward" in vars(m) for m in net)  # mixed precision: bf16 products
-    monkeypatch.setattr(rollout, "PACK_LIMIT_BYTES", 6 * 5 * 4 - 1)
-    with rollout.packed_linears(net, rows=2):
-        assert not any("forward" in vars(m) for m in net)
-    monkeypatch.setattr(rollout, "PACK_LIMIT_BYTES", 2**30)
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
-    with rollout.packed_linears(net, rows=2):
-        assert not any("forward" in vars(m) for m in net)
-
-
-def test_grouped_query_attention_on_cpu_same_logits_without_copying_kv_heads(monkeypatch):
-    """Decode of a tiny Llama with 1 KV head for 2 query heads: the same logits inside
-    and outside the context (to fp32 rounding: two attention kernels), and inside no
-    repeat_kv copy of the cache is made; the hook is back on exit."""
-    from spies import forced_decode
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.integrations import sdpa_attention
-
-    import rlhf_dist.rollout as rollout
-    from rlhf_dist.models import grouped_query_attention_on_cpu
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64,
-        pad_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
-    prompt = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
-    mask = (prompt != 0).long()
-    gen = SimpleNamespace(max_new_tokens=6, min_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
-    tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
-    copies, repeat = [], sdpa_attention.repeat_kv
-    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or repeat(x, n))
-    original = sdpa_attention.use_gqa_in_sdpa
-    with torch.no_grad():
-        with grouped_query_attention_on_cpu():
-            assert sdpa_attention.use_gqa_in_sdpa is not original
-            inside = model(input_ids=prompt, attention_mask=mask).logits
-        assert copies == [] and sdpa_attention.use_gqa_in_sdpa is original
-        outside = model(input_ids=prompt, attention_mask=mask).logits
-    assert copies  # the plain path does copy: the check above can fail
-    torch.testing.assert_close(inside, outside, rtol=1e-5, atol=1e-6)
-    seen = forced_decode(monkeypatch, rollout, vocab=40)
-    fast = rollout.generate(model, prompt, mask, gen, tok)  # generate uses the context
-    fast_logits = list(seen)
-    seen.clear()
-    with monkeypatch.context() as m:
-        m.setattr("rlhf_dist.rollout.grouped_query_attention_on_cpu", contextlib.nullcontext)
-        plain = rollout.generate(model, prompt, mask, gen, tok)
-    assert torch.equal(fast, plain) and len(seen) == len(fast_logits) == 6
-    for a, b in zip(fast_logits, seen):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -8,7 +8,7 @@ import torch
 
 from rlhf_dist.config import ConfigError, RewardFunctionError
 from rlhf_dist.demo.task import positive_word_reward
-from rlhf_dist.scoring import RewardFunction, Scorer
+from rlhf_dist.rewards.scoring import RewardFunction, Scorer
 
 HELPERS = "reward_fns_for_tests"  # tests/unit/reward_fns_for_tests.py
 

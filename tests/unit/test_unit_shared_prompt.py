@@ -1,4 +1,4 @@
-"""model.shared_prompt_forward (algo/prefix.py, docs/architecture.md section 10): rollout
+"""perf.shared_prompt_forward (algo/prefix.py, docs/architecture.md section 6): rollout
 forwards that run each distinct prompt once equal the whole-row forward in log-probs,
 entropies and every parameter's gradient (fp32 tiny Llama with grouped KV heads,
 left-padded prompts of different lengths, right-padded responses), through eager and sdpa
@@ -11,11 +11,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_dist import models
-from rlhf_dist.config import LoRAConfig, ModelConfig
-from rlhf_dist.lora import add_adapters
-from rlhf_dist.models import ActorCritic, enable_gradient_checkpointing, token_logprobs
-from rlhf_dist.rollout import generate
+from rlhf_dist.config import LoRAConfig, PerfConfig
+from rlhf_dist.engine import forward as engine_forward
+from rlhf_dist.engine.decode import generate
+from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.models import ActorCritic, enable_gradient_checkpointing
+from rlhf_dist.models.lora import add_adapters
 
 V, TEMPERATURE, P, T = 50, 0.7, 6, 5
 
@@ -54,11 +55,15 @@ def backbone_shapes(lm):
     return shapes
 
 
+SHARED = PerfConfig(logprob_chunk_tokens=4)  # shared_prompt_forward on by default
+WHOLE = PerfConfig(logprob_chunk_tokens=4, shared_prompt_forward=False)
+
+
 def logprobs_and_grads(model, lm, shared: bool, batch=None):
-    lm.shared_prompt_forward = shared
     ids, attention, mask = batch or rollout_batch()
     model.zero_grad(set_to_none=True)
-    lp, ent = token_logprobs(model, ids, attention, mask, TEMPERATURE, 4, True, P)
+    perf = SHARED if shared else WHOLE
+    lp, ent = token_logprobs(model, ids, attention, mask, TEMPERATURE, True, P, perf)
     g = torch.Generator().manual_seed(2)
     ((lp * torch.randn(lp.shape, generator=g)).sum() + ent.sum()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -91,7 +96,7 @@ def test_lora_shared_prompt_equals_whole_rows():
     for name, p in model.named_parameters():
         if "lora_B" in name:  # non-zero B: the adapters change the outputs
             torch.nn.init.normal_(p, 0.0, 0.1, generator=torch.Generator().manual_seed(3))
-    inner = models.causal_lm(model)
+    inner = engine_forward.causal_lm(model)
     shared = logprobs_and_grads(model, inner, True)
     assert_same(shared, logprobs_and_grads(model, inner, False))
     assert any("lora_A" in n for n in shared[2])
@@ -110,30 +115,24 @@ def test_two_forwards_whatever_the_data_and_one_under_checkpointing():
     shapes.clear()
     logprobs_and_grads(lm, lm, True)
     assert shapes == [(9, P + T)]
-    assert not models.shares_prompts(lm)
+    assert not engine_forward.shares_prompts(lm, SHARED)
 
 
 def test_actor_critic_passes_the_prompt_width():
     lm = tiny()
-    lm.shared_prompt_forward = True
     shapes = backbone_shapes(lm)
     ids, attention, mask = rollout_batch()
     with torch.no_grad():
-        ActorCritic(lm, None)(ids, attention, mask, TEMPERATURE, with_entropy=True)
+        ActorCritic(lm, None, SHARED)(ids, attention, mask, TEMPERATURE, with_entropy=True)
     assert shapes == [(3, P), (9, T)]
     shapes.clear()  # PPO-ptx's SFT rows are no prompt + response: whole rows, one forward
     with torch.no_grad():
-        ActorCritic(lm, None)(ids, attention, mask, with_critic=False, share_prompts=False)
+        ActorCritic(lm, None, SHARED)(ids, attention, mask, with_critic=False, share_prompts=False)
     assert shapes == [(9, P + T)]
-
-
-def test_loader_carries_the_switch(tmp_path):
-    tiny().save_pretrained(str(tmp_path / "lm"))
-    path = str(tmp_path / "lm")
-    assert models.load_causal_lm(path, "model.policy", source=ModelConfig()).shared_prompt_forward
-    off = ModelConfig(shared_prompt_forward=False)
-    assert not models.load_causal_lm(path, "model.policy", source=off).shared_prompt_forward
-    assert not models.load_causal_lm(path, "model.policy").shared_prompt_forward  # no config
+    shapes.clear()  # the switch off: whole rows
+    with torch.no_grad():
+        ActorCritic(lm, None, WHOLE)(ids, attention, mask, TEMPERATURE)
+    assert shapes == [(9, P + T)]
 
 
 def test_generation_prefill_runs_each_prompt_once_with_the_same_logits(monkeypatch):
@@ -142,7 +141,7 @@ def test_generation_prefill_runs_each_prompt_once_with_the_same_logits(monkeypat
     kernels); tokens are forced (spies.forced_decode), so both paths decode the same ones."""
     from spies import forced_decode
 
-    import rlhf_dist.rollout as rollout
+    import rlhf_dist.engine.decode as rollout
 
     lm = tiny()
     shapes = backbone_shapes(lm)
@@ -153,10 +152,9 @@ def test_generation_prefill_runs_each_prompt_once_with_the_same_logits(monkeypat
     seen = forced_decode(monkeypatch, rollout, vocab=V)
     logits = {}
     for shared in (False, True):
-        lm.shared_prompt_forward = shared
         shapes.clear()
         seen.clear()
-        generate(lm, prompt_ids, prompt_mask, gen, tok)
+        generate(lm, prompt_ids, prompt_mask, gen, tok, perf=SHARED if shared else WHOLE)
         logits[shared] = list(seen)
         assert shapes[0] == ((3, P) if shared else (9, P))
         assert all(s == (9, 1) for s in shapes[1:])
@@ -167,9 +165,9 @@ def test_generation_prefill_runs_each_prompt_once_with_the_same_logits(monkeypat
 
 def test_no_sharing_with_gradients_under_zero3_partitioned_weights():
     lm = tiny()
-    lm.shared_prompt_forward = True
     for i, p in enumerate(lm.parameters()):
         p.ds_id = i  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
-    assert not models.shares_prompts(lm)  # grad enabled: one forward, whole rows
+    assert not engine_forward.shares_prompts(lm, SHARED)  # grad: one forward, whole rows
     with torch.no_grad():
-        assert models.shares_prompts(lm)  # scoring and generation still share
+        assert engine_forward.shares_prompts(lm, SHARED)  # scoring and generation share
+        assert not engine_forward.shares_prompts(lm, WHOLE)

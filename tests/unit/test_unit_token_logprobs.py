@@ -1,4 +1,4 @@
-"""models.token_logprobs, the one sequence log-prob function (docs/architecture.md section
+"""engine.forward.token_logprobs, the one sequence log-prob function (docs/architecture.md section
 10): equal to the whole-logits computation (the model's own logits, log_softmax at the
 temperature, gather) in values and in every parameter's gradient, for untied and tied
 embeddings, LoRA on the output head, the module-per-chunk path ZeRO-3 takes, and the
@@ -8,11 +8,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_dist import models
 from rlhf_dist.algo.logprobs import logprobs_and_entropy
-from rlhf_dist.config import LoRAConfig
-from rlhf_dist.lora import AdapterOffReference, add_adapters
-from rlhf_dist.models import ActorCritic, position_ids_from, token_logprobs
+from rlhf_dist.config import LoRAConfig, PerfConfig
+from rlhf_dist.engine import forward as engine_forward
+from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.engine.packing import position_ids_from
+from rlhf_dist.models import ActorCritic
+from rlhf_dist.models.lora import AdapterOffReference, add_adapters
 
 V, TEMPERATURE = 50, 0.7
 
@@ -38,6 +40,11 @@ def batch(seed: int = 1):
     return ids, attention, response_mask
 
 
+def chunks(n: int) -> PerfConfig:
+    """perf with the head in chunks of n tokens (perf.logprob_chunk_tokens)."""
+    return PerfConfig(logprob_chunk_tokens=n)
+
+
 def whole_logits_path(model, ids, attention, response_mask):
     """Today's computation: the model's (B, L, V) logits, sliced, log_softmax, gather."""
     T = response_mask.shape[1]
@@ -52,7 +59,7 @@ def values_and_grads(model, fn, chunk=None):
     ids, attention, mask = batch()
     model.zero_grad(set_to_none=True)
     if fn == "chunked":
-        lp, ent = token_logprobs(model, ids, attention, mask, TEMPERATURE, chunk, True)
+        lp, ent = token_logprobs(model, ids, attention, mask, TEMPERATURE, True, perf=chunks(chunk))
     else:
         lp, ent = whole_logits_path(model, ids, attention, mask)
     g = torch.Generator().manual_seed(2)
@@ -88,7 +95,7 @@ def test_positions_outside_the_mask_are_zero_and_reach_no_head():
     rows = []
     head = model.get_output_embeddings()
     handle = head.register_forward_hook(lambda m, a, out: rows.append(a[0].shape))
-    lp, ent = token_logprobs(model, ids, attention, mask, TEMPERATURE, 1000, True)
+    lp, ent = token_logprobs(model, ids, attention, mask, TEMPERATURE, True, perf=chunks(1000))
     handle.remove()
     assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all() and (lp[mask] < 0).all()
     # The model's own head ran on the last position only; the scored tokens went to
@@ -109,7 +116,7 @@ def test_lora_on_the_head_takes_the_module_path_and_is_exact():
 def test_zero3_fetched_head_takes_the_module_path_and_is_exact(monkeypatch):
     # Under ZeRO-3's per-module fetching the head's weight is whole only inside its own
     # forward (zero3.stays_whole is False): the head is called per chunk, checkpointed.
-    monkeypatch.setattr(models, "stays_whole", lambda p: False)
+    monkeypatch.setattr(engine_forward, "stays_whole", lambda p: False)
     calls = []
     model = tiny_lm(True)
     model.get_output_embeddings().register_forward_hook(lambda m, a, out: calls.append(1))
@@ -128,10 +135,10 @@ def test_adapter_off_reference_scores_the_base_head_too():
         if "lora_B" in name:
             torch.nn.init.normal_(p, 0.0, 0.1, generator=torch.Generator().manual_seed(3))
     reference = AdapterOffReference(lambda: actor)
-    lp, _ = token_logprobs(reference, ids, attention, mask, TEMPERATURE, 3)
+    lp, _ = token_logprobs(reference, ids, attention, mask, TEMPERATURE, perf=chunks(3))
     torch.testing.assert_close(lp, expected, atol=1e-6, rtol=1e-6)
     with torch.no_grad():
-        adapted, _ = token_logprobs(actor, ids, attention, mask, TEMPERATURE, 3)
+        adapted, _ = token_logprobs(actor, ids, attention, mask, TEMPERATURE, perf=chunks(3))
     assert (adapted - expected).abs().max() > 1e-3  # the adapters do change the actor
 
 
@@ -148,16 +155,13 @@ def test_actor_critic_forward_and_the_critic_only_pass():
     assert values is None
 
 
-def test_load_causal_lm_carries_the_configured_chunk(tmp_path, monkeypatch):
-    tiny_lm(False).save_pretrained(str(tmp_path / "lm"))
-    source = type("M", (), {"logprob_chunk_tokens": 3})()
-    model = models.load_causal_lm(str(tmp_path / "lm"), "model.policy", source=source)
-    assert model.logprob_chunk_tokens == 3
+def test_the_configured_chunk_reaches_the_head(monkeypatch):
+    model = tiny_lm(False)
     sizes = []
     model.get_output_embeddings().register_forward_hook(lambda m, a, o: sizes.append(a[0].shape))
-    monkeypatch.setattr(models, "stays_whole", lambda p: False)  # head called per chunk
+    monkeypatch.setattr(engine_forward, "stays_whole", lambda p: False)  # head called per chunk
     ids, attention, mask = batch()
     with torch.no_grad():
-        token_logprobs(model, ids, attention, mask)
+        token_logprobs(model, ids, attention, mask, perf=chunks(3))
     # 11 scored tokens in chunks of 3 (after the model's own last-position call)
     assert [s[0] for s in sizes[1:]] == [3, 3, 3, 2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_dist.agent import Renderer, ToolEnvironment, tool_schema
 from rlhf_dist.demo import tool_task
+from rlhf_dist.rollout.agent import Renderer, ToolEnvironment, tool_schema
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_dist.config import ConfigError, GenerationConfig, config_from_dict, validate
-from rlhf_dist.vllm_rollout import (
+from rlhf_dist.rollout.vllm import (
     hf_weights,
     import_vllm,
     prompts_for_engine,
@@ -110,7 +110,7 @@ def test_hf_weights_of_a_plain_model_are_its_state_dict():
 def test_hf_weights_of_lora_model_are_merged_base_under_checkpoint_names():
     from peft import LoraConfig, get_peft_model
 
-    from rlhf_dist.lora import merged_adapters
+    from rlhf_dist.models.lora import merged_adapters
 
     model = _tiny_llama()
     plain_names = {n for n, _ in model.named_parameters()}
@@ -148,8 +148,8 @@ def _ppo_tree(**sections):
             r"^ppo.tis_cap: must be > 0",
         ),
         (
-            {"generation": {"backend": "vllm"}, "distributed": {"gather_for_generation": False}},
-            r"^generation.backend=vllm: needs distributed.gather_for_generation=true",
+            {"generation": {"backend": "vllm"}, "perf": {"gather_for_generation": False}},
+            r"^generation.backend=vllm: needs perf.gather_for_generation=true",
         ),
         (
             {"generation": {"vllm_gpu_memory_utilization": 1.5}},
@@ -188,6 +188,6 @@ def test_demo_overrides_reach_every_stage_and_owned_keys_are_refused():
 
 def test_importing_the_backend_does_not_import_vllm():
     # hf-backend users need not install vllm: the module imports it only when asked.
-    code = "import rlhf_dist.vllm_rollout, sys; print('vllm' in sys.modules)"
+    code = "import rlhf_dist.rollout.vllm, sys; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -5,7 +5,7 @@ Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generatio
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
   --policy-loss=cispo, --overlong-mask, --tokens=N, --packed
-(--packed: model.packed_sequences, every forward of the step on packed rows, here of twice
+(--packed: perf.packed_sequences, every forward of the step on packed rows, here of twice
 the padded width, so that the minibatch's sequences share rows; the variant also records
 {"packed_rows": {NAME: [padded rows, packed rows] summed over its forwards}}.
 --critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
@@ -41,12 +41,12 @@ import sys
 
 import torch
 
-from rlhf_dist import models
 from rlhf_dist.algo.objectives import drop_truncated
-from rlhf_dist.batching import ppo_plan, token_budget_split
 from rlhf_dist.config import config_from_dict
+from rlhf_dist.data.batching import ppo_plan, token_budget_split
 from rlhf_dist.distributed import Runtime, seed_everything
 from rlhf_dist.distributed.training_state import innermost_optimizer
+from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
@@ -117,8 +117,8 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
             "policy": policy,
             "reward": reward,
             "gradient_checkpointing": checkpointing,
-            "packed_sequences": "--packed" in flags,
         },
+        "perf": {"packed_sequences": "--packed" in flags},
         "data": {"train": "unused.jsonl"},
         "ppo": {
             "rollout_batch_size": B,
@@ -256,7 +256,7 @@ def reduce_max_diff(runtime) -> float:
 def shared_packed_rows(on: bool):
     """With `on`: packed rows of twice the padded width for the duration (the probe's rows
     are close in length); yields [padded rows, packed rows] summed over the forwards."""
-    counts, original = [0, 0], models.packed_layout
+    counts, original = [0, 0], engine_packing.packed_layout
 
     def wider(attention_mask, capacity):
         layout = original(attention_mask, 2 * capacity)
@@ -265,11 +265,11 @@ def shared_packed_rows(on: bool):
         return layout
 
     if on:
-        models.packed_layout = wider
+        engine_packing.packed_layout = wider
     try:
         yield counts
     finally:
-        models.packed_layout = original
+        engine_packing.packed_layout = original
 
 
 def main():

@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from rlhf_dist.batching import ppo_plan
 from rlhf_dist.config import config_from_dict
-from rlhf_dist.data import left_pad, load_rows, prompt_set
+from rlhf_dist.data.batching import ppo_plan
+from rlhf_dist.data.rows import left_pad, load_rows, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import load_tokenizer, quiet_transformers
 from rlhf_dist.rollout import RolloutModels, collect_rollout
@@ -49,7 +49,7 @@ def uneven_rollout_and_step(runtime, policy, reward, prompts_path, gather: bool)
             "minibatch_size": 8,
             "micro_batch_size": 2,
         },
-        "distributed": {"gather_for_generation": gather},
+        "perf": {"gather_for_generation": gather},
     }
     cfg = config_from_dict(tree)
     plan = ppo_plan(cfg.ppo, runtime.world_size)

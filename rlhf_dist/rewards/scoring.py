@@ -14,23 +14,28 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_dist import diagnostics as diag
 from rlhf_dist.algo.masking import last_token_index
-from rlhf_dist.chat import BadRow, Chat, is_stop, stop_token_ids
-from rlhf_dist.data import close_with_stop, encode_response, right_pad
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.chat import BadRow, Chat, is_stop, stop_token_ids
+from rlhf_dist.data.inputs import resolve_callable
+from rlhf_dist.data.rows import close_with_stop, encode_response, right_pad
 from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError, RewardFunctionError
-from rlhf_dist.inputs import resolve_callable
 from rlhf_dist.models import (
     ValueModel,
     frozen_dtype,
+    load_causal_lm,
     load_sequence_classifier,
     load_tokenizer,
     policy_stop_ids,
     sequence_scores,
     tokenizer_for,
 )
-from rlhf_dist.retry import call_with_retries
+from rlhf_dist.observability import diagnostics as diag
+from rlhf_dist.rewards.judge import JudgeReward, LocalJudge
+from rlhf_dist.rewards.remote import ChatJudgeClient, RemoteReward
+from rlhf_dist.rewards.retry import call_with_retries
 from rlhf_dist.stats import StatSums
 
 
@@ -320,27 +325,32 @@ def build_scorer(
     placement: str,
     inputs: RewardInputs | None = None,
     reward_cfg=None,
+    perf: PerfConfig = DEFAULT_PERF,
 ) -> Scorer:
     """The frozen reward: `reward_function` if set ("module:callable" or a callable; its
     retries and timeout from `reward_cfg`, the reward section), else model_cfg.reward
     loaded as a ValueModel and prepared as a frozen model with `placement`
     (distributed.frozen_models, or "replicate"), reading `inputs` (its own tokens,
     reward_inputs_for) if given. A reward model's forward is not retried: it is local
-    computation, and under ZeRO-3 a collective that one rank cannot repeat alone."""
+    computation, and under ZeRO-3 a collective that one rank cannot repeat alone. perf:
+    the speed paths of the reward model's and a local judge's forwards."""
     if reward_cfg is not None and (
         reward_cfg.functions or reward_cfg.url or reward_cfg.judge != "none"
     ):
-        return Scorer(reward_fn=weighted_reward(runtime, reward_cfg, model_cfg, reward_function))
+        fn = weighted_reward(runtime, reward_cfg, model_cfg, reward_function, perf)
+        return Scorer(reward_fn=fn)
     if reward_function:
         return Scorer(reward_fn=RewardFunction(reward_function, **retry_settings(reward_cfg)))
     m, dtype = model_cfg, frozen_dtype(model_cfg)
     with runtime.local_loading():
         rm = load_sequence_classifier(m.reward, "model.reward", dtype, m)
-    rm = runtime.prepare_frozen(ValueModel(rm), placement, dtype, "reward model")
+    rm = runtime.prepare_frozen(ValueModel(rm, perf), placement, dtype, "reward model")
     return Scorer(reward_model=rm, inputs=inputs)
 
 
-def weighted_reward(runtime, reward_cfg, model_cfg, reward_function="") -> WeightedReward:
+def weighted_reward(
+    runtime, reward_cfg, model_cfg, reward_function="", perf: PerfConfig = DEFAULT_PERF
+) -> WeightedReward:
     """The components of reward.function or reward.functions (weights reward.weights, 1
     each by default), reward.url (reward.url_weight) and reward.judge (reward.judge_weight),
     each a RewardFunction with the run's retries and timeout (an HTTP component retries
@@ -353,28 +363,21 @@ def weighted_reward(runtime, reward_cfg, model_cfg, reward_function="") -> Weigh
     no_retry = {"retries": 0, "timeout_s": None}
     judge = None
     if r.url:
-        from rlhf_dist.remote import RemoteReward
-
         fns.append(RewardFunction(RemoteReward(r), key="reward.url", **no_retry))
         names, weights = names + ["remote"], weights + [r.url_weight]
     if r.judge != "none":
-        judge = build_judge_reward(runtime, r, model_cfg)
+        judge = build_judge_reward(runtime, r, model_cfg, perf)
         retry_judge = no_retry if r.judge == "url" else retry
         fns.append(RewardFunction(judge, key="reward.judge", **retry_judge))
         names, weights = names + ["judge"], weights + [r.judge_weight]
     return WeightedReward(list(zip(unique_names(names), weights, fns)), judge)
 
 
-def build_judge_reward(runtime, reward_cfg, model_cfg):
+def build_judge_reward(runtime, reward_cfg, model_cfg, perf: PerfConfig = DEFAULT_PERF):
     """judge.JudgeReward over a local causal LM (reward.judge=model: loaded whole and
     replicated on every rank in model.dtype, frozen) or an OpenAI-compatible endpoint."""
-    from rlhf_dist.judge import JudgeReward, LocalJudge
-    from rlhf_dist.models import load_causal_lm
-
     r = reward_cfg
     if r.judge == "url":
-        from rlhf_dist.remote import ChatJudgeClient
-
         judge = ChatJudgeClient(r)
     else:
         tok = load_tokenizer(r.judge_model, model_cfg.trust_remote_code, "reward.judge_model")
@@ -382,7 +385,9 @@ def build_judge_reward(runtime, reward_cfg, model_cfg):
         with runtime.local_loading():
             lm = load_causal_lm(r.judge_model, "reward.judge_model", dtype, model_cfg)
         lm = runtime.prepare_frozen(lm, "replicate", dtype, "judge")
-        judge = LocalJudge(lm, tok, r.judge_max_new_tokens, r.remote_batch_size, runtime.device)
+        judge = LocalJudge(
+            lm, tok, r.judge_max_new_tokens, r.remote_batch_size, runtime.device, perf
+        )
     return JudgeReward(judge, r.judge_template, r.judge_fallback_score)
 
 

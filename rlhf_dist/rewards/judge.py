@@ -15,8 +15,11 @@ from types import SimpleNamespace
 
 import torch
 
-from rlhf_dist.chat import Chat, stop_token_ids
-from rlhf_dist.data import left_pad
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.chat import Chat, stop_token_ids
+from rlhf_dist.data.rows import left_pad
+from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
+from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import RewardFunctionError
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -76,15 +79,18 @@ class JudgeReward:
 
 class LocalJudge:
     """A frozen causal LM on this rank answering judge prompts by greedy decoding through
-    the rollout's decode loop (rollout.generate with top_k=1).
+    the rollout's decode loop (engine.decode.generate with top_k=1).
 
     model: replicated on every rank (no lock-step needed); tokenizer: the judge's own. A
     tokenizer with a chat template gets each prompt as one user turn with the generation
     prompt; otherwise the prompt text is encoded as is.
     """
 
-    def __init__(self, model, tokenizer, max_new_tokens: int, batch_size: int, device):
-        self.model, self.tokenizer, self.device = model, tokenizer, device
+    def __init__(
+        self, model, tokenizer, max_new_tokens: int, batch_size: int, device,
+        perf: PerfConfig = DEFAULT_PERF,
+    ):  # fmt: skip
+        self.model, self.tokenizer, self.device, self.perf = model, tokenizer, device, perf
         self.batch_size = batch_size
         self.chat = Chat(tokenizer, tokenizer.chat_template) if tokenizer.chat_template else None
         self.stop_ids = stop_token_ids(tokenizer, self.chat)
@@ -100,15 +106,13 @@ class LocalJudge:
 
     @torch.no_grad()
     def replies(self, texts: list[str]) -> list[str]:
-        from rlhf_dist.rollout import decode_responses, generate, truncate_after_eos
-
         tok, eos, out = self.tokenizer, self.stop_ids, []
         for i in range(0, len(texts), self.batch_size):
             ids, mask = left_pad(
                 [self.encode(t) for t in texts[i : i + self.batch_size]], tok.pad_token_id
             )
             ids, mask = ids.to(self.device), mask.to(self.device)
-            response = generate(self.model, ids, mask, self.gen, tok, None, eos)
+            response = generate(self.model, ids, mask, self.gen, tok, None, eos, self.perf)
             response, response_mask, _ = truncate_after_eos(response, eos, tok.pad_token_id)
             out += decode_responses(tok, response, response_mask, eos)
         return out

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
+from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.rollout import generate, pad_columns, truncate_after_eos
 
 _MISSING = (
     "generation.backend=vllm: the vllm package is not installed "
@@ -127,7 +127,7 @@ class VLLMEngine:
 
     def __init__(self, cfg, device: torch.device):
         vllm = import_vllm()
-        g, self.vllm = cfg.generation, vllm
+        g, self.vllm, self.perf = cfg.generation, vllm, cfg.perf
         self.on_gpu = device.type == "cuda"
         self.sleeps = self.on_gpu and g.vllm_sleep
         # One engine in this process: vLLM's V1 engine otherwise runs in a child process,
@@ -202,8 +202,9 @@ class VLLMEngine:
         )
         pad = tokenizer.pad_token_id
         ours = generate(
-            actor, prompt_ids[rows], prompt_mask[rows], greedy, tokenizer, None, stop_ids
-        )
+            actor, prompt_ids[rows], prompt_mask[rows], greedy, tokenizer, None, stop_ids,
+            self.perf,
+        )  # fmt: skip
         theirs, _ = self.generate(prompt_ids[rows], prompt_mask[rows], greedy, stop_ids, pad)
         ours, _, _ = truncate_after_eos(ours, stop_ids, pad)
         theirs, _, _ = truncate_after_eos(theirs, stop_ids, pad)

@@ -19,7 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.retry import call_with_retries
+from rlhf_dist.rewards.retry import call_with_retries
 
 DEFAULT_TIMEOUT_S = 60.0
 

@@ -145,7 +145,7 @@ class AdapterOffReference(nn.Module):
 
     @contextlib.contextmanager
     def scoring_model(self):
-        """The actor with adapters off, for `models.token_logprobs`: its backbone AND its
+        """The actor with adapters off, for `engine.forward.token_logprobs`: its backbone AND its
         output head (a LoRA-adapted lm_head too) run as the base inside."""
         actor = self._actor_fn()
         with torch.no_grad(), adapters_disabled(actor):

@@ -2,7 +2,7 @@
 "Multi-turn rollouts and tools").
 
 An episode: the environment's first messages, rendered by the chat template (with the
-tools' JSON schemas) -> the policy samples a turn (rollout.generate, until a stop token) ->
+tools' JSON schemas) -> the policy samples a turn (engine.decode.generate, until a stop token) ->
 the environment answers it (a tool call is parsed and run; a tool message comes back) ->
 the template's rendering of ONLY the new messages is appended to the ids sampled so far ->
 the next turn ... until the environment is done, generation.max_turns or the episode's
@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_dist.chat import resolve_template
-from rlhf_dist.config import ConfigError
-from rlhf_dist.inputs import resolve_callable
+from rlhf_dist.config import ConfigError, PerfConfig
+from rlhf_dist.data.chat import resolve_template
+from rlhf_dist.data.inputs import resolve_callable
+from rlhf_dist.engine.decode import generate
+from rlhf_dist.engine.forward import DEFAULT_PERF
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -240,9 +242,9 @@ def start_episode(agent: Agent, prompt) -> Episode:
 
 def run_episodes(
     agent: Agent, actor, keep_in_step, prompts, gen, tokenizer, stop_ids, any_rank=None,
-    sampler=None,
+    sampler=None, perf: PerfConfig = DEFAULT_PERF,
 ) -> list[Episode]:  # fmt: skip
-    """Play one episode per prompt, all rows of a turn in one `rollout.generate` call over
+    """Play one episode per prompt, all rows of a turn in one `engine.decode.generate` call over
     `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine).
 
     any_rank (several ranks): every rank runs as many turns as the busiest one; a rank whose
@@ -254,26 +256,21 @@ def run_episodes(
         if not (any_rank(bool(active)) if any_rank is not None else active):
             break
         if active:
-            sample = sampler or functools.partial(_hf_sample, actor, keep_in_step, tokenizer)
+            hf = functools.partial(_hf_sample, actor, keep_in_step, tokenizer, perf)
+            sample = sampler or hf
             sample_turn(agent, sample, active, gen, tokenizer, stop_ids)
         elif keep_in_step is not None:
             filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
             throw_away = dataclasses.replace(gen, max_new_tokens=1, min_new_tokens=0)
-            _generate(actor, filler, torch.ones_like(filler), throw_away, tokenizer,
-                      keep_in_step, stop_ids)  # fmt: skip
+            generate(actor, filler, torch.ones_like(filler), throw_away, tokenizer,
+                     keep_in_step, stop_ids, perf)  # fmt: skip
     return episodes
 
 
-def _generate(*args):
-    from rlhf_dist.rollout import generate  # rollout imports this module
-
-    return generate(*args)
-
-
-def _hf_sample(actor, keep_in_step, tokenizer, ids, mask, gen, stop_ids):
-    """(ids (B, T), None) of rollout.generate over `actor` (the trainer's own sampler)."""
-    device = _device(actor)
-    out = _generate(actor, ids.to(device), mask.to(device), gen, tokenizer, keep_in_step, stop_ids)
+def _hf_sample(actor, keep_in_step, tokenizer, perf, ids, mask, gen, stop_ids):
+    """(ids (B, T), None) of engine.decode.generate over `actor` (the trainer's own sampler)."""
+    ids, mask = ids.to(_device(actor)), mask.to(_device(actor))
+    out = generate(actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf)
     return out, None
 
 

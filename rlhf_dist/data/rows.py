@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf_dist import inputs
 from rlhf_dist.algo.masking import last_token_index
-from rlhf_dist.chat import (
+from rlhf_dist.data import inputs
+from rlhf_dist.data.chat import (
     BadRow,
     Chat,
     chat_for,

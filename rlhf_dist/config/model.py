@@ -1,0 +1,125 @@
+"""Sections of what is trained on what: the models and their loading (`model`), the data
+files and their limits (`data`), and LoRA adapters (`lora`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_dist.config.keys import key
+from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    policy: str = key(
+        "",
+        "causal LM to start from (SFT input; PPO, DPO and KTO policy and reference): local dir "
+        "or hub name",
+    )
+    reward: str = key(
+        "",
+        "sequence-classification reward model (RM output, PPO reward): local dir or hub name",
+    )
+    tokenizer: str = key("", "tokenizer path; empty means the policy's")
+    dtype: str = key(
+        "float32",
+        "weights of the trained models (actor, critic; SFT/RM model); bfloat16 under DeepSpeed "
+        "turns on its bf16 mixed precision (fp32 master weights in the optimizer)",
+        choices=("float32", "bfloat16"),
+    )
+    frozen_dtype: str = key(
+        "auto",
+        "weights of the frozen reference and reward model; auto = model.dtype",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    trust_remote_code: bool = key(
+        False,
+        "run Python code shipped with a hub model (its modeling files); off: only code we install",
+    )
+    safetensors_only: bool = key(
+        True,
+        "load weights from .safetensors only; false also allows pickle (.bin) checkpoints, "
+        "which can run arbitrary code when loaded",
+    )
+    gradient_checkpointing: bool = key(
+        False,
+        "recompute each layer's activations in backward instead of keeping them (trained "
+        "models: SFT/RM model, actor and critic; full, LoRA and ZeRO-3): activation memory "
+        "of about one layer, for one extra forward per backward",
+    )
+    attn_implementation: str = key(
+        "auto",
+        "attention kernel of every model (transformers' attn_implementation); auto keeps the "
+        "model's default (sdpa for most); eager is faster for tiny models on CPU, where a fused "
+        "kernel's setup costs more than the attention itself; flash_attention_2 needs the "
+        "flash-attn package and a GPU",
+        choices=("auto", "eager", "sdpa", "flash_attention_2"),
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = key(
+        "", "training data: local .jsonl/.json/.parquet/.csv file, or a hub dataset name"
+    )
+    eval: str = key(
+        "", "held-out data of the same format (RM and DPO accuracy, eval prompts); empty: none"
+    )
+    split: str = key("train", "split of a hub dataset (local files are read whole)")
+    prompt_field: str = key("prompt", "name of the prompt column")
+    max_prompt_length: int = key(64, "prompt tokens kept (see data.too_long)", gt=0)
+    max_length: int = key(
+        128,
+        "prompt + response tokens of SFT / RM / DPO / KTO sequences; longer rows are skipped",
+        gt=0,
+    )
+    too_long: str = key(
+        "truncate",
+        "a text prompt longer than data.max_prompt_length: keep its last tokens, or skip it "
+        "(a conversational prompt is always skipped: cutting it would cut its template)",
+        choices=("truncate", "drop"),
+    )
+    ptx: str = key(
+        "",
+        "PPO-ptx: SFT-format rows (the formats of data.train for SFT, docs/data.md) whose "
+        "token-mean NLL, x ppo.ptx_coef, joins the actor's loss at every optimizer step; "
+        "empty: none",
+    )
+    chat_template: str = key(
+        "",
+        "chat template for conversational rows (lists of {role, content} messages) of the "
+        "policy's tokenizer: a Jinja string or the path of a file holding one; empty: the "
+        "tokenizer's own (docs/data.md)",
+    )
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enabled: bool = key(
+        False,
+        "LoRA adapters (peft) on the actor; the reference is the same base with adapters "
+        "disabled, so the base weights are held once (LoRA dropout is always 0)",
+    )
+    r: int = key(16, "rank of the adapters", gt=0)
+    alpha: int = key(32, "scale of the adapters (alpha / r)", gt=0)
+    target_modules: tuple[str, ...] = key(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "names of the linear layers that get adapters",
+    )
+    critic: bool = key(
+        False,
+        "adapters on the critic too (its value head stays fully trainable); with the critic "
+        "initialised from the reward model, the frozen reward model is that same base with "
+        "adapters disabled: one copy of the reward model's weights",
+    )
+    load_in_4bit: bool = key(
+        False,
+        "QLoRA: load the LoRA base in 4-bit (bitsandbytes NF4, compute in model.dtype) with "
+        "the adapters trained in fp32/bf16; the merged export is dequantized (docs/distributed.md, "
+        "QLoRA). Needs lora.enabled, bitsandbytes, and no DeepSpeed",
+    )
+    export: str = key(
+        "both",
+        "what final/ holds for a LoRA actor: the merged model, and/or the adapter in final_adapter/",
+        choices=("merged", "adapter", "both"),
+    )

@@ -1,0 +1,275 @@
+"""Validation: every key's declared choices and range, then the rules between keys
+that a stage uses (divisibility by the world size, clip bounds, backends, required
+paths); each failure is one ConfigError naming a key, before any model loads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlhf_dist.config.loading import check_keys
+from rlhf_dist.config.schema import Config
+from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
+from rlhf_dist.names import (
+    ESTIMATORS,
+)
+
+
+def _divides(small: tuple[str, int], big: tuple[str, int]) -> None:
+    if big[1] % small[1]:
+        raise ConfigError(f"{small[0]}={small[1]} must divide {big[0]}={big[1]}")
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
+    """Check `cfg` for `stage` ("sft", "rm", "dpo", "kto", "ppo", "eval", "iterate"): every
+    key's declared choices and range (`check_keys`), then the rules between keys that
+    stage uses; raise ConfigError naming one."""
+    check_keys(cfg)
+    if cfg.model.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
+        raise ConfigError(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn package "
+            "(pip install flash-attn) and a CUDA GPU; use sdpa or auto otherwise"
+        )
+    if stage in ("sft", "rm", "dpo", "kto"):
+        section = getattr(cfg, stage)
+        _divides(
+            (
+                f"{stage}.micro_batch_size x {world_size} ranks",
+                section.micro_batch_size * world_size,
+            ),
+            (f"{stage}.batch_size", section.batch_size),
+        )
+        if not cfg.data.train:
+            raise ConfigError("data.train: required (a local data file or a hub dataset name)")
+        if stage == "sft" and not cfg.model.policy:
+            raise ConfigError("model.policy: required (the causal LM to fine-tune)")
+        if stage == "rm" and not (cfg.model.reward or cfg.model.policy):
+            raise ConfigError("model.reward: required (the model to train as reward model)")
+    if stage in ("dpo", "kto"):
+        _validate_preference(cfg, stage)
+    if stage == "ppo":
+        _validate_ppo(cfg, world_size)
+    if stage == "iterate":
+        _validate_iterate(cfg, world_size)
+    if cfg.lora.critic and not cfg.lora.enabled:
+        raise ConfigError("lora.critic: needs lora.enabled=true")
+    if cfg.lora.load_in_4bit:
+        _validate_4bit(cfg)
+    if stage in ("ppo", "eval"):
+        _validate_generation(cfg)
+        if not cfg.model.policy:
+            raise ConfigError("model.policy: required (the SFT policy)")
+        if not (cfg.reward.text_rewards() or cfg.model.reward):
+            raise ConfigError(
+                "model.reward: required unless reward.function, reward.functions, reward.url "
+                "or reward.judge is set"
+            )
+        for spec in (cfg.reward.function, *cfg.reward.functions):
+            if spec and ":" not in spec:
+                raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
+        _validate_reward_sources(cfg.reward)
+
+
+def _validate_4bit(cfg: Config) -> None:
+    """lora.load_in_4bit: LoRA on, and a bitsandbytes that loads with a usable backend."""
+    if not cfg.lora.enabled:
+        raise ConfigError("lora.load_in_4bit: needs lora.enabled=true (QLoRA trains adapters)")
+    problem = bitsandbytes_problem()
+    if problem:
+        raise ConfigError(f"lora.load_in_4bit: {problem}")
+
+
+def bitsandbytes_problem() -> str:
+    """Why bitsandbytes cannot quantize to NF4 here ("" when it can): checked by
+    quantizing one small tensor, which fails where no backend (CUDA or CPU) exists."""
+    if not _installed("bitsandbytes"):
+        return "needs the bitsandbytes package (pip install bitsandbytes)"
+    try:
+        import torch
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        x = torch.ones(64, 4, device=device)
+        packed, state = quantize_4bit(x, quant_type="nf4")
+        dequantize_4bit(packed, state)
+    except Exception as e:  # no backend for this device, a broken build
+        return f"bitsandbytes has no usable NF4 backend here ({type(e).__name__}: {e})"
+    return ""
+
+
+def _validate_reward_sources(r) -> None:
+    """Several rewards, the remote reward model and the judge (docs/rewards.md)."""
+    if r.function and r.functions:
+        raise ConfigError("reward.function and reward.functions: set one of them, not both")
+    if r.weights and len(r.weights) != len(r.functions):
+        raise ConfigError(
+            f"reward.weights: {len(r.weights)} weights for {len(r.functions)} reward.functions"
+        )
+    for name in ("url", "judge_url"):
+        value = getattr(r, name)
+        if value and not value.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.{name}: expected an http:// or https:// URL, got {value!r}")
+    if r.judge == "model" and not r.judge_model:
+        raise ConfigError("reward.judge_model: required with reward.judge=model (a causal LM path)")
+    if r.judge == "url" and not (r.judge_url and r.judge_model_name):
+        raise ConfigError(
+            "reward.judge_url and reward.judge_model_name: required with reward.judge=url"
+        )
+    if r.judge != "none" and not (
+        "{prompt}" in r.judge_template and "{response}" in r.judge_template
+    ):
+        raise ConfigError("reward.judge_template: must contain {prompt} and {response}")
+    if r.api_key_env and not r.api_key_env.replace("_", "").isalnum():
+        raise ConfigError(
+            f"reward.api_key_env: the NAME of an environment variable, got {r.api_key_env!r}"
+        )
+
+
+def _validate_objective(cfg: Config) -> None:
+    """The estimator's needs and the policy-loss knobs (clip bounds, dual clip, entropy)."""
+    p = cfg.ppo
+    estimator = ESTIMATORS[p.estimator]
+    if estimator.needs_groups and p.samples_per_prompt < 2:
+        raise ConfigError(
+            f"ppo.samples_per_prompt: estimator {p.estimator} compares the samples of a prompt; "
+            f"needs >= 2, got {p.samples_per_prompt}"
+        )
+    if not estimator.needs_critic and cfg.lora.critic:
+        raise ConfigError(f"lora.critic: estimator {p.estimator} trains no critic; set it false")
+    for name in ("clip_eps_low", "clip_eps_high", "dual_clip"):
+        if getattr(p, name) is not None and p.clip_eps is None:
+            raise ConfigError(f"ppo.{name}: needs ppo.clip_eps set (clipping on)")
+    if p.clip_eps_low is not None and p.clip_eps_low >= 1 and p.policy_loss != "cispo":
+        raise ConfigError(
+            f"ppo.clip_eps_low: must be < 1 (1 = no lower bound: cispo only), got {p.clip_eps_low}"
+        )
+    if p.policy_loss == "cispo" and p.dual_clip is not None:
+        raise ConfigError(
+            "ppo.dual_clip: bounds PPO's clipped surrogate (policy_loss=clip); cispo's weight "
+            "is already bounded, set dual_clip null"
+        )
+    _validate_dapo(cfg)
+    if p.tis_cap is not None and cfg.generation.backend != "vllm":
+        raise ConfigError(
+            "ppo.tis_cap: needs generation.backend=vllm (the hf sampler is the trainer)"
+        )
+
+
+def _validate_dapo(cfg: Config) -> None:
+    """Dynamic sampling and overlong handling (DAPO, Yu et al. 2025)."""
+    p = cfg.ppo
+    if p.dynamic_sampling:
+        if not ESTIMATORS[p.estimator].needs_groups:
+            raise ConfigError(
+                f"ppo.dynamic_sampling: drops groups of tied scores, so it needs a group "
+                f"estimator (grpo, rloo, reinforce_pp_baseline), got ppo.estimator={p.estimator}"
+            )
+        if cfg.debug.overfit_one_batch:
+            raise ConfigError(
+                "ppo.dynamic_sampling: extra rounds draw other prompts; it cannot be combined "
+                "with debug.overfit_one_batch"
+            )
+    if p.overlong == "soft" and not 0 < p.overlong_buffer <= cfg.generation.max_new_tokens:
+        raise ConfigError(
+            f"ppo.overlong_buffer: must be in [1, generation.max_new_tokens="
+            f"{cfg.generation.max_new_tokens}] with ppo.overlong=soft, got {p.overlong_buffer}"
+        )
+
+
+def _validate_preference(cfg: Config, stage: str) -> None:
+    """dpo / kto: the policy to train and the loss's constants."""
+    section = getattr(cfg, stage)
+    if not cfg.model.policy:
+        raise ConfigError(f"model.policy: required (the SFT policy {stage} trains)")
+    if stage == "dpo" and section.label_smoothing and section.loss_type != "sigmoid":
+        raise ConfigError(
+            f"dpo.label_smoothing: conservative DPO smooths the sigmoid loss only; "
+            f"dpo.loss_type={section.loss_type} takes label_smoothing=0"
+        )
+
+
+def _validate_generation(cfg: Config) -> None:
+    g = cfg.generation
+    if g.min_new_tokens > g.max_new_tokens:
+        raise ConfigError(
+            f"generation.min_new_tokens: must be in [0, max_new_tokens], got {g.min_new_tokens}"
+        )
+    if g.tools or g.environment:
+        _validate_multi_turn(cfg)
+    if g.backend == "vllm" and not cfg.perf.gather_for_generation:
+        raise ConfigError(
+            "generation.backend=vllm: needs perf.gather_for_generation=true (the engine "
+            "loads whole weights, gathered once per rollout)"
+        )
+
+
+def _validate_multi_turn(cfg: Config) -> None:
+    """generation.tools / environment: what multi-turn rollouts support (docs/agents.md)."""
+    g = cfg.generation
+    if g.tools and g.environment:
+        raise ConfigError("generation.tools: not together with generation.environment")
+    for spec in (*g.tools, g.environment):
+        if spec and ":" not in spec:
+            raise ConfigError(
+                f"generation.tools/environment: expected 'module:callable', got {spec!r}"
+            )
+    if g.max_turns < 1 or g.max_episode_tokens < 0 or not g.tool_timeout_s > 0:
+        raise ConfigError(
+            "generation.max_turns must be >= 1, max_episode_tokens >= 0 and tool_timeout_s > 0"
+        )
+
+
+def _validate_ppo(cfg: Config, world_size: int) -> None:
+    p = cfg.ppo
+    _divides(("world size", world_size), ("ppo.rollout_batch_size", p.rollout_batch_size))
+    sequences = p.rollout_batch_size * p.samples_per_prompt
+    _divides(
+        ("ppo.minibatch_size", p.minibatch_size),
+        ("ppo.rollout_batch_size x ppo.samples_per_prompt", sequences),
+    )
+    _divides(
+        (f"ppo.micro_batch_size x {world_size} ranks", p.micro_batch_size * world_size),
+        ("ppo.minibatch_size", p.minibatch_size),
+    )
+    _validate_objective(cfg)
+    if not cfg.data.train:
+        raise ConfigError("data.train: required (a prompt file or a hub dataset name)")
+    if p.ptx_coef > 0 and not cfg.data.ptx:
+        raise ConfigError(
+            f"ppo.ptx_coef: {p.ptx_coef} needs data.ptx (the SFT-format rows of the ptx term)"
+        )
+    if cfg.data.ptx and not p.ptx_coef > 0:
+        raise ConfigError(
+            "data.ptx: set, but ppo.ptx_coef is 0 (ptx off): set ppo.ptx_coef > 0 or leave "
+            "data.ptx empty"
+        )
+
+
+def _validate_iterate(cfg: Config, world_size: int) -> None:
+    """rlhf-dist iterate: its own keys, then the RM, PPO and eval stages it derives (with
+    the reward model each round trains standing in for model.reward)."""
+    it = cfg.iterate
+    if it.labeller == "gold" and not cfg.eval.gold_function:
+        raise ConfigError(
+            "iterate.labeller: gold labels with eval.gold_function, which is not set "
+            "(set it, or name a module:function(prompt, a, b) labeller)"
+        )
+    if it.labeller != "gold" and ":" not in it.labeller:
+        raise ConfigError(
+            f"iterate.labeller: expected gold or 'module:function', got {it.labeller!r}"
+        )
+    if not cfg.data.eval:
+        raise ConfigError(
+            "data.eval: required by iterate (the held-out prompts of each round's pairs and gold)"
+        )
+    if cfg.reward.function:
+        raise ConfigError("reward.function: iterate scores PPO with the reward model it trains")
+    stand_in = dataclasses.replace(cfg.model, reward=cfg.model.reward or cfg.model.policy)
+    derived = dataclasses.replace(cfg, model=stand_in)
+    for stage in ("rm", "ppo", "eval"):
+        validate(derived, stage, world_size)

@@ -1,0 +1,136 @@
+"""The KV-cache decode loop: sample responses to left-padded prompts, then cut them
+after the first stop token (`generate`, `truncate_after_eos`, `decode_responses`).
+
+One prefill forward (each distinct prompt once with perf.shared_prompt_forward), then one
+forward per token; positions count real tokens only, so a left-padded prompt continues
+exactly as it would alone. Ranks that must stay in step (ZeRO-3 without gathered weights)
+are kept so by a `keep_in_step` collective instead of transformers' synced_gpus.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.chat import is_stop
+from rlhf_dist.engine.cpu import decode_context
+from rlhf_dist.engine.forward import (
+    DEFAULT_PERF,
+    cache_of,
+    causal_lm,
+    distinct_prompt_cache,
+    shares_prompts,
+)
+from rlhf_dist.engine.packing import position_ids_from
+from rlhf_dist.engine.sampling import sample_next
+
+
+def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):
+    """(ids, response_mask, finished): mask True up to and including the first stop token
+    (any of `stop_ids`, an id or a sequence; "EOS" below).
+
+    response_ids: (B, T). Tokens after the first EOS become PAD (generate may already
+    pad them); rows without EOS keep all T tokens and have finished=False.
+    """
+    is_eos = is_stop(response_ids, stop_ids)
+    # Number of EOS strictly before t: 0 means t is at or before the first EOS.
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    mask = eos_before == 0
+    ids = torch.where(mask, response_ids, torch.full_like(response_ids, pad_id))
+    return ids, mask, is_eos.any(dim=1)
+
+
+@torch.no_grad()
+def generate(
+    model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=None, stop_ids=None,
+    perf: PerfConfig = DEFAULT_PERF,
+) -> torch.Tensor:  # fmt: skip
+    """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
+    PAD after a row's first stop token (any of `stop_ids`; None: the tokenizer's EOS);
+    T is shorter only when every row has finished.
+
+    A plain KV-cache decode loop: one prefill forward, then one forward per token. It
+    does what transformers' `generate` did for us with ~20% less time outside the model
+    on a small policy (no logits-processor, stopping-criteria and input-preparation
+    layers per token). Positions count real tokens only, as in scoring, so a left-padded
+    prompt is continued exactly as it would be on its own.
+    keep_in_step (ZeRO-3 without gathered weights, where every forward gathers layers
+    with collectives): called once per step with whether this rank needs another
+    forward, it returns whether any rank does; a finished rank then runs throw-away
+    forwards until all ranks are done, so none waits forever for the others.
+    perf: its speed paths (perf.shared_prompt_forward for the prefill; on CPU
+    perf.packed_linears and perf.grouped_kv_attention, engine/cpu.py `decode_context`).
+    """
+    pad = tokenizer.pad_token_id
+    stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
+    eos = torch.as_tensor(stops, dtype=torch.long, device=prompt_ids.device).reshape(-1)
+    mask = prompt_mask.long()
+    with decode_context(model, prompt_ids.shape[0], perf):
+        logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf))
+        return _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad)
+
+
+def _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad: int) -> torch.Tensor:
+    """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt mask
+    (B, P): (B, T) sampled ids, PAD after a row's stop token."""
+    position = position_ids_from(mask)[:, -1:]
+    finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    steps, tokens, more = gen_cfg.max_new_tokens, [], True  # more: this rank still samples
+    while True:
+        if more:
+            allow_eos = len(tokens) >= gen_cfg.min_new_tokens
+            token = sample_next(logits, gen_cfg, eos, allow_eos)
+            tokens.append(torch.where(finished, pad, token))
+            finished |= is_stop(tokens[-1], eos)
+            more = len(tokens) < steps and not bool(finished.all())
+        if not (more if keep_in_step is None else keep_in_step(more)):
+            return torch.stack(tokens, dim=1)
+        feed = tokens[-1] if more else torch.full_like(tokens[-1], pad)  # throw-away forward
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        position = position + 1
+        out = model(
+            input_ids=feed[:, None], attention_mask=mask, position_ids=position, use_cache=True,
+            **cache,
+        )  # fmt: skip
+        logits, cache = out.logits[:, -1], cache_of(out)
+
+
+def _prefill(model, prompt_ids, mask, share: bool):
+    """The prefill forward of left-padded prompts (B, P): the last position's logits
+    (B, V) and the KV cache (`cache_of`). With `share` each distinct prompt runs once
+    and its cache and logits are indexed out to its rows (algo/prefix.py): GRPO's n
+    samples of a prompt cost one prompt forward, not n."""
+    if share:
+        out, cache, inverse = distinct_prompt_cache(model, prompt_ids, mask)
+        return out.logits[:, -1].index_select(0, inverse), cache
+    out = model(
+        input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from(mask),
+        use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    return out.logits[:, -1], cache_of(out)
+
+
+def _shares_prompts(model, perf: PerfConfig) -> bool:
+    """forward.shares_prompts of the transformers model inside `model`; a model that is
+    not a transformers one never shares."""
+    try:
+        return shares_prompts(causal_lm(model), perf)
+    except TypeError:
+        return False
+
+
+def pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
+    """Right-pad (B, T) to (B, width) with `value`."""
+    if x.shape[1] >= width:
+        return x
+    pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+def decode_responses(tokenizer, response_ids, response_mask, stop_ids) -> list[str]:
+    """Response texts without PAD and stop tokens (an id or a sequence of ids)."""
+    keep = response_mask & ~is_stop(response_ids, stop_ids)
+    return [
+        tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+        for row, m in zip(response_ids, keep)
+    ]

@@ -1,0 +1,246 @@
+"""The sequence log-prob forward: log-probs (and entropies) of chosen tokens under a
+causal LM, the one function every stage scores tokens with (`token_logprobs`).
+
+How it runs fast, each behind a perf switch: the output head in chunks, logits
+recomputed in backward, so no (B, T, V) tensor exists (perf.logprob_chunk_tokens;
+algo.logprobs_from_hidden); padding-free packed rows (perf.packed_sequences, `packing`);
+and each distinct prompt of a rollout run once with its KV cache indexed out to the rows
+that share it (perf.shared_prompt_forward; GRPO's n samples of a prompt).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
+from rlhf_dist.algo.packing import unpack_tokens
+from rlhf_dist.algo.prefix import unique_prompts
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.distributed.zero3 import stays_whole
+from rlhf_dist.engine import packing
+
+# The speed paths of a caller that was given no config: perf's defaults.
+DEFAULT_PERF = PerfConfig()
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside `model`: under a DeepSpeed engine or DDP wrapper
+    (`.module`) and a peft model (`get_base_model()`, with its adapters injected)."""
+    from transformers import PreTrainedModel
+
+    while not isinstance(model, PreTrainedModel):
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            raise TypeError(f"no transformers model inside {type(model).__name__}")
+    return model
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predict_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    prompt_width: int | None = None,
+    perf: PerfConfig = DEFAULT_PERF,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """THE sequence log-prob function (docs/architecture.md section 4): log-probs (B, T) of
+    the last T tokens of `input_ids` under causal LM `model` at the sampling `temperature`
+    (N+ study: old, new and reference log-probs alike), each predicted from the position
+    before it; entropies (B, T) of those predictions with `with_entropy`, else None.
+
+    input_ids, attention_mask: (B, L); predict_mask: (B, T) bool, T < L, the tokens to
+    score (response_mask for a rollout; the shifted loss mask, T = L - 1, for SFT/DPO/KTO).
+    0 where predict_mask is False: those positions never reach the output head. `model`
+    may be wrapped (engine, DDP, peft) or offer `scoring_model()` (lora.AdapterOffReference).
+    The head runs over chunks of perf.logprob_chunk_tokens tokens (`head_logprobs`), so
+    no (B, T, V) logits exist. Gradients flow when called with grad enabled.
+    prompt_width: the first prompt_width columns are a left-padded prompt that rows may
+    share (a rollout); with perf.shared_prompt_forward each distinct one is run once
+    (`final_hidden_states`). perf: the speed paths (config.PerfConfig); each off gives the
+    same values within the tolerances tests/unit/test_unit_perf_switches.py states.
+    """
+    if hasattr(model, "scoring_model"):
+        with model.scoring_model() as inner:
+            return token_logprobs(
+                inner, input_ids, attention_mask, predict_mask, temperature, with_entropy,
+                prompt_width, perf,
+            )  # fmt: skip
+    L, T = input_ids.shape[1], predict_mask.shape[1]
+    predict_mask, lm = predict_mask.bool(), causal_lm(model)
+    full = final_hidden_states(model, lm, input_ids, attention_mask, prompt_width, perf)
+    hidden, tokens = full[:, L - 1 - T : L - 1], input_ids[:, L - T :]
+    selected = predict_mask
+    if not bool(predict_mask.any()):
+        # Nothing to score (e.g. a micro-batch whose rows ppo.overlong=mask left out): score
+        # one position times 0 below, so a backward still reaches the backbone and the head
+        # (under ZeRO-3 every rank's backward must; DeepSpeed refuses a loss without a graph).
+        hidden, tokens = full[:1, -1:], input_ids[:1, -1:]
+        selected = torch.ones_like(tokens, dtype=torch.bool)
+    lp, entropy = head_logprobs(
+        lm, hidden[selected], tokens[selected], temperature, perf.logprob_chunk_tokens,
+        with_entropy,
+    )  # fmt: skip
+    zeros = torch.zeros(predict_mask.shape, dtype=lp.dtype, device=lp.device)
+    if selected is not predict_mask:
+        anchor = 0.0 * lp.sum()
+        lp = zeros + anchor
+        return lp, None if entropy is None else zeros + 0.0 * entropy.sum()
+    lp = zeros.masked_scatter(predict_mask, lp)
+    return lp, None if entropy is None else zeros.masked_scatter(predict_mask, entropy)
+
+
+def final_hidden_states(
+    model, lm, input_ids, attention_mask, prompt_width=None, perf: PerfConfig = DEFAULT_PERF
+) -> torch.Tensor:
+    """The backbone's last hidden states (B, L, H) of `lm` (the transformers model inside
+    `model`), from a forward of `model` itself: DeepSpeed's, DDP's and peft's forward
+    logic all run. The model's own head runs on the last position only (logits_to_keep=1).
+    With perf.packed_sequences the forward runs on the packed rows (`packing_layout`)
+    and the states come back in the padded layout, 0 at padding. Otherwise, given a
+    prompt_width and perf.shared_prompt_forward, the prompt columns run once per
+    distinct prompt (`_shared_prompt_forward`)."""
+    seen = []
+    backbone = getattr(lm, lm.base_model_prefix)
+    layout = packing.packing_layout(lm, attention_mask, perf.packed_sequences)
+    shared = layout is None and prompt_width is not None and shares_prompts(lm, perf)
+
+    def keep(module, args, output):
+        seen.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = backbone.register_forward_hook(keep)
+    try:
+        if shared:
+            inverse = _shared_prompt_forward(model, input_ids, attention_mask, prompt_width)
+            return torch.cat([seen[0].index_select(0, inverse), seen[1]], dim=1)
+        model(
+            **packing.backbone_inputs(input_ids, attention_mask, layout),
+            logits_to_keep=1,
+            # A whole-sequence forward needs no KV cache; transformers would otherwise
+            # build one on every call (use_cache defaults to True in most configs):
+            # ~5% of a tiny model's training step, and memory on large ones.
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    return seen[-1] if layout is None else unpack_tokens(seen[-1], layout[1])
+
+
+def shares_prompts(lm, perf: PerfConfig) -> bool:
+    """Whether rollout forwards of transformers model `lm` run each distinct prompt once:
+    perf.shared_prompt_forward, no gradient checkpointing (transformers turns the KV
+    cache off under it in training) and, when gradients are recorded, no ZeRO-3
+    partitioned weights (its gradient buckets take each parameter once per backward; a
+    second forward of the same modules hands them in twice: DeepSpeed asserts). The same
+    answer on every rank (config, grad mode and the engine only), so ZeRO-3 ranks run the
+    same number of forwards."""
+    if not perf.shared_prompt_forward:
+        return False
+    if getattr(lm, "is_gradient_checkpointing", False):
+        return False
+    first = next(lm.parameters(), None)
+    return not (torch.is_grad_enabled() and first is not None and hasattr(first, "ds_id"))
+
+
+def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Tensor:
+    """Two forwards of `model` (algo/prefix.py): the U distinct prompts (U, P) with a KV
+    cache, the cache indexed out to all B rows, then the B responses (B, L - P) on it.
+    Always two, also when every prompt is distinct (U == B), so that the count does not
+    depend on the data. Returns inverse (B,): row b's prompt is distinct prompt inverse[b].
+    The backbone hook sees (U, P, H) and then (B, L - P, H)."""
+    _, cache, inverse = distinct_prompt_cache(model, input_ids[:, :P], attention_mask[:, :P])
+    model(
+        input_ids=input_ids[:, P:], attention_mask=attention_mask,
+        position_ids=packing.position_ids_from(attention_mask)[:, P:], use_cache=True,
+        logits_to_keep=1, **cache,
+    )  # fmt: skip
+    return inverse
+
+
+def distinct_prompt_cache(model, prompt_ids, prompt_mask):
+    """One forward of `model` over the distinct rows of left-padded prompts (B, P)
+    (algo/prefix.py `unique_prompts`) with a KV cache, the cache then indexed out to the
+    B rows (`Cache.reorder_cache`: index_select, so gradients sum over each group).
+    Returns (the forward's output, U rows; the cache as `cache_of` gives it, B rows;
+    inverse (B,): row b's prompt is distinct row inverse[b])."""
+    ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=packing.position_ids_from(mask),
+        use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    cache = cache_of(out)
+    next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
+    return out, cache, inverse
+
+
+def cache_of(output) -> dict:
+    """The KV cache a model output carries, under the keyword the model takes it back by
+    (`cache` since transformers 5.2x, `past_key_values` before)."""
+    if "cache" in output:
+        return {"cache": output["cache"]}
+    return {"past_key_values": output["past_key_values"]}
+
+
+def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, with_entropy: bool):
+    """Log-probs (N,) of `tokens` (N,) given final hidden states (N, H), through the output
+    head of transformers model `lm`, chunk by chunk; entropies (N,) or None.
+
+    chunk_tokens = 0 (perf.logprob_chunk_tokens off) is the reference: the whole (N, V)
+    logits at once, under plain autograd.
+
+    A plain linear head (tied embeddings alike) whose weights stay whole through the
+    backward (no ZeRO-3, or inside `whole_weights`) goes to `algo.logprobs_from_hidden`,
+    which recomputes each chunk's logits in backward. Any other head (peft's LoRA or
+    modules_to_save wrapper, a ZeRO-3 weight fetched per module, logits post-processed by
+    the model) is called as a module per chunk, under activation checkpointing when
+    gradients are recorded: the same memory bound, and ZeRO-3's hooks fetch the weight
+    for each call (zero3.stays_whole).
+    """
+    head, post = lm.get_output_embeddings(), _logit_postprocessing(lm.config)
+    params = [head.weight] if head.bias is None else [head.weight, head.bias]
+    whole = all(stays_whole(p) for p in params)
+    if chunk_tokens and type(head) is nn.Linear and post is None and whole:
+        return logprobs_from_hidden(
+            hidden, head.weight, tokens, head.bias, temperature, chunk_tokens, with_entropy
+        )
+
+    def chunk(h, t):
+        logits = head(h)
+        return logprobs_and_entropy(logits if post is None else post(logits), t, temperature)
+
+    if chunk_tokens == 0:
+        lp, entropy = chunk(hidden, tokens)
+        return lp, entropy if with_entropy else None
+
+    grads = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], tokens[start : start + chunk_tokens]
+        parts.append(checkpoint(chunk, h, t, use_reentrant=False) if grads else chunk(h, t))
+    if not parts:  # no token to score
+        parts = [(hidden.new_zeros(0, dtype=torch.float32),) * 2]
+    lp = torch.cat([p[0] for p in parts])
+    return lp, torch.cat([p[1] for p in parts]) if with_entropy else None
+
+
+def _logit_postprocessing(config):
+    """What a model does to its head's output before returning logits, or None: Cohere's
+    `logit_scale` (a product), Gemma 2/3's `final_logit_softcapping` (cap * tanh(z / cap))."""
+    scale = getattr(config, "logit_scale", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if scale in (None, 1.0) and cap is None:
+        return None
+
+    def post(logits):
+        logits = logits if scale in (None, 1.0) else logits * scale
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    return post

@@ -1,0 +1,10 @@
+"""What a rollout is: sample responses to a rank's prompts, then score them with every
+model the update needs (docs/architecture.md section 5). `collect.py` runs it over the hf
+backend (rlhf_dist.engine's decode loop), `vllm.py` over an in-process vLLM engine and
+`agent.py` as multi-turn episodes with tools; `batch.py` holds the frozen `RolloutBatch`.
+"""
+
+from rlhf_dist.rollout.batch import RolloutBatch
+from rlhf_dist.rollout.collect import RolloutModels, collect_rollout
+
+__all__ = ["RolloutBatch", "RolloutModels", "collect_rollout"]

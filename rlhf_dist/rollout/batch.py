@@ -1,0 +1,126 @@
+"""The rollout batch (`RolloutBatch`, frozen: a step returns a new one) and what reads
+it: the missing-EOS penalty, the last real token's position and the debug print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from rlhf_dist.algo.masking import last_token_index
+
+
+@dataclass
+class RolloutBatch:
+    """One rank's rollout. Shapes: B sequences, P prompt tokens, T response tokens."""
+
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P) 1 on real prompt tokens
+    response_ids: torch.Tensor  # (B, T) PAD after the first EOS
+    response_mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
+    # (B, T), 0 outside response_mask; None until the update's first forward gives them
+    # (the skip of trainers/ppo.py::old_logprobs_from_update)
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor  # (B, T), 0 outside response_mask
+    old_values: torch.Tensor | None  # (B, T); None without a critic
+    scores: torch.Tensor  # (B,) after the missing-EOS penalty
+    raw_scores: torch.Tensor  # (B,) as the reward model / function gave them
+    finished: torch.Tensor  # (B,) bool, the response ended with EOS
+    entropy: torch.Tensor | None  # (B, T) of the sampling distribution; None like old_logprobs
+    # (B, T) log-probs the sampled tokens had in the engine that sampled them, when that
+    # is not the trainer (generation.backend=vllm); None with the hf backend.
+    sampler_logprobs: torch.Tensor | None = None
+    # Multi-turn rollouts (rlhf_dist/rollout/agent.py); None for single-turn ones. (B, T) long, 1
+    # on every token of the episode: sampled turns AND tool/environment messages, which
+    # are attended to but are not in response_mask (never trained on, no KL, no entropy).
+    response_attention: torch.Tensor | None = None
+    turns: torch.Tensor | None = None  # (B,) long, assistant turns per episode
+    tool_calls: torch.Tensor | None = None  # (B,) long, tool messages per episode
+    tool_errors: torch.Tensor | None = None  # (B,) long, tool calls that failed
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_attention_mask], dim=1)
+
+    @property
+    def response_attention_mask(self) -> torch.Tensor:
+        """(B, T) long: the response positions attended to (response_mask single-turn)."""
+        if self.response_attention is not None:
+            return self.response_attention
+        return self.response_mask.long()
+
+    def select(self, index) -> RolloutBatch:
+        return RolloutBatch(**{f.name: _index(getattr(self, f.name), index) for f in fields(self)})
+
+    def trimmed(self) -> tuple[RolloutBatch, int]:
+        """This batch without the columns that are padding in every row, and the number T'
+        of response columns kept (a prefix: cut per-token tensors to [:, :T'] alike).
+
+        Dropped: leading prompt columns (left padding of the longest prompt in a larger
+        batch) and response columns after every row's last real token. Outputs at the kept
+        positions do not change (positions come from the attention mask and causal
+        attention never looks right), so losses and gradients are the same while the
+        padding costs nothing: a micro-batch drawn from a rollout of ragged lengths is
+        often much narrower than the rollout.
+        """
+        P, T = self.prompt_ids.shape[1], self.response_ids.shape[1]
+        cols = torch.arange(max(P, T), device=self.prompt_ids.device)
+        first = torch.where(self.prompt_mask.bool().any(0), cols[:P], P).min()
+        end = torch.where(self.response_attention_mask.bool().any(0), cols[:T] + 1, 1).max()
+        start, keep = torch.stack([first, end]).tolist()  # one host sync for both
+        if start == 0 and keep == T:
+            return self, T
+        cut = {}
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if x is None:
+                pass
+            elif f.name.startswith("prompt_"):
+                x = x[:, start:]
+            elif x.dim() == 2:  # (B, T) response-aligned
+                x = x[:, :keep]
+            cut[f.name] = x
+        return RolloutBatch(**cut), keep
+
+
+def _index(x: torch.Tensor | None, index):
+    return None if x is None else x[index]
+
+
+def scores_with_eos_penalty(raw_scores, finished, penalty: float | None) -> torch.Tensor:
+    """Replace the score of responses that never emitted EOS by `penalty` (N+ study)."""
+    if penalty is None:
+        return raw_scores
+    return torch.where(finished, raw_scores, torch.full_like(raw_scores, penalty))
+
+
+def sequence_last_index(prompt_width: int, response_mask: torch.Tensor) -> torch.Tensor:
+    """Position in the full (P+T) sequence of each response's last real token; (B,)."""
+    return prompt_width + last_token_index(response_mask)
+
+
+def describe_batch(tokenizer, batch: RolloutBatch, texts: list[str], rows: int = 2) -> str:
+    """The first rows of a rollout, token by token with masks (debug.print_first_batch):
+    what the model saw (prompt, attention) and what the losses use (response_mask)."""
+    lines = [
+        "== first rollout batch (token | prompt attention or response_mask | old logp | ref logp)"
+    ]
+    for b in range(min(rows, batch.response_ids.shape[0])):
+        lines.append(
+            f"-- row {b}: score {float(batch.scores[b]):.4g}, finished {bool(batch.finished[b])}: {texts[b]!r}"
+        )
+        for t, m in zip(batch.prompt_ids[b].tolist(), batch.prompt_mask[b].tolist()):
+            lines.append(f"   P {tokenizer.convert_ids_to_tokens(t)!s:>14} | {m}")
+        for t in range(batch.response_ids.shape[1]):
+            token = tokenizer.convert_ids_to_tokens(int(batch.response_ids[b, t]))
+            m = int(batch.response_mask[b, t])
+            # old log-probs are not known yet when the update's forward gives them
+            old = float("nan") if batch.old_logprobs is None else float(batch.old_logprobs[b, t])
+            ref = float(batch.ref_logprobs[b, t])
+            lines.append(f"   R {token!s:>14} | {m} | {old:8.4f} | {ref:8.4f}")
+    return "\n".join(lines)

@@ -1,0 +1,239 @@
+"""Rollout: generate responses, then score them with every model PPO needs.
+
+generate (actor, sampling, left-padded prompts) -> truncate after the first EOS ->
+old_logprobs + old_values (actor-critic forward, training dtype; no values without a
+critic) -> ref_logprobs ->
+scores (reward model at the last real token, or a Python reward function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.engine.cpu import scoring_context
+from rlhf_dist.engine.decode import decode_responses, generate, pad_columns, truncate_after_eos
+from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
+from rlhf_dist.rollout import agent as agent_mod
+from rlhf_dist.rollout.batch import RolloutBatch, scores_with_eos_penalty, sequence_last_index
+
+
+class SequenceScorer(Protocol):
+    """What scores a rollout's sequences (rewards.scoring.Scorer): (B,) raw scores from
+    the prompts and response texts, or from the token ids read at each row's last real
+    token (a reward model)."""
+
+    def __call__(
+        self, prompts: list, texts: list[str], input_ids: torch.Tensor,
+        attention_mask: torch.Tensor, last_index: torch.Tensor,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+@dataclass
+class RolloutModels:
+    """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
+    yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
+    the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS),
+    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), a
+    context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
+    not layer by layer in every forward; a no-op elsewhere), for multi-turn rollouts
+    the agent (rollout/agent.py) and the per-turn lock-step collective, and the speed
+    paths of generation and scoring (perf)."""
+
+    actor_critic: torch.nn.Module
+    generation_context: Callable
+    reference: torch.nn.Module | None
+    scorer: SequenceScorer
+    stop_ids: tuple[int, ...] = ()
+    engine: object | None = None
+    whole_weights: Callable = contextlib.nullcontext
+    agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
+    any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
+    perf: PerfConfig = DEFAULT_PERF
+
+
+@torch.no_grad()
+def collect_rollout(
+    models: RolloutModels,
+    prompt_ids,
+    prompt_mask,
+    prompt_texts,
+    cfg,
+    tokenizer,
+    timings=None,
+    micro_batch_size: int | None = None,
+    old_logprobs: bool = True,
+):
+    """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch, and
+    the response texts: generate -> truncate after EOS -> decode -> old/ref log-probs,
+    values and scores -> missing-EOS penalty. PPO's rollout and `rlhf-dist eval` alike.
+
+    micro_batch_size: prompts per generation/scoring pass (None: ppo.rollout_micro_batch_size).
+    old_logprobs=False: no actor pass in scoring (old_logprobs and entropy stay None; the
+    update's first forward gives them, trainers/ppo.py::old_logprobs_from_update)."""
+    gen = cfg.generation
+    micro = micro_batch_size or cfg.ppo.rollout_micro_batch_size
+    chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
+    # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).
+    # vLLM samples from its own copy: whole weights only for its sync, then for scoring.
+    hf = models.engine is None
+    with models.whole_weights() if hf else contextlib.nullcontext():
+        start = time.perf_counter()
+        play = _single_turn if models.agent is None else _episodes  # episodes: agent.py
+        sampled, score_prompts, texts, env_scores = play(
+            models, prompt_ids, prompt_mask, prompt_texts, gen, chunks, tokenizer
+        )
+        generated = time.perf_counter()
+        # nested under hf: already whole. No gradients: the grouped KV heads go to CPU
+        # attention uncopied, the same values (generate has its own context).
+        with models.whole_weights(), scoring_context(models.perf):
+            parts = [
+                _score_chunk(
+                    models, sampled, s, score_prompts[s], texts[s], gen.temperature, old_logprobs
+                )
+                for s in chunks
+            ]
+    merged = {
+        k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]
+    }
+    if env_scores is not None:  # the environment's reward where it gave one
+        given = ~torch.isnan(env_scores)
+        merged["raw_scores"] = torch.where(given, env_scores, merged["raw_scores"])
+    finished = sampled["finished"]
+    scores = scores_with_eos_penalty(merged["raw_scores"], finished, cfg.reward.missing_eos_penalty)
+    if timings is not None:  # seconds spent generating, and scoring with the four models
+        timings |= {"generate": generated - start, "score": time.perf_counter() - generated}
+    return RolloutBatch(scores=scores, **sampled, **merged), texts
+
+
+def _single_turn(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
+                 tokenizer):  # fmt: skip
+    """One response per prompt -> (the rollout tensors, the prompts and response texts the
+    scorer reads, None: no environment rewards)."""
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    response_ids, sampler_logprobs = _sample(
+        models, prompt_ids, prompt_mask, gen, chunks, tokenizer
+    )
+    response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
+    texts = decode_responses(tokenizer, response_ids, response_mask, eos)
+    sampled = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "finished": finished,
+        "sampler_logprobs": sampler_logprobs,
+    }
+    return sampled, prompt_texts, texts, None
+
+
+def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
+              tokenizer):  # fmt: skip
+    """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
+    tensors of agent.episode_batch, what reward.function reads: the conversations before
+    the final answers and the answers, the environment's rewards (B,), NaN where none).
+    The data's prompt ids are not sampled from (an episode starts from the environment's
+    first messages, rendered with the tools); vLLM's sync check reads them."""
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
+                             stop_ids=eos, any_rank=models.any_rank,
+                             perf=models.perf)  # fmt: skip
+    episodes, engine = [], models.engine
+    with models.generation_context() as (actor, keep_in_step):
+        if engine is None:
+            for s in chunks:
+                episodes += play(actor, keep_in_step, prompt_texts[s])
+        else:  # vLLM schedules its own batches: the whole shard, every turn in one call
+            engine.load_weights(actor)
+            if engine.checks_sync:
+                engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
+    if engine is not None:
+        sampler = functools.partial(_engine_sample, engine, pad)
+        episodes = play(None, None, list(prompt_texts), sampler=sampler)
+        engine.sleep()  # GPU: free its memory for scoring and the update
+    device = next(iter(models.actor_critic.parameters())).device
+    sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
+    env_scores = sampled.pop("env_scores")
+    score_prompts, texts = agent_mod.scoring_inputs(episodes)
+    return sampled, score_prompts, texts, env_scores
+
+
+def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokenizer):
+    """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
+    backend, whose sampler is the trainer's own forward)."""
+    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    if models.engine is not None:
+        with models.generation_context() as (actor, _):  # whole weights, once per rollout
+            models.engine.load_weights(actor)
+            if models.engine.checks_sync:
+                models.engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
+        # vLLM schedules its own batches: the whole shard goes in at once.
+        out = models.engine.generate(prompt_ids, prompt_mask, gen, eos, pad)
+        models.engine.sleep()  # GPU: free its memory for scoring and the update
+        return out
+    with models.generation_context() as (actor, keep_in_step):
+        responses = [
+            generate(
+                actor,
+                prompt_ids[s],
+                prompt_mask[s],
+                gen,
+                tokenizer,
+                keep_in_step,
+                eos,
+                models.perf,
+            )  # fmt: skip
+            for s in chunks
+        ]
+    width = max(r.shape[1] for r in responses)
+    return torch.cat([pad_columns(r, width, pad) for r in responses]), None
+
+
+def _score_chunk(models, sampled: dict, s: slice, prompts, texts, temperature, with_actor=True):
+    """Old log-probs, entropies and values, reference log-probs and scores of the rows `s`
+    of the rollout tensors `sampled`; with_actor=False leaves old log-probs and entropies
+    None. Attention covers response_attention where a multi-turn rollout has it (tool
+    tokens are context); log-probs, values and the score use response_mask."""
+    prompt_ids, prompt_mask = sampled["prompt_ids"][s], sampled["prompt_mask"][s]
+    response_ids, response_mask = sampled["response_ids"][s], sampled["response_mask"][s]
+    attended = sampled.get("response_attention")
+    attended = response_mask.long() if attended is None else attended[s]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, attended], dim=1)
+    old_logprobs, entropy, values = models.actor_critic(
+        input_ids, attention_mask, response_mask, temperature, with_entropy=True,
+        with_actor=with_actor,
+    )  # fmt: skip
+    if models.reference is not None:
+        ref_logprobs, _ = token_logprobs(
+            models.reference,
+            input_ids,
+            attention_mask,
+            response_mask,
+            temperature,
+            prompt_width=prompt_ids.shape[1],
+            perf=models.perf,
+        )
+    else:  # no reference: KL 0 (ref = old; with the skip, filled in after the update)
+        ref_logprobs = None if old_logprobs is None else old_logprobs.clone()
+    last = sequence_last_index(prompt_ids.shape[1], response_mask)
+    raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last)
+    return {
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": None if ref_logprobs is None else ref_logprobs.float(),
+        "old_values": None if values is None else values.float(),
+        "raw_scores": raw_scores.float(),
+        "entropy": entropy,
+    }
+
+
+def _engine_sample(engine, pad: int, ids, mask, gen, stop_ids):
+    """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
+    return engine.generate(ids, mask, gen, stop_ids, pad)
