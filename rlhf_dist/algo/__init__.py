@@ -2,9 +2,6 @@
 
 Conventions (docs/architecture.md section 3): B batch, T response length, `response_mask` (B, T) bool
 with True on real response tokens. Every function returns new tensors and never modifies
-its inputs.
+its inputs. Import the submodules (`rlhf_dist.algo.losses`, ...); this package imports
+nothing, so `rlhf_dist.algo.catalog` (the registries' names) stays torch-free.
 """
-
-from rlhf_dist.algo import advantages, kl, logprobs, losses, masking, preference, rewards
-
-__all__ = ["advantages", "kl", "logprobs", "losses", "masking", "preference", "rewards"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.algo import catalog
 from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.masking import last_token_index, pack_masked, unpack_masked
 
@@ -34,14 +35,6 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 0.95
     std_normalize: bool = True  # grpo: divide by the group's std (False: Dr. GRPO)
-
-
-@dataclass(frozen=True)
-class Estimator:
-    fn: Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
-    needs_critic: bool
-    needs_groups: bool
-    whitens: bool
 
 
 def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -117,17 +110,19 @@ def reinforce_pp_baseline_estimator(x: AdvantageInputs):
     return reinforce_pp_estimator(shifted)
 
 
-ESTIMATORS: dict[str, Estimator] = {
-    "gae": Estimator(gae_estimator, needs_critic=True, needs_groups=False, whitens=True),
-    "grpo": Estimator(grpo_estimator, needs_critic=False, needs_groups=True, whitens=False),
-    "rloo": Estimator(rloo_estimator, needs_critic=False, needs_groups=True, whitens=False),
-    "reinforce_pp": Estimator(
-        reinforce_pp_estimator, needs_critic=False, needs_groups=False, whitens=True
-    ),
-    "reinforce_pp_baseline": Estimator(
-        reinforce_pp_baseline_estimator, needs_critic=False, needs_groups=True, whitens=True
-    ),
-}
+# One signature: f(AdvantageInputs) -> (advantages, returns or None). The names and each
+# one's traits (needs_critic, needs_groups, whitens) are declared in catalog.ESTIMATORS.
+Estimator = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
+ESTIMATORS = catalog.registry(
+    catalog.ESTIMATORS,
+    {
+        "gae": gae_estimator,
+        "grpo": grpo_estimator,
+        "rloo": rloo_estimator,
+        "reinforce_pp": reinforce_pp_estimator,
+        "reinforce_pp_baseline": reinforce_pp_baseline_estimator,
+    },
+)
 
 
 def estimate_advantages(name: str, inputs: AdvantageInputs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-KL_KINDS = ("k1", "k2", "k3")
+from rlhf_dist.algo.catalog import KL_KINDS
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlhf_dist.algo import catalog
 from rlhf_dist.algo.masking import masked_mean, masked_sum
 
 
@@ -163,8 +164,9 @@ def pairwise_reward_loss(
     return loss, accuracy
 
 
-# How per-token losses become one number (the names verl uses for the same choices).
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+# How per-token losses become one number (the names verl uses for the same choices):
+# catalog.LOSS_AGGREGATIONS, each defined in aggregation_weights.
+LOSS_AGGREGATIONS = catalog.LOSS_AGGREGATIONS
 
 
 def aggregation_weights(

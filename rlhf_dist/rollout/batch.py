@@ -11,9 +11,10 @@ import torch
 from rlhf_dist.algo.masking import last_token_index
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
-    """One rank's rollout. Shapes: B sequences, P prompt tokens, T response tokens."""
+    """One rank's rollout. Shapes: B sequences, P prompt tokens, T response tokens.
+    Frozen: a step that changes a field returns a new batch (dataclasses.replace)."""
 
     prompt_ids: torch.Tensor  # (B, P) left-padded
     prompt_mask: torch.Tensor  # (B, P) 1 on real prompt tokens
@@ -22,7 +23,9 @@ class RolloutBatch:
     # (B, T), 0 outside response_mask; None until the update's first forward gives them
     # (the skip of trainers/ppo.py::old_logprobs_from_update)
     old_logprobs: torch.Tensor | None
-    ref_logprobs: torch.Tensor  # (B, T), 0 outside response_mask
+    # (B, T), 0 outside response_mask; None without a reference model until the update's
+    # forward gives the old log-probs, which then stand in for it (KL 0)
+    ref_logprobs: torch.Tensor | None
     old_values: torch.Tensor | None  # (B, T); None without a critic
     scores: torch.Tensor  # (B,) after the missing-EOS penalty
     raw_scores: torch.Tensor  # (B,) as the reward model / function gave them

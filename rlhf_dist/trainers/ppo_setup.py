@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from rlhf_dist.algo.estimators import ESTIMATORS
+from rlhf_dist.algo.masking import RunningMoments
+from rlhf_dist.data.batching import PPOPlan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import (
@@ -28,12 +31,14 @@ from rlhf_dist.models import (
 )
 from rlhf_dist.models.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
 from rlhf_dist.rewards.scoring import Scorer, build_scorer, reward_inputs_for
+from rlhf_dist.rollout import RolloutModels
 from rlhf_dist.trainers.common import (
     finish_trainable,
     make_optimizer,
     make_scheduler,
     save_pretrained,
 )
+from rlhf_dist.trainers.ptx import PtxStream
 
 
 @dataclass
@@ -48,7 +53,7 @@ class PPOModels:
 
 def has_critic(cfg) -> bool:
     """A critic is built, trained and exported only for an estimator that reads values."""
-    return ESTIMATORS[cfg.ppo.estimator].needs_critic
+    return ESTIMATORS[cfg.ppo.estimator].traits.needs_critic
 
 
 class AdapterOffValue(nn.Module):
@@ -217,3 +222,21 @@ def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) 
         critic.save_pretrained(out / "critic", state_dict=own, safe_serialization=True)
     for directory in filter(None, (merged, adapter, out / "critic" if has_critic(cfg) else None)):
         tokenizer.save_pretrained(directory)
+
+
+@dataclass
+class PPORun:
+    """The live objects of a PPO run (what one iteration reads and updates)."""
+
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    rollout_models: RolloutModels
+    tokenizer: object
+    kl_ctl: object
+    plan: PPOPlan
+    score_moments: RunningMoments
+    group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
+    gather_for_training: str = "auto"  # perf.gather_for_training
+    printed_first_batch: bool = False
+    ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), trainers/ptx.py

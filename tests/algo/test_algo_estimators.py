@@ -546,7 +546,7 @@ def test_groups_are_contiguous_rows():
 
 def test_registry_flags():
     assert set(ESTIMATORS) == set(NAMES)
-    flags = {k: (e.needs_critic, e.needs_groups, e.whitens) for k, e in ESTIMATORS.items()}
+    flags = {k: tuple(e.traits) for k, e in ESTIMATORS.items()}
     assert flags == {
         "gae": (True, False, True),
         "grpo": (False, True, False),
@@ -567,7 +567,7 @@ def test_estimate_advantages_dispatches_by_name(name):
     for other in NAMES:
         if other != name:
             assert not torch.allclose(adv, estimate_advantages(other, x)[0], atol=1e-3), other
-    if ESTIMATORS[name].needs_critic:
+    if ESTIMATORS[name].traits.needs_critic:
         assert ret is not None and torch.equal(ret, direct_ret)
         _close(ret, ref_gae(x)[1])
     else:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhf_dist.algo.rewards import shape_rewards
+from rlhf_dist.algo.rewards import score_rewards, shape_rewards, token_kl
 
 SEEDS = [0, 1, 2, 3]
 KINDS = ["k1", "k2", "k3"]
@@ -171,3 +171,25 @@ def test_inputs_are_not_modified(ragged_mask):
         shape_rewards(scores, lp, ref, mask, 0.2, kl_kind=kind)
     for now, before in zip((scores, lp, ref, mask), originals, strict=True):
         assert torch.equal(now, before)
+
+
+def test_score_rewards_hand_computed():
+    scores = torch.tensor([2.0, -1.0, 5.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]], dtype=torch.bool)
+    # row 0: last real token at 1; row 1: at 2 (a gap before it); row 2: nothing
+    assert score_rewards(scores, mask).tolist() == [[0, 2, 0], [0, 0, -1], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_shape_rewards_is_the_score_rewards_minus_the_kl_penalty(seed, kind, ragged_mask):
+    g = torch.Generator().manual_seed(seed)
+    mask = ragged_mask(6, 10, seed)
+    B, T = mask.shape
+    lp, ref = -torch.rand(B, T, generator=g), -torch.rand(B, T, generator=g)
+    scores = torch.randn(B, generator=g)
+    rewards, kl = shape_rewards(scores, lp, ref, mask, 0.3, kind)
+    torch.testing.assert_close(kl, token_kl(lp, ref, mask, kind), rtol=0, atol=0)
+    expected = score_rewards(scores, mask) - 0.3 * kl
+    torch.testing.assert_close(rewards, expected, rtol=1e-6, atol=1e-7)
+    assert bool((kl[~mask.bool()] == 0).all())

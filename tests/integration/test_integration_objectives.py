@@ -105,8 +105,8 @@ def test_dynamic_sampling_drops_tied_groups_and_overlong_mask_trains_no_truncate
     """A reward under which the groups of some prompts tie (reward_fns_for_tests)."""
     monkeypatch.setattr(sys, "path", [str(UNIT_TESTS), *sys.path])
     rollouts = capture_calls(monkeypatch, ppo, "collect_rollout")
-    # The mask the update trains on, as it was DURING the call (the trainer puts the rollout's
-    # own mask back on the batch afterwards, for its statistics).
+    # The mask the update trains on (the trainer hands it a view of the rollout; the
+    # rollout keeps its own mask for its statistics).
     updates, update = [], ppo.ppo_update
 
     def ppo_update(runtime, run, batch, *args, **kwargs):

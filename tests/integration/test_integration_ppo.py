@@ -27,6 +27,7 @@ from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.rewards.scoring import Scorer
 from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo_update import update_micro_batches
 from rlhf_dist.trainers.ptx import ptx_stream
 
 POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"
@@ -358,7 +359,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
             plan=ppo_plan(cfg.ppo, runtime.world_size),
         )
         call = {**args, "run": run, "knobs": ppo.UpdateKnobs.from_config(cfg)}
-        stats = original(**call)
+        stats = original(**call).stats
         (grads,) = recorder.grads  # minibatch 16 = the whole rollout: one step
         return grads, stats
 
@@ -379,7 +380,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
     # micro-batches of different row counts, the same gradient and less padding.
     widths = (batch.prompt_mask.sum(1) + lengths).tolist()
     budget = 3 * max(widths)
-    groups = ppo.update_micro_batches(runtime, batch, BatchPlan(16, 1, 16, budget))
+    groups = update_micro_batches(runtime, batch, BatchPlan(16, 1, 16, budget))
     assert len(groups) >= 3 and len({len(g) for g in groups}) >= 2, groups
     budgeted, stats_budget = step_grads(16, budget)
     for key in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl"):
@@ -447,7 +448,8 @@ def test_ppo_ptx_term_is_the_global_token_mean_nll_whatever_the_split(
             args["run"], model=model, optimizer=recorder, plan=plan, ptx=stream,
             scheduler=torch.optim.lr_scheduler.LambdaLR(recorder, lambda _: 1.0),
         )  # fmt: skip
-        stats = original(**{**args, "run": run, "knobs": ppo.UpdateKnobs.from_config(cfg)})
+        knobs = ppo.UpdateKnobs.from_config(cfg)
+        stats = original(**{**args, "run": run, "knobs": knobs}).stats
         (grads,) = recorder.grads
         return grads, stats
 

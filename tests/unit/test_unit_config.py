@@ -371,7 +371,7 @@ def test_estimator_choices_come_from_the_registry():
     from rlhf_dist.algo.estimators import ESTIMATORS
 
     for name in ESTIMATORS:
-        samples = "2" if ESTIMATORS[name].needs_groups else "1"
+        samples = "2" if ESTIMATORS[name].traits.needs_groups else "1"
         overrides = [f"ppo.estimator={name}", f"ppo.samples_per_prompt={samples}"]
         validate(load_config(overrides=[*PPO_REQUIRED, *overrides]), "ppo")
     message = config_error(load_config, None, ["ppo.estimator=vtrace"])

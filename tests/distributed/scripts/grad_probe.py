@@ -37,6 +37,7 @@ zero3.py's all-reduce gradient reduction against DeepSpeed's reduce-scatter.
 """
 
 import contextlib
+import dataclasses
 import sys
 
 import torch
@@ -50,8 +51,8 @@ from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo import UpdateKnobs, minibatch_backward, update_micro_batches
 from rlhf_dist.trainers.ppo_setup import build_models
+from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward, update_micro_batches
 
 B, P, T, VOCAB = 8, 5, 7, 100
 
@@ -146,8 +147,10 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
     built.model.train()  # as ppo_iteration does before the update (checkpointing is train-only)
     batch, advantages, returns = fixed_minibatch()
     if overlong_mask:  # as ppo_iteration does with ppo.overlong=mask
-        batch.finished[[0, 1, 5]] = False
-        batch.response_mask = drop_truncated(batch.response_mask, batch.finished)
+        finished = batch.finished.clone()
+        finished[[0, 1, 5]] = False
+        mask = drop_truncated(batch.response_mask, finished)
+        batch = dataclasses.replace(batch, finished=finished, response_mask=mask)
     share = plan.update.rank_slice(runtime.rank)
     mb = batch.select(share)
     slices = update_micro_batches(runtime, mb, plan.update)

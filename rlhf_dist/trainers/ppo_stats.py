@@ -1,0 +1,168 @@
+"""What one PPO iteration reports (docs/metrics.md): rollout, objective and value
+statistics, overlong shares, histograms gathered from all ranks, costs, samples, and the
+metrics row with its alerts. Every mean is a token or sequence SUM reduced over all ranks
+and divided once (stats.StatSums), never a mean of per-rank means."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_dist.algo.kl import kl_estimate
+from rlhf_dist.algo.masking import masked_sum
+from rlhf_dist.algo.objectives import (
+    overlong_penalty,
+)
+from rlhf_dist.data.chat import prompt_text
+from rlhf_dist.observability.alerts import AlertMonitor
+from rlhf_dist.rollout.agent import episode_stats
+from rlhf_dist.stats import StatSums, global_moments
+from rlhf_dist.trainers.common import (
+    padding_cells,
+)
+from rlhf_dist.trainers.ppo_setup import PPORun
+
+
+def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> dict:
+    """Objective, rollout-shape and value statistics over all ranks' sequences."""
+    s = StatSums()
+    mask = batch.response_mask
+    B, lengths = mask.shape[0], mask.sum(1).float()
+    seq_kl = kl.sum(1)
+    for name, per_seq in (
+        ("objective/score", batch.scores),
+        ("objective/raw_score", batch.raw_scores),
+        ("objective/kl", seq_kl),
+        ("objective/rlhf_reward", batch.scores - kl_coef * seq_kl),
+        ("rollout/length", lengths),
+        ("rollout/eos_rate", batch.finished.float()),
+    ):
+        s.add(name, per_seq.sum(), B)
+    s.add("objective/entropy", masked_sum(batch.entropy, mask), mask.sum())
+    s.add("rollout/pad_fraction", *padding_cells(batch.attention_mask))
+    named = [("advantages/raw", advantages)]
+    if returns is not None:
+        named += [("value/returns", returns), ("value/values", batch.old_values)]
+        residual_sq = masked_sum((returns - batch.old_values) ** 2, mask)
+        s.add("value/residual_sq", residual_sq, mask.sum())
+    for name, x in named:
+        s.add(name, masked_sum(x, mask), mask.sum())
+    if batch.sampler_logprobs is not None:  # vLLM sampled: how far its probabilities are
+        gap = batch.old_logprobs - batch.sampler_logprobs  # log pi_old - log pi_vllm, (B, T)
+        s.add("rollout/sampler_logprob_absdiff", masked_sum(gap.abs(), mask), mask.sum())
+        # KL(pi_vllm || pi_old), k3 estimate on the tokens vLLM sampled
+        sampler_kl = kl_estimate(batch.sampler_logprobs, batch.old_logprobs, "k3")
+        s.add("rollout/sampler_kl", masked_sum(sampler_kl, mask), mask.sum())
+    if batch.turns is not None:  # multi-turn: turns, tool calls, errors, truncations
+        for name, (total, count) in episode_stats(batch).items():
+            s.add(name, total, count)
+    s.add_max("rollout/length_max", lengths.max())
+    s.add_max("rollout/length_min_neg", -lengths.min())
+    out = s.reduce(runtime)
+    out["rollout/sequences"] = float(runtime.all_sum(torch.tensor(float(B), dtype=torch.float64)))
+    out["rollout/length_min"] = -out.pop("rollout/length_min_neg")
+    out["objective/score_std"] = _population_var(runtime, batch.scores) ** 0.5
+    out["advantages/raw_std"] = _population_var(runtime, advantages, mask) ** 0.5
+    if returns is not None:
+        returns_var = _population_var(runtime, returns, mask)
+        # Explained variance 1 - Var(R - V)/Var(R): 1 = the critic predicts returns perfectly.
+        residual = out.pop("value/residual_sq")
+        out["value/explained_variance"] = 1.0 - residual / max(returns_var, 1e-12)
+    return out
+
+
+def _population_var(runtime, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Variance over all ranks, divided by n (stats.global_moments)."""
+    count, _, sq_dev = global_moments(runtime, x, mask)
+    return float(sq_dev / count.clamp(min=1))
+
+
+def due(every: int, it: int) -> bool:
+    return every > 0 and it % every == 0
+
+
+def overlong_stats(runtime, batch, trained_mask, cfg) -> dict:
+    """Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
+    penalty (ppo.overlong=soft) over all ranks; trained_mask (B, T): the response_mask
+    the update sees."""
+    p, s = cfg.ppo, StatSums()
+    B = batch.response_mask.shape[0]
+    if p.overlong == "mask":
+        s.add("rollout/overlong_masked_rate", (~trained_mask.any(1)).float().sum(), B)
+    if p.overlong == "soft":
+        lengths = batch.response_mask.sum(1)
+        penalty = overlong_penalty(lengths, cfg.generation.max_new_tokens, p.overlong_buffer)
+        s.add("objective/overlong_penalty", penalty.sum(), B)
+    return s.reduce(runtime) if p.overlong != "none" else {}
+
+
+def sample_rows(prompt_texts, texts, batch, kl) -> list[dict]:
+    """The samples table's rows: prompt (conversations as readable text), response, score,
+    the response's summed KL (kl: (B, T) per-token)."""
+    prompts = [prompt_text(p) for p in prompt_texts]
+    rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
+    return [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
+
+
+def gather_distributions(runtime, batch, advantages, kl) -> dict:
+    """Every rank's advantages, KL, scores and lengths, for histograms (a collective)."""
+    mask = batch.response_mask
+    named = {
+        "advantages": advantages[mask],
+        "kl": kl[mask],
+        "scores": batch.scores,
+        "length": mask.sum(1),
+    }
+    return {k: torch.tensor(runtime.gather_objects(v.float().tolist())) for k, v in named.items()}
+
+
+def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> dict:
+    """Time, throughput and peak memory of an iteration (throughput over all ranks)."""
+    t0, t1, t2 = times
+    tokens = float(runtime.all_sum(mask.sum().double()))
+    peak = float(runtime.all_max(torch.tensor(float(runtime.peak_memory_bytes()))))
+    return {
+        "optim/kl_coef": run.kl_ctl.coef,
+        "optim/lr_actor": run.scheduler.get_last_lr()[0],
+        "time/generate": timings.get("generate", 0.0),
+        "time/score": timings.get("score", 0.0),
+        "time/rollout": t1 - t0,
+        "time/update": t2 - t1,
+        "time/total": t2 - t0,
+        "throughput/response_tokens_per_s": tokens / (t2 - t0),
+        "throughput/samples_per_s": run.plan.sequences / (t2 - t0),
+        "memory/peak_gib": peak / 2**30,
+        "guard/skipped_steps": runtime.skipped_steps,
+    }
+
+
+CONSOLE_KEYS = (
+    "objective/score",
+    "objective/kl",
+    "objective/entropy",
+    "rollout/length",
+    "policy/clipfrac",
+    "value/explained_variance",
+)
+
+
+def report_iteration(logger, cfg, it: int, result: IterationResult, alerts: AlertMonitor) -> None:
+    """Distributions, samples, alerts and the metrics row of one iteration (main process)."""
+    stats = dict(result.stats)
+    if result.distributions is not None:
+        stats |= logger.log_distributions(it, result.distributions)
+    if due(cfg.run.samples_every, it):
+        logger.log_samples(it, result.samples)
+    new_alerts = alerts.check(stats)
+    logger.log_alerts(it, new_alerts)
+    stats |= {f"alerts/{name}": 1.0 for name, _ in new_alerts}
+    if it % cfg.run.log_every == 0 or it == cfg.ppo.iterations or new_alerts:
+        logger.log(it, stats, CONSOLE_KEYS)
+
+
+@dataclass
+class IterationResult:
+    stats: dict
+    distributions: dict | None  # name -> values gathered from all ranks (when due)
+    samples: list  # this rank's first few (prompt, response, score, kl) rows

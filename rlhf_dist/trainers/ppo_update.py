@@ -1,0 +1,278 @@
+"""The PPO update (docs/architecture.md section 5, step 8): ppo_epochs passes over this
+rank's rollout in minibatches, one optimizer step per minibatch, each accumulated over
+micro-batches whose loss SUMS are divided by the global minibatch's count, so the step's
+gradient does not depend on how the minibatch is cut (section 4, split invariance).
+
+With one optimizer step per rollout (`old_logprobs_from_update`) the rollout comes
+without old log-probs: the update's own forward gives them (detached: ratio exactly 1),
+and `ppo_update` returns them with the statistics; the batch is never written to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_dist.algo.kl import kl_estimate
+from rlhf_dist.algo.losses import (
+    aggregation_count,
+    aggregation_weights,
+    truncated_is_weights,
+    value_terms,
+)
+from rlhf_dist.algo.masking import masked_sum
+from rlhf_dist.algo.objectives import sequence_log_ratio
+from rlhf_dist.algo.policy_losses import PolicyLossInputs, policy_loss_terms
+from rlhf_dist.checkpoint import maybe_fault
+from rlhf_dist.config import Config
+from rlhf_dist.data.batching import BatchPlan, PPOPlan, token_budget_split
+from rlhf_dist.distributed import Runtime
+from rlhf_dist.rollout import RolloutBatch
+from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
+from rlhf_dist.trainers.ppo_setup import PPORun
+from rlhf_dist.trainers.ptx import PtxStream
+
+# (micro-batch rows, as an index into the minibatch; log-probs and entropies (b, T') of
+# the update's forward, detached) for a micro-batch whose rollout had no old log-probs
+FirstForward = tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class UpdateKnobs:
+    """The numbers a PPO update reads: loss knobs (ppo.*), the sampling temperature the
+    new log-probs must use, the KL coefficient when KL is a loss term (0 when it is a
+    reward penalty), and one gradient-norm limit per optimizer param group."""
+
+    temperature: float
+    clip_eps_low: float | None  # ppo.clip_eps_low, else ppo.clip_eps; None: clipping off
+    clip_eps_high: float | None  # ppo.clip_eps_high, else ppo.clip_eps
+    dual_clip: float | None
+    value_clip_eps: float | None
+    vf_coef: float
+    entropy_coef: float
+    kl_loss_coef: float
+    kl_kind: str
+    loss_aggregation: str
+    max_grad_norms: tuple[float, ...]
+    tis_cap: float | None = None  # truncated IS weights against vLLM's sampler; None: off
+    ratio_level: str = "token"  # token (PPO) or sequence (GSPO)
+    policy_loss: str = "clip"  # clip (PPO) or cispo
+
+    @classmethod
+    def from_config(
+        cls, cfg: Config, kl_coef: float | None = None, group_names=("actor", "critic")
+    ) -> UpdateKnobs:
+        """kl_coef: the KL controller's current value (None: ppo.kl_coef)."""
+        p = cfg.ppo
+        kl_coef = p.kl_coef if kl_coef is None else kl_coef
+        low = p.clip_eps if p.clip_eps_low is None else p.clip_eps_low
+        high = p.clip_eps if p.clip_eps_high is None else p.clip_eps_high
+        kl_loss_coef = kl_coef if p.kl_placement == "loss" else 0.0
+        optim = {"actor": p.optim, "critic": p.critic_optim}  # param group -> its section
+        norms = tuple(optim[name].max_grad_norm for name in group_names)
+        return cls(
+            cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
+            p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
+            ratio_level=p.ratio_level, policy_loss=p.policy_loss,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What an update gives back: its statistics, reduced over ranks, and, when the
+    rollout came without old log-probs, the old log-probs and entropies (B, T) its first
+    forward computed (0 outside the rows' response tokens)."""
+
+    stats: dict
+    old_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: UpdateKnobs) -> dict:
+    """Per-token policy terms (B, T) of the registered knobs.policy_loss
+    (algo/policy_losses.py) with knobs.ratio_level's ratio (token; sequence: GSPO's, from
+    each row's own tokens, which a micro-batch always holds whole)."""
+    log_ratio = None
+    if knobs.ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(logprobs, old_logprobs, response_mask)
+    inputs = PolicyLossInputs(
+        logprobs, old_logprobs, advantages, log_ratio, knobs.clip_eps_low, knobs.clip_eps_high,
+        knobs.dual_clip,
+    )  # fmt: skip
+    return policy_loss_terms(knobs.policy_loss, inputs)
+
+
+def micro_batch_loss(
+    model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs, stats: StatSums
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(weighted token SUM of one micro-batch's loss, this forward's detached (log-probs,
+    entropies) when mb has no old log-probs, else None). The caller divides the sum by the
+    global count of tokens or sequences (knobs.loss_aggregation). The loss: the policy
+    loss, + vf_coef x the value loss with a critic, + kl_loss_coef x the KL to the
+    reference when KL is a loss term, - entropy_coef x the entropy.
+
+    mb: a RolloutBatch (B rows, T response columns); advantages: (B, T); returns: (B, T)
+    or None without a critic; stats: the loss statistics are added to it. Without old
+    log-probs (`old_logprobs_from_update`) this forward's, detached, are the old ones."""
+    first = mb.old_logprobs is None
+    logprobs, entropy, values = model(
+        mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
+        bool(knobs.entropy_coef) or first,
+    )  # fmt: skip
+    old_logprobs = logprobs.detach() if first else mb.old_logprobs
+    mask, n = mb.response_mask, mb.response_mask.sum()
+    pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs)
+    per_token = pg["loss"]
+    if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
+        weights = truncated_is_weights(old_logprobs, mb.sampler_logprobs, knobs.tis_cap)
+        per_token = weights * per_token
+        stats.add("policy/tis_capped_frac", masked_sum((weights >= knobs.tis_cap).float(), mask), n)
+    named = [("policy", per_token, pg["clipped"])]
+    if values is not None:
+        vf = value_terms(values, mb.old_values, returns, knobs.value_clip_eps)
+        per_token = per_token + knobs.vf_coef * vf["loss"]
+        named.append(("value", vf["loss"], vf["clipped"]))
+    if knobs.kl_loss_coef:
+        kl = kl_estimate(logprobs, mb.ref_logprobs, knobs.kl_kind)
+        per_token = per_token + knobs.kl_loss_coef * kl
+        stats.add("policy/kl_loss", masked_sum(kl.detach(), mask), n)
+    if knobs.entropy_coef:
+        per_token = per_token - knobs.entropy_coef * entropy
+        stats.add("policy/entropy", masked_sum(entropy.detach(), mask), n)
+    add_loss_stats(stats, named, pg, mask)
+    weights = aggregation_weights(mask, knobs.loss_aggregation, per_token.dtype)
+    fresh = (old_logprobs, entropy.detach()) if first else None
+    return masked_sum(weights * per_token, mask), fresh
+
+
+def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -> None:
+    """Token sums of the policy (and value) loss and clip fractions, the approx KL and the
+    ratio of one micro-batch; named: (prefix, per-token loss, clipped) (B, T) each."""
+    n = mask.sum()
+    for prefix, loss, clipped in named:
+        stats.add(f"{prefix}/loss", masked_sum(loss.detach(), mask), n)
+        stats.add(f"{prefix}/clipfrac", masked_sum(clipped.detach(), mask), n)
+    stats.add("policy/approx_kl", masked_sum(pg["approx_kl"], mask), n)
+    stats.add("policy/ratio_mean", masked_sum(pg["ratio"], mask), n)
+    stats.add_max("policy/ratio_max", torch.where(mask, pg["ratio"], 0.0).max())
+
+
+def minibatch_backward(
+    runtime: Runtime, model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs,
+    slices: list, stats: StatSums, ptx: PtxStream | None = None,
+) -> list[FirstForward]:  # fmt: skip
+    """Accumulate the gradient of one optimizer step over this rank's micro-batches;
+    returns the old log-probs and entropies of the micro-batches that had none.
+
+    mb: this rank's share of the global minibatch; slices: its micro-batches. Each
+    micro-batch's loss SUM is divided by the count (response tokens or sequences, per
+    knobs.loss_aggregation) of the WHOLE global minibatch (share_of_global_mean).
+    ptx: the PtxStream with PPO-ptx on (InstructGPT eq. 2): the step's ptx batch, in as
+    many micro-batches, adds ptx_coef x its global token-mean NLL (trainers/ptx.py), each
+    ptx micro-batch with its own forward and backward before PPO micro-batch i's, so the
+    step's last backward is PPO's (every parameter gets its gradient there) and each
+    forward is followed by its backward, as DeepSpeed's ZeRO-3 hooks require.
+    """
+    count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
+    count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
+    ptx_step = None if ptx is None else ptx.next_step(runtime, len(slices))
+    first_forwards = []
+    for i, s in enumerate(slices):
+        if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
+            with runtime.accumulating(model):  # its forward leaves the critic unused
+                runtime.micro_backward(model, ptx_step.loss(runtime, model, i, stats), last=False)
+        micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
+        stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
+        adv = advantages[s][:, :T]
+        ret = None if returns is None else returns[s][:, :T]
+        loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats)
+        loss = share_of_global_mean(runtime, loss_sum, count)
+        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
+        if fresh is not None:
+            first_forwards.append((s, *fresh))
+    return first_forwards
+
+
+def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:
+    """The micro-batches of this rank's share `mb` of a minibatch: `plan.micro_slices()`,
+    or with ppo.micro_batch_tokens index tensors from `batching.token_budget_split` of
+    each row's (prompt, response) length, the widths `RolloutBatch.trimmed` keeps, into
+    as many micro-batches as the busiest rank needs (one all-max: under ZeRO-3 every
+    forward/backward is a collective). A function of the rows, so of the seed."""
+    if not plan.micro_batch_tokens:
+        return plan.micro_slices()
+    prompt, response = mb.prompt_mask.sum(1), mb.response_mask.sum(1).clamp(min=1)
+    widths = torch.stack([prompt, response], dim=1).tolist()
+    budget = plan.micro_batch_tokens
+    mine = len(token_budget_split(widths, budget))
+    parts = int(runtime.all_max(torch.tensor(mine, dtype=torch.long, device=runtime.device)))
+    groups = token_budget_split(widths, budget, parts)
+    return [torch.tensor(g, dtype=torch.long, device=mb.response_mask.device) for g in groups]
+
+
+def ppo_update(
+    runtime: Runtime, run: PPORun, batch: RolloutBatch, advantages, returns,
+    knobs: UpdateKnobs, it: int = 0,
+) -> UpdateResult:  # fmt: skip
+    """ppo_epochs passes over this rank's rollout in minibatches, one optimizer step each;
+    returns the reduced statistics and, for a rollout without old log-probs (one step
+    per rollout only), those the update's forward computed."""
+    stats, plan = StatSums(), run.plan
+    if batch.old_logprobs is None and plan.optimizer_steps_per_iteration != 1:
+        raise ValueError("a rollout without old log-probs gets exactly one optimizer step")
+    per_rank, trained = plan.update.per_rank, (run.model, run.optimizer, run.scheduler)
+    first_forwards = []
+    # ZeRO-3: the weights gathered whole once per optimizer step when a copy fits.
+    with runtime.training_weights(run.model, run.gather_for_training, "actor-critic"):
+        for _ in range(plan.ppo_epochs):
+            order = torch.randperm(batch.response_ids.shape[0], device=batch.response_ids.device)
+            for start in range(0, order.numel(), per_rank):
+                idx = order[start : start + per_rank]
+                mb, ret = batch.select(idx), None if returns is None else returns[idx]
+                slices = update_micro_batches(runtime, mb, plan.update)
+                fresh = minibatch_backward(
+                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, run.ptx
+                )
+                first_forwards += [(idx[s], lp, ent) for s, lp, ent in fresh]
+                norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
+                for name, norm in zip(run.group_names, norms or ()):
+                    stats.add(f"optim/grad_norm_{name}", norm, 1)
+                maybe_fault("update", it)  # killed with the weights half-way through an iteration
+    if not first_forwards:
+        return UpdateResult(stats.reduce(runtime))
+    shape = batch.response_mask.shape
+    lp, ent = (rollout_rows(shape, [(r, x[k]) for r, *x in first_forwards]) for k in (0, 1))
+    return UpdateResult(stats.reduce(runtime), lp, ent)
+
+
+def rollout_rows(shape, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """A new (B, T) float32 tensor holding, for each (rows (b,), values (b, T')) of
+    `parts`, the values at those rows' first T' columns (the update's micro-batches come
+    in shuffled order with trimmed columns); 0 elsewhere."""
+    out = torch.zeros(shape, dtype=torch.float32, device=parts[0][1].device)
+    for rows, values in parts:
+        out[rows, : values.shape[1]] = values.float()
+    return out
+
+
+def old_logprobs_from_update(cfg: Config, plan: PPOPlan) -> bool:
+    """Whether the rollout's scoring skips its actor pass (docs/architecture.md section 10,
+    "no redundant forwards"): with ONE optimizer step per rollout (ppo_epochs = 1, one
+    minibatch) pi_old is the policy of the update's forward, so its log-probs, detached,
+    are the old log-probs (ratio exactly 1, as TRL does). Nothing before the update may
+    need them: the KL must be a loss term (with kl_placement=reward the rewards read
+    them). The critic, reference and scorer passes still run in scoring; the statistics
+    that read old log-probs and entropies (objective/kl, objective/entropy, the vLLM
+    sampler gap) are taken after the update. Not with ppo.dynamic_sampling (its refill
+    joins rollouts) or ppo.overlong=mask (the update never sees a truncated row's tokens,
+    so it could not give their old log-probs)."""
+    p = cfg.ppo
+    return (
+        cfg.perf.old_logprobs_from_update
+        and plan.optimizer_steps_per_iteration == 1
+        and p.kl_placement == "loss"
+        and not p.dynamic_sampling
+        and p.overlong != "mask"
+    )
