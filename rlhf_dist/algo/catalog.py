@@ -2,7 +2,7 @@
 they are written. The registries (estimators.ESTIMATORS, policy_losses.POLICY_LOSSES) are
 built from these with `registry`, which refuses at import a name without a function or a
 function without a name; rlhf_dist.names re-exports them for config validation and the
-command line, which import no torch (docs/architecture.md section 4)."""
+command line, which import no torch (docs/architecture.md section 3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The pieces of the 2025 verifiable-reward objectives: GSPO's sequence-level ratio, CISPO's
 clipped stop-gradient weight, and DAPO's overlong handling and dynamic-sampling filter
-(docs/architecture.md section 4, "objectives"; docs/agents.md, "Objectives").
+(docs/algorithms.md, "objectives"; docs/agents.md, "Objectives").
 
 Every per-token function is row-local (a row's values depend on that row alone), so the
 trainer's split-invariant aggregation (`losses.aggregation_weights`, one global count per

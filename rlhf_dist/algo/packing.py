@@ -1,5 +1,5 @@
 """Padding-free packed rows: where each real token of a padded batch goes when the rows'
-real tokens are laid end to end (perf.packed_sequences, docs/architecture.md section 6).
+real tokens are laid end to end (perf.packed_sequences, docs/architecture.md section 10).
 
 A padded batch (B, L) pays attention and MLP compute for every padding position. Packing
 places each row's real tokens (contiguous: left-padded prompt + response + right

@@ -1,4 +1,4 @@
-"""Policy losses behind one registry, like the estimators (docs/architecture.md section 4).
+"""Policy losses behind one registry, like the estimators (docs/algorithms.md).
 
 Every policy loss takes one `PolicyLossInputs` and returns per-token (B, T) terms:
 `loss` (to be aggregated by the trainer, losses.aggregation_weights), `clipped` (1.0 where

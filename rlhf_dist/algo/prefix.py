@@ -1,5 +1,5 @@
 """Shared prompt prefixes: a group of rows that start with the same prompt needs that
-prompt's forward once (perf.shared_prompt_forward, docs/architecture.md section 6).
+prompt's forward once (perf.shared_prompt_forward, docs/architecture.md section 10).
 
 GRPO, RLOO and every group estimator sample n responses per prompt, so a rollout of B
 rows holds only B / n distinct prompts. Generation's prefill, rollout scoring and the

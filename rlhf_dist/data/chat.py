@@ -47,8 +47,8 @@ def check_prompt_turns(messages: list[dict], name: str) -> list[dict]:
 
 
 def prompt_text(prompt) -> str:
-    """A prompt for people to read (samples tables): a text as is, a conversation as one
-    "role: content" line per turn."""
+    """A prompt for people and judges to read (samples tables, judge templates): a text as
+    is, a conversation as one "role: content" line per turn."""
     if isinstance(prompt, str):
         return prompt
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
@@ -77,10 +77,12 @@ def resolve_template(tokenizer, chat_template: str, where: str) -> str:
 
 @dataclass(frozen=True)
 class Chat:
-    """A tokenizer and the chat template its conversations are rendered with."""
+    """A tokenizer and the chat template its conversations are rendered with, and the
+    JSON schemas of the tools the template shows (multi-turn rollouts; none otherwise)."""
 
     tokenizer: object
     template: str
+    tools: tuple = ()
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         """The template's text of `messages`; with `generation_prompt`, followed by the
@@ -88,6 +90,7 @@ class Chat:
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
+                tools=list(self.tools) or None,
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,

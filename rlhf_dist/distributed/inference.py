@@ -126,7 +126,7 @@ def generation_context(
             yield target, None
 
 
-def whole_weights(backend: Backend, model, enabled: bool = True):
+def whole_weights_under_zero3(backend: Backend, model, enabled: bool = True):
     """Context: under ZeRO-3 (and `enabled`), every weight of trained `model` whole on
     every rank for the body, gathered in one collective, ZeRO-3's per-module hooks off
     (zero3.whole_weights); otherwise a no-op. Every rank enters together."""
@@ -155,7 +155,7 @@ def training_weights(backend: Backend, model, setting: str = "auto", name: str =
             how = "gathered whole per optimizer step" if whole else "fetched layer by layer"
             gib = nbytes / 2**30
             print(f"perf.gather_for_training=auto: {name} {how} ({gib:.2f} GiB)", flush=True)
-    return whole_weights(backend, model, _TRAINING_GATHER[model])
+    return whole_weights_under_zero3(backend, model, _TRAINING_GATHER[model])
 
 
 @contextlib.contextmanager

@@ -122,7 +122,7 @@ class Runtime:
     def whole_weights(self, model, enabled: bool = True):
         """Context: under ZeRO-3, `model`'s weights whole on every rank (one gather, no
         per-layer fetching) for the body, e.g. a rollout's scoring (inference.py)."""
-        return inference.whole_weights(self.backend, model, enabled)
+        return inference.whole_weights_under_zero3(self.backend, model, enabled)
 
     def training_weights(self, model, setting: str = "auto", name: str = "model"):
         """Context around `model`'s training steps: under ZeRO-3, per

@@ -5,6 +5,6 @@ take a clipped step); this package holds *how* it runs fast: the KV-cache decode
 its sampler (`decode`, `sampling`), the chunked output head and the sequence log-prob
 forward with shared prompts (`forward`), padding-free packed rows (`packing`), and
 CPU-specific kernels and process settings (`cpu`). Each speed path has a `perf.*`
-switch (docs/architecture.md section 6); switched off, the plain reference computation
+switch (docs/architecture.md section 10); switched off, the plain reference computation
 runs and gives the same results within the tolerance its test states.
 """

@@ -18,7 +18,7 @@ from rlhf_dist.engine.forward import (
     DEFAULT_PERF,
     cache_of,
     causal_lm,
-    distinct_prompt_cache,
+    prompt_cache,
     shares_prompts,
 )
 from rlhf_dist.engine.packing import position_ids_from
@@ -100,14 +100,9 @@ def _prefill(model, prompt_ids, mask, share: bool):
     (B, V) and the KV cache (`cache_of`). With `share` each distinct prompt runs once
     and its cache and logits are indexed out to its rows (algo/prefix.py): GRPO's n
     samples of a prompt cost one prompt forward, not n."""
-    if share:
-        out, cache, inverse = distinct_prompt_cache(model, prompt_ids, mask)
-        return out.logits[:, -1].index_select(0, inverse), cache
-    out = model(
-        input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_from(mask),
-        use_cache=True, logits_to_keep=1,
-    )  # fmt: skip
-    return out.logits[:, -1], cache_of(out)
+    out, cache, inverse = prompt_cache(model, prompt_ids, mask, share)
+    logits = out.logits[:, -1]
+    return (logits, cache) if inverse is None else (logits.index_select(0, inverse), cache)
 
 
 def _shares_prompts(model, perf: PerfConfig) -> bool:

@@ -50,7 +50,7 @@ def token_logprobs(
     prompt_width: int | None = None,
     perf: PerfConfig = DEFAULT_PERF,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """THE sequence log-prob function (docs/architecture.md section 4): log-probs (B, T) of
+    """THE sequence log-prob function (docs/architecture.md section 10): log-probs (B, T) of
     the last T tokens of `input_ids` under causal LM `model` at the sampling `temperature`
     (N+ study: old, new and reference log-probs alike), each predicted from the position
     before it; entropies (B, T) of those predictions with `with_entropy`, else None.
@@ -154,7 +154,7 @@ def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Te
     Always two, also when every prompt is distinct (U == B), so that the count does not
     depend on the data. Returns inverse (B,): row b's prompt is distinct prompt inverse[b].
     The backbone hook sees (U, P, H) and then (B, L - P, H)."""
-    _, cache, inverse = distinct_prompt_cache(model, input_ids[:, :P], attention_mask[:, :P])
+    _, cache, inverse = prompt_cache(model, input_ids[:, :P], attention_mask[:, :P], True)
     model(
         input_ids=input_ids[:, P:], attention_mask=attention_mask,
         position_ids=packing.position_ids_from(attention_mask)[:, P:], use_cache=True,
@@ -163,19 +163,23 @@ def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Te
     return inverse
 
 
-def distinct_prompt_cache(model, prompt_ids, prompt_mask):
-    """One forward of `model` over the distinct rows of left-padded prompts (B, P)
-    (algo/prefix.py `unique_prompts`) with a KV cache, the cache then indexed out to the
-    B rows (`Cache.reorder_cache`: index_select, so gradients sum over each group).
-    Returns (the forward's output, U rows; the cache as `cache_of` gives it, B rows;
-    inverse (B,): row b's prompt is distinct row inverse[b])."""
-    ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
+def prompt_cache(model, prompt_ids, prompt_mask, share: bool):
+    """The prompt forward of left-padded prompts (B, P) with a KV cache, the model's head
+    on the last position only. With `share` it runs over the distinct rows only
+    (algo/prefix.py `unique_prompts`) and the cache is indexed out to the B rows
+    (`Cache.reorder_cache`: index_select, so gradients sum over each group).
+    Returns (the forward's output: U rows when shared, else B; the cache as `cache_of`
+    gives it, B rows; inverse (B,): row b's prompt is output row inverse[b], None when
+    not shared)."""
+    ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask) if share else (
+        prompt_ids, prompt_mask, None)  # fmt: skip
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=packing.position_ids_from(mask),
         use_cache=True, logits_to_keep=1,
     )  # fmt: skip
     cache = cache_of(out)
-    next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
+    if inverse is not None:
+        next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
     return out, cache, inverse
 
 

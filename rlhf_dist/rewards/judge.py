@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from rlhf_dist.config import PerfConfig
-from rlhf_dist.data.chat import Chat, stop_token_ids
+from rlhf_dist.data.chat import Chat, prompt_text, stop_token_ids
 from rlhf_dist.data.rows import left_pad
 from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -29,14 +29,6 @@ def parse_score(reply: str) -> float | None:
     """The first number in `reply` ("Score: 7/10" -> 7.0), or None if it has none."""
     found = _NUMBER.search(reply)
     return float(found.group()) if found else None
-
-
-def render_prompt(prompt) -> str:
-    """A prompt as the judge template shows it: a text as is, a message list as one
-    'role: content' line per message."""
-    if isinstance(prompt, str):
-        return prompt
-    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
 class JudgeReward:
@@ -54,7 +46,7 @@ class JudgeReward:
 
     def __call__(self, prompts, responses) -> list[float]:
         texts = [
-            self.template.replace("{prompt}", render_prompt(p)).replace("{response}", r)
+            self.template.replace("{prompt}", prompt_text(p)).replace("{response}", r)
             for p, r in zip(prompts, responses)
         ]
         scores = []

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_dist.config import ConfigError, PerfConfig
-from rlhf_dist.data.chat import resolve_template
+from rlhf_dist.data.chat import Chat, resolve_template
 from rlhf_dist.data.inputs import resolve_callable
 from rlhf_dist.engine.decode import generate
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -143,27 +143,9 @@ class ToolEnvironment:
 
 
 @dataclass(frozen=True)
-class Renderer:
-    """The chat template and the tools' schemas every turn is rendered with."""
-
-    tokenizer: object
-    template: str
-    tools: tuple = ()
-
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages,
-            tools=list(self.tools) or None,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.render(messages, generation_prompt=True))
+class Renderer(Chat):
+    """The chat template and the tools' schemas every turn is rendered with
+    (data.chat.Chat), and the ids of a turn's new messages (`continuation_ids`)."""
 
     def continuation_ids(self, messages: list[dict], new: list[dict]) -> list[int]:
         """Tokens of ONLY the new messages and the next generation prompt, after a

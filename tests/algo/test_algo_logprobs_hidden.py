@@ -1,6 +1,6 @@
 """Tests for rlhf_dist.algo.logprobs.logprobs_from_hidden: log-probs and entropies from
 final hidden states and the output head, chunk by chunk, with the logits recomputed in
-backward (docs/architecture.md section 4). Compared with the whole-logits computation
+backward (docs/algorithms.md). Compared with the whole-logits computation
 (`logprobs_and_entropy` of F.linear) in values and gradients, and probed for memory."""
 
 import math

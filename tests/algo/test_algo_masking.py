@@ -1,4 +1,4 @@
-"""Tests for rlhf_dist.algo.masking (docs/architecture.md section 4: masked_mean, masked_var, masked_whiten)."""
+"""Tests for rlhf_dist.algo.masking (docs/algorithms.md: masked_mean, masked_var, masked_whiten)."""
 
 import math
 

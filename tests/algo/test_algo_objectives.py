@@ -1,5 +1,5 @@
 """Tests for rlhf_dist.algo.objectives: GSPO's sequence ratio, CISPO's loss, DAPO's overlong
-penalty and mask, and the dynamic-sampling filter (docs/architecture.md section 4)."""
+penalty and mask, and the dynamic-sampling filter (docs/algorithms.md)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""rlhf_dist.algo.packing (model.packed_sequences, docs/architecture.md section 10): the
+"""rlhf_dist.algo.packing (perf.packed_sequences, docs/architecture.md section 10): the
 first-fit-decreasing bins and the packed layout, by hand and as properties."""
 
 import pytest

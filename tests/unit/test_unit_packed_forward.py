@@ -1,4 +1,4 @@
-"""perf.packed_sequences (docs/architecture.md section 6): token_logprobs and ValueModel
+"""perf.packed_sequences (docs/architecture.md section 10): token_logprobs and ValueModel
 on packed rows equal the padded forward in values and in every parameter's gradient (fp32,
 tiny Llama, uneven rows with left and right padding), through eager and sdpa attention,
 LoRA and gradient checkpointing; the backbone sees fewer, no wider rows."""

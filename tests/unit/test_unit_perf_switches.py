@@ -1,4 +1,4 @@
-"""Every perf.* switch (config.PerfConfig, docs/architecture.md section 6): the speed path
+"""Every perf.* switch (config.PerfConfig, docs/architecture.md section 10): the speed path
 against the plain reference path it replaces, at a tolerance that holds on any CPU and
 BLAS build (two code paths may round differently: AVX2 vs AVX-512, packed vs unpacked
 MKL kernels), and the same path run twice gives the same bits.

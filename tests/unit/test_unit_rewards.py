@@ -11,8 +11,9 @@ import torch
 from http_stub import StubServer, chat_reply
 
 from rlhf_dist.config import ConfigError, RewardFunctionError, load_config, validate
+from rlhf_dist.data.chat import prompt_text
 from rlhf_dist.evaluate import win_share
-from rlhf_dist.rewards.judge import JudgeReward, parse_score, render_prompt
+from rlhf_dist.rewards.judge import JudgeReward, parse_score
 from rlhf_dist.rewards.remote import ChatJudgeClient, RemoteReward
 from rlhf_dist.rewards.scoring import RewardFunction, Scorer, WeightedReward, unique_names
 
@@ -121,7 +122,7 @@ def test_judge_reward_renders_template_and_counts_parse_failures():
     assert fn(prompts, ["a", "b", "c"]) == [9.0, 0.0, 3.0]
     assert judge.seen == ["Q=hi A=a", "Q=user: yo A=b", "Q=x A=c"]
     assert fn.take_counts() == 1 and fn.take_counts() == 0
-    assert render_prompt("plain") == "plain"
+    assert prompt_text("plain") == "plain"
 
 
 def test_judge_without_fallback_fails_on_a_reply_without_number():

@@ -1,4 +1,4 @@
-"""perf.shared_prompt_forward (algo/prefix.py, docs/architecture.md section 6): rollout
+"""perf.shared_prompt_forward (algo/prefix.py, docs/architecture.md section 10): rollout
 forwards that run each distinct prompt once equal the whole-row forward in log-probs,
 entropies and every parameter's gradient (fp32 tiny Llama with grouped KV heads,
 left-padded prompts of different lengths, right-padded responses), through eager and sdpa
