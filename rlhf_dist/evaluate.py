@@ -17,10 +17,10 @@ import torch
 
 from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.masking import masked_sum
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data import inputs
 from rlhf_dist.data.chat import prompt_text
-from rlhf_dist.data.rows import left_pad, load_rows, prompt_set
+from rlhf_dist.data.rows import load_rows, prompt_set
 from rlhf_dist.distributed import lockstep_map
 from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -38,7 +38,7 @@ from rlhf_dist.rewards.scoring import (
     retry_settings,
     reward_inputs_for,
 )
-from rlhf_dist.rollout import RolloutModels, collect_rollout
+from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
 from rlhf_dist.stats import StatSums
 
@@ -70,16 +70,16 @@ def eval_models(
 
 @torch.no_grad()
 def evaluate_chunk(
-    models: RolloutModels, gold_fn, prompt_ids, prompt_mask, texts, cfg, tokenizer, win_scorer=None
+    models: RolloutModels, gold_fn, prompts: PromptBatch, cfg: Config, tokenizer, win_scorer=None
 ):
     """Generate for one chunk of prompts and measure it, through the rollout's own
     generate -> truncate -> decode -> score -> missing-EOS penalty path
     (rollout.collect_rollout); returns per-sequence tensors, the response texts and the
     rephrasing-probe items."""
     batch, responses = collect_rollout(
-        models, prompt_ids, prompt_mask, texts, cfg, tokenizer,
-        micro_batch_size=prompt_ids.shape[0],
-    )  # fmt: skip
+        models, prompts, cfg, tokenizer, micro_batch_size=prompts.ids.shape[0]
+    )
+    texts = prompts.texts
     mask, finished = batch.response_mask, batch.finished
     out = {"score": batch.scores, "length": mask.sum(1).float(), "eos_rate": finished.float()}
     if batch.turns is not None:  # multi-turn episodes (docs/agents.md)
@@ -94,9 +94,7 @@ def evaluate_chunk(
             gold_fn(texts, responses, finished.tolist()), dtype=torch.float32
         )
     if win_scorer is not None:
-        out["judge_win_rate"] = judge_wins(
-            models, win_scorer, prompt_ids, prompt_mask, texts, responses, cfg, tokenizer
-        )
+        out["judge_win_rate"] = judge_wins(models, win_scorer, prompts, responses, cfg, tokenizer)
     scorer, probe = models.scorer, []
     if scorer.reward_model is not None and scorer.inputs is None:
         probe = probe_items(
@@ -107,20 +105,23 @@ def evaluate_chunk(
     return out, responses, probe
 
 
-def judge_wins(models, win_scorer, prompt_ids, prompt_mask, texts, responses, cfg, tokenizer):
+def judge_wins(
+    models: RolloutModels, win_scorer, prompts: PromptBatch, responses, cfg: Config, tokenizer
+):
     """(B,) 1 where the judge scores the policy's response above the reference's to the
     same prompt, 0.5 on a tie, 0 below: the reference samples its own responses with the
     same generation settings (docs/rewards.md, eval win rate). NaN once the judge failed
     (Scorer.score_texts; raised on every rank after the loop)."""
     stops = models.stop_ids or (tokenizer.eos_token_id,)
     ref_ids = generate(
-        models.reference, prompt_ids, prompt_mask, cfg.generation, tokenizer, None, stops,
+        models.reference, prompts.ids, prompts.mask, cfg.generation, tokenizer, None, stops,
         cfg.perf,
     )  # fmt: skip
     ref_ids, ref_mask, _ = truncate_after_eos(ref_ids, stops, tokenizer.pad_token_id)
     ref_texts = decode_responses(tokenizer, ref_ids, ref_mask, stops)
-    policy = win_scorer.score_texts(texts, responses)
-    return win_share(policy, win_scorer.score_texts(texts, ref_texts))
+    texts, columns = prompts.rows(slice(None))
+    policy = win_scorer.score_texts(texts, responses, columns)
+    return win_share(policy, win_scorer.score_texts(texts, ref_texts, columns))
 
 
 def win_share(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> torch.Tensor:
@@ -185,12 +186,8 @@ def evaluate_policy(
     n = min(cfg.eval.num_prompts, len(prompts.ids))
 
     def forward(chunk):
-        ids, mask = left_pad([prompts.ids[i] for i in chunk], tokenizer.pad_token_id)
-        texts = [prompts.texts[i] for i in chunk]
-        dev = runtime.device
-        return texts, *evaluate_chunk(
-            models, gold_fn, ids.to(dev), mask.to(dev), texts, cfg, tokenizer, win_scorer
-        )
+        batch = PromptBatch.of(prompts, chunk, tokenizer.pad_token_id, runtime.device)
+        return batch.texts, *evaluate_chunk(models, gold_fn, batch, cfg, tokenizer, win_scorer)
 
     mine = list(range(runtime.rank, n, runtime.world_size))
     for texts, out, responses, chunk_probe in lockstep_map(

@@ -43,7 +43,7 @@ from rlhf_dist.config import (
     to_dict,
 )
 from rlhf_dist.data import inputs
-from rlhf_dist.data.rows import left_pad, load_rows, preference_pairs, prompt_set
+from rlhf_dist.data.rows import load_rows, preference_pairs, prompt_set
 from rlhf_dist.distributed import lockstep_map
 from rlhf_dist.evaluate import eval_models, run_eval
 from rlhf_dist.files import atomic_write_text
@@ -57,7 +57,7 @@ from rlhf_dist.models import (
     tokenizer_for,
 )
 from rlhf_dist.rewards.scoring import Scorer
-from rlhf_dist.rollout import collect_rollout
+from rlhf_dist.rollout import PromptBatch, collect_rollout
 from rlhf_dist.trainers.ppo import train_ppo
 from rlhf_dist.trainers.reward import evaluate_pairs, train_reward_model
 
@@ -330,7 +330,7 @@ def fault_armed(k: int):
 # ---------------------------------------------------------------------------- sampling
 
 
-def _no_scores(prompts, responses) -> torch.Tensor:
+def _no_scores(prompts, responses, columns=None) -> torch.Tensor:
     """The rollout path scores every response; pairs are judged by the labeller instead."""
     return torch.zeros(len(responses))
 
@@ -357,12 +357,8 @@ def sample_pairs(cfg: Config, runtime, policy_path: str, source: str, key: str, 
 
     def forward(chunk):
         rows = [j % count for j in chunk for _ in (0, 1)]  # the two samples side by side
-        ids, mask = left_pad([prompts.ids[r] for r in rows], tokenizer.pad_token_id)
-        texts = [prompts.texts[r] for r in rows]
-        batch, answers = collect_rollout(
-            models, ids.to(runtime.device), mask.to(runtime.device), texts, cfg, tokenizer,
-            micro_batch_size=len(rows),
-        )  # fmt: skip
+        pair = PromptBatch.of(prompts, rows, tokenizer.pad_token_id, runtime.device)
+        batch, answers = collect_rollout(models, pair, cfg, tokenizer, micro_batch_size=len(rows))
         done = batch.finished.tolist()
         return [
             (j, answers[2 * i], answers[2 * i + 1], done[2 * i] and done[2 * i + 1])

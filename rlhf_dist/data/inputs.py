@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 
 PREFIX = "python:"
 _objects: dict[str, object] = {}
@@ -61,3 +62,56 @@ def registered(objects: dict[str, object]):
     finally:
         for spec in specs.values():
             _objects.pop(spec, None)
+
+
+def accepted_columns(fn, columns: dict, taken: tuple[str, ...] = ()) -> dict:
+    """The entries of `columns` (a row's or a batch's other columns, by name) that `fn`
+    takes: all of them when it has **kwargs, else those it names as parameters; never the
+    names in `taken` (the arguments the caller passes itself). Users' functions declare
+    the columns they read (`def reward(prompts, completions, answer, **kw)`, TRL's
+    convention), and a function that declares none is called as before."""
+    params = _parameters(fn)
+    if params is None:  # no signature to read (a builtin): no extra columns
+        return {}
+    names, any_keyword = params
+    return {k: v for k, v in columns.items() if k not in taken and (any_keyword or k in names)}
+
+
+def required_parameters(fn, skip: int = 0) -> list[str]:
+    """The parameters of `fn` without a default value, after its first `skip` positional
+    ones (the arguments the caller always passes): the columns it cannot do without."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = [p for p in sig.parameters.values() if p.kind in plain]
+    positional = [p for p in params if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    skipped = {p.name for p in positional[:skip]}
+    return [p.name for p in params if p.default is p.empty and p.name not in skipped]
+
+
+def parameter_names(fn) -> set[str]:
+    """The names `fn` takes by keyword (none when its signature cannot be read)."""
+    params = _parameters(fn)
+    return set() if params is None else params[0]
+
+
+def _parameters(fn) -> tuple[set[str], bool] | None:
+    """(the names `fn` takes by keyword, whether it takes **kwargs), or None when its
+    signature cannot be read."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = {p.name for p in sig.parameters.values() if p.kind in keyword}
+    var = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    return names, var
+
+
+def column_lists(rows: list[dict]) -> dict[str, list]:
+    """Per-row columns as one list per column name, as TRL hands them to a reward
+    function: {name: [value of row 0, value of row 1, ...]}, None where a row lacks it."""
+    names = dict.fromkeys(name for row in rows for name in row)
+    return {name: [row.get(name) for row in rows] for name in names}

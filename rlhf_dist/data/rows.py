@@ -296,6 +296,9 @@ class PromptSet:
     texts: list  # each prompt as the row gave it: a text, or a list of messages
     ids: list[list[int]]
     report: SkipReport
+    # each prompt's row without its prompt column (an answer, a solution, a task's
+    # metadata): what reward functions, judges and environments read beside the prompt
+    columns: list[dict] = field(default_factory=list)
 
 
 def prompt_set(rows: list[dict], tokenizer, data_cfg, where: str = "data.train") -> PromptSet:
@@ -307,12 +310,14 @@ def prompt_set(rows: list[dict], tokenizer, data_cfg, where: str = "data.train")
 
     def encode(row: dict, report: SkipReport) -> list:
         prompt = render.prompt(row)
-        return [(prompt, render.prompt_ids(prompt, report))]
+        others = {k: v for k, v in row.items() if k != data_cfg.prompt_field}
+        return [(prompt, render.prompt_ids(prompt, report), others)]
 
     found, report = encode_each(rows, encode)
     if not found:
         raise ConfigError(f"data: no usable prompts ({report.summary('prompts')})")
-    return PromptSet([p for p, _ in found], [ids for _, ids in found], report)
+    texts, ids, columns = (list(x) for x in zip(*found))
+    return PromptSet(texts, ids, report, columns)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,8 +35,10 @@ class JudgeReward:
     """`(prompts, responses) -> list[float]`: the judge's number for each pair.
 
     judge: anything with `replies(list[str]) -> list[str]`. template: with {prompt} and
-    {response}. fallback: the score of a reply without a number (None: raise
-    RewardFunctionError). `parse_failures` counts those replies since the last `take_counts`.
+    {response}, and {name} for any other column of the data rows (a reference answer, a
+    rubric): each placeholder is replaced by the row's value. fallback: the score of a
+    reply without a number (None: raise RewardFunctionError). `parse_failures` counts
+    those replies since the last `take_counts`.
     """
 
     def __init__(self, judge, template: str, fallback: float | None):
@@ -44,10 +46,11 @@ class JudgeReward:
         self.parse_failures = 0
         self.__name__ = "judge"
 
-    def __call__(self, prompts, responses) -> list[float]:
+    def __call__(self, prompts, responses, **columns) -> list[float]:
+        """Scores of B responses; columns: name -> B values (the rows' other columns)."""
         texts = [
-            self.template.replace("{prompt}", prompt_text(p)).replace("{response}", r)
-            for p, r in zip(prompts, responses)
+            self.fill(prompt_text(p), r, {name: v[i] for name, v in columns.items()})
+            for i, (p, r) in enumerate(zip(prompts, responses))
         ]
         scores = []
         for reply in self.judge.replies(texts):
@@ -62,6 +65,14 @@ class JudgeReward:
                 score = self.fallback
             scores.append(score)
         return scores
+
+    def fill(self, prompt: str, response: str, row: dict) -> str:
+        """The template with {prompt}, {response} and the row's columns filled in (a
+        placeholder naming no column stays as written: templates hold other braces)."""
+        text = self.template
+        for name, value in row.items():
+            text = text.replace("{" + name + "}", "" if value is None else str(value))
+        return text.replace("{prompt}", prompt).replace("{response}", response)
 
     def take_counts(self) -> int:
         """Parse failures since the last call, reset to 0."""

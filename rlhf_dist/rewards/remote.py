@@ -83,19 +83,22 @@ def api_key(env_name: str) -> str:
 class RemoteReward:
     """`(prompts, responses) -> list[float]` from a remote reward model (reward.url):
     POST {"prompts": [...], "responses": [...]} -> {"scores": [...]}, at most
-    reward.remote_batch_size responses per request. Prompts go as given (texts or
-    message lists). The answer's count and values are checked by scoring.RewardFunction."""
+    reward.remote_batch_size responses per request, with "columns": {name: [...]} (the
+    rows' other columns, JSON values) when the data has any. Prompts go as given (texts
+    or message lists). The answer's count and values are checked by RewardFunction."""
 
     def __init__(self, reward_cfg):
         self.url, self.batch_size = reward_cfg.url, reward_cfg.remote_batch_size
         self.client = HTTPClient(reward_cfg, "reward.url")
         self.__name__ = "remote"
 
-    def __call__(self, prompts, responses) -> list:
+    def __call__(self, prompts, responses, **columns) -> list:
         scores = []
         for i in range(0, len(responses), self.batch_size):
             part = slice(i, i + self.batch_size)
             body = {"prompts": list(prompts[part]), "responses": list(responses[part])}
+            if columns:
+                body["columns"] = {name: list(v[part]) for name, v in columns.items()}
             answer = self.client.post(self.url, body)
             if not isinstance(answer.get("scores"), list):
                 raise RemoteError(f"POST {self.url}: the answer has no 'scores' list")

@@ -15,9 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist.algo.masking import last_token_index
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import PerfConfig, RewardConfig
 from rlhf_dist.data.chat import BadRow, Chat, is_stop, stop_token_ids
-from rlhf_dist.data.inputs import resolve_callable
+from rlhf_dist.data.inputs import (
+    accepted_columns,
+    column_lists,
+    parameter_names,
+    required_parameters,
+    resolve_callable,
+)
 from rlhf_dist.data.rows import close_with_stop, encode_response, right_pad
 from rlhf_dist.distributed import lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -40,12 +46,20 @@ from rlhf_dist.stats import StatSums
 
 
 class RewardFunction:
-    """A user's reward `(prompts, responses) -> list[float]`, checked on every call.
+    """A user's reward -> list[float], one score per response, checked on every call.
 
     fn: a `module:callable` spec (reward.function) or the callable itself (the Python API);
-    messages name it by its spec or its `__qualname__`. prompts: each prompt as its data row
-    gave it, a text or (conversational data) a list of {role, content} messages; responses:
-    the sampled texts, stop tokens removed.
+    messages name it by its spec or its `__qualname__`. Two calling conventions, told
+    apart by fn's signature (docs/rewards.md):
+    - TRL's, when fn has a parameter `completions`: fn(prompts=..., completions=...,
+      **columns), completions as TRL gives them: texts, or for a conversational prompt a
+      one-message list [{"role": "assistant", "content": text}];
+    - ours otherwise: fn(prompts, responses, **columns), responses the sampled texts.
+    prompts: each prompt as its data row gave it, a text or a list of {role, content}
+    messages; stop tokens are removed from the responses. columns: the rows' other columns
+    (data.train's `answer`, `solution`, ...), one list per column, those fn names as
+    parameters, or all with **kwargs. A parameter without default that names no column is
+    a RewardFunctionError naming it (`missing_columns` checks it before a run).
 
     An exception or a timeout (`timeout_s`, None: wait for ever) is retried `retries` times,
     after retry_delay_s, 2 x retry_delay_s, ... (exponential backoff): remote rewards,
@@ -74,10 +88,39 @@ class RewardFunction:
         self.fn, self.key, self.retries, self.retry_delay_s, self.timeout_s = (
             fn, key, retries, retry_delay_s, timeout_s,
         )  # fmt: skip
+        # TRL's convention when fn names a parameter `completions` (not just **kwargs)
+        self.trl_style = "completions" in parameter_names(fn)
 
-    def __call__(self, prompts: list, responses: list[str]) -> torch.Tensor:
+    def missing_columns(self, available) -> list[str]:
+        """The parameters fn requires that name none of the `available` columns."""
+        given = ("prompts", "completions") if self.trl_style else ()
+        need = required_parameters(self.fn, skip=0 if self.trl_style else 2)
+        return [n for n in need if n not in given and n not in set(available)]
+
+    def _call(self, prompts: list, responses: list[str], columns: dict) -> list:
+        if self.trl_style:
+            completions = [
+                [{"role": "assistant", "content": r}] if isinstance(p, list) else r
+                for p, r in zip(prompts, responses)
+            ]
+            extra = accepted_columns(self.fn, columns, ("prompts", "completions"))
+            return list(self.fn(prompts=prompts, completions=completions, **extra))
+        extra = accepted_columns(self.fn, columns, ("prompts", "responses"))
+        return list(self.fn(prompts, responses, **extra))
+
+    def __call__(
+        self, prompts: list, responses: list[str], columns: list[dict] | None = None
+    ) -> torch.Tensor:
+        """Scores (B,) of B responses; columns: each row's other columns (None: none)."""
+        by_name = column_lists(columns or [{} for _ in responses])
+        missing = self.missing_columns(by_name)
+        if missing:
+            raise RewardFunctionError(
+                f"{self.key} {self.name} needs the column(s) {', '.join(missing)}, which "
+                f"the data rows do not have (they have: {', '.join(by_name) or 'no other'})"
+            )
         out = call_with_retries(
-            lambda: list(self.fn(prompts, responses)),
+            lambda: self._call(prompts, responses, by_name),
             f"{self.key} {self.name}",
             self.retries,
             self.retry_delay_s,
@@ -121,8 +164,12 @@ class WeightedReward:
         self.sums = {name: [0.0, 0] for name, _, _ in components}
         self.__qualname__ = "+".join(name for name, _, _ in components)
 
-    def __call__(self, prompts: list, responses: list[str]) -> torch.Tensor:
-        parts = [(name, weight, fn(prompts, responses)) for name, weight, fn in self.components]
+    def __call__(
+        self, prompts: list, responses: list[str], columns: list[dict] | None = None
+    ) -> torch.Tensor:
+        parts = [
+            (name, weight, fn(prompts, responses, columns)) for name, weight, fn in self.components
+        ]
         for name, _, scores in parts:
             self.sums[name][0] += float(scores.sum())
             self.sums[name][1] += scores.numel()
@@ -136,6 +183,25 @@ class WeightedReward:
         if self.judge is not None:
             out["judge_parse_failures"] = (float(self.judge.take_counts()), 1)
         return out
+
+
+def check_reward_columns(reward_cfg: RewardConfig, available, where: str) -> None:
+    """Before any model loads: a ConfigError naming the reward key whose function requires
+    a column (a parameter without default) that the rows of `where` (e.g. data.train) do
+    not have; `available`: their column names besides the prompt."""
+    r = reward_cfg
+    specs = [("reward.function", r.function)] + [("reward.functions", s) for s in r.functions]
+    for key, spec in specs:
+        if not spec:
+            continue
+        fn = RewardFunction(spec, key=key)
+        missing = fn.missing_columns(available)
+        if missing:
+            have = ", ".join(sorted(available)) or "no column besides the prompt"
+            raise ConfigError(
+                f"{key}: {fn.name} needs the column(s) {', '.join(missing)}, which {where} "
+                f"does not have (it has: {have})"
+            )
 
 
 def unique_names(names: list[str]) -> list[str]:
@@ -249,29 +315,40 @@ class Scorer:
     failure: RewardFunctionError | None = None
 
     @torch.no_grad()
-    def __call__(self, prompts, responses, input_ids, attention_mask, last_index) -> torch.Tensor:
+    def __call__(
+        self, prompts, responses, input_ids, attention_mask, last_index, columns=None
+    ) -> torch.Tensor:
         """prompts: B prompts as given (texts or message lists); responses: B texts;
-        input_ids/attention_mask (B, P+T) the policy's tokens; last_index (B,)."""
+        input_ids/attention_mask (B, P+T) the policy's tokens; last_index (B,); columns:
+        each row's other columns (reward functions read them, a reward model does not)."""
         if self.reward_fn is not None:
-            return self._function_scores(prompts, responses).to(input_ids.device)
+            return self._function_scores(prompts, responses, columns).to(input_ids.device)
         if self.inputs is not None:
             input_ids, attention_mask, last_index = self.inputs.batch(
                 prompts, responses, input_ids, last_index
             )
         return sequence_scores(self.reward_model, input_ids, attention_mask, last_index).float()
 
-    def _function_scores(self, prompts, responses) -> torch.Tensor:
+    def _function_scores(self, prompts, responses, columns=None) -> torch.Tensor:
         if self.failure is None:
             try:
-                return self.reward_fn(prompts, responses)
+                return self.reward_fn(prompts, responses, columns)
             except RewardFunctionError as e:
                 self.failure = e
         return torch.full((len(responses),), float("nan"))
 
-    def score_texts(self, prompts, responses) -> torch.Tensor:
+    def score_texts(self, prompts, responses, columns=None) -> torch.Tensor:
         """The reward function's scores (B,) of texts alone, NaN once it failed (no raise:
         see the class docstring); for eval's judge win rate."""
-        return self._function_scores(prompts, responses)
+        return self._function_scores(prompts, responses, columns)
+
+    def missing_columns(self, available) -> list[str]:
+        """The data columns a reward function requires that `available` lacks (a reward
+        model reads none); checked when a run starts, before any rollout."""
+        fns = [self.reward_fn] if isinstance(self.reward_fn, RewardFunction) else []
+        if isinstance(self.reward_fn, WeightedReward):
+            fns = [f for _, _, f in self.reward_fn.components if isinstance(f, RewardFunction)]
+        return sorted({name for f in fns for name in f.missing_columns(available)})
 
     def component_stats(self, runtime) -> dict[str, float]:
         """objective/score_<name> (mean over all ranks' sequences since the last call) of

@@ -4,7 +4,7 @@ backend (rlhf_dist.engine's decode loop), `vllm.py` over an in-process vLLM engi
 `agent.py` as multi-turn episodes with tools; `batch.py` holds the frozen `RolloutBatch`.
 """
 
-from rlhf_dist.rollout.batch import RolloutBatch
+from rlhf_dist.rollout.batch import PromptBatch, RolloutBatch
 from rlhf_dist.rollout.collect import RolloutModels, collect_rollout
 
-__all__ = ["RolloutBatch", "RolloutModels", "collect_rollout"]
+__all__ = ["PromptBatch", "RolloutBatch", "RolloutModels", "collect_rollout"]

@@ -34,7 +34,7 @@ import torch
 
 from rlhf_dist.config import ConfigError, PerfConfig
 from rlhf_dist.data.chat import Chat, resolve_template
-from rlhf_dist.data.inputs import resolve_callable
+from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.engine.decode import generate
 from rlhf_dist.engine.forward import DEFAULT_PERF
 
@@ -216,23 +216,28 @@ class Episode:
     sampler_logprobs: list[float] = field(default_factory=list)  # vLLM: per token, 0 on context
 
 
-def start_episode(agent: Agent, prompt) -> Episode:
+def start_episode(agent: Agent, prompt, columns: dict | None = None) -> Episode:
+    """A fresh environment reset with the prompt, and with those of the row's other
+    columns that its `reset` names (or all, with **kwargs): an answer to check against,
+    a task's state."""
     env = agent.new_environment()
-    messages = env.reset(prompt)
+    messages = env.reset(prompt, **accepted_columns(env.reset, columns or {}, ("prompt",)))
     return Episode(env, messages, agent.renderer.prompt_ids(messages))
 
 
 def run_episodes(
     agent: Agent, actor, keep_in_step, prompts, gen, tokenizer, stop_ids, any_rank=None,
-    sampler=None, perf: PerfConfig = DEFAULT_PERF,
+    sampler=None, perf: PerfConfig = DEFAULT_PERF, columns: list[dict] | None = None,
 ) -> list[Episode]:  # fmt: skip
     """Play one episode per prompt, all rows of a turn in one `engine.decode.generate` call over
     `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine).
 
     any_rank (several ranks): every rank runs as many turns as the busiest one; a rank whose
     episodes are all done runs a throw-away one-token generate while its forwards are
-    collectives (keep_in_step not None), so ZeRO-3's per-layer gathers stay matched."""
-    episodes = [start_episode(agent, p) for p in prompts]
+    collectives (keep_in_step not None), so ZeRO-3's per-layer gathers stay matched.
+    columns: each prompt's row's other columns, for the environments' reset."""
+    columns = columns or [{} for _ in prompts]
+    episodes = [start_episode(agent, p, c) for p, c in zip(prompts, columns, strict=True)]
     for _ in range(agent.max_turns):
         active = [e for e in episodes if not e.done]
         if not (any_rank(bool(active)) if any_rank is not None else active):

@@ -4,11 +4,45 @@ it: the missing-EOS penalty, the last real token's position and the debug print.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from rlhf_dist.algo.masking import last_token_index
+from rlhf_dist.data.rows import PromptSet, left_pad
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """One rank's prompts for a rollout, B rows (a group's n samples are n rows).
+
+    ids, mask: (B, P) left-padded token ids and their attention mask (1 on real tokens);
+    texts: each prompt as its data row gave it (a text, or a list of messages); columns:
+    each row's other columns (an answer, a task's metadata), which reward functions,
+    judges and environments read beside the prompt (docs/rewards.md)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    texts: list
+    columns: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.columns and len(self.columns) != len(self.texts):
+            raise ValueError(f"{len(self.columns)} column rows for {len(self.texts)} prompts")
+
+    @classmethod
+    def of(cls, prompts: PromptSet, rows: list[int], pad_id: int, device) -> PromptBatch:
+        """The prompts `rows` (indices into `prompts`, repeats allowed) left-padded on
+        `device`, with their texts and columns."""
+        ids, mask = left_pad([prompts.ids[i] for i in rows], pad_id)
+        columns = [prompts.columns[i] for i in rows] if prompts.columns else []
+        texts = [prompts.texts[i] for i in rows]
+        return cls(ids.to(device), mask.to(device), texts, columns)
+
+    def rows(self, s: slice) -> tuple[list, list[dict]]:
+        """(texts, columns) of the rows `s` (no columns: an empty dict per row)."""
+        columns = self.columns[s] if self.columns else [{} for _ in self.texts[s]]
+        return self.texts[s], columns
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,17 @@ from typing import Protocol
 
 import torch
 
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.engine.cpu import scoring_context
 from rlhf_dist.engine.decode import decode_responses, generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.rollout import agent as agent_mod
-from rlhf_dist.rollout.batch import RolloutBatch, scores_with_eos_penalty, sequence_last_index
+from rlhf_dist.rollout.batch import (
+    PromptBatch,
+    RolloutBatch,
+    scores_with_eos_penalty,
+    sequence_last_index,
+)
 
 
 class SequenceScorer(Protocol):
@@ -32,7 +37,7 @@ class SequenceScorer(Protocol):
 
     def __call__(
         self, prompts: list, texts: list[str], input_ids: torch.Tensor,
-        attention_mask: torch.Tensor, last_index: torch.Tensor,
+        attention_mask: torch.Tensor, last_index: torch.Tensor, columns: list[dict],
     ) -> torch.Tensor: ...  # fmt: skip
 
 
@@ -62,10 +67,8 @@ class RolloutModels:
 @torch.no_grad()
 def collect_rollout(
     models: RolloutModels,
-    prompt_ids,
-    prompt_mask,
-    prompt_texts,
-    cfg,
+    prompts: PromptBatch,
+    cfg: Config,
     tokenizer,
     timings=None,
     micro_batch_size: int | None = None,
@@ -73,31 +76,35 @@ def collect_rollout(
 ):
     """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch, and
     the response texts: generate -> truncate after EOS -> decode -> old/ref log-probs,
-    values and scores -> missing-EOS penalty. PPO's rollout and `rlhf-dist eval` alike.
+    values and scores (the scorer reads each row's other columns too) -> missing-EOS
+    penalty. PPO's rollout and `rlhf-dist eval` alike.
 
     micro_batch_size: prompts per generation/scoring pass (None: ppo.rollout_micro_batch_size).
     old_logprobs=False: no actor pass in scoring (old_logprobs and entropy stay None; the
     update's first forward gives them, trainers/ppo.py::old_logprobs_from_update)."""
     gen = cfg.generation
     micro = micro_batch_size or cfg.ppo.rollout_micro_batch_size
-    chunks = [slice(i, i + micro) for i in range(0, prompt_ids.shape[0], micro)]
+    chunks = [slice(i, i + micro) for i in range(0, prompts.ids.shape[0], micro)]
     # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).
     # vLLM samples from its own copy: whole weights only for its sync, then for scoring.
     hf = models.engine is None
     with models.whole_weights() if hf else contextlib.nullcontext():
         start = time.perf_counter()
         play = _single_turn if models.agent is None else _episodes  # episodes: agent.py
-        sampled, score_prompts, texts, env_scores = play(
-            models, prompt_ids, prompt_mask, prompt_texts, gen, chunks, tokenizer
-        )
+        sampled, score_prompts, texts, env_scores = play(models, prompts, gen, chunks, tokenizer)
         generated = time.perf_counter()
         # nested under hf: already whole. No gradients: the grouped KV heads go to CPU
         # attention uncopied, the same values (generate has its own context).
         with models.whole_weights(), scoring_context(models.perf):
             parts = [
                 _score_chunk(
-                    models, sampled, s, score_prompts[s], texts[s], gen.temperature, old_logprobs
-                )
+                    models,
+                    sampled,
+                    s,
+                    (score_prompts[s], texts[s], prompts.rows(s)[1]),
+                    gen.temperature,
+                    old_logprobs,
+                )  # fmt: skip
                 for s in chunks
             ]
     merged = {
@@ -113,34 +120,33 @@ def collect_rollout(
     return RolloutBatch(scores=scores, **sampled, **merged), texts
 
 
-def _single_turn(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
-                 tokenizer):  # fmt: skip
+def _single_turn(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer):
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     response_ids, sampler_logprobs = _sample(
-        models, prompt_ids, prompt_mask, gen, chunks, tokenizer
+        models, prompts.ids, prompts.mask, gen, chunks, tokenizer
     )
     response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
     texts = decode_responses(tokenizer, response_ids, response_mask, eos)
     sampled = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
+        "prompt_ids": prompts.ids,
+        "prompt_mask": prompts.mask,
         "response_ids": response_ids,
         "response_mask": response_mask,
         "finished": finished,
         "sampler_logprobs": sampler_logprobs,
     }
-    return sampled, prompt_texts, texts, None
+    return sampled, prompts.texts, texts, None
 
 
-def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
-              tokenizer):  # fmt: skip
+def _episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer):
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
     the final answers and the answers, the environment's rewards (B,), NaN where none).
     The data's prompt ids are not sampled from (an episode starts from the environment's
-    first messages, rendered with the tools); vLLM's sync check reads them."""
+    first messages, rendered with the tools); vLLM's sync check reads them. Each episode's
+    environment is reset with its row's other columns where it takes them."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
                              stop_ids=eos, any_rank=models.any_rank,
@@ -149,14 +155,16 @@ def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen,
     with models.generation_context() as (actor, keep_in_step):
         if engine is None:
             for s in chunks:
-                episodes += play(actor, keep_in_step, prompt_texts[s])
+                texts, columns = prompts.rows(s)
+                episodes += play(actor, keep_in_step, texts, columns=columns)
         else:  # vLLM schedules its own batches: the whole shard, every turn in one call
             engine.load_weights(actor)
             if engine.checks_sync:
-                engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
+                engine.check_sync(actor, prompts.ids, prompts.mask, gen, tokenizer, eos)
     if engine is not None:
         sampler = functools.partial(_engine_sample, engine, pad)
-        episodes = play(None, None, list(prompt_texts), sampler=sampler)
+        texts, columns = prompts.rows(slice(None))
+        episodes = play(None, None, list(texts), sampler=sampler, columns=columns)
         engine.sleep()  # GPU: free its memory for scoring and the update
     device = next(iter(models.actor_critic.parameters())).device
     sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
@@ -196,9 +204,10 @@ def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokeniz
     return torch.cat([pad_columns(r, width, pad) for r in responses]), None
 
 
-def _score_chunk(models, sampled: dict, s: slice, prompts, texts, temperature, with_actor=True):
+def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=True):
     """Old log-probs, entropies and values, reference log-probs and scores of the rows `s`
-    of the rollout tensors `sampled`; with_actor=False leaves old log-probs and entropies
+    of the rollout tensors `sampled`; read: (prompts, response texts, other columns) of
+    those rows, what the scorer reads; with_actor=False leaves old log-probs and entropies
     None. Attention covers response_attention where a multi-turn rollout has it (tool
     tokens are context); log-probs, values and the score use response_mask."""
     prompt_ids, prompt_mask = sampled["prompt_ids"][s], sampled["prompt_mask"][s]
@@ -224,7 +233,8 @@ def _score_chunk(models, sampled: dict, s: slice, prompts, texts, temperature, w
     else:  # no reference: KL 0 (ref = old; with the skip, filled in after the update)
         ref_logprobs = None if old_logprobs is None else old_logprobs.clone()
     last = sequence_last_index(prompt_ids.shape[1], response_mask)
-    raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last)
+    prompts, texts, columns = read
+    raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last, columns)
     return {
         "old_logprobs": old_logprobs,
         "ref_logprobs": None if ref_logprobs is None else ref_logprobs.float(),

@@ -18,13 +18,13 @@ from dataclasses import fields
 import torch
 
 from rlhf_dist.algo.objectives import dynamic_sampling_selection, tied_groups
-from rlhf_dist.rollout import RolloutBatch
+from rlhf_dist.rollout import PromptBatch, RolloutBatch
 
 
 def rollout_until_full(
     runtime,
     rollout: Callable,
-    prompt_batch: tuple,
+    prompt_batch: PromptBatch,
     more_prompts: Callable,
     group_size: int,
     max_rounds: int,
@@ -33,12 +33,11 @@ def rollout_until_full(
     """(batch, response texts, prompt texts, statistics) of this rank after dynamic sampling.
 
     rollout(prompt_batch) -> (RolloutBatch, texts) with the final (pre-normalisation)
-    scores; prompt_batch: (prompt_ids, prompt_mask, prompt texts) of this rank, n rows per
-    prompt; more_prompts(round) -> the prompt batch of extra round 1, 2, ... (the same on
+    scores; prompt_batch: this rank's prompts, n rows per prompt; more_prompts(round) -> the prompt batch of extra round 1, 2, ... (the same on
     a resumed run: docs/architecture.md section 7). The kept groups are the untied ones in
     sampling order (dynamic_sampling_selection).
     """
-    parts = [(*rollout(prompt_batch), list(prompt_batch[2]))]
+    parts = [(*rollout(prompt_batch), list(prompt_batch.texts))]
     target = parts[0][0].scores.shape[0] // group_size
     tied = [tied_groups(parts[0][0].scores, group_size)]
     rounds = 0
@@ -46,7 +45,7 @@ def rollout_until_full(
         rounds += 1
         extra = more_prompts(rounds)
         batch, texts = rollout(extra)
-        parts.append((batch, texts, list(extra[2])))
+        parts.append((batch, texts, list(extra.texts)))
         tied.append(tied_groups(batch.scores, group_size))
     tied = torch.cat(tied).cpu()
     pick = dynamic_sampling_selection(tied, target)

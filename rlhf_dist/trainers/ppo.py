@@ -39,14 +39,15 @@ from rlhf_dist.data.batching import (
     global_batches,
     ppo_plan,
 )
-from rlhf_dist.data.rows import left_pad, load_rows, prompt_set
+from rlhf_dist.data.rows import load_rows, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError, RewardFunctionError
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.models.lora import merged_adapters
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.observability.tracking import open_run, write_summary
-from rlhf_dist.rollout import RolloutModels, collect_rollout
+from rlhf_dist.rewards.scoring import check_reward_columns
+from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
 from rlhf_dist.rollout.vllm import VLLMEngine
@@ -107,13 +108,12 @@ def prompt_stream(
         yield rank_prompts(prompts, plan, runtime, idx, pad_id)
 
 
-def rank_prompts(prompts, plan: PPOPlan, runtime, idx: list[int], pad_id: int):
-    """This rank's (prompt_ids, prompt_mask, texts) of the global batch `idx`, each prompt
-    n times in a row."""
+def rank_prompts(prompts, plan: PPOPlan, runtime, idx: list[int], pad_id: int) -> PromptBatch:
+    """This rank's prompts of the global batch `idx` (ids, mask, texts and the rows' other
+    columns), each prompt n times in a row."""
     n = plan.samples_per_prompt
     mine = [i for i in idx[plan.rollout.rank_slice(runtime.rank)] for _ in range(n)]
-    ids, mask = left_pad([prompts.ids[i] for i in mine], pad_id)
-    return ids.to(runtime.device), mask.to(runtime.device), [prompts.texts[i] for i in mine]
+    return PromptBatch.of(prompts, mine, pad_id, runtime.device)
 
 
 def extra_prompts(prompts, plan: PPOPlan, runtime, seed: int, pad_id: int, it: int):
@@ -155,7 +155,7 @@ def sample_rollout(
         spent = {}
         with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
             batch, texts = collect_rollout(
-                run.rollout_models, *prompts, cfg, run.tokenizer, spent, old_logprobs=old_logprobs
+                run.rollout_models, prompts, cfg, run.tokenizer, spent, old_logprobs=old_logprobs
             )
         for name, seconds in spent.items():
             timings[name] = timings.get(name, 0.0) + seconds
@@ -167,7 +167,7 @@ def sample_rollout(
         return batch, texts
 
     if not p.dynamic_sampling:
-        return (*rollout(prompt_batch), prompt_batch[2], {})
+        return (*rollout(prompt_batch), prompt_batch.texts, {})
     n, pad = run.plan.samples_per_prompt, run.tokenizer.pad_token_id
     rounds = p.dynamic_sampling_max_rounds
     return rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
@@ -292,10 +292,9 @@ def whitens(ppo_cfg) -> bool:
     return ppo_cfg.whiten_advantages
 
 
-def start_ppo(cfg, runtime, ckpt) -> PPORun:
+def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     """Load data and models (from a checkpoint if resuming) into a PPORun."""
     p = cfg.ppo
-    tokenizer = tokenizer_for(cfg, "policy")
     plan = ppo_plan(p, runtime.world_size)
     # PPO-ptx rows, before any model loads (a data mistake is found first); one global
     # batch of ppo.minibatch_size rows per optimizer step, from where the checkpoint was.
@@ -391,8 +390,9 @@ def stop_on_reward_failure(cfg, runtime, run_files, run: PPORun, done, state, er
 def train_ppo(cfg, runtime) -> dict:
     """Run PPO as configured; returns the summary written to summary.json."""
     ckpt, p = find_resume(cfg, runtime), cfg.ppo
-    run = start_ppo(cfg, runtime, ckpt)
-    prompts = training_prompts(cfg, run.tokenizer)
+    tokenizer = tokenizer_for(cfg, "policy")
+    prompts = training_prompts(cfg, tokenizer)  # data mistakes before any model loads
+    run = start_ppo(cfg, runtime, ckpt, tokenizer)
     out, logger = open_run(cfg, runtime, "ppo", ckpt, p.iterations)
     runtime.print(prompts.report.summary("prompts"))
     start = ckpt.step if ckpt else 0
@@ -437,8 +437,9 @@ def train_ppo(cfg, runtime) -> dict:
     return summary
 
 
-def training_prompts(cfg, tokenizer):
-    """data.train's usable prompts (`data.prompt_set`); at least one rollout batch of them."""
+def training_prompts(cfg: Config, tokenizer):
+    """data.train's usable prompts (`data.prompt_set`), at least one rollout batch of them,
+    whose columns every reward function that names one finds (check_reward_columns)."""
     d, p = cfg.data, cfg.ppo
     prompts = prompt_set(
         load_rows(d.train, "data.train", d.split), tokenizer, d, f"data.train {d.train!r}"
@@ -447,4 +448,6 @@ def training_prompts(cfg, tokenizer):
         raise ConfigError(
             f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"
         )
+    columns = {name for row in prompts.columns for name in row}
+    check_reward_columns(cfg.reward, columns, f"data.train {d.train!r}")
     return prompts

@@ -122,7 +122,8 @@ def test_prompt_stream_repeats_each_prompt_n_times_in_a_row(runtime, task_env):
         texts=[f"p{i}" for i in range(8)],
         report=None,
     )
-    ids, mask, texts = next(ppo.prompt_stream(prompts, plan, runtime, seed=0, pad_id=0))
+    batch = next(ppo.prompt_stream(prompts, plan, runtime, seed=0, pad_id=0))
+    ids, texts = batch.ids, batch.texts
     assert ids.shape[0] == 12 and len(texts) == 12
     for g in range(4):
         group = texts[3 * g : 3 * g + 3]

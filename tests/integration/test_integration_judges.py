@@ -23,10 +23,10 @@ import torch
 from http_stub import StubServer, chat_reply
 from spies import capture_calls
 
-from rlhf_dist import models as models_module
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import task
 from rlhf_dist.evaluate import run_eval
+from rlhf_dist.rewards import scoring as models_module  # where the judge is loaded
 from rlhf_dist.trainers import ppo
 
 KEY = "sk-judge-7c2e91-never-write-me"

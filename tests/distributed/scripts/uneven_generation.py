@@ -14,10 +14,10 @@ import torch
 
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.batching import ppo_plan
-from rlhf_dist.data.rows import left_pad, load_rows, prompt_set
+from rlhf_dist.data.rows import load_rows, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import load_tokenizer, quiet_transformers
-from rlhf_dist.rollout import RolloutModels, collect_rollout
+from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import step_and_schedule
 from rlhf_dist.trainers.ppo_setup import build_models
@@ -57,13 +57,15 @@ def uneven_rollout_and_step(runtime, policy, reward, prompts_path, gather: bool)
     tokenizer = load_tokenizer(policy)
     prompts = prompt_set(load_rows(prompts_path, "data.train")[:8], tokenizer, cfg.data)
     mine = list(range(8))[plan.rollout.rank_slice(runtime.rank)]
-    ids, mask = left_pad([prompts.ids[i] for i in mine], tokenizer.pad_token_id)
 
     def context():
         return runtime.generation_context(built.model, "actor", gather)
 
     models = RolloutModels(built.model, context, built.reference, built.scorer)
-    batch, _ = collect_rollout(models, ids, mask, [prompts.texts[i] for i in mine], cfg, tokenizer)
+    batch, _ = collect_rollout(
+        models, PromptBatch.of(prompts, mine, tokenizer.pad_token_id, runtime.device), cfg,
+        tokenizer,
+    )  # fmt: skip
     width = batch.response_ids.shape[1]
     widths = runtime.gather_objects([width])
     adv = torch.randn_like(batch.old_values)
