@@ -5,6 +5,8 @@ with True on real response tokens. Every function returns new tensors and never 
 its inputs.
 """
 
+from __future__ import annotations
+
 from rlhf_dist.algo import advantages, kl, logprobs, losses, masking, preference, rewards
 
 __all__ = ["advantages", "kl", "logprobs", "losses", "masking", "preference", "rewards"]
