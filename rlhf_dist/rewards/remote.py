@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from rlhf_dist.config import RewardConfig
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.rewards.retry import call_with_retries
 
@@ -31,7 +32,7 @@ class RemoteError(Exception):
 class HTTPClient:
     """POSTs JSON to URLs with the run's key, timeout and retries."""
 
-    def __init__(self, reward_cfg, label: str):
+    def __init__(self, reward_cfg: RewardConfig, label: str):
         r = reward_cfg
         self.label = label  # the config key named in messages, e.g. "reward.url"
         self.timeout_s = r.timeout_s or DEFAULT_TIMEOUT_S
@@ -86,7 +87,7 @@ class RemoteReward:
     reward.remote_batch_size responses per request. Prompts go as given (texts or
     message lists). The answer's count and values are checked by scoring.RewardFunction."""
 
-    def __init__(self, reward_cfg):
+    def __init__(self, reward_cfg: RewardConfig):
         self.url, self.batch_size = reward_cfg.url, reward_cfg.remote_batch_size
         self.client = HTTPClient(reward_cfg, "reward.url")
         self.__name__ = "remote"
@@ -107,7 +108,7 @@ class ChatJudgeClient:
     """Judge replies from an OpenAI-compatible server: one chat-completions request per
     judge prompt (greedy: temperature 0), reward.remote_batch_size of them at a time."""
 
-    def __init__(self, reward_cfg):
+    def __init__(self, reward_cfg: RewardConfig):
         r = reward_cfg
         self.url = r.judge_url.rstrip("/") + "/chat/completions"
         self.model, self.max_tokens = r.judge_model_name, r.judge_max_new_tokens

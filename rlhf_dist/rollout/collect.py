@@ -17,12 +17,13 @@ from typing import Protocol
 
 import torch
 
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import Config, GenerationConfig, PerfConfig
 from rlhf_dist.engine.cpu import scoring_context
 from rlhf_dist.engine.decode import decode_responses, generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.rollout import agent as agent_mod
 from rlhf_dist.rollout.batch import RolloutBatch, scores_with_eos_penalty, sequence_last_index
+from rlhf_dist.rollout.vllm import VLLMEngine
 
 
 class SequenceScorer(Protocol):
@@ -52,7 +53,7 @@ class RolloutModels:
     reference: torch.nn.Module | None
     scorer: SequenceScorer
     stop_ids: tuple[int, ...] = ()
-    engine: object | None = None
+    engine: VLLMEngine | None = None
     whole_weights: Callable = contextlib.nullcontext
     agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
@@ -65,7 +66,7 @@ def collect_rollout(
     prompt_ids,
     prompt_mask,
     prompt_texts,
-    cfg,
+    cfg: Config,
     tokenizer,
     timings=None,
     micro_batch_size: int | None = None,
@@ -113,8 +114,8 @@ def collect_rollout(
     return RolloutBatch(scores=scores, **sampled, **merged), texts
 
 
-def _single_turn(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
-                 tokenizer):  # fmt: skip
+def _single_turn(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts,
+                 gen: GenerationConfig, chunks, tokenizer):  # fmt: skip
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -134,14 +135,15 @@ def _single_turn(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, g
     return sampled, prompt_texts, texts, None
 
 
-def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen, chunks,
-              tokenizer):  # fmt: skip
+def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts,
+              gen: GenerationConfig, chunks, tokenizer):  # fmt: skip
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
     the final answers and the answers, the environment's rewards (B,), NaN where none).
     The data's prompt ids are not sampled from (an episode starts from the environment's
     first messages, rendered with the tools); vLLM's sync check reads them."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    assert models.agent is not None  # collect_rollout plays episodes only with an agent
     play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
                              stop_ids=eos, any_rank=models.any_rank,
                              perf=models.perf)  # fmt: skip
@@ -165,7 +167,9 @@ def _episodes(models: RolloutModels, prompt_ids, prompt_mask, prompt_texts, gen,
     return sampled, score_prompts, texts, env_scores
 
 
-def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokenizer):
+def _sample(
+    models: RolloutModels, prompt_ids, prompt_mask, gen: GenerationConfig, chunks, tokenizer
+):
     """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
     backend, whose sampler is the trainer's own forward)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -234,6 +238,6 @@ def _score_chunk(models, sampled: dict, s: slice, prompts, texts, temperature, w
     }
 
 
-def _engine_sample(engine, pad: int, ids, mask, gen, stop_ids):
+def _engine_sample(engine: VLLMEngine, pad: int, ids, mask, gen: GenerationConfig, stop_ids):
     """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
     return engine.generate(ids, mask, gen, stop_ids, pad)
