@@ -18,11 +18,12 @@ from dataclasses import fields
 import torch
 
 from rlhf_dist.algo.objectives import dynamic_sampling_selection, tied_groups
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.rollout import RolloutBatch
 
 
 def rollout_until_full(
-    runtime,
+    runtime: Runtime,
     rollout: Callable,
     prompt_batch: tuple,
     more_prompts: Callable,

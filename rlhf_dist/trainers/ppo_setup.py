@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from rlhf_dist.algo.estimators import ESTIMATORS
+from rlhf_dist.config import Config
 from rlhf_dist.data.chat import export_tokenizer
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import (
     ActorCritic,
@@ -39,14 +42,14 @@ from rlhf_dist.trainers.common import (
 @dataclass
 class PPOModels:
     model: nn.Module  # prepared ActorCritic (DeepSpeed engine, DDP wrapper or itself)
-    optimizer: object
-    scheduler: object
+    optimizer: torch.optim.Optimizer  # as prepared: Accelerate wraps it
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     reference: nn.Module
     scorer: Scorer
     group_names: tuple[str, ...]  # the optimizer's param groups: ("actor", "critic") or ("actor",)
 
 
-def has_critic(cfg) -> bool:
+def has_critic(cfg: Config) -> bool:
     """A critic is built, trained and exported only for an estimator that reads values."""
     return ESTIMATORS[cfg.ppo.estimator].needs_critic
 
@@ -64,7 +67,7 @@ class AdapterOffValue(nn.Module):
             return critic(input_ids, attention_mask, position_ids)
 
 
-def _trainable_actor_critic(cfg, deepspeed: bool) -> ActorCritic:
+def _trainable_actor_critic(cfg: Config, deepspeed: bool) -> ActorCritic:
     """Actor and critic in the dtypes of the precision table (docs/distributed.md): a
     LoRA base as asked, everything trained in fp32 unless DeepSpeed keeps the masters."""
     m, lora = cfg.model, cfg.lora
@@ -89,7 +92,7 @@ def _head_name(classifier: nn.Module) -> str:
     return next(name for name, module in classifier.named_children() if module is head)
 
 
-def shares_reward_with_critic(cfg) -> bool:
+def shares_reward_with_critic(cfg: Config) -> bool:
     """A LoRA critic from the RM serves as the frozen RM too (adapters off)."""
     return (
         has_critic(cfg)
@@ -99,7 +102,7 @@ def shares_reward_with_critic(cfg) -> bool:
     )
 
 
-def check_critic_tokenizer(cfg, reward_inputs) -> None:
+def check_critic_tokenizer(cfg: Config, reward_inputs) -> None:
     """A critic reads the policy's tokens in the same forward as the actor, so it cannot
     start from a reward model with another tokenizer or template (docs/data.md)."""
     if reward_inputs is not None and cfg.ppo.critic_init == "reward":
@@ -110,7 +113,7 @@ def check_critic_tokenizer(cfg, reward_inputs) -> None:
         )
 
 
-def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
+def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
     reward_inputs = reward_inputs_for(cfg)  # the RM's own tokens when its tokenizer differs
@@ -146,7 +149,7 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
             )
         )
     groups = {"actor": (net.actor.parameters(), p.optim)}
-    if critic:
+    if net.critic is not None:  # built where the estimator reads values (has_critic)
         groups["critic"] = (net.critic.parameters(), p.critic_optim)
     optimizer = make_optimizer(list(groups.values()))
     scheduler = make_scheduler(optimizer, [optim for _, optim in groups.values()], total_steps)
@@ -166,12 +169,12 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     return PPOModels(model, optimizer, scheduler, reference, scorer, tuple(groups))
 
 
-def _load_reference(cfg) -> nn.Module:
+def _load_reference(cfg: Config) -> nn.Module:
     m = cfg.model
     return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg.model), m)
 
 
-def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
+def export_models(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) -> None:
     """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
     lora, tokenizer = cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
@@ -183,12 +186,15 @@ def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
         return
     state = runtime.full_state_dict(model)
     if runtime.is_main:
+        assert state is not None  # Runtime.full_state_dict gives it to the main process
         with runtime.local_loading():
             _export_lora_models(cfg, runtime, model, tokenizer, out, state)
     runtime.barrier()
 
 
-def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) -> None:
+def _export_lora_models(
+    cfg: Config, runtime: Runtime, model, tokenizer, out: Path, state: dict
+) -> None:
     """On the main process: rebuild the LoRA actor (and critic) on CPU from `state`, export."""
     m, lora = cfg.model, cfg.lora
     merged = out / "final" if lora.export in ("merged", "both") else None
