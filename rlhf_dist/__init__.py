@@ -5,6 +5,8 @@ The stage functions of the Python API (rlhf_dist/api.py) are importable from her
 so `import rlhf_dist.algo` stays torch-only and `rlhf-dist --help` stays instant.
 """
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
 
 # Named so no submodule shadows them: `import rlhf_dist.evaluate` rebinds that attribute

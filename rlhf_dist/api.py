@@ -28,6 +28,7 @@ import dataclasses
 import importlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlhf_dist.config import (
     Config,
@@ -38,6 +39,9 @@ from rlhf_dist.config import (
     to_dict,
     validate,
 )
+
+if TYPE_CHECKING:  # torch loads when a stage runs (rlhf-dist --help stays instant)
+    from rlhf_dist.distributed import Runtime
 
 # stage -> "module:function" of its runner (cfg, runtime) -> summary
 RUNNERS = {
@@ -77,7 +81,7 @@ def config_of(config=None, overrides=()) -> Config:
 
 def _with_keys(cfg: Config, values: dict[str, str]) -> Config:
     """`cfg` with dotted keys set (the `python:` specs of the objects given)."""
-    sections = {}
+    sections: dict[str, dict[str, str]] = {}
     for dotted, value in values.items():
         section, name = dotted.split(".")
         sections.setdefault(section, {})[name] = value
@@ -86,10 +90,10 @@ def _with_keys(cfg: Config, values: dict[str, str]) -> Config:
     )
 
 
-_RUNTIMES: dict[tuple, object] = {}
+_RUNTIMES: dict[tuple, Runtime] = {}
 
 
-def _runtime(cfg: Config):
+def _runtime(cfg: Config) -> Runtime:
     """The process's Runtime for a run's settings (Accelerate's state is process-wide:
     stages in one process share it), seeded for this run."""
     from rlhf_dist.distributed import Runtime

@@ -23,6 +23,7 @@ import random
 import shutil
 import signal
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,6 +33,19 @@ from rlhf_dist.files import atomic_write_text, fsync_dir, fsync_file
 
 FORMAT = 1
 FAULT_ENV = "RLHF_DIST_FAULT"
+
+
+class RankGroup(Protocol):
+    """The part of distributed.Runtime checkpoints use (this layer cannot import it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_main(self) -> bool: ...
+    def barrier(self) -> None: ...
+    def seed_per_rank(self, seed: int) -> None: ...
 
 
 def maybe_fault(point: str, step: int) -> None:
@@ -51,7 +65,8 @@ def rng_state() -> dict:
     """This process's python, numpy and torch generators; on a GPU also the current CUDA
     device's, which samples every token there (rollout.sample_next draws on the logits'
     device): without it a resumed GPU run would replay the random stream of its seed."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy form: numpy's global generator is MT19937
     state = {
         "python": random.getstate(),
         "numpy": {
@@ -82,7 +97,12 @@ def _as_tuple(x):
 
 
 def save_checkpoint(
-    runtime, root: Path, step: int, training_state: dict | None, trainer_state: dict, keep: int
+    runtime: RankGroup,
+    root: Path,
+    step: int,
+    training_state: dict | None,
+    trainer_state: dict,
+    keep: int,
 ) -> Path:
     """Write checkpoint `step` atomically under `root` (all ranks call); returns its path."""
     name = f"step-{step:06d}"
@@ -136,7 +156,7 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
 class Checkpoint:
     """A loaded checkpoint: training state, trainer state and this rank's RNG."""
 
-    def __init__(self, path: Path, runtime):
+    def __init__(self, path: Path, runtime: RankGroup):
         self.path = path
         self.meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
         if self.meta.get("format") != FORMAT:

@@ -200,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         from rlhf_dist.distributed import collective_failure
 
-        message = collective_failure(e)
-        if message is None:
+        failure = collective_failure(e)
+        if failure is None:
             raise
-        print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
+        print(f"rlhf-dist {args.command}: error: {failure}", file=sys.stderr)
         return 4
     except KeyboardInterrupt:
         print(f"rlhf-dist {args.command}: interrupted", file=sys.stderr)

@@ -6,6 +6,8 @@ other modules can raise them, without importing config, torch or the trainers.
 used to define, under the same names.
 """
 
+from __future__ import annotations
+
 
 class UserError(Exception):
     """A mistake of the user's (config, data, their code); the CLI prints it as one line."""

@@ -21,7 +21,7 @@ from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data import inputs
 from rlhf_dist.data.chat import prompt_text
 from rlhf_dist.data.rows import load_rows, prompt_set
-from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import RewardFunctionError
@@ -50,7 +50,7 @@ def load_gold_function(spec: str):
 
 
 def eval_models(
-    policy, reference, scorer, stops, agent=None, perf: PerfConfig = DEFAULT_PERF
+    policy, reference, scorer: Scorer, stops, agent=None, perf: PerfConfig = DEFAULT_PERF
 ) -> RolloutModels:
     """What the rollout reads, for evaluation: the policy without a critic (its log-probs
     give the KL), the reference (None: no KL), the scorer, the stop ids and the agent of
@@ -70,7 +70,12 @@ def eval_models(
 
 @torch.no_grad()
 def evaluate_chunk(
-    models: RolloutModels, gold_fn, prompts: PromptBatch, cfg: Config, tokenizer, win_scorer=None
+    models: RolloutModels,
+    gold_fn,
+    prompts: PromptBatch,
+    cfg: Config,
+    tokenizer,
+    win_scorer: Scorer | None = None,
 ):
     """Generate for one chunk of prompts and measure it, through the rollout's own
     generate -> truncate -> decode -> score -> missing-EOS penalty path
@@ -95,7 +100,7 @@ def evaluate_chunk(
         )
     if win_scorer is not None:
         out["judge_win_rate"] = judge_wins(models, win_scorer, prompts, responses, cfg, tokenizer)
-    scorer, probe = models.scorer, []
+    scorer, probe = _scorer(models), []
     if scorer.reward_model is not None and scorer.inputs is None:
         probe = probe_items(
             batch.prompt_ids, batch.prompt_mask, batch.response_ids, mask, finished, out
@@ -103,6 +108,12 @@ def evaluate_chunk(
     elif scorer.reward_model is not None:
         probe = own_token_probe_items(scorer.inputs, texts, responses, finished, out)
     return out, responses, probe
+
+
+def _scorer(models: RolloutModels) -> Scorer:
+    """The rewards.scoring.Scorer an evaluation's models score with (eval_models)."""
+    assert isinstance(models.scorer, Scorer)
+    return models.scorer
 
 
 def judge_wins(
@@ -158,7 +169,7 @@ def own_token_probe_items(inputs, texts, responses, finished, out):
     return items
 
 
-def length_bias(runtime, reward_model, items, batch_size: int, tokenizer) -> dict:
+def length_bias(runtime: Runtime, reward_model, items, batch_size: int, tokenizer) -> dict:
     """Length correlation and rephrasing probe of the reward model on sampled responses.
 
     items: this rank's probe_items. Returns {"length_corr", "rephrase_*"} over all ranks
@@ -176,7 +187,13 @@ def length_bias(runtime, reward_model, items, batch_size: int, tokenizer) -> dic
 
 
 def evaluate_policy(
-    runtime, models: RolloutModels, prompts, cfg, tokenizer, gold_fn=None, win_scorer=None
+    runtime: Runtime,
+    models: RolloutModels,
+    prompts,
+    cfg: Config,
+    tokenizer,
+    gold_fn=None,
+    win_scorer: Scorer | None = None,
 ):
     """Mean figures over `prompts` and some samples. Each rank takes every world_size-th
     prompt, in chunks of eval.batch_size run in lock-step (distributed/lockstep.py; a
@@ -200,20 +217,20 @@ def evaluate_policy(
             {"prompt": prompt_text(t), "response": r, "score": float(s)}
             for t, r, s in zip(texts, responses, out["score"])
         ]
-    models.scorer.raise_failure(runtime)
+    _scorer(models).raise_failure(runtime)
     if win_scorer is not None:
         win_scorer.raise_failure(runtime)
     summary = stats.reduce(runtime)
     # A reward function has no length bias to find. A reward model with its own tokenizer
     # is probed in its tokens (own_token_probe_items), with its tokenizer's filler and PAD.
-    scorer = models.scorer
+    scorer = _scorer(models)
     if scorer.reward_model is not None:
         rm_tok = tokenizer if scorer.inputs is None else scorer.inputs.tokenizer
         summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, rm_tok)
     return summary, samples
 
 
-def win_rate_judge(runtime, cfg, scorer) -> Scorer | None:
+def win_rate_judge(runtime: Runtime, cfg: Config, scorer: Scorer) -> Scorer | None:
     """The judge that compares policy and eval.reference (reward.judge; None: no judge):
     the one the scorer already holds as a reward component, with the run's retries."""
     if cfg.reward.judge == "none":
@@ -226,7 +243,7 @@ def win_rate_judge(runtime, cfg, scorer) -> Scorer | None:
     return Scorer(reward_fn=RewardFunction(judge, key="reward.judge", **retry))
 
 
-def run_eval(cfg, runtime) -> dict:
+def run_eval(cfg: Config, runtime: Runtime) -> dict:
     """`rlhf-dist eval`: writes summary.json and samples.jsonl under run.output_dir."""
     m = cfg.model
     tokenizer = tokenizer_for(cfg, "policy")

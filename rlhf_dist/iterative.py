@@ -44,7 +44,7 @@ from rlhf_dist.config import (
 )
 from rlhf_dist.data import inputs
 from rlhf_dist.data.rows import load_rows, preference_pairs, prompt_set
-from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.evaluate import eval_models, run_eval
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import (
@@ -177,6 +177,8 @@ def pair_rows(pairs: AnswerPairs, probs: list[float], labels: list[bool], round_
     labelled pairs, and how many were dropped: pairs of two identical answers tell a
     reward model nothing (docs/data.md refuses them)."""
     rows, dropped = [], 0
+    chosen: str | list[dict]  # a text, or an assistant turn after a conversational prompt
+    rejected: str | list[dict]
     for prompt, a, b, p, a_wins in zip(pairs.prompts, pairs.a, pairs.b, probs, labels, strict=True):
         if a == b:
             dropped += 1
@@ -336,7 +338,9 @@ def _no_scores(prompts, responses, columns=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_pairs(cfg: Config, runtime, policy_path: str, source: str, key: str, n: int, seed: int):
+def sample_pairs(
+    cfg: Config, runtime: Runtime, policy_path: str, source: str, key: str, n: int, seed: int
+):
     """n answer pairs from the policy at policy_path, two samples per prompt at
     generation.temperature, on the prompts of `source` (pair i takes prompt i mod count),
     through `rlhf-dist eval`'s generation path (evaluate.eval_models ->
@@ -378,7 +382,9 @@ def sample_pairs(cfg: Config, runtime, policy_path: str, source: str, key: str, 
     return pairs, len(found) - len(kept)
 
 
-def label_and_write(runtime, labeller: Labeller, pairs: AnswerPairs, path: Path, k: int, seed):
+def label_and_write(
+    runtime: Runtime, labeller: Labeller, pairs: AnswerPairs, path: Path, k: int, seed
+):
     """Label the pairs and write them as a preference file at `path` (main process only;
     every rank waits for the file). Returns {"pairs", "dropped_identical", "p_chosen_mean"}."""
     info = {}
@@ -405,7 +411,7 @@ def label_and_write(runtime, labeller: Labeller, pairs: AnswerPairs, path: Path,
 
 
 @torch.no_grad()
-def rm_accuracy(cfg: Config, runtime, rm_path: Path, pairs_path: Path) -> float:
+def rm_accuracy(cfg: Config, runtime: Runtime, rm_path: Path, pairs_path: Path) -> float:
     """Share of the labelled pairs at pairs_path whose chosen answer the reward model at
     rm_path scores strictly higher (a tie is wrong: algo.losses.pairwise_reward_loss),
     scored by the reward-model trainer's own held-out evaluation (trainers/reward.py
@@ -432,7 +438,7 @@ class Loop:
     """What every stage of the loop reads."""
 
     cfg: Config
-    runtime: object
+    runtime: Runtime
     layout: Layout
     state: IterateState
     labeller: Labeller
@@ -497,7 +503,7 @@ def run_round(loop: Loop, k: int) -> dict:
     with fault_armed(k):
         for stage in (s for s in STAGES if not state.done(k, s)):
             runtime.print(f"== iterate round {k}/{cfg.iterate.rounds}: {stage}")
-            entry = None
+            entry: dict | None = None
             if stage == "samples":
                 info = samples_stage(loop, k)
                 entry = {"samples": info}
@@ -510,7 +516,9 @@ def run_round(loop: Loop, k: int) -> dict:
                 entry["wall_seconds"] = round(time.time() - start, 1)
             state.finish(k, stage, entry, write=runtime.is_main)
             runtime.barrier()
-    return state.entry(k)
+    entry = state.entry(k)
+    assert entry is not None  # recorded by the round's first stage, samples
+    return entry
 
 
 def _sample_info(loop: Loop, k: int, info: dict) -> dict:
@@ -520,7 +528,7 @@ def _sample_info(loop: Loop, k: int, info: dict) -> dict:
     return {name: info.get(name) for name in names}
 
 
-def run_iterate(cfg: Config, runtime) -> dict:
+def run_iterate(cfg: Config, runtime: Runtime) -> dict:
     """`rlhf-dist iterate`: iterate.rounds rounds (docs/iterate.md); writes and returns
     <output_dir>/summary.json {"rounds": [...], "wall_seconds"}."""
     root = Path(cfg.run.output_dir)

@@ -40,7 +40,13 @@ OVERLONG = ("none", "mask", "soft")  # ppo.overlong (DAPO)
 # The on-policy ones: PPO, the critic-free estimators, then the objective presets on
 # GRPO's estimator (pipeline.OBJECTIVE_PRESETS, in this order).
 DEMO_OBJECTIVES = ("gspo", "cispo", "dapo")
-DEMO_RL_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+DEMO_RL_ALGORITHMS: tuple[str, ...] = (
+    "ppo",
+    "grpo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+)
 DEMO_RL_ALGORITHMS += DEMO_OBJECTIVES
 DEMO_OFFLINE = ("dpo", "kto")  # rlhf-dist dpo / kto on the preference pairs
 DEMO_ITERATIVE = ("iterative",)  # SFT, then rounds of pairs -> RM -> PPO

@@ -7,10 +7,20 @@ it does not depend on how examples were split across ranks and micro-batches.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Protocol
 
 import torch
 
 from rlhf_dist.algo.masking import masked_sum
+
+
+class Collectives(Protocol):
+    """The part of distributed.Runtime these reductions use (this layer cannot import it)."""
+
+    @property
+    def device(self) -> torch.device: ...
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor: ...
+    def all_max(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class StatSums:
@@ -20,7 +30,7 @@ class StatSums:
     one never waits for the device (a float() per statistic would, several per micro-batch).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sums: dict[str, list] = defaultdict(list)
         self.maxima: dict[str, list] = defaultdict(list)
 
@@ -31,7 +41,7 @@ class StatSums:
     def add_max(self, name: str, value) -> None:
         self.maxima[name].append(value)
 
-    def reduce(self, runtime) -> dict[str, float]:
+    def reduce(self, runtime: Collectives) -> dict[str, float]:
         """Global means (sum over ranks / count over ranks) and global maxima."""
         keys = sorted(self.sums)
         local = [_stack(self.sums[k], runtime.device).sum() for k in keys]
@@ -51,7 +61,7 @@ def _stack(values: list, device) -> torch.Tensor:
 
 
 def global_moments(
-    runtime, x: torch.Tensor, mask: torch.Tensor | None = None
+    runtime: Collectives, x: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(count, mean, sum of squared deviations) of `x` over ALL ranks' masked-in elements,
     0-dim float64; x and mask the same shape (mask None: every element).
@@ -69,7 +79,7 @@ def global_moments(
 
 
 def global_mean_var(
-    runtime, x: torch.Tensor, mask: torch.Tensor | None = None, unbiased: bool = True
+    runtime: Collectives, x: torch.Tensor, mask: torch.Tensor | None = None, unbiased: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked mean and variance of `x` over ALL ranks (`global_moments`), in x's dtype:
     var = sum((x - mean)^2) / (n - 1) if unbiased (Bessel), else / n (the population

@@ -241,4 +241,7 @@ def _part(grad: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 
 
 def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    return None if grad is None else grad.to(like.dtype)
+    if grad is None:
+        return None
+    assert like is not None, "a gradient is computed only for a tensor that was given"
+    return grad.to(like.dtype)

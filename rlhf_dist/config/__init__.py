@@ -19,6 +19,8 @@ text) and `validation` (the rules between keys). Everything public is importable
 here.
 """
 
+from __future__ import annotations
+
 from rlhf_dist.config.keys import in_range, key, range_text
 from rlhf_dist.config.loading import (
     RENAMED_KEYS,

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _check_choices(name: str, f: dataclasses.Field, value: Any) -> None:
     """A key declared with `choices`: its value (each item of a list key) is one of them."""
     choices = f.metadata.get("choices")
+    if not choices:
+        return
     items = value if isinstance(value, tuple) else (value,)
-    bad = [v for v in items if choices and v not in choices]
+    bad = [v for v in items if v not in choices]
     if bad:
         raise ConfigError(f"{name}: must be one of {', '.join(choices)}, got {bad[0]!r}")
 
@@ -132,9 +135,12 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             known = ", ".join(sorted(names))
             raise ConfigError(f"{full}: unknown key (known here: {known})")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section
             default = names[key].default
-            base = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else {}
+            if dataclasses.is_dataclass(default) and not isinstance(default, type):
+                base = dataclasses.asdict(default)
+            else:
+                base = {}
             kwargs[key] = _build(tp, deep_merge(base, value, full), f"{full}.")
         else:
             kwargs[key] = _coerce(value, tp, full)
@@ -172,7 +178,7 @@ def apply_override(tree: dict, override: str) -> dict:
     return out
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Config from a YAML file (safe-loaded) and `section.key=value` overrides, in order."""
     tree: dict = {}
     if path:
@@ -322,7 +328,7 @@ def describe(section: str = "") -> str:
     if not entries:
         known = ", ".join(f.name for f in dataclasses.fields(Config))
         raise ConfigError(f"{section}: no such section or key (sections: {known})")
-    lines = []
+    lines: list[str] = []
     for name, f, tp, value in entries:
         text = f.metadata.get("help", "")
         if dataclasses.is_dataclass(value):

@@ -2,3 +2,5 @@
 tokens (`chat`), batch sizes and seed-determined batch order (`batching`), and Python
 objects standing for config keys (`inputs`).
 """
+
+from __future__ import annotations

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.config import PPOConfig
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -120,7 +122,7 @@ class PPOPlan:
         return self.ppo_epochs * self.minibatches_per_epoch
 
 
-def ppo_plan(ppo_cfg, world_size: int) -> PPOPlan:
+def ppo_plan(ppo_cfg: PPOConfig, world_size: int) -> PPOPlan:
     return PPOPlan(
         rollout=BatchPlan(ppo_cfg.rollout_batch_size, world_size, ppo_cfg.rollout_micro_batch_size),
         update=BatchPlan(

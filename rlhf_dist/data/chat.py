@@ -13,10 +13,15 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from rlhf_dist.config import DataConfig
 from rlhf_dist.errors import ConfigError
+
+if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
+    from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -80,7 +85,7 @@ class Chat:
     """A tokenizer and the chat template its conversations are rendered with, and the
     JSON schemas of the tools the template shows (multi-turn rollouts; none otherwise)."""
 
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     template: str
     tools: tuple = ()
 
@@ -151,13 +156,13 @@ class Chat:
         return turn[-1] if turn and turn[-1] in special else None
 
 
-def chat_for(tokenizer, data_cfg, where: str) -> Chat:
+def chat_for(tokenizer, data_cfg: DataConfig, where: str) -> Chat:
     """The Chat conversational rows of `where` are rendered with (data.chat_template or the
     tokenizer's own template)."""
     return Chat(tokenizer, resolve_template(tokenizer, data_cfg.chat_template, where))
 
 
-def export_tokenizer(tokenizer, data_cfg):
+def export_tokenizer(tokenizer, data_cfg: DataConfig):
     """The tokenizer an exported model is saved with: the run's own, as it shipped. When
     data.chat_template is set, a copy carrying it as its own template, so the next stage
     (rm or ppo after sft) renders conversations as this one did with no extra config; when

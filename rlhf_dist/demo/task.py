@@ -133,7 +133,8 @@ def prompt_pools() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     About one in five combinations is held out; every template, qualifier and category still
     occurs in the training pool.
     """
-    train, held_out = [], []
+    train: list[tuple[str, str]] = []
+    held_out: list[tuple[str, str]] = []
     for ti, template in enumerate(PROMPT_TEMPLATES):
         for qi, qualifier in enumerate(QUALIFIERS):
             for ci, category in enumerate(CATEGORIES):

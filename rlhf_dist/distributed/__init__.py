@@ -27,6 +27,8 @@ backends):
 - runtime.py: the `Runtime` facade.
 """
 
+from __future__ import annotations
+
 from rlhf_dist.distributed.backend import Backend, seed_everything
 from rlhf_dist.distributed.collectives import collective_failure
 from rlhf_dist.distributed.guard import NumericalGuard, TrainingDiverged

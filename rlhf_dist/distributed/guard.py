@@ -85,7 +85,8 @@ class NumericalGuard:
             if all_max(self._backend, bad) > 0:
                 self._poisoned = True
         if self._poisoned:
-            return self._skip(model, optimizer)
+            self._skip(model, optimizer)
+            return None
         self.bad_steps_in_row = 0
         torch_optimizer.step()
         torch_optimizer.zero_grad(set_to_none=True)
@@ -94,7 +95,8 @@ class NumericalGuard:
     def _deepspeed_step(self, model, optimizer, groups: int) -> list[float] | None:
         """DeepSpeed clips (one global norm) and steps inside engine.step()."""
         if self._poisoned:
-            return self._skip(model, optimizer)
+            self._skip(model, optimizer)
+            return None
         self.bad_steps_in_row = 0
         # DeepSpeed without ZeRO and without 16-bit clips fp32 gradients but keeps the norm
         # to itself (get_global_grad_norm() is None): measure it here, before the step.
@@ -115,7 +117,6 @@ class NumericalGuard:
         self._discard_gradients(model, optimizer)
         self.skipped_steps += 1
         self.bad_steps_in_row += 1
-        return None
 
     def _discard_gradients(self, model, optimizer) -> None:
         """Drop the accumulated gradients of a skipped step (DeepSpeed: as its own fp16

@@ -13,6 +13,7 @@ import functools
 import os
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ def prepare_frozen(
         )
     import deepspeed
 
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
     if placement == "offload":
         zero["offload_param"] = {"device": "cpu"}
     config = {

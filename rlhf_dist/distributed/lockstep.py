@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from rlhf_dist.distributed.runtime import Runtime
 
-def lockstep_slices(runtime, n_items: int, size: int) -> Iterator[slice | None]:
+
+def lockstep_slices(runtime: Runtime, n_items: int, size: int) -> Iterator[slice | None]:
     """Slices of `size` over this rank's `n_items`, then None until every rank is done.
 
     Every rank must iterate to the end: the number of passes is the maximum over ranks
@@ -29,7 +31,9 @@ def lockstep_slices(runtime, n_items: int, size: int) -> Iterator[slice | None]:
         yield slice(i * size, (i + 1) * size) if i < mine else None
 
 
-def lockstep_map(runtime, share: Sequence, size: int, forward: Callable, filler: Sequence) -> list:
+def lockstep_map(
+    runtime: Runtime, share: Sequence, size: int, forward: Callable, filler: Sequence
+) -> list:
     """forward(chunk) over this rank's `share` in chunks of `size`, in lock-step with the
     other ranks; returns the outputs of the real chunks, in order.
 
@@ -44,7 +48,9 @@ def lockstep_map(runtime, share: Sequence, size: int, forward: Callable, filler:
     return outputs
 
 
-def strided_map(runtime, items: Sequence, size: int, forward: Callable, filler: Sequence) -> list:
+def strided_map(
+    runtime: Runtime, items: Sequence, size: int, forward: Callable, filler: Sequence
+) -> list:
     """Every rank's results for `items`, in item order, on every rank.
 
     Each rank takes every world_size-th item (items[rank::world_size]) and runs

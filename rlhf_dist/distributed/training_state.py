@@ -7,6 +7,8 @@ checkpoint written on N ranks resumes on M.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlhf_dist.distributed.backend import Backend
@@ -28,7 +30,12 @@ def gather_training_state(backend: Backend, model, optimizer) -> dict | None:
     """
     named = [(n, p) for n, p in backend.unwrap(model).named_parameters() if p.requires_grad]
     inner = innermost_optimizer(optimizer)
-    state = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "step": _adam_step(inner)}
+    state: dict[str, Any] = {
+        "params": {},
+        "exp_avg": {},
+        "exp_avg_sq": {},
+        "step": _adam_step(inner),
+    }
     for name, p in named:
         full = _full_zero_state(p)
         if full is None:  # not partitioned: the module and the torch optimizer hold it

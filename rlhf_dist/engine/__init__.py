@@ -8,3 +8,5 @@ CPU-specific kernels and process settings (`cpu`). Each speed path has a `perf.*
 switch (docs/architecture.md section 10); switched off, the plain reference computation
 runs and gives the same results within the tolerance its test states.
 """
+
+from __future__ import annotations

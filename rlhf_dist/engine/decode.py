@@ -22,7 +22,7 @@ from rlhf_dist.engine.forward import (
     shares_prompts,
 )
 from rlhf_dist.engine.packing import position_ids_from
-from rlhf_dist.engine.sampling import sample_next
+from rlhf_dist.engine.sampling import Sampling, sample_next
 
 
 def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):
@@ -42,8 +42,8 @@ def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):
 
 @torch.no_grad()
 def generate(
-    model, prompt_ids, prompt_mask, gen_cfg, tokenizer, keep_in_step=None, stop_ids=None,
-    perf: PerfConfig = DEFAULT_PERF,
+    model, prompt_ids, prompt_mask, gen_cfg: Sampling, tokenizer, keep_in_step=None,
+    stop_ids=None, perf: PerfConfig = DEFAULT_PERF,
 ) -> torch.Tensor:  # fmt: skip
     """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
     PAD after a row's first stop token (any of `stop_ids`; None: the tokenizer's EOS);
@@ -70,12 +70,15 @@ def generate(
         return _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad)
 
 
-def _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad: int) -> torch.Tensor:
+def _decode(
+    model, logits, cache, mask, gen_cfg: Sampling, keep_in_step, eos, pad: int
+) -> torch.Tensor:
     """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt mask
     (B, P): (B, T) sampled ids, PAD after a row's stop token."""
     position = position_ids_from(mask)[:, -1:]
     finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-    steps, tokens, more = gen_cfg.max_new_tokens, [], True  # more: this rank still samples
+    steps, more = gen_cfg.max_new_tokens, True  # more: this rank still samples
+    tokens: list[torch.Tensor] = []
     while True:
         if more:
             allow_eos = len(tokens) >= gen_cfg.min_new_tokens

@@ -6,12 +6,30 @@ per vocabulary entry).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from rlhf_dist.algo.logprobs import scale_logits
 
 
-def sample_next(logits, gen_cfg, eos_id, allow_eos: bool) -> torch.Tensor:
+class Sampling(Protocol):
+    """The sampling keys the decode loop reads: a GenerationConfig, or a judge's greedy
+    settings (rewards/judge.py), which are no config section."""
+
+    @property
+    def max_new_tokens(self) -> int: ...
+    @property
+    def min_new_tokens(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+
+
+def sample_next(logits, gen_cfg: Sampling, eos_id, allow_eos: bool) -> torch.Tensor:
     """One token per row, (B,), drawn from softmax(logits / temperature) after EOS
     suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V). eos_id: one
     id or a (S,) tensor of stop ids, all suppressed alike."""

@@ -3,6 +3,8 @@
 (`lora`). The public names of `loading` and `value` are importable from here.
 """
 
+from __future__ import annotations
+
 from rlhf_dist.models.loading import (
     DTYPES,
     disable_dropout,

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhf_dist.config import Config, ModelConfig
 from rlhf_dist.data.chat import chat_for, stop_token_ids
 from rlhf_dist.errors import ConfigError
 
@@ -214,7 +215,7 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def frozen_dtype(model_cfg) -> str:
+def frozen_dtype(model_cfg: ModelConfig) -> str:
     """The dtype of the frozen models (reference, reward model): model.frozen_dtype, where
     "auto" means the training dtype model.dtype."""
     if model_cfg.frozen_dtype == "auto":
@@ -222,7 +223,7 @@ def frozen_dtype(model_cfg) -> str:
     return model_cfg.frozen_dtype
 
 
-def tokenizer_for(cfg, model_key: str = "policy"):
+def tokenizer_for(cfg: Config, model_key: str = "policy"):
     """The run's tokenizer: model.tokenizer if set, else the named model's own."""
     m = cfg.model
     if m.tokenizer:
@@ -245,7 +246,7 @@ def generation_eos_ids(path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def policy_stop_ids(cfg, tokenizer) -> tuple[int, ...]:
+def policy_stop_ids(cfg: Config, tokenizer) -> tuple[int, ...]:
     """Every id that ends a sampled response (docs/data.md, stop tokens): the tokenizer's
     EOS, the policy's generation_config.eos_token_id, the chat template's end-of-turn token
     (when there is a template) and generation.stop_token_ids."""

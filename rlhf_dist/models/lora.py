@@ -13,11 +13,14 @@ import contextlib
 import torch
 from torch import nn
 
+from rlhf_dist.config import LoRAConfig
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import sub_state_dict
 
 
-def add_adapters(model: nn.Module, lora_cfg, task_type: str, trainable_head: str | None = None):
+def add_adapters(
+    model: nn.Module, lora_cfg: LoRAConfig, task_type: str, trainable_head: str | None = None
+):
     """Wrap `model` in a fresh peft LoRA model (dropout 0; B initialised to 0).
 
     task_type: "CAUSAL_LM" or "SEQ_CLS"; trainable_head: a module trained in full next
@@ -156,7 +159,7 @@ def export_lora(
     state: dict,
     prefix: str,
     build_base,
-    lora_cfg,
+    lora_cfg: LoRAConfig,
     task_type: str,
     head: str | None,
     directory_merged,

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 from collections import deque
 
+from rlhf_dist.config import AlertsConfig
 from rlhf_dist.errors import ConfigError
 
 
 class AlertMonitor:
     """Checks each iteration's stats (already reduced over ranks) against thresholds."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: AlertsConfig):
         self.cfg = cfg
         self.fired: set[str] = set()
         self.first: dict[str, float] = {}
-        self.window: deque = deque(maxlen=max(2, cfg.window))
+        self.window_size = max(2, cfg.window)
+        self.window: deque[tuple[float, float]] = deque(maxlen=self.window_size)
 
     def check(self, stats: dict) -> list[tuple[str, str]]:
         """New alerts for this iteration as (name, message); each name fires once."""
@@ -90,7 +92,7 @@ class AlertMonitor:
         return s[key] / start - 1.0
 
     def _score_and_kl_rising(self) -> bool:
-        if len(self.window) < self.window.maxlen:
+        if len(self.window) < self.window_size:
             return False
         return (
             self.window[-1][0] > self.window[0][0]

@@ -238,9 +238,11 @@ def length_bias_warning(
     reasons = []
     if abs(length_corr) > LENGTH_CORR_LIMIT:
         reasons.append(f"score-length correlation {length_corr:+.2f} (|r| > {LENGTH_CORR_LIMIT})")
-    material = longer_delta is None or score_std is None
-    if not material:
-        material = longer_delta >= LONGER_DELTA_MIN_STD * score_std
+    material = (
+        longer_delta is None
+        or score_std is None
+        or longer_delta >= LONGER_DELTA_MIN_STD * score_std
+    )
     if longer_rise is not None and longer_rise > LONGER_RISE_LIMIT and material:
         reasons.append(
             f"a content-free ending raised the score of {longer_rise:.0%} of responses "

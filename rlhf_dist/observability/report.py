@@ -18,6 +18,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlhf_dist.errors import ConfigError
 
@@ -355,7 +356,8 @@ def other_panels(stage: Stage, grouped: set) -> list[tuple[str]]:
 
 def plot_metrics(stage: Stage, out: Path) -> list[Plot]:
     """Every panel group of the stage that has data, then the remaining metrics."""
-    plots, grouped = [], set()
+    plots: list[Plot] = []
+    grouped: set[str] = set()
     for stem, title, panels in PANEL_GROUPS:
         grouped.update(name for panel in panels for name in panel)
         plot = plot_panels(stage, stem, title, panels, out)
@@ -364,6 +366,7 @@ def plot_metrics(stage: Stage, out: Path) -> list[Plot]:
     others = other_panels(stage, grouped)
     if others:
         plot = plot_panels(stage, "other", "Other metrics", others, out)
+        assert plot is not None  # other_panels keeps only metrics with data
         plots.append(plot)
     return plots
 
@@ -501,7 +504,7 @@ def esc(value) -> str:
 
 def flatten(tree: dict, prefix: str = "") -> dict:
     """{"ppo.score": ...} from nested dicts (the demo's summary.json nests by stage)."""
-    flat = {}
+    flat: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):

@@ -14,10 +14,11 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from rlhf_dist.config import save_config, to_dict
+from rlhf_dist.config import Config, RunConfig, save_config, to_dict
 from rlhf_dist.files import atomic_write_text
 
 QUANTILES = {
@@ -31,6 +32,20 @@ QUANTILES = {
 }
 HISTOGRAM_BINS = 30
 FILES = ("metrics.jsonl", "distributions.jsonl", "samples.jsonl", "alerts.jsonl")
+
+
+class MainProcess(Protocol):
+    """The part of distributed.Runtime the metrics sink uses: who writes, and the trackers
+    (this layer cannot import it)."""
+
+    @property
+    def is_main(self) -> bool: ...
+    def barrier(self) -> None: ...
+    def print(self, *args: Any, **kwargs: Any) -> None: ...
+    def start_trackers(self, project: str, config: dict, init_kwargs: dict) -> None: ...
+    def log_scalars(self, values: dict, step: int) -> None: ...
+    def tracker(self, name: str) -> Any: ...
+    def finish_trackers(self) -> None: ...
 
 
 def _plain(value):
@@ -78,7 +93,7 @@ def histogram(values: torch.Tensor) -> dict:
 def flat_config(tree: dict, prefix: str = "") -> dict:
     """{"ppo.actor.lr": 1e-5, ...} with only int/float/str/bool values (TensorBoard's
     hparams accept nothing else; None and lists become text)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
             out |= flat_config(value, f"{prefix}{key}.")
@@ -92,9 +107,9 @@ def flat_config(tree: dict, prefix: str = "") -> dict:
 class MetricsLogger:
     def __init__(
         self,
-        runtime,
+        runtime: MainProcess,
         output_dir,
-        run_cfg,
+        run_cfg: RunConfig,
         config_dict: dict,
         stage: str,
         resume_step: int = 0,
@@ -165,7 +180,8 @@ class MetricsLogger:
         histograms; returns their quantiles as `dist/<name>/<q>` for the metrics row."""
         if not self.runtime.is_main:
             return {}
-        rows, quantiles = [], {}
+        rows: list[dict] = []
+        quantiles: dict[str, float] = {}
         for name, values in named.items():
             h = histogram(values)
             if h["n"]:
@@ -234,7 +250,7 @@ class MetricsLogger:
 
 
 def open_run(
-    cfg, runtime, stage: str, ckpt=None, total_steps: int = 0
+    cfg: Config, runtime: MainProcess, stage: str, ckpt=None, total_steps: int = 0
 ) -> tuple[Path, MetricsLogger]:
     """Write config.yaml and open metrics.jsonl (keeping rows up to the checkpoint).
 
@@ -255,7 +271,7 @@ def open_run(
     return out, logger
 
 
-def write_summary(runtime, out: Path, summary: dict) -> None:
+def write_summary(runtime: MainProcess, out: Path, summary: dict) -> None:
     """summary.json under `out` (main process only)."""
     if runtime.is_main:
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")

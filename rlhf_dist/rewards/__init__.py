@@ -2,3 +2,5 @@
 a reward model, a judge (a local LM or an OpenAI-compatible endpoint) or a remote HTTP
 reward (`scoring`, `judge`, `remote`), with retries and timeouts (`retry`).
 """
+
+from __future__ import annotations

@@ -17,7 +17,9 @@ import os
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+from rlhf_dist.config import RewardConfig
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.rewards.retry import call_with_retries
 
@@ -31,7 +33,7 @@ class RemoteError(Exception):
 class HTTPClient:
     """POSTs JSON to URLs with the run's key, timeout and retries."""
 
-    def __init__(self, reward_cfg, label: str):
+    def __init__(self, reward_cfg: RewardConfig, label: str):
         r = reward_cfg
         self.label = label  # the config key named in messages, e.g. "reward.url"
         self.timeout_s = r.timeout_s or DEFAULT_TIMEOUT_S
@@ -87,7 +89,7 @@ class RemoteReward:
     rows' other columns, JSON values) when the data has any. Prompts go as given (texts
     or message lists). The answer's count and values are checked by RewardFunction."""
 
-    def __init__(self, reward_cfg):
+    def __init__(self, reward_cfg: RewardConfig):
         self.url, self.batch_size = reward_cfg.url, reward_cfg.remote_batch_size
         self.client = HTTPClient(reward_cfg, "reward.url")
         self.__name__ = "remote"
@@ -96,7 +98,10 @@ class RemoteReward:
         scores = []
         for i in range(0, len(responses), self.batch_size):
             part = slice(i, i + self.batch_size)
-            body = {"prompts": list(prompts[part]), "responses": list(responses[part])}
+            body: dict[str, Any] = {
+                "prompts": list(prompts[part]),
+                "responses": list(responses[part]),
+            }
             if columns:
                 body["columns"] = {name: list(v[part]) for name, v in columns.items()}
             answer = self.client.post(self.url, body)
@@ -110,7 +115,7 @@ class ChatJudgeClient:
     """Judge replies from an OpenAI-compatible server: one chat-completions request per
     judge prompt (greedy: temperature 0), reward.remote_batch_size of them at a time."""
 
-    def __init__(self, reward_cfg):
+    def __init__(self, reward_cfg: RewardConfig):
         r = reward_cfg
         self.url = r.judge_url.rstrip("/") + "/chat/completions"
         self.model, self.max_tokens = r.judge_model_name, r.judge_max_new_tokens

@@ -11,11 +11,12 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf_dist.algo.masking import last_token_index
-from rlhf_dist.config import PerfConfig, RewardConfig
+from rlhf_dist.config import Config, ModelConfig, PerfConfig, RewardConfig
 from rlhf_dist.data.chat import BadRow, Chat, is_stop, stop_token_ids
 from rlhf_dist.data.inputs import (
     accepted_columns,
@@ -25,7 +26,7 @@ from rlhf_dist.data.inputs import (
     resolve_callable,
 )
 from rlhf_dist.data.rows import close_with_stop, encode_response, right_pad
-from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError, RewardFunctionError
 from rlhf_dist.models import (
@@ -43,6 +44,9 @@ from rlhf_dist.rewards.judge import JudgeReward, LocalJudge
 from rlhf_dist.rewards.remote import ChatJudgeClient, RemoteReward
 from rlhf_dist.rewards.retry import call_with_retries
 from rlhf_dist.stats import StatSums
+
+if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
+    from transformers import PreTrainedTokenizerBase
 
 
 class RewardFunction:
@@ -161,7 +165,7 @@ class WeightedReward:
 
     def __init__(self, components: list[tuple[str, float, Callable]], judge=None):
         self.components, self.judge = components, judge
-        self.sums = {name: [0.0, 0] for name, _, _ in components}
+        self.sums: dict[str, tuple[float, int]] = {name: (0.0, 0) for name, _, _ in components}
         self.__qualname__ = "+".join(name for name, _, _ in components)
 
     def __call__(
@@ -171,15 +175,15 @@ class WeightedReward:
             (name, weight, fn(prompts, responses, columns)) for name, weight, fn in self.components
         ]
         for name, _, scores in parts:
-            self.sums[name][0] += float(scores.sum())
-            self.sums[name][1] += scores.numel()
+            total, count = self.sums[name]
+            self.sums[name] = (total + float(scores.sum()), count + scores.numel())
         return sum(weight * scores for _, weight, scores in parts)
 
     def take_sums(self) -> dict[str, tuple[float, int]]:
         """{name: (sum of its scores, count)} since the last call (then reset), plus
         "judge_parse_failures": (count, 1) when a judge is a component."""
-        out = {name: tuple(v) for name, v in self.sums.items()}
-        self.sums = {name: [0.0, 0] for name in self.sums}
+        out = dict(self.sums)
+        self.sums = {name: (0.0, 0) for name in self.sums}
         if self.judge is not None:
             out["judge_parse_failures"] = (float(self.judge.take_counts()), 1)
         return out
@@ -206,7 +210,8 @@ def check_reward_columns(reward_cfg: RewardConfig, available, where: str) -> Non
 
 def unique_names(names: list[str]) -> list[str]:
     """names with later duplicates suffixed _2, _3, ... ("f", "f", "g" -> "f", "f_2", "g")."""
-    out, seen = [], {}
+    out: list[str] = []
+    seen: dict[str, int] = {}
     for name in names:
         seen[name] = seen.get(name, 0) + 1
         candidate = name if seen[name] == 1 else f"{name}_{seen[name]}"
@@ -247,7 +252,7 @@ class RewardInputs:
     prompt, then the response text unclosed), as `rlhf-dist rm` renders conversations.
     """
 
-    tokenizer: object  # the reward model's
+    tokenizer: PreTrainedTokenizerBase  # the reward model's
     chat: Chat | None  # its chat template (None: the tokenizer has none)
     stop_ids: tuple[int, ...]  # the reward model tokenizer's (chat.stop_token_ids)
     policy_stop_ids: tuple[int, ...]  # what ended a policy response
@@ -281,6 +286,7 @@ class RewardInputs:
         if isinstance(prompt, str):
             head = self.tokenizer(prompt)["input_ids"]
         else:
+            assert self.chat is not None  # sequence() refuses a conversation without one
             head = self.chat.prompt_ids(prompt)
         body = self.tokenizer(response, add_special_tokens=False)["input_ids"]
         cut = len(head) + len(body)
@@ -327,9 +333,11 @@ class Scorer:
             input_ids, attention_mask, last_index = self.inputs.batch(
                 prompts, responses, input_ids, last_index
             )
+        assert self.reward_model is not None, "a Scorer holds a reward model or a function"
         return sequence_scores(self.reward_model, input_ids, attention_mask, last_index).float()
 
     def _function_scores(self, prompts, responses, columns=None) -> torch.Tensor:
+        assert self.reward_fn is not None, "scores of texts need a reward function"
         if self.failure is None:
             try:
                 return self.reward_fn(prompts, responses, columns)
@@ -350,7 +358,7 @@ class Scorer:
             fns = [f for _, _, f in self.reward_fn.components if isinstance(f, RewardFunction)]
         return sorted({name for f in fns for name in f.missing_columns(available)})
 
-    def component_stats(self, runtime) -> dict[str, float]:
+    def component_stats(self, runtime: Runtime) -> dict[str, float]:
         """objective/score_<name> (mean over all ranks' sequences since the last call) of
         each reward component, and objective/judge_parse_failures (the count, summed over
         ranks); {} unless several rewards score (WeightedReward). Every rank must call
@@ -369,7 +377,7 @@ class Scorer:
             for name, v in out.items()
         }
 
-    def raise_failure(self, runtime) -> None:
+    def raise_failure(self, runtime: Runtime) -> None:
         """Raise the reward failure of any rank on every rank (the first rank's message);
         clears it. Every rank must call this."""
         if not runtime.any_rank(self.failure is not None):
@@ -379,7 +387,7 @@ class Scorer:
         raise RewardFunctionError(messages[0]) from cause
 
 
-def reward_inputs_for(cfg) -> RewardInputs | None:
+def reward_inputs_for(cfg: Config) -> RewardInputs | None:
     """RewardInputs when model.reward's tokenizer differs from the policy's (vocabulary,
     specials or template); None when they agree, model.tokenizer is shared by all models,
     or a reward function scores."""
@@ -396,12 +404,12 @@ def reward_inputs_for(cfg) -> RewardInputs | None:
 
 
 def build_scorer(
-    runtime,
+    runtime: Runtime,
     reward_function,
-    model_cfg,
+    model_cfg: ModelConfig,
     placement: str,
     inputs: RewardInputs | None = None,
-    reward_cfg=None,
+    reward_cfg: RewardConfig | None = None,
     perf: PerfConfig = DEFAULT_PERF,
 ) -> Scorer:
     """The frozen reward: `reward_function` if set ("module:callable" or a callable; its
@@ -426,7 +434,11 @@ def build_scorer(
 
 
 def weighted_reward(
-    runtime, reward_cfg, model_cfg, reward_function="", perf: PerfConfig = DEFAULT_PERF
+    runtime: Runtime,
+    reward_cfg: RewardConfig,
+    model_cfg: ModelConfig,
+    reward_function="",
+    perf: PerfConfig = DEFAULT_PERF,
 ) -> WeightedReward:
     """The components of reward.function or reward.functions (weights reward.weights, 1
     each by default), reward.url (reward.url_weight) and reward.judge (reward.judge_weight),
@@ -437,7 +449,7 @@ def weighted_reward(
     weights = list(r.weights) or [1.0] * len(specs)
     fns = [RewardFunction(spec, **retry) for spec in specs]
     names = [component_name(f.fn) for f in fns]
-    no_retry = {"retries": 0, "timeout_s": None}
+    no_retry: dict[str, Any] = {"retries": 0, "timeout_s": None}
     judge = None
     if r.url:
         fns.append(RewardFunction(RemoteReward(r), key="reward.url", **no_retry))
@@ -450,10 +462,16 @@ def weighted_reward(
     return WeightedReward(list(zip(unique_names(names), weights, fns)), judge)
 
 
-def build_judge_reward(runtime, reward_cfg, model_cfg, perf: PerfConfig = DEFAULT_PERF):
+def build_judge_reward(
+    runtime: Runtime,
+    reward_cfg: RewardConfig,
+    model_cfg: ModelConfig,
+    perf: PerfConfig = DEFAULT_PERF,
+):
     """judge.JudgeReward over a local causal LM (reward.judge=model: loaded whole and
     replicated on every rank in model.dtype, frozen) or an OpenAI-compatible endpoint."""
     r = reward_cfg
+    judge: ChatJudgeClient | LocalJudge
     if r.judge == "url":
         judge = ChatJudgeClient(r)
     else:
@@ -468,7 +486,7 @@ def build_judge_reward(runtime, reward_cfg, model_cfg, perf: PerfConfig = DEFAUL
     return JudgeReward(judge, r.judge_template, r.judge_fallback_score)
 
 
-def retry_settings(reward_cfg) -> dict:
+def retry_settings(reward_cfg: RewardConfig | None) -> dict:
     """RewardFunction's retries, retry_delay_s and timeout_s from the reward section (None:
     no retries, no timeout)."""
     if reward_cfg is None:
@@ -478,7 +496,9 @@ def retry_settings(reward_cfg) -> dict:
 
 
 @torch.no_grad()
-def score_sequences(runtime, value_model, seqs: list[list[int]], batch_size: int, pad_id: int):
+def score_sequences(
+    runtime: Runtime, value_model, seqs: list[list[int]], batch_size: int, pad_id: int
+):
     """Scores (len(seqs),) on CPU of whole token sequences, each read at its last token.
 
     Every rank must call this, each with its own seqs (lock-step passes:
@@ -494,7 +514,9 @@ def score_sequences(runtime, value_model, seqs: list[list[int]], batch_size: int
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def probe_rephrasings(runtime, value_model, responses, scores, filler, batch_size, pad_id) -> dict:
+def probe_rephrasings(
+    runtime: Runtime, value_model, responses, scores, filler, batch_size, pad_id
+) -> dict:
     """The rephrasing probe over every rank's `responses` (diagnostics.Response, this rank's
     share) with their known `scores` (N,); `filler` is also the droppable tail. Returns
     diagnostics.rephrase_summary of all ranks together. Every rank must call this."""

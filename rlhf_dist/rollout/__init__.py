@@ -4,6 +4,8 @@ backend (rlhf_dist.engine's decode loop), `vllm.py` over an in-process vLLM engi
 `agent.py` as multi-turn episodes with tools; `batch.py` holds the frozen `RolloutBatch`.
 """
 
+from __future__ import annotations
+
 from rlhf_dist.rollout.batch import PromptBatch, RolloutBatch
 from rlhf_dist.rollout.collect import RolloutModels, collect_rollout
 

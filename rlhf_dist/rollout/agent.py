@@ -29,14 +29,18 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from rlhf_dist.config import ConfigError, PerfConfig
+from rlhf_dist.config import Config, ConfigError, GenerationConfig, PerfConfig
 from rlhf_dist.data.chat import Chat, resolve_template
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.engine.decode import generate
 from rlhf_dist.engine.forward import DEFAULT_PERF
+
+if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
+    pass
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -101,8 +105,9 @@ def run_tool(fn: Callable, arguments: dict, timeout_s: float) -> tuple[str, bool
 def tool_schema(fn: Callable, key: str = "generation.tools") -> dict:
     """The JSON schema a chat template renders for `fn`: its `schema` attribute when it has
     one, else transformers' reading of its signature and Google-style docstring."""
-    if isinstance(getattr(fn, "schema", None), dict):
-        return fn.schema
+    schema = getattr(fn, "schema", None)
+    if isinstance(schema, dict):
+        return schema
     from transformers.utils import get_json_schema
 
     try:
@@ -112,6 +117,14 @@ def tool_schema(fn: Callable, key: str = "generation.tools") -> dict:
             f"{key}: no JSON schema for {getattr(fn, '__name__', fn)!r} ({e}); give it type "
             "hints and an Args: docstring, or a `schema` dict attribute"
         ) from None
+
+
+class Environment(Protocol):
+    """What generation.environment's factory returns, one per episode (docs/agents.md):
+    the episode's first messages, then per policy turn (new messages, done, reward or None)."""
+
+    def reset(self, prompt: str | list[dict]) -> list[dict]: ...
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool, float | None]: ...
 
 
 class ToolEnvironment:
@@ -168,21 +181,22 @@ class Agent:
     """What a multi-turn rollout needs: a fresh environment per episode, the renderer and
     the limits (generation.max_turns, max_episode_tokens)."""
 
-    new_environment: Callable[[], object]
+    new_environment: Callable[[], Environment]
     renderer: Renderer
     max_turns: int
     max_episode_tokens: int
 
 
-def build_agent(cfg, tokenizer) -> Agent | None:
+def build_agent(cfg: Config, tokenizer) -> Agent | None:
     """The Agent generation.tools / generation.environment ask for; None when neither."""
     g = cfg.generation
     if not (g.tools or g.environment):
         return None
     where = "generation.tools" if g.tools else "generation.environment"
     template = resolve_template(tokenizer, cfg.data.chat_template, where)
+    schemas: tuple[dict, ...] = ()  # the tools' JSON schemas for the template
     if g.environment:
-        factory, schemas = resolve_callable(g.environment, "generation.environment"), ()
+        factory = resolve_callable(g.environment, "generation.environment")
     else:
         tools = {}
         for spec in g.tools:
@@ -202,7 +216,7 @@ class Episode:
     """One conversation in progress. `tokens` is everything after the prompt (sampled turns
     and environment messages, as ids); `sampled[t]` says whether the policy sampled it."""
 
-    env: object
+    env: Environment
     messages: list[dict]
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -226,8 +240,8 @@ def start_episode(agent: Agent, prompt, columns: dict | None = None) -> Episode:
 
 
 def run_episodes(
-    agent: Agent, actor, keep_in_step, prompts, gen, tokenizer, stop_ids, any_rank=None,
-    sampler=None, perf: PerfConfig = DEFAULT_PERF, columns: list[dict] | None = None,
+    agent: Agent, actor, keep_in_step, prompts, gen: GenerationConfig, tokenizer, stop_ids,
+    any_rank=None, sampler=None, perf: PerfConfig = DEFAULT_PERF, columns: list[dict] | None = None,
 ) -> list[Episode]:  # fmt: skip
     """Play one episode per prompt, all rows of a turn in one `engine.decode.generate` call over
     `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine).
@@ -254,7 +268,9 @@ def run_episodes(
     return episodes
 
 
-def _hf_sample(actor, keep_in_step, tokenizer, perf, ids, mask, gen, stop_ids):
+def _hf_sample(
+    actor, keep_in_step, tokenizer, perf: PerfConfig, ids, mask, gen: GenerationConfig, stop_ids
+):
     """(ids (B, T), None) of engine.decode.generate over `actor` (the trainer's own sampler)."""
     ids, mask = ids.to(_device(actor)), mask.to(_device(actor))
     out = generate(actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf)
@@ -265,7 +281,9 @@ def _device(model) -> torch.device:
     return next(iter(model.parameters()), torch.empty(0)).device
 
 
-def sample_turn(agent: Agent, sample, active: list[Episode], gen, tokenizer, stop_ids):
+def sample_turn(
+    agent: Agent, sample, active: list[Episode], gen: GenerationConfig, tokenizer, stop_ids
+):
     """One turn of every active episode: its context (prompt + all ids so far, exactly as
     sampled) left-padded into one batch, sampled until a stop token, then `advance`d. The
     turn is capped at generation.max_new_tokens and at what is left of the episode's

@@ -158,6 +158,6 @@ def describe_batch(tokenizer, batch: RolloutBatch, texts: list[str], rows: int =
             m = int(batch.response_mask[b, t])
             # old log-probs are not known yet when the update's forward gives them
             old = float("nan") if batch.old_logprobs is None else float(batch.old_logprobs[b, t])
-            ref = float(batch.ref_logprobs[b, t])
+            ref = float("nan") if batch.ref_logprobs is None else float(batch.ref_logprobs[b, t])
             lines.append(f"   R {token!s:>14} | {m} | {old:8.4f} | {ref:8.4f}")
     return "\n".join(lines)

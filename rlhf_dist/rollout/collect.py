@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from rlhf_dist.config import Config, PerfConfig
+from rlhf_dist.config import Config, GenerationConfig, PerfConfig
 from rlhf_dist.engine.cpu import scoring_context
 from rlhf_dist.engine.decode import decode_responses, generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
@@ -28,6 +28,7 @@ from rlhf_dist.rollout.batch import (
     scores_with_eos_penalty,
     sequence_last_index,
 )
+from rlhf_dist.rollout.vllm import VLLMEngine
 
 
 class SequenceScorer(Protocol):
@@ -57,7 +58,7 @@ class RolloutModels:
     reference: torch.nn.Module | None
     scorer: SequenceScorer
     stop_ids: tuple[int, ...] = ()
-    engine: object | None = None
+    engine: VLLMEngine | None = None
     whole_weights: Callable = contextlib.nullcontext
     agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
@@ -120,7 +121,9 @@ def collect_rollout(
     return RolloutBatch(scores=scores, **sampled, **merged), texts
 
 
-def _single_turn(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer):
+def _single_turn(
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks, tokenizer
+):
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -140,7 +143,9 @@ def _single_turn(models: RolloutModels, prompts: PromptBatch, gen, chunks, token
     return sampled, prompts.texts, texts, None
 
 
-def _episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer):
+def _episodes(
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks, tokenizer
+):
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
     the final answers and the answers, the environment's rewards (B,), NaN where none).
@@ -148,6 +153,7 @@ def _episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenize
     first messages, rendered with the tools); vLLM's sync check reads them. Each episode's
     environment is reset with its row's other columns where it takes them."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    assert models.agent is not None  # collect_rollout plays episodes only with an agent
     play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
                              stop_ids=eos, any_rank=models.any_rank,
                              perf=models.perf)  # fmt: skip
@@ -173,7 +179,9 @@ def _episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenize
     return sampled, score_prompts, texts, env_scores
 
 
-def _sample(models: RolloutModels, prompt_ids, prompt_mask, gen, chunks, tokenizer):
+def _sample(
+    models: RolloutModels, prompt_ids, prompt_mask, gen: GenerationConfig, chunks, tokenizer
+):
     """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
     backend, whose sampler is the trainer's own forward)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -244,6 +252,6 @@ def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=
     }
 
 
-def _engine_sample(engine, pad: int, ids, mask, gen, stop_ids):
+def _engine_sample(engine: VLLMEngine, pad: int, ids, mask, gen: GenerationConfig, stop_ids):
     """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
     return engine.generate(ids, mask, gen, stop_ids, pad)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.errors import ConfigError
 
@@ -62,7 +63,7 @@ def sampling_seeds(n: int, device=None) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (n,), dtype=torch.long, device=device)
 
 
-def sampling_params(vllm, gen_cfg, stop_ids, seed: int):
+def sampling_params(vllm, gen_cfg: GenerationConfig, stop_ids, seed: int):
     """vLLM's SamplingParams with the hf backend's meaning of every generation key.
 
     temperature, top_k (0 = off in both), top_p, max_new_tokens -> max_tokens,
@@ -125,7 +126,7 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 class VLLMEngine:
     """One rank's in-process vLLM engine: load the actor's weights, sample a rollout."""
 
-    def __init__(self, cfg, device: torch.device):
+    def __init__(self, cfg: Config, device: torch.device):
         vllm = import_vllm()
         g, self.vllm, self.perf = cfg.generation, vllm, cfg.perf
         self.on_gpu = device.type == "cuda"
@@ -177,7 +178,7 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(module)})
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks came from old weights
 
-    def generate(self, prompt_ids, prompt_mask, gen_cfg, stop_ids, pad_id: int):
+    def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
         """Sample one response per left-padded prompt (B, P) -> (response_ids (B, T),
         sampler_logprobs (B, T)); rows are in prompt order, PAD after each response."""
         seeds = sampling_seeds(prompt_ids.shape[0]).tolist()
@@ -188,7 +189,9 @@ class VLLMEngine:
         return responses_from_outputs(outputs, pad_id, prompt_ids.device)
 
     @torch.no_grad()
-    def check_sync(self, actor, prompt_ids, prompt_mask, gen_cfg, tokenizer, stop_ids) -> None:
+    def check_sync(
+        self, actor, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, tokenizer, stop_ids
+    ) -> None:
         """Greedy tokens of the engine and of `actor` (whole weights) on the first rows of
         a rollout's prompts must agree; raise SyncError naming the first row that differs.
 

@@ -1,1 +1,3 @@
 """Short training loops (SFT, reward model, PPO) that call the library in order."""
+
+from __future__ import annotations

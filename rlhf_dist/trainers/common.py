@@ -6,14 +6,28 @@ import math
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
-from rlhf_dist.config import Config, to_dict
+from rlhf_dist.config import (
+    Config,
+    DPOConfig,
+    KTOConfig,
+    ModelConfig,
+    OptimConfig,
+    RMConfig,
+    SFTConfig,
+    to_dict,
+)
 from rlhf_dist.data.batching import BatchPlan, global_batches
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import Preempted, TrainingDiverged  # noqa: F401 (Preempted re-exported)
 from rlhf_dist.models import DTYPES, enable_gradient_checkpointing, sub_state_dict, upcast_trainable
+
+# The section of a step-loop stage: the shared StageConfig keys and the stage's own `optim`.
+StepSection = SFTConfig | RMConfig | DPOConfig | KTOConfig
 
 
 class PreemptionFlag:
@@ -27,20 +41,26 @@ class PreemptionFlag:
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def any_rank(self, runtime) -> bool:
+    def any_rank(self, runtime: Runtime) -> bool:
         """True on every rank if any rank got SIGTERM (they must checkpoint together)."""
         flag = torch.tensor(float(self.received))
         return bool(runtime.all_max(flag) > 0)
 
 
-def find_resume(cfg: Config, runtime) -> Checkpoint | None:
+def find_resume(cfg: Config, runtime: Runtime) -> Checkpoint | None:
     """The checkpoint this run continues from (run.resume), loaded; None for a fresh run."""
     path = find_checkpoint(cfg.run.resume, Path(cfg.run.output_dir))
     return Checkpoint(path, runtime) if path else None
 
 
 def safe_point(
-    cfg, runtime, out: Path, steps: tuple[int, int], preemption, trained, trainer_state
+    cfg: Config,
+    runtime: Runtime,
+    out: Path,
+    steps: tuple[int, int],
+    preemption: PreemptionFlag,
+    trained: tuple[Any, Any],
+    trainer_state: dict,
 ) -> None:
     """After a step (SFT/RM) or iteration (PPO): checkpoint when due, on SIGTERM, or when
     the numerical guard gives up; then stop if either happened.
@@ -64,13 +84,13 @@ def safe_point(
         raise Preempted(f"SIGTERM: checkpoint written at step {step}; resume with --resume auto")
 
 
-def checkpoint_due(cfg, step: int, last_step: int, preempted: bool) -> bool:
+def checkpoint_due(cfg: Config, step: int, last_step: int, preempted: bool) -> bool:
     every = cfg.run.checkpoint_every
     return preempted or (every > 0 and (step % every == 0 or step == last_step))
 
 
 def write_checkpoint(
-    cfg, runtime, out: Path, step: int, model, optimizer, trainer_state: dict
+    cfg: Config, runtime: Runtime, out: Path, step: int, model, optimizer, trainer_state: dict
 ) -> None:
     """Gather the world-size independent training state and write an atomic checkpoint."""
     state = runtime.gather_training_state(model, optimizer)
@@ -97,10 +117,10 @@ def make_optimizer(groups) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups, betas=(0.9, 0.999), fused=True)
 
 
-def make_scheduler(optimizer, optim_cfgs, total_steps: int):
+def make_scheduler(optimizer, optim_cfgs: list[OptimConfig], total_steps: int):
     """LambdaLR per param group: linear warmup, then constant, linear or cosine decay to 0."""
 
-    def factor(cfg):
+    def factor(cfg: OptimConfig):
         def f(step: int) -> float:
             if step < cfg.warmup_steps:
                 return (step + 1) / cfg.warmup_steps
@@ -117,7 +137,7 @@ def make_scheduler(optimizer, optim_cfgs, total_steps: int):
 
 
 def save_pretrained(
-    runtime, model, tokenizer, directory: Path, submodule: str = "", dtype: str = "float32"
+    runtime: Runtime, model, tokenizer, directory: Path, submodule: str = "", dtype: str = "float32"
 ) -> None:
     """Write an HF-format model + tokenizer (safetensors) that from_pretrained loads.
 
@@ -129,6 +149,7 @@ def save_pretrained(
     """
     state = runtime.full_state_dict(model)
     if runtime.is_main:
+        assert state is not None  # Runtime.full_state_dict gives it to the main process
         target, prefix = runtime.unwrap(model), ""
         for name in filter(None, submodule.split(".")):
             target, prefix = getattr(target, name), prefix + name + "."
@@ -142,7 +163,7 @@ def save_pretrained(
     runtime.barrier()
 
 
-def resume_into(runtime, ckpt, model, optimizer, scheduler, seed: int) -> None:
+def resume_into(runtime: Runtime, ckpt, model, optimizer, scheduler, seed: int) -> None:
     """After `prepare`: restore optimizer moments, the schedule and this rank's RNG.
 
     (The weights were copied in before `prepare` with ckpt.load_weights_into.)
@@ -156,7 +177,16 @@ DISTRIBUTIONS = "_distributions"  # key of a step's per-example values in step_f
 
 
 def step_loop(
-    cfg, runtime, out, logger, ckpt, trained, batches, step_fn, stage: str, console: tuple
+    cfg: Config,
+    runtime: Runtime,
+    out,
+    logger,
+    ckpt,
+    trained,
+    batches,
+    step_fn,
+    stage: str,
+    console: tuple,
 ) -> dict:
     """The SFT/RM loop: skip to the checkpoint, step, log, checkpoint, stop on SIGTERM.
 
@@ -193,7 +223,9 @@ def step_loop(
     return metrics
 
 
-def finish_trainable(net: torch.nn.Module, model_cfg, deepspeed: bool) -> torch.nn.Module:
+def finish_trainable(
+    net: torch.nn.Module, model_cfg: ModelConfig, deepspeed: bool
+) -> torch.nn.Module:
     """The trained model as the precision table says (docs/distributed.md): without
     DeepSpeed its trainable parameters in fp32 (bf16 is the autocast's compute dtype);
     with model.gradient_checkpointing, activations recomputed in backward."""
@@ -204,7 +236,9 @@ def finish_trainable(net: torch.nn.Module, model_cfg, deepspeed: bool) -> torch.
     return net
 
 
-def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
+def prepare_single_model(
+    cfg: Config, runtime: Runtime, net, section: StepSection, n_examples: int, ckpt
+):
     """Plan, global batches and the prepared (model, optimizer, scheduler) of an SFT or RM
     run whose config section is `section`; resumed from `ckpt` if given."""
     finish_trainable(net, cfg.model, deepspeed=runtime.zero_stage is not None)
@@ -229,7 +263,7 @@ def prepare_single_model(cfg, runtime, net, section, n_examples: int, ckpt):
     return (model, optimizer, scheduler), plan, batches
 
 
-def step_and_schedule(runtime, trained, max_grad_norms: list[float]) -> list[float] | None:
+def step_and_schedule(runtime: Runtime, trained, max_grad_norms: list[float]) -> list[float] | None:
     """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm of
     each param group (one max norm each, e.g. [actor, critic]), or None if the numerical
     guard skipped the step (the schedule advances either way).
@@ -242,7 +276,7 @@ def step_and_schedule(runtime, trained, max_grad_norms: list[float]) -> list[flo
     return norms
 
 
-def share_of_global_mean(runtime, loss_sum: torch.Tensor, global_count) -> torch.Tensor:
+def share_of_global_mean(runtime: Runtime, loss_sum: torch.Tensor, global_count) -> torch.Tensor:
     """The loss to backward for one micro-batch: loss_sum x world_size / global_count.
 
     loss_sum: 0-dim SUM of this micro-batch's per-token (or per-pair) losses on this rank;

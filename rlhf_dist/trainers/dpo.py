@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from rlhf_dist.algo.preference import dpo_loss, dpo_terms
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import Config, DPOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan
 from rlhf_dist.data.rows import SFTExample, load_rows, preference_pairs
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
@@ -65,8 +66,8 @@ def add_pair_stats(stats: StatSums, terms: dict, logprobs: torch.Tensor) -> None
 
 
 def dpo_step(
-    runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc, pad_id: int,
-    perf: PerfConfig = DEFAULT_PERF,
+    runtime: Runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc: DPOConfig,
+    pad_id: int, perf: PerfConfig = DEFAULT_PERF,
 ):  # fmt: skip
     """Backward over this rank's micro-batches of one global batch.
 
@@ -100,7 +101,7 @@ def dpo_step(
     return stats.reduce(runtime), {"reward_margin": torch.cat(margins)}
 
 
-def load_dpo_pairs(cfg, runtime, tokenizer) -> tuple[list, list]:
+def load_dpo_pairs(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list]:
     """Training and held-out pairs (the `rm` formats: chosen/rejected or ranked responses)."""
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
     d, field = cfg.data, cfg.dpo.responses_field
@@ -118,7 +119,14 @@ def load_dpo_pairs(cfg, runtime, tokenizer) -> tuple[list, list]:
 
 
 def evaluate_dpo(
-    runtime, model, reference, evals, ref_table, dc, pad_id: int, perf: PerfConfig = DEFAULT_PERF
+    runtime: Runtime,
+    model,
+    reference,
+    evals,
+    ref_table,
+    dc: DPOConfig,
+    pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
 ) -> dict:
     """Held-out DPO loss and reward accuracy/margin over `evals` (every rank scores a share).
 
@@ -140,7 +148,7 @@ def evaluate_dpo(
     }
 
 
-def train_dpo(cfg, runtime) -> dict:
+def train_dpo(cfg: Config, runtime: Runtime) -> dict:
     """Train the policy with DPO/cDPO/IPO as configured; returns the summary.json content."""
     ckpt, dc = find_resume(cfg, runtime), cfg.dpo
     tokenizer = tokenizer_for(cfg, "policy")

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
+from typing import Any
 
 import torch
 
 from rlhf_dist.algo.objectives import dynamic_sampling_selection, tied_groups
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.rollout import PromptBatch, RolloutBatch
 
 
 def rollout_until_full(
-    runtime,
+    runtime: Runtime,
     rollout: Callable,
     prompt_batch: PromptBatch,
     more_prompts: Callable,
@@ -81,7 +83,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         return batches[0]
     P = max(b.prompt_ids.shape[1] for b in batches)
     T = max(b.response_ids.shape[1] for b in batches)
-    out = {}
+    out: dict[str, Any] = {}
     for f in fields(RolloutBatch):
         xs = [getattr(b, f.name) for b in batches]
         if xs[0] is None:

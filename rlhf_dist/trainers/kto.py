@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from rlhf_dist.algo.preference import kto_reference_point, kto_terms
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import Config, KTOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan
 from rlhf_dist.data.rows import SFTExample, kto_examples, load_rows
-from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
@@ -56,7 +56,7 @@ def mismatched_sequences(examples) -> list[SFTExample]:
 
 @torch.no_grad()
 def global_reference_point(
-    runtime, model, reference, share, kl_ref, plan: BatchPlan, pad_id, perf: PerfConfig
+    runtime: Runtime, model, reference, share, kl_ref, plan: BatchPlan, pad_id, perf: PerfConfig
 ):
     """z0 of one global batch: mean log-ratio of its mismatched pairs over all ranks.
 
@@ -93,8 +93,8 @@ def add_kto_stats(stats: StatSums, terms: dict, desirable: torch.Tensor, right) 
 
 
 def kto_step(
-    runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc, pad_id: int,
-    perf: PerfConfig = DEFAULT_PERF,
+    runtime: Runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc: KTOConfig,
+    pad_id: int, perf: PerfConfig = DEFAULT_PERF,
 ):  # fmt: skip
     """z0, then backward over this rank's micro-batches of one global batch.
 
@@ -130,7 +130,7 @@ def kto_step(
     return metrics | {"kto/kl": float(z0)}, {"reward": torch.cat(rewards)}
 
 
-def load_kto_examples(cfg, runtime, tokenizer) -> list:
+def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> list:
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
     where = f"data.train {cfg.data.train!r}"
     train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)
@@ -145,7 +145,7 @@ def load_kto_examples(cfg, runtime, tokenizer) -> list:
     return train
 
 
-def train_kto(cfg, runtime) -> dict:
+def train_kto(cfg: Config, runtime: Runtime) -> dict:
     """Train the policy with KTO as configured; returns the summary.json content."""
     ckpt, kc = find_resume(cfg, runtime), cfg.kto
     tokenizer = tokenizer_for(cfg, "policy")

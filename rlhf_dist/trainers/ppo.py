@@ -180,7 +180,8 @@ def ppo_iteration(
     refilled) -> scores -> rewards -> advantages (ppo.estimator) -> whitening -> update
     (with ppo.overlong=mask: truncated rows masked out) -> statistics. The rollout batch
     is frozen: each step makes a new one."""
-    p, kl_coef, timings = cfg.ppo, run.kl_ctl.coef, {}
+    p, kl_coef = cfg.ppo, run.kl_ctl.coef
+    timings: dict[str, float] = {}
     skip = old_logprobs_from_update(cfg, run.plan)  # no actor pass in scoring
     t0 = time.time()
     run.model.eval()
@@ -188,7 +189,7 @@ def ppo_iteration(
         runtime, run, prompt_batch, cfg, timings, more_prompts, not skip
     )
     maybe_fault("rollout", it)
-    run.rollout_models.scorer.raise_failure(runtime)  # all ranks together, weights untouched
+    run.scorer.raise_failure(runtime)  # all ranks together, weights untouched
     print_first_batch(runtime, run, cfg, batch, texts)
     t1 = time.time()
     scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
@@ -203,7 +204,7 @@ def ppo_iteration(
     if kl is None:  # the update's forward gave the old log-probs: the rollout's KL now
         kl = token_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask, p.kl_kind)
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef) | sampling
-    stats |= overlong | run.rollout_models.scorer.component_stats(runtime) | update.stats
+    stats |= overlong | run.scorer.component_stats(runtime) | update.stats
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)
@@ -346,12 +347,13 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         plan,
         moments,
         built.group_names,
+        built.scorer,
         cfg.perf.gather_for_training,
         ptx=ptx,
     )
 
 
-def trainer_state(run: PPORun, first_score: float, alerts: AlertMonitor) -> dict:
+def trainer_state(run: PPORun, first_score: float | None, alerts: AlertMonitor) -> dict:
     """Everything besides weights and optimizer that a resumed run must continue from."""
     return {
         "kl_controller": run.kl_ctl.state_dict(),

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from rlhf_dist.algo.estimators import ESTIMATORS
+from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf_dist.algo.masking import RunningMoments
+from rlhf_dist.config import Config
 from rlhf_dist.data.batching import PPOPlan
 from rlhf_dist.data.chat import export_tokenizer
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import (
     ActorCritic,
@@ -40,18 +44,21 @@ from rlhf_dist.trainers.common import (
 )
 from rlhf_dist.trainers.ptx import PtxStream
 
+if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
 class PPOModels:
     model: nn.Module  # prepared ActorCritic (DeepSpeed engine, DDP wrapper or itself)
-    optimizer: object
-    scheduler: object
+    optimizer: torch.optim.Optimizer  # as prepared: Accelerate wraps it
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     reference: nn.Module
     scorer: Scorer
     group_names: tuple[str, ...]  # the optimizer's param groups: ("actor", "critic") or ("actor",)
 
 
-def has_critic(cfg) -> bool:
+def has_critic(cfg: Config) -> bool:
     """A critic is built, trained and exported only for an estimator that reads values."""
     return ESTIMATORS[cfg.ppo.estimator].traits.needs_critic
 
@@ -69,7 +76,7 @@ class AdapterOffValue(nn.Module):
             return critic(input_ids, attention_mask, position_ids)
 
 
-def _trainable_actor_critic(cfg, deepspeed: bool) -> ActorCritic:
+def _trainable_actor_critic(cfg: Config, deepspeed: bool) -> ActorCritic:
     """Actor and critic in the dtypes of the precision table (docs/distributed.md): a
     LoRA base as asked, everything trained in fp32 unless DeepSpeed keeps the masters."""
     m, lora = cfg.model, cfg.lora
@@ -94,7 +101,7 @@ def _head_name(classifier: nn.Module) -> str:
     return next(name for name, module in classifier.named_children() if module is head)
 
 
-def shares_reward_with_critic(cfg) -> bool:
+def shares_reward_with_critic(cfg: Config) -> bool:
     """A LoRA critic from the RM serves as the frozen RM too (adapters off)."""
     return (
         has_critic(cfg)
@@ -104,7 +111,7 @@ def shares_reward_with_critic(cfg) -> bool:
     )
 
 
-def check_critic_tokenizer(cfg, reward_inputs) -> None:
+def check_critic_tokenizer(cfg: Config, reward_inputs) -> None:
     """A critic reads the policy's tokens in the same forward as the actor, so it cannot
     start from a reward model with another tokenizer or template (docs/data.md)."""
     if reward_inputs is not None and cfg.ppo.critic_init == "reward":
@@ -115,7 +122,7 @@ def check_critic_tokenizer(cfg, reward_inputs) -> None:
         )
 
 
-def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
+def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
     reward_inputs = reward_inputs_for(cfg)  # the RM's own tokens when its tokenizer differs
@@ -151,7 +158,7 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
             )
         )
     groups = {"actor": (net.actor.parameters(), p.optim)}
-    if critic:
+    if net.critic is not None:  # built where the estimator reads values (has_critic)
         groups["critic"] = (net.critic.parameters(), p.critic_optim)
     optimizer = make_optimizer(list(groups.values()))
     scheduler = make_scheduler(optimizer, [optim for _, optim in groups.values()], total_steps)
@@ -171,12 +178,12 @@ def build_models(cfg, runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     return PPOModels(model, optimizer, scheduler, reference, scorer, tuple(groups))
 
 
-def _load_reference(cfg) -> nn.Module:
+def _load_reference(cfg: Config) -> nn.Module:
     m = cfg.model
     return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg.model), m)
 
 
-def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
+def export_models(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) -> None:
     """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
     lora, tokenizer = cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
@@ -188,12 +195,15 @@ def export_models(cfg, runtime, model, tokenizer, out: Path) -> None:
         return
     state = runtime.full_state_dict(model)
     if runtime.is_main:
+        assert state is not None  # Runtime.full_state_dict gives it to the main process
         with runtime.local_loading():
             _export_lora_models(cfg, runtime, model, tokenizer, out, state)
     runtime.barrier()
 
 
-def _export_lora_models(cfg, runtime, model, tokenizer, out: Path, state: dict) -> None:
+def _export_lora_models(
+    cfg: Config, runtime: Runtime, model, tokenizer, out: Path, state: dict
+) -> None:
     """On the main process: rebuild the LoRA actor (and critic) on CPU from `state`, export."""
     m, lora = cfg.model, cfg.lora
     merged = out / "final" if lora.export in ("merged", "both") else None
@@ -229,14 +239,15 @@ class PPORun:
     """The live objects of a PPO run (what one iteration reads and updates)."""
 
     model: torch.nn.Module
-    optimizer: object
-    scheduler: object
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     rollout_models: RolloutModels
-    tokenizer: object
-    kl_ctl: object
+    tokenizer: PreTrainedTokenizerBase
+    kl_ctl: FixedKLController | AdaptiveKLController
     plan: PPOPlan
     score_moments: RunningMoments
     group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
+    scorer: Scorer  # rollout_models' scorer: its failures and per-component statistics
     gather_for_training: str = "auto"  # perf.gather_for_training
     printed_first_batch: bool = False
     ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), trainers/ptx.py

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 
 from rlhf_dist.algo.preference import sequence_logprobs
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.data.rows import SFTExample, collate_sft
-from rlhf_dist.distributed import strided_map
+from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import frozen_dtype, load_causal_lm, trained_load_dtype
 from rlhf_dist.models.lora import AdapterOffReference, add_adapters, export_lora
-from rlhf_dist.trainers.common import prepare_single_model, save_pretrained
+from rlhf_dist.trainers.common import StepSection, prepare_single_model, save_pretrained
 
 REFERENCE_FILE = "reference_logprobs.json"
 
@@ -55,14 +55,14 @@ def response_logprobs(model, batch: dict, perf: PerfConfig = DEFAULT_PERF) -> to
 
 @torch.no_grad()
 def reference_logprobs(
-    runtime, reference, batch: dict, perf: PerfConfig = DEFAULT_PERF
+    runtime: Runtime, reference, batch: dict, perf: PerfConfig = DEFAULT_PERF
 ) -> torch.Tensor:
     """`response_logprobs` under the frozen reference, in the training forward's precision."""
     with runtime.autocast():
         return response_logprobs(reference, batch, perf).float()
 
 
-def build_policy(cfg, runtime, section, n_examples: int, ckpt):
+def build_policy(cfg: Config, runtime: Runtime, section: StepSection, n_examples: int, ckpt):
     """The trained policy (LoRA adapters on it with lora.enabled), prepared with its optimizer
     and schedule as SFT/RM models are; returns (trained, plan, batches) of prepare_single_model."""
     m, lora = cfg.model, cfg.lora
@@ -73,7 +73,7 @@ def build_policy(cfg, runtime, section, n_examples: int, ckpt):
     return prepare_single_model(cfg, runtime, net, section, n_examples, ckpt)
 
 
-def build_reference(cfg, runtime, model):
+def build_reference(cfg: Config, runtime: Runtime, model):
     """The frozen reference policy: the adapters-off base under LoRA, else a frozen copy."""
     if cfg.lora.enabled:
         return AdapterOffReference(lambda: runtime.unwrap(model))
@@ -84,7 +84,7 @@ def build_reference(cfg, runtime, model):
     return runtime.prepare_frozen(reference, placement, frozen_dtype(m), "reference")
 
 
-def _fingerprint(cfg, seqs: list[SFTExample]) -> str:
+def _fingerprint(cfg: Config, seqs: list[SFTExample]) -> str:
     """What a saved table was computed from: the reference model's path and every sequence."""
     h = hashlib.sha256(f"{cfg.model.policy}|{cfg.lora.enabled}".encode())
     for s in seqs:
@@ -94,7 +94,7 @@ def _fingerprint(cfg, seqs: list[SFTExample]) -> str:
 
 @torch.no_grad()
 def all_response_logprobs(
-    runtime, reference, seqs: list[SFTExample], size: int, pad_id: int,
+    runtime: Runtime, reference, seqs: list[SFTExample], size: int, pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
 ):  # fmt: skip
     """Reference log-probs of every sequence, (N,) on every rank: each rank scores every
@@ -109,7 +109,9 @@ def all_response_logprobs(
     return torch.tensor(strided_map(runtime, seqs, size, forward, filler), dtype=torch.float32)
 
 
-def reference_table(cfg, runtime, reference, seqs, size: int, pad_id: int, out: Path):
+def reference_table(
+    cfg: Config, runtime: Runtime, reference, seqs, size: int, pad_id: int, out: Path
+):
     """log pi_ref of every sequence, (N,) float32, computed once before training.
 
     Kept in <output_dir>/reference_logprobs.json. A resumed run (run.resume set) reads it
@@ -132,7 +134,7 @@ def reference_table(cfg, runtime, reference, seqs, size: int, pad_id: int, out: 
     return table
 
 
-def export_policy(cfg, runtime, model, tokenizer, out: Path) -> None:
+def export_policy(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) -> None:
     """final/ = the trained policy (merged with lora.export merged/both), final_adapter/ =
     the LoRA adapter (adapter/both). Every rank must call this."""
     m, lora, tokenizer = cfg.model, cfg.lora, export_tokenizer(tokenizer, cfg.data)
@@ -141,6 +143,7 @@ def export_policy(cfg, runtime, model, tokenizer, out: Path) -> None:
         return
     state = runtime.full_state_dict(model)
     if runtime.is_main:
+        assert state is not None  # Runtime.full_state_dict gives it to the main process
         merged = out / "final" if lora.export in ("merged", "both") else None
         adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
 

@@ -22,8 +22,10 @@ import itertools
 
 import torch
 
+from rlhf_dist.config import Config
 from rlhf_dist.data.batching import BatchPlan, global_batches
 from rlhf_dist.data.rows import collate_sft, load_rows, sft_examples
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.trainers.common import share_of_global_mean
 from rlhf_dist.trainers.sft import token_nll_sum
@@ -52,7 +54,7 @@ class PtxStream:
         batches = global_batches(len(examples), plan.global_size, seed, epochs=10**9)
         self._batches = itertools.islice(batches, position, None)
 
-    def next_step(self, runtime, parts: int) -> PtxStep:
+    def next_step(self, runtime: Runtime, parts: int) -> PtxStep:
         """This rank's share of the next global batch in `parts` micro-batches (as many as
         the step's PPO micro-batches, <= the share's rows), with the batch's global count
         of trained tokens (a collective)."""
@@ -76,7 +78,7 @@ class PtxStep:
     def __init__(self, micro: list[dict], count: torch.Tensor, coef: float):
         self.micro, self.count, self.coef = micro, count, coef
 
-    def loss(self, runtime, model, i: int, stats) -> torch.Tensor:
+    def loss(self, runtime: Runtime, model, i: int, stats) -> torch.Tensor:
         """coef x micro-batch i's share of the global token-mean NLL, the loss to backward
         (it adds to the step's gradient); `policy/ptx_loss` (the token mean) goes to `stats`."""
         nll_sum, tokens = token_nll_sum(model, self.micro[i], actor_logprobs)
@@ -84,7 +86,9 @@ class PtxStep:
         return self.coef * share_of_global_mean(runtime, nll_sum, self.count)
 
 
-def ptx_stream(cfg, runtime, tokenizer, plan: BatchPlan, position: int = 0) -> PtxStream | None:
+def ptx_stream(
+    cfg: Config, runtime: Runtime, tokenizer, plan: BatchPlan, position: int = 0
+) -> PtxStream | None:
     """The run's PtxStream (None with ppo.ptx_coef 0): data.ptx's SFT rows, at least one
     global batch of them, drawn from `position` on."""
     d, p = cfg.data, cfg.ppo

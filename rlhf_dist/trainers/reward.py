@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
+from rlhf_dist.config import Config
 from rlhf_dist.data.batching import BatchPlan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.data.rows import PreferencePair, collate_pairs, load_rows, preference_pairs
-from rlhf_dist.distributed import strided_map
+from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import (
@@ -50,7 +51,7 @@ def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return scores[:half], scores[half:]
 
 
-def rm_step(runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[dict, dict]:
+def rm_step(runtime: Runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[dict, dict]:
     """Backward over this rank's micro-batches; returns the global mean loss, accuracy and
     padding share (`rm/loss`, `rm/accuracy`, `rm/pad_fraction`) and this rank's per-pair
     values for the histograms (margin, chosen and rejected scores)."""
@@ -102,7 +103,7 @@ class PairEval:
 
 @torch.no_grad()
 def evaluate_pairs(
-    runtime, value_model, pairs, micro_batch_size: int, pad_id: int, prompt_lengths=None
+    runtime: Runtime, value_model, pairs, micro_batch_size: int, pad_id: int, prompt_lengths=None
 ) -> tuple[dict, PairEval]:
     """Held-out loss, accuracy and calibration over all ranks' shares of `pairs`, and the
     per-pair scores, lengths and categories the diagnostics read (scored once, every rank
@@ -139,14 +140,16 @@ def distinct_responses(evals, ev: PairEval) -> tuple[list, list[float]]:
     seqs = [p.chosen for p in evals] + [p.rejected for p in evals]
     lengths = torch.cat([ev.chosen_length, ev.rejected_length]).tolist()
     scores = torch.cat([ev.chosen, ev.rejected]).tolist()
-    found = {}
+    found: dict[tuple[int, ...], tuple[diag.Response, float]] = {}
     for seq, n, score in zip(seqs, lengths, scores):
         start = len(seq) - n  # encode_response put the EOS last
         found.setdefault(tuple(seq), (diag.Response(seq[:start], seq[start:-1], seq[-1:]), score))
     return [r for r, _ in found.values()], [s for _, s in found.values()]
 
 
-def rm_diagnostics(runtime, model, evals, metrics: dict, ev: PairEval, batch_size, tokenizer):
+def rm_diagnostics(
+    runtime: Runtime, model, evals, metrics: dict, ev: PairEval, batch_size, tokenizer
+):
     """Everything rm_diagnostics.json holds (docs/rm_diagnostics.md), for non-empty `evals`
     scored as `ev`. Every rank must call this."""
     scores = torch.cat([ev.chosen, ev.rejected])
@@ -197,7 +200,9 @@ def headline(report: dict) -> dict:
     return {k: v for k, v in numbers.items() if v is not None}
 
 
-def report_eval(cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logger, step) -> dict:
+def report_eval(
+    cfg: Config, runtime: Runtime, model, tokenizer, evals, prompt_lengths, out, logger, step
+) -> dict:
     """Score the held-out pairs once; write rm_diagnostics.json, log rm/eval_*, print one
     warning line if the model looks like a length counter. Returns the eval_* summary."""
     batch_size, pad = cfg.rm.micro_batch_size, tokenizer.pad_token_id
@@ -213,14 +218,14 @@ def report_eval(cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logg
     return {f"eval_{k}": v for k, v in numbers.items()}
 
 
-def eval_pairs(rows: list[dict], tokenizer, cfg, where: str = "data.eval"):
+def eval_pairs(rows: list[dict], tokenizer, cfg: Config, where: str = "data.eval"):
     """Held-out pairs and each one's prompt length in tokens: the diagnostics measure
     RESPONSE length, and prompt lengths vary across pairs."""
     pairs = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field, where)[0]
     return pairs, [p.prompt_len for p in pairs]
 
 
-def load_pairs(cfg, runtime, tokenizer):
+def load_pairs(cfg: Config, runtime: Runtime, tokenizer):
     """Training pairs, held-out pairs and the held-out pairs' prompt lengths."""
     d, field = cfg.data, cfg.rm.responses_field
     rows = load_rows(d.train, "data.train", d.split)
@@ -237,7 +242,7 @@ def load_pairs(cfg, runtime, tokenizer):
     return train, evals, prompt_lengths
 
 
-def train_reward_model(cfg, runtime) -> dict:
+def train_reward_model(cfg: Config, runtime: Runtime) -> dict:
     """Train a reward model as configured; returns the summary written to summary.json."""
     ckpt = find_resume(cfg, runtime)
     rc, m = cfg.rm, cfg.model

@@ -12,11 +12,11 @@ import functools
 import torch
 
 from rlhf_dist.algo.masking import masked_sum
-from rlhf_dist.config import PerfConfig
+from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.data.rows import SFTExample, collate_sft, load_rows, sft_examples
-from rlhf_dist.distributed import lockstep_map
+from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import load_causal_lm, tokenizer_for, trained_load_dtype
@@ -58,7 +58,7 @@ def token_nll_sum(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.
 
 
 def sft_step(
-    runtime, model, examples, plan: BatchPlan, pad_id: int, perf: PerfConfig = DEFAULT_PERF
+    runtime: Runtime, model, examples, plan: BatchPlan, pad_id: int, perf: PerfConfig = DEFAULT_PERF
 ) -> tuple[dict, dict]:
     """Forward/backward every micro-batch of this rank's share; returns the global mean NLL
     (`sft/loss`) and padding share (`sft/pad_fraction`), and this rank's per-sequence
@@ -84,7 +84,7 @@ def sft_step(
 
 @torch.no_grad()
 def eval_nll(
-    runtime, model, examples, micro_batch_size: int, pad_id: int,
+    runtime: Runtime, model, examples, micro_batch_size: int, pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
 ) -> float:  # fmt: skip
     """Mean response-token NLL over `examples` (each rank takes every world_size-th), in
@@ -104,7 +104,7 @@ def eval_nll(
     return float(totals[0] / totals[1])
 
 
-def load_sft_data(cfg, runtime, tokenizer):
+def load_sft_data(cfg: Config, runtime: Runtime, tokenizer):
     d = cfg.data
     rows = load_rows(d.train, "data.train", d.split)
     train, report = sft_examples(rows, tokenizer, d, where=f"data.train {d.train!r}")
@@ -120,7 +120,7 @@ def load_sft_data(cfg, runtime, tokenizer):
     return train, evals
 
 
-def train_sft(cfg, runtime) -> dict:
+def train_sft(cfg: Config, runtime: Runtime) -> dict:
     """Run SFT as configured; returns the summary written to summary.json."""
     ckpt = find_resume(cfg, runtime)
     sc, m = cfg.sft, cfg.model
