@@ -35,10 +35,11 @@ from rlhf_dist.config import (
     apply_override,
     config_from_dict,
     deep_merge,
-    load_config,
     to_dict,
     validate,
 )
+from rlhf_dist.config.loading import read_tree
+from rlhf_dist.config.presets import preset_tree
 
 if TYPE_CHECKING:  # torch loads when a stage runs (rlhf-dist --help stays instant)
     from rlhf_dist.distributed import Runtime
@@ -55,13 +56,15 @@ RUNNERS = {
 }
 
 
-def config_of(config=None, overrides=()) -> Config:
+def config_of(config=None, overrides=(), preset: str | None = None) -> Config:
     """A frozen Config from a Config, a YAML path, a dict (sections and/or dotted keys) or
-    None (the defaults), with `section.key=value` overrides applied last."""
+    None (the defaults), over a preset (config/presets.py; every key the config sets wins,
+    for a Config object every key that differs from its default), with `section.key=value`
+    overrides applied last."""
     if isinstance(config, Config):
-        tree = to_dict(config)
+        tree = explicit_keys(to_dict(config), to_dict(Config()))
     elif isinstance(config, (str, Path)):
-        tree = to_dict(load_config(config))
+        tree = read_tree(config)
     elif config is None:
         tree = {}
     elif isinstance(config, dict):
@@ -74,9 +77,23 @@ def config_of(config=None, overrides=()) -> Config:
         from rlhf_dist.errors import ConfigError
 
         raise ConfigError(f"config: expected a Config, a YAML path or a dict, not {config!r}")
+    tree = deep_merge(preset_tree(preset), tree, "config")
     for override in overrides:
         tree = apply_override(tree, override)
     return config_from_dict(tree)
+
+
+def explicit_keys(tree: dict, defaults: dict) -> dict:
+    """The entries of a config tree that differ from the defaults' (nested)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            inner = explicit_keys(value, defaults[key])
+            if inner:
+                out[key] = inner
+        elif value != defaults.get(key):
+            out[key] = value
+    return out
 
 
 def _with_keys(cfg: Config, values: dict[str, str]) -> Config:
@@ -99,11 +116,17 @@ def _runtime(cfg: Config) -> Runtime:
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.distributed.backend import seed_everything
     from rlhf_dist.engine.cpu import apply_host_memory_setting
-    from rlhf_dist.models import quiet_transformers
+    from rlhf_dist.models import quiet_transformers, train_dtype
 
     quiet_transformers()
     r, d = cfg.run, cfg.distributed
-    settings = (cfg.perf.num_threads, d.timeout_s, cfg.model.dtype, tuple(r.trackers), r.output_dir)
+    settings = (
+        cfg.perf.num_threads,
+        d.timeout_s,
+        train_dtype(cfg.model),
+        tuple(r.trackers),
+        r.output_dir,
+    )
     if settings not in _RUNTIMES:
         if not _RUNTIMES:
             atexit.register(close)
@@ -148,11 +171,18 @@ def reward_model(config=None, *, dataset=None, eval_dataset=None, overrides=()) 
     return run("rm", config_of(config, overrides), objects)
 
 
-def ppo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> dict:
-    """PPO or a critic-free estimator (ppo.estimator) on `dataset`'s prompts, scored by
-    `reward_fn(prompts, responses) -> list[float]` or by model.reward."""
+def ppo(config=None, *, dataset=None, reward_fn=None, overrides=(), preset=None) -> dict:
+    """PPO or a critic-free estimator (ppo.estimator, or a `preset`: grpo, dr_grpo, dapo,
+    gspo, rloo, reinforce_pp) on `dataset`'s prompts, scored by `reward_fn` (TRL's
+    `(prompts, completions, **columns)` or `(prompts, responses)`, docs/rewards.md) or by
+    model.reward."""
     objects = {"data.train": dataset, "reward.function": reward_fn}
-    return run("ppo", config_of(config, overrides), objects)
+    return run("ppo", config_of(config, overrides, preset), objects)
+
+
+def grpo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> dict:
+    """GRPO: `ppo` with the grpo preset (docs/grpo.md), every key of `config` over it."""
+    return ppo(config, dataset=dataset, reward_fn=reward_fn, overrides=overrides, preset="grpo")
 
 
 def dpo(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:

@@ -1,4 +1,4 @@
-"""`rlhf-dist {sft,rm,ppo,dpo,kto,eval,iterate,demo,report,config}`: the command line, a thin
+"""`rlhf-dist {sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config}`: the command line, a thin
 layer over the Python API (rlhf_dist/api.py).
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
@@ -14,6 +14,7 @@ import os
 import sys
 
 from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
+from rlhf_dist.config.presets import PRESETS
 from rlhf_dist.errors import ConfigError, Preempted, TrainingDiverged, UserError
 from rlhf_dist.names import DEMO_ALGORITHMS, DEMO_ITERATIVE
 
@@ -22,7 +23,9 @@ SECTIONS = [f.name for f in dataclasses.fields(Config)]
 STAGES = {  # name -> help text; the runners are rlhf_dist.api.RUNNERS
     "sft": "supervised fine-tuning on prompt/response data",
     "rm": "train a Bradley-Terry reward model on preference pairs",
-    "ppo": "PPO against a reward model or reward function",
+    "ppo": "PPO against a reward model or reward function (--preset grpo, dapo, ...: the "
+    "critic-free methods)",
+    "grpo": "GRPO: rlhf-dist ppo with the grpo preset (docs/grpo.md); every key you set wins",
     "dpo": "DPO / conservative DPO / IPO on preference pairs (no reward model, no sampling)",
     "kto": "KTO on desirable / undesirable completions (or preference pairs)",
     "eval": "score a policy on held-out prompts; KL to a reference",
@@ -43,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{sft,rm,ppo,dpo,kto,eval,iterate,demo,report,config}",
+        metavar="{sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config}",
     )
     _add_stages(sub)
     _add_demo(sub)
@@ -64,6 +67,13 @@ def _add_stages(sub) -> None:
                 "--resume",
                 metavar="auto|PATH",
                 help="continue from the latest checkpoint in run.output_dir (auto) or from PATH",
+            )
+        if name == "ppo":
+            p.add_argument(
+                "--preset",
+                choices=tuple(PRESETS),
+                help="the keys of a named method under your config (docs/grpo.md): "
+                + ", ".join(PRESETS),
             )
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
@@ -124,7 +134,14 @@ def _add_report_and_config(sub) -> None:
         "section.key, its type, default, choices or range, and meaning.",
     )
     config.add_argument(
-        "section", nargs="?", default="", help="a section (ppo), subsection (ppo.actor) or key"
+        "section", nargs="?", default="", help="a section (ppo), subsection (ppo.optim) or key"
+    )
+    config.add_argument(
+        "--yaml",
+        metavar="STAGE",
+        choices=(*STAGES, *PRESETS),
+        help="write a starter config for STAGE (a stage or a preset, e.g. grpo) to stdout: "
+        "every key it reads with its value and help as comments",
     )
 
 
@@ -134,10 +151,12 @@ def _run_stage(name: str, args) -> int:
     overrides = list(args.overrides) + (
         [f"run.resume={args.resume}"] if getattr(args, "resume", None) else []
     )
-    cfg = load_config(args.config, overrides)  # before torch loads: config errors are instant
+    preset = "grpo" if name == "grpo" else getattr(args, "preset", None)
+    # before torch loads: config errors are instant
+    cfg = load_config(args.config, overrides, preset)
     from rlhf_dist import api
 
-    api.run(name, cfg)
+    api.run("ppo" if name == "grpo" else name, cfg)
     api.close()
     return 0
 
@@ -181,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             print(build_report(args.path, args.output))
             return 0
         if args.command == "config":
-            from rlhf_dist.config import describe
+            from rlhf_dist.config import describe, starter_yaml
 
-            print(describe(args.section))
+            print(starter_yaml(args.yaml) if args.yaml else describe(args.section))
             return 0
         return _run_stage(args.command, args)
     except UserError as e:

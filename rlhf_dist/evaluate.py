@@ -25,7 +25,13 @@ from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import RewardFunctionError
-from rlhf_dist.models import ActorCritic, load_causal_lm, policy_stop_ids, tokenizer_for
+from rlhf_dist.models import (
+    ActorCritic,
+    load_causal_lm,
+    policy_stop_ids,
+    tokenizer_for,
+    train_dtype,
+)
 from rlhf_dist.observability import diagnostics as diag
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.rewards.scoring import (
@@ -255,12 +261,12 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict:
     # lock-step (evaluate_policy), as every forward-only loop does.
     # Whole on every rank even where ZeRO-3 engines exist in this process (local_loading).
     with runtime.local_loading():
-        policy = load_causal_lm(m.policy, "model.policy", m.dtype, m)
+        policy = load_causal_lm(m.policy, "model.policy", train_dtype(m), m)
     policy = runtime.prepare_frozen(policy, "replicate")
     reference = None
     if cfg.eval.reference:
         with runtime.local_loading():
-            reference = load_causal_lm(cfg.eval.reference, "eval.reference", m.dtype, m)
+            reference = load_causal_lm(cfg.eval.reference, "eval.reference", train_dtype(m), m)
         reference = runtime.prepare_frozen(reference, "replicate")
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     out, logger = open_run(cfg, runtime, "eval", None)

@@ -43,6 +43,7 @@ from rlhf_dist.config import (
     to_dict,
 )
 from rlhf_dist.data import inputs
+from rlhf_dist.data.batching import stage_plan
 from rlhf_dist.data.rows import load_rows, preference_pairs, prompt_set
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.evaluate import eval_models, run_eval
@@ -55,6 +56,7 @@ from rlhf_dist.models import (
     load_tokenizer,
     policy_stop_ids,
     tokenizer_for,
+    train_dtype,
 )
 from rlhf_dist.rewards.scoring import Scorer
 from rlhf_dist.rollout import PromptBatch, collect_rollout
@@ -353,7 +355,7 @@ def sample_pairs(
     m, tokenizer = cfg.model, tokenizer_for(cfg, "policy")
     prompts = prompt_set(load_rows(source, key), tokenizer, cfg.data, f"{key} {source!r}")
     with runtime.local_loading():
-        policy = load_causal_lm(policy_path, "model.policy", m.dtype, m)
+        policy = load_causal_lm(policy_path, "model.policy", train_dtype(m), m)
     policy = runtime.prepare_frozen(policy, "replicate")
     stops = policy_stop_ids(cfg, tokenizer)
     models = eval_models(policy, None, Scorer(reward_fn=_no_scores), stops, perf=cfg.perf)
@@ -425,7 +427,11 @@ def rm_accuracy(cfg: Config, runtime: Runtime, rm_path: Path, pairs_path: Path) 
         net = load_sequence_classifier(str(rm_path), "model.reward", frozen_dtype(m), m)
     model = runtime.prepare_frozen(ValueModel(net, cfg.perf), "replicate")
     metrics, _ = evaluate_pairs(
-        runtime, model, pairs, cfg.rm.micro_batch_size, tokenizer.pad_token_id
+        runtime,
+        model,
+        pairs,
+        stage_plan(cfg.rm, runtime.world_size).micro_batch_size,
+        tokenizer.pad_token_id,
     )
     return metrics["accuracy"]
 

@@ -58,6 +58,7 @@ from rlhf_dist.config.stages import (
     SFTConfig,
     StageConfig,
 )
+from rlhf_dist.config.starter import STAGE_SECTIONS, starter_yaml
 from rlhf_dist.config.validation import bitsandbytes_problem, validate
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError
 
@@ -98,6 +99,8 @@ __all__ = [
     "load_config",
     "range_text",
     "save_config",
+    "STAGE_SECTIONS",
+    "starter_yaml",
     "to_dict",
     "validate",
 ]

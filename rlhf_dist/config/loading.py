@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from rlhf_dist.config.keys import in_range, range_text
+from rlhf_dist.config.presets import preset_tree
 from rlhf_dist.config.schema import Config
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 from rlhf_dist.files import atomic_write_text
@@ -178,8 +179,20 @@ def apply_override(tree: dict, override: str) -> dict:
     return out
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Config from a YAML file (safe-loaded) and `section.key=value` overrides, in order."""
+def load_config(
+    path: str | os.PathLike | None = None, overrides: Sequence[str] = (), preset: str | None = None
+) -> Config:
+    """Config from a preset (config/presets.py), then a YAML file (safe-loaded), then
+    `section.key=value` overrides, each over the one before."""
+    tree = deep_merge(preset_tree(preset), read_tree(path), "config")
+    for override in overrides:
+        tree = apply_override(tree, override)
+    return config_from_dict(tree)
+
+
+def read_tree(path: str | os.PathLike | None) -> dict:
+    """The nested dict of a YAML config file (safe-loaded; None: empty); a file that cannot
+    be read or is not a mapping of sections is a ConfigError."""
     tree: dict = {}
     if path:
         try:
@@ -198,9 +211,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             raise ConfigError(
                 f"--config {path}: expected a mapping of sections, got {type(tree).__name__}"
             )
-    for override in overrides:
-        tree = apply_override(tree, override)
-    return config_from_dict(tree)
+    return tree
 
 
 # Keys renamed in this release (old dotted name -> new): still accepted, with one line on

@@ -22,10 +22,12 @@ class ModelConfig:
     )
     tokenizer: str = key("", "tokenizer path; empty means the policy's")
     dtype: str = key(
-        "float32",
-        "weights of the trained models (actor, critic; SFT/RM model); bfloat16 under DeepSpeed "
-        "turns on its bf16 mixed precision (fp32 master weights in the optimizer)",
-        choices=("float32", "bfloat16"),
+        "auto",
+        "precision of the trained models (actor, critic; SFT/RM model): bfloat16 under "
+        "DeepSpeed turns on its bf16 mixed precision (fp32 master weights in the optimizer), "
+        "without it bf16 autocast over fp32 weights; auto = bfloat16 on a GPU that supports "
+        "it, float32 on CPU (where bf16 matmuls are slow without AMX)",
+        choices=("auto", "float32", "bfloat16"),
     )
     frozen_dtype: str = key(
         "auto",
@@ -41,11 +43,12 @@ class ModelConfig:
         "load weights from .safetensors only; false also allows pickle (.bin) checkpoints, "
         "which can run arbitrary code when loaded",
     )
-    gradient_checkpointing: bool = key(
-        False,
+    gradient_checkpointing: bool | None = key(
+        None,
         "recompute each layer's activations in backward instead of keeping them (trained "
         "models: SFT/RM model, actor and critic; full, LoRA and ZeRO-3): activation memory "
-        "of about one layer, for one extra forward per backward",
+        "of about one layer, for one extra forward per backward; null = on with a GPU (real "
+        "models' activations are what runs out of memory), off on CPU",
     )
     attn_implementation: str = key(
         "auto",
@@ -67,9 +70,9 @@ class DataConfig:
     )
     split: str = key("train", "split of a hub dataset (local files are read whole)")
     prompt_field: str = key("prompt", "name of the prompt column")
-    max_prompt_length: int = key(64, "prompt tokens kept (see data.too_long)", gt=0)
+    max_prompt_length: int = key(512, "prompt tokens kept (see data.too_long)", gt=0)
     max_length: int = key(
-        128,
+        1024,
         "prompt + response tokens of SFT / RM / DPO / KTO sequences; longer rows are skipped",
         gt=0,
     )

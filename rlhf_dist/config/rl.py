@@ -21,7 +21,7 @@ from rlhf_dist.names import (
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = key(32, "response tokens at most", gt=0)
+    max_new_tokens: int = key(512, "response tokens at most (TRL's max_completion_length)", gt=0)
     min_new_tokens: int = key(
         0, "EOS is suppressed until this many tokens were generated (0: no minimum)", min=0
     )
@@ -218,9 +218,26 @@ class PPOConfig:
     rollout_micro_batch_size: int = key(
         64, "sequences per forward pass during rollout scoring and generation, per rank", gt=0
     )
-    ppo_epochs: int = key(4, "passes over each rollout batch", gt=0)
-    minibatch_size: int = key(16, "sequences per optimizer step, summed over all ranks", gt=0)
-    micro_batch_size: int = key(16, "sequences per forward/backward pass, per rank", gt=0)
+    ppo_epochs: int | None = key(
+        None,
+        "passes over each rollout batch; null = 4 with a critic (gae, the N+ study), 1 for "
+        "the critic-free estimators (with ppo.minibatch_size 0: one optimizer step per "
+        "rollout, as TRL's GRPO)",
+        gt=0,
+    )
+    minibatch_size: int = key(
+        0,
+        "sequences per optimizer step, summed over all ranks; 0 = the whole rollout "
+        "(ppo.rollout_batch_size x ppo.samples_per_prompt)",
+        min=0,
+    )
+    micro_batch_size: int = key(
+        0,
+        "sequences per forward/backward pass, per rank; 0 = the per-rank share of a "
+        "minibatch in micro-batches of at most 8 (the largest divisor), so any world size "
+        "that divides the minibatch works",
+        min=0,
+    )
     micro_batch_tokens: int = key(
         0,
         "token budget of one forward/backward pass, per rank: the update's rows longest first, cut so that rows x (longest prompt + longest response) stays within it (a longer row alone); every rank runs as many passes as the busiest; 0 = off "
@@ -234,9 +251,11 @@ class PPOConfig:
         "(per-sequence means averaged; GRPO's paper)",
         choices=LOSS_AGGREGATIONS,
     )
-    optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the actor (the policy)")
+    optim: OptimConfig = key(
+        OptimConfig(lr=3e-6), "optimizer of the actor (the policy); lr 3e-6 is the N+ study's at 1B"
+    )
     critic_optim: OptimConfig = key(
-        OptimConfig(lr=1e-5), "optimizer of the critic (the value model), when there is one"
+        OptimConfig(lr=3e-6), "optimizer of the critic (the value model), when there is one"
     )
     critic_init: str = key(
         "reward",
@@ -322,7 +341,10 @@ class PPOConfig:
     gamma: float = key(1.0, "discount of GAE", min=0, max=1)
     lam: float = key(0.95, "lambda of GAE", min=0, max=1)
     kl_coef: float = key(
-        0.05, "weight of the per-token KL penalty in the reward (initial, if adaptive)", min=0
+        0.05,
+        "weight of the per-token KL to the reference (initial, if adaptive); 0 = no KL term and "
+        "no reference model loaded (TRL's GRPO default)",
+        min=0,
     )
     kl_placement: str = key(
         "reward",

@@ -38,7 +38,13 @@ class StageConfig:
         "for rm and dpo, examples for kto)",
         gt=0,
     )
-    micro_batch_size: int = key(32, "rows per forward/backward pass, per rank", gt=0)
+    micro_batch_size: int = key(
+        0,
+        "rows per forward/backward pass, per rank; 0 = the per-rank share of a batch in "
+        "micro-batches of at most 8 (the largest divisor), so any world size that divides "
+        "the batch works",
+        min=0,
+    )
     micro_batch_tokens: int = key(
         0,
         "token budget of one forward/backward pass, per rank: rows longest first, cut so "
@@ -50,12 +56,12 @@ class StageConfig:
 
 @dataclass(frozen=True)
 class SFTConfig(StageConfig):
-    optim: OptimConfig = key(OptimConfig(lr=1e-3), "optimizer of the policy")
+    optim: OptimConfig = key(OptimConfig(lr=2e-5), "optimizer of the policy (TRL's SFT lr)")
 
 
 @dataclass(frozen=True)
 class RMConfig(StageConfig):
-    optim: OptimConfig = key(OptimConfig(lr=1e-4), "optimizer of the reward model")
+    optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the reward model")
     responses_field: str = key(
         "responses", "column of ranked lists (best first), expanded to all C(n, 2) pairs"
     )
@@ -66,7 +72,7 @@ REFERENCE_LOGPROBS = ("precompute", "online")
 
 @dataclass(frozen=True)
 class DPOConfig(StageConfig):
-    optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
+    optim: OptimConfig = key(OptimConfig(lr=1e-6), "optimizer of the policy (TRL's DPO lr)")
     beta: float = key(
         0.1,
         "strength of the KL constraint to the reference: the implicit reward is beta x "
@@ -99,7 +105,7 @@ class DPOConfig(StageConfig):
 
 @dataclass(frozen=True)
 class KTOConfig(StageConfig):
-    optim: OptimConfig = key(OptimConfig(lr=1e-5), "optimizer of the policy")
+    optim: OptimConfig = key(OptimConfig(lr=1e-6), "optimizer of the policy (TRL's KTO lr)")
     beta: float = key(0.1, "scale of the implicit reward beta x (log pi - log pi_ref)", gt=0)
     desirable_weight: float = key(
         1.0, "lambda_D, the weight of desirable examples (raise it when they are fewer)", gt=0

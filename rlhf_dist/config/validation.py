@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlhf_dist.config import sizes
 from rlhf_dist.config.loading import check_keys
 from rlhf_dist.config.schema import Config
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
@@ -37,11 +38,10 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         )
     if stage in ("sft", "rm", "dpo", "kto"):
         section = getattr(cfg, stage)
+        _divides(("world size", world_size), (f"{stage}.batch_size", section.batch_size))
+        micro = sizes.micro_batch_size(section.micro_batch_size, section.batch_size, world_size)
         _divides(
-            (
-                f"{stage}.micro_batch_size x {world_size} ranks",
-                section.micro_batch_size * world_size,
-            ),
+            (f"{stage}.micro_batch_size x {world_size} ranks", micro * world_size),
             (f"{stage}.batch_size", section.batch_size),
         )
         if not cfg.data.train:
@@ -228,13 +228,18 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
     p = cfg.ppo
     _divides(("world size", world_size), ("ppo.rollout_batch_size", p.rollout_batch_size))
     sequences = p.rollout_batch_size * p.samples_per_prompt
-    _divides(
-        ("ppo.minibatch_size", p.minibatch_size),
-        ("ppo.rollout_batch_size x ppo.samples_per_prompt", sequences),
+    minibatch = sizes.ppo_minibatch_size(
+        p.minibatch_size, p.rollout_batch_size, p.samples_per_prompt
     )
     _divides(
-        (f"ppo.micro_batch_size x {world_size} ranks", p.micro_batch_size * world_size),
-        ("ppo.minibatch_size", p.minibatch_size),
+        ("ppo.minibatch_size", minibatch),
+        ("ppo.rollout_batch_size x ppo.samples_per_prompt", sequences),
+    )
+    _divides(("world size", world_size), ("ppo.minibatch_size", minibatch))
+    micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, world_size)
+    _divides(
+        (f"ppo.micro_batch_size x {world_size} ranks", micro * world_size),
+        ("ppo.minibatch_size", minibatch),
     )
     _validate_objective(cfg)
     if not cfg.data.train:

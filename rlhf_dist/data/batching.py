@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_dist.config import PPOConfig
+from rlhf_dist.config import PPOConfig, StageConfig, sizes
 
 
 @dataclass(frozen=True)
@@ -123,17 +123,25 @@ class PPOPlan:
 
 
 def ppo_plan(ppo_cfg: PPOConfig, world_size: int) -> PPOPlan:
-    return PPOPlan(
-        rollout=BatchPlan(ppo_cfg.rollout_batch_size, world_size, ppo_cfg.rollout_micro_batch_size),
-        update=BatchPlan(
-            ppo_cfg.minibatch_size,
-            world_size,
-            ppo_cfg.micro_batch_size,
-            ppo_cfg.micro_batch_tokens,
-        ),
-        ppo_epochs=ppo_cfg.ppo_epochs,
-        samples_per_prompt=ppo_cfg.samples_per_prompt,
+    """PPO's plan with the config's auto sizes resolved (config/sizes.py)."""
+    p = ppo_cfg
+    minibatch = sizes.ppo_minibatch_size(
+        p.minibatch_size, p.rollout_batch_size, p.samples_per_prompt
     )
+    micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, world_size)
+    return PPOPlan(
+        rollout=BatchPlan(p.rollout_batch_size, world_size, p.rollout_micro_batch_size),
+        update=BatchPlan(minibatch, world_size, micro, p.micro_batch_tokens),
+        ppo_epochs=sizes.ppo_epochs(p.ppo_epochs, p.estimator),
+        samples_per_prompt=p.samples_per_prompt,
+    )
+
+
+def stage_plan(section: StageConfig, world_size: int) -> BatchPlan:
+    """The step loop's plan of sft/rm/dpo/kto: the global batch across ranks, in
+    micro-batches of the section's micro_batch_size (auto: config/sizes.py)."""
+    micro = sizes.micro_batch_size(section.micro_batch_size, section.batch_size, world_size)
+    return BatchPlan(section.batch_size, world_size, micro, section.micro_batch_tokens)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

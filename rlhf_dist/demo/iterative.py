@@ -10,7 +10,14 @@ from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, validate
 from rlhf_dist.demo import task
-from rlhf_dist.demo.pipeline import GOLD, rl_section, stage_configs, task_and_models, with_overrides
+from rlhf_dist.demo.pipeline import (
+    GOLD,
+    demo_model,
+    rl_section,
+    stage_configs,
+    task_and_models,
+    with_overrides,
+)
 
 
 def iterate_tree(root: Path, trees: dict, files: task.TaskFiles, seed: int, quick: bool) -> dict:
@@ -20,7 +27,7 @@ def iterate_tree(root: Path, trees: dict, files: task.TaskFiles, seed: int, quic
     meta = json.loads((files.root / "task.json").read_text())
     return {
         "run": {"output_dir": str(root / "iterate"), "seed": seed, "log_every": 2},
-        "model": {"policy": str(root / "sft" / "final")},
+        "model": demo_model(policy=str(root / "sft" / "final")),
         "data": {
             **trees["rm"]["data"],
             "train": str(files.prompts),

@@ -59,6 +59,13 @@ OBJECTIVE_PRESETS = {
 assert tuple(OBJECTIVE_PRESETS) == DEMO_OBJECTIVES  # one list of the presets' names
 
 
+def demo_model(**paths: str) -> dict:
+    """A demo stage's `model` section: its paths, and the precision the demo's figures were
+    measured with, whatever the package defaults (fp32, no gradient checkpointing: tiny
+    models, where neither pays)."""
+    return {**paths, "dtype": "float32", "gradient_checkpointing": False}
+
+
 def rl_section(algorithm: str, scale: float) -> dict:
     """The `ppo` section of the demo's RL stage. Every algorithm sees 64 sequences per
     iteration: PPO 64 prompts once, the group estimators 16 prompts x 4 samples."""
@@ -84,7 +91,7 @@ def step_loop_stage(stage: str, run: dict, model: dict, data: dict, epochs: int,
     a cosine schedule after 10 warmup steps."""
     optim = {"lr": lr, "schedule": "cosine", "warmup_steps": 10}
     section = {"epochs": epochs, "batch_size": 32, "micro_batch_size": 32, "optim": optim}
-    return {"run": run, "model": model, "data": data, stage: section}
+    return {"run": run, "model": demo_model(**model), "data": data, stage: section}
 
 
 def stage_configs(
@@ -117,7 +124,7 @@ def stage_configs(
         "rm": step_loop_stage("rm", run("rm"), {"policy": sft_policy}, {**data, **prefs}, 2, 1e-3),
         algorithm: {
             "run": run(algorithm),
-            "model": {"policy": sft_policy, "reward": rm_path},
+            "model": demo_model(policy=sft_policy, reward=rm_path),
             "data": {**data, "train": str(files.prompts)},
             "generation": gen,
             "reward": {"missing_eos_penalty": -1.0},
@@ -125,7 +132,7 @@ def stage_configs(
         },
         "eval": {
             "run": run("eval"),
-            "model": {"policy": sft_policy, "reward": rm_path},
+            "model": demo_model(policy=sft_policy, reward=rm_path),
             "data": {**data, "train": str(files.eval_prompts)},
             "generation": gen,
             "eval": {
@@ -291,7 +298,7 @@ def offline_stage_config(root: Path, files: task.TaskFiles, seed: int, algorithm
     }[algorithm]
     return {
         "run": {"output_dir": str(root / algorithm), "seed": seed, "log_every": 10},
-        "model": {"policy": str(root / "sft" / "final")},
+        "model": demo_model(policy=str(root / "sft" / "final")),
         "data": {"max_prompt_length": 16, "max_length": 48, "train": str(files.prefs_train)},
         algorithm: {"epochs": 1, "batch_size": 32, "micro_batch_size": 32, **section},
     }

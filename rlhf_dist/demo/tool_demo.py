@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, validate
 from rlhf_dist.demo import task, tool_task
+from rlhf_dist.demo.pipeline import _with_output, demo_model, with_overrides
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
 REWARD = "rlhf_dist.demo.tool_task:answer_reward"
@@ -37,7 +38,7 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
     return {
         "sft": {
             "run": run("sft"),
-            "model": {"policy": str(policy)},
+            "model": demo_model(policy=str(policy)),
             "data": {**data, "train": str(files["sft"])},
             "sft": {
                 "epochs": 2 if quick else 40,
@@ -48,7 +49,7 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
         },
         "grpo": {
             "run": run("grpo", 2),
-            "model": {"policy": sft_policy},
+            "model": demo_model(policy=sft_policy),
             "data": {**data, "train": str(files["prompts"])},
             "generation": gen,
             "reward": {"function": REWARD},
@@ -67,7 +68,7 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
         },
         "eval": {
             "run": run("eval"),
-            "model": {"policy": sft_policy},
+            "model": demo_model(policy=sft_policy),
             "data": {**data, "train": str(files["eval_prompts"])},
             "generation": gen,
             "reward": {"function": REWARD},
@@ -78,7 +79,6 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
 
 def run_tool_demo(output_dir: str, seed: int = 0, quick: bool = False, overrides=()) -> dict:
     """SFT -> GRPO with the tool -> eval of both; returns (and writes) DIR/summary.json."""
-    from rlhf_dist.demo.pipeline import _with_output, with_overrides
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers

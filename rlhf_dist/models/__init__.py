@@ -18,8 +18,10 @@ from rlhf_dist.models.loading import (
     policy_stop_ids,
     quiet_transformers,
     tokenizer_for,
+    train_dtype,
     trained_load_dtype,
     upcast_trainable,
+    uses_checkpointing,
 )
 from rlhf_dist.models.value import (
     HEAD_NAMES,
@@ -51,6 +53,8 @@ __all__ = [
     "split_classifier",
     "sub_state_dict",
     "tokenizer_for",
+    "train_dtype",
     "trained_load_dtype",
     "upcast_trainable",
+    "uses_checkpointing",
 ]

@@ -215,11 +215,27 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+def train_dtype(model_cfg: ModelConfig) -> str:
+    """The training precision model.dtype asks for: "auto" is bfloat16 where a CUDA GPU
+    supports it, else float32 (the same answer on every rank of a run)."""
+    if model_cfg.dtype != "auto":
+        return model_cfg.dtype
+    gpu = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return "bfloat16" if gpu else "float32"
+
+
+def uses_checkpointing(model_cfg: ModelConfig) -> bool:
+    """model.gradient_checkpointing, where null means on with a GPU, off on CPU."""
+    if model_cfg.gradient_checkpointing is None:
+        return torch.cuda.is_available()
+    return model_cfg.gradient_checkpointing
+
+
 def frozen_dtype(model_cfg: ModelConfig) -> str:
     """The dtype of the frozen models (reference, reward model): model.frozen_dtype, where
-    "auto" means the training dtype model.dtype."""
+    "auto" means the training dtype (`train_dtype`)."""
     if model_cfg.frozen_dtype == "auto":
-        return model_cfg.dtype
+        return train_dtype(model_cfg)
     return model_cfg.frozen_dtype
 
 

@@ -25,6 +25,7 @@ import torch
 from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.models.loading import train_dtype
 
 _MISSING = (
     "generation.backend=vllm: the vllm package is not installed "
@@ -137,7 +138,7 @@ class VLLMEngine:
         kwargs = dict(
             model=cfg.model.policy,
             skip_tokenizer_init=True,  # token ids in and out; our tokenizer decodes
-            dtype=cfg.model.dtype,
+            dtype=train_dtype(cfg.model),
             seed=cfg.run.seed,
             distributed_executor_backend="uni",
             logprobs_mode="processed_logprobs",

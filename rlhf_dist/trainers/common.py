@@ -21,10 +21,17 @@ from rlhf_dist.config import (
     SFTConfig,
     to_dict,
 )
-from rlhf_dist.data.batching import BatchPlan, global_batches
+from rlhf_dist.data.batching import global_batches, stage_plan
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import Preempted, TrainingDiverged  # noqa: F401 (Preempted re-exported)
-from rlhf_dist.models import DTYPES, enable_gradient_checkpointing, sub_state_dict, upcast_trainable
+from rlhf_dist.models import (
+    DTYPES,
+    enable_gradient_checkpointing,
+    sub_state_dict,
+    train_dtype,
+    upcast_trainable,
+    uses_checkpointing,
+)
 
 # The section of a step-loop stage: the shared StageConfig keys and the stage's own `optim`.
 StepSection = SFTConfig | RMConfig | DPOConfig | KTOConfig
@@ -231,7 +238,7 @@ def finish_trainable(
     with model.gradient_checkpointing, activations recomputed in backward."""
     if not deepspeed:
         upcast_trainable(net)
-    if model_cfg.gradient_checkpointing:
+    if uses_checkpointing(model_cfg):
         enable_gradient_checkpointing(net)
     return net
 
@@ -244,18 +251,13 @@ def prepare_single_model(
     finish_trainable(net, cfg.model, deepspeed=runtime.zero_stage is not None)
     if ckpt:
         ckpt.load_weights_into(net)  # before prepare: every backend partitions these
-    plan = BatchPlan(
-        section.batch_size,
-        runtime.world_size,
-        section.micro_batch_size,
-        section.micro_batch_tokens,
-    )
+    plan = stage_plan(section, runtime.world_size)
     batches = list(global_batches(n_examples, section.batch_size, cfg.run.seed, section.epochs))
     optimizer = make_optimizer([(net.parameters(), section.optim)])
     scheduler = make_scheduler(optimizer, [section.optim], len(batches))
     accumulation, clip = plan.accumulation_steps, section.optim.max_grad_norm
     model, optimizer = runtime.prepare(
-        net, optimizer, section.micro_batch_size, accumulation, clip, cfg.model.dtype
+        net, optimizer, plan.micro_batch_size, accumulation, clip, train_dtype(cfg.model)
     )
     if ckpt:
         resume_into(runtime, ckpt, model, optimizer, scheduler, cfg.run.seed)

@@ -15,7 +15,7 @@ import torch
 
 from rlhf_dist.algo.preference import dpo_loss, dpo_terms
 from rlhf_dist.config import Config, DPOConfig, PerfConfig
-from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.rows import SFTExample, load_rows, preference_pairs
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -132,7 +132,7 @@ def evaluate_dpo(
 
     ref_table: the eval pairs' reference log-probs [all chosen, all rejected], or None to
     score them with `reference` now."""
-    seqs, size = pair_sequences(evals), 2 * dc.micro_batch_size
+    seqs, size = pair_sequences(evals), 2 * stage_plan(dc, runtime.world_size).micro_batch_size
     policy = all_response_logprobs(runtime, model, seqs, size, pad_id, perf)
     ref = (
         ref_table
@@ -160,7 +160,15 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
     table = eval_table = None
     if dc.reference_logprobs == "precompute":
         seqs = pair_sequences(train) + pair_sequences(evals)
-        full = reference_table(cfg, runtime, reference, seqs, 2 * dc.micro_batch_size, pad, out)
+        full = reference_table(
+            cfg,
+            runtime,
+            reference,
+            seqs,
+            2 * stage_plan(dc, runtime.world_size).micro_batch_size,
+            pad,
+            out,
+        )
         n = len(train)
         table = torch.stack([full[:n], full[n : 2 * n]], dim=1)  # (N, 2): chosen, rejected
         eval_table = full[2 * n :]

@@ -16,7 +16,7 @@ import torch
 
 from rlhf_dist.algo.preference import kto_reference_point, kto_terms
 from rlhf_dist.config import Config, KTOConfig, PerfConfig
-from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.rows import SFTExample, kto_examples, load_rows
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -157,7 +157,15 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
     table = None
     if kc.reference_logprobs == "precompute":
         seqs = completion_sequences(train) + mismatched_sequences(train)
-        full = reference_table(cfg, runtime, reference, seqs, 2 * kc.micro_batch_size, pad, out)
+        full = reference_table(
+            cfg,
+            runtime,
+            reference,
+            seqs,
+            2 * stage_plan(kc, runtime.world_size).micro_batch_size,
+            pad,
+            out,
+        )
         table = full.view(2, len(train)).T  # (N, 2): completion, mismatched
         if not cfg.lora.enabled:
             reference = None  # every reference log-prob is in the table: free the copy

@@ -31,6 +31,7 @@ from rlhf_dist.models import (
     load_causal_lm,
     split_classifier,
     sub_state_dict,
+    train_dtype,
     trained_load_dtype,
 )
 from rlhf_dist.models.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
@@ -58,6 +59,13 @@ class PPOModels:
     group_names: tuple[str, ...]  # the optimizer's param groups: ("actor", "critic") or ("actor",)
 
 
+def needs_reference(cfg: Config) -> bool:
+    """Whether a KL term reads the reference: ppo.kl_coef > 0 (in the reward or the loss;
+    the adaptive controller moves a coefficient that starts above 0). With 0 no reference
+    is loaded or run, as TRL's GRPO with beta 0."""
+    return cfg.ppo.kl_coef > 0
+
+
 def has_critic(cfg: Config) -> bool:
     """A critic is built, trained and exported only for an estimator that reads values."""
     return ESTIMATORS[cfg.ppo.estimator].traits.needs_critic
@@ -80,7 +88,7 @@ def _trainable_actor_critic(cfg: Config, deepspeed: bool) -> ActorCritic:
     """Actor and critic in the dtypes of the precision table (docs/distributed.md): a
     LoRA base as asked, everything trained in fp32 unless DeepSpeed keeps the masters."""
     m, lora = cfg.model, cfg.lora
-    actor_dtype = trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.enabled)
+    actor_dtype = trained_load_dtype(train_dtype(m), deepspeed, frozen_base=lora.enabled)
     actor = load_causal_lm(
         m.policy, "model.policy", actor_dtype, m, lora.enabled and lora.load_in_4bit
     )
@@ -88,7 +96,9 @@ def _trainable_actor_critic(cfg: Config, deepspeed: bool) -> ActorCritic:
         actor = add_adapters(actor, lora, "CAUSAL_LM")
     if not has_critic(cfg):
         return finish_trainable(ActorCritic(actor, None, cfg.perf), m, deepspeed)
-    critic = build_critic(cfg, trained_load_dtype(m.dtype, deepspeed, frozen_base=lora.critic))
+    critic = build_critic(
+        cfg, trained_load_dtype(train_dtype(m), deepspeed, frozen_base=lora.critic)
+    )
     if lora.critic:
         head_name = _head_name(critic.classifier)
         adapted = add_adapters(critic.classifier, lora, "SEQ_CLS", head_name)
@@ -143,7 +153,8 @@ def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=Non
         net = _trainable_actor_critic(cfg, deepspeed=runtime.zero_stage is not None)
         if ckpt:
             ckpt.load_weights_into(net)  # before prepare: every backend partitions these
-        reference = None if cfg.lora.enabled else _load_reference(cfg)
+        full_reference = needs_reference(cfg) and not cfg.lora.enabled
+        reference = _load_reference(cfg) if full_reference else None
         scorer = (
             None
             if shares_reward_with_critic(cfg)
@@ -164,11 +175,18 @@ def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=Non
     scheduler = make_scheduler(optimizer, [optim for _, optim in groups.values()], total_steps)
     accumulation = plan.update.accumulation_steps
     model, optimizer = runtime.prepare(
-        net, optimizer, p.micro_batch_size, accumulation, p.optim.max_grad_norm, m.dtype
+        net,
+        optimizer,
+        plan.update.micro_batch_size,
+        accumulation,
+        p.optim.max_grad_norm,
+        train_dtype(m),
     )
     if ckpt:
         runtime.restore_optimizer_state(model, optimizer, ckpt.training)
-    if reference is None:
+    if not needs_reference(cfg):
+        reference = None  # KL 0: the rollout takes the old log-probs as the reference's
+    elif reference is None:
         reference = AdapterOffReference(lambda: runtime.unwrap(model).actor)
     else:
         placement, dtype = cfg.distributed.frozen_models, frozen_dtype(cfg.model)
@@ -187,10 +205,15 @@ def export_models(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) ->
     """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
     lora, tokenizer = cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
-        save_pretrained(runtime, model, tokenizer, out / "final", "actor", cfg.model.dtype)
+        save_pretrained(runtime, model, tokenizer, out / "final", "actor", train_dtype(cfg.model))
         if has_critic(cfg):
             save_pretrained(
-                runtime, model, tokenizer, out / "critic", "critic.classifier", cfg.model.dtype
+                runtime,
+                model,
+                tokenizer,
+                out / "critic",
+                "critic.classifier",
+                train_dtype(cfg.model),
             )
         return
     state = runtime.full_state_dict(model)
@@ -210,11 +233,11 @@ def _export_lora_models(
     adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
 
     def policy_base():
-        return load_causal_lm(m.policy, "model.policy", m.dtype, m)
+        return load_causal_lm(m.policy, "model.policy", train_dtype(m), m)
 
     export_lora(state, "actor.", policy_base, lora, "CAUSAL_LM", None, merged, adapter)
     if lora.critic:
-        critic_base = build_critic(cfg, m.dtype).classifier
+        critic_base = build_critic(cfg, train_dtype(m)).classifier
         head = _head_name(critic_base)
         export_lora(
             state,

@@ -24,7 +24,7 @@ from rlhf_dist.data.rows import SFTExample, collate_sft
 from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.files import atomic_write_text
-from rlhf_dist.models import frozen_dtype, load_causal_lm, trained_load_dtype
+from rlhf_dist.models import frozen_dtype, load_causal_lm, train_dtype, trained_load_dtype
 from rlhf_dist.models.lora import AdapterOffReference, add_adapters, export_lora
 from rlhf_dist.trainers.common import StepSection, prepare_single_model, save_pretrained
 
@@ -66,7 +66,9 @@ def build_policy(cfg: Config, runtime: Runtime, section: StepSection, n_examples
     """The trained policy (LoRA adapters on it with lora.enabled), prepared with its optimizer
     and schedule as SFT/RM models are; returns (trained, plan, batches) of prepare_single_model."""
     m, lora = cfg.model, cfg.lora
-    dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=lora.enabled)
+    dtype = trained_load_dtype(
+        train_dtype(m), runtime.zero_stage is not None, frozen_base=lora.enabled
+    )
     net = load_causal_lm(m.policy, "model.policy", dtype, m, lora.enabled and lora.load_in_4bit)
     if lora.enabled:
         net = add_adapters(net, lora, "CAUSAL_LM")
@@ -139,7 +141,7 @@ def export_policy(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) ->
     the LoRA adapter (adapter/both). Every rank must call this."""
     m, lora, tokenizer = cfg.model, cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
-        save_pretrained(runtime, model, tokenizer, out / "final", dtype=m.dtype)
+        save_pretrained(runtime, model, tokenizer, out / "final", dtype=train_dtype(m))
         return
     state = runtime.full_state_dict(model)
     if runtime.is_main:
@@ -148,7 +150,7 @@ def export_policy(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) ->
         adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
 
         def base():
-            return load_causal_lm(m.policy, "model.policy", m.dtype, m)
+            return load_causal_lm(m.policy, "model.policy", train_dtype(m), m)
 
         with runtime.local_loading():
             export_lora(state, "", base, lora, "CAUSAL_LM", None, merged, adapter)

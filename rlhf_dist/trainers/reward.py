@@ -13,7 +13,7 @@ import torch
 
 from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
 from rlhf_dist.config import Config
-from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.data.rows import PreferencePair, collate_pairs, load_rows, preference_pairs
 from rlhf_dist.distributed import Runtime, strided_map
@@ -24,6 +24,7 @@ from rlhf_dist.models import (
     load_sequence_classifier,
     sequence_scores,
     tokenizer_for,
+    train_dtype,
     trained_load_dtype,
 )
 from rlhf_dist.observability import diagnostics as diag
@@ -205,7 +206,10 @@ def report_eval(
 ) -> dict:
     """Score the held-out pairs once; write rm_diagnostics.json, log rm/eval_*, print one
     warning line if the model looks like a length counter. Returns the eval_* summary."""
-    batch_size, pad = cfg.rm.micro_batch_size, tokenizer.pad_token_id
+    batch_size, pad = (
+        stage_plan(cfg.rm, runtime.world_size).micro_batch_size,
+        tokenizer.pad_token_id,
+    )
     metrics, ev = evaluate_pairs(runtime, model, evals, batch_size, pad, prompt_lengths)
     report = rm_diagnostics(runtime, model, evals, metrics, ev, batch_size, tokenizer)
     numbers = metrics | headline(report)
@@ -249,7 +253,7 @@ def train_reward_model(cfg: Config, runtime: Runtime) -> dict:
     key = "model.reward" if m.reward else "model.policy"
     tokenizer = tokenizer_for(cfg, key.split(".")[1])
     train, evals, prompt_lengths = load_pairs(cfg, runtime, tokenizer)
-    dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=False)
+    dtype = trained_load_dtype(train_dtype(m), runtime.zero_stage is not None, frozen_base=False)
     classifier = load_sequence_classifier(m.reward or m.policy, key, dtype, m, new_head=True)
     net = ValueModel(classifier, cfg.perf)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, rc, len(train), ckpt)
@@ -276,7 +280,7 @@ def train_reward_model(cfg: Config, runtime: Runtime) -> dict:
             cfg, runtime, model, tokenizer, evals, prompt_lengths, out, logger, len(batches)
         )
     export = export_tokenizer(tokenizer, cfg.data)
-    save_pretrained(runtime, model, export, out / "final", "classifier", cfg.model.dtype)
+    save_pretrained(runtime, model, export, out / "final", "classifier", train_dtype(cfg.model))
     write_summary(runtime, out, summary)
     logger.close()
     return summary

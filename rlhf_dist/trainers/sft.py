@@ -13,13 +13,13 @@ import torch
 
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.config import Config, PerfConfig
-from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.data.rows import SFTExample, collate_sft, load_rows, sft_examples
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.models import load_causal_lm, tokenizer_for, trained_load_dtype
+from rlhf_dist.models import load_causal_lm, tokenizer_for, train_dtype, trained_load_dtype
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import (
@@ -126,7 +126,7 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
     sc, m = cfg.sft, cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
     train, evals = load_sft_data(cfg, runtime, tokenizer)
-    dtype = trained_load_dtype(m.dtype, runtime.zero_stage is not None, frozen_base=False)
+    dtype = trained_load_dtype(train_dtype(m), runtime.zero_stage is not None, frozen_base=False)
     net = load_causal_lm(m.policy, "model.policy", dtype, m)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
@@ -156,10 +156,17 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
         "train_examples": len(train),
     }
     if evals:
-        summary["eval_loss"] = eval_nll(runtime, model, evals, sc.micro_batch_size, pad, cfg.perf)
+        summary["eval_loss"] = eval_nll(
+            runtime,
+            model,
+            evals,
+            stage_plan(sc, runtime.world_size).micro_batch_size,
+            pad,
+            cfg.perf,
+        )
         logger.log(len(batches), {"sft/eval_loss": summary["eval_loss"]}, ("sft/eval_loss",))
     export = export_tokenizer(tokenizer, cfg.data)
-    save_pretrained(runtime, model, export, out / "final", dtype=cfg.model.dtype)
+    save_pretrained(runtime, model, export, out / "final", dtype=train_dtype(cfg.model))
     write_summary(runtime, out, summary)
     logger.close()
     return summary

@@ -64,6 +64,7 @@ def test_ppo_plan_counts():
         micro_batch_tokens=0,
         ppo_epochs=3,
         samples_per_prompt=1,
+        estimator="gae",
     )
     plan = ppo_plan(cfg, world_size=2)
     assert isinstance(plan, PPOPlan)
@@ -85,6 +86,7 @@ def test_ppo_plan_counts_sequences_with_several_samples_per_prompt():
         micro_batch_tokens=0,
         ppo_epochs=2,
         samples_per_prompt=4,
+        estimator="grpo",
     )
     plan = ppo_plan(cfg, world_size=2)
     assert plan.rollout.per_rank == 4  # prompts per rank

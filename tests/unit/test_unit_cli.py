@@ -111,7 +111,7 @@ def test_config_command_lists_keys_with_type_default_and_meaning(tmp_path):
     proc = run_cli("config", "ppo", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "  ppo.optim.lr  float = 1e-05  (> 0)" in lines
+    assert "  ppo.optim.lr  float = 3e-06  (> 0)" in lines
     assert '  ppo.kl_controller  str = "fixed"  (one of: fixed, adaptive)' in lines
     assert "  ppo.ptx_coef  float = 0.0  (>= 0)" in lines
     assert "run.seed" not in proc.stdout

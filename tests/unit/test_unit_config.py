@@ -91,12 +91,12 @@ def test_overrides_parse_like_yaml():
 
 
 def test_nested_override_keeps_the_section_specific_defaults():
-    # ppo.optim defaults to lr=1e-5, not OptimConfig's 1e-4: touching one key of the
+    # ppo.optim defaults to lr=3e-6, not OptimConfig's 1e-4: touching one key of the
     # nested section must not reset its siblings to the generic dataclass defaults.
     cfg = load_config(overrides=["ppo.optim.weight_decay=0.1", "sft.optim.warmup_steps=5"])
     assert cfg.ppo.optim.weight_decay == 0.1
-    assert cfg.ppo.optim.lr == Config().ppo.optim.lr == 1e-5
-    assert cfg.sft.optim.lr == Config().sft.optim.lr == 1e-3
+    assert cfg.ppo.optim.lr == Config().ppo.optim.lr == 3e-6
+    assert cfg.sft.optim.lr == Config().sft.optim.lr == 2e-5
     assert cfg.sft.optim.warmup_steps == 5
     assert OptimConfig().lr != 1e-5  # otherwise the check above would prove nothing
 
@@ -550,9 +550,9 @@ def test_describe_lists_every_key_with_type_default_choices_and_help():
         assert name in text
         assert " ".join(f.metadata["help"].split()) in " ".join(text.split())
     lines = text.splitlines()
-    # A nested section shows its own defaults (sft.optim.lr is 1e-3, OptimConfig's is 1e-4).
-    assert "  sft.optim.lr  float = 0.001  (> 0)" in lines
-    assert "  ppo.optim.lr  float = 1e-05  (> 0)" in lines
+    # A nested section shows its own defaults (sft.optim.lr is 2e-5, OptimConfig's is 1e-4).
+    assert "  sft.optim.lr  float = 2e-05  (> 0)" in lines
+    assert "  ppo.optim.lr  float = 3e-06  (> 0)" in lines
     assert '  ppo.kl_kind  str = "k1"  (one of: k1, k2, k3)' in lines
     assert "  reward.clip  float or null = null  (> 0 or null)" in lines
     assert any(line.startswith("  lora.target_modules  list of str = [") for line in lines)

@@ -155,7 +155,7 @@ def test_iterate_validation_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match="data.eval: required by iterate"):
         validate(config_from_dict(tree), "iterate")
     tree = to_dict(_iterate_cfg(tmp_path))
-    tree["rm"]["batch_size"] = 3
+    tree["rm"]["batch_size"], tree["rm"]["micro_batch_size"] = 3, 2
     with pytest.raises(ConfigError, match="rm.batch_size"):
         validate(config_from_dict(tree), "iterate")
 

@@ -176,9 +176,20 @@ def test_dpo_and_kto_need_a_policy_and_accept_their_defaults():
         validate(load_config(overrides=["model.policy=/p", "data.train=/d.jsonl"]), stage)
         with pytest.raises(ConfigError, match="model.policy"):
             validate(load_config(overrides=["data.train=/d.jsonl"]), stage)
-    cfg = load_config(overrides=["model.policy=/p", "data.train=/d.jsonl", "dpo.batch_size=24"])
+    cfg = load_config(
+        overrides=[
+            "model.policy=/p",
+            "data.train=/d.jsonl",
+            "dpo.batch_size=24",
+            "dpo.micro_batch_size=32",
+        ]
+    )
     with pytest.raises(ConfigError, match="dpo.batch_size"):
         validate(cfg, "dpo", world_size=1)  # 24 is not a multiple of micro 32 x 1
+    cfg = load_config(overrides=["model.policy=/p", "data.train=/d.jsonl", "dpo.batch_size=24"])
+    validate(cfg, "dpo", world_size=8)  # micro-batches of the auto size: 3 pairs per rank
+    with pytest.raises(ConfigError, match="world size=16 must divide dpo.batch_size=24"):
+        validate(cfg, "dpo", world_size=16)
 
 
 def test_the_example_dpo_config_validates_on_eight_ranks():
