@@ -40,6 +40,7 @@ from rlhf_dist.trainers.preference import (
     response_batch,
     response_logprobs,
 )
+from rlhf_dist.trainers.publish import publish
 
 CONSOLE = ("dpo/loss", "rewards/accuracy", "rewards/margins")
 
@@ -182,4 +183,5 @@ def train_dpo(cfg, runtime) -> dict:
     export_policy(cfg, runtime, model, tokenizer, out)
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "dpo", summary)
     return summary

@@ -41,6 +41,7 @@ from rlhf_dist.trainers.preference import (
     response_batch,
     response_logprobs,
 )
+from rlhf_dist.trainers.publish import publish
 
 CONSOLE = ("kto/loss", "kto/kl", "rewards/margins")
 
@@ -183,4 +184,5 @@ def train_kto(cfg, runtime) -> dict:
     export_policy(cfg, runtime, model, tokenizer, out)
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "kto", summary)
     return summary

@@ -39,6 +39,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.publish import publish
 
 
 def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,4 +275,5 @@ def train_reward_model(cfg, runtime) -> dict:
     save_pretrained(runtime, model, export, out / "final", "classifier", cfg.model.dtype)
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "rm", summary)
     return summary

@@ -32,6 +32,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.publish import publish
 
 
 def sequence_nll(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,4 +163,5 @@ def train_sft(cfg, runtime) -> dict:
     save_pretrained(runtime, model, export, out / "final", dtype=cfg.model.dtype)
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "sft", summary)
     return summary
