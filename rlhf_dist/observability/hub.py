@@ -30,23 +30,28 @@ def push_folders(run, folders: list[tuple[Path, str]], message: str) -> str:
     files stay on disk), with the token masked should the server echo it."""
     token = hub_token(run)
     api = HfApi(token=token)
-    repo, current = run.hub_model_id, Path()
+    repo, done = run.hub_model_id, 0
     try:
         url = str(api.create_repo(repo, private=run.hub_private, exist_ok=True))
-        for current, path_in_repo in folders:
+        for folder, path_in_repo in folders:
             api.upload_folder(
                 repo_id=repo,
-                folder_path=current,
+                folder_path=folder,
                 path_in_repo=path_in_repo or None,
-                commit_message=f"{message}: {current.name}",
+                commit_message=f"{message}: {folder.name}",
             )
+            done += 1
     except Exception as e:  # network, HTTP and validation errors of many types
         what = (str(e).strip().splitlines() or [""])[0]
         if token:
             what = what.replace(token, "***")
-        where = f"uploading {current} to {repo}" if current.parts else f"creating {repo}"
+        # `done` < len(folders): the folder that failed (repository creation: the first).
+        again = "; ".join(
+            "`" + " ".join(filter(None, ("hf upload", repo, str(f), p))) + "`"
+            for f, p in folders[done:]
+        )
         raise UserError(
-            f"run.push_to_hub: {where} failed ({type(e).__name__}: {what}); the "
-            f"model stays on disk: push it again with `hf upload {repo} <folder>`"
+            f"run.push_to_hub: uploading {folders[done][0]} to {repo} failed ({type(e).__name__}: "
+            f"{what}); the model stays on disk, push it again with {again}"
         ) from None
     return url
