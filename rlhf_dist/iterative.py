@@ -300,6 +300,8 @@ def stage_config(cfg: Config, layout: Layout, k: int, stage: str) -> Config:
         "output_dir": str(layout.round_dir(k) / stage),
         "seed": cfg.run.seed + k - 1,
         "resume": "auto",
+        # run.push_to_hub: the last round's policy is the product; one repo gets it once.
+        "push_to_hub": cfg.run.push_to_hub and stage == "ppo" and k == cfg.iterate.rounds,
     }
     model, data = tree["model"], tree["data"]
     if stage == "rm":

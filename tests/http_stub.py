@@ -1,4 +1,4 @@
-"""A local stub HTTP server for reward and judge tests (not a test module).
+"""A local stub HTTP server for reward, judge and hub tests (not a test module).
 
 `StubServer(answer, max_requests)` listens on 127.0.0.1 on an ephemeral port (port 0),
 serves POSTs in a daemon thread with `answer(path, body, headers) -> (status, json)`,
@@ -8,6 +8,7 @@ requests or when the `with` block ends, whichever comes first.
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,7 @@ class StubServer:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 size = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(size) or b"{}")
+                body = parse_body(self.rfile.read(size), self.headers.get("Content-Type", ""))
                 with stub.lock:
                     stub.requests.append((self.path, body, dict(self.headers)))
                     count = len(stub.requests)
@@ -56,6 +57,50 @@ class StubServer:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
+
+
+def parse_body(raw: bytes, content_type: str):
+    """A request's JSON body; newline-delimited JSON (the hub's commit call) as a list."""
+    if content_type.startswith("application/x-ndjson"):
+        return [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return json.loads(raw or b"{}")
+
+
+def hub_answer(path: str, body, headers: dict) -> tuple[int, dict]:
+    """A stand-in for the few Hugging Face Hub endpoints `HfApi.create_repo` and
+    `upload_folder` call (huggingface_hub's endpoint documentation): create a repository,
+    ask how each file is uploaded (always "regular": inlined, base64, in the commit) and
+    commit. `committed_files(stub.requests)` reads back what was uploaded."""
+    if path == "/api/repos/create":
+        repo = "/".join(filter(None, (body.get("organization"), body["name"])))
+        host = headers.get("Host") or headers.get("host")  # RepoUrl checks it is the endpoint
+        return 200, {"url": f"http://{host}/{repo}", "name": repo}
+    if "/preupload/" in path:
+        files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                 for f in body["files"]]  # fmt: skip
+        return 200, {"files": files}
+    if "/commit/" in path:
+        host, oid = headers.get("Host") or headers.get("host"), "0" * 40
+        repo = path.split("/api/models/", 1)[1].split("/commit/", 1)[0]
+        return 200, {"commitUrl": f"http://{host}/{repo}/commit/{oid}", "commitOid": oid,
+                     "pullRequestUrl": None}  # fmt: skip
+    if path == "/api/validate-yaml":
+        return 200, {"errors": [], "warnings": []}
+    return 404, {"error": f"the stand-in does not serve {path}"}
+
+
+def committed_files(requests) -> dict[str, dict[str, bytes]]:
+    """{repository: {path in the repository: bytes}} of every commit the stand-in received."""
+    repos: dict[str, dict[str, bytes]] = {}
+    for path, body, _ in requests:
+        if "/commit/" not in path:
+            continue
+        repo = path.split("/api/models/", 1)[1].split("/commit/", 1)[0]
+        for line in body:
+            if line["key"] == "file":
+                value = line["value"]
+                repos.setdefault(repo, {})[value["path"]] = base64.b64decode(value["content"])
+    return repos
 
 
 def chat_reply(text: str) -> dict:

@@ -50,6 +50,18 @@ class RunConfig:
         "many in a row stop the run with a checkpoint of the last good state",
         gt=0,
     )
+    push_to_hub: bool = key(
+        False,
+        "after the final export, upload final/ (final_adapter/ as adapter/, critic/ as critic/) "
+        "to the Hugging Face Hub repository run.hub_model_id; the files stay on disk",
+    )
+    hub_model_id: str = key("", "run.push_to_hub: the hub repository, user/name or org/name")
+    hub_private: bool = key(False, "run.push_to_hub: create the repository as private")
+    hub_token_env: str = key(
+        "HF_TOKEN",
+        "run.push_to_hub: environment variable holding the hub token (never written to any "
+        "output); unset: the token of `hf auth login`",
+    )
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ paths); each failure is one ConfigError naming a key, before any model loads."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from rlhf_dist.config import sizes
 from rlhf_dist.config.loading import check_keys
@@ -58,6 +59,8 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         _validate_iterate(cfg, world_size)
     if cfg.lora.critic and not cfg.lora.enabled:
         raise ConfigError("lora.critic: needs lora.enabled=true")
+    if cfg.run.push_to_hub:
+        _validate_hub(cfg.run)
     if cfg.lora.load_in_4bit:
         _validate_4bit(cfg)
     if stage in ("ppo", "eval"):
@@ -73,6 +76,29 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             if spec and ":" not in spec:
                 raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
         _validate_reward_sources(cfg.reward)
+
+
+def _validate_hub(run) -> None:
+    """run.push_to_hub: a valid repository id and a token, checked before training so that
+    a long run does not end in a failed upload for want of either."""
+    # huggingface_hub is imported here only: runs that do not push never load it.
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not run.hub_model_id:
+        raise ConfigError("run.hub_model_id: required with run.push_to_hub=true (user/name)")
+    try:
+        validate_repo_id(run.hub_model_id)
+    except HFValidationError:
+        raise ConfigError(
+            f"run.hub_model_id: {run.hub_model_id!r} is not a hub repo id (name, user/name or "
+            "org/name of letters, digits, '-', '_' and '.', at most 96 characters)"
+        ) from None
+    if not (os.environ.get(run.hub_token_env) or get_token()):
+        raise ConfigError(
+            f"run.hub_token_env: run.push_to_hub needs a hub token: none in ${run.hub_token_env} "
+            "and no saved login (hf auth login)"
+        )
 
 
 def _validate_4bit(cfg: Config) -> None:

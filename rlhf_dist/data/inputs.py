@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import os
+import sys
 
 PREFIX = "python:"
 _objects: dict[str, object] = {}
@@ -44,12 +46,37 @@ def resolve_callable(spec: str, key: str):
     else:
         module_name, _, attr = spec.partition(":")
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
+            fn = getattr(import_from_cwd(module_name), attr)
         except (ImportError, AttributeError, ValueError) as e:
             raise ConfigError(f"{key}: cannot import {spec!r} ({e})") from None
     if not callable(fn):
         raise ConfigError(f"{key}: {spec!r} is not callable")
     return fn
+
+
+def import_from_cwd(module_name: str):
+    """`module_name` imported as Python would, else from the current working directory.
+
+    `python -m rlhf_dist` puts the working directory first on sys.path, the `rlhf-dist`
+    console script does not, so `reward.function: my_rewards:score` beside the user's config
+    was found by one and not the other. When the plain import cannot find the module's top
+    package, the working directory goes first on sys.path for this import only (as under
+    `python -m`), so the module and the siblings it imports at the top are found the way
+    `python -m` finds them, packages and relative imports included (a file loader from
+    the path would not give that), and nothing installed is shadowed afterwards. A module
+    that is found but fails inside (a missing dependency) is not retried.
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != module_name.split(".")[0] or cwd in sys.path:
+            raise
+    sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path.remove(cwd)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from rlhf_dist.trainers.preference import (
     response_batch,
     response_logprobs,
 )
+from rlhf_dist.trainers.publish import publish
 
 CONSOLE = ("dpo/loss", "rewards/accuracy", "rewards/margins")
 
@@ -198,4 +199,5 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
     export_policy(cfg, runtime, model, tokenizer, out)
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "dpo", summary)
     return summary

@@ -41,6 +41,7 @@ from rlhf_dist.trainers.preference import (
     response_batch,
     response_logprobs,
 )
+from rlhf_dist.trainers.publish import publish
 
 CONSOLE = ("kto/loss", "kto/kl", "rewards/margins")
 
@@ -191,4 +192,5 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
     export_policy(cfg, runtime, model, tokenizer, out)
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "kto", summary)
     return summary

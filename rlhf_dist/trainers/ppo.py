@@ -77,6 +77,7 @@ from rlhf_dist.trainers.ppo_update import (
     ppo_update,
 )
 from rlhf_dist.trainers.ptx import ptx_stream
+from rlhf_dist.trainers.publish import publish
 
 
 def make_kl_controller(ppo_cfg):
@@ -436,6 +437,7 @@ def train_ppo(cfg, runtime) -> dict:
     }
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "ppo", summary)
     return summary
 
 

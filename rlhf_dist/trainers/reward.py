@@ -41,6 +41,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.publish import publish
 
 
 def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,4 +284,5 @@ def train_reward_model(cfg: Config, runtime: Runtime) -> dict:
     save_pretrained(runtime, model, export, out / "final", "classifier", train_dtype(cfg.model))
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "rm", summary)
     return summary

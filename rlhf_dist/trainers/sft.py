@@ -32,6 +32,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.publish import publish
 
 
 def sequence_nll(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,4 +170,5 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
     save_pretrained(runtime, model, export, out / "final", dtype=train_dtype(cfg.model))
     write_summary(runtime, out, summary)
     logger.close()
+    publish(cfg, runtime, out, "sft", summary)
     return summary

@@ -135,6 +135,19 @@ def test_stage_configs_chain_the_rounds_without_touching_the_iterate_config(tmp_
     assert to_dict(cfg) == before
 
 
+def test_only_the_last_rounds_ppo_pushes_to_the_hub(tmp_path):
+    tree = to_dict(_iterate_cfg(tmp_path, rounds=3))
+    tree["run"] |= {"push_to_hub": True, "hub_model_id": "me/m"}
+    cfg, lay = config_from_dict(tree), it.Layout(tmp_path / "it")
+    pushes = {
+        (k, stage): it.stage_config(cfg, lay, k, stage).run.push_to_hub
+        for k in (1, 2, 3)
+        for stage in ("rm", "ppo", "eval")
+    }
+    assert [key for key, push in pushes.items() if push] == [(3, "ppo")]
+    assert not it.stage_config(_iterate_cfg(tmp_path, rounds=3), lay, 3, "ppo").run.push_to_hub
+
+
 def test_iterate_validation_names_the_key(tmp_path):
     validate(_iterate_cfg(tmp_path), "iterate")
     bad = {
