@@ -40,6 +40,13 @@ class RunConfig:
         min=0,
     )
     keep_checkpoints: int = key(2, "how many of the newest checkpoints are kept", min=1)
+    eval_every: int = key(
+        0,
+        "evaluate on data.eval every N optimizer steps (SFT/RM/DPO/KTO) or iterations (PPO) and "
+        "at the last one, logged as eval/<name> with the step (docs/metrics.md); 0 = only the "
+        "stage's end-of-run evaluation",
+        min=0,
+    )
     resume: str = key(
         "",
         "auto: continue from <output_dir>/checkpoints/latest if there is one; or a checkpoint path",

@@ -522,6 +522,16 @@ def test_flash_attention_without_the_package_is_an_error_naming_the_key(monkeypa
         load_config(overrides=["model.attn_implementation=flash"])
 
 
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto", "ppo"])
+def test_eval_every_needs_held_out_data(stage):
+    required = PPO_REQUIRED if stage == "ppo" else SFT_REQUIRED
+    cfg = load_config(overrides=[*required, "run.eval_every=5"])
+    assert config_error(validate, cfg, stage).startswith("run.eval_every: 5 needs data.eval")
+    validate(load_config(overrides=[*required, "run.eval_every=5", "data.eval=/e.jsonl"]), stage)
+    negative = load_config(overrides=[*required, "run.eval_every=-1", "data.eval=/e.jsonl"])
+    assert config_error(validate, negative, stage).startswith("run.eval_every")
+
+
 # ---------------------------------------------------------------------------------- help
 
 
