@@ -16,8 +16,9 @@ class RunConfig:
     log_every: int = key(1, "write a metrics row every N steps (SFT/RM) or iterations (PPO)", gt=0)
     trackers: tuple[str, ...] = key(
         (),
-        "trackers besides metrics.jsonl (always written): wandb, tensorboard",
-        choices=("wandb", "tensorboard"),
+        "trackers besides metrics.jsonl (always written): wandb, tensorboard, trackio (its local "
+        "store, $TRACKIO_DIR; the rlhf_dist[trackio] extra)",
+        choices=("wandb", "tensorboard", "trackio"),
     )
     project: str = key("rlhf_dist", "project name in the trackers")
     wandb_mode: str = key("online", "W&B mode", choices=("online", "offline"))

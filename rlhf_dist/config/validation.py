@@ -30,6 +30,10 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     key's declared choices and range (`check_keys`), then the rules between keys that
     stage uses; raise ConfigError naming one."""
     check_keys(cfg)
+    if "trackio" in cfg.run.trackers and not _installed("trackio"):
+        raise ConfigError(
+            "run.trackers: trackio needs the trackio package (pip install 'rlhf_dist[trackio]')"
+        )
     training = stage in ("sft", "rm", "dpo", "kto", "ppo")
     if training and cfg.run.eval_every and not cfg.data.eval:
         raise ConfigError(
