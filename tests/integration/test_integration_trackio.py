@@ -5,7 +5,8 @@ metrics.jsonl, the held-out eval/ figures and the histograms to trackio's local 
 A real subprocess (`python -m rlhf_dist sft`), as a user runs it: trackio reads
 $TRACKIO_DIR once, when it is first imported, so the store must be chosen before the
 process starts. Every outgoing internet connection of that process is refused and
-written down by a sitecustomize module put first on its path.
+written down by a sitecustomize module put first on its path. launch/setup.sh installs
+trackio: without it this test fails rather than skips, so a missing install step shows.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ def _split(source: Path, root: Path, n_train: int, n_eval: int) -> tuple[str, st
 
 @pytest.mark.slow
 def test_sft_logs_scalars_and_eval_to_the_local_trackio_store(task_env, tmp_path, read_jsonl):
-    pytest.importorskip("trackio")
     guard = tmp_path / "guard"
     guard.mkdir()
     (guard / "sitecustomize.py").write_text(NO_NETWORK, encoding="utf-8")
