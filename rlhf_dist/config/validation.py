@@ -32,6 +32,15 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
     key's declared choices and range (`check_keys`), then the rules between keys that
     stage uses; raise ConfigError naming one."""
     check_keys(cfg)
+    if "trackio" in cfg.run.trackers and not _installed("trackio"):
+        raise ConfigError(
+            "run.trackers: trackio needs the trackio package (pip install 'rlhf_dist[trackio]')"
+        )
+    training = stage in ("sft", "rm", "dpo", "kto", "ppo")
+    if training and cfg.run.eval_every and not cfg.data.eval:
+        raise ConfigError(
+            f"run.eval_every: {cfg.run.eval_every} needs data.eval (the held-out data to evaluate on)"
+        )
     if cfg.model.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
         raise ConfigError(
             "model.attn_implementation: flash_attention_2 needs the flash-attn package "

@@ -42,7 +42,8 @@ class SkipReport:
     """Counts of rows skipped, by reason."""
 
     kept: int = 0
-    truncated: int = 0
+    truncated: int = 0  # prompts cut to data.max_prompt_length
+    cut: int = 0  # sequences (SFT, pairs, KTO) cut to data.max_length by data.truncate
     skipped: Counter = field(default_factory=Counter)
 
     def skip(self, reason: str) -> None:
@@ -52,6 +53,8 @@ class SkipReport:
         text = f"{what}: {self.kept} kept"
         if self.truncated:
             text += f", {self.truncated} prompts truncated to their last tokens"
+        if self.cut:
+            text += f", {self.cut} truncated to data.max_length"
         if self.skipped:
             reasons = ", ".join(f"{n} {r}" for r, n in self.skipped.most_common())
             text += f", {sum(self.skipped.values())} skipped ({reasons})"
@@ -285,13 +288,89 @@ def row_render(tokenizer, data_cfg: DataConfig, conversational: bool, where: str
     return RowRender(tokenizer, data_cfg, chat, stop_token_ids(tokenizer, chat))
 
 
-def _fits(seqs, data_cfg: DataConfig, report: SkipReport) -> bool:
-    """Whether every sequence of `seqs` ((ids, trained) each) is within data.max_length;
-    if not, the item is a counted skip."""
-    if max(len(ids) for ids, _ in seqs) <= data_cfg.max_length:
-        return True
-    report.skip("longer than data.max_length")
-    return False
+# ------------------------------------------------------- data.max_length, data.truncate
+
+
+class Unfit(Exception):
+    """An item that data.truncate cannot bring within data.max_length; the skip reason."""
+
+
+def fit_item(render, seqs: list, report: SkipReport, turns=None, rerender=None):
+    """One item's sequences ((ids, trained) each: an SFT or KTO sequence, or a pair) within
+    data.max_length as data.truncate says, or None: a counted skip (docs/data.md). render:
+    the file's RowRender.
+
+    Cut alike, so a pair keeps one prompt: right cuts each at max_length; left drops the
+    same leading prompt tokens from all (text) or re-renders them with whole earlier turns
+    of the conversation `turns` dropped (`rerender(turns) -> seqs`)."""
+    limit, mode = render.data_cfg.max_length, render.data_cfg.truncate
+    if max(len(ids) for ids, _ in seqs) <= limit:
+        return seqs
+    try:
+        if mode == "none":
+            raise Unfit("longer than data.max_length")
+        if mode == "right":
+            out = [cut_right(seq, limit) for seq in seqs]
+        elif turns is None:
+            out = cut_left(seqs, limit, render.tokenizer.bos_token_id)
+        else:
+            out = drop_earlier_turns(turns, rerender, limit)
+        if len(out) == 2 and out[0][0] == out[1][0]:
+            raise Unfit("chosen == rejected after truncation")
+    except Unfit as e:
+        report.skip(str(e))
+        return None
+    report.cut += 1
+    return out
+
+
+def cut_right(seq, limit: int):
+    """(ids, trained) cut to its first `limit` tokens and back to its last trained token:
+    the response keeps its start and loses its end, its EOS or end-of-turn included."""
+    ids, trained = seq[0][:limit], seq[1][:limit]
+    if not any(trained):
+        raise Unfit("prompt alone fills data.max_length")
+    end = len(trained) - trained[::-1].index(True)
+    return ids[:end], trained[:end]
+
+
+def cut_left(seqs: list, limit: int, bos_id):
+    """Text sequences sharing one prompt, each without the same prompt tokens after the
+    BOS (kept where the prompt starts with it), so the longest has `limit` tokens. At least
+    one prompt token must remain: a response that leaves no room for one is a skip."""
+    excess = max(len(ids) for ids, _ in seqs) - limit
+    prompt_len = seqs[0][1].index(True)
+    keep = 1 if bos_id is not None and seqs[0][0][:1] == [bos_id] else 0
+    if prompt_len - keep - excess < 1:
+        raise Unfit("response alone fills data.max_length")
+    start = keep + excess
+    return [(ids[:keep] + ids[start:], tr[:keep] + tr[start:]) for ids, tr in seqs]
+
+
+def drop_earlier_turns(turns: list[dict], rerender, limit: int):
+    """rerender(turns) with its first exchanges dropped, one at a time, until the item fits:
+    cutting inside a rendered conversation would cut its template, so whole turns go
+    (leading system messages stay). None left to drop: a skip."""
+    shorter = drop_first_exchange(turns)
+    while shorter is not None:
+        seqs = rerender(shorter)
+        if max(len(ids) for ids, _ in seqs) <= limit:
+            return seqs
+        shorter = drop_first_exchange(shorter)
+    raise Unfit("longer than data.max_length with only its last user turn")
+
+
+def drop_first_exchange(messages: list[dict]) -> list[dict] | None:
+    """`messages` without what comes before their second user turn, leading system
+    messages kept: the oldest exchange (a user turn, the answers and tool turns after it).
+    None when fewer than two user turns are left (the last one is what is answered)."""
+    start = 0
+    while start < len(messages) and messages[start]["role"] == "system":
+        start += 1
+    users = [i for i in range(start, len(messages)) if messages[i]["role"] == "user"]
+    if len(users) < 2:
+        return None
+    return messages[:start] + messages[users[1] :]
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -405,12 +484,22 @@ def sft_examples(
     def encode(row: dict, report: SkipReport) -> list[SFTExample]:
         if form == "messages":
             seq = messages_sequence(render, row)
+            turns: list[dict] | None = _row_messages(row, "messages")
+
+            def rerender(messages):
+                return [render.conversation(messages)]
         else:
             prompt, response = render.prompt(row), render.response(row, form)
             seq = render.sequences(prompt, [response], report)[0]
-        if not _fits([seq], data_cfg, report):
+            turns = prompt if conversational else None
+
+            def rerender(messages):
+                return render.sequences(messages, [response], report)
+
+        fitted = fit_item(render, [seq], report, turns, rerender)
+        if fitted is None:
             return []
-        ids, trained = seq
+        ids, trained = fitted[0]
         return [SFTExample(ids, trained.index(True), trained if conversational else None)]
 
     return encode_each(rows, encode)
@@ -513,11 +602,18 @@ def preference_pairs(
     def encode(row: dict, report: SkipReport) -> list[PreferencePair]:
         prompt, pairs = preference_row(render, row, responses_field, report)
         seqs = render.sequences(prompt, [r for pair in pairs for r in pair], report)
+        turns = prompt if render.chat is not None else None
         out = []
-        for chosen, rejected in zip(seqs[::2], seqs[1::2]):
-            if _fits([chosen, rejected], data_cfg, report):
-                prompt_len = chosen[1].index(True)
-                out.append(PreferencePair(chosen[0], rejected[0], row.get("category"), prompt_len))
+        for pair, chosen, rejected in zip(pairs, seqs[::2], seqs[1::2]):
+
+            def rerender(messages, pair=pair):
+                return render.sequences(messages, list(pair), report)
+
+            fitted = fit_item(render, [chosen, rejected], report, turns, rerender)
+            if fitted is not None:
+                (chosen_ids, trained), (rejected_ids, _) = fitted
+                category, prompt_len = row.get("category"), trained.index(True)
+                out.append(PreferencePair(chosen_ids, rejected_ids, category, prompt_len))
         return out
 
     return encode_each(rows, encode)
@@ -585,9 +681,16 @@ def kto_examples(
     def encode(row: dict, report: SkipReport) -> list[KTOExample]:
         prompt, labelled = kto_row(render, row, kto_cfg, report)
         seqs = render.sequences(prompt, [c for c, _ in labelled], report)
+        turns = prompt if render.chat is not None else None
         out = []
-        for (ids, trained), (_, desirable) in zip(seqs, labelled):
-            if _fits([(ids, trained)], data_cfg, report):
+        for seq, (completion, desirable) in zip(seqs, labelled):
+
+            def rerender(messages, completion=completion):
+                return render.sequences(messages, [completion], report)
+
+            fitted = fit_item(render, [seq], report, turns, rerender)
+            if fitted is not None:
+                ids, trained = fitted[0]
                 n = trained.index(True)  # the prompt's tokens, then the completion's
                 out.append(KTOExample(ids[:n], ids[n:], desirable))
         return out

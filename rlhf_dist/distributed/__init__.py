@@ -23,7 +23,7 @@ backends):
 - inference.py: frozen models, the generation context, training steps' weights, loading
   outside ZeRO-3;
 - zero3.py: a ZeRO-3 model's weights gathered whole in one collective, per-module hooks off;
-- trackers.py: W&B / TensorBoard through Accelerate;
+- trackers.py: W&B / TensorBoard / trackio through Accelerate;
 - runtime.py: the `Runtime` facade.
 """
 

@@ -1,4 +1,5 @@
-"""Experiment trackers (W&B, TensorBoard) through Accelerate's tracking API."""
+"""Experiment trackers (W&B, TensorBoard, trackio) through Accelerate's tracking API
+(Accelerate builds each from its name: `Backend(trackers=...)`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def log_scalars(backend: Backend, values: dict, step: int) -> None:
 
 
 def tracker(backend: Backend, name: str):
-    """The underlying tracker object (wandb run, TensorBoard SummaryWriter)."""
+    """The underlying tracker object (wandb run, TensorBoard SummaryWriter, trackio Run)."""
     return backend.accelerator.get_tracker(name, unwrap=True)
 
 

@@ -1,4 +1,4 @@
-"""Metrics sink: metrics.jsonl always; W&B / TensorBoard through Accelerate's trackers;
+"""Metrics sink: metrics.jsonl always; W&B / TensorBoard / trackio through Accelerate's trackers;
 distributions, samples and alerts as JSON lines; a progress bar and one compact console
 line per logged step.
 
@@ -32,6 +32,19 @@ QUANTILES = {
 }
 HISTOGRAM_BINS = 30
 FILES = ("metrics.jsonl", "distributions.jsonl", "samples.jsonl", "alerts.jsonl")
+# Trackers whose package has W&B's Histogram(np_histogram=...) and Table(columns, data).
+WANDB_LIKE = ("wandb", "trackio")
+
+
+def _media_types(tracker: str):
+    """The package of a WANDB_LIKE tracker (imported when used: both are optional here)."""
+    if tracker == "wandb":
+        import wandb
+
+        return wandb
+    import trackio
+
+    return trackio
 
 
 class MainProcess(Protocol):
@@ -133,7 +146,12 @@ class MetricsLogger:
                     "name": f"{self.dir.name}-{stage}",
                     "mode": run_cfg.wandb_mode,
                     "dir": str(self.dir),
-                }
+                },
+                # trackio keeps its own store ($TRACKIO_DIR); a resumed run continues its run.
+                "trackio": {
+                    "name": f"{self.dir.name}-{stage}",
+                    "resume": "allow" if resume_step else "never",
+                },
             }
             runtime.start_trackers(run_cfg.project, flat_config(config_dict), kwargs)
         if run_cfg.progress and total_steps and sys.stderr.isatty():
@@ -176,7 +194,7 @@ class MetricsLogger:
             print(line, flush=True)
 
     def log_distributions(self, step: int, named: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Histograms of all-rank values -> distributions.jsonl, W&B / TensorBoard
+        """Histograms of all-rank values -> distributions.jsonl, W&B / trackio / TensorBoard
         histograms; returns their quantiles as `dist/<name>/<q>` for the metrics row."""
         if not self.runtime.is_main:
             return {}
@@ -192,14 +210,14 @@ class MetricsLogger:
         return quantiles
 
     def _tracker_histograms(self, step: int, rows: list[dict], named: dict) -> None:
-        if "wandb" in self.trackers:
-            import wandb
-
-            hists = {
-                f"dist/{r['name']}": wandb.Histogram(np_histogram=(r["counts"], r["edges"]))
-                for r in rows
-            }
-            self.runtime.tracker("wandb").log(hists, step=step)
+        for name in WANDB_LIKE:
+            if name in self.trackers:
+                lib = _media_types(name)
+                hists = {
+                    f"dist/{r['name']}": lib.Histogram(np_histogram=(r["counts"], r["edges"]))
+                    for r in rows
+                }
+                self.runtime.tracker(name).log(hists, step=step)
         if "tensorboard" in self.trackers:
             writer = self.runtime.tracker("tensorboard")
             for r in rows:
@@ -209,17 +227,17 @@ class MetricsLogger:
                 )
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        """Rows {prompt, response, score, kl} -> samples.jsonl and a W&B table."""
+        """Rows {prompt, response, score, kl} -> samples.jsonl and a W&B / trackio table."""
         if not self.runtime.is_main or not samples:
             return
         rows = [{"step": step, **{k: _plain(v) for k, v in s.items()}} for s in samples]
         self._append("samples.jsonl", rows)
-        if "wandb" in self.trackers:
-            import wandb
-
-            columns = list(rows[0])
-            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
-            self.runtime.tracker("wandb").log({"samples": table}, step=step)
+        columns = list(rows[0])
+        for name in WANDB_LIKE:
+            if name in self.trackers:
+                lib = _media_types(name)
+                table = lib.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+                self.runtime.tracker(name).log({"samples": table}, step=step)
 
     def log_alerts(self, step: int, alerts: list[tuple[str, str]]) -> None:
         """New alerts: printed once, appended to alerts.jsonl."""

@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from rlhf_dist.checkpoint import Checkpoint, find_checkpoint, maybe_fault, save_checkpoint
+from rlhf_dist.checkpoint import (
+    Checkpoint,
+    find_checkpoint,
+    maybe_fault,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from rlhf_dist.config import (
     Config,
     DPOConfig,
@@ -181,6 +188,27 @@ def resume_into(runtime: Runtime, ckpt, model, optimizer, scheduler, seed: int) 
 
 
 DISTRIBUTIONS = "_distributions"  # key of a step's per-example values in step_fn's result
+EVAL_CONSOLE = ("eval/loss", "eval/accuracy", "eval/score", "eval/kl_to_ref")
+
+
+def evaluate_if_due(cfg, runtime, logger, steps: tuple[int, int], evaluate) -> dict:
+    """run.eval_every: every N optimizer steps (SFT/RM/DPO/KTO) or iterations (PPO), and at
+    the last one, run the stage's held-out evaluation and log it as eval/<name> with the
+    step (docs/metrics.md); returns what was logged ({} when not due).
+
+    steps: (this step, last step); evaluate() -> {name: number}, the stage's own held-out
+    evaluation (its forwards in lock-step: every rank must call this), or None without
+    held-out data. The RNG streams are put back afterwards: the training run draws the
+    same numbers with the evaluation as without it."""
+    step, last = steps
+    every = cfg.run.eval_every
+    if evaluate is None or every <= 0 or not (step % every == 0 or step == last):
+        return {}
+    state = rng_state()
+    metrics = {f"eval/{name}": value for name, value in evaluate().items()}
+    set_rng_state(state)
+    logger.log(step, metrics, EVAL_CONSOLE)
+    return metrics
 
 
 def step_loop(
@@ -194,8 +222,11 @@ def step_loop(
     step_fn,
     stage: str,
     console: tuple,
+    evaluate=None,
 ) -> dict:
-    """The SFT/RM loop: skip to the checkpoint, step, log, checkpoint, stop on SIGTERM.
+    """The SFT/RM/DPO/KTO loop: skip to the checkpoint, step, log, checkpoint, stop on
+    SIGTERM, evaluate when due (`evaluate_if_due`; evaluate: the stage's held-out evaluation
+    or None).
 
     trained: (model, optimizer, scheduler); batches: list of (epoch, global indices);
     step_fn(indices) runs one optimizer step and returns its metrics, with this rank's
@@ -227,6 +258,7 @@ def step_loop(
             logger.log(step, metrics, console)
         state = {"scheduler": scheduler.state_dict()}
         safe_point(cfg, runtime, out, (step, total), preemption, (model, optimizer), state)
+        evaluate_if_due(cfg, runtime, logger, (step, total), evaluate)
     return metrics
 
 

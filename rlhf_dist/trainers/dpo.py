@@ -184,7 +184,14 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
         norms = step_and_schedule(runtime, trained, [dc.optim.max_grad_norm])
         return metrics | {"dpo/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}
 
-    last = step_loop(cfg, runtime, out, logger, ckpt, trained, batches, step, "dpo", CONSOLE)
+    def evaluate() -> dict:  # run.eval_every: held-out loss, reward accuracy and margins
+        numbers = evaluate_dpo(runtime, model, reference, evals, eval_table, dc, pad, cfg.perf)
+        return {k.removeprefix("eval_"): v for k, v in numbers.items() if k != "eval_pairs"}
+
+    last = step_loop(
+        cfg, runtime, out, logger, ckpt, trained, batches, step, "dpo", CONSOLE,
+        evaluate if evals else None,
+    )  # fmt: skip
     summary = {
         "steps": len(batches),
         "train_pairs": len(train),

@@ -33,6 +33,7 @@ from rlhf_dist.trainers.common import (
     step_loop,
 )
 from rlhf_dist.trainers.preference import (
+    all_response_logprobs,
     build_policy,
     build_reference,
     export_policy,
@@ -131,7 +132,8 @@ def kto_step(
     return metrics | {"kto/kl": float(z0)}, {"reward": torch.cat(rewards)}
 
 
-def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> list:
+def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list]:
+    """Training and held-out examples (data.eval, same formats; [] without it)."""
     rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
     where = f"data.train {cfg.data.train!r}"
     train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)
@@ -143,31 +145,59 @@ def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> list:
         raise ConfigError(
             f"kto.batch_size: {cfg.kto.batch_size} is more than the {len(train)} usable examples ({report.summary('kto examples')})"
         )
-    return train
+    evals = []
+    if cfg.data.eval:
+        rows = load_rows(cfg.data.eval, "data.eval")
+        where = f"data.eval {cfg.data.eval!r}"
+        evals = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)[0]
+    return train, evals
+
+
+def evaluate_kto(
+    runtime, model, reference, evals, ref_table, kc, pad_id: int, perf: PerfConfig = DEFAULT_PERF
+) -> dict:
+    """Held-out KTO loss, reference point z0 (`kl`), share of examples on the right side of
+    it (`accuracy`) and reward margin over `evals`, the whole held-out set as one batch
+    (every rank scores a share in lock-step: trainers/preference.all_response_logprobs).
+
+    ref_table: (2N,) reference log-probs [completions, mismatched pairs], or None to score
+    them with `reference` now."""
+    seqs, size = completion_sequences(evals) + mismatched_sequences(evals), 2 * kc.micro_batch_size
+    policy = all_response_logprobs(runtime, model, seqs, size, pad_id, perf).double()
+    if ref_table is None:
+        ref_table = all_response_logprobs(runtime, reference, seqs, size, pad_id, perf)
+    ref, n = ref_table.double(), len(evals)
+    z0 = kto_reference_point((policy[n:] - ref[n:]).sum(), n)
+    desirable = torch.tensor([ex.desirable for ex in evals])
+    w = (kc.desirable_weight, kc.undesirable_weight)
+    terms = kto_terms(policy[:n], ref[:n], desirable, z0, kc.beta, *w)
+    right = torch.where(desirable, policy[:n] > ref[:n] + z0, policy[:n] < ref[:n] + z0)
+    out = {"loss": float(terms["loss"].mean()), "kl": float(z0)}
+    out["accuracy"] = float(right.double().mean())
+    rewards = terms["rewards"]
+    if desirable.any() and not desirable.all():  # a margin needs both kinds of example
+        out["margins"] = float(rewards[desirable].mean() - rewards[~desirable].mean())
+    return out
 
 
 def train_kto(cfg: Config, runtime: Runtime) -> dict:
     """Train the policy with KTO as configured; returns the summary.json content."""
     ckpt, kc = find_resume(cfg, runtime), cfg.kto
     tokenizer = tokenizer_for(cfg, "policy")
-    train = load_kto_examples(cfg, runtime, tokenizer)
+    train, evals = load_kto_examples(cfg, runtime, tokenizer)
     trained, plan, batches = build_policy(cfg, runtime, kc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     reference = build_reference(cfg, runtime, model)
     out, logger = open_run(cfg, runtime, "kto", ckpt, len(batches))
-    table = None
+    table = eval_table = None
     if kc.reference_logprobs == "precompute":
         seqs = completion_sequences(train) + mismatched_sequences(train)
-        full = reference_table(
-            cfg,
-            runtime,
-            reference,
-            seqs,
-            2 * stage_plan(kc, runtime.world_size).micro_batch_size,
-            pad,
-            out,
-        )
-        table = full.view(2, len(train)).T  # (N, 2): completion, mismatched
+        seqs += completion_sequences(evals) + mismatched_sequences(evals)
+        rows = 2 * stage_plan(kc, runtime.world_size).micro_batch_size
+        full = reference_table(cfg, runtime, reference, seqs, rows, pad, out)
+        n = len(train)
+        table = full[: 2 * n].view(2, n).T  # (N, 2): completion, mismatched
+        eval_table = full[2 * n :]
         if not cfg.lora.enabled:
             reference = None  # every reference log-prob is in the table: free the copy
 
@@ -179,7 +209,13 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
         norms = step_and_schedule(runtime, trained, [kc.optim.max_grad_norm])
         return metrics | {"kto/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}
 
-    last = step_loop(cfg, runtime, out, logger, ckpt, trained, batches, step, "kto", CONSOLE)
+    def evaluate() -> dict:  # run.eval_every: held-out loss, z0, accuracy, margins
+        return evaluate_kto(runtime, model, reference, evals, eval_table, kc, pad, cfg.perf)
+
+    last = step_loop(
+        cfg, runtime, out, logger, ckpt, trained, batches, step, "kto", CONSOLE,
+        evaluate if evals else None,
+    )  # fmt: skip
     desirable = sum(ex.desirable for ex in train)
     summary = {
         "steps": len(batches),
@@ -189,6 +225,10 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
         "train_kl": last.get("kto/kl"),
         "train_margins": last.get("rewards/margins"),
     }
+    if evals:
+        numbers = evaluate()
+        logger.log(len(batches), {f"kto/eval_{k}": v for k, v in numbers.items()}, ())
+        summary |= {f"eval_{k}": v for k, v in numbers.items()}
     export_policy(cfg, runtime, model, tokenizer, out)
     write_summary(runtime, out, summary)
     logger.close()

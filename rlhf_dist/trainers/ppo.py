@@ -54,11 +54,13 @@ from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.stats import global_mean_var, global_moments
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
+    evaluate_if_due,
     find_resume,
     safe_point,
     write_checkpoint,
 )
 from rlhf_dist.trainers.dynamic_sampling import rollout_until_full
+from rlhf_dist.trainers.ppo_eval import held_out_eval
 from rlhf_dist.trainers.ppo_setup import PPORun, build_models, export_models
 from rlhf_dist.trainers.ppo_stats import (
     IterationResult,
@@ -409,6 +411,7 @@ def train_ppo(cfg, runtime) -> dict:
     preemption, alerts, stats = PreemptionFlag(), AlertMonitor(cfg.alerts), {}
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
+    evaluate = held_out_eval(cfg, runtime, run)  # run.eval_every; None: no evaluation
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
         rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
         more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
@@ -427,6 +430,7 @@ def train_ppo(cfg, runtime) -> dict:
         safe_point(
             cfg, runtime, out, steps, preemption, trained, trainer_state(run, first_score, alerts)
         )
+        evaluate_if_due(cfg, runtime, logger, steps, evaluate)
     export_models(cfg, runtime, run.model, run.tokenizer, out)
     summary = {
         "iterations": p.iterations,

@@ -267,9 +267,15 @@ def train_reward_model(cfg: Config, runtime: Runtime) -> dict:
         norm = norms[0] if norms else None
         return metrics | {"rm/grad_norm": norm, DISTRIBUTIONS: values}
 
+    def evaluate() -> dict:  # run.eval_every: held-out loss, accuracy, calibration
+        metrics, _ = evaluate_pairs(runtime, model, evals, rc.micro_batch_size, pad)
+        return {k: metrics[k] for k in ("loss", "accuracy", "ece")}
+
+    console = ("rm/loss", "rm/accuracy")
     last = step_loop(
-        cfg, runtime, out, logger, ckpt, trained, batches, step, "rm", ("rm/loss", "rm/accuracy")
-    )
+        cfg, runtime, out, logger, ckpt, trained, batches, step, "rm", console,
+        evaluate if evals else None,
+    )  # fmt: skip
     summary = {
         "steps": len(batches),
         "train_loss": last.get("rm/loss"),

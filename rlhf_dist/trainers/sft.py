@@ -139,6 +139,9 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
         norm = norms[0] if norms else None
         return metrics | {"sft/grad_norm": norm, DISTRIBUTIONS: values}
 
+    def evaluate() -> dict:  # run.eval_every: held-out response-token NLL
+        return {"loss": eval_nll(runtime, model, evals, sc.micro_batch_size, pad, cfg.perf)}
+
     last = step_loop(
         cfg,
         runtime,
@@ -150,6 +153,7 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
         step,
         "sft",
         ("sft/loss", "sft/grad_norm"),
+        evaluate if evals else None,
     )
     summary = {
         "steps": len(batches),

@@ -22,7 +22,7 @@ from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import tool_task
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.rollout.agent import TOOL_CALL
-from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers import ppo, ppo_update
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
 REWARD = "rlhf_dist.demo.tool_task:answer_reward"
@@ -170,7 +170,7 @@ def test_a_multi_turn_run_killed_mid_iteration_resumes_bitwise(
     tree = grpo_tree(out, policy, files, checkpoint_every=1)
 
     with monkeypatch.context() as mp:
-        kill_at(mp, ppo, "update", 2)
+        kill_at(mp, ppo_update, "update", 2)
         with pytest.raises(Killed):
             ppo.train_ppo(config_from_dict(tree), runtime)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"

@@ -98,7 +98,8 @@ def test_grpo_builds_no_critic_trains_the_actor_and_keeps_groups_on_one_rank(
     assert rows[0]["rollout/sequences"] == 32.0  # 8 prompts x 4 samples
 
     # Groups: rows [4g, 4g+4) of the rollout are four samples of ONE prompt.
-    for (_, prompt_ids, *_), _, _ in rollouts:
+    for (_, prompts, *_), _, _ in rollouts:
+        prompt_ids = prompts.ids
         assert prompt_ids.shape[0] == 32
         groups = prompt_ids.reshape(8, 4, -1)
         assert torch.equal(groups, groups[:, :1].expand_as(groups))

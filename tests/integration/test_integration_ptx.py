@@ -22,7 +22,7 @@ from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.rows import load_rows, sft_examples
 from rlhf_dist.demo import task
 from rlhf_dist.models import load_causal_lm
-from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers import ppo, ppo_update
 from rlhf_dist.trainers.sft import eval_nll
 
 GOLD = "rlhf_dist.demo.task:gold_reward_fn"
@@ -63,7 +63,7 @@ def test_ptx_killed_mid_update_resumes_to_the_same_metrics(
     assert len(set(ptx_losses)) == 3, ptx_losses  # each iteration drew other rows
 
     out = tmp_path / "killed"
-    kill_at(monkeypatch, ppo, "update", 2)  # after the 1st of iteration 2's 2 steps
+    kill_at(monkeypatch, ppo_update, "update", 2)  # after the 1st of iteration 2's 2 steps
     with pytest.raises(Killed):
         ppo.train_ppo(config_from_dict(tree(out)), runtime)
     monkeypatch.undo()

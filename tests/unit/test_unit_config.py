@@ -522,6 +522,30 @@ def test_flash_attention_without_the_package_is_an_error_naming_the_key(monkeypa
         load_config(overrides=["model.attn_implementation=flash"])
 
 
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "kto", "ppo"])
+def test_eval_every_needs_held_out_data(stage):
+    required = PPO_REQUIRED if stage == "ppo" else SFT_REQUIRED
+    cfg = load_config(overrides=[*required, "run.eval_every=5"])
+    assert config_error(validate, cfg, stage).startswith("run.eval_every: 5 needs data.eval")
+    validate(load_config(overrides=[*required, "run.eval_every=5", "data.eval=/e.jsonl"]), stage)
+    negative = load_config(overrides=[*required, "run.eval_every=-1", "data.eval=/e.jsonl"])
+    assert config_error(validate, negative, stage).startswith("run.eval_every")
+
+
+@pytest.mark.parametrize("stage", ["sft", "ppo"])
+def test_trackio_without_the_package_is_an_error_naming_the_key_and_extra(monkeypatch, stage):
+    import rlhf_dist.config.validation as config_module
+
+    required = PPO_REQUIRED if stage == "ppo" else SFT_REQUIRED
+    cfg = load_config(overrides=[*required, "run.trackers=[tensorboard, trackio]"])
+    assert cfg.run.trackers == ("tensorboard", "trackio")
+    monkeypatch.setattr(config_module, "_installed", lambda module: module != "trackio")
+    message = config_error(validate, cfg, stage)
+    assert message.startswith("run.trackers: trackio needs") and "rlhf_dist[trackio]" in message
+    monkeypatch.setattr(config_module, "_installed", lambda module: True)
+    validate(cfg, stage)
+
+
 # ---------------------------------------------------------------------------------- help
 
 
@@ -691,7 +715,7 @@ def test_config_listing_shows_ranges():
     lines = describe("ppo").splitlines()
     assert any(line.startswith("  ppo.gamma  float = 1.0  (in [0, 1])") for line in lines), lines
     assert "(each >= 0)" in describe("generation.stop_token_ids")
-    assert "(one of: wandb, tensorboard)" in describe("run.trackers")
+    assert "(one of: wandb, tensorboard, trackio)" in describe("run.trackers")
 
 
 @pytest.mark.parametrize(
