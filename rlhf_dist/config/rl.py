@@ -56,7 +56,8 @@ class GenerationConfig:
     )
     vllm_max_model_len: int = key(
         0,
-        "vllm: longest prompt + response the engine accepts; 0 = the model's context length",
+        "vllm: longest prompt + response the engine accepts (its KV cache must hold one); 0 = "
+        "data.max_prompt_length + generation.max_new_tokens, the longest a rollout samples",
         min=0,
     )
     vllm_sleep: bool = key(

@@ -248,6 +248,17 @@ def tokenizer_for(cfg: Config, model_key: str = "policy"):
     return load_tokenizer(path, m.trust_remote_code, f"model.{model_key}")
 
 
+def context_length(path: str, trust_remote_code: bool = False) -> int | None:
+    """The longest sequence a model's positions cover (config.json's
+    max_position_embeddings), or None where its config does not say."""
+    from transformers import AutoConfig
+
+    config = _from_pretrained(AutoConfig, path, "model.policy", trust_remote_code=trust_remote_code)
+    text = getattr(config, "text_config", None) or config  # multimodal configs nest it
+    n = getattr(text, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 def generation_eos_ids(path: str) -> tuple[int, ...]:
     """The eos_token_id of a model's generation_config.json (an id or a list: Llama 3
     instruct lists three), or () if it has none."""

@@ -25,7 +25,7 @@ import torch
 from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.models.loading import train_dtype
+from rlhf_dist.models.loading import context_length, train_dtype
 
 _MISSING = (
     "generation.backend=vllm: the vllm package is not installed "
@@ -124,6 +124,15 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, p.detach()
 
 
+def _rollout_length(cfg: Config) -> int:
+    """The engine's max_model_len by default: the longest sequence a rollout samples
+    (prompt + new tokens), within the model's context. Not the whole context (8k-128k
+    tokens): vLLM refuses to start unless its KV cache holds one max_model_len sequence."""
+    longest = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
+    context = context_length(cfg.model.policy, cfg.model.trust_remote_code)
+    return min(longest, context) if context else longest
+
+
 class VLLMEngine:
     """One rank's in-process vLLM engine: load the actor's weights, sample a rollout."""
 
@@ -146,8 +155,7 @@ class VLLMEngine:
             enable_sleep_mode=self.sleeps,
             gpu_memory_utilization=g.vllm_gpu_memory_utilization,
         )
-        if g.vllm_max_model_len:
-            kwargs["max_model_len"] = g.vllm_max_model_len
+        kwargs["max_model_len"] = g.vllm_max_model_len or _rollout_length(cfg)
         kv_gib = g.vllm_kv_cache_gib or (0 if self.on_gpu else 1.0)
         if kv_gib:
             kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
