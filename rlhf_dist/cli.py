@@ -174,6 +174,16 @@ def _duplicate_error() -> bool:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) != 0
 
 
+def _print_out(text: object) -> None:
+    """Print to stdout, where a reader that stopped early (`rlhf-dist config | head`) is
+    not an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python would fail again flushing stdout at exit: point it at /dev/null instead.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -197,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from rlhf_dist.observability.report import build_report
 
-            print(build_report(args.path, args.output))
+            _print_out(build_report(args.path, args.output))
             return 0
         if args.command == "config":
             from rlhf_dist.config import describe, starter_yaml
 
-            print(starter_yaml(args.yaml) if args.yaml else describe(args.section))
+            _print_out(starter_yaml(args.yaml) if args.yaml else describe(args.section))
             return 0
         return _run_stage(args.command, args)
     except UserError as e:

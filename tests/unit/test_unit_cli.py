@@ -7,6 +7,7 @@ subprocesses because what a user sees (stderr, exit status) is the contract.
 """
 
 import dataclasses
+import fcntl
 import os
 import subprocess
 import sys
@@ -159,3 +160,23 @@ def test_config_error_before_ranks_connect_is_printed_by_the_first_rank_only(arg
     # Only RANK set (a launcher without LOCAL_RANK): rank 1 stays quiet too.
     only_rank = run_cli(*args, cwd=tmp_path, env={"RANK": "1", "WORLD_SIZE": "2"})
     assert only_rank.returncode == 2 and only_rank.stderr == ""
+
+
+def test_a_reader_that_stops_early_is_not_an_error(tmp_path):
+    # `rlhf-dist config | head -1`: the reader closes the pipe after one line, while the
+    # writer still has most of its text to write (a 4 KiB pipe: Linux's smallest).
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, 1031, 4096)  # F_SETPIPE_SZ
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_dist", "config"],
+        cwd=tmp_path,
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+    )
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as out:
+        first = out.readline()
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert first.startswith(b"run:") and err == ""
