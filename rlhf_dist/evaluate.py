@@ -20,7 +20,7 @@ from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data import inputs
 from rlhf_dist.data.chat import prompt_text
-from rlhf_dist.data.rows import load_rows, prompt_set
+from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -253,9 +253,9 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict:
     """`rlhf-dist eval`: writes summary.json and samples.jsonl under run.output_dir."""
     m = cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
-    source = cfg.data.eval or cfg.data.train
-    key = "data.eval" if cfg.data.eval else "data.train"
-    prompts = prompt_set(load_rows(source, key), tokenizer, cfg.data, f"{key} {source!r}")
+    which = "eval" if cfg.data.eval else "train"
+    where = f"data.{which} {getattr(cfg.data, which)!r}"
+    prompts = prompt_set(load_data(cfg.data, which), tokenizer, cfg.data, where)
     # Evaluation replicates its models on every rank: sampling from partitioned (ZeRO-3)
     # weights would need every rank to step each token together. Its chunks still run in
     # lock-step (evaluate_policy), as every forward-only loop does.

@@ -44,7 +44,7 @@ from rlhf_dist.config import (
 )
 from rlhf_dist.data import inputs
 from rlhf_dist.data.batching import stage_plan
-from rlhf_dist.data.rows import load_rows, preference_pairs, prompt_set
+from rlhf_dist.data.rows import load_data, preference_pairs, prompt_set
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.evaluate import eval_models, run_eval
 from rlhf_dist.files import atomic_write_text
@@ -342,11 +342,9 @@ def _no_scores(prompts, responses, columns=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_pairs(
-    cfg: Config, runtime: Runtime, policy_path: str, source: str, key: str, n: int, seed: int
-):
+def sample_pairs(cfg: Config, runtime: Runtime, policy_path: str, which: str, n: int, seed: int):
     """n answer pairs from the policy at policy_path, two samples per prompt at
-    generation.temperature, on the prompts of `source` (pair i takes prompt i mod count),
+    generation.temperature, on the prompts of data.<which> (pair i takes prompt i mod count),
     through `rlhf-dist eval`'s generation path (evaluate.eval_models ->
     rollout.collect_rollout). Each rank samples every world_size-th pair, in chunks of
     eval.batch_size prompts in lock-step (distributed/lockstep.py); the pairs are gathered
@@ -355,7 +353,8 @@ def sample_pairs(
     Returns (AnswerPairs, dropped count)."""
 
     m, tokenizer = cfg.model, tokenizer_for(cfg, "policy")
-    prompts = prompt_set(load_rows(source, key), tokenizer, cfg.data, f"{key} {source!r}")
+    where = f"data.{which} {getattr(cfg.data, which)!r}"
+    prompts = prompt_set(load_data(cfg.data, which), tokenizer, cfg.data, where)
     with runtime.local_loading():
         policy = load_causal_lm(policy_path, "model.policy", train_dtype(m), m)
     policy = runtime.prepare_frozen(policy, "replicate")
@@ -457,9 +456,7 @@ def samples_stage(loop: Loop, k: int) -> dict:
     training file: every round's pairs so far."""
     cfg, lay = loop.cfg, loop.layout
     n, seed = cfg.iterate.pairs_per_round, cfg.run.seed + k - 1
-    pairs, unfinished = sample_pairs(
-        cfg, loop.runtime, lay.policy(cfg, k - 1), cfg.data.train, "data.train", n, seed
-    )
+    pairs, unfinished = sample_pairs(cfg, loop.runtime, lay.policy(cfg, k - 1), "train", n, seed)
     info = label_and_write(loop.runtime, loop.labeller, pairs, lay.new_pairs(k), k, seed)
     if loop.runtime.is_main:
         rows = [r for j in range(1, k + 1) for r in read_jsonl(lay.new_pairs(j))]
@@ -479,8 +476,7 @@ def eval_stage(loop: Loop, k: int) -> dict:
         cfg,
         runtime,
         lay.policy(cfg, k),
-        cfg.data.eval,
-        "data.eval",
+        "eval",
         cfg.iterate.heldout_pairs,
         seed,
     )

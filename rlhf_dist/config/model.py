@@ -70,7 +70,13 @@ class DataConfig:
         "held-out data of the same format (each stage's held-out figures, at the end and every "
         "run.eval_every steps; PPO's and rlhf-dist eval's prompts); empty: none",
     )
-    split: str = key("train", "split of a hub dataset (local files are read whole)")
+    split: str = key("train", "split of a hub dataset in data.train (local files are read whole)")
+    eval_split: str = key("test", "split of a hub dataset in data.eval")
+    subset: str = key(
+        "",
+        "configuration (subset) of a hub dataset in data.train / data.eval, as load_dataset's "
+        "name: e.g. main for openai/gsm8k; empty: the dataset's only or default one",
+    )
     prompt_field: str = key("prompt", "name of the prompt column")
     max_prompt_length: int = key(512, "prompt tokens kept (see data.too_long)", gt=0)
     max_length: int = key(

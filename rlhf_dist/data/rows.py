@@ -96,7 +96,14 @@ def _why_no_rows(path: Path) -> str | None:
     return None
 
 
-def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
+def load_data(d: DataConfig, which: str) -> list[dict]:
+    """Rows of data.train or data.eval (`which`), a hub dataset read at data.subset and
+    that key's split (data.split / data.eval_split)."""
+    split = d.eval_split if which == "eval" else d.split
+    return load_rows(getattr(d, which), f"data.{which}", split, d.subset)
+
+
+def load_rows(source: str, key: str, split: str = "train", subset: str = "") -> list[dict]:
     """Rows of a local data file (by extension), a hub dataset, or rows a Python caller
     gave (`python:` specs, rlhf_dist.inputs), as a list of dicts."""
     if inputs.is_python(source):
@@ -119,7 +126,7 @@ def load_rows(source: str, key: str, split: str = "train") -> list[dict]:
         elif path.exists():
             raise ConfigError(f"{key}: {source!r} is not a .jsonl/.json/.parquet/.csv file")
         else:
-            ds = datasets.load_dataset(source, split=split)
+            ds = datasets.load_dataset(source, subset or None, split=split)
         return list(ds)  # inside the try: undecodable text only fails here
     except ConfigError:
         raise

@@ -16,7 +16,7 @@ import torch
 from rlhf_dist.algo.preference import dpo_loss, dpo_terms
 from rlhf_dist.config import Config, DPOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
-from rlhf_dist.data.rows import SFTExample, load_rows, preference_pairs
+from rlhf_dist.data.rows import SFTExample, load_data, preference_pairs
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
@@ -104,7 +104,7 @@ def dpo_step(
 
 def load_dpo_pairs(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list]:
     """Training and held-out pairs (the `rm` formats: chosen/rejected or ranked responses)."""
-    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
+    rows = load_data(cfg.data, "train")
     d, field = cfg.data, cfg.dpo.responses_field
     train, report = preference_pairs(rows, tokenizer, d, field, f"data.train {d.train!r}")
     runtime.print(report.summary("preference pairs"))
@@ -114,7 +114,7 @@ def load_dpo_pairs(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list
         )
     evals = []
     if cfg.data.eval:
-        rows = load_rows(cfg.data.eval, "data.eval")
+        rows = load_data(cfg.data, "eval")
         evals = preference_pairs(rows, tokenizer, d, field, f"data.eval {d.eval!r}")[0]
     return train, evals
 

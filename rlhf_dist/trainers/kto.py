@@ -17,7 +17,7 @@ import torch
 from rlhf_dist.algo.preference import kto_reference_point, kto_terms
 from rlhf_dist.config import Config, KTOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
-from rlhf_dist.data.rows import SFTExample, kto_examples, load_rows
+from rlhf_dist.data.rows import SFTExample, kto_examples, load_data
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
@@ -134,7 +134,7 @@ def kto_step(
 
 def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list]:
     """Training and held-out examples (data.eval, same formats; [] without it)."""
-    rows = load_rows(cfg.data.train, "data.train", cfg.data.split)
+    rows = load_data(cfg.data, "train")
     where = f"data.train {cfg.data.train!r}"
     train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)
     desirable = sum(ex.desirable for ex in train)
@@ -147,7 +147,7 @@ def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, l
         )
     evals = []
     if cfg.data.eval:
-        rows = load_rows(cfg.data.eval, "data.eval")
+        rows = load_data(cfg.data, "eval")
         where = f"data.eval {cfg.data.eval!r}"
         evals = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)[0]
     return train, evals

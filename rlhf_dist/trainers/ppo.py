@@ -39,7 +39,7 @@ from rlhf_dist.data.batching import (
     global_batches,
     ppo_plan,
 )
-from rlhf_dist.data.rows import load_rows, prompt_set
+from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError, RewardFunctionError
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
@@ -449,9 +449,7 @@ def training_prompts(cfg: Config, tokenizer):
     """data.train's usable prompts (`data.prompt_set`), at least one rollout batch of them,
     whose columns every reward function that names one finds (check_reward_columns)."""
     d, p = cfg.data, cfg.ppo
-    prompts = prompt_set(
-        load_rows(d.train, "data.train", d.split), tokenizer, d, f"data.train {d.train!r}"
-    )
+    prompts = prompt_set(load_data(d, "train"), tokenizer, d, f"data.train {d.train!r}")
     if len(prompts.ids) < p.rollout_batch_size:
         raise ConfigError(
             f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"

@@ -4,7 +4,7 @@ actor measured on held-out prompts the way `rlhf-dist eval` measures a policy.""
 from __future__ import annotations
 
 from rlhf_dist.config import Config
-from rlhf_dist.data.rows import load_rows, prompt_set
+from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.evaluate import evaluate_policy, load_gold_function
 from rlhf_dist.trainers.ppo_setup import PPORun
@@ -25,7 +25,7 @@ def held_out_eval(cfg: Config, runtime: Runtime, run: PPORun):
     if not (cfg.run.eval_every and cfg.data.eval):
         return None
     d = cfg.data
-    rows = load_rows(d.eval, "data.eval")
+    rows = load_data(d, "eval")
     prompts = prompt_set(rows, run.tokenizer, d, f"data.eval {d.eval!r}")
     runtime.print(prompts.report.summary("eval prompts"))
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None

@@ -15,7 +15,7 @@ from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
 from rlhf_dist.config import Config
 from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.chat import export_tokenizer
-from rlhf_dist.data.rows import PreferencePair, collate_pairs, load_rows, preference_pairs
+from rlhf_dist.data.rows import PreferencePair, collate_pairs, load_data, preference_pairs
 from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.files import atomic_write_text
@@ -233,12 +233,12 @@ def eval_pairs(rows: list[dict], tokenizer, cfg: Config, where: str = "data.eval
 def load_pairs(cfg: Config, runtime: Runtime, tokenizer):
     """Training pairs, held-out pairs and the held-out pairs' prompt lengths."""
     d, field = cfg.data, cfg.rm.responses_field
-    rows = load_rows(d.train, "data.train", d.split)
+    rows = load_data(d, "train")
     train, report = preference_pairs(rows, tokenizer, d, field, f"data.train {d.train!r}")
     runtime.print(report.summary("preference pairs"))
     evals, prompt_lengths = [], []
     if d.eval:
-        rows = load_rows(d.eval, "data.eval")
+        rows = load_data(d, "eval")
         evals, prompt_lengths = eval_pairs(rows, tokenizer, cfg, f"data.eval {d.eval!r}")
     if len(train) < cfg.rm.batch_size:
         raise ConfigError(

@@ -15,7 +15,7 @@ from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.chat import export_tokenizer
-from rlhf_dist.data.rows import SFTExample, collate_sft, load_rows, sft_examples
+from rlhf_dist.data.rows import SFTExample, collate_sft, load_data, sft_examples
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
@@ -107,12 +107,12 @@ def eval_nll(
 
 def load_sft_data(cfg: Config, runtime: Runtime, tokenizer):
     d = cfg.data
-    rows = load_rows(d.train, "data.train", d.split)
+    rows = load_data(d, "train")
     train, report = sft_examples(rows, tokenizer, d, where=f"data.train {d.train!r}")
     runtime.print(report.summary("sft data"))
     evals = []
     if d.eval:
-        rows = load_rows(d.eval, "data.eval")
+        rows = load_data(d, "eval")
         evals = sft_examples(rows, tokenizer, d, where=f"data.eval {d.eval!r}")[0]
     if len(train) < cfg.sft.batch_size:
         raise ConfigError(

@@ -18,6 +18,7 @@ from rlhf_dist.data.rows import (
     collate_pairs,
     collate_sft,
     left_pad,
+    load_data,
     load_rows,
     preference_pairs,
     prompt_set,
@@ -354,6 +355,23 @@ def test_load_rows_parquet_with_ranked_lists(tmp_path):
     ]
     datasets.Dataset.from_list(rows).to_parquet(str(path))
     assert load_rows(str(path), "data.train") == rows
+
+
+def test_hub_datasets_are_read_at_the_subset_and_each_keys_split(monkeypatch):
+    # The hub is unreachable here: record what load_dataset is asked for.
+    calls = []
+
+    def hub(path, name=None, split=None):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list([{"question": f"{path}/{name}/{split}"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    d = DataConfig(train="openai/gsm8k", eval="openai/gsm8k", subset="main")
+    assert load_data(d, "train") == [{"question": "openai/gsm8k/main/train"}]
+    assert load_data(d, "eval") == [{"question": "openai/gsm8k/main/test"}]
+    plain = DataConfig(train="org/prompts", split="validation")
+    load_data(plain, "train")
+    assert calls[-1] == ("org/prompts", None, "validation")
 
 
 def test_load_rows_errors_name_the_key(tmp_path):
