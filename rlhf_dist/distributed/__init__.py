@@ -17,6 +17,7 @@ backends):
 - deepspeed_config.py: DeepSpeed's "auto" config entries filled from our config;
 - guard.py: micro_backward / optimizer_step behind the numerical guard;
 - collectives.py: all_sum, all_max, any_rank, gather_objects, barrier; dead-peer errors;
+  teardowns run before the process group goes (`before_destroy`);
 - lockstep.py: forward-only loops over each rank's share in lock-step (`lockstep_map`,
   `strided_map`), the one way every evaluation and scoring loop runs;
 - training_state.py: full state dicts and gradients, world-size independent checkpoints;
@@ -30,13 +31,14 @@ backends):
 from __future__ import annotations
 
 from rlhf_dist.distributed.backend import Backend, seed_everything
-from rlhf_dist.distributed.collectives import collective_failure
+from rlhf_dist.distributed.collectives import before_destroy, collective_failure
 from rlhf_dist.distributed.guard import NumericalGuard, TrainingDiverged
 from rlhf_dist.distributed.lockstep import lockstep_map, strided_map
 from rlhf_dist.distributed.runtime import Runtime
 
 __all__ = [
     "Backend",
+    "before_destroy",
     "NumericalGuard",
     "Runtime",
     "TrainingDiverged",

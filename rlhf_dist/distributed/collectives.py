@@ -6,6 +6,8 @@ rank each is a copy (never the caller's own tensor), so callers may modify the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rlhf_dist.distributed.backend import Backend
@@ -78,6 +80,18 @@ def collective_failure(exc: BaseException) -> str | None:
     return f"lost contact with another rank (it died, was killed or hangs; see its log): {first}"
 
 
+# Teardowns close() runs after its last barrier, while the process group still exists.
+_BEFORE_DESTROY: list[Callable[[], None]] = []
+
+
+def before_destroy(teardown: Callable[[], None]) -> None:
+    """Have close() call `teardown` before it destroys the process group: a library that
+    made groups of its own over ours (vLLM's engine) must release them first, or its exit
+    hook later fails on groups that no longer exist."""
+    if teardown not in _BEFORE_DESTROY:
+        _BEFORE_DESTROY.append(teardown)
+
+
 def close(backend: Backend) -> None:
     """Wait for every rank, then destroy the process group: left to interpreter exit, the
     teardown of gloo's still-joinable threads can abort a rank that has finished its work
@@ -86,4 +100,7 @@ def close(backend: Backend) -> None:
 
     if backend.world_size > 1 and dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        while _BEFORE_DESTROY:
+            _BEFORE_DESTROY.pop()()
+        if dist.is_initialized():  # a teardown may have destroyed it already
+            dist.destroy_process_group()

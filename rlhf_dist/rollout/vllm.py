@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from rlhf_dist.config import Config, GenerationConfig
+from rlhf_dist.distributed import before_destroy
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.loading import context_length, train_dtype
@@ -44,16 +45,41 @@ def import_vllm():
         import vllm
     except ImportError:
         raise ConfigError(_MISSING) from None
-    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    reload_log.addFilter(_rotary_reload_warning)
+    for logger_name, message in _EXPECTED_WARNINGS:
+        logging.getLogger(logger_name).addFilter(_Drop(message))
     return vllm
 
 
-def _rotary_reload_warning(record: logging.LogRecord) -> bool:
-    """Drop one expected warning: a rotary embedding's cos/sin table is built by vLLM, not
-    read from a checkpoint, so a weight sync (rightly) brings no tensor for it and vLLM
-    says "RotaryEmbedding: Failed to load weights" on every sync, keeping its own table."""
-    return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+# vLLM warnings that say nothing wrong in how we run it, dropped (logger, message):
+_EXPECTED_WARNINGS = (
+    # A rotary embedding's cos/sin table is built by vLLM, not read from a checkpoint, so a
+    # weight sync (rightly) brings no tensor for it; vLLM keeps its own table.
+    ("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load"),
+    # The engine has no tokenizer (skip_tokenizer_init: token ids in and out, ours renders
+    # the chat template), so warming up its chat renderer fails with a whole traceback.
+    ("vllm.renderers.base", "Chat template warmup failed"),
+)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.message not in record.getMessage()
+
+
+def _release_vllm_groups() -> None:
+    """Tear down vLLM's process groups (made over ours for each rank's one-GPU engine)
+    while ours still exists. Left to vLLM's exit hook, that runs after our process group
+    was destroyed and raises "Invalid process group specified" on every rank of a run that
+    went well. vLLM's teardown also destroys the default group; the hook then has nothing
+    left to do."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_distributed_environment()
 
 
 def sampling_seeds(n: int, device=None) -> torch.Tensor:
@@ -176,6 +202,7 @@ class VLLMEngine:
                 raise ConfigError(
                     f"generation.backend=vllm: vLLM cannot serve model.policy={cfg.model.policy!r}: {cause}"
                 ) from e
+        before_destroy(_release_vllm_groups)
         self.asleep = False
         self.checks_sync = cfg.debug.check_vllm_sync
 

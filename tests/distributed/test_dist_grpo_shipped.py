@@ -70,10 +70,11 @@ def test_shipped_grpo_zero3_vllm_config_trains_on_two_cpu_ranks(smollm2, tmp_pat
         f"run.output_dir={out}",
     ]  # fmt: skip
     path = os.pathsep.join([str(REPO), str(user)])
-    run_launch(
+    proc = run_launch(
         launch_args("cpu_zero3.yaml", free_port(), *command), timeout=420,
         env={"PYTHONPATH": path},
     )  # fmt: skip
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     (metrics,) = _jsonl(out / "metrics.jsonl")
     assert metrics["step"] == 1 and metrics["guard/skipped_steps"] == 0
     assert metrics["rollout/sequences"] == 16  # 2 prompts x the preset's 8 samples
