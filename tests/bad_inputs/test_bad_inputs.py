@@ -62,8 +62,9 @@ def sft(tiny, data: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
         f"run.output_dir={out}",
     ]
     return run(
-        "sft", *base, "sft.batch_size=8", "sft.micro_batch_size=8", "data.max_length=48", *extra
-    )
+        "sft", *base, "sft.batch_size=8", "sft.micro_batch_size=8", "data.max_length=48",
+        "data.max_prompt_length=64", *extra,  # the lengths the corpus's long rows exceed
+    )  # fmt: skip
 
 
 def test_bad_sft_rows_are_skipped_counted_and_reported(tiny, tmp_path):
@@ -148,6 +149,7 @@ def test_long_prompts_are_truncated_and_counted_by_default(tiny, tmp_path):
         "ppo",
         *args,
         f"data.train={CORPUS / 'prompts_too_long.jsonl'}",
+        "data.max_prompt_length=64",  # the corpus's prompts are longer than 64 tokens
         f"run.output_dir={out}",
         "reward.function=rlhf_dist.demo.task:positive_word_reward",
         "ppo.critic_init=policy",
