@@ -301,8 +301,8 @@ def offline_stage_config(root: Path, files: task.TaskFiles, seed: int, algorithm
     section = {
         "dpo": {"beta": 0.1, "optim": {"lr": 2e-4}},
         "kto": {"beta": 0.1, "optim": {"lr": 1e-4}},
-        "simpo": {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0, "optim": {"lr": 2e-4}},
-        "orpo": {"loss_type": "orpo", "beta": 0.5, "optim": {"lr": 2e-4}},
+        "simpo": {"loss_type": "simpo", "beta": 2.5, "simpo_gamma": 0.5, "optim": {"lr": 3e-4}},
+        "orpo": {"loss_type": "orpo", "beta": 1.0, "optim": {"lr": 5e-4}},
     }[algorithm]
     return {
         "run": {"output_dir": str(root / algorithm), "seed": seed, "log_every": 10},
