@@ -124,7 +124,7 @@ def ours_for(
             "chosen_mean": means[:n].tolist(),
             "rejected_mean": means[n:].tolist(),
             "loss": terms["loss"].tolist(),
-        },  # fmt: skip
+        },
     }
 
 
@@ -166,8 +166,10 @@ def compare(out: Path) -> int:
         lines.append(
             f"  gradient (largest entry {grad_scale:.3e}):              max |diff| {grad_diff:.2e}"
         )
-    print(f"{PAIRS} held-out demo pairs, tiny SFT Llama, fp32; columns: ours (trainer step, "
-          f"{PAIRS // MICRO} micro-batches), TRL (one batch), ours (held-out evaluation)")  # fmt: skip
+    print(
+        f"{PAIRS} held-out demo pairs, tiny SFT Llama, fp32; columns: ours (trainer step, "
+        f"{PAIRS // MICRO} micro-batches), TRL (one batch), ours (held-out evaluation)"
+    )
     print("\n".join(lines))
     verdict = "PASS" if worst <= TOLERANCE else "FAIL"
     print(

@@ -135,22 +135,22 @@ def simpo_terms(
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
     beta: float,
-    gamma: float,
+    margin: float,
     label_smoothing: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Per-pair SimPO loss (Meng et al. 2024, eq. 6) and its rewards; every input and output (B,).
 
     policy_*: sequence log-prob sums; *_lengths: response token counts. The implicit reward
     is reference-free and length-normalised, r(x, y) = beta / |y| * log pi(y|x) (eq. 4), and
-    the loss asks the chosen reward to beat the rejected one by the margin gamma:
-    -log sigmoid(r_w - r_l - gamma), with label_smoothing eps the cross-entropy against
-    1 - eps (`logistic_loss`, as TRL's CPOTrainer smooths it). Returns `loss`, and
-    `chosen_rewards` / `rejected_rewards` = r (detached).
+    the loss asks the chosen reward to beat the rejected one by `margin` (the paper's gamma,
+    dpo.simpo_gamma): -log sigmoid(r_w - r_l - margin), with label_smoothing eps the
+    cross-entropy against 1 - eps (`logistic_loss`, as TRL's CPOTrainer smooths it).
+    Returns `loss`, and `chosen_rewards` / `rejected_rewards` = r (detached).
     """
     chosen = beta * mean_logprobs(policy_chosen, chosen_lengths)
     rejected = beta * mean_logprobs(policy_rejected, rejected_lengths)
     return {
-        "loss": logistic_loss(chosen - rejected - gamma, label_smoothing),
+        "loss": logistic_loss(chosen - rejected - margin, label_smoothing),
         "chosen_rewards": chosen.detach(),
         "rejected_rewards": rejected.detach(),
     }
@@ -162,12 +162,12 @@ def simpo_loss(
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
     beta: float,
-    gamma: float,
+    margin: float,
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean of `simpo_terms` over the B pairs; inputs (B,). Returns (loss, `pair_stats`)."""
     terms = simpo_terms(
-        policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, gamma,
+        policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, margin,
         label_smoothing,
     )  # fmt: skip
     return terms["loss"].mean(), pair_stats(terms["chosen_rewards"], terms["rejected_rewards"])
@@ -195,26 +195,27 @@ def orpo_terms(
     policy_rejected: torch.Tensor,
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
-    lam: float,
+    or_weight: float,
 ) -> dict[str, torch.Tensor]:
     """Per-pair odds-ratio term of ORPO (Hong et al. 2024, eq. 6-7); every input and output (B,).
 
     policy_*: sequence log-prob sums; *_lengths: response token counts. With p the per-token
-    mean probability of a response and odds = p / (1 - p), the term is lam * L_OR, L_OR =
-    -log sigmoid(log(odds_w / odds_l)) (eq. 7). ORPO's whole loss adds the chosen responses'
-    NLL (eq. 6), a token mean that trainers divide by the global token count (`orpo_loss`
-    shows the sum). Returns `loss` (lam * L_OR), `log_odds_ratio` = log(odds_w / odds_l),
-    and `chosen_rewards` / `rejected_rewards` = lam * mean log-prob (TRL's ORPOTrainer's
+    mean probability of a response and odds = p / (1 - p), the term is or_weight * L_OR,
+    L_OR = -log sigmoid(log(odds_w / odds_l)) (eq. 7; or_weight is the paper's lambda,
+    dpo.beta as TRL's beta). ORPO's whole loss adds the chosen responses' NLL (eq. 6), a
+    token mean that trainers divide by the global token count (`orpo_loss` shows the sum).
+    Returns `loss` (or_weight * L_OR), `log_odds_ratio` = log(odds_w / odds_l), and
+    `chosen_rewards` / `rejected_rewards` = or_weight * mean log-prob (TRL's ORPOTrainer's
     logged rewards), all but `loss` detached.
     """
     chosen = mean_logprobs(policy_chosen, chosen_lengths)
     rejected = mean_logprobs(policy_rejected, rejected_lengths)
     ratio = log_odds(chosen) - log_odds(rejected)
     return {
-        "loss": -lam * F.logsigmoid(ratio),
+        "loss": -or_weight * F.logsigmoid(ratio),
         "log_odds_ratio": ratio.detach(),
-        "chosen_rewards": lam * chosen.detach(),
-        "rejected_rewards": lam * rejected.detach(),
+        "chosen_rewards": or_weight * chosen.detach(),
+        "rejected_rewards": or_weight * rejected.detach(),
     }
 
 
@@ -223,11 +224,11 @@ def orpo_loss(
     policy_rejected: torch.Tensor,
     chosen_lengths: torch.Tensor,
     rejected_lengths: torch.Tensor,
-    lam: float,
+    or_weight: float,
     nll_sum: torch.Tensor,
     nll_tokens,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """ORPO's loss of one batch of B pairs: NLL + lam * mean L_OR (Hong et al. 2024, eq. 6).
+    """ORPO's loss of one batch of B pairs: NLL + or_weight * mean L_OR (Hong et al. 2024, eq. 6).
 
     Inputs (B,) as `orpo_terms`; nll_sum: 0-dim sum of -log pi over the chosen sequences'
     NLL tokens (their response tokens, or prompt and response as ORPO's authors' code and
@@ -235,7 +236,7 @@ def orpo_loss(
     token mean. Returns (loss, stats), 0-dim: `pair_stats` of the rewards, `nll` and
     `log_odds_ratio` (mean).
     """
-    terms = orpo_terms(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, lam)
+    terms = orpo_terms(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, or_weight)
     nll = nll_sum / nll_tokens
     stats = pair_stats(terms["chosen_rewards"], terms["rejected_rewards"])
     stats |= {"nll": nll.detach(), "log_odds_ratio": terms["log_odds_ratio"].mean()}

@@ -289,7 +289,7 @@ def test_simpo_hand_computed():
     # 0.5: z = 2 (-2) - 2 (-3) - 0.5 = 1.5, loss = log(1 + e^-1.5) = 0.2014132779827524.
     pc, pr = torch.tensor([-6.0], dtype=torch.float64), torch.tensor([-12.0], dtype=torch.float64)
     lc, lr = torch.tensor([3]), torch.tensor([4])
-    loss, stats = simpo_loss(pc, pr, lc, lr, beta=2.0, gamma=0.5)
+    loss, stats = simpo_loss(pc, pr, lc, lr, beta=2.0, margin=0.5)
     assert abs(float(loss) - 0.2014132779827524) < 1e-12
     assert float(stats["chosen_rewards"]) == -4.0 and float(stats["rejected_rewards"]) == -6.0
     assert float(stats["margins"]) == 2.0 and float(stats["accuracy"]) == 1.0
@@ -357,7 +357,7 @@ def test_orpo_hand_computed():
     pc = torch.tensor([2 * math.log(0.5)], dtype=torch.float64)
     pr = torch.tensor([3 * math.log(0.2)], dtype=torch.float64)
     lc, lr = torch.tensor([2]), torch.tensor([3])
-    terms = orpo_terms(pc, pr, lc, lr, lam=0.1)
+    terms = orpo_terms(pc, pr, lc, lr, or_weight=0.1)
     assert abs(float(terms["log_odds_ratio"][0]) - math.log(4)) < 1e-12
     assert abs(float(terms["loss"][0]) - 0.1 * math.log(1.25)) < 1e-12
     loss, stats = orpo_loss(pc, pr, lc, lr, 0.1, -pc.sum(), 2)
