@@ -42,6 +42,8 @@ CONFIGS = {
     "RewardConfig": ["trl/trainer/reward_config.py"],
     "SFTConfig": ["trl/trainer/sft_config.py"],
     "PPOConfig": ["trl/experimental/ppo/ppo_config.py", "trl/trainer/ppo_config.py"],
+    "CPOConfig": ["trl/experimental/cpo/cpo_config.py", "trl/trainer/cpo_config.py"],
+    "ORPOConfig": ["trl/experimental/orpo/orpo_config.py", "trl/trainer/orpo_config.py"],
 }
 
 # The inherited TrainingArguments fields docs/from_trl.md maps (the ones users set).

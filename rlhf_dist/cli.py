@@ -93,9 +93,9 @@ def _add_demo(sub) -> None:
         default="ppo",
         choices=DEMO_ALGORITHMS,
         help="the alignment stage: ppo (default) or a critic-free estimator (grpo, rloo, "
-        "reinforce_pp, reinforce_pp_baseline): SFT -> RM -> it -> eval; dpo / kto: SFT -> "
-        "DPO or KTO on the preference pairs -> eval; iterative: SFT -> 2 rounds of "
-        "rlhf-dist iterate",
+        "reinforce_pp, reinforce_pp_baseline): SFT -> RM -> it -> eval; dpo / kto / simpo / "
+        "orpo: SFT -> DPO, KTO, SimPO or ORPO on the preference pairs -> eval; iterative: "
+        "SFT -> 2 rounds of rlhf-dist iterate",
     )
     demo.add_argument(
         "--task",

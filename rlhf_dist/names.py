@@ -10,10 +10,12 @@ config` and config errors return without importing torch (docs/architecture.md s
 from __future__ import annotations
 
 from rlhf_dist.algo.catalog import (
+    DPO_LOSS_TYPES,
     ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    REFERENCE_FREE_LOSSES,
     EstimatorTraits,
 )
 
@@ -23,12 +25,14 @@ __all__ = [
     "DEMO_OBJECTIVES",
     "DEMO_OFFLINE",
     "DEMO_RL_ALGORITHMS",
+    "DPO_LOSS_TYPES",
     "ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGGREGATIONS",
     "OVERLONG",
     "POLICY_LOSSES",
     "RATIO_LEVELS",
+    "REFERENCE_FREE_LOSSES",
     "EstimatorTraits",
 ]
 
@@ -48,6 +52,8 @@ DEMO_RL_ALGORITHMS: tuple[str, ...] = (
     "reinforce_pp_baseline",
 )
 DEMO_RL_ALGORITHMS += DEMO_OBJECTIVES
-DEMO_OFFLINE = ("dpo", "kto")  # rlhf-dist dpo / kto on the preference pairs
+# rlhf-dist dpo / kto on the preference pairs; simpo and orpo are rlhf-dist dpo with that
+# dpo.loss_type (no reference model)
+DEMO_OFFLINE = ("dpo", "kto", "simpo", "orpo")
 DEMO_ITERATIVE = ("iterative",)  # SFT, then rounds of pairs -> RM -> PPO
 DEMO_ALGORITHMS = DEMO_RL_ALGORITHMS + DEMO_OFFLINE + DEMO_ITERATIVE

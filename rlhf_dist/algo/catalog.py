@@ -29,6 +29,10 @@ ESTIMATORS: dict[str, EstimatorTraits] = {
 POLICY_LOSSES = ("clip", "cispo")
 KL_KINDS = ("k1", "k2", "k3")  # kl.kl_estimate
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")  # losses
+# dpo.loss_type (algo/preference.py). SimPO and ORPO score the policy alone: with them the
+# DPO stage builds no reference model (trainers/dpo.py).
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 
 
 class Entry(NamedTuple):

@@ -1,24 +1,32 @@
-"""Offline preference losses: DPO (sigmoid, label-smoothed "conservative" DPO), IPO and KTO.
+"""Offline preference losses: DPO (sigmoid, label-smoothed "conservative" DPO), IPO, KTO, and
+the reference-free SimPO and ORPO.
 
-No sampling and no reward model: the policy is trained directly on labelled responses
-against a frozen reference policy. Everything here works on per-SEQUENCE log-probability
-sums, log pi(y | x) = sum_t log pi(y_t | x, y_<t) over the response tokens only
-(`sequence_logprobs`, with the one mask polarity `response_mask`, True on response tokens).
+No sampling and no reward model: the policy is trained directly on labelled responses,
+against a frozen reference policy (DPO, IPO, KTO) or against nothing but itself (SimPO,
+ORPO). Everything here works on per-SEQUENCE log-probability sums, log pi(y | x) = sum_t
+log pi(y_t | x, y_<t) over the response tokens only (`sequence_logprobs`, with the one mask
+polarity `response_mask`, True on response tokens), and for SimPO/ORPO on the response
+lengths |y| that turn them into per-token means.
 
 Implicit reward of a response (Rafailov et al. 2023, section 5): r(x, y) = beta *
-(log pi(y|x) - log pi_ref(y|x)). The `*_terms` functions return per-example losses, unreduced,
-for trainers that divide sums by the example count of a whole global batch (split invariance,
-docs/architecture.md section 4); `dpo_loss` and `kto_loss` are the per-call means.
+(log pi(y|x) - log pi_ref(y|x)); SimPO's is length-normalised and reference-free, beta / |y|
+* log pi(y|x). The `*_terms` functions return per-example losses, unreduced, for trainers
+that divide sums by the example count of a whole global batch (split invariance,
+docs/architecture.md section 4); `dpo_loss`, `simpo_loss`, `orpo_loss` and `kto_loss` are
+the per-call means.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from rlhf_dist.algo.catalog import DPO_LOSS_TYPES
 from rlhf_dist.algo.masking import masked_sum
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+__all__ = ["DPO_LOSS_TYPES"]  # re-exported: the dpo.loss_type names (algo/catalog.py)
 
 
 def sequence_logprobs(logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -28,6 +36,20 @@ def sequence_logprobs(logprobs: torch.Tensor, response_mask: torch.Tensor) -> to
     tokens. Returns (B,). Padding is excluded with `where`, so garbage there cannot leak in.
     """
     return masked_sum(logprobs, response_mask, dim=1)
+
+
+def logistic_loss(z: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Bradley-Terry negative log-likelihood of "chosen beats rejected" at logit z, (B,) -> (B,).
+
+    -log sigmoid(z); with label_smoothing eps (the label is wrong with probability eps;
+    Mitchell 2023, "A note on DPO with noisy preferences") the binary cross-entropy against
+    1 - eps: -(1 - eps) log sigmoid(z) - eps log sigmoid(-z). logsigmoid, not
+    log(sigmoid(z)): finite for any z.
+    """
+    loss = -(1.0 - label_smoothing) * F.logsigmoid(z)
+    if label_smoothing:
+        loss = loss - label_smoothing * F.logsigmoid(-z)
+    return loss
 
 
 def dpo_terms(
@@ -55,14 +77,11 @@ def dpo_terms(
     rejected_logratio = policy_rejected - ref_rejected
     h = chosen_logratio - rejected_logratio
     if loss_type == "sigmoid":
-        # logsigmoid, not log(sigmoid(x)): finite for any margin.
-        loss = -(1.0 - label_smoothing) * F.logsigmoid(beta * h)
-        if label_smoothing:
-            loss = loss - label_smoothing * F.logsigmoid(-beta * h)
+        loss = logistic_loss(beta * h, label_smoothing)
     elif loss_type == "ipo":
         loss = (h - 1.0 / (2.0 * beta)) ** 2
-    else:
-        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    else:  # simpo and orpo have no reference: simpo_terms, orpo_terms
+        raise ValueError(f"loss_type must be sigmoid or ipo here, got {loss_type!r}")
     return {
         "loss": loss,
         "chosen_rewards": beta * chosen_logratio.detach(),
@@ -81,21 +100,147 @@ def dpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean of `dpo_terms` over the pairs; inputs (B,).
 
-    Returns (loss, stats), all 0-dim: stats `chosen_rewards`, `rejected_rewards`,
-    `margins` (their difference) and `accuracy` (share of pairs whose chosen reward is
-    strictly larger; a tie counts as wrong), all means over the B pairs.
+    Returns (loss, stats), all 0-dim: `pair_stats` of the implicit rewards.
     """
     terms = dpo_terms(
         policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, loss_type, label_smoothing
     )
-    chosen, rejected = terms["chosen_rewards"], terms["rejected_rewards"]
-    stats = {
+    return terms["loss"].mean(), pair_stats(terms["chosen_rewards"], terms["rejected_rewards"])
+
+
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Means over B pairs of the rewards chosen, rejected (B,): 0-dim `chosen_rewards`,
+    `rejected_rewards`, `margins` (their difference) and `accuracy` (share of pairs whose
+    chosen reward is strictly larger; a tie counts as wrong)."""
+    return {
         "chosen_rewards": chosen.mean(),
         "rejected_rewards": rejected.mean(),
         "margins": (chosen - rejected).mean(),
         "accuracy": (chosen > rejected).to(chosen.dtype).mean(),
     }
-    return terms["loss"].mean(), stats
+
+
+def mean_logprobs(logprob_sums: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per-token mean log-prob of each response, log pi(y|x) / |y|; both inputs and output (B,).
+
+    lengths: response token counts (the response_mask's row sums), clamped at 1 so that an
+    empty response (sum 0) gives 0, not NaN.
+    """
+    return logprob_sums / lengths.to(logprob_sums.dtype).clamp(min=1)
+
+
+def simpo_terms(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float,
+    margin: float,
+    label_smoothing: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """Per-pair SimPO loss (Meng et al. 2024, eq. 6) and its rewards; every input and output (B,).
+
+    policy_*: sequence log-prob sums; *_lengths: response token counts. The implicit reward
+    is reference-free and length-normalised, r(x, y) = beta / |y| * log pi(y|x) (eq. 4), and
+    the loss asks the chosen reward to beat the rejected one by `margin` (the paper's gamma,
+    dpo.simpo_gamma): -log sigmoid(r_w - r_l - margin), with label_smoothing eps the
+    cross-entropy against 1 - eps (`logistic_loss`, as TRL's CPOTrainer smooths it).
+    Returns `loss`, and `chosen_rewards` / `rejected_rewards` = r (detached).
+    """
+    chosen = beta * mean_logprobs(policy_chosen, chosen_lengths)
+    rejected = beta * mean_logprobs(policy_rejected, rejected_lengths)
+    return {
+        "loss": logistic_loss(chosen - rejected - margin, label_smoothing),
+        "chosen_rewards": chosen.detach(),
+        "rejected_rewards": rejected.detach(),
+    }
+
+
+def simpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float,
+    margin: float,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean of `simpo_terms` over the B pairs; inputs (B,). Returns (loss, `pair_stats`)."""
+    terms = simpo_terms(
+        policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, margin,
+        label_smoothing,
+    )  # fmt: skip
+    return terms["loss"].mean(), pair_stats(terms["chosen_rewards"], terms["rejected_rewards"])
+
+
+def log_odds(mean_logprob: torch.Tensor) -> torch.Tensor:
+    """log odds(y|x) = log p - log(1 - p) for log p = mean_logprob (B,) <= 0; returns (B,).
+
+    ORPO's p is the per-token mean probability exp(mean log-prob) (Hong et al. 2024, eq. 4).
+    log(1 - e^x) is computed without cancellation: log(-expm1(x)) for x > -log 2, log1p(-e^x)
+    below (Maechler 2012, "Accurately computing log(1 - exp(-|a|))"). x is clamped at the
+    dtype's smallest normal below 0 so that p = 1 (x rounds to 0) gives a large finite log
+    odds, not inf; there the clamp's gradient is 0, where the exact one would be infinite.
+    """
+    x, cut = mean_logprob.clamp(max=-torch.finfo(mean_logprob.dtype).tiny), -math.log(2.0)
+    # Each branch sees only inputs it is exact and finite on: the branch torch.where drops
+    # must not produce an inf, whose gradient times where's 0 would be NaN.
+    near = torch.log(-torch.expm1(x.clamp(min=cut)))
+    far = torch.log1p(-torch.exp(x.clamp(max=cut)))
+    return x - torch.where(x > cut, near, far)
+
+
+def orpo_terms(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    or_weight: float,
+) -> dict[str, torch.Tensor]:
+    """Per-pair odds-ratio term of ORPO (Hong et al. 2024, eq. 6-7); every input and output (B,).
+
+    policy_*: sequence log-prob sums; *_lengths: response token counts. With p the per-token
+    mean probability of a response and odds = p / (1 - p), the term is or_weight * L_OR,
+    L_OR = -log sigmoid(log(odds_w / odds_l)) (eq. 7; or_weight is the paper's lambda,
+    dpo.beta as TRL's beta). ORPO's whole loss adds the chosen responses' NLL (eq. 6), a
+    token mean that trainers divide by the global token count (`orpo_loss` shows the sum).
+    Returns `loss` (or_weight * L_OR), `log_odds_ratio` = log(odds_w / odds_l), and
+    `chosen_rewards` / `rejected_rewards` = or_weight * mean log-prob (TRL's ORPOTrainer's
+    logged rewards), all but `loss` detached.
+    """
+    chosen = mean_logprobs(policy_chosen, chosen_lengths)
+    rejected = mean_logprobs(policy_rejected, rejected_lengths)
+    ratio = log_odds(chosen) - log_odds(rejected)
+    return {
+        "loss": -or_weight * F.logsigmoid(ratio),
+        "log_odds_ratio": ratio.detach(),
+        "chosen_rewards": or_weight * chosen.detach(),
+        "rejected_rewards": or_weight * rejected.detach(),
+    }
+
+
+def orpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    or_weight: float,
+    nll_sum: torch.Tensor,
+    nll_tokens,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO's loss of one batch of B pairs: NLL + or_weight * mean L_OR (Hong et al. 2024, eq. 6).
+
+    Inputs (B,) as `orpo_terms`; nll_sum: 0-dim sum of -log pi over the chosen sequences'
+    NLL tokens (their response tokens, or prompt and response as ORPO's authors' code and
+    TRL's ORPOTrainer take them), nll_tokens: how many tokens that sums, so the NLL is their
+    token mean. Returns (loss, stats), 0-dim: `pair_stats` of the rewards, `nll` and
+    `log_odds_ratio` (mean).
+    """
+    terms = orpo_terms(policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, or_weight)
+    nll = nll_sum / nll_tokens
+    stats = pair_stats(terms["chosen_rewards"], terms["rejected_rewards"])
+    stats |= {"nll": nll.detach(), "log_odds_ratio": terms["log_odds_ratio"].mean()}
+    return nll + terms["loss"].mean(), stats
 
 
 def kto_reference_point(logratio_sum: torch.Tensor, count) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from rlhf_dist.config.keys import key
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
+from rlhf_dist.names import DPO_LOSS_TYPES
 
 
 @dataclass(frozen=True)
@@ -76,20 +77,37 @@ class DPOConfig(StageConfig):
     beta: float = key(
         0.1,
         "strength of the KL constraint to the reference: the implicit reward is beta x "
-        "(log pi - log pi_ref); IPO's tau",
+        "(log pi - log pi_ref); IPO's tau; simpo: the reward scale, beta x the mean token "
+        "log-prob (SimPO's paper: 2 to 10); orpo: lambda, the weight of the odds-ratio term",
         gt=0,
     )
     loss_type: str = key(
         "sigmoid",
         "sigmoid: DPO (Rafailov et al. 2023), with dpo.label_smoothing conservative DPO; ipo: "
-        "IPO (Azar et al. 2023), the log-ratio margin regressed onto 1 / (2 beta)",
-        choices=("sigmoid", "ipo"),
+        "IPO (Azar et al. 2023), the log-ratio margin regressed onto 1 / (2 beta); simpo: "
+        "SimPO (Meng et al. 2024), length-normalised rewards and the margin dpo.simpo_gamma; "
+        "orpo: ORPO (Hong et al. 2024), the chosen responses' NLL plus beta x the odds-ratio "
+        "loss. simpo and orpo use no reference model: none is loaded",
+        choices=DPO_LOSS_TYPES,
     )
     label_smoothing: float = key(
         0.0,
-        "conservative DPO: the probability that a label is flipped, in [0, 0.5); sigmoid only",
+        "conservative DPO: the probability that a label is flipped, in [0, 0.5); sigmoid and "
+        "simpo only",
         min=0,
         lt=0.5,
+    )
+    simpo_gamma: float = key(
+        0.5,
+        "SimPO's target reward margin gamma (TRL's default; the paper tunes gamma / beta "
+        "around 0.5); simpo only",
+        min=0,
+    )
+    orpo_prompt_nll: bool = key(
+        True,
+        "ORPO's NLL term covers the chosen sequences' prompt tokens as well as their "
+        "responses, as the ORPO authors' code and TRL's ORPOTrainer do; false: the response "
+        "tokens only, as rlhf-dist sft trains; orpo only",
     )
     reference_logprobs: str = key(
         "precompute",

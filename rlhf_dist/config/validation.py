@@ -10,9 +10,11 @@ import os
 from rlhf_dist.config import sizes
 from rlhf_dist.config.loading import check_keys
 from rlhf_dist.config.schema import Config
+from rlhf_dist.config.stages import DPOConfig
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 from rlhf_dist.names import (
     ESTIMATORS,
+    REFERENCE_FREE_LOSSES,
 )
 
 
@@ -221,10 +223,27 @@ def _validate_preference(cfg: Config, stage: str) -> None:
     section = getattr(cfg, stage)
     if not cfg.model.policy:
         raise ConfigError(f"model.policy: required (the SFT policy {stage} trains)")
-    if stage == "dpo" and section.label_smoothing and section.loss_type != "sigmoid":
+    if stage == "dpo":
+        _validate_dpo_loss(section)
+
+
+def _validate_dpo_loss(d) -> None:
+    """A key that only one dpo.loss_type reads, set away from its default under another."""
+    kind = d.loss_type
+    if d.label_smoothing and kind not in ("sigmoid", "simpo"):
         raise ConfigError(
-            f"dpo.label_smoothing: conservative DPO smooths the sigmoid loss only; "
-            f"dpo.loss_type={section.loss_type} takes label_smoothing=0"
+            f"dpo.label_smoothing: smooths the sigmoid and simpo losses only; "
+            f"dpo.loss_type={kind} takes label_smoothing=0"
+        )
+    default = DPOConfig()
+    if kind != "simpo" and d.simpo_gamma != default.simpo_gamma:
+        raise ConfigError(f"dpo.simpo_gamma: read by dpo.loss_type=simpo only, not {kind}")
+    if kind != "orpo" and d.orpo_prompt_nll != default.orpo_prompt_nll:
+        raise ConfigError(f"dpo.orpo_prompt_nll: read by dpo.loss_type=orpo only, not {kind}")
+    if kind in REFERENCE_FREE_LOSSES and d.reference_logprobs != default.reference_logprobs:
+        raise ConfigError(
+            f"dpo.reference_logprobs: dpo.loss_type={kind} uses no reference model; "
+            "leave the key unset"
         )
 
 

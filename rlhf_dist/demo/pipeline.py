@@ -288,26 +288,36 @@ def format_summary(s: dict, root: Path, algorithm: str = "ppo") -> str:
 GOLD_AS_SCORE = "rlhf_dist.demo.task:gold_reward_fn"
 
 
+# The stage each offline algorithm runs: SimPO and ORPO are `rlhf-dist dpo` losses.
+OFFLINE_STAGES = {"dpo": "dpo", "kto": "kto", "simpo": "dpo", "orpo": "dpo"}
+assert tuple(OFFLINE_STAGES) == OFFLINE
+
+
 def offline_stage_config(root: Path, files: task.TaskFiles, seed: int, algorithm: str) -> dict:
     """The config tree of `rlhf-dist dpo` / `kto` from the SFT policy on the demo's preference
-    pairs (KTO reads them as desirable chosen / undesirable rejected completions). Numbers
-    tuned for a 2-core CPU: README, "Algorithms on the demo"."""
+    pairs (KTO reads them as desirable chosen / undesirable rejected completions; simpo and
+    orpo are dpo with that loss_type). Numbers tuned for a 2-core CPU: docs/demo.md,
+    "Algorithms on the demo"."""
     section = {
         "dpo": {"beta": 0.1, "optim": {"lr": 2e-4}},
         "kto": {"beta": 0.1, "optim": {"lr": 1e-4}},
+        "simpo": {"loss_type": "simpo", "beta": 2.5, "simpo_gamma": 0.5, "optim": {"lr": 3e-4}},
+        "orpo": {"loss_type": "orpo", "beta": 1.0, "optim": {"lr": 5e-4}},
     }[algorithm]
     return {
         "run": {"output_dir": str(root / algorithm), "seed": seed, "log_every": 10},
         "model": demo_model(policy=str(root / "sft" / "final")),
         "data": {"max_prompt_length": 16, "max_length": 48, "train": str(files.prefs_train)},
-        algorithm: {"epochs": 1, "batch_size": 32, "micro_batch_size": 32, **section},
-    }
+        OFFLINE_STAGES[algorithm]: {
+            "epochs": 1, "batch_size": 32, "micro_batch_size": 32, **section,
+        },
+    }  # fmt: skip
 
 
 def run_offline_demo(
     output_dir: str, algorithm: str, seed: int = 0, quick: bool = False, overrides=()
 ) -> dict:
-    """SFT -> dpo or kto -> eval of both policies; writes DIR/summary.json with
+    """SFT -> dpo, kto, simpo or orpo -> eval of both policies; writes DIR/summary.json with
     `sft.*` and `<algorithm>.*` (gold reward, KL to the SFT policy, ...). No reward model: the
     evaluation's score is the gold reward itself (eval.gold_function adds the EOS rule)."""
     from rlhf_dist.distributed import Runtime
@@ -324,7 +334,7 @@ def run_offline_demo(
     runtime.print(f"== demo task written to {files.root}; stage 1/3: SFT")
     train_sft(configs["sft"], runtime)
     runtime.print(f"== stage 2/3: {algorithm.upper()} on the preference pairs")
-    {"dpo": train_dpo, "kto": train_kto}[algorithm](configs[algorithm], runtime)
+    {"dpo": train_dpo, "kto": train_kto}[OFFLINE_STAGES[algorithm]](configs[algorithm], runtime)
     runtime.print("== stage 3/3: evaluation of the SFT and trained policies on held-out prompts")
     evals = {"sft": run_eval(_with_output(configs["eval"], root / "eval" / "sft"), runtime)}
     trained = str(root / algorithm / "final")
@@ -349,7 +359,7 @@ def offline_demo_configs(root: Path, algorithm: str, seed: int, quick: bool, ove
     trees = with_overrides(trees, overrides)
     configs = {name: config_from_dict(trees[name]) for name in ("sft", algorithm, "eval")}
     for name, cfg in configs.items():
-        validate(cfg, name)
+        validate(cfg, OFFLINE_STAGES.get(name, name))
     return files, configs
 
 

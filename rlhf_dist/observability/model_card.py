@@ -27,6 +27,12 @@ ALGORITHMS = {
     "rm": ("the Bradley-Terry loss on preference pairs", "reward-model"),
     "kto": ("KTO", "kto"),
 }
+# dpo.loss_type other than sigmoid -> (what the card says, hub tag)
+DPO_LOSSES = {
+    "ipo": ("IPO", "ipo"),
+    "simpo": ("SimPO (reference-free)", "simpo"),
+    "orpo": ("ORPO (reference-free)", "orpo"),
+}
 # ppo.estimator -> (what the card says, hub tag)
 ESTIMATORS = {
     "gae": ("PPO with GAE (actor-critic)", "ppo"),
@@ -94,8 +100,8 @@ def algorithm(stage: str, tree: dict) -> tuple[str, str]:
         return ESTIMATORS[tree["ppo"]["estimator"]]
     if stage == "dpo":
         d = tree["dpo"]
-        if d["loss_type"] == "ipo":
-            return "IPO", "ipo"
+        if d["loss_type"] in DPO_LOSSES:
+            return DPO_LOSSES[d["loss_type"]]
         return ("conservative DPO" if d["label_smoothing"] > 0 else "DPO"), "dpo"
     return ALGORITHMS[stage]
 

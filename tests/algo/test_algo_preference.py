@@ -1,4 +1,4 @@
-"""Tests for rlhf_dist.algo.preference (sequence_logprobs, DPO / cDPO / IPO, KTO)."""
+"""Tests for rlhf_dist.algo.preference (sequence_logprobs, DPO / cDPO / IPO, KTO, SimPO, ORPO)."""
 
 import math
 
@@ -11,7 +11,12 @@ from rlhf_dist.algo.preference import (
     kto_loss,
     kto_reference_point,
     kto_terms,
+    log_odds,
+    orpo_loss,
+    orpo_terms,
     sequence_logprobs,
+    simpo_loss,
+    simpo_terms,
 )
 
 SEEDS = [0, 1, 2]
@@ -240,3 +245,177 @@ def test_kto_weights_scale_each_class():
     base = kto_terms(lp, ref, desirable, z0, 0.1)["loss"]
     scaled = kto_terms(lp, ref, desirable, z0, 0.1, 2.0, 0.5)["loss"]
     assert torch.allclose(scaled, base * torch.tensor([2.0, 0.5]))
+
+
+# ---------------------------------------------------------------------------------------------
+# SimPO and ORPO (reference-free)
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_simpo(pc, pr, lc, lr, beta, gamma, eps):
+    """Mean loss and mean chosen/rejected rewards, one pair at a time."""
+    loss = chosen = rejected = 0.0
+    for i in range(len(pc)):
+        rc, rr = beta * pc[i] / lc[i], beta * pr[i] / lr[i]
+        z = rc - rr - gamma
+        loss += -(1 - eps) * _log_sigmoid(z) - eps * _log_sigmoid(-z)
+        chosen, rejected = chosen + rc, rejected + rr
+    n = len(pc)
+    return loss / n, chosen / n, rejected / n
+
+
+def ref_orpo(pc, pr, lc, lr, lam, nll_sum, nll_tokens):
+    """Mean loss and mean log odds ratio, with odds = p / (1 - p) written out directly."""
+    loss = ratio = 0.0
+    for i in range(len(pc)):
+        p_w, p_l = math.exp(pc[i] / lc[i]), math.exp(pr[i] / lr[i])
+        r = math.log(p_w / (1 - p_w)) - math.log(p_l / (1 - p_l))
+        loss += -lam * _log_sigmoid(r)
+        ratio += r
+    n = len(pc)
+    return nll_sum / nll_tokens + loss / n, ratio / n
+
+
+def _free_inputs(seed, n=6):
+    """Sequence log-prob sums and response lengths: per-token means in [-3, -0.05]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [torch.randint(1, 12, (n,), generator=g).double() for _ in range(2)]
+    means = [-0.05 - 3 * torch.rand(n, generator=g, dtype=torch.float64) for _ in range(2)]
+    return means[0] * lengths[0], means[1] * lengths[1], lengths[0], lengths[1]
+
+
+def test_simpo_hand_computed():
+    # Chosen: sum -6 over 3 tokens (mean -2); rejected: -12 over 4 (mean -3). beta 2, gamma
+    # 0.5: z = 2 (-2) - 2 (-3) - 0.5 = 1.5, loss = log(1 + e^-1.5) = 0.2014132779827524.
+    pc, pr = torch.tensor([-6.0], dtype=torch.float64), torch.tensor([-12.0], dtype=torch.float64)
+    lc, lr = torch.tensor([3]), torch.tensor([4])
+    loss, stats = simpo_loss(pc, pr, lc, lr, beta=2.0, margin=0.5)
+    assert abs(float(loss) - 0.2014132779827524) < 1e-12
+    assert float(stats["chosen_rewards"]) == -4.0 and float(stats["rejected_rewards"]) == -6.0
+    assert float(stats["margins"]) == 2.0 and float(stats["accuracy"]) == 1.0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("beta,gamma,eps", [(2.0, 0.5, 0.0), (2.5, 1.4, 0.0), (0.1, 0.0, 0.2)])
+def test_simpo_matches_float64_reference(seed, beta, gamma, eps):
+    pc, pr, lc, lr = _free_inputs(seed)
+    loss, stats = simpo_loss(pc, pr, lc, lr, beta, gamma, eps)
+    want = ref_simpo(pc.tolist(), pr.tolist(), lc.tolist(), lr.tolist(), beta, gamma, eps)
+    for got, w in zip((loss, stats["chosen_rewards"], stats["rejected_rewards"]), want):
+        assert got.dim() == 0 and abs(float(got) - w) < 1e-12, (float(got), w)
+    terms = simpo_terms(pc, pr, lc, lr, beta, gamma, eps)
+    assert terms["loss"].shape == (6,) and torch.allclose(terms["loss"].mean(), loss)
+
+
+def test_simpo_depends_on_per_token_means_only():
+    """The same mean log-prob shift on both answers, or a response repeated k times (sum and
+    length both x k), leaves the loss unchanged: SimPO's rewards are length-normalised."""
+    pc, pr, lc, lr = _free_inputs(4)
+    base = simpo_terms(pc, pr, lc, lr, 2.0, 0.7)["loss"]
+    c = torch.tensor([0.3, -1.0, 2.0, 0.0, -0.4, 1.1], dtype=torch.float64)
+    shifted = simpo_terms(pc + c * lc, pr + c * lr, lc, lr, 2.0, 0.7)["loss"]
+    assert torch.allclose(shifted, base, atol=1e-12)
+    assert torch.allclose(simpo_terms(3 * pc, pr, 3 * lc, lr, 2.0, 0.7)["loss"], base, atol=1e-12)
+    # With unit lengths, no margin and a zero reference it is DPO's sigmoid loss.
+    ones, zeros = torch.ones(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    dpo = dpo_terms(pc, pr, zeros, zeros, 0.3)["loss"]
+    assert torch.allclose(simpo_terms(pc, pr, ones, ones, 0.3, 0.0)["loss"], dpo, atol=1e-12)
+
+
+def test_simpo_is_monotone_in_the_margin_and_its_gradient_favours_chosen():
+    margins = torch.linspace(-20, 20, 81, dtype=torch.float64)
+    one = torch.ones(81, dtype=torch.float64)
+    losses = simpo_terms(margins, torch.zeros(81, dtype=torch.float64), one, one, 1.0, 0.5)["loss"]
+    assert (losses[1:] < losses[:-1]).all(), "a larger chosen reward always lowers the loss"
+    # At z = 0 (margin == gamma) the loss is log 2.
+    z0 = simpo_terms(
+        torch.tensor([0.5]), torch.tensor([0.0]), torch.ones(1), torch.ones(1), 1.0, 0.5
+    )
+    assert abs(float(z0["loss"][0]) - math.log(2)) < 1e-6
+    pc, pr, lc, lr = (t.clone().requires_grad_(i < 2) for i, t in enumerate(_free_inputs(2)))
+    simpo_loss(pc, pr, lc, lr, 2.0, 0.5)[0].backward()
+    assert (pc.grad < 0).all() and (pr.grad > 0).all()
+    # d loss / d sum = -beta sigmoid(-z) / (B |y|): a token of a long answer counts for less.
+    assert torch.allclose(-pc.grad * lc, pr.grad * lr)
+
+
+def test_log_odds_is_exact_near_certainty_and_finite_at_it():
+    for dtype in (torch.float32, torch.float64):
+        x = torch.tensor([-1e-10, -1e-4, -0.5, -0.7, -5.0, -80.0], dtype=dtype)
+        want = [v - math.log(-math.expm1(v)) for v in x.tolist()]
+        got = log_odds(x)
+        atol = 1e-6 if dtype == torch.float32 else 1e-12  # x - log(1 - p) cancels near -log 2
+        want = torch.tensor(want, dtype=torch.float64)
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=atol)
+        at_one = log_odds(torch.zeros(2, dtype=dtype))  # p = 1: clamped, large and finite
+        assert torch.isfinite(at_one).all() and (at_one > 80).all()
+
+
+def test_orpo_hand_computed():
+    # Chosen: 2 tokens of p = 0.5 (odds 1); rejected: 3 tokens of p = 0.2 (odds 1/4). Log odds
+    # ratio log 4; L_OR = -log sigmoid(log 4) = log(5/4). NLL: 2 log 2 over 2 tokens = log 2.
+    pc = torch.tensor([2 * math.log(0.5)], dtype=torch.float64)
+    pr = torch.tensor([3 * math.log(0.2)], dtype=torch.float64)
+    lc, lr = torch.tensor([2]), torch.tensor([3])
+    terms = orpo_terms(pc, pr, lc, lr, or_weight=0.1)
+    assert abs(float(terms["log_odds_ratio"][0]) - math.log(4)) < 1e-12
+    assert abs(float(terms["loss"][0]) - 0.1 * math.log(1.25)) < 1e-12
+    loss, stats = orpo_loss(pc, pr, lc, lr, 0.1, -pc.sum(), 2)
+    assert abs(float(loss) - (math.log(2) + 0.1 * math.log(1.25))) < 1e-12
+    assert abs(float(stats["nll"]) - math.log(2)) < 1e-12
+    assert abs(float(stats["chosen_rewards"]) - 0.1 * math.log(0.5)) < 1e-12
+    assert float(stats["accuracy"]) == 1.0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("lam", [0.1, 1.0])
+def test_orpo_matches_float64_reference(seed, lam):
+    pc, pr, lc, lr = _free_inputs(seed)
+    nll_sum, nll_tokens = -pc.sum() + 3.5, lc.sum() + 4  # e.g. prompt tokens too
+    loss, stats = orpo_loss(pc, pr, lc, lr, lam, nll_sum, nll_tokens)
+    want, ratio = ref_orpo(pc.tolist(), pr.tolist(), lc.tolist(), lr.tolist(), lam,
+                           float(nll_sum), float(nll_tokens))  # fmt: skip
+    assert abs(float(loss) - want) < 1e-12 and abs(float(stats["log_odds_ratio"]) - ratio) < 1e-12
+
+
+def test_orpo_odds_ratio_term_is_monotone_and_antisymmetric():
+    pc, pr, lc, lr = _free_inputs(5)
+    forward = orpo_terms(pc, pr, lc, lr, 1.0)
+    swapped = orpo_terms(pr, pc, lr, lc, 1.0)
+    # -log sigmoid(r) + log sigmoid(-r) = -r: swapping the labels moves the loss by the ratio.
+    assert torch.allclose(forward["loss"] - swapped["loss"], -forward["log_odds_ratio"])
+    means = torch.linspace(-6, -0.01, 60, dtype=torch.float64)
+    one, rejected = (
+        torch.ones(60, dtype=torch.float64),
+        torch.full((60,), -1.0, dtype=torch.float64),
+    )
+    up = orpo_terms(means, rejected, one, one, 1.0)["loss"]
+    assert (up[1:] < up[:-1]).all(), "a likelier chosen answer lowers the loss"
+    down = orpo_terms(rejected, means, one, one, 1.0)["loss"]
+    assert (down[1:] > down[:-1]).all(), "a likelier rejected answer raises it"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reference_free_losses_and_gradients_are_finite_for_extreme_inputs(dtype):
+    # Per-token means from certainty (0) to hopeless (-1e4), lengths 1 to 4096, and an empty
+    # response (length 0, sum 0).
+    pc = torch.tensor([0.0, -1e-9, -3.0, -4e7, 0.0, -2.0], dtype=dtype, requires_grad=True)
+    pr = torch.tensor([0.0, -5e3, -1e-12, 0.0, -1e4, 0.0], dtype=dtype, requires_grad=True)
+    lc, lr = torch.tensor([1, 7, 3, 4096, 1, 2]), torch.tensor([2, 1, 9, 1, 1, 0])
+    for loss, _ in (
+        simpo_loss(pc, pr, lc, lr, 10.0, 3.0, 0.1),
+        orpo_loss(pc, pr, lc, lr, 0.5, -pc.sum(), lc.sum()),
+    ):
+        pc.grad = pr.grad = None
+        loss.backward()
+        assert (
+            torch.isfinite(loss) and torch.isfinite(pc.grad).all() and torch.isfinite(pr.grad).all()
+        )
+
+
+def test_reference_free_losses_leave_inputs_alone():
+    pc, pr, lc, lr = _free_inputs(8)
+    before = [t.clone() for t in (pc, pr, lc, lr)]
+    simpo_loss(pc, pr, lc, lr, 2.0, 0.5, 0.1)
+    orpo_loss(pc, pr, lc, lr, 0.1, -pc.sum(), lc.sum())
+    assert all(torch.equal(x, y) for x, y in zip((pc, pr, lc, lr), before))

@@ -1,6 +1,7 @@
 """DPO and KTO on the tiny demo task: the policy trains, the reference stays frozen, the
 first step sits exactly at the reference (loss log 2 / weight / 2), the precomputed and
-online reference give the same step, and a LoRA run keeps the base (its reference) intact."""
+online reference give the same step, and a LoRA run keeps the base (its reference) intact.
+SimPO and ORPO: no reference is built or run, and the gold reward rises."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rlhf_dist.config import PerfConfig, config_from_dict
 from rlhf_dist.data.batching import BatchPlan
 from rlhf_dist.data.rows import kto_examples, load_rows, preference_pairs
 from rlhf_dist.demo import task
+from rlhf_dist.evaluate import run_eval
 from rlhf_dist.models import ValueModel, load_causal_lm, load_sequence_classifier
 from rlhf_dist.trainers import preference
 from rlhf_dist.trainers.dpo import dpo_step, train_dpo
@@ -208,6 +210,106 @@ def test_dpo_with_lora_trains_adapters_only_and_exports(
     assert any(not torch.equal(merged[k], base[k]) for k in base), "merged export == SFT"
 
 
+def _no_reference(monkeypatch):
+    """Make building or running a reference fail the test (the reference-free losses)."""
+    import rlhf_dist.trainers.dpo as dpo_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a reference-free loss built or ran a reference model")
+
+    for name in ("build_reference", "reference_logprobs", "reference_table"):
+        monkeypatch.setattr(dpo_module, name, refuse)
+    monkeypatch.setattr(preference, "AdapterOffReference", refuse)
+
+
+def _gold(runtime, policy, reference, task_env, out, data_cfg) -> dict:
+    """Gold reward and KL of `policy` on the task's 32 held-out prompts (the demo's eval)."""
+    cfg = config_from_dict(
+        {
+            "run": {"output_dir": str(out), "seed": 0},
+            "model": {"policy": str(policy)},
+            "data": data_cfg(train=str(task_env.files.eval_prompts)),
+            "generation": {"max_new_tokens": 24, "temperature": 0.7},
+            "reward": {"function": "rlhf_dist.demo.task:gold_reward_fn"},
+            "eval": {"reference": str(reference), "num_prompts": 32, "batch_size": 32,
+                     "gold_function": "rlhf_dist.demo.task:gold_reward_eval"},
+        }
+    )  # fmt: skip
+    return run_eval(cfg, runtime)
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        # SimPO drifts without a reference: at lr 1e-3 its policy stops ending its reviews
+        # (EOS rate 0.06) and the gold falls; 5e-4 keeps it (0.408 -> 0.668, measured).
+        {"loss_type": "simpo", "beta": 2.5, "simpo_gamma": 0.5, "optim": {"lr": 5e-4}},
+        {"loss_type": "orpo", "beta": 1.0, "optim": {"lr": 1e-3}},  # 0.408 -> 0.720
+    ],
+    ids=["simpo", "orpo"],
+)
+def test_reference_free_losses_raise_the_demo_gold_with_no_reference_model(
+    section, sft_run, task_env, runtime, tmp_path, data_cfg, read_jsonl, saved_state_dict,
+    changed_tensors, monkeypatch,
+):  # fmt: skip
+    """SimPO and ORPO on the demo's pairs: no reference model is built, loaded or run (any
+    attempt fails the test), the policy learns the preference, and its gold reward on
+    held-out prompts rises above the SFT policy's, as DPO's does (docs/dpo.md)."""
+    _no_reference(monkeypatch)
+    out = tmp_path / section["loss_type"]
+    files = task_env.files
+    data = data_cfg(train=str(files.prefs_train), eval=str(files.prefs_eval))
+    summary = train_dpo(_cfg("dpo", sft_run, out, data, **section), runtime)
+    assert not (out / preference.REFERENCE_FILE).exists()
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "dpo/loss" in r]
+    assert len(rows) == 16
+    names = ["rewards/chosen", "rewards/margins", "logprobs/chosen", "dpo/grad_norm"]
+    if section["loss_type"] == "orpo":  # the NLL term and the odds ratio are logged
+        names += ["dpo/nll", "dpo/log_odds_ratio"]
+        assert all(r["dpo/loss"] > r["dpo/nll"] > 0 for r in rows)  # + lambda x L_OR > 0
+        assert math.isfinite(summary["eval_nll"]) and math.isfinite(summary["eval_log_odds_ratio"])
+    for key in names:
+        assert all(math.isfinite(r[key]) for r in rows), key
+    assert summary["eval_accuracy"] > 0.55 and summary["eval_margins"] > 0, summary
+    assert changed_tensors(saved_state_dict(sft_run.out / "final"), saved_state_dict(out / "final"))
+    sft = sft_run.out / "final"
+    before = _gold(runtime, sft, sft, task_env, tmp_path / "eval_sft", data_cfg)
+    after = _gold(runtime, out / "final", sft, task_env, tmp_path / "eval_new", data_cfg)
+    assert after["gold_reward"] > before["gold_reward"] + 0.15, (before, after)
+
+
+def test_reference_free_loss_with_lora_trains_adapters_and_no_adapters_off_reference(
+    sft_run, task_env, runtime, tmp_path, data_cfg, read_jsonl, saved_state_dict, monkeypatch
+):
+    """ORPO with LoRA: the adapters-off base is not used as a reference (none is built or
+    run), the adapters train and the base stays the SFT weights."""
+    _no_reference(monkeypatch)
+    built = []
+    original = preference.add_adapters
+
+    def capture(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(preference, "add_adapters", capture)
+    out = tmp_path / "orpo_lora"
+    lora = {"lora": {"enabled": True, "r": 4, "alpha": 8, "export": "adapter"}}
+    pairs = tmp_path / "pairs.jsonl"  # 4 steps of 32 pairs
+    pairs.write_text("".join(task_env.files.prefs_train.read_text().splitlines(True)[:128]))
+    section = {"loss_type": "orpo", "beta": 1.0, "orpo_prompt_nll": False, "optim": {"lr": 3e-3}}
+    train_dpo(_cfg("dpo", sft_run, out, data_cfg(train=str(pairs)), lora, **section), runtime)
+    base = saved_state_dict(sft_run.out / "final")
+    for name, value in built[0].state_dict().items():
+        if "lora_" not in name:
+            plain = name.replace("base_model.model.", "").replace(".base_layer", "")
+            assert torch.equal(value, base[plain].to(value.dtype)), name
+    lora_b = [v for k, v in built[0].state_dict().items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "adapters did not train"
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "dpo/loss" in r]
+    assert len(rows) == 4 and all(r["dpo/loss"] > r["dpo/nll"] > 0 for r in rows)
+    assert (out / "final_adapter" / "adapter_config.json").is_file()
+
+
 def _split_grads(step_fn, base, batch, plans):
     """(gradients, metrics) of one step_fn call per BatchPlan, each on a fresh copy; a
     ("packed", plan) entry: that step with perf.packed_sequences on."""
@@ -221,23 +323,27 @@ def _split_grads(step_fn, base, batch, plans):
     return out
 
 
-@pytest.mark.parametrize("stage", ["dpo", "kto"])
+@pytest.mark.parametrize("stage", ["dpo", "kto", "simpo", "orpo"])
 def test_step_gradient_does_not_depend_on_the_micro_batch_split(
     stage, sft_run, task_env, runtime, data_cfg, monkeypatch
 ):
     """One optimizer step's gradient is that of the global-batch mean loss, however the
     batch is cut (4 micro-batches of 4, or by a token budget: sorted by length, different
-    row counts), including KTO's reference point z0 (one number for the whole batch)."""
+    row counts), including KTO's reference point z0 (one number for the whole batch) and
+    ORPO's NLL (a token mean over the whole batch: micro-batches hold different token
+    counts)."""
     tok, pad = task_env.tokenizer, task_env.tokenizer.pad_token_id
     rows = load_rows(str(task_env.files.prefs_train), "data.train")[:16]
     data = config_from_dict({"data": data_cfg()}).data
     # Reference = the random-init model, so log-ratios (and z0) are far from 0.
     policy = load_causal_lm(str(sft_run.out / "final"), "model.policy")
     reference = load_causal_lm(str(task_env.policy), "model.policy").requires_grad_(False)
-    if stage == "dpo":
+    if stage in ("dpo", "simpo", "orpo"):
         batch = preference_pairs(rows, tok, data)[0]
-        section = config_from_dict({}).dpo
+        loss_type = {"dpo": "sigmoid"}.get(stage, stage)
+        section = config_from_dict({"dpo": {"loss_type": loss_type}}).dpo
         widths, rows_per_item = [max(len(p.chosen), len(p.rejected)) for p in batch], 2
+        stage = "dpo"  # the metrics' prefix
 
         def step(model, items, plan, perf):
             return dpo_step(runtime, model, reference, items, None, plan, section, pad, perf)

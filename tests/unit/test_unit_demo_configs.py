@@ -58,7 +58,9 @@ COMMON = {"run", "model", "data", "perf", "lora", "distributed"}
 def sections_read(name: str) -> set[str]:
     """The config sections the stage `name` ("<variant>/<stage>") reads: another stage's
     section (an RL run's sft.*) may change with the defaults without changing the demo."""
-    stage = name.split("/")[1]
+    variant, stage = name.split("/")
+    if variant == "offline":  # simpo and orpo run the dpo stage
+        stage = pipeline.OFFLINE_STAGES[stage]
     if stage in ("sft", "rm", "dpo", "kto"):
         return COMMON | {stage}
     if stage == "eval":

@@ -275,21 +275,19 @@ def test_trl_fields_script_reads_a_wheel(tmp_path):
     fields = "\n".join(f"    {name}: int = 0" for name in trl_fields.INHERITED)
     (tf / "training_args.py").write_text(TRAINING_ARGS.format(fields=fields))
     simple = "from .base_config import _BaseConfig\n\nclass {0}(_BaseConfig):\n    learning_rate: float = 1e-6\n    {1}: int = 0\n"
+    experimental = simple.replace(".base_config", "...trainer.base_config")
     new = {}
     for name, paths in trl_fields.CONFIGS.items():
-        if name != "PPOConfig":
-            new[paths[0]] = simple.format(name, f"own_{name.lower()}")
+        if name != "PPOConfig":  # trl/experimental/<x>/ imports the base from trl/trainer/
+            text = simple if paths[0].startswith("trl/trainer/") else experimental
+            new[paths[0]] = text.format(name, f"own_{name.lower()}")
     # a config that subclasses another config through an absolute import
     new["trl/trainer/dpo_config.py"] = (
         "from trl.trainer.sft_config import SFTConfig as Base\n\n"
         "class DPOConfig(Base):\n    beta: float = 0.1\n"
     )
     newest = fake_wheel(tmp_path / "new", "2.0.0", new)
-    old_ppo = {
-        "trl/experimental/ppo/ppo_config.py": simple.replace(
-            ".base_config", "...trainer.base_config"
-        ).format("PPOConfig", "kl_coef")
-    }
+    old_ppo = {"trl/experimental/ppo/ppo_config.py": experimental.format("PPOConfig", "kl_coef")}
     older = fake_wheel(tmp_path / "old", "1.12.0", old_ppo)
     out = tmp_path / "fields.json"
 
@@ -301,6 +299,7 @@ def test_trl_fields_script_reads_a_wheel(tmp_path):
     assert doc["GRPOConfig"] == ["base_only", "own_grpoconfig"]  # inherited ones left out
     assert doc["DPOConfig"] == ["base_only", "beta", "own_sftconfig"]
     assert doc["PPOConfig"] == ["base_only", "kl_coef"]
+    assert doc["ORPOConfig"] == ["base_only", "own_orpoconfig"]  # from trl/experimental/orpo
     assert doc["TrainingArguments"] == sorted(trl_fields.INHERITED)
     assert doc["_header"]["trl_version"] == "2.0.0"
     assert doc["_header"]["transformers_version"] == "9.9.9"

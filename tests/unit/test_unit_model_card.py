@@ -53,6 +53,8 @@ def test_a_local_base_model_and_local_data_stay_out_of_the_metadata():
     "stage, section, expected",
     [
         ("dpo", {"dpo": {"loss_type": "ipo"}}, ("IPO", "ipo")),
+        ("dpo", {"dpo": {"loss_type": "simpo"}}, ("SimPO (reference-free)", "simpo")),
+        ("dpo", {"dpo": {"loss_type": "orpo"}}, ("ORPO (reference-free)", "orpo")),
         ("dpo", {"dpo": {"label_smoothing": 0.1}}, ("conservative DPO", "dpo")),
         ("dpo", {}, ("DPO", "dpo")),
         ("kto", {}, ("KTO", "kto")),

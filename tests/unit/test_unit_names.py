@@ -2,6 +2,7 @@
 `rlhf-dist --help` and config errors return without importing torch
 (docs/architecture.md section 2)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,6 +40,15 @@ def test_names_are_the_algo_registries_own():
     for name, traits in names.ESTIMATORS.items():
         assert ESTIMATORS[name].traits is traits, name
     assert tuple(POLICY_LOSSES) == names.POLICY_LOSSES
+
+
+def test_dpo_loss_types_are_one_list():
+    from rlhf_dist.algo import preference
+    from rlhf_dist.config import DPOConfig
+
+    choices = next(f for f in dataclasses.fields(DPOConfig) if f.name == "loss_type")
+    assert choices.metadata["choices"] == names.DPO_LOSS_TYPES == preference.DPO_LOSS_TYPES
+    assert set(names.REFERENCE_FREE_LOSSES) < set(names.DPO_LOSS_TYPES)
 
 
 def test_kl_kinds_and_loss_aggregations_match_the_algo_registries():

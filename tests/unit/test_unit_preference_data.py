@@ -157,6 +157,12 @@ def test_kto_from_conversational_pairs_matches_the_pair_loader(chat_tok):
         (["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing"),
         (["dpo.beta=0"], "dpo.beta"),
         (["dpo.loss_type=hinge"], "dpo.loss_type"),
+        (["dpo.loss_type=orpo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing"),
+        (["dpo.simpo_gamma=1.0"], "dpo.simpo_gamma"),
+        (["dpo.loss_type=orpo", "dpo.simpo_gamma=0"], "dpo.simpo_gamma"),
+        (["dpo.loss_type=simpo", "dpo.simpo_gamma=-0.5"], "dpo.simpo_gamma"),
+        (["dpo.loss_type=simpo", "dpo.orpo_prompt_nll=false"], "dpo.orpo_prompt_nll"),
+        (["dpo.loss_type=orpo", "dpo.reference_logprobs=online"], "dpo.reference_logprobs"),
         (["dpo.reference_logprobs=never"], "dpo.reference_logprobs"),
         (["kto.desirable_weight=-1"], "kto.desirable_weight"),
         (["kto.beta=-0.1"], "kto.beta"),
@@ -199,3 +205,16 @@ def test_the_example_dpo_config_validates_on_eight_ranks():
     cfg = load_config(path)
     validate(cfg, "dpo", world_size=8)  # 64 pairs = 2 per rank x 8 ranks x 4 accumulations
     assert cfg.dpo.reference_logprobs == "precompute" and cfg.model.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["dpo.loss_type=simpo", "dpo.beta=2.5", "dpo.simpo_gamma=1.4", "dpo.label_smoothing=0.1"],
+        ["dpo.loss_type=orpo", "dpo.orpo_prompt_nll=false", "dpo.beta=0.2"],
+        ["dpo.loss_type=simpo", "dpo.orpo_prompt_nll=true", "dpo.simpo_gamma=0.5"],  # defaults
+    ],
+)
+def test_reference_free_losses_accept_their_own_keys(overrides):
+    base = ["model.policy=/p", "data.train=/d.jsonl"]
+    validate(load_config(overrides=base + overrides), "dpo")
