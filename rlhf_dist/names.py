@@ -20,6 +20,7 @@ from rlhf_dist.algo.catalog import (
 )
 
 __all__ = [
+    "COV_CONTROLS",
     "DEMO_ALGORITHMS",
     "DEMO_ITERATIVE",
     "DEMO_OBJECTIVES",
@@ -39,6 +40,7 @@ __all__ = [
 # The objectives of the one PPO loop (docs/agents.md, "Objectives")
 RATIO_LEVELS = ("token", "sequence")  # ppo.ratio_level: PPO's per-token ratio or GSPO's
 OVERLONG = ("none", "mask", "soft")  # ppo.overlong (DAPO)
+COV_CONTROLS = ("none", "clip_cov", "kl_cov")  # ppo.cov_control (Cui et al. 2025)
 
 # `rlhf-dist demo --algorithm`: rlhf_dist/demo/pipeline.py builds a stage list for each.
 # The on-policy ones: PPO, the critic-free estimators, then the objective presets on

@@ -6,6 +6,7 @@ it does not depend on how examples were split across ranks and micro-batches.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Protocol
 
@@ -21,6 +22,15 @@ class Collectives(Protocol):
     def device(self) -> torch.device: ...
     def all_sum(self, x: torch.Tensor) -> torch.Tensor: ...
     def all_max(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class RankedCollectives(Collectives, Protocol):
+    """Collectives that also know this process's place among the ranks."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
 
 
 class StatSums:
@@ -87,3 +97,23 @@ def global_mean_var(
     count, mean, sq_dev = global_moments(runtime, x, mask)
     var = sq_dev / (count - 1 if unbiased else count)
     return mean.to(x.dtype), var.to(x.dtype)
+
+
+def global_top_k(runtime: RankedCollectives, keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest values of `keys` (any shape) over ALL ranks, (k,) float64, descending;
+    -inf fills the places of a world with fewer than k values. Every rank must call this
+    with the same k.
+
+    The global top k lies within the union of every rank's own top k: each rank puts its
+    k best into its row of a (world, k) table of -inf and one all-max gathers the table
+    exactly (no float additions), so the result does not depend on how the values are
+    spread over ranks. Costs world x k numbers: for a small share of the tokens
+    (ppo.cov_ratio), not for sorting a whole batch.
+    """
+    flat = keys.detach().reshape(-1).to(torch.float64)
+    table = torch.full((runtime.world_size, k), -math.inf, dtype=torch.float64, device=flat.device)
+    n = min(k, flat.numel())
+    if n:
+        table[runtime.rank, :n] = flat.topk(n).values
+    gathered = runtime.all_max(table).reshape(-1)
+    return gathered.topk(k).values

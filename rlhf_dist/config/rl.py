@@ -10,6 +10,7 @@ from rlhf_dist.config.keys import key
 from rlhf_dist.config.stages import OptimConfig
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 from rlhf_dist.names import (
+    COV_CONTROLS,
     ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
@@ -280,7 +281,56 @@ class PPOConfig:
         gt=1,
     )
     entropy_coef: float = key(
-        0.0, "weight of the entropy bonus in the policy loss; 0 = none", min=0
+        0.0,
+        "weight of the entropy bonus in the policy loss (aggregated like it); 0 = none; with "
+        "ppo.entropy_target: the coefficient's starting value",
+        min=0,
+    )
+    entropy_target: float | None = key(
+        None,
+        'adaptive entropy bonus (docs/algorithms.md, "Entropy control"): the mean per-token '
+        "sampling entropy (nats, objective/entropy) to hold; after every iteration the "
+        "coefficient moves by entropy_coef_lr x (target - entropy), within [0, "
+        "entropy_coef_max], like SAC's temperature; null = ppo.entropy_coef stays fixed",
+        gt=0,
+    )
+    entropy_coef_lr: float = key(
+        0.01,
+        "ppo.entropy_target: the coefficient's change per iteration per nat of entropy below "
+        "(above) the target",
+        gt=0,
+    )
+    entropy_coef_max: float = key(
+        0.1, "ppo.entropy_target: the largest the adaptive coefficient may become", gt=0
+    )
+    cov_control: str = key(
+        "none",
+        "covariance-based entropy control (Cui et al. 2025): clip_cov stops the policy "
+        "gradient of a random ppo.cov_ratio share of the tokens whose centred (log pi_old - "
+        "mean)(A - mean) lies in (cov_clip_low, cov_clip_high); kl_cov adds cov_kl_coef x "
+        "|log pi - log pi_old| to the share with the largest one; chosen once per rollout "
+        'over all ranks (docs/algorithms.md, "Entropy control")',
+        choices=COV_CONTROLS,
+    )
+    cov_ratio: float = key(
+        2e-4,
+        "ppo.cov_control: share of the trained tokens (over all ranks) chosen per rollout, at "
+        "least one (2e-4: verl's default for both methods)",
+        gt=0,
+        max=0.1,
+    )
+    cov_clip_low: float = key(
+        1.0,
+        "cov_control=clip_cov: lower bound of the centred product of a candidate token",
+        finite=True,
+    )
+    cov_clip_high: float = key(
+        5.0,
+        "cov_control=clip_cov: upper bound of the centred product of a candidate token",
+        finite=True,
+    )
+    cov_kl_coef: float = key(
+        1.0, "cov_control=kl_cov: weight of |log pi - log pi_old| on the chosen tokens", gt=0
     )
     ptx_coef: float = key(
         0.0,

@@ -191,9 +191,35 @@ def _validate_objective(cfg: Config) -> None:
             "is already bounded, set dual_clip null"
         )
     _validate_dapo(cfg)
+    _validate_entropy_control(p)
     if p.tis_cap is not None and cfg.generation.backend != "vllm":
         raise ConfigError(
             "ppo.tis_cap: needs generation.backend=vllm (the hf sampler is the trainer)"
+        )
+
+
+def _validate_entropy_control(p) -> None:
+    """The adaptive entropy coefficient and Clip-Cov's bounds (docs/algorithms.md)."""
+    if p.entropy_target is not None and p.entropy_coef > p.entropy_coef_max:
+        raise ConfigError(
+            f"ppo.entropy_coef: the adaptive coefficient starts here and stays within [0, "
+            f"ppo.entropy_coef_max={p.entropy_coef_max}], got {p.entropy_coef}"
+        )
+    sequences = p.rollout_batch_size * p.samples_per_prompt
+    minibatch = sizes.ppo_minibatch_size(
+        p.minibatch_size, p.rollout_batch_size, p.samples_per_prompt
+    )
+    steps = sizes.ppo_epochs(p.ppo_epochs, p.estimator) * (sequences // minibatch)
+    if p.cov_control == "kl_cov" and steps == 1:
+        raise ConfigError(
+            "ppo.cov_control: kl_cov penalises |log pi - log pi_old|, which is 0 with no "
+            "gradient at a rollout's only optimizer step; needs ppo.ppo_epochs > 1 or "
+            "ppo.minibatch_size below the rollout's sequences (or use clip_cov)"
+        )
+    if p.cov_control == "clip_cov" and not p.cov_clip_low < p.cov_clip_high:
+        raise ConfigError(
+            f"ppo.cov_clip_high: must be above ppo.cov_clip_low={p.cov_clip_low} (Clip-Cov's "
+            f"candidates lie between them), got {p.cov_clip_high}"
         )
 
 

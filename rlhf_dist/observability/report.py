@@ -63,7 +63,11 @@ PANEL_GROUPS = (
     (
         "ppo_entropy_length",
         "Entropy & response length",
-        (("objective/entropy",), ("rollout/length", "rollout/length_min", "rollout/length_max")),
+        (
+            ("objective/entropy",),
+            ("rollout/length", "rollout/length_min", "rollout/length_max"),
+            ("entropy/coef",),
+        ),
     ),
     (
         "ppo_losses",

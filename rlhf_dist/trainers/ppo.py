@@ -60,6 +60,7 @@ from rlhf_dist.trainers.common import (
     write_checkpoint,
 )
 from rlhf_dist.trainers.dynamic_sampling import rollout_until_full
+from rlhf_dist.trainers.ppo_entropy import cov_choice, make_entropy_controller
 from rlhf_dist.trainers.ppo_eval import held_out_eval
 from rlhf_dist.trainers.ppo_setup import PPORun, build_models, export_models
 from rlhf_dist.trainers.ppo_stats import (
@@ -200,19 +201,21 @@ def ppo_iteration(
     rewards, kl = rollout_rewards(batch, kl_coef, p)  # kl None: old log-probs still unknown
     advantages, returns = estimate(p.estimator, batch, rewards, run.plan.samples_per_prompt, p)
     trained, trained_adv, overlong = trained_view(runtime, batch, advantages, cfg)
+    chosen, cov_stats = cov_choice(runtime, trained, trained_adv, p, cfg.run.seed, it)
     run.model.train()
-    knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names)
-    update = ppo_update(runtime, run, trained, trained_adv, returns, knobs, it)
+    knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names, run.entropy_ctl.coef)
+    update = ppo_update(runtime, run, trained, trained_adv, returns, knobs, it, chosen)
     batch = with_update_logprobs(batch, update)
     if kl is None:  # the update's forward gave the old log-probs: the rollout's KL now
         kl = token_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask, p.kl_kind)
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef) | sampling
-    stats |= overlong | run.scorer.component_stats(runtime) | update.stats
+    stats |= overlong | cov_stats | run.scorer.component_stats(runtime) | update.stats
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, batch.response_mask, cfg)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
+    run.entropy_ctl.update(stats["objective/entropy"])  # ppo.entropy_target: next iteration's
     samples = sample_rows(prompt_texts, texts, batch, kl)[: cfg.run.num_samples]
     return IterationResult(stats, distributions, samples)
 
@@ -336,8 +339,11 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         perf=cfg.perf,
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
+    entropy_ctl = make_entropy_controller(p)
     if ckpt:
         kl_ctl.load_state_dict(ckpt.trainer["kl_controller"])
+        if "entropy_controller" in ckpt.trainer:  # absent from checkpoints written before it
+            entropy_ctl.load_state_dict(ckpt.trainer["entropy_controller"])
         moments.load_state_dict(ckpt.trainer["score_moments"])
         built.scheduler.load_state_dict(ckpt.trainer["scheduler"])
     return PPORun(
@@ -353,6 +359,7 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         built.scorer,
         cfg.perf.gather_for_training,
         ptx=ptx,
+        entropy_ctl=entropy_ctl,
     )
 
 
@@ -360,6 +367,7 @@ def trainer_state(run: PPORun, first_score: float | None, alerts: AlertMonitor) 
     """Everything besides weights and optimizer that a resumed run must continue from."""
     return {
         "kl_controller": run.kl_ctl.state_dict(),
+        "entropy_controller": run.entropy_ctl.state_dict(),
         "score_moments": run.score_moments.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "first_score": first_score,

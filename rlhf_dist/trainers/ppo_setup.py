@@ -8,13 +8,14 @@ reward model, the frozen reward model is the critic's base with adapters off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from rlhf_dist.algo.entropy import EntropyController
 from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf_dist.algo.masking import RunningMoments
@@ -274,3 +275,5 @@ class PPORun:
     gather_for_training: str = "auto"  # perf.gather_for_training
     printed_first_batch: bool = False
     ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), trainers/ptx.py
+    # the entropy bonus's coefficient, fixed or steered to ppo.entropy_target (ppo_entropy.py)
+    entropy_ctl: EntropyController = field(default_factory=lambda: EntropyController(0.0))

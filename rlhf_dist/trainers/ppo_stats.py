@@ -124,6 +124,7 @@ def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> di
     peak = float(runtime.all_max(torch.tensor(float(runtime.peak_memory_bytes()))))
     return {
         "optim/kl_coef": run.kl_ctl.coef,
+        "entropy/coef": run.entropy_ctl.coef,  # this iteration's; the controller moves after
         "optim/lr_actor": run.scheduler.get_last_lr()[0],
         "time/generate": timings.get("generate", 0.0),
         "time/score": timings.get("score", 0.0),

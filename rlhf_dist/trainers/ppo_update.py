@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.algo.entropy import clip_cov_loss, kl_cov_penalty
 from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.losses import (
     aggregation_count,
@@ -59,14 +60,22 @@ class UpdateKnobs:
     tis_cap: float | None = None  # truncated IS weights against vLLM's sampler; None: off
     ratio_level: str = "token"  # token (PPO) or sequence (GSPO)
     policy_loss: str = "clip"  # clip (PPO) or cispo
+    cov_control: str = "none"  # ppo.cov_control: what the chosen tokens get (ppo_entropy.py)
+    cov_kl_coef: float = 1.0  # kl_cov: weight of |log pi - log pi_old| on the chosen tokens
 
     @classmethod
     def from_config(
-        cls, cfg: Config, kl_coef: float | None = None, group_names=("actor", "critic")
+        cls,
+        cfg: Config,
+        kl_coef: float | None = None,
+        group_names=("actor", "critic"),
+        entropy_coef: float | None = None,
     ) -> UpdateKnobs:
-        """kl_coef: the KL controller's current value (None: ppo.kl_coef)."""
+        """kl_coef, entropy_coef: the controllers' current values (None: ppo.kl_coef,
+        ppo.entropy_coef)."""
         p = cfg.ppo
         kl_coef = p.kl_coef if kl_coef is None else kl_coef
+        entropy_coef = p.entropy_coef if entropy_coef is None else entropy_coef
         low = p.clip_eps if p.clip_eps_low is None else p.clip_eps_low
         high = p.clip_eps if p.clip_eps_high is None else p.clip_eps_high
         kl_loss_coef = kl_coef if p.kl_placement == "loss" else 0.0
@@ -74,8 +83,9 @@ class UpdateKnobs:
         norms = tuple(optim[name].max_grad_norm for name in group_names)
         return cls(
             cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
-            p.entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
-            ratio_level=p.ratio_level, policy_loss=p.policy_loss,
+            entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
+            ratio_level=p.ratio_level, policy_loss=p.policy_loss, cov_control=p.cov_control,
+            cov_kl_coef=p.cov_kl_coef,
         )  # fmt: skip
 
 
@@ -105,8 +115,9 @@ def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: Updat
 
 
 def micro_batch_loss(
-    model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs, stats: StatSums
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs, stats: StatSums,
+    chosen: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
     """(weighted token SUM of one micro-batch's loss, this forward's detached (log-probs,
     entropies) when mb has no old log-probs, else None). The caller divides the sum by the
     global count of tokens or sequences (knobs.loss_aggregation). The loss: the policy
@@ -114,8 +125,9 @@ def micro_batch_loss(
     reference when KL is a loss term, - entropy_coef x the entropy.
 
     mb: a RolloutBatch (B rows, T response columns); advantages: (B, T); returns: (B, T)
-    or None without a critic; stats: the loss statistics are added to it. Without old
-    log-probs (`old_logprobs_from_update`) this forward's, detached, are the old ones."""
+    or None without a critic; stats: the loss statistics are added to it; chosen: (B, T)
+    bool, the tokens ppo.cov_control acts on (None: off). Without old log-probs
+    (`old_logprobs_from_update`) this forward's, detached, are the old ones."""
     first = mb.old_logprobs is None
     logprobs, entropy, values = model(
         mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
@@ -125,6 +137,8 @@ def micro_batch_loss(
     mask, n = mb.response_mask, mb.response_mask.sum()
     pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs)
     per_token = pg["loss"]
+    if chosen is not None:
+        per_token = cov_control_terms(per_token, logprobs, old_logprobs, chosen, knobs, stats, mask)
     if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
         weights = truncated_is_weights(old_logprobs, mb.sampler_logprobs, knobs.tis_cap)
         per_token = weights * per_token
@@ -147,6 +161,20 @@ def micro_batch_loss(
     return masked_sum(weights * per_token, mask), fresh
 
 
+def cov_control_terms(
+    per_token, logprobs, old_logprobs, chosen, knobs: UpdateKnobs, stats: StatSums, mask
+) -> torch.Tensor:
+    """The per-token policy loss (B, T) with ppo.cov_control applied to the `chosen` tokens
+    (B, T) bool, picked once per rollout (trainers/ppo_entropy.py): clip_cov stops their
+    gradient; kl_cov adds cov_kl_coef x |log pi - log pi_old| to them (its token sum is
+    logged as entropy/kl_cov_loss, a mean over all trained tokens like policy/kl_loss)."""
+    if knobs.cov_control == "clip_cov":
+        return clip_cov_loss(per_token, chosen)
+    penalty = kl_cov_penalty(logprobs, old_logprobs, chosen, knobs.cov_kl_coef)
+    stats.add("entropy/kl_cov_loss", masked_sum(penalty.detach(), mask), mask.sum())
+    return per_token + penalty
+
+
 def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -> None:
     """Token sums of the policy (and value) loss and clip fractions, the approx KL and the
     ratio of one micro-batch; named: (prefix, per-token loss, clipped) (B, T) each."""
@@ -162,6 +190,7 @@ def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -
 def minibatch_backward(
     runtime: Runtime, model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs,
     slices: list, stats: StatSums, ptx: PtxStream | None = None,
+    chosen: torch.Tensor | None = None,
 ) -> list[FirstForward]:  # fmt: skip
     """Accumulate the gradient of one optimizer step over this rank's micro-batches;
     returns the old log-probs and entropies of the micro-batches that had none.
@@ -174,6 +203,7 @@ def minibatch_backward(
     ptx micro-batch with its own forward and backward before PPO micro-batch i's, so the
     step's last backward is PPO's (every parameter gets its gradient there) and each
     forward is followed by its backward, as DeepSpeed's ZeRO-3 hooks require.
+    chosen: (b, T) bool for mb's rows, the tokens ppo.cov_control acts on (None: off).
     """
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
@@ -187,7 +217,8 @@ def minibatch_backward(
         stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
         adv = advantages[s][:, :T]
         ret = None if returns is None else returns[s][:, :T]
-        loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats)
+        cho = None if chosen is None else chosen[s][:, :T]
+        loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats, cho)
         loss = share_of_global_mean(runtime, loss_sum, count)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
         if fresh is not None:
@@ -214,11 +245,12 @@ def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:
 
 def ppo_update(
     runtime: Runtime, run: PPORun, batch: RolloutBatch, advantages, returns,
-    knobs: UpdateKnobs, it: int = 0,
+    knobs: UpdateKnobs, it: int = 0, chosen: torch.Tensor | None = None,
 ) -> UpdateResult:  # fmt: skip
     """ppo_epochs passes over this rank's rollout in minibatches, one optimizer step each;
     returns the reduced statistics and, for a rollout without old log-probs (one step
-    per rollout only), those the update's forward computed."""
+    per rollout only), those the update's forward computed. chosen: (B, T) bool, the
+    tokens ppo.cov_control acts on (trainers/ppo_entropy.py; None: off)."""
     stats, plan = StatSums(), run.plan
     if batch.old_logprobs is None and plan.optimizer_steps_per_iteration != 1:
         raise ValueError("a rollout without old log-probs gets exactly one optimizer step")
@@ -231,10 +263,12 @@ def ppo_update(
             for start in range(0, order.numel(), per_rank):
                 idx = order[start : start + per_rank]
                 mb, ret = batch.select(idx), None if returns is None else returns[idx]
+                cho = None if chosen is None else chosen[idx]
                 slices = update_micro_batches(runtime, mb, plan.update)
                 fresh = minibatch_backward(
-                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, run.ptx
-                )
+                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, run.ptx,
+                    cho,
+                )  # fmt: skip
                 first_forwards += [(idx[s], lp, ent) for s, lp, ent in fresh]
                 norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
                 for name, norm in zip(run.group_names, norms or ()):
@@ -267,7 +301,8 @@ def old_logprobs_from_update(cfg: Config, plan: PPOPlan) -> bool:
     that read old log-probs and entropies (objective/kl, objective/entropy, the vLLM
     sampler gap) are taken after the update. Not with ppo.dynamic_sampling (its refill
     joins rollouts) or ppo.overlong=mask (the update never sees a truncated row's tokens,
-    so it could not give their old log-probs)."""
+    so it could not give their old log-probs), nor with ppo.cov_control (it chooses its
+    tokens from the old log-probs before the update, trainers/ppo_entropy.py)."""
     p = cfg.ppo
     return (
         cfg.perf.old_logprobs_from_update
@@ -275,4 +310,5 @@ def old_logprobs_from_update(cfg: Config, plan: PPOPlan) -> bool:
         and p.kl_placement == "loss"
         and not p.dynamic_sampling
         and p.overlong != "mask"
+        and p.cov_control == "none"
     )

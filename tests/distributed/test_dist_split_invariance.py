@@ -38,6 +38,13 @@ AGGREGATIONS = {
 }
 
 
+# ppo.cov_control (trainers/ppo_entropy.py) on top of every critic-free term (the entropy
+# bonus included): the tokens are chosen over all ranks before the backward.
+COV_CONTROLS = {
+    method: ("--critic-free", f"--cov-control={method}") for method in ("clip_cov", "kl_cov")
+}
+
+
 def variant(name: str, micro: int, *flags: str) -> str:
     return ":".join([name, str(micro), *flags])
 
@@ -70,6 +77,8 @@ def one_rank(assets, tmp_path_factory):
     variants.append(variant("token_mean/packed-budget", 8, "--tokens=30", "--packed"))
     for name, (flags, _) in AGGREGATIONS.items():
         variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
+    for name, flags in COV_CONTROLS.items():
+        variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
     return probe_single(assets, tmp_path_factory.mktemp("one_rank") / "1.pt", *variants)
 
 
@@ -83,6 +92,7 @@ def zero3(assets, tmp_path_factory):
     all-reduce gradient reduction against DeepSpeed's reduce-scatter."""
     variants = [variant("token_mean", 2)]
     variants += [variant(name, 2, *flags) for name, (flags, _) in AGGREGATIONS.items()]
+    variants += [variant(name, 2, *flags) for name, flags in COV_CONTROLS.items()]
     # A token budget of 16 cells: rank 0's share needs 3 micro-batches, rank 1's 4.
     variants.append(variant("budget", 2, "--tokens=16"))
     variants.append(variant("checkpointing", 2, "--gradient-checkpointing"))
@@ -130,6 +140,21 @@ def test_gradient_split_invariant_for_each_loss_aggregation(one_rank, zero3, agg
     assert any((token_mean[k] - g).abs().max() > 1e-4 * g.abs().max() for k, g in grads.items())
     assert_same_gradients(grads, one_rank["gradients"][f"{aggregation}/1x4"], 1e-5, "1x4")
     assert_same_gradients(grads, zero3["gradients"][aggregation], 1e-4, "2x2 ZeRO-3")
+
+
+@pytest.mark.parametrize("method", list(COV_CONTROLS))
+def test_cov_control_chooses_the_same_tokens_and_gradient_on_every_split(one_rank, zero3, method):
+    """Clip-Cov / KL-Cov: the same 3 of the 35 tokens chosen on 1 rank and on 2 ZeRO-3
+    ranks (each rank choosing from its own share with global means and top-k), and the
+    same gradient for 1 x 1, 1 x 4 and 2 x 2; a gradient the choice changed."""
+    chosen = one_rank["cov_chosen"][method]
+    assert len(chosen) == 3 and chosen == one_rank["cov_chosen"][f"{method}/1x4"]
+    assert zero3["cov_chosen"][method] == chosen
+    grads = one_rank["gradients"][method]
+    plain = one_rank["gradients"]["token_mean-critic_free"]
+    assert any((plain[k] - g).abs().max() > 1e-4 * g.abs().max() for k, g in grads.items())
+    assert_same_gradients(grads, one_rank["gradients"][f"{method}/1x4"], 1e-5, "1x4")
+    assert_same_gradients(grads, zero3["gradients"][method], 1e-4, "2x2 ZeRO-3")
 
 
 def test_token_budget_micro_batches_give_the_same_gradient(one_rank, zero3):

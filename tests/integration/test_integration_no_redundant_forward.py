@@ -78,7 +78,9 @@ def test_one_step_per_rollout_takes_old_logprobs_from_the_update(
 def test_the_skip_needs_one_step_and_the_kl_in_the_loss(task_env, data_cfg, tmp_path):
     data = data_cfg(train=str(task_env.files.prompts))
     tree = grpo_tree(tmp_path, task_env.policy, data)
-    for change in ({"ppo_epochs": 2}, {"minibatch_size": 8}, {"kl_placement": "reward"}):
+    # ppo.cov_control chooses its tokens from the old log-probs before the update
+    changes = ({"ppo_epochs": 2}, {"minibatch_size": 8}, {"kl_placement": "reward"})
+    for change in (*changes, {"cov_control": "clip_cov"}):
         t = {**tree, "ppo": {**tree["ppo"], **change}}
         cfg = config_from_dict(t)
         assert not ppo.old_logprobs_from_update(cfg, ppo.ppo_plan(cfg.ppo, 1)), change

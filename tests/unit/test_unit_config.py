@@ -359,6 +359,55 @@ def test_ptx_keys_come_together(overrides, key):
     assert config_error(validate, cfg, "ppo").startswith(key + ":")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        # the adaptive coefficient must start within its bounds
+        (["ppo.entropy_target=1.0", "ppo.entropy_coef=0.5"], "ppo.entropy_coef"),
+        (["ppo.entropy_target=0"], "ppo.entropy_target"),
+        (["ppo.entropy_target=1.0", "ppo.entropy_coef_lr=0"], "ppo.entropy_coef_lr"),
+        (["ppo.entropy_coef_max=0"], "ppo.entropy_coef_max"),
+        (["ppo.cov_control=clip"], "ppo.cov_control"),
+        (["ppo.cov_control=clip_cov", "ppo.cov_ratio=0.5"], "ppo.cov_ratio"),
+        (["ppo.cov_control=clip_cov", "ppo.cov_ratio=0"], "ppo.cov_ratio"),
+        (
+            ["ppo.cov_control=clip_cov", "ppo.cov_clip_low=5", "ppo.cov_clip_high=1"],
+            "ppo.cov_clip_high",
+        ),
+        (["ppo.cov_control=clip_cov", "ppo.cov_clip_high=inf"], "ppo.cov_clip_high"),
+        # KL-Cov's |log ratio| is 0 without gradient at a rollout's only optimizer step
+        ([*GROUPS, "ppo.cov_control=kl_cov"], "ppo.cov_control"),
+        (["ppo.cov_control=kl_cov", "ppo.ppo_epochs=1"], "ppo.cov_control"),
+        (["ppo.cov_control=kl_cov", "ppo.cov_kl_coef=0"], "ppo.cov_kl_coef"),
+    ],
+)
+def test_entropy_control_keys_refuse_bad_combinations(overrides, key):
+    try:
+        cfg = load_config(overrides=[*PPO_REQUIRED, *overrides])
+    except ConfigError as e:  # a value outside the key's choices fails at load
+        assert str(e).startswith(key + ":")
+        return
+    assert config_error(validate, cfg, "ppo").startswith(key + ":")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["ppo.entropy_target=0.5", "ppo.entropy_coef=0.01", "ppo.entropy_coef_max=0.05"],
+        ["ppo.cov_control=kl_cov"],  # gae: 4 epochs per rollout
+        [*GROUPS, "ppo.cov_control=kl_cov", "ppo.ppo_epochs=2"],
+        [*GROUPS, "ppo.cov_control=kl_cov", "ppo.minibatch_size=2"],
+        [*GROUPS, "ppo.cov_control=clip_cov", "ppo.cov_ratio=0.1", "ppo.cov_clip_low=-1"],
+    ],
+)
+def test_entropy_control_keys_accept_good_combinations(overrides):
+    cfg = load_config(overrides=[*PPO_REQUIRED, *overrides])
+    validate(cfg, "ppo")
+    for override in overrides:  # accepted as given: nothing was dropped or fixed up
+        name, _, text = override.partition("=")
+        assert getattr(cfg.ppo, name.removeprefix("ppo.")) == yaml.safe_load(text), override
+
+
 def test_ptx_is_off_by_default_and_accepted_with_its_rows():
     cfg = load_config(overrides=PPO_REQUIRED)
     assert cfg.ppo.ptx_coef == 0 and cfg.data.ptx == ""

@@ -4,7 +4,7 @@ Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generatio
   [--check-reduce]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
-  --policy-loss=cispo, --overlong-mask, --tokens=N, --packed
+  --policy-loss=cispo, --overlong-mask, --tokens=N, --packed, --cov-control=METHOD
 (--packed: perf.packed_sequences, every forward of the step on packed rows, here of twice
 the padded width, so that the minibatch's sequences share rows; the variant also records
 {"packed_rows": {NAME: [padded rows, packed rows] summed over its forwards}}.
@@ -18,7 +18,10 @@ ppo.overlong=mask does, so rank 0's first micro-batch has no loss token at all. 
 the share cut by that token budget as ppo_update does (`update_micro_batches`: sorted by
 length, as many passes on every rank as the busiest needs); the variant then also records
 {"micro_counts": {NAME: {"greedy": [passes each rank's budget alone needs],
-"passes": [passes each rank ran]}}}.)
+"passes": [passes each rank ran]}}}. --cov-control=clip_cov|kl_cov: ppo.cov_control on 10%
+of the tokens, chosen as ppo_iteration does (trainers/ppo_entropy.py: each rank from its
+share, with global means, counts and top-k), passed to the backward; the variant also
+records {"cov_chosen": {NAME: [(global row, column) of every chosen token, all ranks]}}.)
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
 global minibatch with ragged response lengths, takes its share, and accumulates the
 gradient over its micro-batches with the trainer's own `minibatch_backward`. Each variant
@@ -51,6 +54,7 @@ from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.ppo_entropy import cov_choice
 from rlhf_dist.trainers.ppo_setup import build_models
 from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward, update_micro_batches
 
@@ -132,6 +136,9 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
             **objective,
         },
     }
+    cov = flag_value(flags, "cov-control", "none")
+    if cov != "none":  # 10% of the 35 tokens; every token a Clip-Cov candidate
+        tree["ppo"] |= {"cov_control": cov, "cov_ratio": 0.1, "cov_clip_low": -100.0}
     if objective["policy_loss"] == "cispo":
         tree["ppo"]["dual_clip"] = None
     return config_from_dict(tree)
@@ -155,6 +162,7 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
     mb = batch.select(share)
     slices = update_micro_batches(runtime, mb, plan.update)
     knobs = UpdateKnobs.from_config(cfg, group_names=built.group_names)
+    chosen, _ = cov_choice(runtime, mb, advantages[share], cfg.ppo, seed=0, it=1)
     setting = "always" if whole else "never"
     before = zero3_state(runtime, built.model)
     with count_fetches(runtime) as fetches, runtime.training_weights(built.model, setting):
@@ -167,8 +175,15 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
             knobs,
             slices,
             StatSums(),
+            chosen=chosen,
         )
     facts = {"fetches": fetches[0], "restored": zero3_state(runtime, built.model) == before}
+    if chosen is not None:  # (global row, column) of every rank's chosen tokens
+        rows, cols = chosen.nonzero(as_tuple=True)
+        start = share.start
+        facts["cov_chosen"] = sorted(runtime.gather_objects(
+            [(start + r, c) for r, c in zip(rows.tolist(), cols.tolist())]
+        ))  # fmt: skip
     grads = full_gradients(runtime.backend, built.model)
     if whole:  # an error inside whole weights leaves ZeRO-3 as it was too
         with contextlib.suppress(ArithmeticError), runtime.whole_weights(built.model):
@@ -294,6 +309,8 @@ def main():
         result["checkpoint_optimizer"][name] = optimizer
         if "micro_counts" in facts:
             result.setdefault("micro_counts", {})[name] = facts.pop("micro_counts")
+        if "cov_chosen" in facts:
+            result.setdefault("cov_chosen", {})[name] = facts.pop("cov_chosen")
         result["zero3"][name] = facts
     if "--check-reduce" in sys.argv:
         result["reduce_max_diff"] = reduce_max_diff(runtime)
