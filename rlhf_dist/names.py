@@ -10,6 +10,7 @@ config` and config errors return without importing torch (docs/architecture.md s
 from __future__ import annotations
 
 from rlhf_dist.algo.catalog import (
+    DISTILL_LOSSES,
     ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
@@ -23,6 +24,7 @@ __all__ = [
     "DEMO_OBJECTIVES",
     "DEMO_OFFLINE",
     "DEMO_RL_ALGORITHMS",
+    "DISTILL_LOSSES",
     "ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGGREGATIONS",
