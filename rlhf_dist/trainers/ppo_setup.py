@@ -94,6 +94,20 @@ def _load_teacher(cfg: Config, runtime: Runtime) -> nn.Module:
     return runtime.prepare_frozen(teacher, cfg.distributed.frozen_models, dtype, "teacher")
 
 
+def _frozen_scorer(cfg: Config, runtime: Runtime, reward_inputs) -> Scorer | None:
+    """The reward of the run (rewards.scoring.build_scorer); None where the LoRA critic's
+    adapters-off base is the reward model (built after prepare); zeros for distillation
+    alone without a reward source (ppo.estimator=distill)."""
+    if shares_reward_with_critic(cfg):
+        return None
+    if not (cfg.reward.text_rewards() or cfg.model.reward):
+        return Scorer(reward_fn=no_task_reward)
+    placement = cfg.distributed.frozen_models
+    return build_scorer(
+        runtime, cfg.reward.function, cfg.model, placement, reward_inputs, cfg.reward, cfg.perf
+    )
+
+
 def no_task_reward(prompts, responses, columns=None) -> torch.Tensor:
     """The scores of ppo.estimator=distill without a reward source: 0 for every response
     (B,); the teacher's signal is all that trains."""
@@ -191,21 +205,7 @@ def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=Non
             ckpt.load_weights_into(net)  # before prepare: every backend partitions these
         full_reference = needs_reference(cfg) and not cfg.lora.enabled
         reference = _load_reference(cfg) if full_reference else None
-        scorer = (
-            None
-            if shares_reward_with_critic(cfg)
-            else Scorer(reward_fn=no_task_reward)
-            if not (cfg.reward.text_rewards() or m.reward)  # ppo.estimator=distill alone
-            else build_scorer(
-                runtime,
-                cfg.reward.function,
-                m,
-                cfg.distributed.frozen_models,
-                reward_inputs,
-                cfg.reward,
-                cfg.perf,
-            )
-        )
+        scorer = _frozen_scorer(cfg, runtime, reward_inputs)
     groups = {"actor": (net.actor.parameters(), p.optim)}
     if net.critic is not None:  # built where the estimator reads values (has_critic)
         groups["critic"] = (net.critic.parameters(), p.critic_optim)

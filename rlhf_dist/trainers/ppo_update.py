@@ -136,10 +136,7 @@ def micro_batch_loss(
     )  # fmt: skip
     old_logprobs = logprobs.detach() if first else mb.old_logprobs
     mask, n = mb.response_mask, mb.response_mask.sum()
-    if knobs.distill_coef and knobs.distill_loss == "reverse_kl":  # the teacher's advantage
-        assert mb.teacher_logprobs is not None, "the rollout was scored by the teacher"
-        signal = distill_advantages(old_logprobs, mb.teacher_logprobs, mask)
-        advantages = advantages + knobs.distill_coef * signal
+    advantages = with_teacher_advantages(advantages, old_logprobs, mb, knobs)
     pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs)
     per_token = pg["loss"]
     if divergence:  # gjsd: a loss term of its own, gradients through the actor's head
@@ -165,6 +162,18 @@ def micro_batch_loss(
     weights = aggregation_weights(mask, knobs.loss_aggregation, per_token.dtype)
     fresh = (old_logprobs, entropy.detach()) if first else None
     return masked_sum(weights * per_token, mask), fresh
+
+
+def with_teacher_advantages(advantages, old_logprobs, mb: RolloutBatch, knobs: UpdateKnobs):
+    """The advantages (B, T) + distill_coef x the teacher's per-token log-ratio of the
+    sampled tokens (distill.distill_advantages; distill_loss=reverse_kl), else as given.
+    Added here, after the trainer's whitening, with the old log-probs of this forward
+    when the rollout had none (old_logprobs_from_update)."""
+    if not knobs.distill_coef or knobs.distill_loss != "reverse_kl":
+        return advantages
+    assert mb.teacher_logprobs is not None, "the rollout was scored by the teacher"
+    signal = distill_advantages(old_logprobs, mb.teacher_logprobs, mb.response_mask)
+    return advantages + knobs.distill_coef * signal
 
 
 @dataclass(frozen=True)
