@@ -71,9 +71,15 @@ def table(sft: float, teacher: float, curves: dict, walls: dict) -> str:
     rows.append(f"| best | {best['distill']:.3f} | {best['grpo']:.3f} |")
     rows.append(f"| wall s | {walls['distill']:.0f} | {walls['grpo']:.0f} |")
     final = curves["distill"][-1]
+    first = {
+        k: next((i + 1 for i, g in enumerate(v) if g >= 0.9 * teacher), None)
+        for k, v in curves.items()
+    }
     return "\n".join(rows) + (
         f"\n\nTeacher (the demo's PPO policy): {teacher:.3f}. Student after {n} iterations: "
-        f"{final:.3f} = {final / teacher:.1%} of the teacher's gold (criterion: >= 90%)."
+        f"{final:.3f} = {final / teacher:.1%} of the teacher's gold (criterion: >= 90%). "
+        f"First iteration at >= 90% of the teacher's gold: distillation {first['distill']}, "
+        f"GRPO {first['grpo']}."
     )
 
 
