@@ -10,6 +10,7 @@ config` and config errors return without importing torch (docs/architecture.md s
 from __future__ import annotations
 
 from rlhf_dist.algo.catalog import (
+    DISTILL_LOSSES,
     DPO_LOSS_TYPES,
     ESTIMATORS,
     KL_KINDS,
@@ -27,6 +28,7 @@ __all__ = [
     "DEMO_OFFLINE",
     "DEMO_RL_ALGORITHMS",
     "DPO_LOSS_TYPES",
+    "DISTILL_LOSSES",
     "ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGGREGATIONS",

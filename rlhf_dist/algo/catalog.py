@@ -24,10 +24,15 @@ ESTIMATORS: dict[str, EstimatorTraits] = {
     "rloo": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=False),
     "reinforce_pp": EstimatorTraits(needs_critic=False, needs_groups=False, whitens=True),
     "reinforce_pp_baseline": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=True),
+    # on-policy distillation alone: no task advantage, the teacher's signal is the update's
+    "distill": EstimatorTraits(needs_critic=False, needs_groups=False, whitens=False),
 }
 # ppo.policy_loss: PPO's clipped surrogate, or CISPO's clipped stop-gradient weight
 POLICY_LOSSES = ("clip", "cispo")
 KL_KINDS = ("k1", "k2", "k3")  # kl.kl_estimate
+# ppo.distill_loss (algo/distill.py): the sampled-token reverse KL as a per-token advantage,
+# or GKD's generalised JSD over the whole vocabulary as a loss term
+DISTILL_LOSSES = ("reverse_kl", "gjsd")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")  # losses
 # dpo.loss_type (algo/preference.py). SimPO and ORPO score the policy alone: with them the
 # DPO stage builds no reference model (trainers/dpo.py).

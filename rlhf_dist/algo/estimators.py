@@ -110,6 +110,15 @@ def reinforce_pp_baseline_estimator(x: AdvantageInputs):
     return reinforce_pp_estimator(shifted)
 
 
+def distill_estimator(x: AdvantageInputs):
+    """On-policy distillation alone (ppo.estimator=distill, docs/distill.md): the task
+    reward gives no advantage, 0 on every token (B, T). The learning signal is the
+    teacher's per-token log-ratio (distill.distill_advantages) or GJSD, which the update
+    adds to every estimator's advantages (or loss) when model.teacher is set; the scores
+    are still computed and logged, for monitoring."""
+    return torch.zeros_like(x.rewards), None
+
+
 # One signature: f(AdvantageInputs) -> (advantages, returns or None). The names and each
 # one's traits (needs_critic, needs_groups, whitens) are declared in catalog.ESTIMATORS.
 Estimator = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
@@ -121,6 +130,7 @@ ESTIMATORS = catalog.registry(
         "rloo": rloo_estimator,
         "reinforce_pp": reinforce_pp_estimator,
         "reinforce_pp_baseline": reinforce_pp_baseline_estimator,
+        "distill": distill_estimator,
     },
 )
 

@@ -20,6 +20,12 @@ class ModelConfig:
         "",
         "sequence-classification reward model (RM output, PPO reward): local dir or hub name",
     )
+    teacher: str = key(
+        "",
+        "on-policy distillation (docs/distill.md): the frozen causal LM that scores every token "
+        "the policy samples (loaded and placed like the reference: model.frozen_dtype, "
+        "distributed.frozen_models); it must share the policy's tokenizer; empty: none",
+    )
     tokenizer: str = key("", "tokenizer path; empty means the policy's")
     dtype: str = key(
         "auto",

@@ -11,6 +11,7 @@ from rlhf_dist.config.stages import OptimConfig
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 from rlhf_dist.names import (
     COV_CONTROLS,
+    DISTILL_LOSSES,
     ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
@@ -211,7 +212,9 @@ class PPOConfig:
     estimator: str = key(
         "gae",
         "advantage estimator (rlhf_dist/algo/estimators.py): gae (with a critic), grpo, rloo, "
-        "reinforce_pp, reinforce_pp_baseline (critic-free: no critic is built)",
+        "reinforce_pp, reinforce_pp_baseline (critic-free: no critic is built); distill: "
+        "on-policy distillation from model.teacher alone, the task reward trains nothing "
+        "(docs/distill.md)",
         choices=tuple(ESTIMATORS),
     )
     grpo_std_normalize: bool = key(
@@ -419,6 +422,28 @@ class PPOConfig:
     )
     kl_horizon: float = key(
         10000.0, "adaptive controller: its horizon (how slowly it adapts)", gt=0
+    )
+    distill_coef: float = key(
+        1.0,
+        "with model.teacher: weight of the distillation signal, added to the estimator's "
+        "advantages (distill_loss=reverse_kl) or to the loss (gjsd); with a task estimator "
+        "(grpo, ...) it mixes distillation with the task reward (docs/distill.md)",
+        min=0,
+    )
+    distill_loss: str = key(
+        "reverse_kl",
+        "with model.teacher: reverse_kl = log pi_teacher - log pi_old of each sampled token as "
+        "its advantage in the policy-gradient loss, no discounting (Thinking Machines 2025); "
+        "gjsd = GKD's generalised JSD over the whole vocabulary at each sampled position, a "
+        "loss term (Agarwal et al. 2024; the teacher runs again in the update)",
+        choices=DISTILL_LOSSES,
+    )
+    distill_beta: float = key(
+        0.5,
+        "distill_loss=gjsd: GKD's beta, the mixture M = beta teacher + (1 - beta) student; "
+        "0 = forward KL(teacher || student), 1 = reverse KL(student || teacher)",
+        min=0,
+        max=1,
     )
     whiten_advantages: bool | None = key(
         None,

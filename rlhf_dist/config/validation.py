@@ -78,10 +78,11 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         _validate_generation(cfg)
         if not cfg.model.policy:
             raise ConfigError("model.policy: required (the SFT policy)")
-        if not (cfg.reward.text_rewards() or cfg.model.reward):
+        distill_alone = stage == "ppo" and cfg.ppo.estimator == "distill"  # no task reward
+        if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone):
             raise ConfigError(
                 "model.reward: required unless reward.function, reward.functions, reward.url "
-                "or reward.judge is set"
+                "or reward.judge is set (or ppo.estimator=distill)"
             )
         for spec in (cfg.reward.function, *cfg.reward.functions):
             if spec and ":" not in spec:
@@ -192,6 +193,7 @@ def _validate_objective(cfg: Config) -> None:
         )
     _validate_dapo(cfg)
     _validate_entropy_control(p)
+    _validate_distill(cfg)
     if p.tis_cap is not None and cfg.generation.backend != "vllm":
         raise ConfigError(
             "ppo.tis_cap: needs generation.backend=vllm (the hf sampler is the trainer)"
@@ -241,6 +243,21 @@ def _validate_dapo(cfg: Config) -> None:
         raise ConfigError(
             f"ppo.overlong_buffer: must be in [1, generation.max_new_tokens="
             f"{cfg.generation.max_new_tokens}] with ppo.overlong=soft, got {p.overlong_buffer}"
+        )
+
+
+def _validate_distill(cfg: Config) -> None:
+    """On-policy distillation (docs/distill.md): a teacher where the estimator needs one,
+    and a weight for the teacher that is set."""
+    p, teacher = cfg.ppo, cfg.model.teacher
+    if p.estimator == "distill" and not teacher:
+        raise ConfigError(
+            "model.teacher: required with ppo.estimator=distill (the model to distill from)"
+        )
+    if teacher and not p.distill_coef > 0:
+        raise ConfigError(
+            "ppo.distill_coef: 0 turns off distillation from model.teacher; set it > 0 or "
+            "leave model.teacher empty"
         )
 
 

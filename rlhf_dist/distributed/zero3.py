@@ -87,6 +87,23 @@ def whole_weights(engine) -> Iterator[None]:
         offload._register_deepspeed_module(offload.module)
 
 
+def whole_tensors(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each of `params` as a whole tensor, detached: itself where ZeRO-3 does not partition
+    it (or holds it whole now), else a copy gathered in ONE collective (a frozen model's
+    engine, distributed.frozen_models=partition; every rank must call this with the same
+    list). For code that reads a frozen weight a number of times that differs between
+    ranks, in the forward AND a recomputing backward (a teacher's output head, chunk by
+    chunk: engine.forward.chunked_divergence), where ZeRO-3's per-call fetch would be a
+    collective some ranks skip. The copy costs the weight's whole size while it lives."""
+    partitioned = [p for p in params if not stays_whole(p)]
+    if not partitioned:
+        return [p.detach() for p in params]
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        return [p.detach().clone() if not stays_whole(p) else p.detach() for p in params]
+
+
 def gather(params: list[torch.nn.Parameter]) -> None:
     """Gather every partitioned parameter of `params` in one coalesced collective
     (DeepSpeed's `all_gather_coalesced`, the call its prefetcher makes per module: one

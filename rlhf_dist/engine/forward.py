@@ -10,7 +10,11 @@ that share it (perf.shared_prompt_forward; GRPO's n samples of a prompt).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -18,7 +22,7 @@ from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.algo.prefix import unique_prompts
 from rlhf_dist.config import PerfConfig
-from rlhf_dist.distributed.zero3 import stays_whole
+from rlhf_dist.distributed.zero3 import stays_whole, whole_tensors
 from rlhf_dist.engine import packing
 
 # The speed paths of a caller that was given no config: perf's defaults.
@@ -66,22 +70,38 @@ def token_logprobs(
     (`final_hidden_states`). perf: the speed paths (config.PerfConfig); each off gives the
     same values within the tolerances tests/unit/test_unit_perf_switches.py states.
     """
+    lp, entropy, _ = token_forward(
+        model, input_ids, attention_mask, predict_mask, temperature, with_entropy,
+        prompt_width, perf,
+    )  # fmt: skip
+    return lp, entropy
+
+
+def token_forward(
+    model, input_ids, attention_mask, predict_mask, temperature: float = 1.0,
+    with_entropy: bool = False, prompt_width: int | None = None,
+    perf: PerfConfig = DEFAULT_PERF, divergence=None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """`token_logprobs` (arguments alike), and with `divergence` a third output: a per-token
+    term (B, T) computed in the same forward from the final hidden states of the scored
+    positions, divergence(lm, hidden (N, H)) -> (N,) with N = predict_mask.sum() and lm the
+    transformers model inside `model` (GJSD to a teacher, `chunked_divergence`); 0 where
+    predict_mask is False. None without `divergence`."""
     if hasattr(model, "scoring_model"):
         with model.scoring_model() as inner:
-            return token_logprobs(
+            return token_forward(
                 inner, input_ids, attention_mask, predict_mask, temperature, with_entropy,
-                prompt_width, perf,
+                prompt_width, perf, divergence,
             )  # fmt: skip
-    L, T = input_ids.shape[1], predict_mask.shape[1]
     predict_mask, lm = predict_mask.bool(), causal_lm(model)
-    full = final_hidden_states(model, lm, input_ids, attention_mask, prompt_width, perf)
-    hidden, tokens = full[:, L - 1 - T : L - 1], input_ids[:, L - T :]
+    hidden, tokens = _scored_states(model, lm, input_ids, attention_mask, predict_mask.shape[1],
+                                    prompt_width, perf)  # fmt: skip
     selected = predict_mask
     if not bool(predict_mask.any()):
         # Nothing to score (e.g. a micro-batch whose rows ppo.overlong=mask left out): score
         # one position times 0 below, so a backward still reaches the backbone and the head
         # (under ZeRO-3 every rank's backward must; DeepSpeed refuses a loss without a graph).
-        hidden, tokens = full[:1, -1:], input_ids[:1, -1:]
+        hidden, tokens = hidden[:1, -1:], tokens[:1, -1:]
         selected = torch.ones_like(tokens, dtype=torch.bool)
     lp, entropy = head_logprobs(
         lm, hidden[selected], tokens[selected], temperature, perf.logprob_chunk_tokens,
@@ -91,9 +111,56 @@ def token_logprobs(
     if selected is not predict_mask:
         anchor = 0.0 * lp.sum()
         lp = zeros + anchor
-        return lp, None if entropy is None else zeros + 0.0 * entropy.sum()
+        empty = None if divergence is None else zeros.clone()
+        return lp, None if entropy is None else zeros + 0.0 * entropy.sum(), empty
+    div = None
+    if divergence is not None:
+        div = zeros.masked_scatter(predict_mask, divergence(lm, hidden[selected]).to(lp.dtype))
     lp = zeros.masked_scatter(predict_mask, lp)
-    return lp, None if entropy is None else zeros.masked_scatter(predict_mask, entropy)
+    return lp, None if entropy is None else zeros.masked_scatter(predict_mask, entropy), div
+
+
+def _scored_states(model, lm, input_ids, attention_mask, T: int, prompt_width, perf):
+    """(final hidden states (B, T, H) of the positions that predict the last T tokens,
+    those tokens (B, T)) from one forward of `model` (`final_hidden_states`)."""
+    L = input_ids.shape[1]
+    full = final_hidden_states(model, lm, input_ids, attention_mask, prompt_width, perf)
+    return full[:, L - 1 - T : L - 1], input_ids[:, L - T :]
+
+
+@dataclass(frozen=True)
+class TeacherStates:
+    """What a frozen teacher gives `chunked_divergence` for one batch: its final hidden
+    states (N, H_T) at the scored positions, and its output head, whole (weight (V_T, H_T),
+    bias (V_T,) or None) with the post-processing of its logits (`_logit_postprocessing`)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    post: Callable | None
+
+
+@torch.no_grad()
+def teacher_states(
+    teacher, input_ids, attention_mask, predict_mask, prompt_width=None,
+    perf: PerfConfig = DEFAULT_PERF,
+) -> TeacherStates:  # fmt: skip
+    """The TeacherStates of frozen `teacher` at the N = predict_mask.sum() positions
+    `token_logprobs` would score, in the same order; arguments as `token_logprobs`. Under
+    ZeRO-3 with the teacher partitioned this is two collectives (its forward, and its head
+    gathered once by zero3.whole_tensors): every rank calls it once per micro-batch, also
+    one without a scored position."""
+    lm = causal_lm(teacher)
+    hidden, _ = _scored_states(teacher, lm, input_ids, attention_mask, predict_mask.shape[1],
+                               prompt_width, perf)  # fmt: skip
+    head = lm.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"a teacher's output head must be a linear layer, got {type(head).__name__}"
+        )
+    weight, *bias = whole_tensors([head.weight] + ([] if head.bias is None else [head.bias]))
+    post = _logit_postprocessing(lm.config)
+    return TeacherStates(hidden[predict_mask.bool()], weight, bias[0] if bias else None, post)
 
 
 def final_hidden_states(
@@ -233,6 +300,43 @@ def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, wit
         parts = [(hidden.new_zeros(0, dtype=torch.float32),) * 2]
     lp = torch.cat([p[0] for p in parts])
     return lp, torch.cat([p[1] for p in parts]) if with_entropy else None
+
+
+def chunked_divergence(lm, hidden, teacher: TeacherStates, divergence, chunk_tokens: int):
+    """A per-token divergence (N,) between the student's next-token distributions at its
+    final hidden states `hidden` (N, H), with gradient, and the teacher's (`teacher_states`
+    of the same positions), without: divergence(logits (C, V), teacher_logits (C, V)) ->
+    (C,) (algo.distill.generalized_jsd) on chunks of chunk_tokens rows (0: one chunk), each
+    under activation checkpointing when gradients are recorded, so at most a few (chunk, V)
+    tensors live in the forward and the backward, never (N, V) ones (151,936 columns for
+    Qwen). lm: the student's transformers model (`causal_lm`).
+
+    Each model's logits are post-processed as the model does (`_logit_postprocessing`) and
+    cut to the vocabulary both have: embeddings are padded past the tokenizer differently
+    by model size (Qwen2.5 0.5B: 151,936 rows, 7B: 152,064), and the padding rows are
+    tokens no tokenizer produces. The student's head is called as a module (LoRA, ZeRO-3's
+    fetch: as head_logprobs' module path); the teacher's was read whole once."""
+    head, post = lm.get_output_embeddings(), _logit_postprocessing(lm.config)
+    grads = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+
+    def chunk(h, th):
+        with torch.no_grad():
+            t = F.linear(th.to(teacher.weight.dtype), teacher.weight, teacher.bias)
+            t = t if teacher.post is None else teacher.post(t)
+        s = head(h)
+        s = s if post is None else post(s)
+        v = min(s.shape[-1], t.shape[-1])
+        return divergence(s[:, :v], t[:, :v])
+
+    parts, step = [], chunk_tokens or max(hidden.shape[0], 1)
+    for start in range(0, hidden.shape[0], step):
+        h, th = hidden[start : start + step], teacher.hidden[start : start + step]
+        parts.append(checkpoint(chunk, h, th, use_reentrant=False) if grads else chunk(h, th))
+    if not parts:  # no position to score
+        return hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(parts)
 
 
 def _logit_postprocessing(config):

@@ -16,7 +16,7 @@ from torch import nn
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.engine import packing
-from rlhf_dist.engine.forward import DEFAULT_PERF, causal_lm, token_logprobs
+from rlhf_dist.engine.forward import DEFAULT_PERF, causal_lm, token_forward
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.loading import HEAD_NAMES, load_sequence_classifier
 
@@ -92,6 +92,7 @@ class ActorCritic(nn.Module):
         with_actor: bool = True,
         with_critic: bool = True,
         share_prompts: bool = True,
+        divergence=None,
     ):
         """Log-probs, entropies and values at the positions that predict the last
         T = response_mask.shape[1] tokens.
@@ -106,17 +107,22 @@ class ActorCritic(nn.Module):
         share_prompts: the first P columns are a prompt that rows may share
         (perf.shared_prompt_forward); False for rows that are not prompt + response
         (PPO-ptx's SFT rows, where every column but the first is scored).
+        divergence: a function of the actor's final hidden states at the response tokens
+        (engine.forward.token_forward; on-policy distillation's GJSD to a teacher): then a
+        fourth output, its per-token values (B, T), 0 outside response_mask.
         """
-        logprobs = entropy = values = None
+        logprobs = entropy = values = div = None
         if with_actor:
             P = input_ids.shape[1] - response_mask.shape[1]
-            logprobs, entropy = token_logprobs(
+            logprobs, entropy, div = token_forward(
                 self.actor, input_ids, attention_mask, response_mask, temperature,
-                with_entropy, P if share_prompts else None, self.perf,
+                with_entropy, P if share_prompts else None, self.perf, divergence,
             )  # fmt: skip
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]
             values = self.critic(input_ids, attention_mask)[:, -T - 1 : -1]
+        if divergence is not None:
+            return logprobs, entropy, values, div
         return logprobs, entropy, values
 
 

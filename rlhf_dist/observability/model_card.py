@@ -40,6 +40,7 @@ ESTIMATORS = {
     "rloo": ("RLOO", "rloo"),
     "reinforce_pp": ("REINFORCE++", "reinforce-pp"),
     "reinforce_pp_baseline": ("REINFORCE++ with a group baseline", "reinforce-pp"),
+    "distill": ("on-policy distillation from a teacher", "distillation"),
 }
 
 # The settings that define a run, per stage (dotted config keys), shown in the card's table;
@@ -59,7 +60,7 @@ STAGE_KEYS = {
         "ppo.estimator", "ppo.policy_loss", "ppo.iterations", "ppo.rollout_batch_size",
         "ppo.samples_per_prompt", "ppo.kl_coef", "ppo.kl_placement", "ppo.optim.lr",
         "generation.max_new_tokens", "generation.temperature", "reward.function",
-        "reward.functions", "reward.url", "reward.judge", "model.reward",
+        "reward.functions", "reward.url", "reward.judge", "model.reward", "model.teacher",
     ),
 }  # fmt: skip
 COMMON_KEYS = ("data.max_length", "model.dtype", "lora.enabled", "run.seed")

@@ -68,6 +68,9 @@ class RolloutBatch:
     # (B, T) log-probs the sampled tokens had in the engine that sampled them, when that
     # is not the trainer (generation.backend=vllm); None with the hf backend.
     sampler_logprobs: torch.Tensor | None = None
+    # (B, T) log-probs of the sampled tokens under model.teacher at the sampling temperature
+    # (on-policy distillation, docs/distill.md), 0 outside response_mask; None without one
+    teacher_logprobs: torch.Tensor | None = None
     # Multi-turn rollouts (rlhf_dist/rollout/agent.py); None for single-turn ones. (B, T) long, 1
     # on every token of the episode: sampled turns AND tool/environment messages, which
     # are attended to but are not in response_mask (never trained on, no KL, no entropy).

@@ -2,7 +2,7 @@
 
 generate (actor, sampling, left-padded prompts) -> truncate after the first EOS ->
 old_logprobs + old_values (actor-critic forward, training dtype; no values without a
-critic) -> ref_logprobs ->
+critic) -> ref_logprobs -> teacher_logprobs (on-policy distillation) ->
 scores (reward model at the last real token, or a Python reward function).
 """
 
@@ -47,6 +47,7 @@ class RolloutModels:
     """What a rollout reads: the (possibly wrapped) actor-critic for scoring, a context
     yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
     the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS),
+    the frozen teacher of on-policy distillation (model.teacher; None without one),
     with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), a
     context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
     not layer by layer in every forward; a no-op elsewhere), for multi-turn rollouts
@@ -63,6 +64,7 @@ class RolloutModels:
     agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
     perf: PerfConfig = DEFAULT_PERF
+    teacher: torch.nn.Module | None = None
 
 
 @torch.no_grad()
@@ -213,7 +215,7 @@ def _sample(
 
 
 def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=True):
-    """Old log-probs, entropies and values, reference log-probs and scores of the rows `s`
+    """Old log-probs, entropies and values, reference and teacher log-probs and scores of the rows `s`
     of the rollout tensors `sampled`; read: (prompts, response texts, other columns) of
     those rows, what the scorer reads; with_actor=False leaves old log-probs and entropies
     None. Attention covers response_attention where a multi-turn rollout has it (tool
@@ -240,12 +242,19 @@ def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=
         )
     else:  # no reference: KL 0 (ref = old; with the skip, filled in after the update)
         ref_logprobs = None if old_logprobs is None else old_logprobs.clone()
+    teacher_logprobs = None
+    if models.teacher is not None:  # scored like the reference, at the sampling temperature
+        teacher_logprobs, _ = token_logprobs(
+            models.teacher, input_ids, attention_mask, response_mask, temperature,
+            prompt_width=prompt_ids.shape[1], perf=models.perf,
+        )  # fmt: skip
     last = sequence_last_index(prompt_ids.shape[1], response_mask)
     prompts, texts, columns = read
     raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last, columns)
     return {
         "old_logprobs": old_logprobs,
         "ref_logprobs": None if ref_logprobs is None else ref_logprobs.float(),
+        "teacher_logprobs": None if teacher_logprobs is None else teacher_logprobs.float(),
         "old_values": None if values is None else values.float(),
         "raw_scores": raw_scores.float(),
         "entropy": entropy,

@@ -65,6 +65,7 @@ from rlhf_dist.trainers.ppo_eval import held_out_eval
 from rlhf_dist.trainers.ppo_setup import PPORun, build_models, export_models
 from rlhf_dist.trainers.ppo_stats import (
     IterationResult,
+    distill_stats,
     due,
     gather_distributions,
     iteration_costs,
@@ -210,6 +211,7 @@ def ppo_iteration(
         kl = token_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask, p.kl_kind)
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef) | sampling
     stats |= overlong | cov_stats | run.scorer.component_stats(runtime) | update.stats
+    stats |= distill_stats(runtime, batch)  # {} without model.teacher
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)
@@ -337,6 +339,7 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         agent=build_agent(cfg, tokenizer),  # None without generation.tools / environment
         any_rank=runtime.any_rank if runtime.world_size > 1 else None,
         perf=cfg.perf,
+        teacher=built.teacher,  # model.teacher: scores the rollout (docs/distill.md)
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     entropy_ctl = make_entropy_controller(p)

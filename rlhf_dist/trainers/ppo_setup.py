@@ -30,8 +30,10 @@ from rlhf_dist.models import (
     build_critic,
     frozen_dtype,
     load_causal_lm,
+    load_tokenizer,
     split_classifier,
     sub_state_dict,
+    tokenizer_for,
     train_dtype,
     trained_load_dtype,
 )
@@ -58,6 +60,7 @@ class PPOModels:
     reference: nn.Module
     scorer: Scorer
     group_names: tuple[str, ...]  # the optimizer's param groups: ("actor", "critic") or ("actor",)
+    teacher: nn.Module | None = None  # on-policy distillation's frozen teacher (model.teacher)
 
 
 def needs_reference(cfg: Config) -> bool:
@@ -65,6 +68,51 @@ def needs_reference(cfg: Config) -> bool:
     the adaptive controller moves a coefficient that starts above 0). With 0 no reference
     is loaded or run, as TRL's GRPO with beta 0."""
     return cfg.ppo.kl_coef > 0
+
+
+def check_teacher_tokenizer(cfg: Config, policy_tokenizer) -> None:
+    """The teacher scores the policy's own token ids (docs/distill.md), so it must read
+    them as the same tokens: the same vocabulary and BOS/EOS ids. Compared on the
+    tokenizers alone, before any weights load; one line naming model.teacher."""
+    m = cfg.model
+    teacher_tokenizer = load_tokenizer(m.teacher, m.trust_remote_code, "model.teacher")
+    specials = ("bos_token_id", "eos_token_id")
+    a, b = policy_tokenizer, teacher_tokenizer
+    if a.get_vocab() != b.get_vocab() or any(getattr(a, n) != getattr(b, n) for n in specials):
+        raise ConfigError(
+            f"model.teacher: {m.teacher!r} has another tokenizer than the policy (vocabulary "
+            "or BOS/EOS ids differ); on-policy distillation scores the policy's token ids, so "
+            "the teacher must share its tokenizer"
+        )
+
+
+def _load_teacher(cfg: Config, runtime: Runtime) -> nn.Module:
+    """model.teacher, frozen and placed like the reference (model.frozen_dtype,
+    distributed.frozen_models: replicated, or partitioned under ZeRO-3)."""
+    m, dtype = cfg.model, frozen_dtype(cfg.model)
+    with runtime.local_loading():
+        teacher = load_causal_lm(m.teacher, "model.teacher", dtype, m)
+    return runtime.prepare_frozen(teacher, cfg.distributed.frozen_models, dtype, "teacher")
+
+
+def _frozen_scorer(cfg: Config, runtime: Runtime, reward_inputs) -> Scorer | None:
+    """The reward of the run (rewards.scoring.build_scorer); None where the LoRA critic's
+    adapters-off base is the reward model (built after prepare); zeros for distillation
+    alone without a reward source (ppo.estimator=distill)."""
+    if shares_reward_with_critic(cfg):
+        return None
+    if not (cfg.reward.text_rewards() or cfg.model.reward):
+        return Scorer(reward_fn=no_task_reward)
+    placement = cfg.distributed.frozen_models
+    return build_scorer(
+        runtime, cfg.reward.function, cfg.model, placement, reward_inputs, cfg.reward, cfg.perf
+    )
+
+
+def no_task_reward(prompts, responses, columns=None) -> torch.Tensor:
+    """The scores of ppo.estimator=distill without a reward source: 0 for every response
+    (B,); the teacher's signal is all that trains."""
+    return torch.zeros(len(responses))
 
 
 def has_critic(cfg: Config) -> bool:
@@ -136,6 +184,8 @@ def check_critic_tokenizer(cfg: Config, reward_inputs) -> None:
 def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
+    if m.teacher:  # a tokenizer mismatch is found before any weights load
+        check_teacher_tokenizer(cfg, tokenizer_for(cfg, "policy"))
     reward_inputs = reward_inputs_for(cfg)  # the RM's own tokens when its tokenizer differs
     critic = has_critic(cfg)
     if critic:
@@ -156,19 +206,7 @@ def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=Non
             ckpt.load_weights_into(net)  # before prepare: every backend partitions these
         full_reference = needs_reference(cfg) and not cfg.lora.enabled
         reference = _load_reference(cfg) if full_reference else None
-        scorer = (
-            None
-            if shares_reward_with_critic(cfg)
-            else build_scorer(
-                runtime,
-                cfg.reward.function,
-                m,
-                cfg.distributed.frozen_models,
-                reward_inputs,
-                cfg.reward,
-                cfg.perf,
-            )
-        )
+        scorer = _frozen_scorer(cfg, runtime, reward_inputs)
     groups = {"actor": (net.actor.parameters(), p.optim)}
     if net.critic is not None:  # built where the estimator reads values (has_critic)
         groups["critic"] = (net.critic.parameters(), p.critic_optim)
@@ -194,7 +232,9 @@ def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=Non
         reference = runtime.prepare_frozen(reference, placement, dtype, "reference")
     if scorer is None:
         scorer = Scorer(reward_model=AdapterOffValue(lambda: runtime.unwrap(model).critic))
-    return PPOModels(model, optimizer, scheduler, reference, scorer, tuple(groups))
+    # Loaded and placed last: under ZeRO-3 prepare_frozen partitions it like the reference.
+    teacher = _load_teacher(cfg, runtime) if m.teacher else None
+    return PPOModels(model, optimizer, scheduler, reference, scorer, tuple(groups), teacher)
 
 
 def _load_reference(cfg: Config) -> nn.Module:

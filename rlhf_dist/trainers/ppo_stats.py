@@ -14,6 +14,7 @@ from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.algo.objectives import (
     overlong_penalty,
 )
+from rlhf_dist.algo.rewards import token_kl
 from rlhf_dist.data.chat import prompt_text
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.rollout.agent import episode_stats
@@ -70,6 +71,21 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
         residual = out.pop("value/residual_sq")
         out["value/explained_variance"] = 1.0 - residual / max(returns_var, 1e-12)
     return out
+
+
+def distill_stats(runtime, batch) -> dict:
+    """On-policy distillation (docs/distill.md): the student's reverse KL to the teacher,
+    KL(pi_old || pi_teacher), estimated on the sampled tokens (k1: log pi_old - log
+    pi_teacher), as distill/reverse_kl (nats per response, a sequence mean like
+    objective/kl) and distill/reverse_kl_per_token (a token mean); {} without a teacher."""
+    if batch.teacher_logprobs is None:
+        return {}
+    mask = batch.response_mask
+    kl = token_kl(batch.old_logprobs, batch.teacher_logprobs, mask, "k1")  # (B, T)
+    s = StatSums()
+    s.add("distill/reverse_kl", kl.sum(), mask.shape[0])
+    s.add("distill/reverse_kl_per_token", kl.sum(), mask.sum())
+    return s.reduce(runtime)
 
 
 def _population_var(runtime, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:

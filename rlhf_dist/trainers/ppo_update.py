@@ -10,10 +10,12 @@ and `ppo_update` returns them with the statistics; the batch is never written to
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.algo.distill import distill_advantages, generalized_jsd
 from rlhf_dist.algo.entropy import clip_cov_loss, kl_cov_penalty
 from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.losses import (
@@ -26,9 +28,10 @@ from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.algo.objectives import sequence_log_ratio
 from rlhf_dist.algo.policy_losses import PolicyLossInputs, policy_loss_terms
 from rlhf_dist.checkpoint import maybe_fault
-from rlhf_dist.config import Config
+from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, PPOPlan, token_budget_split
 from rlhf_dist.distributed import Runtime
+from rlhf_dist.engine.forward import chunked_divergence, teacher_states
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
@@ -62,6 +65,9 @@ class UpdateKnobs:
     policy_loss: str = "clip"  # clip (PPO) or cispo
     cov_control: str = "none"  # ppo.cov_control: what the chosen tokens get (ppo_entropy.py)
     cov_kl_coef: float = 1.0  # kl_cov: weight of |log pi - log pi_old| on the chosen tokens
+    distill_coef: float = 0.0  # weight of the teacher's signal; 0: no model.teacher
+    distill_loss: str = "reverse_kl"  # ppo.distill_loss: reverse_kl (an advantage) or gjsd
+    distill_beta: float = 0.5  # ppo.distill_beta, GKD's beta of gjsd
 
     @classmethod
     def from_config(
@@ -86,6 +92,8 @@ class UpdateKnobs:
             entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
             ratio_level=p.ratio_level, policy_loss=p.policy_loss, cov_control=p.cov_control,
             cov_kl_coef=p.cov_kl_coef,
+            distill_coef=p.distill_coef if cfg.model.teacher else 0.0,
+            distill_loss=p.distill_loss, distill_beta=p.distill_beta,
         )  # fmt: skip
 
 
@@ -117,28 +125,37 @@ def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: Updat
 def micro_batch_loss(
     model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs, stats: StatSums,
     chosen: torch.Tensor | None = None,
+    teacher: Teacher | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
     """(weighted token SUM of one micro-batch's loss, this forward's detached (log-probs,
     entropies) when mb has no old log-probs, else None). The caller divides the sum by the
     global count of tokens or sequences (knobs.loss_aggregation). The loss: the policy
     loss, + vf_coef x the value loss with a critic, + kl_loss_coef x the KL to the
-    reference when KL is a loss term, - entropy_coef x the entropy.
+    reference when KL is a loss term, - entropy_coef x the entropy. On-policy distillation
+    (knobs.distill_coef > 0, docs/distill.md): distill_coef x the teacher's per-token
+    log-ratio joins the advantages (distill_loss=reverse_kl), or distill_coef x GJSD to
+    the teacher (`teacher`, run on this micro-batch) joins the loss (gjsd).
 
     mb: a RolloutBatch (B rows, T response columns); advantages: (B, T); returns: (B, T)
     or None without a critic; stats: the loss statistics are added to it; chosen: (B, T)
     bool, the tokens ppo.cov_control acts on (None: off). Without old log-probs
     (`old_logprobs_from_update`) this forward's, detached, are the old ones."""
     first = mb.old_logprobs is None
-    logprobs, entropy, values = model(
+    gjsd = gjsd_of_teacher(teacher, mb, knobs) if knobs.distill_coef else None
+    logprobs, entropy, values, *divergence = model(
         mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
-        bool(knobs.entropy_coef) or first,
+        bool(knobs.entropy_coef) or first, divergence=gjsd,
     )  # fmt: skip
     old_logprobs = logprobs.detach() if first else mb.old_logprobs
     mask, n = mb.response_mask, mb.response_mask.sum()
+    advantages = with_teacher_advantages(advantages, old_logprobs, mb, knobs)
     pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs)
     per_token = pg["loss"]
     if chosen is not None:
         per_token = cov_control_terms(per_token, logprobs, old_logprobs, chosen, knobs, stats, mask)
+    if divergence:  # gjsd: a loss term of its own, gradients through the actor's head
+        per_token = per_token + knobs.distill_coef * divergence[0]
+        stats.add("distill/gjsd", masked_sum(divergence[0].detach(), mask), n)
     if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
         weights = truncated_is_weights(old_logprobs, mb.sampler_logprobs, knobs.tis_cap)
         per_token = weights * per_token
@@ -175,6 +192,49 @@ def cov_control_terms(
     return per_token + penalty
 
 
+def with_teacher_advantages(advantages, old_logprobs, mb: RolloutBatch, knobs: UpdateKnobs):
+    """The advantages (B, T) + distill_coef x the teacher's per-token log-ratio of the
+    sampled tokens (distill.distill_advantages; distill_loss=reverse_kl), else as given.
+    Added here, after the trainer's whitening, with the old log-probs of this forward
+    when the rollout had none (old_logprobs_from_update)."""
+    if not knobs.distill_coef or knobs.distill_loss != "reverse_kl":
+        return advantages
+    assert mb.teacher_logprobs is not None, "the rollout was scored by the teacher"
+    signal = distill_advantages(old_logprobs, mb.teacher_logprobs, mb.response_mask)
+    return advantages + knobs.distill_coef * signal
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """What the update's GJSD reads of the frozen teacher: the model (prepared as frozen)
+    and the speed paths of its forward (the rollout's perf)."""
+
+    model: torch.nn.Module
+    perf: PerfConfig
+
+
+def gjsd_of_teacher(teacher: Teacher | None, mb: RolloutBatch, knobs: UpdateKnobs):
+    """With distill_loss=gjsd: the divergence function the actor's forward applies to its
+    final hidden states (ActorCritic.forward's `divergence`): per-token GJSD(distill_beta)
+    to the teacher at the sampling temperature, over the whole vocabulary, chunked
+    (engine.forward.chunked_divergence), after one teacher forward of micro-batch `mb`
+    (every rank runs one per micro-batch: a collective under ZeRO-3). None otherwise."""
+    if knobs.distill_loss != "gjsd":
+        return None
+    assert teacher is not None, "gjsd needs the teacher in the update"
+    P = mb.prompt_ids.shape[1]
+    states = teacher_states(
+        teacher.model, mb.input_ids, mb.attention_mask, mb.response_mask, P, teacher.perf
+    )
+    jsd = functools.partial(generalized_jsd, beta=knobs.distill_beta, temperature=knobs.temperature)
+    chunk = teacher.perf.logprob_chunk_tokens
+
+    def divergence(lm, hidden):  # (N, H) -> (N,)
+        return chunked_divergence(lm, hidden, states, jsd, chunk)
+
+    return divergence
+
+
 def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -> None:
     """Token sums of the policy (and value) loss and clip fractions, the approx KL and the
     ratio of one micro-batch; named: (prefix, per-token loss, clipped) (B, T) each."""
@@ -190,7 +250,7 @@ def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -
 def minibatch_backward(
     runtime: Runtime, model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs,
     slices: list, stats: StatSums, ptx: PtxStream | None = None,
-    chosen: torch.Tensor | None = None,
+    chosen: torch.Tensor | None = None, teacher: Teacher | None = None,
 ) -> list[FirstForward]:  # fmt: skip
     """Accumulate the gradient of one optimizer step over this rank's micro-batches;
     returns the old log-probs and entropies of the micro-batches that had none.
@@ -204,6 +264,7 @@ def minibatch_backward(
     step's last backward is PPO's (every parameter gets its gradient there) and each
     forward is followed by its backward, as DeepSpeed's ZeRO-3 hooks require.
     chosen: (b, T) bool for mb's rows, the tokens ppo.cov_control acts on (None: off).
+    teacher: on-policy distillation's teacher with distill_loss=gjsd (micro_batch_loss).
     """
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
@@ -218,7 +279,7 @@ def minibatch_backward(
         adv = advantages[s][:, :T]
         ret = None if returns is None else returns[s][:, :T]
         cho = None if chosen is None else chosen[s][:, :T]
-        loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats, cho)
+        loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats, cho, teacher)
         loss = share_of_global_mean(runtime, loss_sum, count)
         runtime.micro_backward(model, loss, last=i == len(slices) - 1)
         if fresh is not None:
@@ -256,6 +317,8 @@ def ppo_update(
         raise ValueError("a rollout without old log-probs gets exactly one optimizer step")
     per_rank, trained = plan.update.per_rank, (run.model, run.optimizer, run.scheduler)
     first_forwards = []
+    teacher = run.rollout_models.teacher
+    teacher = None if teacher is None else Teacher(teacher, run.rollout_models.perf)
     # ZeRO-3: the weights gathered whole once per optimizer step when a copy fits.
     with runtime.training_weights(run.model, run.gather_for_training, "actor-critic"):
         for _ in range(plan.ppo_epochs):
@@ -267,7 +330,7 @@ def ppo_update(
                 slices = update_micro_batches(runtime, mb, plan.update)
                 fresh = minibatch_backward(
                     runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, run.ptx,
-                    cho,
+                    cho, teacher,
                 )  # fmt: skip
                 first_forwards += [(idx[s], lp, ent) for s, lp, ent in fresh]
                 norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))

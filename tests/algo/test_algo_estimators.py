@@ -25,7 +25,7 @@ from rlhf_dist.algo.estimators import (
 from rlhf_dist.algo.rewards import shape_rewards
 
 GRPO_EPS = 1e-6  # grpo_estimator's default eps, added to the group std
-NAMES = ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+NAMES = ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill"]
 SEEDS = [0, 1, 2]
 GROUP_SIZES = [2, 3, 5]
 GAMMAS = [1.0, 0.99, 0.5]
@@ -211,6 +211,9 @@ def ref_advantages(name, x):
         "rloo": ref_rloo,
         "reinforce_pp": ref_reinforce_pp,
         "reinforce_pp_baseline": ref_reinforce_pp_baseline,
+        # distillation alone: the task gives no advantage (the teacher's signal is the
+        # update's, tests/algo/test_algo_distill.py)
+        "distill": lambda x: torch.zeros(x.rewards.shape, dtype=torch.float64),
     }[name](x)
 
 
@@ -435,7 +438,8 @@ def test_zero_outside_mask_and_nan_padding_does_not_leak(name, seed):
     torch.testing.assert_close(adv_nan, adv, atol=0, rtol=0)
     for out in (adv, adv_nan):
         assert torch.all(out[~mask] == 0)
-    assert adv[mask].abs().sum() > 0  # the estimator produced something on the real tokens
+    if name != "distill":  # distill gives the task no advantage (its signal is the teacher's)
+        assert adv[mask].abs().sum() > 0  # the estimator produced something on the real tokens
     if ret is not None:
         assert torch.isfinite(ret_nan).all()
         torch.testing.assert_close(ret_nan, ret, atol=0, rtol=0)
@@ -553,6 +557,7 @@ def test_registry_flags():
         "rloo": (False, True, False),
         "reinforce_pp": (False, False, True),
         "reinforce_pp_baseline": (False, True, True),
+        "distill": (False, False, False),
     }
 
 

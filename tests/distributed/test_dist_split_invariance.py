@@ -79,6 +79,8 @@ def one_rank(assets, tmp_path_factory):
         variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
     for name, flags in COV_CONTROLS.items():
         variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
+    # on-policy distillation's GJSD to a teacher (docs/distill.md), a loss term of its own
+    variants += [variant("gjsd", 8, "--distill=gjsd"), variant("gjsd/1x4", 2, "--distill=gjsd")]
     return probe_single(assets, tmp_path_factory.mktemp("one_rank") / "1.pt", *variants)
 
 
@@ -103,6 +105,9 @@ def zero3(assets, tmp_path_factory):
     variants.append(
         variant("whole-checkpointing", 2, "--whole-weights", "--gradient-checkpointing")
     )
+    # GJSD with the teacher partitioned: its forward per micro-batch a collective, its head
+    # gathered once per micro-batch (zero3.whole_tensors) for every chunk of both passes
+    variants.append(variant("gjsd", 2, "--distill=gjsd", "--teacher-partition"))
     variants += [f"--uneven-generation={assets['files'].prompts}", "--check-reduce"]
     out = tmp_path_factory.mktemp("zero3") / "2x2.pt"
     return probe_two_ranks(assets, out, "cpu_zero3.yaml", *variants)
@@ -155,6 +160,19 @@ def test_cov_control_chooses_the_same_tokens_and_gradient_on_every_split(one_ran
     assert any((plain[k] - g).abs().max() > 1e-4 * g.abs().max() for k, g in grads.items())
     assert_same_gradients(grads, one_rank["gradients"][f"{method}/1x4"], 1e-5, "1x4")
     assert_same_gradients(grads, zero3["gradients"][method], 1e-4, "2x2 ZeRO-3")
+
+
+def test_distillation_gjsd_is_split_invariant_with_a_partitioned_teacher(one_rank, zero3):
+    """ppo.distill_loss=gjsd: GJSD to the teacher over the whole vocabulary, chunked, in
+    the loss: the same gradient for 1 x 1, 1 x 4 and 2 ZeRO-3 ranks x 2 with the teacher
+    partitioned (a hang would time out the zero3 launch), and not the gradient without it."""
+    grads = one_rank["gradients"]["gjsd"]
+    token_mean = one_rank["gradients"]["token_mean"]
+    assert any((token_mean[k] - g).abs().max() > 1e-3 * g.abs().max() for k, g in grads.items())
+    assert_same_gradients(grads, one_rank["gradients"]["gjsd/1x4"], 1e-5, "1x4")
+    assert_same_gradients(grads, zero3["gradients"]["gjsd"], 1e-4, "2x2 ZeRO-3")
+    assert one_rank["zero3"]["gjsd"]["teacher_partitioned"] is False
+    assert zero3["zero3"]["gjsd"]["teacher_partitioned"] is True
 
 
 def test_token_budget_micro_batches_give_the_same_gradient(one_rank, zero3):

@@ -422,9 +422,41 @@ def test_estimator_choices_come_from_the_registry():
     for name in ESTIMATORS:
         samples = "2" if ESTIMATORS[name].traits.needs_groups else "1"
         overrides = [f"ppo.estimator={name}", f"ppo.samples_per_prompt={samples}"]
+        if name == "distill":  # distillation alone needs the model it distills from
+            overrides.append("model.teacher=/t")
         validate(load_config(overrides=[*PPO_REQUIRED, *overrides]), "ppo")
     message = config_error(load_config, None, ["ppo.estimator=vtrace"])
     assert message.startswith("ppo.estimator:") and "grpo" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["ppo.estimator=distill"], "model.teacher"),  # distillation alone, from nothing
+        (["model.teacher=/t", "ppo.distill_coef=0"], "ppo.distill_coef"),  # teacher unused
+        (["model.teacher=/t", "ppo.distill_coef=-1"], "ppo.distill_coef"),
+        (["model.teacher=/t", "ppo.distill_loss=forward_kl"], "ppo.distill_loss"),
+        (["model.teacher=/t", "ppo.distill_beta=1.5"], "ppo.distill_beta"),
+    ],
+)
+def test_distillation_keys_refuse_bad_combinations(overrides, key):
+    def load_and_validate():  # a choice is checked on loading, a combination on validation
+        validate(load_config(overrides=[*PPO_REQUIRED, *overrides]), "ppo")
+
+    assert config_error(load_and_validate).startswith(key + ":")
+
+
+def test_distillation_alone_needs_no_reward_and_mixed_keeps_the_estimator():
+    alone = ["model.policy=/p", "data.train=/d.jsonl", "model.teacher=/t", "ppo.estimator=distill"]
+    validate(load_config(overrides=alone), "ppo")  # no model.reward or reward.function
+    # without the teacher's estimator a task reward is still required
+    plain = ["model.policy=/p", "data.train=/d.jsonl", "model.teacher=/t"]
+    assert config_error(validate, load_config(overrides=plain), "ppo").startswith("model.reward:")
+    mixed = [*PPO_REQUIRED, *GROUPS, "model.teacher=/t", "ppo.distill_coef=0.5"]
+    mixed += ["ppo.distill_loss=gjsd", "ppo.distill_beta=0"]
+    cfg = load_config(overrides=mixed)
+    validate(cfg, "ppo")
+    assert (cfg.ppo.estimator, cfg.ppo.distill_coef, cfg.ppo.distill_beta) == ("grpo", 0.5, 0.0)
 
 
 def test_ppo_micro_batch_times_world_size_must_divide_minibatch():

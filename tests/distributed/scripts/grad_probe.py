@@ -5,7 +5,13 @@ Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generatio
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
   --policy-loss=cispo, --overlong-mask, --tokens=N, --packed, --cov-control=METHOD
-(--packed: perf.packed_sequences, every forward of the step on packed rows, here of twice
+(--distill=LOSS: on-policy distillation from a teacher (the policy with its weights
+perturbed, written next to OUT once), ppo.distill_loss=LOSS (reverse_kl: the rollout's
+teacher log-probs as an advantage; gjsd: the teacher run on every micro-batch and GJSD
+over the vocabulary in the loss); --teacher-partition: the teacher placed with
+distributed.frozen_models=partition (ZeRO-3: its forward a collective, its head gathered
+once per micro-batch).
+--packed: perf.packed_sequences, every forward of the step on packed rows, here of twice
 the padded width, so that the minibatch's sequences share rows; the variant also records
 {"packed_rows": {NAME: [padded rows, packed rows] summed over its forwards}}.
 --critic-free: the grpo estimator, so no critic, with KL as a k3 loss term, an entropy
@@ -56,7 +62,12 @@ from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.ppo_entropy import cov_choice
 from rlhf_dist.trainers.ppo_setup import build_models
-from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward, update_micro_batches
+from rlhf_dist.trainers.ppo_update import (
+    Teacher,
+    UpdateKnobs,
+    minibatch_backward,
+    update_micro_batches,
+)
 
 B, P, T, VOCAB = 8, 5, 7, 100
 
@@ -103,14 +114,32 @@ def fixed_minibatch():
         finished=torch.ones(B, dtype=torch.bool),
         entropy=torch.zeros(B, T),
     )
-    return batch, torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    advantages, returns = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    teacher = -torch.rand(B, T, generator=g) * 3  # drawn last: the other draws stay the same
+    batch = dataclasses.replace(batch, teacher_logprobs=torch.where(mask, teacher, 0.0))
+    return batch, advantages, returns
+
+
+def write_teacher(policy: str, out: str) -> None:
+    """A teacher for --distill: the policy with seeded noise on every weight, written once
+    by the main process next to OUT (other ranks wait at the barrier after)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = f"{out}.teacher"
+    model = AutoModelForCausalLM.from_pretrained(policy)
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(path)
 
 
 def flag_value(flags: list[str], name: str, default: str) -> str:
     return next((f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")), default)
 
 
-def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
+def variant_config(policy: str, reward: str, micro: int, flags: list[str], teacher: str = ""):
     checkpointing = "--gradient-checkpointing" in flags
     aggregation = flag_value(flags, "aggregation", "token_mean")
     objective = {
@@ -141,6 +170,12 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str]):
         tree["ppo"] |= {"cov_control": cov, "cov_ratio": 0.1, "cov_clip_low": -100.0}
     if objective["policy_loss"] == "cispo":
         tree["ppo"]["dual_clip"] = None
+    distill = flag_value(flags, "distill", "")
+    if distill:
+        tree["model"]["teacher"] = teacher
+        tree["ppo"] |= {"distill_loss": distill, "distill_coef": 2.0, "distill_beta": 0.3}
+    if "--teacher-partition" in flags:
+        tree["distributed"] = {"frozen_models": "partition"}
     return config_from_dict(tree)
 
 
@@ -165,6 +200,7 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
     chosen, _ = cov_choice(runtime, mb, advantages[share], cfg.ppo, seed=0, it=1)
     setting = "always" if whole else "never"
     before = zero3_state(runtime, built.model)
+    teacher = None if built.teacher is None else Teacher(built.teacher, cfg.perf)
     with count_fetches(runtime) as fetches, runtime.training_weights(built.model, setting):
         minibatch_backward(
             runtime,
@@ -176,6 +212,7 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
             slices,
             StatSums(),
             chosen=chosen,
+            teacher=teacher,
         )
     facts = {"fetches": fetches[0], "restored": zero3_state(runtime, built.model) == before}
     if chosen is not None:  # (global row, column) of every rank's chosen tokens
@@ -184,6 +221,8 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
         facts["cov_chosen"] = sorted(runtime.gather_objects(
             [(start + r, c) for r, c in zip(rows.tolist(), cols.tolist())]
         ))  # fmt: skip
+    if built.teacher is not None:  # placed as distributed.frozen_models says
+        facts["teacher_partitioned"] = any(hasattr(p, "ds_id") for p in built.teacher.parameters())
     grads = full_gradients(runtime.backend, built.model)
     if whole:  # an error inside whole weights leaves ZeRO-3 as it was too
         with contextlib.suppress(ArithmeticError), runtime.whole_weights(built.model):
@@ -296,9 +335,16 @@ def main():
     quiet_transformers()
     runtime = Runtime(seed=0, num_threads=1)
     result = {"gradients": {}, "checkpoint_optimizer": {}, "zero3": {}}
+    teacher = ""
+    if any(":--distill=" in a for a in sys.argv[4:]):
+        teacher = f"{out}.teacher"
+        if runtime.is_main:
+            with runtime.local_loading():  # one rank's load: outside ZeRO-3's collective init
+                write_teacher(policy, out)
+        runtime.barrier()
     for variant in (a for a in sys.argv[4:] if not a.startswith("--")):
         name, micro, *flags = variant.split(":")
-        cfg = variant_config(policy, reward, int(micro), flags)
+        cfg = variant_config(policy, reward, int(micro), flags, teacher)
         with shared_packed_rows("--packed" in flags) as rows:
             grads, optimizer, facts = probe(
                 runtime, cfg, "--whole-weights" in flags, "--overlong-mask" in flags
