@@ -6,11 +6,9 @@ the "auto" entries of its config are filled from ours first (deepspeed_config.py
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import random
-from pathlib import Path
 
 import torch
 
@@ -33,7 +31,6 @@ class Backend:
         logging_dir: str | None = None,
     ):
         self.accelerator = _make_accelerator(timeout_s, dtype, trackers, logging_dir)
-        _remove_shm_allreduce_buffer(self.accelerator)
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads or default_threads())
         self._unwrapped: dict[int, tuple] = {}  # id -> (wrapper, kept alive; inner module)
@@ -154,6 +151,8 @@ def _make_accelerator(timeout_s: int, dtype: str, trackers: tuple[str, ...], log
         # subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks on every gradient
         # reduce-scatter: 7,000 forks (9 s) per PPO iteration of a 24-layer model.
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if use_ds:
+            _skip_shm_allreduce_op()
     tracking = {}
     if trackers:
         from accelerate.utils import ProjectConfiguration
@@ -164,38 +163,18 @@ def _make_accelerator(timeout_s: int, dtype: str, trackers: tuple[str, ...], log
     return Accelerator(kwargs_handlers=handlers, mixed_precision=precision, cpu=cpu, **tracking)
 
 
-def shm_allreduce_buffer() -> Path | None:
-    """This rank's DeepSpeed CPU allreduce buffer, or None outside a multi-rank launch.
+def _skip_shm_allreduce_op() -> None:
+    """Keep DeepSpeed's CPU backend from building its shared-memory allreduce op.
 
-    DeepSpeed's shared-memory allreduce op (deepspeed/ops/csrc/cpu/comm/shm.cpp,
-    `shm_initialize`) creates one 66 MB segment per rank when all ranks are on one machine
-    (LOCAL_SIZE == world size, which _make_accelerator sets on CPU) and never unlinks it.
-    Its name is "deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>".
-    """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
-        return None
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{os.environ['RANK']}"
-    return Path("/dev/shm") / name
+    DeepSpeed's TorchBackend JIT-compiles that op (deepspeed/ops/csrc/cpu/comm/shm.cpp) in
+    every process group it builds on CPU: ~60 s of C++ on a 2-core machine's first launch,
+    then a 66 MB /dev/shm segment per rank that DeepSpeed never unlinks. Only
+    `inference_all_reduce` (DeepSpeed's tensor-parallel inference) uses it; ZeRO and our
+    collectives go through torch.distributed's gloo. Marking the op incompatible is the
+    switch TorchBackend itself reads (`build_shm_op`: None for an incompatible op)."""
+    import deepspeed.ops
 
-
-def _remove_shm_allreduce_buffer(accelerator) -> None:
-    """Unlink this rank's DeepSpeed shared-memory buffer as soon as every rank has mapped
-    every other rank's, so that even a SIGKILLed rank leaves no 66 MB file in /dev/shm.
-
-    Unlinking only removes the name: the mappings live on until the processes end. Every
-    rank maps all others' buffers while DeepSpeed's process group is built (inside
-    Accelerator()), and does so once per process, so after the barrier nobody opens them
-    again. The atexit hook covers a rank that dies before or in the barrier.
-    """
-    path = shm_allreduce_buffer()
-    # Only DeepSpeed's CPU accelerator builds the op: no barrier for GPU or non-DeepSpeed runs.
-    cpu = accelerator.device.type == "cpu"
-    if path is None or not cpu or accelerator.state.deepspeed_plugin is None:
-        return
-    atexit.register(path.unlink, missing_ok=True)
-    accelerator.wait_for_everyone()
-    path.unlink(missing_ok=True)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def seed_everything(seed: int) -> None:
