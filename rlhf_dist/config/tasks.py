@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
+from rlhf_dist.config.loading import _is_int, _parse_scalar
 from rlhf_dist.errors import ConfigError
 
 PREFIX = "reasoning_gym:"
@@ -74,7 +73,7 @@ def parse_task_spec(value: str, key: str) -> TaskSpec:
             raise ConfigError(f"{key}: {part!r} in {value!r} is not key=value ({FORM})")
         if field in given:
             raise ConfigError(f"{key}: {field} is given twice in {value!r}")
-        given[field] = _yaml_value(text)
+        given[field] = _parse_scalar(text)
     size, seed, prompt = (given.pop(k, default) for k, default in DEFAULTS.items())
     if not _is_int(size) or size < 1:
         raise ConfigError(f"{key}: size={size!r} in {value!r} must be an integer >= 1")
@@ -98,14 +97,3 @@ def held_out_overlap(train: TaskSpec, held_out: TaskSpec) -> str | None:
         f"data.train's seeds {a.start}..{a.stop - 1} overlap (row i is drawn from seed + i): "
         f"set seed={a.stop} or more"
     )
-
-
-def _yaml_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
-        return text
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
