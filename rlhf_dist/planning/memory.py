@@ -149,16 +149,15 @@ def layer_activation_elements(shape: ModelShape, seq_len: int, attention: str) -
       v (2kd) and the attention output before o_proj (h): 4h + 2kd;
     - the SwiGLU MLP: gate and up outputs, silu(gate) and their product (4f);
     - what the attention kernel keeps besides: eager the softmax probabilities (a x s
-      per token), CPU sdpa with a padding mask a float (s, s) mask per sequence (s per
-      token), fused GPU kernels only a log-sum-exp per head (a).
-    Total 10h + 2kd + 4f + attention term.
+      per token), fused kernels (sdpa, flash) a log-sum-exp per head (a).
+    Total 10h + 2kd + 4f + the attention term.
     """
     h, kd = shape.hidden, shape.kv_heads * shape.head_dim
-    attn = {"eager": shape.heads * seq_len, "sdpa_cpu": seq_len}.get(attention, shape.heads)
+    attn = shape.heads * seq_len if attention == "eager" else shape.heads
     return 10 * h + 2 * kd + 4 * shape.intermediate + attn
 
 
-def training_activations(
+def kept_activations(
     shape: ModelShape,
     batch: float,
     seq_len: int,
@@ -167,22 +166,21 @@ def training_activations(
     checkpointing: bool,
     lora_rank: int = 0,
 ) -> float:
-    """Bytes kept between forward and backward for one micro-batch of `batch` sequences of
-    `seq_len` tokens (n = b x s).
-
-    Without checkpointing, L layers of `layer_activation_elements` each; with it
-    (non-reentrant, per layer), each layer keeps only its input (h per token) and one
-    layer is recomputed at a time in backward (Korthikanti et al. 2022, section 5: full
-    recomputation keeps 2sbh... per layer in 16-bit, i.e. the layer input). Plus the
-    final norm (3h) and, with LoRA, each adapted linear's (n, r) intermediate (7 per
-    layer at most).
-    """
-    n = batch * seq_len
+    """Bytes kept from forward to backward for one micro-batch of `batch` sequences of
+    `seq_len` tokens (n = b x s): L layers of `layer_activation_elements` each, or with
+    checkpointing (non-reentrant, per layer) only each layer's input, h per token
+    (Korthikanti et al. 2022, section 5, full recomputation); with LoRA each adapted
+    linear's (n, r) intermediate (7 per layer at most); and the final norm's 3h plus the
+    scored positions' hidden states gathered for the head (h): 4h per token."""
     one_layer = layer_activation_elements(shape, seq_len, attention)
     kept = shape.hidden if checkpointing else one_layer
-    per_token = shape.layers * (kept + 7 * lora_rank) + 3 * shape.hidden
-    recompute = one_layer if checkpointing else 0.0
-    return n * (per_token + recompute) * act_bytes
+    per_token = shape.layers * (kept + 7 * lora_rank) + 4 * shape.hidden
+    return batch * seq_len * per_token * act_bytes
+
+
+def recomputed_layer(shape: ModelShape, batch: float, seq_len: int, act_bytes: float, attention: str) -> float:  # fmt: skip
+    """With checkpointing, the one layer whose activations backward recomputes at a time."""
+    return batch * seq_len * layer_activation_elements(shape, seq_len, attention) * act_bytes
 
 
 def backward_workspace(shape: ModelShape, batch: float, seq_len: int, act_bytes: float) -> float:
@@ -195,25 +193,23 @@ def backward_workspace(shape: ModelShape, batch: float, seq_len: int, act_bytes:
 def head_bytes(shape: ModelShape, tokens: int, chunk_tokens: int, training: bool) -> float:
     """The output head's logits memory (fp32 (tokens, V) blocks).
 
-    Chunked (perf.logprob_chunk_tokens = C > 0): one (2, C, V) fp32 workspace, and in
-    backward the recomputed chunk's logits, its softmax and their gradient (3 x C x V).
-    Whole (C = 0): the (n, V) logits, their log-softmax and, in training, the gradients
-    of both: 2 (no grad) or 4 (n, V) fp32 tensors at once.
+    Chunked (perf.logprob_chunk_tokens = C > 0): the one (2, C, V) fp32 workspace the
+    chunks share, forward and (logits recomputed) backward alike. Whole (C = 0): the (n, V)
+    logits and their log-softmax, and in training the gradients of both: 2 (no grad) or
+    4 (n, V) fp32 tensors at once.
     """
     v = shape.vocab
     if chunk_tokens > 0:
-        c = min(chunk_tokens, tokens)
-        return FP32 * c * v * (2 + (3 if training else 0))
+        return FP32 * 2 * min(chunk_tokens, tokens) * v
     return FP32 * tokens * v * (4 if training else 2)
 
 
 def inference_forward(shape: ModelShape, batch: float, seq_len: int, act_bytes: float, attention: str) -> float:  # fmt: skip
-    """Peak transient memory of a no-grad forward over b x s tokens: one layer's working
-    set at a time (the residual, the normalised input, q/k/v, and the MLP's gate, up and
-    product: 4h + 2kd + 3f per token, plus the attention kernel's scores: eager a x s) and
-    the final hidden states the chunked head reads (h per token)."""
+    """Peak transient memory of one layer of a no-grad forward over b x s tokens: the
+    residual, the normalised input, q/k/v and the MLP's gate, up and product (5h + 2kd +
+    3f per token) and, eager, the attention scores (a x s)."""
     h, kd = shape.hidden, shape.kv_heads * shape.head_dim
-    attn = shape.heads * seq_len if attention == "eager" else seq_len if attention == "sdpa_cpu" else 0  # fmt: skip
+    attn = shape.heads * seq_len if attention == "eager" else 0
     return batch * seq_len * (5 * h + 2 * kd + 3 * shape.intermediate + attn) * act_bytes
 
 

@@ -102,12 +102,9 @@ def precision(cfg: Config, hw: Hardware) -> Precision:
 
 
 def attention_kind(cfg: Config, hw: Hardware) -> str:
-    """What the attention kernel keeps (memory.layer_activation_elements): eager, CPU sdpa
-    (with its mask), or a fused GPU kernel."""
-    impl = cfg.model.attn_implementation
-    if impl == "eager":
-        return "eager"
-    return "sdpa_cpu" if hw.device == "cpu" else "fused"
+    """What the attention kernel keeps (memory.layer_activation_elements): eager's
+    probabilities, or a fused kernel's (sdpa, flash_attention_2) log-sum-exp."""
+    return "eager" if cfg.model.attn_implementation == "eager" else "fused"
 
 
 def checkpointing(cfg: Config, hw: Hardware) -> bool:
@@ -126,19 +123,19 @@ def lora_base_bytes(cfg: Config, shape: ModelShape, pr: Precision) -> float:
     return q * (mem.DTYPE_BYTES["nf4"] + mem.NF4_CONSTANTS) + (total - q) * pr.compute
 
 
-def trained_states(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> mem.ModelStates:
-    """The trained model(s) of `stage`: the policy (SFT, DPO, KTO, PPO's actor), the reward
-    model (RM), and PPO's critic when its estimator needs one (one engine, one optimizer
-    for actor + critic: their states add up)."""
-    pr = precision(cfg, hw)
+def trained_params(cfg: Config, shapes: Shapes, stage: str, pr: Precision) -> tuple[float, float]:
+    """(trained parameters, bytes of the frozen part) of the module `stage` trains: the
+    policy (SFT, DPO, KTO, PPO's actor), the reward model (RM), and PPO's critic when its
+    estimator needs one (one engine, one optimizer for actor + critic); with LoRA the
+    adapters are trained and the base is frozen."""
     lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
     if stage == "rm":
-        trainable, frozen = (shapes.reward or shapes.policy).scorer_params(), 0.0
+        trainable, frozen = float((shapes.reward or shapes.policy).scorer_params()), 0.0
     elif lora:
-        trainable = shapes.policy.lora_params(cfg.lora.r, cfg.lora.target_modules)
+        trainable = float(shapes.policy.lora_params(cfg.lora.r, cfg.lora.target_modules))
         frozen = lora_base_bytes(cfg, shapes.policy, pr)
     else:
-        trainable, frozen = shapes.policy.lm_params(), 0.0
+        trainable, frozen = float(shapes.policy.lm_params()), 0.0
     if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
         critic = critic_shape(cfg, shapes)
         if cfg.lora.enabled and cfg.lora.critic:
@@ -146,6 +143,13 @@ def trained_states(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> mem
             frozen += critic.scorer_params() * pr.compute
         else:
             trainable += critic.scorer_params()
+    return trainable, frozen
+
+
+def trained_states(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> mem.ModelStates:
+    """Weights, gradients and optimizer states of the trained module (`trained_params`)."""
+    pr = precision(cfg, hw)
+    trainable, frozen = trained_params(cfg, shapes, stage, pr)
     return mem.model_states(trainable, frozen, pr.weights, hw.zero_stage, hw.gpus, hw.offload)
 
 
@@ -202,13 +206,13 @@ def frozen_share(cfg: Config, hw: Hardware, nbytes: float) -> float:
 SEQUENCES_PER_ROW = {"sft": 1, "rm": 2, "dpo": 2, "kto": 1}
 
 
-def resident(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, update: bool) -> list:
-    """What every phase holds: the trained states (gradients only during the update
-    without DeepSpeed, which frees them with zero_grad(set_to_none); DeepSpeed keeps its
-    gradient partitions) and the frozen models."""
+def resident(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, grads: bool) -> list:
+    """What a phase holds throughout: the trained states (gradients only when `grads`:
+    DeepSpeed keeps its gradient partitions; without it they exist from the first
+    micro-batch's backward to zero_grad(set_to_none)) and the frozen models."""
     s = trained_states(cfg, shapes, hw, stage)
     terms = [("weights", s.params), ("optimizer states", s.optimizer)]
-    if update or hw.zero_stage is not None:
+    if grads:
         terms.insert(1, ("gradients", s.grads))
     return terms + [(name, b) for name, b in frozen_models(cfg, shapes, hw, stage) if b]
 
@@ -216,79 +220,122 @@ def resident(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, update: bool
 @dataclass(frozen=True)
 class Batch:
     """One forward/backward pass: `sequences` of `length` tokens, `scored` of them
-    through the output head per sequence."""
+    through the output head per sequence; `accumulates`: a step has several such passes
+    (so gradients exist through every pass but the first)."""
 
     sequences: float
     length: int
     scored: int
+    accumulates: bool
 
 
-def update_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch) -> list:
-    """One micro-batch's forward + backward on top of the resident states: activations
-    (the policy's; PPO's critic runs in the same backward), backward workspace, the head's
-    logits, autocast's bf16 weight copies and ZeRO-3's gathered copy."""
+def update_phase(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch) -> list:
+    """The update's peak per rank: the resident states, then one micro-batch's forward and
+    backward. Backward starts at the head, with every kept activation alive, the head's
+    chunks and its weight gradient; with checkpointing a recomputed layer and its
+    gradients may be larger. Without DeepSpeed and with one pass per step, gradients then
+    grow while activations are freed: the peak is the larger of the two moments."""
+    grads_resident = hw.zero_stage is not None or batch.accumulates
+    terms = resident(cfg, shapes, hw, stage, grads_resident)
+    early = activation_terms(cfg, shapes, hw, stage, batch, grads_resident)
+    terms += early
+    if not grads_resident:
+        grads = trained_states(cfg, shapes, hw, stage).grads
+        model, pr = _trained_shape(cfg, shapes, stage), precision(cfg, hw)
+        late = grads + mem.backward_workspace(model, batch.sequences, batch.length, pr.compute)
+        extra = max(0.0, late - sum(b for _, b in early))
+        terms.append(("gradients (as activations are freed)", extra))
+    return terms + extra_update_copies(cfg, shapes, hw, stage)
+
+
+def _trained_shape(cfg: Config, shapes: Shapes, stage: str) -> ModelShape:
+    return (shapes.reward or shapes.policy) if stage == "rm" else shapes.policy
+
+
+def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch, grads_resident: bool) -> list:  # fmt: skip
+    """One micro-batch's kept activations (PPO's critic runs in the same backward) and the
+    larger transient of backward's start: the head's chunks (+ its weight gradient when
+    gradients are not resident yet) or, with checkpointing, a recomputed layer."""
     pr, ckpt, attn = precision(cfg, hw), checkpointing(cfg, hw), attention_kind(cfg, hw)
     lora_r = cfg.lora.r if cfg.lora.enabled and stage in ("ppo", "dpo", "kto") else 0
-    model = (shapes.reward or shapes.policy) if stage == "rm" else shapes.policy
+    model = _trained_shape(cfg, shapes, stage)
     b, s = batch.sequences, batch.length
-    act = mem.training_activations(model, b, s, pr.compute, attn, ckpt, lora_r)
-    terms = [("activations", act)]
+    terms = [("activations", mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r))]
     if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
         critic = critic_shape(cfg, shapes)
-        terms.append(("critic activations", mem.training_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip
-    terms.append(("backward workspace", mem.backward_workspace(model, b, s, pr.compute)))
+        terms.append(("critic activations", mem.kept_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip
+    head = 0.0
     if stage != "rm":
-        tokens = int(b * batch.scored)
-        terms.append(("logits", mem.head_bytes(model, tokens, cfg.perf.logprob_chunk_tokens, True)))  # fmt: skip
-    if pr.autocast and not lora_r:
+        head = mem.head_bytes(model, int(b * batch.scored), cfg.perf.logprob_chunk_tokens, True)
+        if not grads_resident and not lora_r and not model.tied:
+            head += model.vocab * model.hidden * mem.FP32
+    layer = mem.backward_workspace(model, b, s, pr.compute)
+    if ckpt:
+        layer += mem.recomputed_layer(model, b, s, pr.compute, attn)
+    name = "logits chunks (head backward)" if head >= layer else "recomputed layer + its gradients"
+    return terms + [(name, max(head, layer))]
+
+
+def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list:
+    """autocast's bf16 copies of the trained linears (kept for backward, no DeepSpeed),
+    ZeRO-3's whole-model gather per step (perf.gather_for_training)."""
+    pr, model = precision(cfg, hw), _trained_shape(cfg, shapes, stage)
+    lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
+    terms = []
+    if pr.autocast and not lora:
         terms.append(("bf16 weight copies (autocast)", 2.0 * model.layers * model.linear_params()))
-    if hw.zero_stage == 3 and gathers_for_training(cfg, hw, model, pr):
-        terms.append(("gathered weights (ZeRO-3)", model.lm_params() * pr.weights))
+    trainable, frozen = trained_params(cfg, shapes, stage, pr)
+    copy = trainable * pr.weights + frozen
+    if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
+        terms.append(("gathered weights (ZeRO-3)", copy))
     return terms
 
 
-def gathers_for_training(cfg: Config, hw: Hardware, model: ModelShape, pr: Precision) -> bool:
-    """perf.gather_for_training: always, never, or auto (a copy within a quarter)."""
+def gathers_for_training(cfg: Config, hw: Hardware, copy: float) -> bool:
+    """perf.gather_for_training: always, never, or auto (a `copy` of the trained module
+    within a quarter of the device)."""
     mode = cfg.perf.gather_for_training
     if mode == "auto":
-        return model.lm_params() * pr.weights <= AUTO_COPY_SHARE * hw.budget
+        return copy <= AUTO_COPY_SHARE * hw.budget
     return mode == "always"
 
 
 def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
     """PPO's sampling of `rows` sequences at once: vLLM's reserved share of the device, or
-    our decode loop's KV cache, prefill and sampling tensors; under ZeRO-3 the gathered
-    actor (perf.gather_for_generation); with LoRA the merged copies of the adapted
-    weights the rollout generates with."""
+    our decode loop's peak, the larger of the prefill's layer and the full KV cache with
+    the last step's sampling tensors; under ZeRO-3 the gathered actor
+    (perf.gather_for_generation); with LoRA the merged copies of the adapted weights the
+    rollout generates with (not QLoRA, not through ZeRO-3's per-layer gathers)."""
     pr, g = precision(cfg, hw), cfg.generation
     p, t = cfg.data.max_prompt_length, g.max_new_tokens
     actor = shapes.policy
     if g.backend == "vllm":
         terms = [("vLLM engine share", g.vllm_gpu_memory_utilization * hw.memory)]
     else:
-        terms = [
-            ("KV cache", mem.kv_cache(actor, rows, p + t, pr.compute)),
-            ("prefill", mem.inference_forward(actor, rows, p, pr.compute, attention_kind(cfg, hw))),
-            ("sampling", mem.sampling_workspace(actor, rows)),
-        ]
+        prefill = mem.inference_forward(actor, rows, p, pr.compute, attention_kind(cfg, hw))
+        cache = mem.kv_cache(actor, rows, p + t, pr.compute) + mem.sampling_workspace(actor, rows)
+        terms = [("prefill" if prefill > cache else "KV cache + sampling", max(prefill, cache))]
     if hw.zero_stage == 3 and cfg.perf.gather_for_generation:
         terms.append(("gathered actor (ZeRO-3)", actor.lm_params() * pr.compute))
-    elif cfg.lora.enabled and g.backend == "hf" and hw.zero_stage != 3:
+    elif (
+        cfg.lora.enabled and g.backend == "hf" and hw.zero_stage != 3 and not cfg.lora.load_in_4bit
+    ):
         terms.append(("merged LoRA weights", actor.quantizable_params() * pr.compute))
     return terms
 
 
 def scoring_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
-    """Rollout scoring of `rows` sequences per forward, no gradients: the largest model's
-    forward (one at a time: actor, reference, critic, reward model, teacher) and the
-    output head's chunks over the response tokens."""
+    """Rollout scoring of `rows` sequences per forward, no gradients, one model at a time
+    (actor, reference, critic, reward model, teacher): the larger of the biggest model's
+    layer working set and the head's chunk workspace with the hidden states it reads."""
     pr, attn = precision(cfg, hw), attention_kind(cfg, hw)
-    s = cfg.data.max_prompt_length + cfg.generation.max_new_tokens
+    s, t = cfg.data.max_prompt_length + cfg.generation.max_new_tokens, cfg.generation.max_new_tokens
     models = [m for m in (shapes.policy, shapes.reward, shapes.teacher) if m is not None]
-    forward = max(mem.inference_forward(m, rows, s, pr.compute, attn) for m in models)
-    tokens = rows * cfg.generation.max_new_tokens
-    head = mem.head_bytes(shapes.policy, tokens, cfg.perf.logprob_chunk_tokens, False)
-    return [("forward", forward), ("logits", head)]
+    layer = max(mem.inference_forward(m, rows, s, pr.compute, attn) for m in models)
+    p = shapes.policy
+    head = mem.head_bytes(p, rows * t, cfg.perf.logprob_chunk_tokens, False)
+    head += rows * s * p.hidden * pr.compute
+    return [("logits chunks" if head >= layer else "layer working set", max(head, layer))]
 
 
 def build_plan(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> Plan:
@@ -307,22 +354,25 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
     minibatch = sizes.ppo_minibatch_size(p.minibatch_size, p.rollout_batch_size, p.samples_per_prompt)  # fmt: skip
     length = cfg.data.max_prompt_length + g.max_new_tokens
     micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, hw.gpus)
-    batch = Batch(budget_rows(micro, p.micro_batch_tokens, length), length, g.max_new_tokens)
+    batch = micro_batch(micro, p.micro_batch_tokens, length, g.max_new_tokens, minibatch // hw.gpus)
     awake = []
     if g.backend == "vllm" and not g.vllm_sleep:
         awake = [("vLLM engine share", g.vllm_gpu_memory_utilization * hw.memory)]
-    base, train = resident(cfg, shapes, hw, "ppo", False), resident(cfg, shapes, hw, "ppo", True)
+    base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None)
     return (
         Phase("generation", tuple(base + generation_terms(cfg, shapes, hw, rows))),
         Phase("scoring", tuple(base + awake + scoring_terms(cfg, shapes, hw, rows))),
-        Phase("update", tuple(train + awake + update_terms(cfg, shapes, hw, "ppo", batch))),
+        Phase("update", tuple(update_phase(cfg, shapes, hw, "ppo", batch) + awake)),
     )
 
 
-def budget_rows(rows: int, token_budget: int, length: int) -> float:
-    """Sequences in one pass: `rows`, or with a token budget as many as fit in it (a
-    longer sequence alone)."""
-    return max(1, token_budget // length) if token_budget else rows
+def micro_batch(rows: int, token_budget: int, length: int, scored: int, share: int) -> Batch:
+    """One pass of `rows` sequences of `length` tokens, or with a token budget as many as
+    fit in it (a longer sequence alone); it accumulates when the rank's `share` of a step
+    (sequences) needs more than one pass."""
+    if token_budget:
+        rows = max(1, token_budget // length)
+    return Batch(rows, length, scored, share > rows)
 
 
 def step_loop_phases(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> tuple[Phase, ...]:
@@ -331,19 +381,19 @@ def step_loop_phases(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> t
     section = getattr(cfg, stage)
     micro = sizes.micro_batch_size(section.micro_batch_size, section.batch_size, hw.gpus)
     length, per_row = cfg.data.max_length, SEQUENCES_PER_ROW[stage]
-    rows = budget_rows(micro * per_row, section.micro_batch_tokens, length)
-    batch = Batch(rows, length, length)
+    share = section.batch_size // hw.gpus * per_row
+    batch = micro_batch(micro * per_row, section.micro_batch_tokens, length, length, share)
+    rows = batch.sequences
     phases = []
     if stage in ("dpo", "kto") and needs_reference_pass(cfg, stage):
         pr = precision(cfg, hw)
         ref = frozen_share(cfg, hw, shapes.policy.lm_params() * pr.frozen)
         forward = mem.inference_forward(shapes.policy, rows, length, pr.compute, attention_kind(cfg, hw))  # fmt: skip
         head = mem.head_bytes(shapes.policy, int(rows * length), cfg.perf.logprob_chunk_tokens, False)  # fmt: skip
-        terms = resident(cfg, shapes, hw, stage, False)
-        terms += [("reference", ref), ("forward", forward), ("logits", head)]
+        terms = resident(cfg, shapes, hw, stage, hw.zero_stage is not None)
+        terms += [("reference", ref), ("forward peak", max(forward, head))]
         phases.append(Phase("reference pass", tuple(terms)))
-    terms = resident(cfg, shapes, hw, stage, True) + update_terms(cfg, shapes, hw, stage, batch)
-    phases.append(Phase("update", tuple(terms)))
+    phases.append(Phase("update", tuple(update_phase(cfg, shapes, hw, stage, batch))))
     return tuple(phases)
 
 

@@ -58,9 +58,9 @@ def test_kv_cache_and_layer_activations_by_hand():
 @pytest.mark.parametrize("seq", [16, 128, 1024])
 def test_activations_grow_with_rows_and_shrink_with_checkpointing(seq):
     shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
-    one = mem.training_activations(shape, 1, seq, 2.0, "fused", False)
-    assert mem.training_activations(shape, 2, seq, 2.0, "fused", False) == pytest.approx(2 * one)
-    assert mem.training_activations(shape, 1, seq, 2.0, "fused", True) < one / 4
+    one = mem.kept_activations(shape, 1, seq, 2.0, "fused", False)
+    assert mem.kept_activations(shape, 2, seq, 2.0, "fused", False) == pytest.approx(2 * one)
+    assert mem.kept_activations(shape, 1, seq, 2.0, "fused", True) < one / 4
 
 
 def _cfg(*overrides, preset=None):
