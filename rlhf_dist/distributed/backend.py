@@ -62,6 +62,30 @@ class Backend:
             return None
         return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
 
+    @property
+    def zero_offload(self) -> str:
+        """What the DeepSpeed config offloads to CPU memory: none, optimizer (its states)
+        or all (ZeRO-3 weights as well)."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        if plugin is None:
+            return "none"
+        zero = plugin.deepspeed_config.get("zero_optimization", {})
+
+        def offloads(name: str) -> bool:
+            return str(zero.get(name, {}).get("device", "none")) not in ("none", "None")
+
+        if offloads("offload_param"):
+            return "all"
+        return "optimizer" if offloads("offload_optimizer") else "none"
+
+    def device_memory_bytes(self) -> int:
+        """Memory one rank may use: the GPU's total, or on CPU the machine's physical
+        memory shared by this machine's ranks."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+
     def prepare(
         self,
         model,

@@ -61,6 +61,14 @@ class Runtime:
         """DeepSpeed ZeRO stage of this run, or None without DeepSpeed."""
         return self.backend.zero_stage
 
+    @property
+    def zero_offload(self) -> str:
+        """DeepSpeed's offload of this run: none, optimizer or all."""
+        return self.backend.zero_offload
+
+    def device_memory_bytes(self) -> int:
+        return self.backend.device_memory_bytes()
+
     def seed_per_rank(self, seed: int) -> None:
         """Seed this process's RNGs differently on every rank (rollout sampling)."""
         seed_everything(seed + 1_000_003 * self.rank)

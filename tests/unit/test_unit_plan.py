@@ -126,3 +126,38 @@ def test_cli_refuses_with_one_line_and_its_fix_fits():
     again = _plan_cli(*base, *fix)
     assert again.returncode == 0, again.stderr
     assert "fits:" in again.stdout
+
+
+def test_auto_fit_takes_the_largest_micro_batch_that_fits_a_cap():
+    from rlhf_dist.planning.start import auto_fit
+
+    cfg = _cfg("sft.batch_size=64", "sft.micro_batch_size=1", "data.max_length=1024",
+               "model.gradient_checkpointing=false")  # fmt: skip
+    shapes = Shapes(read_shape(str(SHAPES / "llama3-8b"), "model.policy"))
+    hw = Hardware(8, 80 * GIB, 3)
+    (change,) = auto_fit(cfg, "sft", shapes, hw)
+    micro = int(change.split("=")[1])
+    assert 1 < micro < 8  # the rank's share is 8; all of it does not fit, one is not the most
+    assert build_plan(with_overrides(cfg, (change,)), "sft", shapes, hw).fits
+    bigger = next(d for d in range(micro + 1, 9) if 8 % d == 0)
+    assert not build_plan(with_overrides(cfg, (f"sft.micro_batch_size={bigger}",)), "sft", shapes, hw).fits  # fmt: skip
+
+
+def test_a_gpu_run_that_cannot_fit_is_refused_before_loading_and_its_fix_starts():
+    from rlhf_dist.errors import ConfigError
+    from rlhf_dist.planning.start import plan_at_start
+
+    cfg = _cfg("sft.batch_size=64", "sft.micro_batch_size=8", "data.max_length=4096",
+               "model.gradient_checkpointing=false")  # fmt: skip
+    hw = Hardware(8, 80 * GIB, 3)
+    with pytest.raises(ConfigError, match="fix: ") as refused:
+        plan_at_start(cfg, "sft", hw)
+    fix = tuple(str(refused.value).split("fix: ", 1)[1].split())
+    fixed, lines = plan_at_start(with_overrides(cfg, fix), "sft", hw)
+    assert lines[-1].startswith("memory plan per rank: update ") and "fits in" in lines[-1]
+    # auto_fit derives a new config instead (the given one is left as it was)
+    fitted, lines = plan_at_start(with_overrides(cfg, ("run.auto_fit=true",)), "sft", hw)
+    assert (
+        lines[0].startswith("run.auto_fit: sft.micro_batch_size=") and cfg.sft.micro_batch_size == 8
+    )
+    assert fitted.sft.micro_batch_size < 8
