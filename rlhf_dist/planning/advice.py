@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_dist.config import Config, apply_override, config_from_dict, sizes, to_dict
+from rlhf_dist.config import Config, apply_override, config_from_dict, sizes, to_dict, validate
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.names import ESTIMATORS
 from rlhf_dist.planning.memory import GIB
@@ -68,6 +68,14 @@ def _no_gather(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[s
     return out + (
         ("perf.gather_for_training=never",) if cfg.perf.gather_for_training != "never" else ()
     )
+
+
+def _hf_backend(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:
+    """Our decode loop instead of a vLLM engine whose copy of the actor does not fit
+    (with it, no TIS correction: there is no second sampler)."""
+    if stage != "ppo" or cfg.generation.backend != "vllm":
+        return ()
+    return ("generation.backend=hf",) + (("ppo.tis_cap=null",) if cfg.ppo.tis_cap else ())
 
 
 def _checkpoint(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:
@@ -126,6 +134,7 @@ def _fits(cfg: Config, stage: str, shapes: Shapes, hw: Hardware, override: str) 
 
 CONFIG_STEPS: tuple[Step, ...] = (
     _chunk_head, _partition_frozen, _no_gather, _checkpoint, _micro_batch, _rollout_rows, _lora,
+    _hf_backend,
 )  # fmt: skip
 
 
@@ -143,17 +152,18 @@ def launch_steps(hw: Hardware) -> list[tuple[str, Any]]:
 def find_fix(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> Fix | None:
     """The changes that make the plan of `cfg` fit, or None when even all of them do not.
 
-    Greedy: each step's change is kept when it lowers the binding peak, until the plan
-    fits; then each kept change that the plan fits without is dropped again (the
-    micro-batch steps re-chosen last on what remains)."""
+    Greedy: each step's change is kept when the config stays valid (`validate`) and the
+    binding peak falls, until the plan fits; two passes, as one change can make another
+    possible (vLLM to hf, then no whole-model gather). Then each kept change that the plan
+    fits without is dropped again."""
     fix, peak = Fix(), build_plan(cfg, stage, shapes, hw).binding.total
-    for step in CONFIG_STEPS:
-        c, h = applied(cfg, hw, fix)
-        change = step(c, stage, shapes, h)
-        trial = dataclasses.replace(fix, overrides=fix.overrides + change)
-        fix, peak, done = _keep_if_lower(cfg, stage, shapes, hw, fix, trial, peak)
-        if done:
-            return _pruned(cfg, stage, shapes, hw, fix)
+    for _ in range(2):
+        for step in CONFIG_STEPS:
+            c, h = applied(cfg, hw, fix)
+            trial = dataclasses.replace(fix, overrides=merged(fix.overrides, step(c, stage, shapes, h)))  # fmt: skip
+            fix, peak, done = _keep_if_lower(cfg, stage, shapes, hw, fix, trial, peak)
+            if done:
+                return _pruned(cfg, stage, shapes, hw, fix)
     for setting in launch_steps(hw):
         trial = dataclasses.replace(fix, launch=fix.launch + (setting,))
         fix, peak, done = _keep_if_lower(cfg, stage, shapes, hw, fix, trial, peak)
@@ -162,26 +172,42 @@ def find_fix(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> Fix | Non
     return None
 
 
+def merged(overrides: tuple[str, ...], change: tuple[str, ...]) -> tuple[str, ...]:
+    """`overrides` with `change` applied: a key set again keeps its new value only."""
+    keys = {c.split("=", 1)[0] for c in change}
+    return tuple(o for o in overrides if o.split("=", 1)[0] not in keys) + change
+
+
+def _valid(cfg: Config, stage: str, hw: Hardware) -> bool:
+    try:
+        validate(cfg, stage, hw.gpus)
+    except ConfigError:
+        return False
+    return True
+
+
 def _keep_if_lower(cfg, stage, shapes, hw, fix: Fix, trial: Fix, peak: float):
     """(the fix to keep, its binding peak, whether it fits)."""
+    if trial == fix:
+        return fix, peak, False
     c, h = applied(cfg, hw, trial)
     plan = build_plan(c, stage, shapes, h)
-    if trial != fix and plan.binding.total < peak:
+    if plan.binding.total < peak and _valid(c, stage, h):
         return trial, plan.binding.total, plan.fits
     return fix, peak, False
 
 
 def _pruned(cfg: Config, stage: str, shapes: Shapes, hw: Hardware, fix: Fix) -> Fix:
-    """`fix` without the overrides and launch settings the plan fits without."""
+    """`fix` without the overrides and launch settings the plan fits (validly) without."""
     for item in list(fix.overrides):
         trial = dataclasses.replace(fix, overrides=tuple(o for o in fix.overrides if o != item))
         c, h = applied(cfg, hw, trial)
-        if build_plan(c, stage, shapes, h).fits:
+        if build_plan(c, stage, shapes, h).fits and _valid(c, stage, h):
             fix = trial
     for setting in list(fix.launch):
         trial = dataclasses.replace(fix, launch=tuple(s for s in fix.launch if s != setting))
         c, h = applied(cfg, hw, trial)
-        if build_plan(c, stage, shapes, h).fits:
+        if build_plan(c, stage, shapes, h).fits and _valid(c, stage, h):
             fix = trial
     return fix
 

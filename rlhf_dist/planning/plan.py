@@ -310,7 +310,7 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
     p, t = cfg.data.max_prompt_length, g.max_new_tokens
     actor = shapes.policy
     if g.backend == "vllm":
-        terms = [("vLLM engine share", g.vllm_gpu_memory_utilization * hw.memory)]
+        terms = [vllm_share(cfg, shapes, hw)]
     else:
         prefill = mem.inference_forward(actor, rows, p, pr.compute, attention_kind(cfg, hw))
         cache = mem.kv_cache(actor, rows, p + t, pr.compute) + mem.sampling_workspace(actor, rows)
@@ -322,6 +322,17 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
     ):
         terms.append(("merged LoRA weights", actor.quantizable_params() * pr.compute))
     return terms
+
+
+def vllm_share(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[str, float]:
+    """What one in-process vLLM engine per rank reserves: its share of the device
+    (generation.vllm_gpu_memory_utilization), or more when the actor's whole weights
+    alone exceed it (each rank's engine holds a full copy; it would not start)."""
+    share = cfg.generation.vllm_gpu_memory_utilization * hw.memory
+    weights = shapes.policy.lm_params() * precision(cfg, hw).compute
+    if weights > share:
+        return ("vLLM engine (the actor's weights exceed its share)", weights)
+    return ("vLLM engine share", share)
 
 
 def scoring_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
@@ -355,9 +366,7 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
     length = cfg.data.max_prompt_length + g.max_new_tokens
     micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, hw.gpus)
     batch = micro_batch(micro, p.micro_batch_tokens, length, g.max_new_tokens, minibatch // hw.gpus)
-    awake = []
-    if g.backend == "vllm" and not g.vllm_sleep:
-        awake = [("vLLM engine share", g.vllm_gpu_memory_utilization * hw.memory)]
+    awake = [vllm_share(cfg, shapes, hw)] if g.backend == "vllm" and not g.vllm_sleep else []
     base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None)
     return (
         Phase("generation", tuple(base + generation_terms(cfg, shapes, hw, rows))),
