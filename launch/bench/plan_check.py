@@ -15,7 +15,9 @@ Measured as the profiler's allocation records (`profile_memory=True`: every allo
 and free of torch's CPU allocator, as tests/algo/test_algo_logprobs_hidden.py measures):
 the peak of the running sum during the phase, plus the bytes held when it began (the
 weights and the Adam moments of a first, unmeasured step). Prints estimate, measured and
-their ratio per cell and phase; the target is within 15% everywhere.
+their ratio per cell and phase; the target is within 15% everywhere. With `--device cuda`
+(launch/bench/gpu_suite.sh's `plan` case) the same cells run on the GPU, fp32, measured
+by torch.cuda.max_memory_allocated, planned with the GPU's fused attention.
 
     PYTHONPATH=. python launch/bench/plan_check.py [--sizes S M L] [--attn sdpa] [--out DIR]
 
@@ -75,17 +77,28 @@ def overrides(path: Path, prompt: int, response: int, variant: str, attn: str) -
     ]  # fmt: skip
 
 
-def planned(path: Path, prompt: int, response: int, variant: str, attn: str) -> dict:
-    cfg = load_config(None, overrides(path, prompt, response, variant, attn), "grpo")
-    hw = Hardware(gpus=1, memory=1024 * GIB, zero_stage=None, device="cpu")
+def planned(path: Path, prompt: int, response: int, variant: str, attn: str, device: str = "cpu") -> dict:  # fmt: skip
+    """The plan's per-phase peaks of the cell (fp32 on either device: the CPU's dtype)."""
+    extra = ["model.dtype=float32"]
+    cfg = load_config(None, overrides(path, prompt, response, variant, attn) + extra, "grpo")
+    hw = Hardware(gpus=1, memory=1024 * GIB, zero_stage=None, device=device)
     plan = build_plan(cfg, "ppo", read_shapes(cfg, "ppo"), hw)
     return {p.name: p.total for p in plan.phases}
 
 
-def peak_during(step) -> int:
-    """The most bytes torch's CPU allocator held at once during `step()`, over what it
-    held when it began (the profiler's allocation and free records, in time order)."""
+def peak_during(step, device: str = "cpu") -> int:
+    """The most bytes torch's allocator held at once during `step()`, over what it held
+    when it began: on CPU from the profiler's allocation and free records (in time
+    order), on a GPU from the caching allocator's own peak counter."""
     from torch.profiler import ProfilerActivity, profile
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
@@ -108,7 +121,7 @@ def held_bytes(model, optimizer) -> int:
     return sum(storages.values())
 
 
-def make_actor(path: Path, variant: str):
+def make_actor(path: Path, variant: str, device: str = "cpu"):
     """The actor as the trainer builds it: fp32, dropout off, LoRA adapters (fp32) or
     gradient checkpointing per the variant; and its fused AdamW."""
     from transformers import AutoConfig, LlamaForCausalLM
@@ -122,7 +135,7 @@ def make_actor(path: Path, variant: str):
     from rlhf_dist.trainers.common import make_optimizer
 
     torch.manual_seed(0)
-    model = disable_dropout(LlamaForCausalLM(AutoConfig.from_pretrained(str(path))))
+    model = disable_dropout(LlamaForCausalLM(AutoConfig.from_pretrained(str(path)))).to(device)
     if variant == "lora":
         model = upcast_trainable(add_adapters(model, LoRAConfig(enabled=True), "CAUSAL_LM"))
     if variant == "checkpointing":
@@ -153,7 +166,7 @@ def update_step(model, optimizer, ids, mask, predict, prompt: int, perf: PerfCon
         lp, entropy = token_logprobs(
             model, ids[part], mask[part], predict[part], 1.0, True, prompt, perf
         )
-        adv = torch.linspace(-1, 1, lp.shape[0])[:, None].expand_as(lp)
+        adv = torch.linspace(-1, 1, lp.shape[0], device=lp.device)[:, None].expand_as(lp)
         ratio = torch.exp(lp - lp.detach())
         loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * predict[part]).sum()
         (loss / predict.sum() - 0.01 * entropy.mean()).backward()
@@ -161,7 +174,7 @@ def update_step(model, optimizer, ids, mask, predict, prompt: int, perf: PerfCon
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure(path: Path, prompt: int, response: int, variant: str) -> dict:
+def measure(path: Path, prompt: int, response: int, variant: str, device: str = "cpu") -> dict:
     """Each phase's measured peak (bytes) of the cell's actor."""
     from types import SimpleNamespace
 
@@ -169,12 +182,14 @@ def measure(path: Path, prompt: int, response: int, variant: str) -> dict:
     from rlhf_dist.engine.forward import token_logprobs
     from rlhf_dist.models.lora import merged_adapters
 
-    model, optimizer = make_actor(path, variant)
+    model, optimizer = make_actor(path, variant, device)
     vocab = SIZES[path.name][5]
     # MKL-packed decode weights (perf.packed_linears) are CPU-only copies whose size MKL
     # decides (~25x the weights of these narrow layers): off, as the planner is for GPUs
     perf = PerfConfig(packed_linears=False)
-    prompt_ids, prompt_mask, response_ids = batch(vocab, ROWS, prompt, response)
+    prompt_ids, prompt_mask, response_ids = (
+        t.to(device) for t in batch(vocab, ROWS, prompt, response)
+    )
     ids = torch.cat([prompt_ids, response_ids], 1)
     mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
     predict = torch.ones_like(response_ids, dtype=torch.bool)
@@ -198,7 +213,7 @@ def measure(path: Path, prompt: int, response: int, variant: str) -> dict:
 
     steps = {"generation": generation, "scoring": scoring,
              "update": lambda: update_step(model, optimizer, *micro, prompt, perf)}  # fmt: skip
-    return {name: base + peak_during(step) for name, step in steps.items()}
+    return {name: base + peak_during(step, device) for name, step in steps.items()}
 
 
 class _nothing:
@@ -217,6 +232,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--out", type=Path, help="write the rows as JSON here too")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -228,8 +244,8 @@ def main() -> None:
             for prompt, response in LENGTHS:
                 for variant in args.variants:
                     start = time.perf_counter()
-                    plan = planned(path, prompt, response, variant, args.attn)
-                    got = measure(path, prompt, response, variant)
+                    plan = planned(path, prompt, response, variant, args.attn, args.device)
+                    got = measure(path, prompt, response, variant, args.device)
                     cell = f"{size} P{prompt}+T{response} {variant}"
                     for phase in PHASES:
                         ratio = plan[phase] / got[phase]
