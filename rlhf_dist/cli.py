@@ -154,7 +154,12 @@ def _add_plan(sub) -> None:
     )
     p = sub.add_parser("plan", help=text, description=text, epilog=EPILOG)
     p.add_argument("--config", help="YAML config file of the run to plan")
-    p.add_argument("--stage", default="ppo", choices=tuple(STAGES), help="the stage (default ppo)")
+    p.add_argument(
+        "--stage",
+        default="ppo",
+        choices=("sft", "rm", "ppo", "grpo", "dpo", "kto"),
+        help="the stage (default ppo)",
+    )
     p.add_argument("--preset", choices=tuple(PRESETS), help="as rlhf-dist ppo --preset")
     p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) of the launch (default 1)")
     p.add_argument(
