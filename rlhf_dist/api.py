@@ -169,17 +169,10 @@ def _planned(cfg: Config, stage: str, runtime: Runtime) -> Config:
     """The memory plan before any model loads (rlhf_dist/planning/start.py): its line
     printed, a GPU run that cannot fit refused, and with run.auto_fit the derived config
     (validated like the given one) that the run then uses."""
-    from rlhf_dist.planning import Hardware
     from rlhf_dist.planning.start import plan_at_start
+    from rlhf_dist.trainers.common import run_hardware
 
-    hw = Hardware(
-        runtime.world_size,
-        runtime.device_memory_bytes(),
-        runtime.zero_stage,
-        runtime.zero_offload,
-        "cuda" if runtime.device.type == "cuda" else "cpu",
-    )
-    planned, lines = plan_at_start(cfg, stage, hw)
+    planned, lines = plan_at_start(cfg, stage, run_hardware(runtime))
     for line in lines:
         runtime.print(f"{stage}: {line}")
     if planned is not cfg:

@@ -76,6 +76,12 @@ class Runtime:
     def peak_memory_bytes(self) -> int:
         return self.backend.peak_memory_bytes()
 
+    def start_phase_peak(self) -> None:
+        self.backend.start_phase_peak()
+
+    def phase_peak_bytes(self) -> int | None:
+        return self.backend.phase_peak_bytes()
+
     def close(self) -> None:
         """Leave the process group together once the stage is done (collectives.close)."""
         collectives.close(self.backend)

@@ -83,3 +83,13 @@ def _current(cfg: Config, stage: str, hw: Hardware) -> set[str]:
     if stage == "ppo":
         now.add(f"ppo.rollout_micro_batch_size={cfg.ppo.rollout_micro_batch_size}")
     return now
+
+
+def planned_phases(cfg: Config, stage: str, hw: Hardware) -> dict[str, float]:
+    """Each phase's planned per-rank peak (bytes), for the run's metrics; {} when the
+    models' config.json cannot be read."""
+    try:
+        shapes = read_shapes(cfg, stage)
+    except ConfigError:
+        return {}
+    return {p.name: p.total for p in build_plan(cfg, stage, shapes, hw).phases}
