@@ -161,3 +161,23 @@ def test_a_gpu_run_that_cannot_fit_is_refused_before_loading_and_its_fix_starts(
         lines[0].startswith("run.auto_fit: sft.micro_batch_size=") and cfg.sft.micro_batch_size == 8
     )
     assert fitted.sft.micro_batch_size < 8
+
+
+def test_head_bytes_by_hand():
+    # chunks of 3 tokens share one (2, 3, V) fp32 workspace: 2 x 3 x 10 x 4 bytes
+    assert mem.head_bytes(TINY, tokens=7, chunk_tokens=3, training=True) == 240
+    assert mem.head_bytes(TINY, tokens=2, chunk_tokens=3, training=False) == 160  # 2 rows only
+    # whole logits: the (7, V) logits and log-softmax (+ both gradients in training)
+    assert mem.head_bytes(TINY, tokens=7, chunk_tokens=0, training=False) == 2 * 7 * 10 * 4
+    assert mem.head_bytes(TINY, tokens=7, chunk_tokens=0, training=True) == 4 * 7 * 10 * 4
+
+
+def test_lora_and_qlora_hold_less_than_full_training():
+    shapes = Shapes(read_shape(str(SHAPES / "llama3-8b"), "model.policy"))
+    hw = Hardware(1, 80 * GIB, None)
+    base = ["ppo.kl_coef=0", "reward.function=a:b"]
+    peaks = [
+        build_plan(_cfg(*base, *extra, preset="grpo"), "ppo", shapes, hw).binding.total
+        for extra in ([], ["lora.enabled=true"], ["lora.enabled=true", "lora.load_in_4bit=true"])
+    ]
+    assert peaks[0] > peaks[1] > peaks[2]
