@@ -139,12 +139,14 @@ CONFIG_STEPS: tuple[Step, ...] = (
 
 
 def launch_steps(hw: Hardware) -> list[tuple[str, Any]]:
-    """Launch changes, after every config change: ZeRO-3 over several GPUs, then the
-    optimizer states offloaded to CPU memory."""
+    """Launch changes, after every config change: ZeRO-3 over several GPUs (DeepSpeed
+    ZeRO-2 on one), then the optimizer states offloaded to CPU memory."""
     steps: list[tuple[str, Any]] = []
     if hw.gpus > 1 and hw.zero_stage != 3:
         steps.append(("zero_stage", 3))
-    if hw.zero_stage is not None or hw.gpus > 1:
+    elif hw.zero_stage is None:  # one GPU: DeepSpeed for ZeRO-Offload (stage 2 + offload)
+        steps.append(("zero_stage", 2))
+    if hw.offload == "none":
         steps.append(("offload", "optimizer"))
     return steps
 
