@@ -169,8 +169,7 @@ def _planned(cfg: Config, stage: str, runtime: Runtime) -> Config:
     """The memory plan before any model loads (rlhf_dist/planning/start.py): its line
     printed, a GPU run that cannot fit refused, and with run.auto_fit the derived config
     (validated like the given one) that the run then uses."""
-    from rlhf_dist.planning.start import plan_at_start
-    from rlhf_dist.trainers.common import run_hardware
+    from rlhf_dist.planning.start import plan_at_start, run_hardware
 
     planned, lines = plan_at_start(cfg, stage, run_hardware(runtime))
     for line in lines:

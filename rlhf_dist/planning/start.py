@@ -14,6 +14,19 @@ from rlhf_dist.planning.shapes import read_shapes
 PLANNED_STAGES = ("sft", "rm", "ppo", "dpo", "kto")
 
 
+def run_hardware(runtime) -> Hardware:
+    """The planner's view of a run's machine from its distributed.Runtime (read by its
+    attributes: planning imports no runtime): ranks, one rank's memory, the launch's ZeRO
+    stage and offload, the device kind."""
+    return Hardware(
+        runtime.world_size,
+        runtime.device_memory_bytes(),
+        runtime.zero_stage,
+        runtime.zero_offload,
+        "cuda" if runtime.device.type == "cuda" else "cpu",
+    )
+
+
 def plan_at_start(cfg: Config, stage: str, hw: Hardware) -> tuple[Config, list[str]]:
     """(the config the run uses, the lines to print). Refuses (ConfigError) a plan that
     does not fit a GPU; on CPU, where ranks share the host's memory with everything else,

@@ -327,17 +327,3 @@ def padding_cells(attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(padding cells, all cells) of one padded (B, L) batch: the `<stage>/pad_fraction`
     sums (docs/metrics.md), reduced over ranks by a StatSums like every logged mean."""
     return attention_mask.numel() - attention_mask.sum(), attention_mask.numel()
-
-
-def run_hardware(runtime: Runtime):
-    """The memory planner's view of this run's machine (planning.Hardware): ranks, one
-    rank's memory, the launch's ZeRO stage and offload, the device kind."""
-    from rlhf_dist.planning import Hardware
-
-    return Hardware(
-        runtime.world_size,
-        runtime.device_memory_bytes(),
-        runtime.zero_stage,
-        runtime.zero_offload,
-        "cuda" if runtime.device.type == "cuda" else "cpu",
-    )

@@ -46,7 +46,7 @@ from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.models.lora import merged_adapters
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.observability.tracking import open_run, write_summary
-from rlhf_dist.planning.start import planned_phases
+from rlhf_dist.planning.start import planned_phases, run_hardware
 from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
@@ -57,7 +57,6 @@ from rlhf_dist.trainers.common import (
     PreemptionFlag,
     evaluate_if_due,
     find_resume,
-    run_hardware,
     safe_point,
     write_checkpoint,
 )
