@@ -160,7 +160,23 @@ def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> di
         validate(cfg, stage, int(os.environ.get("WORLD_SIZE", "1")))
         module_name, _, fn_name = RUNNERS[stage].partition(":")
         runner = getattr(importlib.import_module(module_name), fn_name)
-        return runner(cfg, _runtime(cfg))
+        runtime = _runtime(cfg)
+        cfg = _planned(cfg, stage, runtime)
+        return runner(cfg, runtime)
+
+
+def _planned(cfg: Config, stage: str, runtime: Runtime) -> Config:
+    """The memory plan before any model loads (rlhf_dist/planning/start.py): its line
+    printed, a GPU run that cannot fit refused, and with run.auto_fit the derived config
+    (validated like the given one) that the run then uses."""
+    from rlhf_dist.planning.start import plan_at_start, run_hardware
+
+    planned, lines = plan_at_start(cfg, stage, run_hardware(runtime))
+    for line in lines:
+        runtime.print(f"{stage}: {line}")
+    if planned is not cfg:
+        validate(planned, stage, runtime.world_size)
+    return planned
 
 
 def sft(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:

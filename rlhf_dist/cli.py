@@ -1,4 +1,4 @@
-"""`rlhf-dist {sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config}`: the command line, a thin
+"""`rlhf-dist {sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config,plan}`: the command line, a thin
 layer over the Python API (rlhf_dist/api.py).
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
@@ -46,11 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config}",
+        metavar="{sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config,plan}",
     )
     _add_stages(sub)
     _add_demo(sub)
     _add_report_and_config(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -145,6 +146,56 @@ def _add_report_and_config(sub) -> None:
     )
 
 
+def _add_plan(sub) -> None:
+    text = (
+        "the per-rank memory peak of each phase of a stage (generation, scoring, update) "
+        "and its terms, from the models' config.json alone; exit 2 with the change to make "
+        "when it does not fit (docs/distributed.md, Planning memory)"
+    )
+    p = sub.add_parser("plan", help=text, description=text, epilog=EPILOG)
+    p.add_argument("--config", help="YAML config file of the run to plan")
+    p.add_argument(
+        "--stage",
+        default="ppo",
+        choices=("sft", "rm", "ppo", "grpo", "dpo", "kto"),
+        help="the stage (default ppo)",
+    )
+    p.add_argument("--preset", choices=tuple(PRESETS), help="as rlhf-dist ppo --preset")
+    p.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) of the launch (default 1)")
+    p.add_argument(
+        "--gpu-memory", default="80GiB", help="memory per GPU: 80GiB, 80GB (10^9) (default 80GiB)"
+    )
+    p.add_argument(
+        "--zero-stage",
+        default="auto",
+        choices=("auto", "none", "0", "1", "2", "3"),
+        help="DeepSpeed ZeRO stage of the accelerate config; none = no DeepSpeed; auto = 3 "
+        "with several GPUs, none with one",
+    )
+    p.add_argument(
+        "--offload",
+        default="none",
+        choices=("none", "optimizer", "all"),
+        help="DeepSpeed offload to CPU memory: the optimizer states, or (ZeRO-3) the weights too",
+    )
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+
+def _run_plan(args) -> int:
+    from rlhf_dist.config import load_config
+    from rlhf_dist.planning import cli_plan
+
+    stage = "ppo" if args.stage == "grpo" else args.stage
+    preset = "grpo" if args.stage == "grpo" else args.preset
+    cfg = load_config(args.config, list(args.overrides), preset)
+    table = cli_plan(
+        cfg, stage, args.gpus, args.gpu_memory, args.zero_stage, args.offload, args.device
+    )
+    _print_out(table)
+    return 0
+
+
 def _run_stage(name: str, args) -> int:
     from rlhf_dist.config import load_config
 
@@ -214,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
             _print_out(starter_yaml(args.yaml) if args.yaml else describe(args.section))
             return 0
+        if args.command == "plan":
+            return _run_plan(args)
         return _run_stage(args.command, args)
     except UserError as e:
         if not _duplicate_error():

@@ -12,17 +12,19 @@
 #           model (random init, SmolLM2's tokenizer: TOKENIZER=dir of its files, carried),
 #           with the hf backend and with vLLM (TRL's colocate mode); needs trl importable
 #           (carried as a wheel); one round of ITERATIONS; its own table follows the main one
+#   plan    rlhf-dist plan's estimate against torch.cuda.max_memory_allocated per phase on the
+#           CPU grid's cells (launch/bench/plan_check.py --device cuda, fp32, ~2-3 minutes)
 # and print one table: s/iteration, phase times, peak memory, update MFU (vs 989 TFLOP/s
 # bf16 dense, an H100/H200). Meant to fit one 15-minute GPU loan: ~6-8 minutes on an H200.
 # Without a GPU it runs the same four cases on the CPU with a tiny model (a smoke test of
 # the script; CPU figures mean nothing for GPUs).
 #
-# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm grpo"]
+# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm grpo plan"]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/bench/gpu_suite}
 ITERATIONS=${ITERATIONS:-5}
-CASES=${CASES:-plain zero3 lora gc vllm grpo}
+CASES=${CASES:-plain zero3 lora gc vllm grpo plan}
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -33,9 +35,10 @@ else
 fi
 mkdir -p "$OUT"
 [ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/scale_prepare.py "$OUT" --shape "$SHAPE" --prompts 256
-runs=() grpo=0
+runs=() grpo=0 plan=0
 for case in $CASES; do
   [ "$case" = grpo ] && { grpo=1; continue; }  # after the PPO cases, below
+  [ "$case" = plan ] && { plan=1; continue; }
   base=$case extra=()
   [ "$case" = zero3 ] && base=plain
   if [ "$case" = qlora ]; then
@@ -82,4 +85,9 @@ if [ "$grpo" = 1 ]; then
     done
   fi
 fi
-[ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || exit 1
+if [ "$plan" = 1 ]; then
+  echo "== plan vs measured ($DEVICE)"
+  "$PY" launch/bench/plan_check.py --device "$DEVICE" --out "$OUT/plan_check.json" 2>&1 \
+    | grep -v USDT | tee "$OUT/plan_check.txt" | tail -60
+fi
+[ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || [ "$plan" = 1 ] || exit 1

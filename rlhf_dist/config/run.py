@@ -58,6 +58,13 @@ class RunConfig:
         "many in a row stop the run with a checkpoint of the last good state",
         gt=0,
     )
+    auto_fit: bool = key(
+        False,
+        "at start, take the micro-batch sizes (the stage's micro_batch_size; PPO's "
+        "rollout_micro_batch_size too) or token budget from the memory plan (rlhf-dist plan): "
+        "the largest that fits this device; the derived config is printed and is what "
+        "config.yaml records (docs/distributed.md, Planning memory)",
+    )
     push_to_hub: bool = key(
         False,
         "after the final export, upload final/ (final_adapter/ as adapter/, critic/ as critic/) "

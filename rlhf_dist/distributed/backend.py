@@ -34,6 +34,7 @@ class Backend:
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads or default_threads())
         self._unwrapped: dict[int, tuple] = {}  # id -> (wrapper, kept alive; inner module)
+        self._earlier_peak = 0  # the GPU allocator's peak before the last phase reset
 
     @property
     def rank(self) -> int:
@@ -58,6 +59,30 @@ class Backend:
         if plugin is None:
             return None
         return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def zero_offload(self) -> str:
+        """What the DeepSpeed config offloads to CPU memory: none, optimizer (its states)
+        or all (ZeRO-3 weights as well)."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        if plugin is None:
+            return "none"
+        zero = plugin.deepspeed_config.get("zero_optimization", {})
+
+        def offloads(name: str) -> bool:
+            return str(zero.get(name, {}).get("device", "none")) not in ("none", "None")
+
+        if offloads("offload_param"):
+            return "all"
+        return "optimizer" if offloads("offload_optimizer") else "none"
+
+    def device_memory_bytes(self) -> int:
+        """Memory one rank may use: the GPU's total, or on CPU the machine's physical
+        memory shared by this machine's ranks."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
 
     def prepare(
         self,
@@ -99,13 +124,27 @@ class Backend:
         return self._unwrapped[key][1]
 
     def peak_memory_bytes(self) -> int:
-        """Peak memory of this rank: the accelerator's allocator peak, or the process's
-        peak resident set on CPU."""
+        """Peak memory of this rank over the run: the accelerator's allocator peak, or the
+        process's peak resident set on CPU."""
         if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+            return max(self._earlier_peak, int(torch.cuda.max_memory_allocated(self.device)))
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+    def start_phase_peak(self) -> None:
+        """Start measuring one phase's peak (GPU: the allocator's peak counter, reset; the
+        run's peak so far is kept for peak_memory_bytes). CPU: nothing to measure."""
+        if self.device.type == "cuda":
+            self._earlier_peak = self.peak_memory_bytes()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def phase_peak_bytes(self) -> int | None:
+        """This rank's peak tensor memory since start_phase_peak (GPU), or None on CPU,
+        where the process's resident peak covers the whole run and not one phase."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.max_memory_allocated(self.device))
 
 
 def fetch_whole_layers(model: torch.nn.Module) -> None:

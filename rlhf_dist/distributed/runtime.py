@@ -61,12 +61,26 @@ class Runtime:
         """DeepSpeed ZeRO stage of this run, or None without DeepSpeed."""
         return self.backend.zero_stage
 
+    @property
+    def zero_offload(self) -> str:
+        """DeepSpeed's offload of this run: none, optimizer or all."""
+        return self.backend.zero_offload
+
+    def device_memory_bytes(self) -> int:
+        return self.backend.device_memory_bytes()
+
     def seed_per_rank(self, seed: int) -> None:
         """Seed this process's RNGs differently on every rank (rollout sampling)."""
         seed_everything(seed + 1_000_003 * self.rank)
 
     def peak_memory_bytes(self) -> int:
         return self.backend.peak_memory_bytes()
+
+    def start_phase_peak(self) -> None:
+        self.backend.start_phase_peak()
+
+    def phase_peak_bytes(self) -> int | None:
+        return self.backend.phase_peak_bytes()
 
     def close(self) -> None:
         """Leave the process group together once the stage is done (collectives.close)."""

@@ -46,6 +46,7 @@ from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.models.lora import merged_adapters
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.observability.tracking import open_run, write_summary
+from rlhf_dist.planning.start import planned_phases, run_hardware
 from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
@@ -69,6 +70,7 @@ from rlhf_dist.trainers.ppo_stats import (
     due,
     gather_distributions,
     iteration_costs,
+    memory_plan_stats,
     overlong_stats,
     report_iteration,
     rollout_stats,
@@ -179,7 +181,13 @@ def sample_rollout(
 
 
 def ppo_iteration(
-    runtime: Runtime, run: PPORun, prompt_batch, cfg: Config, it: int, more_prompts=None
+    runtime: Runtime,
+    run: PPORun,
+    prompt_batch,
+    cfg: Config,
+    it: int,
+    more_prompts=None,
+    planned: dict[str, float] | None = None,
 ) -> IterationResult:
     """One iteration (docs/architecture.md section 5): rollout (with dynamic sampling:
     refilled) -> scores -> rewards -> advantages (ppo.estimator) -> whitening -> update
@@ -190,9 +198,12 @@ def ppo_iteration(
     skip = old_logprobs_from_update(cfg, run.plan)  # no actor pass in scoring
     t0 = time.time()
     run.model.eval()
+    runtime.start_phase_peak()
     batch, texts, prompt_texts, sampling = sample_rollout(
         runtime, run, prompt_batch, cfg, timings, more_prompts, not skip
     )
+    measured = {"rollout": runtime.phase_peak_bytes()}
+    runtime.start_phase_peak()
     maybe_fault("rollout", it)
     run.scorer.raise_failure(runtime)  # all ranks together, weights untouched
     print_first_batch(runtime, run, cfg, batch, texts)
@@ -206,6 +217,7 @@ def ppo_iteration(
     run.model.train()
     knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names, run.entropy_ctl.coef)
     update = ppo_update(runtime, run, trained, trained_adv, returns, knobs, it, chosen)
+    measured["update"] = runtime.phase_peak_bytes()
     batch = with_update_logprobs(batch, update)
     if kl is None:  # the update's forward gave the old log-probs: the rollout's KL now
         kl = token_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask, p.kl_kind)
@@ -216,6 +228,7 @@ def ppo_iteration(
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)
     stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, batch.response_mask, cfg)
+    stats |= memory_plan_stats(runtime, planned or {}, measured)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
     run.entropy_ctl.update(stats["objective/entropy"])  # ppo.entropy_target: next iteration's
     samples = sample_rows(prompt_texts, texts, batch, kl)[: cfg.run.num_samples]
@@ -423,11 +436,12 @@ def train_ppo(cfg, runtime) -> dict:
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
     evaluate = held_out_eval(cfg, runtime, run)  # run.eval_every; None: no evaluation
+    planned = planned_phases(cfg, "ppo", run_hardware(runtime))  # memory/planned_* metrics
     for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
         rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
         more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
         try:
-            result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more)
+            result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more, planned)
         except RewardFunctionError as e:
             state = trainer_state(run, first_score, alerts)
             failure = stop_on_reward_failure(

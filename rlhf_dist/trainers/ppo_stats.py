@@ -154,6 +154,18 @@ def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> di
     }
 
 
+def memory_plan_stats(runtime, planned: dict[str, float], measured: dict) -> dict:
+    """The memory plan's per-rank peak of each phase (rlhf-dist plan; constant over the
+    run) and, on a GPU, the measured peak of the most loaded rank: the rollout
+    (generation and scoring together: one measurement) and the update."""
+    stats = {f"memory/planned_{phase}_gib": b / 2**30 for phase, b in planned.items()}
+    for phase, nbytes in measured.items():
+        if nbytes is not None:
+            peak = float(runtime.all_max(torch.tensor(float(nbytes))))
+            stats[f"memory/measured_{phase}_gib"] = peak / 2**30
+    return stats
+
+
 CONSOLE_KEYS = (
     "objective/score",
     "objective/kl",

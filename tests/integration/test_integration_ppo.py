@@ -273,6 +273,9 @@ def test_ppo_iteration_runs_epochs_x_minibatches_of_micro_batches(
     # the rollout; a micro-batch drops all-padding columns, so it pays no more than that.
     for r in rows:
         assert 0 <= r["update/pad_fraction"] <= r["rollout/pad_fraction"] < 1, r
+    # The memory plan of each phase rides along (its measured side exists on GPUs only).
+    assert all(r["memory/planned_update_gib"] > r["memory/planned_scoring_gib"] > 0 for r in rows)
+    assert "memory/measured_update_gib" not in rows[0]
 
 
 # ----------------------------------------------------------------- split invariance

@@ -1,0 +1,225 @@
+"""The arithmetic of the memory planner: bytes of each term of a rank's peak, from a
+model's architecture numbers alone (no weights, no torch).
+
+Every function takes numbers and returns bytes. Shapes: `h` hidden size, `L` layers, `a`
+attention heads, `k` key/value heads, `d` head dim, `f` MLP intermediate size, `V`
+vocabulary; a micro-batch of `b` sequences of `s` tokens (`n = b x s` tokens).
+
+Sources: model states follow the ZeRO paper (Rajbhandari et al. 2020, section 3: 2 + 2 +
+K bytes per parameter in mixed precision, K = 12 for Adam's fp32 master weights, momentum
+and variance, partitioned over N ranks by stage); activation memory follows the counting
+of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", section 4.1: the tensors autograd keeps per layer per token), redone for a
+Llama layer (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no dropout)
+and checked against the tensors torch saves (launch/bench/plan_check.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+
+# Bytes per element of the dtypes the config can name; nf4 is QLoRA's 4-bit base.
+DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "nf4": 0.5}
+# QLoRA's quantisation constants: one 8-bit absmax per 64 weights, double-quantised
+# (Dettmers et al. 2023, section 3: 0.127 bits per parameter), in bytes per weight.
+NF4_CONSTANTS = 0.127 / 8
+FP32 = 4.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers of a decoder-only transformer (Llama, Qwen, Mistral
+    shapes): what the planner reads from a model's config.json."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool = False
+    qkv_bias: bool = False
+
+    def linear_params(self) -> int:
+        """Weights of one layer's linears: q, k, v, o (h x a d, 2 x h x k d, a d x h) and
+        the SwiGLU MLP's gate, up and down (3 x h x f)."""
+        h, ad, kd = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * ad + 2 * h * kd + ad * h + 3 * h * self.intermediate
+
+    def layer_params(self) -> int:
+        """One decoder layer: its linears, q/k/v biases (Qwen2) and two RMSNorm weights."""
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return self.linear_params() + bias + 2 * self.hidden
+
+    def backbone_params(self) -> int:
+        """Embedding (V x h), L layers and the final norm."""
+        return self.vocab * self.hidden + self.layers * self.layer_params() + self.hidden
+
+    def lm_params(self) -> int:
+        """A causal LM: the backbone and its head (V x h unless tied to the embedding)."""
+        return self.backbone_params() + (0 if self.tied else self.vocab * self.hidden)
+
+    def scorer_params(self) -> int:
+        """A reward model or critic: the backbone and a (1 x h) score head."""
+        return self.backbone_params() + self.hidden
+
+    def quantizable_params(self) -> int:
+        """What QLoRA stores in 4 bits: every layer's linears (embedding, head, norms
+        stay in the compute dtype, as bitsandbytes leaves them)."""
+        return self.layers * self.linear_params()
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """LoRA adapters of rank r on the named linears of every layer: A (r x in) and
+        B (out x r), r x (in + out) weights each (Hu et al. 2021)."""
+        h, ad, kd, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate  # fmt: skip
+        dims = {"q_proj": (h, ad), "k_proj": (h, kd), "v_proj": (h, kd), "o_proj": (ad, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}  # fmt: skip
+        per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
+        return self.layers * per_layer
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Per-rank bytes of a trained model's states on the accelerator, and what offload
+    moved to CPU memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    cpu: float = 0.0
+
+
+def model_states(
+    trainable: float,
+    frozen: float,
+    weight_bytes: float,
+    zero_stage: int | None,
+    world: int,
+    offload: str = "none",
+) -> ModelStates:
+    """Weights, gradients and AdamW states of a trained model, per rank.
+
+    trainable: trained parameters; frozen: bytes of the model's frozen part (a LoRA base).
+    Without DeepSpeed (zero_stage None) the trained weights are fp32 whatever the compute
+    dtype (bf16 by autocast), so 4 + 4 + 8 bytes per parameter; several ranks under DDP
+    keep one more fp32 copy of the gradients in its all-reduce buckets. Under DeepSpeed,
+    ZeRO paper eq. 1: weight_bytes for weights and gradients plus K = 12 (bf16: fp32
+    master, momentum, variance) or 8 (fp32: momentum, variance); stage 1 partitions the
+    optimizer states over the ranks, stage 2 also the gradients, stage 3 also the
+    weights (the frozen part included). offload: "optimizer" moves the optimizer states
+    to CPU memory, "all" (stage 3) the weights as well.
+    """
+    if zero_stage is None:
+        buckets = 4.0 * trainable if world > 1 else 0.0
+        return ModelStates(4.0 * trainable + frozen, 4.0 * trainable + buckets, 8.0 * trainable)
+    k = 8.0 if weight_bytes == FP32 else 12.0
+    params = weight_bytes * trainable + frozen
+    grads = weight_bytes * trainable
+    optim = k * trainable
+    if zero_stage >= 1:
+        optim /= world
+    if zero_stage >= 2:
+        grads /= world
+    if zero_stage >= 3:
+        params /= world
+    cpu = 0.0
+    if offload in ("optimizer", "all"):
+        cpu, optim = cpu + optim, 0.0
+    if offload == "all" and zero_stage >= 3:
+        cpu, params = cpu + params, 0.0
+    return ModelStates(params, grads, optim, cpu)
+
+
+def frozen_weights(params: float, weight_bytes: float, partitioned_over: int) -> float:
+    """A frozen (inference-only) model's weights on one rank: bytes per weight x params,
+    divided over the ranks when partitioned like ZeRO-3 (1: replicated)."""
+    return params * weight_bytes / partitioned_over
+
+
+def layer_activation_elements(shape: ModelShape, seq_len: int, attention: str) -> float:
+    """Elements autograd keeps per token for one Llama layer's backward (no recompute).
+
+    Counted as Korthikanti et al. 2022, section 4.1, for a pre-norm Llama layer:
+    - each RMSNorm: its input x, the normalised x and the weighted output (3h), twice;
+    - the attention: rotary q (ad = h for Llama shapes) and k, v expanded to all heads
+      (2h; grouped-query k, v are copied per query head), the un-expanded rotary k and
+      v (2kd) and the attention output before o_proj (h): 4h + 2kd;
+    - the SwiGLU MLP: gate and up outputs, silu(gate) and their product (4f);
+    - what the attention kernel keeps besides: eager the softmax probabilities (a x s
+      per token), fused kernels (sdpa, flash) a log-sum-exp per head (a).
+    Total 10h + 2kd + 4f + the attention term.
+    """
+    h, kd = shape.hidden, shape.kv_heads * shape.head_dim
+    attn = shape.heads * seq_len if attention == "eager" else shape.heads
+    return 10 * h + 2 * kd + 4 * shape.intermediate + attn
+
+
+def kept_activations(
+    shape: ModelShape,
+    batch: float,
+    seq_len: int,
+    act_bytes: float,
+    attention: str,
+    checkpointing: bool,
+    lora_rank: int = 0,
+) -> float:
+    """Bytes kept from forward to backward for one micro-batch of `batch` sequences of
+    `seq_len` tokens (n = b x s): L layers of `layer_activation_elements` each, or with
+    checkpointing (non-reentrant, per layer) only each layer's input, h per token
+    (Korthikanti et al. 2022, section 5, full recomputation); with LoRA each adapted
+    linear's (n, r) intermediate (7 per layer at most); and the final norm's 3h plus the
+    scored positions' hidden states gathered for the head (h): 4h per token."""
+    one_layer = layer_activation_elements(shape, seq_len, attention)
+    kept = shape.hidden if checkpointing else one_layer
+    per_token = shape.layers * (kept + 7 * lora_rank) + 4 * shape.hidden
+    return batch * seq_len * per_token * act_bytes
+
+
+def recomputed_layer(shape: ModelShape, batch: float, seq_len: int, act_bytes: float, attention: str) -> float:  # fmt: skip
+    """With checkpointing, the one layer whose activations backward recomputes at a time."""
+    return batch * seq_len * layer_activation_elements(shape, seq_len, attention) * act_bytes
+
+
+def backward_workspace(shape: ModelShape, batch: float, seq_len: int, act_bytes: float) -> float:
+    """Transient gradients in backward: the gradient of one layer's input and of its
+    largest intermediates (the MLP's gate/up/product gradients, 3f, plus the residual
+    stream's h twice) for the micro-batch's n tokens."""
+    return batch * seq_len * (3 * shape.intermediate + 2 * shape.hidden) * act_bytes
+
+
+def head_bytes(shape: ModelShape, tokens: int, chunk_tokens: int, training: bool) -> float:
+    """The output head's logits memory (fp32 (tokens, V) blocks).
+
+    Chunked (perf.logprob_chunk_tokens = C > 0): the one (2, C, V) fp32 workspace the
+    chunks share, forward and (logits recomputed) backward alike. Whole (C = 0): the (n, V)
+    logits and their log-softmax, and in training the gradients of both: 2 (no grad) or
+    4 (n, V) fp32 tensors at once.
+    """
+    v = shape.vocab
+    if chunk_tokens > 0:
+        return FP32 * 2 * min(chunk_tokens, tokens) * v
+    return FP32 * tokens * v * (4 if training else 2)
+
+
+def inference_forward(shape: ModelShape, batch: float, seq_len: int, act_bytes: float, attention: str) -> float:  # fmt: skip
+    """Peak transient memory of one layer of a no-grad forward over b x s tokens: the
+    residual, the normalised input, q/k/v and the MLP's gate, up and product (5h + 2kd +
+    3f per token) and, eager, the attention scores (a x s)."""
+    h, kd = shape.hidden, shape.kv_heads * shape.head_dim
+    attn = shape.heads * seq_len if attention == "eager" else 0
+    return batch * seq_len * (5 * h + 2 * kd + 3 * shape.intermediate + attn) * act_bytes
+
+
+def kv_cache(shape: ModelShape, batch: int, tokens: int, cache_bytes: float) -> float:
+    """The decode loop's KV cache: keys and values of every layer, k heads of d, for all
+    `tokens` (prompt + response) of `batch` sequences: 2 x L x b x tokens x k x d."""
+    return 2 * shape.layers * batch * tokens * shape.kv_heads * shape.head_dim * cache_bytes
+
+
+def sampling_workspace(shape: ModelShape, batch: int) -> float:
+    """One decode step's fp32 (b, V) tensors alive together: the last position's logits,
+    the tempered probabilities and their cumulative sum (inverse-CDF sampling)."""
+    return 3 * FP32 * batch * shape.vocab

@@ -1,0 +1,414 @@
+"""The memory plan of a run: the per-rank peak of each phase and the terms that make it up.
+
+`build_plan(cfg, stage, shapes, hardware)` turns a frozen Config, the architecture numbers
+of its models (`memory.ModelShape`, read by `shapes.py`) and the machine (`Hardware`) into
+a `Plan`: one `Phase` per part of the stage (PPO: generation, scoring, update; DPO/KTO with
+a precomputed reference: reference pass, update; SFT and RM: update), each a list of named
+byte terms. Torch-free: a 70B model is planned in milliseconds. The arithmetic of each term
+is in `memory.py`; this module decides which terms a configuration has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_dist.config import Config, sizes
+from rlhf_dist.names import ESTIMATORS
+from rlhf_dist.planning import memory as mem
+from rlhf_dist.planning.memory import GIB, ModelShape
+
+# What the CUDA context, cuBLAS workspaces and the caching allocator's fragmentation take
+# besides tensors: the plan must fit in the device's memory minus this.
+DEVICE_RESERVE = 1 * GIB
+# distributed.frozen_models=auto and perf.gather_for_training=auto replicate / gather a
+# model when one copy takes at most this share of the device (distributed/inference.py).
+AUTO_COPY_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Where the run goes: `gpus` ranks with `memory` bytes each, the DeepSpeed ZeRO stage
+    of the launch config (None: no DeepSpeed), its offload (none, optimizer, all) and the
+    device kind (cuda; cpu for the CPU validation, where dtype auto means fp32)."""
+
+    gpus: int = 1
+    memory: float = 80 * GIB
+    zero_stage: int | None = None
+    offload: str = "none"
+    device: str = "cuda"
+
+    @property
+    def budget(self) -> float:
+        return self.memory - (DEVICE_RESERVE if self.device == "cuda" else 0)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase's per-rank peak: (name, bytes) terms, summed."""
+
+    name: str
+    terms: tuple[tuple[str, float], ...]
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.terms)
+
+
+@dataclass(frozen=True)
+class Plan:
+    stage: str
+    phases: tuple[Phase, ...]
+    hardware: Hardware
+
+    @property
+    def binding(self) -> Phase:
+        """The phase with the largest peak: the one that decides whether the run fits."""
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.binding.total <= self.hardware.budget
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The architecture of each model a stage may load (None: not loaded)."""
+
+    policy: ModelShape
+    reward: ModelShape | None = None
+    teacher: ModelShape | None = None
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element: trained weights as DeepSpeed holds them (`weights`), frozen
+    models' weights (`frozen`), activations and KV cache (`compute`)."""
+
+    weights: float
+    frozen: float
+    compute: float
+    autocast: bool  # bf16 compute over fp32 weights (no DeepSpeed): weight copies per forward
+
+
+def precision(cfg: Config, hw: Hardware) -> Precision:
+    """model.dtype / frozen_dtype resolved as the run resolves them: auto = bf16 on a GPU,
+    fp32 on CPU; without DeepSpeed trained weights stay fp32 (models/loading.py)."""
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if hw.device == "cuda" else "float32"
+    frozen = dtype if cfg.model.frozen_dtype == "auto" else cfg.model.frozen_dtype
+    b = mem.DTYPE_BYTES[dtype]
+    return Precision(b, mem.DTYPE_BYTES[frozen], b, hw.zero_stage is None and b < mem.FP32)
+
+
+def attention_kind(cfg: Config, hw: Hardware) -> str:
+    """What the attention kernel keeps (memory.layer_activation_elements): eager's
+    probabilities, or a fused kernel's (sdpa, flash_attention_2) log-sum-exp."""
+    return "eager" if cfg.model.attn_implementation == "eager" else "fused"
+
+
+def checkpointing(cfg: Config, hw: Hardware) -> bool:
+    """model.gradient_checkpointing; null = on with a GPU, off on CPU."""
+    g = cfg.model.gradient_checkpointing
+    return (hw.device == "cuda") if g is None else g
+
+
+def lora_base_bytes(cfg: Config, shape: ModelShape, pr: Precision) -> float:
+    """Bytes of a LoRA base (frozen): in the compute dtype, or QLoRA's 4-bit linears
+    with their quantisation constants and everything else in the compute dtype."""
+    total = shape.lm_params()
+    if not cfg.lora.load_in_4bit:
+        return total * pr.compute
+    q = shape.quantizable_params()
+    return q * (mem.DTYPE_BYTES["nf4"] + mem.NF4_CONSTANTS) + (total - q) * pr.compute
+
+
+def trained_params(cfg: Config, shapes: Shapes, stage: str, pr: Precision) -> tuple[float, float]:
+    """(trained parameters, bytes of the frozen part) of the module `stage` trains: the
+    policy (SFT, DPO, KTO, PPO's actor), the reward model (RM), and PPO's critic when its
+    estimator needs one (one engine, one optimizer for actor + critic); with LoRA the
+    adapters are trained and the base is frozen."""
+    lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
+    if stage == "rm":
+        trainable, frozen = float((shapes.reward or shapes.policy).scorer_params()), 0.0
+    elif lora:
+        trainable = float(shapes.policy.lora_params(cfg.lora.r, cfg.lora.target_modules))
+        frozen = lora_base_bytes(cfg, shapes.policy, pr)
+    else:
+        trainable, frozen = float(shapes.policy.lm_params()), 0.0
+    if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
+        critic = critic_shape(cfg, shapes)
+        if cfg.lora.enabled and cfg.lora.critic:
+            trainable += critic.lora_params(cfg.lora.r, cfg.lora.target_modules) + critic.hidden
+            frozen += critic.scorer_params() * pr.compute
+        else:
+            trainable += critic.scorer_params()
+    return trainable, frozen
+
+
+def trained_states(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> mem.ModelStates:
+    """Weights, gradients and optimizer states of the trained module (`trained_params`)."""
+    pr = precision(cfg, hw)
+    trainable, frozen = trained_params(cfg, shapes, stage, pr)
+    return mem.model_states(trainable, frozen, pr.weights, hw.zero_stage, hw.gpus, hw.offload)
+
+
+def critic_shape(cfg: Config, shapes: Shapes) -> ModelShape:
+    """The critic starts from the reward model (ppo.critic_init=reward) or the policy."""
+    if cfg.ppo.critic_init == "reward" and shapes.reward is not None:
+        return shapes.reward
+    return shapes.policy
+
+
+def frozen_models(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list[tuple[str, float]]:
+    """Bytes per rank of each frozen model `stage` keeps resident: PPO's reference (kl_coef
+    > 0, not LoRA: adapters off), reward model (no text rewards; not with lora.critic,
+    where it is the critic's base) and teacher; DPO/KTO's reference when computed online
+    (not LoRA; simpo and orpo use none). Partitioned over the ranks under ZeRO-3 when
+    distributed.frozen_models says so (auto: when a copy exceeds a quarter of the
+    device), nothing on the device when offloaded."""
+    pr = precision(cfg, hw)
+    models: list[tuple[str, float]] = []
+    if stage == "ppo":
+        if cfg.ppo.kl_coef > 0 and not cfg.lora.enabled:
+            models.append(("reference", shapes.policy.lm_params()))
+        critic_base = cfg.lora.critic and ESTIMATORS[cfg.ppo.estimator].needs_critic
+        if not cfg.reward.text_rewards() and shapes.reward is not None and not critic_base:
+            models.append(("reward model", shapes.reward.scorer_params()))
+        if shapes.teacher is not None:
+            models.append(("teacher", shapes.teacher.lm_params()))
+    elif stage in ("dpo", "kto") and uses_online_reference(cfg, stage):
+        models.append(("reference", shapes.policy.lm_params()))
+    return [(name, frozen_share(cfg, hw, n * pr.frozen)) for name, n in models]
+
+
+def uses_online_reference(cfg: Config, stage: str) -> bool:
+    """A full reference model resident during DPO/KTO training: online reference
+    log-probs, a reference-based loss, no LoRA (whose reference is the adapters-off base)."""
+    section = getattr(cfg, stage)
+    no_reference = stage == "dpo" and cfg.dpo.loss_type in ("simpo", "orpo")
+    return section.reference_logprobs == "online" and not no_reference and not cfg.lora.enabled
+
+
+def frozen_share(cfg: Config, hw: Hardware, nbytes: float) -> float:
+    """One frozen model's bytes on this rank under distributed.frozen_models."""
+    placement = cfg.distributed.frozen_models
+    if hw.zero_stage != 3:
+        return nbytes
+    if placement == "offload":
+        return 0.0
+    if placement == "auto":
+        placement = "replicate" if nbytes <= AUTO_COPY_SHARE * hw.budget else "partition"
+    return nbytes / hw.gpus if placement == "partition" else nbytes
+
+
+# Sequences one row of a stage's micro-batch holds: a pair for RM and DPO.
+SEQUENCES_PER_ROW = {"sft": 1, "rm": 2, "dpo": 2, "kto": 1}
+
+
+def resident(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, grads: bool) -> list:
+    """What a phase holds throughout: the trained states (gradients only when `grads`:
+    DeepSpeed keeps its gradient partitions; without it they exist from the first
+    micro-batch's backward to zero_grad(set_to_none)) and the frozen models."""
+    s = trained_states(cfg, shapes, hw, stage)
+    terms = [("weights", s.params), ("optimizer states", s.optimizer)]
+    if grads:
+        terms.insert(1, ("gradients", s.grads))
+    return terms + [(name, b) for name, b in frozen_models(cfg, shapes, hw, stage) if b]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One forward/backward pass: `sequences` of `length` tokens, `scored` of them
+    through the output head per sequence; `accumulates`: a step has several such passes
+    (so gradients exist through every pass but the first)."""
+
+    sequences: float
+    length: int
+    scored: int
+    accumulates: bool
+
+
+def update_phase(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch) -> list:
+    """The update's peak per rank: the resident states, then one micro-batch's forward and
+    backward. Backward starts at the head, with every kept activation alive, the head's
+    chunks and its weight gradient; with checkpointing a recomputed layer and its
+    gradients may be larger. Without DeepSpeed and with one pass per step, gradients then
+    grow while activations are freed: the peak is the larger of the two moments."""
+    grads_resident = hw.zero_stage is not None or batch.accumulates
+    terms = resident(cfg, shapes, hw, stage, grads_resident)
+    early = activation_terms(cfg, shapes, hw, stage, batch, grads_resident)
+    terms += early
+    if not grads_resident:
+        grads = trained_states(cfg, shapes, hw, stage).grads
+        model, pr = _trained_shape(cfg, shapes, stage), precision(cfg, hw)
+        late = grads + mem.backward_workspace(model, batch.sequences, batch.length, pr.compute)
+        extra = max(0.0, late - sum(b for _, b in early))
+        terms.append(("gradients (as activations are freed)", extra))
+    return terms + extra_update_copies(cfg, shapes, hw, stage)
+
+
+def _trained_shape(cfg: Config, shapes: Shapes, stage: str) -> ModelShape:
+    return (shapes.reward or shapes.policy) if stage == "rm" else shapes.policy
+
+
+def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch, grads_resident: bool) -> list:  # fmt: skip
+    """One micro-batch's kept activations (PPO's critic runs in the same backward) and the
+    larger transient of backward's start: the head's chunks (+ its weight gradient when
+    gradients are not resident yet) or, with checkpointing, a recomputed layer."""
+    pr, ckpt, attn = precision(cfg, hw), checkpointing(cfg, hw), attention_kind(cfg, hw)
+    lora_r = cfg.lora.r if cfg.lora.enabled and stage in ("ppo", "dpo", "kto") else 0
+    model = _trained_shape(cfg, shapes, stage)
+    b, s = batch.sequences, batch.length
+    terms = [("activations", mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r))]
+    if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
+        critic = critic_shape(cfg, shapes)
+        terms.append(("critic activations", mem.kept_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip
+    head = 0.0
+    if stage != "rm":
+        head = mem.head_bytes(model, int(b * batch.scored), cfg.perf.logprob_chunk_tokens, True)
+        if not grads_resident and not lora_r and not model.tied:
+            head += model.vocab * model.hidden * mem.FP32
+    layer = mem.backward_workspace(model, b, s, pr.compute)
+    if ckpt:
+        layer += mem.recomputed_layer(model, b, s, pr.compute, attn)
+    name = "logits chunks (head backward)" if head >= layer else "recomputed layer + its gradients"
+    return terms + [(name, max(head, layer))]
+
+
+def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list:
+    """autocast's bf16 copies of the trained linears (kept for backward, no DeepSpeed),
+    ZeRO-3's whole-model gather per step (perf.gather_for_training)."""
+    pr, model = precision(cfg, hw), _trained_shape(cfg, shapes, stage)
+    lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
+    terms = []
+    if pr.autocast and not lora:
+        terms.append(("bf16 weight copies (autocast)", 2.0 * model.layers * model.linear_params()))
+    trainable, frozen = trained_params(cfg, shapes, stage, pr)
+    copy = trainable * pr.weights + frozen
+    if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
+        terms.append(("gathered weights (ZeRO-3)", copy))
+    return terms
+
+
+def gathers_for_training(cfg: Config, hw: Hardware, copy: float) -> bool:
+    """perf.gather_for_training: always, never, or auto (a `copy` of the trained module
+    within a quarter of the device)."""
+    mode = cfg.perf.gather_for_training
+    if mode == "auto":
+        return copy <= AUTO_COPY_SHARE * hw.budget
+    return mode == "always"
+
+
+def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
+    """PPO's sampling of `rows` sequences at once: vLLM's reserved share of the device, or
+    our decode loop's peak, the larger of the prefill's layer and the full KV cache with
+    the last step's sampling tensors; under ZeRO-3 the gathered actor
+    (perf.gather_for_generation); with LoRA the merged copies of the adapted weights the
+    rollout generates with (not QLoRA, not through ZeRO-3's per-layer gathers)."""
+    pr, g = precision(cfg, hw), cfg.generation
+    p, t = cfg.data.max_prompt_length, g.max_new_tokens
+    actor = shapes.policy
+    if g.backend == "vllm":
+        terms = [vllm_share(cfg, shapes, hw)]
+    else:
+        prefill = mem.inference_forward(actor, rows, p, pr.compute, attention_kind(cfg, hw))
+        cache = mem.kv_cache(actor, rows, p + t, pr.compute) + mem.sampling_workspace(actor, rows)
+        terms = [("prefill" if prefill > cache else "KV cache + sampling", max(prefill, cache))]
+    if hw.zero_stage == 3 and cfg.perf.gather_for_generation:
+        terms.append(("gathered actor (ZeRO-3)", actor.lm_params() * pr.compute))
+    elif (
+        cfg.lora.enabled and g.backend == "hf" and hw.zero_stage != 3 and not cfg.lora.load_in_4bit
+    ):
+        terms.append(("merged LoRA weights", actor.quantizable_params() * pr.compute))
+    return terms
+
+
+def vllm_share(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[str, float]:
+    """What one in-process vLLM engine per rank reserves: its share of the device
+    (generation.vllm_gpu_memory_utilization), or more when the actor's whole weights
+    alone exceed it (each rank's engine holds a full copy; it would not start)."""
+    share = cfg.generation.vllm_gpu_memory_utilization * hw.memory
+    weights = shapes.policy.lm_params() * precision(cfg, hw).compute
+    if weights > share:
+        return ("vLLM engine (the actor's weights exceed its share)", weights)
+    return ("vLLM engine share", share)
+
+
+def scoring_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
+    """Rollout scoring of `rows` sequences per forward, no gradients, one model at a time
+    (actor, reference, critic, reward model, teacher): the larger of the biggest model's
+    layer working set and the head's chunk workspace with the hidden states it reads."""
+    pr, attn = precision(cfg, hw), attention_kind(cfg, hw)
+    s, t = cfg.data.max_prompt_length + cfg.generation.max_new_tokens, cfg.generation.max_new_tokens
+    models = [m for m in (shapes.policy, shapes.reward, shapes.teacher) if m is not None]
+    layer = max(mem.inference_forward(m, rows, s, pr.compute, attn) for m in models)
+    p = shapes.policy
+    head = mem.head_bytes(p, rows * t, cfg.perf.logprob_chunk_tokens, False)
+    head += rows * s * p.hidden * pr.compute
+    return [("logits chunks" if head >= layer else "layer working set", max(head, layer))]
+
+
+def build_plan(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> Plan:
+    """The plan of `stage` (sft, rm, ppo, dpo, kto) under `cfg` on `hw`."""
+    if stage == "ppo":
+        return Plan(stage, ppo_phases(cfg, shapes, hw), hw)
+    return Plan(stage, step_loop_phases(cfg, shapes, hw, stage), hw)
+
+
+def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
+    """Generation, scoring and update of one PPO iteration, per rank. A vLLM engine that
+    does not sleep keeps its share through scoring and the update too."""
+    p, g = cfg.ppo, cfg.generation
+    per_rank = max(1, p.rollout_batch_size // hw.gpus) * p.samples_per_prompt
+    rows = min(p.rollout_micro_batch_size, per_rank)
+    minibatch = sizes.ppo_minibatch_size(p.minibatch_size, p.rollout_batch_size, p.samples_per_prompt)  # fmt: skip
+    length = cfg.data.max_prompt_length + g.max_new_tokens
+    micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, hw.gpus)
+    batch = micro_batch(micro, p.micro_batch_tokens, length, g.max_new_tokens, minibatch // hw.gpus)
+    awake = [vllm_share(cfg, shapes, hw)] if g.backend == "vllm" and not g.vllm_sleep else []
+    base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None)
+    return (
+        Phase("generation", tuple(base + generation_terms(cfg, shapes, hw, rows))),
+        Phase("scoring", tuple(base + awake + scoring_terms(cfg, shapes, hw, rows))),
+        Phase("update", tuple(update_phase(cfg, shapes, hw, "ppo", batch) + awake)),
+    )
+
+
+def micro_batch(rows: int, token_budget: int, length: int, scored: int, share: int) -> Batch:
+    """One pass of `rows` sequences of `length` tokens, or with a token budget as many as
+    fit in it (a longer sequence alone); it accumulates when the rank's `share` of a step
+    (sequences) needs more than one pass."""
+    if token_budget:
+        rows = max(1, token_budget // length)
+    return Batch(rows, length, scored, share > rows)
+
+
+def step_loop_phases(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> tuple[Phase, ...]:
+    """SFT, RM, DPO, KTO: the update of one micro-batch (a row is a pair for RM and DPO)
+    and, for DPO/KTO with reference log-probs computed before training, that pass."""
+    section = getattr(cfg, stage)
+    micro = sizes.micro_batch_size(section.micro_batch_size, section.batch_size, hw.gpus)
+    length, per_row = cfg.data.max_length, SEQUENCES_PER_ROW[stage]
+    share = section.batch_size // hw.gpus * per_row
+    batch = micro_batch(micro * per_row, section.micro_batch_tokens, length, length, share)
+    rows = batch.sequences
+    phases = []
+    if stage in ("dpo", "kto") and needs_reference_pass(cfg, stage):
+        pr = precision(cfg, hw)
+        ref = frozen_share(cfg, hw, shapes.policy.lm_params() * pr.frozen)
+        forward = mem.inference_forward(shapes.policy, rows, length, pr.compute, attention_kind(cfg, hw))  # fmt: skip
+        head = mem.head_bytes(shapes.policy, int(rows * length), cfg.perf.logprob_chunk_tokens, False)  # fmt: skip
+        terms = resident(cfg, shapes, hw, stage, hw.zero_stage is not None)
+        terms += [("reference", ref), ("forward peak", max(forward, head))]
+        phases.append(Phase("reference pass", tuple(terms)))
+    phases.append(Phase("update", tuple(update_phase(cfg, shapes, hw, stage, batch))))
+    return tuple(phases)
+
+
+def needs_reference_pass(cfg: Config, stage: str) -> bool:
+    """DPO/KTO reference log-probs computed in one pass before training (a full
+    reference loaded for it unless LoRA; simpo and orpo have no reference)."""
+    if stage == "dpo" and cfg.dpo.loss_type in ("simpo", "orpo"):
+        return False
+    return getattr(cfg, stage).reference_logprobs == "precompute" and not cfg.lora.enabled

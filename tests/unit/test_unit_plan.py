@@ -1,0 +1,183 @@
+"""The memory planner (rlhf_dist/planning): hand-computed terms, properties of the plan,
+and `rlhf-dist plan` on the shipped 8B and 70B shapes (exit 2 with a fix that, applied,
+fits and validates). The estimate against measured peaks: launch/bench/plan_check.py and
+tests/integration/test_integration_plan_measured.py."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_dist.config import load_config, validate
+from rlhf_dist.planning import GIB, Hardware, ModelShape, Shapes, build_plan, find_fix
+from rlhf_dist.planning import memory as mem
+from rlhf_dist.planning.advice import parse_memory, with_overrides
+from rlhf_dist.planning.shapes import read_shape
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPES = ROOT / "launch/configs/shapes"
+TINY = ModelShape(vocab=10, hidden=4, layers=2, heads=2, kv_heads=1, head_dim=2, intermediate=8)
+
+
+def test_parameter_counts_of_the_shipped_shapes():
+    # The published sizes: Llama-3-8B 8,030,261,248 and Llama-3-70B 70,553,706,496 weights.
+    assert read_shape(str(SHAPES / "llama3-8b"), "model.policy").lm_params() == 8_030_261_248
+    assert read_shape(str(SHAPES / "llama3-70b"), "model.policy").lm_params() == 70_553_706_496
+
+
+def test_tiny_shape_by_hand():
+    # q 4x4, k and v 4x2 each, o 4x4, gate/up/down 4x8 each: 16+8+8+16+96 = 144
+    assert TINY.linear_params() == 144
+    # + two norms of 4 = 152 per layer; embedding 40 + 2 layers + final norm 4 + head 40
+    assert TINY.lm_params() == 40 + 2 * 152 + 4 + 40
+    # LoRA r=1 on q (4+4) and down (8+4): 20 per layer
+    assert TINY.lora_params(1, ("q_proj", "down_proj")) == 40
+
+
+def test_model_states_by_hand():
+    # ZeRO paper: bf16 Adam is 2 + 2 + 12 bytes per weight; stage 2 over 4 ranks
+    s = mem.model_states(1000, 0.0, 2.0, zero_stage=2, world=4)
+    assert (s.params, s.grads, s.optimizer) == (2000, 500, 3000)
+    s3 = mem.model_states(1000, 0.0, 2.0, zero_stage=3, world=4, offload="optimizer")
+    assert (s3.params, s3.grads, s3.optimizer, s3.cpu) == (500, 500, 0, 3000)
+    # no DeepSpeed: fp32 weights, gradients, and Adam's two moments; DDP's buckets
+    plain = mem.model_states(1000, 0.0, 2.0, zero_stage=None, world=2)
+    assert (plain.params, plain.grads, plain.optimizer) == (4000, 8000, 8000)
+
+
+def test_kv_cache_and_layer_activations_by_hand():
+    # 2 (k, v) x 2 layers x 3 rows x 5 tokens x 1 head x 2 dims x 2 bytes
+    assert mem.kv_cache(TINY, 3, 5, 2.0) == 2 * 2 * 3 * 5 * 1 * 2 * 2
+    # 10h + 2kd + 4f + the eager softmax a x s: 40 + 4 + 32 + 2 x 7
+    assert mem.layer_activation_elements(TINY, 7, "eager") == 90
+    assert mem.layer_activation_elements(TINY, 7, "fused") == 40 + 4 + 32 + 2
+
+
+@pytest.mark.parametrize("seq", [16, 128, 1024])
+def test_activations_grow_with_rows_and_shrink_with_checkpointing(seq):
+    shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
+    one = mem.kept_activations(shape, 1, seq, 2.0, "fused", False)
+    assert mem.kept_activations(shape, 2, seq, 2.0, "fused", False) == pytest.approx(2 * one)
+    assert mem.kept_activations(shape, 1, seq, 2.0, "fused", True) < one / 4
+
+
+def _cfg(*overrides, preset=None):
+    return load_config(None, [f"model.policy={SHAPES / 'llama3-8b'}", "data.train=x", *overrides], preset)  # fmt: skip
+
+
+def test_more_ranks_and_higher_stages_never_cost_more_per_rank():
+    # (ZeRO-3's whole-model gather per step, perf.gather_for_training, costs a full copy
+    # more: off here)
+    cfg = _cfg("perf.gather_for_training=never")
+    shapes = Shapes(read_shape(str(SHAPES / "llama3-8b"), "model.policy"))
+    peaks = {}
+    for gpus in (1, 2, 8):
+        for stage in (None, 0, 2, 3):
+            hw = Hardware(gpus, 80 * GIB, stage)
+            peaks[gpus, stage] = build_plan(cfg, "sft", shapes, hw).binding.total
+    for gpus in (2, 8):
+        assert peaks[gpus, 3] <= peaks[gpus, 2] <= peaks[gpus, 0]
+        assert peaks[gpus, 3] < peaks[1, 3]
+
+
+def test_the_fix_makes_the_plan_fit_and_validates():
+    cfg = _cfg(
+        "model.gradient_checkpointing=false",
+        "sft.micro_batch_size=8",
+        "sft.batch_size=64",
+        "data.max_length=4096",
+    )
+    shapes = Shapes(read_shape(str(SHAPES / "llama3-8b"), "model.policy"))
+    hw = Hardware(8, 80 * GIB, 3)
+    assert not build_plan(cfg, "sft", shapes, hw).fits
+    fix = find_fix(cfg, "sft", shapes, hw)
+    assert fix is not None and not fix.launch
+    fixed = with_overrides(cfg, fix.overrides)
+    assert build_plan(fixed, "sft", shapes, hw).fits
+    validate(fixed, "sft", 8)
+
+
+def test_parse_memory():
+    assert parse_memory("80GiB") == 80 * GIB
+    assert parse_memory("80GB") == 80e9
+    assert parse_memory("141") == 141 * GIB
+
+
+def _plan_cli(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_dist", "plan", *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+    )  # fmt: skip
+
+
+def test_cli_refuses_with_one_line_and_its_fix_fits():
+    base = ["--gpus", "8", "--stage", "grpo", f"model.policy={SHAPES / 'llama3-70b'}",
+            "data.train=x", "reward.function=a:b"]  # fmt: skip
+    out = _plan_cli(*base)
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert "\n" not in line and line.startswith("rlhf-dist plan: error: does not fit")
+    assert "generation" in out.stdout and "update" in out.stdout
+    fix = line.split("fix: ", 1)[1].split()
+    assert all("=" in f for f in fix), fix  # config keys only: pasted as they are
+    again = _plan_cli(*base, *fix)
+    assert again.returncode == 0, again.stderr
+    assert "fits:" in again.stdout
+
+
+def test_auto_fit_takes_the_largest_micro_batch_that_fits_a_cap():
+    from rlhf_dist.planning.start import auto_fit
+
+    cfg = _cfg("sft.batch_size=64", "sft.micro_batch_size=1", "data.max_length=1024",
+               "model.gradient_checkpointing=false")  # fmt: skip
+    shapes = Shapes(read_shape(str(SHAPES / "llama3-8b"), "model.policy"))
+    hw = Hardware(8, 80 * GIB, 3)
+    (change,) = auto_fit(cfg, "sft", shapes, hw)
+    micro = int(change.split("=")[1])
+    assert 1 < micro < 8  # the rank's share is 8; all of it does not fit, one is not the most
+    assert build_plan(with_overrides(cfg, (change,)), "sft", shapes, hw).fits
+    bigger = next(d for d in range(micro + 1, 9) if 8 % d == 0)
+    assert not build_plan(with_overrides(cfg, (f"sft.micro_batch_size={bigger}",)), "sft", shapes, hw).fits  # fmt: skip
+
+
+def test_a_gpu_run_that_cannot_fit_is_refused_before_loading_and_its_fix_starts():
+    from rlhf_dist.errors import ConfigError
+    from rlhf_dist.planning.start import plan_at_start
+
+    cfg = _cfg("sft.batch_size=64", "sft.micro_batch_size=8", "data.max_length=4096",
+               "model.gradient_checkpointing=false")  # fmt: skip
+    hw = Hardware(8, 80 * GIB, 3)
+    with pytest.raises(ConfigError, match="fix: ") as refused:
+        plan_at_start(cfg, "sft", hw)
+    fix = tuple(str(refused.value).split("fix: ", 1)[1].split())
+    fixed, lines = plan_at_start(with_overrides(cfg, fix), "sft", hw)
+    assert lines[-1].startswith("memory plan per rank: update ") and "fits in" in lines[-1]
+    # auto_fit derives a new config instead (the given one is left as it was)
+    fitted, lines = plan_at_start(with_overrides(cfg, ("run.auto_fit=true",)), "sft", hw)
+    assert (
+        lines[0].startswith("run.auto_fit: sft.micro_batch_size=") and cfg.sft.micro_batch_size == 8
+    )
+    assert fitted.sft.micro_batch_size < 8
+
+
+def test_head_bytes_by_hand():
+    # chunks of 3 tokens share one (2, 3, V) fp32 workspace: 2 x 3 x 10 x 4 bytes
+    assert mem.head_bytes(TINY, tokens=7, chunk_tokens=3, training=True) == 240
+    assert mem.head_bytes(TINY, tokens=2, chunk_tokens=3, training=False) == 160  # 2 rows only
+    # whole logits: the (7, V) logits and log-softmax (+ both gradients in training)
+    assert mem.head_bytes(TINY, tokens=7, chunk_tokens=0, training=False) == 2 * 7 * 10 * 4
+    assert mem.head_bytes(TINY, tokens=7, chunk_tokens=0, training=True) == 4 * 7 * 10 * 4
+
+
+def test_lora_and_qlora_hold_less_than_full_training():
+    shapes = Shapes(read_shape(str(SHAPES / "llama3-8b"), "model.policy"))
+    hw = Hardware(1, 80 * GIB, None)
+    base = ["ppo.kl_coef=0", "reward.function=a:b"]
+    peaks = [
+        build_plan(_cfg(*base, *extra, preset="grpo"), "ppo", shapes, hw).binding.total
+        for extra in ([], ["lora.enabled=true"], ["lora.enabled=true", "lora.load_in_4bit=true"])
+    ]
+    assert peaks[0] > peaks[1] > peaks[2]
