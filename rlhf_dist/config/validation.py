@@ -349,6 +349,31 @@ def _validate_generation(cfg: Config) -> None:
             "generation.backend=vllm: needs perf.gather_for_generation=true (the engine "
             "loads whole weights, gathered once per rollout)"
         )
+    _validate_server(cfg)
+
+
+def _validate_server(cfg: Config) -> None:
+    """generation.backend=server and its keys (docs/serving.md)."""
+    g = cfg.generation
+    if g.backend != "server":
+        if g.server_urls:
+            raise ConfigError("generation.server_urls: read by generation.backend=server only")
+        return
+    if not g.server_urls:
+        raise ConfigError("generation.server_urls: generation.backend=server needs at least one")
+    for url in g.server_urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"generation.server_urls: expected http(s)://host:port, got {url!r}")
+    if g.tools or g.environment:
+        raise ConfigError(
+            "generation.backend=server: multi-turn rollouts (generation.tools / environment) "
+            "are not served yet; use hf or vllm"
+        )
+    if not cfg.perf.gather_for_generation:
+        raise ConfigError(
+            "generation.backend=server: needs perf.gather_for_generation=true (the weights "
+            "are sent whole, gathered once per rollout)"
+        )
 
 
 def _validate_multi_turn(cfg: Config) -> None:

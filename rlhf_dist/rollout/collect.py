@@ -28,6 +28,7 @@ from rlhf_dist.rollout.batch import (
     scores_with_eos_penalty,
     sequence_last_index,
 )
+from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
 
 
@@ -48,7 +49,8 @@ class RolloutModels:
     yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
     the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS),
     the frozen teacher of on-policy distillation (model.teacher; None without one),
-    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), a
+    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), with
+    generation.backend=server the rollout servers' client (rollout/server.py), a
     context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
     not layer by layer in every forward; a no-op elsewhere), for multi-turn rollouts
     the agent (rollout/agent.py) and the per-turn lock-step collective, and the speed
@@ -59,7 +61,7 @@ class RolloutModels:
     reference: torch.nn.Module | None
     scorer: SequenceScorer
     stop_ids: tuple[int, ...] = ()
-    engine: VLLMEngine | None = None
+    engine: VLLMEngine | ServerEngine | None = None
     whole_weights: Callable = contextlib.nullcontext
     agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
@@ -167,7 +169,7 @@ def _episodes(
                 episodes += play(actor, keep_in_step, texts, columns=columns)
         else:  # vLLM schedules its own batches: the whole shard, every turn in one call
             engine.load_weights(actor)
-            if engine.checks_sync:
+            if isinstance(engine, VLLMEngine) and engine.checks_sync:
                 engine.check_sync(actor, prompts.ids, prompts.mask, gen, tokenizer, eos)
     if engine is not None:
         sampler = functools.partial(_engine_sample, engine, pad)
@@ -190,7 +192,7 @@ def _sample(
     if models.engine is not None:
         with models.generation_context() as (actor, _):  # whole weights, once per rollout
             models.engine.load_weights(actor)
-            if models.engine.checks_sync:
+            if isinstance(models.engine, VLLMEngine) and models.engine.checks_sync:
                 models.engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
         # vLLM schedules its own batches: the whole shard goes in at once.
         out = models.engine.generate(prompt_ids, prompt_mask, gen, eos, pad)
@@ -261,6 +263,8 @@ def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=
     }
 
 
-def _engine_sample(engine: VLLMEngine, pad: int, ids, mask, gen: GenerationConfig, stop_ids):
+def _engine_sample(
+    engine: VLLMEngine | ServerEngine, pad: int, ids, mask, gen: GenerationConfig, stop_ids
+):
     """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
     return engine.generate(ids, mask, gen, stop_ids, pad)

@@ -50,6 +50,7 @@ from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
+from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.stats import global_mean_var, global_moments
 from rlhf_dist.trainers.common import (
@@ -301,6 +302,17 @@ def whitens(ppo_cfg) -> bool:
     return ppo_cfg.whiten_advantages
 
 
+def rollout_engine(cfg: Config, runtime: Runtime) -> VLLMEngine | ServerEngine | None:
+    """What samples rollouts besides the actor itself: vLLM in this process, rollout
+    servers (docs/serving.md), or nothing (the hf backend)."""
+    backend = cfg.generation.backend
+    if backend == "vllm":
+        return VLLMEngine(cfg, runtime.device)
+    if backend == "server":
+        return ServerEngine(cfg, runtime.is_main, runtime.barrier)
+    return None
+
+
 def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     """Load data and models (from a checkpoint if resuming) into a PPORun."""
     p = cfg.ppo
@@ -327,7 +339,7 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
             yield (stack.enter_context(merged_adapters(actor)) if merge else actor), keep_in_step
 
     stops = policy_stop_ids(cfg, tokenizer)
-    engine = VLLMEngine(cfg, runtime.device) if cfg.generation.backend == "vllm" else None
+    engine = rollout_engine(cfg, runtime)
     rollout_models = RolloutModels(
         model,
         generation_context,
