@@ -18,6 +18,7 @@ import hmac
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 
+from rlhf_dist.serving import openai_api as openai
 from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy, TensorSpec
 
 TokenIds = list[int]
@@ -119,4 +120,25 @@ def build_app(policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: 
         policy.receive_bucket(body.version, specs, body.final)
         return {"receiving": len(specs), "version": body.version}
 
+    _add_openai(app, policy, authorized, refused, max_new_tokens)
     return app
+
+
+def _add_openai(app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int) -> None:
+    """/v1/completions and /v1/chat/completions (serving/openai.py); a request without
+    max_tokens gets serve.max_new_tokens."""
+
+    def capped(body: openai.OpenAISampling) -> None:
+        asked = body.max_completion_tokens or body.max_tokens or max_new
+        if asked > max_new or body.min_tokens > asked:
+            raise HTTPException(400, f"max_tokens: need min_tokens <= max_tokens <= {max_new}")
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    def completions(body: openai.CompletionBody) -> dict:
+        capped(body)
+        return refused(openai.completion, policy, body, max_new)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    def chat_completions(body: openai.ChatBody) -> dict:
+        capped(body)
+        return refused(openai.chat_completion, policy, body, max_new)

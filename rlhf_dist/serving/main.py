@@ -9,6 +9,7 @@ import os
 import torch
 
 from rlhf_dist.config import Config
+from rlhf_dist.data.chat import chat_for
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.loading import load_causal_lm, policy_stop_ids, tokenizer_for, train_dtype
 from rlhf_dist.serving.app import build_app
@@ -38,7 +39,10 @@ def load_policy(cfg: Config) -> ServedPolicy:
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     stops = policy_stop_ids(cfg, tokenizer)
     timeout = float(cfg.distributed.timeout_s)
-    return ServedPolicy(model, tokenizer, stops, cfg.perf, cfg.model.policy, timeout)
+    chat = None  # /v1/chat/completions renders with data.chat_template or the tokenizer's own
+    if cfg.data.chat_template or getattr(tokenizer, "chat_template", None):
+        chat = chat_for(tokenizer, cfg.data, "data.chat_template")
+    return ServedPolicy(model, tokenizer, stops, cfg.perf, cfg.model.policy, timeout, chat)
 
 
 def serve(cfg: Config) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.chat import Chat
 from rlhf_dist.data.rows import left_pad, right_pad
 from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup
 from rlhf_dist.engine.decode import generate, truncate_after_eos
@@ -58,8 +59,13 @@ class BadRequest(ValueError):
 
 
 class ServedPolicy:
-    def __init__(self, model, tokenizer, stop_ids, perf: PerfConfig, name: str, timeout_s: float):
+    def __init__(
+        self, model, tokenizer, stop_ids, perf: PerfConfig, name: str, timeout_s: float,
+        chat: Chat | None = None,
+    ):  # fmt: skip
+        """chat: how the OpenAI-compatible chat endpoint renders messages (None: it refuses)."""
         self.model, self.tokenizer, self.stop_ids = model.eval(), tokenizer, tuple(stop_ids)
+        self.chat = chat
         self.perf, self.name, self.timeout_s = perf, name, timeout_s
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
         self.params = dict(model.named_parameters())

@@ -39,6 +39,13 @@ from rlhf_dist.rollout.server import ServerEngine
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-7c1e"  # the shared secret of this module's server
 ENV = "RLHF_DIST_TEST_SERVER_TOKEN"
+# The served chat template: the demo's word-level tokenizer has none and no role tokens, so
+# a user turn renders as its words and "good" opens the answer (CHAT_TEMPLATE_TEXT).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}good{% endif %}"
+)
+CHAT_TEMPLATE_TEXT = "{} good"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,8 @@ def server(task_env, tmp_path_factory):
         json.dumps(
             {"model": {"policy": str(task_env.policy)},
              "serve": {"port": port, "token_env": ENV, "max_batch": 16},
-             "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60}}
+             "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60},
+             "data": {"chat_template": CHAT_TEMPLATE}}
         )
     )  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", ENV: TOKEN}
@@ -261,3 +269,41 @@ def test_grpo_trains_on_served_rollouts(
     before = saved_state_dict(policy)
     after = saved_state_dict(tmp_path / "grpo" / "final")
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the actor trained
+
+
+def test_openai_completions_return_the_token_ids_and_log_probs_of_generate(server, task_env):
+    tok = task_env.tokenizer
+    prompt = _prompts(tok)[0]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.7, "seed": 5}
+    status, answer = _call(server, "/v1/completions", body)
+    assert status == 200 and answer["object"] == "text_completion"
+    choice = answer["choices"][0]
+    same = {"prompts": [prompt], "sampling": _sampling(max_new_tokens=8, seed=5)}
+    generated = _call(server, "/generate", same)[1]
+    assert choice["token_ids"] == generated["responses"][0]
+    assert choice["logprobs"]["token_logprobs"] == generated["logprobs"][0]
+    assert choice["prompt_token_ids"] == prompt and answer["policy_version"] == generated["version"]
+    ended = choice["finish_reason"] == "stop"
+    text_ids = choice["token_ids"][:-1] if ended else choice["token_ids"]
+    assert choice["text"] == tok.decode(text_ids, skip_special_tokens=True)
+    as_text = {**body, "prompt": tok.decode(prompt, skip_special_tokens=True)}
+    assert _call(server, "/v1/completions", as_text)[1]["choices"][0]["prompt_token_ids"] == prompt
+    assert _call(server, "/v1/completions", {**body, "n": 2})[0] == 400
+    assert _call(server, "/v1/completions", {**body, "stop": ["x"]})[0] == 400
+    assert _call(server, "/v1/completions", body, token="")[0] == 401
+
+
+def test_openai_chat_completions_render_the_chat_template(server, task_env):
+    messages = [{"role": "user", "content": "the food was"}]
+    body = {"messages": messages, "max_completion_tokens": 6, "seed": 1}
+    status, answer = _call(server, "/v1/chat/completions", body)
+    assert status == 200 and answer["object"] == "chat.completion"
+    choice = answer["choices"][0]
+    ids = task_env.tokenizer(CHAT_TEMPLATE_TEXT.format("the food was"), add_special_tokens=False)
+    assert choice["prompt_token_ids"] == ids["input_ids"]
+    assert choice["message"]["role"] == "assistant"
+    assert [c["logprob"] for c in choice["logprobs"]["content"]] == pytest.approx(
+        _call(server, "/generate", {"prompts": [ids["input_ids"]],
+                                    "sampling": _sampling(max_new_tokens=6, seed=1, temperature=1.0)})[1]["logprobs"][0]
+    )  # fmt: skip
+    assert _call(server, "/v1/chat/completions", {**body, "messages": []})[0] == 422
