@@ -371,9 +371,9 @@ class PPOConfig:
     )
     tis_cap: float | None = key(
         None,
-        "generation.backend=vllm: weight each token's policy loss by the truncated importance "
-        "ratio min(pi_old / pi_vllm, tis_cap) between the trainer's and vLLM's sampling "
-        "probabilities (TIS, Yao et al. 2025; typical 2); null = off",
+        "generation.backend=vllm or server: weight each token's policy loss by the truncated "
+        "importance ratio min(pi_old / pi_sampler, tis_cap) between the trainer's and the "
+        "sampler's probabilities (TIS, Yao et al. 2025; typical 2); null = off",
         gt=0,
     )
     ratio_level: str = key(

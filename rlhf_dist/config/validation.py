@@ -240,9 +240,9 @@ def _validate_objective(cfg: Config) -> None:
     _validate_dapo(cfg)
     _validate_entropy_control(p)
     _validate_distill(cfg)
-    if p.tis_cap is not None and cfg.generation.backend != "vllm":
+    if p.tis_cap is not None and cfg.generation.backend not in ("vllm", "server"):
         raise ConfigError(
-            "ppo.tis_cap: needs generation.backend=vllm (the hf sampler is the trainer)"
+            "ppo.tis_cap: needs generation.backend=vllm or server (the hf sampler is the trainer)"
         )
 
 

@@ -242,7 +242,15 @@ def test_the_post_sync_check_catches_a_skipped_weight_update(server, task_env, m
 
 
 def test_grpo_trains_on_served_rollouts(
-    server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict
+    server,
+    sft_run,
+    task_env,
+    runtime,
+    tmp_path,
+    monkeypatch,
+    data_cfg,
+    saved_state_dict,
+    read_jsonl,
 ):
     from rlhf_dist.trainers.ppo import train_ppo
 
@@ -260,7 +268,7 @@ def test_grpo_trains_on_served_rollouts(
             "ppo": {"iterations": 2, "rollout_batch_size": 4, "samples_per_prompt": 4,
                     "rollout_micro_batch_size": 16, "ppo_epochs": 1, "minibatch_size": 16,
                     "micro_batch_size": 8, "optim": {"lr": 1e-3}, "kl_coef": 0.0,
-                    "estimator": "grpo"},
+                    "estimator": "grpo", "tis_cap": 2.0},
             "distributed": {"timeout_s": 60},
         }
     )  # fmt: skip
@@ -269,6 +277,14 @@ def test_grpo_trains_on_served_rollouts(
     before = saved_state_dict(policy)
     after = saved_state_dict(tmp_path / "grpo" / "final")
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the actor trained
+    # The served log-probs are the trainer's own (fp32, CPU): the sampler gap is rounding.
+    logged = [
+        r
+        for r in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")
+        if "rollout/sampler_logprob_absdiff" in r
+    ]
+    assert len(logged) == 2 and all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in logged)
+    assert all(r["policy/tis_capped_frac"] == 0.0 for r in logged)
 
 
 def test_openai_completions_return_the_token_ids_and_log_probs_of_generate(server, task_env):
