@@ -122,7 +122,7 @@ def main() -> None:
         try:
             actor = load_causal_lm(str(model_dir), "model.policy").eval()
             tokenizer = load_tokenizer(str(model_dir))
-            engine = ServerEngine(cfg, is_main=True, barrier=lambda: None)
+            engine = ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
             syncs = bench_syncs(engine, actor, args.repeats)
             stops = policy_stop_ids(cfg, tokenizer)
             served, local = bench_generation(

@@ -41,14 +41,16 @@ CHECK_ROWS, CHECK_TOKENS = 2, 16  # the post-sync check's fixed sequences
 class ServerEngine:
     """The trainer's side of one or more rollout servers."""
 
-    def __init__(self, cfg: Config, is_main: bool, barrier: Callable[[], None]):
+    def __init__(self, cfg: Config, is_main: bool, any_rank: Callable[[bool], bool]):
+        """is_main: this is trainer rank 0 (it syncs the weights); any_rank(flag): whether
+        any trainer rank passed True (Runtime.any_rank; a collective, every rank calls it)."""
         g = cfg.generation
         self.urls = [u.rstrip("/") for u in g.server_urls]
         self.timeout_s = float(cfg.distributed.timeout_s)
         self._token = os.environ.get(g.server_token_env, "") if g.server_token_env else ""
         self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
         self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
-        self.is_main, self.barrier = is_main, barrier
+        self.is_main, self.any_rank = is_main, any_rank
         self.group: SyncGroup | None = None
         self.version = 0  # the policy version every server holds after the last sync
         self.syncs = 0  # weight syncs of this run (RLHF_DIST_FAULT=skip_weight_sync:N)
@@ -72,16 +74,35 @@ class ServerEngine:
                 f"rollout server {url}{path}: {why} (within {self.timeout_s:g} s)"
             ) from None
 
+    def together(self, work: Callable[[], object]):
+        """work()'s result; when it raised ServerError on any trainer rank, ServerError on
+        every rank at once (so they stop, and checkpoint, together; no rank is left
+        waiting in a collective)."""
+        error, result = None, None
+        try:
+            result = work()
+        except ServerError as e:
+            error = e
+        if self.any_rank(error is not None):
+            raise error or ServerError("rollout server: another trainer rank's call failed")
+        return result
+
     def load_weights(self, actor: torch.nn.Module) -> None:
         """Send `actor`'s whole weights to every server as a new version (rank 0), check
         them, and let every rank learn the version (collective over the trainer ranks)."""
         self.syncs += 1
         if self.is_main:
-            self._send(actor)
-            self._check(actor)
-        self.barrier()
-        if not self.is_main:
-            self.version = max(self.call(url, "/health")["version"] for url in self.urls)
+            self.together(lambda: self._send_and_check(actor))
+        else:
+            self.together(lambda: None)  # waits for rank 0's sync (the flag's all-reduce)
+            self.together(self._read_version)
+
+    def _send_and_check(self, actor: torch.nn.Module) -> None:
+        self._send(actor)
+        self._check(actor)
+
+    def _read_version(self) -> None:
+        self.version = max(self.call(url, "/health")["version"] for url in self.urls)
 
     def _send(self, actor: torch.nn.Module) -> None:
         if self.group is None:
@@ -154,17 +175,21 @@ class ServerEngine:
             body = {"prompts": prompts, "sampling": {**sampling, "seed": seeds[i]}}
             return self.call(url, "/generate", body)
 
-        with ThreadPoolExecutor(max_workers=len(shards)) as pool:
-            answers = list(pool.map(ask, range(len(shards))))
-        responses, logprobs = [], []
-        for (url, _), answer in zip(shards, answers):
-            if answer["version"] != self.version:
-                raise ServerError(
-                    f"rollout server {url}: sampled with policy version {answer['version']}, "
-                    f"the trainer synced version {self.version}"
-                )
-            responses += answer["responses"]
-            logprobs += answer["logprobs"]
+        def ask_all() -> tuple[list, list]:
+            with ThreadPoolExecutor(max_workers=len(shards)) as pool:
+                answers = list(pool.map(ask, range(len(shards))))
+            responses, logprobs = [], []
+            for (url, _), answer in zip(shards, answers):
+                if answer["version"] != self.version:
+                    raise ServerError(
+                        f"rollout server {url}: sampled with policy version "
+                        f"{answer['version']}, the trainer synced version {self.version}"
+                    )
+                responses += answer["responses"]
+                logprobs += answer["logprobs"]
+            return responses, logprobs
+
+        responses, logprobs = self.together(ask_all)
         return _padded(responses, logprobs, pad_id, prompt_ids.device)
 
     def sleep(self) -> None:

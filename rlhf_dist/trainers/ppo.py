@@ -41,7 +41,7 @@ from rlhf_dist.data.batching import (
 )
 from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
-from rlhf_dist.errors import ConfigError, RewardFunctionError
+from rlhf_dist.errors import ConfigError, RewardFunctionError, ServerError
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.models.lora import merged_adapters
 from rlhf_dist.observability.alerts import AlertMonitor
@@ -309,7 +309,7 @@ def rollout_engine(cfg: Config, runtime: Runtime) -> VLLMEngine | ServerEngine |
     if backend == "vllm":
         return VLLMEngine(cfg, runtime.device)
     if backend == "server":
-        return ServerEngine(cfg, runtime.is_main, runtime.barrier)
+        return ServerEngine(cfg, runtime.is_main, runtime.any_rank)
     return None
 
 
@@ -391,9 +391,10 @@ def trainer_state(run: PPORun, first_score: float | None, alerts: AlertMonitor) 
     }
 
 
-def stop_on_reward_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
-    """The error to end the run with after the reward failed (RewardFunctionError `error`,
-    retries spent) in the iteration after `done`; raised on every rank together.
+def stop_on_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
+    """The error to end the run with after the reward failed (RewardFunctionError, retries
+    spent) or a rollout server did (ServerError) in the iteration after `done`; raised on
+    every rank together (retry.py; rollout/server.py agrees over the ranks).
 
     run_files: (output dir, MetricsLogger); done: (last completed iteration, the RNG
     states at its end); state: trainer_state. The failed iteration's rollout changed no
@@ -409,9 +410,10 @@ def stop_on_reward_failure(cfg, runtime, run_files, run: PPORun, done, state, er
     set_rng_state(rng)
     write_checkpoint(cfg, runtime, out, step, run.model, run.optimizer, state)
     logger.close()
-    return RewardFunctionError(
+    fix = "fix the reward" if isinstance(error, RewardFunctionError) else "restart the server"
+    return type(error)(
         f"{error}; iteration {step} and all before it are checkpointed in "
-        f"{out / 'checkpoints'}: fix the reward, then continue with --resume auto"
+        f"{out / 'checkpoints'}: {fix}, then continue with --resume auto"
     )
 
 
@@ -440,11 +442,9 @@ def train_ppo(cfg, runtime) -> dict:
         more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
         try:
             result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more)
-        except RewardFunctionError as e:
+        except (RewardFunctionError, ServerError) as e:
             state = trainer_state(run, first_score, alerts)
-            failure = stop_on_reward_failure(
-                cfg, runtime, (out, logger), run, (it - 1, rng), state, e
-            )
+            failure = stop_on_failure(cfg, runtime, (out, logger), run, (it - 1, rng), state, e)
             raise failure from e.__cause__
         stats = result.stats
         first_score = stats["objective/score"] if first_score is None else first_score

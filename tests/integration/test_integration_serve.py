@@ -15,6 +15,7 @@ process on a free port serving the tiny random policy:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -193,7 +194,7 @@ def _client(server, **generation) -> ServerEngine:
                         **generation},
          "distributed": {"timeout_s": 60}}
     )  # fmt: skip
-    return ServerEngine(cfg, is_main=True, barrier=lambda: None)
+    return ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
 
 
 def _perturbed(task_env, seed: int):
@@ -241,25 +242,10 @@ def test_the_post_sync_check_catches_a_skipped_weight_update(server, task_env, m
         engine.load_weights(_perturbed(task_env, seed=2))
 
 
-def test_grpo_trains_on_served_rollouts(
-    server,
-    sft_run,
-    task_env,
-    runtime,
-    tmp_path,
-    monkeypatch,
-    data_cfg,
-    saved_state_dict,
-    read_jsonl,
-):
-    from rlhf_dist.trainers.ppo import train_ppo
-
-    monkeypatch.setenv(ENV, TOKEN)
-    version = _call(server, "/health")[1]["version"]
-    policy = sft_run.out / "final"
-    cfg = config_from_dict(
+def _grpo_config(server, policy, out, task_env, data_cfg, **ppo):
+    return config_from_dict(
         {
-            "run": {"output_dir": str(tmp_path / "grpo"), "seed": 0, "log_every": 1},
+            "run": {"output_dir": str(out), "seed": 0, "log_every": 1},
             "model": {"policy": str(policy)},
             "data": data_cfg(train=str(task_env.files.prompts)),
             "generation": {"max_new_tokens": 16, "temperature": 0.7, "backend": "server",
@@ -268,11 +254,24 @@ def test_grpo_trains_on_served_rollouts(
             "ppo": {"iterations": 2, "rollout_batch_size": 4, "samples_per_prompt": 4,
                     "rollout_micro_batch_size": 16, "ppo_epochs": 1, "minibatch_size": 16,
                     "micro_batch_size": 8, "optim": {"lr": 1e-3}, "kl_coef": 0.0,
-                    "estimator": "grpo", "tis_cap": 2.0},
+                    "estimator": "grpo", **ppo},
             "distributed": {"timeout_s": 60},
         }
     )  # fmt: skip
-    train_ppo(cfg, runtime)
+
+
+def test_grpo_trains_on_served_rollouts(
+    server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict,
+    read_jsonl,
+):  # fmt: skip
+    from rlhf_dist.trainers.ppo import train_ppo
+
+    monkeypatch.setenv(ENV, TOKEN)
+    version = _call(server, "/health")[1]["version"]
+    policy = sft_run.out / "final"
+    train_ppo(
+        _grpo_config(server, policy, tmp_path / "grpo", task_env, data_cfg, tis_cap=2.0), runtime
+    )
     assert _call(server, "/health")[1]["version"] == version + 2  # one sync per rollout
     before = saved_state_dict(policy)
     after = saved_state_dict(tmp_path / "grpo" / "final")
@@ -285,6 +284,27 @@ def test_grpo_trains_on_served_rollouts(
     ]
     assert len(logged) == 2 and all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in logged)
     assert all(r["policy/tis_capped_frac"] == 0.0 for r in logged)
+
+
+def test_a_skipped_sync_stops_grpo_with_the_last_iteration_checkpointed_and_it_resumes(
+    server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg
+):
+    from rlhf_dist.trainers.ppo import train_ppo
+
+    monkeypatch.setenv(ENV, TOKEN)
+    monkeypatch.setenv("RLHF_DIST_FAULT", "skip_weight_sync:2")  # the second rollout's sync
+    out = tmp_path / "grpo"
+    cfg = _grpo_config(server, sft_run.out / "final", out, task_env, data_cfg)
+    with pytest.raises(
+        ServerError, match="post-sync check: .*iteration 1 and all before it are checkpointed"
+    ):
+        train_ppo(cfg, runtime)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000001"]
+    monkeypatch.delenv("RLHF_DIST_FAULT")
+    resumed = train_ppo(
+        dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume="auto")), runtime
+    )
+    assert resumed["iterations"] == 2 and (out / "final").is_dir()
 
 
 def test_openai_completions_return_the_token_ids_and_log_probs_of_generate(server, task_env):

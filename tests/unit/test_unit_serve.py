@@ -11,6 +11,7 @@ import torch
 from rlhf_dist import cli
 from rlhf_dist.config import ConfigError, load_config, validate
 from rlhf_dist.distributed.weight_sync import SyncGroup, dtype_name, free_port, weight_buckets
+from rlhf_dist.errors import ServerError
 from rlhf_dist.rollout.server import _padded
 
 PPO = ["model.policy=p", "data.train=t.jsonl", "reward.function=m:f"]
@@ -93,3 +94,13 @@ def test_responses_are_right_padded_with_zero_log_probs():
     ids, lp = _padded([[5, 6, 7], [8]], [[-0.1, -0.2, -0.3], [-0.5]], pad_id=0, device="cpu")
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     torch.testing.assert_close(lp, torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]]))
+
+
+def test_a_server_failure_ends_the_command_with_one_line_and_exit_4(capsys, monkeypatch):
+    def fail(name, args):
+        raise ServerError("post-sync check: http://127.0.0.1:1 scores\nfixed sequences 0.5 away")
+
+    monkeypatch.setattr(cli, "_run_stage", fail)
+    assert cli.main(["grpo", "model.policy=p"]) == 4
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlhf-dist grpo: error: post-sync check:") and "\n" not in err
