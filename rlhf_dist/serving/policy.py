@@ -68,6 +68,7 @@ class ServedPolicy:
         self.chat = chat
         self.perf, self.name, self.timeout_s = perf, name, timeout_s
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
+        self.device = next(model.parameters()).device
         self.params = dict(model.named_parameters())
         self.version = 0
         self.lock = threading.Lock()
@@ -92,7 +93,7 @@ class ServedPolicy:
         stops = s.stop_token_ids or self.stop_ids
         self.check_ids([list(stops)], "stop_token_ids")
         pad = self.tokenizer.pad_token_id
-        ids, mask = left_pad(prompts, pad)
+        ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         with self._current():
             torch.manual_seed(s.seed)  # the in-process rollout's draw at the same seed
             out = generate(self.model, ids, mask, s, self.tokenizer, None, stops, self.perf)
@@ -102,10 +103,10 @@ class ServedPolicy:
                 response_mask, s.temperature, prompt_width=ids.shape[1], perf=self.perf,
             )  # fmt: skip
             version = self.version
-        n = response_mask.sum(1).tolist()
+        out, logprobs, n = out.cpu(), logprobs.float().cpu(), response_mask.sum(1).tolist()
         return {
             "responses": [row[:k].tolist() for row, k in zip(out, n)],
-            "logprobs": [row[:k].tolist() for row, k in zip(logprobs.float(), n)],
+            "logprobs": [row[:k].tolist() for row, k in zip(logprobs, n)],
             "finished": finished.tolist(),
             "version": version,
         }
@@ -117,7 +118,9 @@ class ServedPolicy:
         self.check_ids(sequences, "sequences")
         if any(len(s) < 2 for s in sequences):
             raise BadRequest("sequences: each needs at least 2 tokens")
-        ids, mask = right_pad(sequences, self.tokenizer.pad_token_id or 0)
+        ids, mask = (
+            t.to(self.device) for t in right_pad(sequences, self.tokenizer.pad_token_id or 0)
+        )
         predict = mask[:, 1:].bool()
         with self._current():
             logprobs, _ = token_logprobs(
@@ -125,7 +128,7 @@ class ServedPolicy:
             )
             version = self.version
         return {
-            "logprobs": [row[m].tolist() for row, m in zip(logprobs.float(), predict)],
+            "logprobs": [row[m].tolist() for row, m in zip(logprobs.float().cpu(), predict.cpu())],
             "version": version,
         }
 
