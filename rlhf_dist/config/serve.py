@@ -12,7 +12,7 @@ from rlhf_dist.config.keys import key
 class ServeConfig:
     host: str = key(
         "127.0.0.1",
-        "address rlhf-dist serve listens on; 127.0.0.1 = this machine only (set 0.0.0.0 or a "
+        "address rlhf-dist serve listens on; 127.0.0.1 = this machine only (set 0.0.0.0 or an "
         "interface's address to let trainers on other machines in)",
     )
     port: int = key(8000, "TCP port rlhf-dist serve listens on", min=1, max=65535)

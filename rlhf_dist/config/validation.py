@@ -369,10 +369,10 @@ def _validate_server(cfg: Config) -> None:
             "generation.backend=server: multi-turn rollouts (generation.tools / environment) "
             "are not served yet; use hf or vllm"
         )
-    if not cfg.perf.gather_for_generation:
+    if cfg.lora.enabled and not cfg.perf.gather_for_generation:
         raise ConfigError(
-            "generation.backend=server: needs perf.gather_for_generation=true (the weights "
-            "are sent whole, gathered once per rollout)"
+            "generation.backend=server: with lora.enabled needs perf.gather_for_generation=true "
+            "(the adapters are merged into whole weights, gathered once per rollout)"
         )
 
 

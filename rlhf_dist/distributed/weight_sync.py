@@ -10,13 +10,15 @@ server can join the groups of several trainer runs, one after the other. Every w
 a timeout (distributed.timeout_s): a broadcast whose peer died raises, it never hangs
 (trl#2923).
 
-Weights are announced and sent a bounded bucket at a time (`weight_buckets`); sizes come
-from `ds_numel` where a parameter has one, the full size of a ZeRO-3 partition (whose
+Weights are announced and sent a bounded bucket at a time (`weight_buckets`); under ZeRO-3
+each bucket is gathered whole on its own (`whole_bucket`), never the whole model. Sizes
+come from `ds_numel` where a parameter has one, the full size of a ZeRO-3 partition (whose
 `numel()` is 0: trl PR#6386 sized buckets by it and gathered the whole model).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
@@ -88,3 +90,18 @@ def weight_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+@contextlib.contextmanager
+def whole_bucket(params: list[torch.Tensor]) -> Iterator[None]:
+    """The body reads whole tensors of `params`: under ZeRO-3 (parameters with ds_id) only
+    these are gathered, for its duration (a collective: every trainer rank enters with
+    the same list); elsewhere nothing happens."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield

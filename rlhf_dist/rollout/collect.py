@@ -54,7 +54,9 @@ class RolloutModels:
     context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
     not layer by layer in every forward; a no-op elsewhere), for multi-turn rollouts
     the agent (rollout/agent.py) and the per-turn lock-step collective, and the speed
-    paths of generation and scoring (perf)."""
+    paths of generation and scoring (perf); for the engine's weight sync a context like
+    generation_context that leaves the weights as they are (rollout servers gather them a
+    bucket at a time; None: generation_context)."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
@@ -67,6 +69,7 @@ class RolloutModels:
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
     perf: PerfConfig = DEFAULT_PERF
     teacher: torch.nn.Module | None = None
+    sync_context: Callable | None = None
 
 
 @torch.no_grad()
@@ -190,7 +193,8 @@ def _sample(
     backend, whose sampler is the trainer's own forward)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     if models.engine is not None:
-        with models.generation_context() as (actor, _):  # whole weights, once per rollout
+        # whole weights, once per rollout; rollout servers: gathered a bucket at a time
+        with (models.sync_context or models.generation_context)() as (actor, _):
             models.engine.load_weights(actor)
             if isinstance(models.engine, VLLMEngine) and models.engine.checks_sync:
                 models.engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)

@@ -2,9 +2,11 @@
 
 `ServerEngine` has the in-process vLLM engine's face (rollout/vllm.py: load_weights,
 generate, sleep), so collect.py samples through it unchanged. Before every rollout
-trainer rank 0 sends the actor's whole weights (gathered once, as for vLLM) to every
-server: each bucket's (name, shape, dtype) list and the new version over HTTP, then the
-tensors by broadcast in the weight-sync group (distributed/weight_sync.py). Then the
+trainer rank 0 sends the actor's weights to every server a bucket at a time (under ZeRO-3
+each bucket gathered on its own by every rank, never the whole model; with LoRA the
+merged weights, inside the generation gather): each bucket's (name, shape, dtype) list
+and the new version over HTTP, then the tensors by broadcast in the weight-sync group
+(distributed/weight_sync.py). Then the
 post-sync check: every server scores fixed token sequences and the trainer compares
 with its own log-probs; a mean gap above generation.server_sync_tolerance stops the run
 (a sync that looked normal but left stale weights: trl#5312, verl#7495).
@@ -30,10 +32,16 @@ import torch
 
 from rlhf_dist.checkpoint import fault_active
 from rlhf_dist.config import Config, GenerationConfig
-from rlhf_dist.distributed.weight_sync import SyncGroup, dtype_name, free_port, weight_buckets
+from rlhf_dist.distributed.weight_sync import (
+    SyncGroup,
+    dtype_name,
+    free_port,
+    weight_buckets,
+    whole_bucket,
+)
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.errors import ServerError
-from rlhf_dist.rollout.vllm import hf_weights, prompts_for_engine, sampling_seeds
+from rlhf_dist.rollout.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 
 CHECK_ROWS, CHECK_TOKENS = 2, 16  # the post-sync check's fixed sequences
 
@@ -54,6 +62,7 @@ class ServerEngine:
         self.group: SyncGroup | None = None
         self.version = 0  # the policy version every server holds after the last sync
         self.syncs = 0  # weight syncs of this run (RLHF_DIST_FAULT=skip_weight_sync:N)
+        self.check_ids = torch.zeros(0, dtype=torch.long)  # the post-sync check's sequences
 
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """One HTTP call (GET without a body) -> its JSON answer; ServerError otherwise."""
@@ -88,42 +97,59 @@ class ServerEngine:
         return result
 
     def load_weights(self, actor: torch.nn.Module) -> None:
-        """Send `actor`'s whole weights to every server as a new version (rank 0), check
-        them, and let every rank learn the version (collective over the trainer ranks)."""
+        """Send `actor`'s weights to every server as a new version and check them. Every
+        trainer rank calls it together: under ZeRO-3 each bucket is gathered by all of them
+        (`whole_bucket`; the actor may stay partitioned), and rank 0 sends it."""
         self.syncs += 1
-        if self.is_main:
-            self.together(lambda: self._send_and_check(actor))
-        else:
-            self.together(lambda: None)  # waits for rank 0's sync (the flag's all-reduce)
-            self.together(self._read_version)
+        self.together(self._begin if self.is_main else lambda: None)
+        self.together(lambda: self._send(actor))
+        ours = self._own_logprobs(actor)  # every rank: under ZeRO-3 a collective forward
+        self.together(lambda: self._check(ours) if self.is_main else self._read_version())
 
-    def _send_and_check(self, actor: torch.nn.Module) -> None:
-        self._send(actor)
-        self._check(actor)
+    def _begin(self) -> None:
+        """Rank 0: join the servers (first sync) and pick the new version."""
+        if self.group is None:
+            self._join()
+        self.version = 1 + max(self.call(url, "/health")["version"] for url in self.urls)
 
     def _read_version(self) -> None:
         self.version = max(self.call(url, "/health")["version"] for url in self.urls)
 
     def _send(self, actor: torch.nn.Module) -> None:
-        if self.group is None:
-            self._join()
-        version = 1 + max(self.call(url, "/health")["version"] for url in self.urls)
-        self.version = version
-        if fault_active("skip_weight_sync", self.syncs):
-            return  # a fault for the tests: the servers keep their old weights
-        buckets = list(weight_buckets(hf_weights(actor), self.bucket_bytes))
+        """Walk the weights a bucket at a time on every rank; rank 0 announces and
+        broadcasts each. After a failure rank 0 stops sending but keeps walking (the other
+        ranks are in the buckets' gathers), then raises."""
+        buckets = list(weight_buckets(checkpoint_parameters(actor), self.bucket_bytes))
+        # RLHF_DIST_FAULT=skip_weight_sync:N (tests): the servers keep their old weights.
+        sending = self.is_main and not fault_active("skip_weight_sync", self.syncs)
+        error = None
         for i, bucket in enumerate(buckets):
-            tensors = [t.contiguous().cpu() for _, t in bucket]
-            specs = [
-                {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-                for (name, _), t in zip(bucket, tensors)
-            ]
-            body = {"version": version, "tensors": specs, "final": i == len(buckets) - 1}
-            for url in self.urls:
-                self.call(url, "/update_weights", body)
-            assert self.group is not None
+            with whole_bucket([p for _, p in bucket]):
+                if sending and error is None:
+                    try:
+                        self._send_bucket(bucket, final=i == len(buckets) - 1)
+                    except ServerError as e:
+                        error = e
+        if error is not None:
+            raise error
+
+    def _send_bucket(self, bucket: list, final: bool) -> None:
+        """One bucket of whole weights: metadata to every server, then the broadcasts."""
+        tensors = [p.detach().contiguous().cpu() for _, p in bucket]
+        specs = [
+            {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+            for (name, _), t in zip(bucket, tensors)
+        ]
+        body = {"version": self.version, "tensors": specs, "final": final}
+        for url in self.urls:
+            self.call(url, "/update_weights", body)
+        assert self.group is not None
+        try:
             for t in tensors:
                 self.group.broadcast(t)
+        except RuntimeError as e:  # a timeout or a peer gone (torch's DistError)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ServerError(f"weight broadcast to the rollout servers failed: {why}") from None
 
     def _join(self) -> None:
         """Make the weight-sync group: rank 0 here, server i rank i + 1."""
@@ -134,21 +160,26 @@ class ServerEngine:
         self.group = SyncGroup(self.address, port, 0, world, self.timeout_s)
 
     @torch.no_grad()
-    def _check(self, actor: torch.nn.Module) -> None:
-        """The post-sync check: the servers' log-probs of fixed sequences against the
-        actor's at temperature 1; ServerError when the mean gap exceeds the tolerance."""
-        vocab = int(actor.get_input_embeddings().weight.shape[0])
-        device = next(actor.parameters()).device
-        seqs = torch.randint(
-            0, vocab, (CHECK_ROWS, CHECK_TOKENS), generator=torch.Generator().manual_seed(0)
-        )
-        ids = seqs.to(device)
-        predict = torch.ones(CHECK_ROWS, CHECK_TOKENS - 1, dtype=torch.bool, device=device)
-        ours, _ = token_logprobs(actor, ids, torch.ones_like(ids), predict, 1.0)
+    def _own_logprobs(self, actor: torch.nn.Module) -> torch.Tensor:
+        """The actor's log-probs (CHECK_ROWS, CHECK_TOKENS - 1) at temperature 1, on CPU,
+        of the check's fixed sequences (`check_ids`: uniform token ids, seed 0)."""
+        weight = actor.get_input_embeddings().weight
+        vocab = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3: the whole shape
+        g = torch.Generator().manual_seed(0)  # the same sequences every sync
+        self.check_ids = torch.randint(0, vocab, (CHECK_ROWS, CHECK_TOKENS), generator=g)
+        seqs = self.check_ids.to(weight.device)
+        predict = torch.ones(CHECK_ROWS, CHECK_TOKENS - 1, dtype=torch.bool, device=weight.device)
+        ours, _ = token_logprobs(actor, seqs, torch.ones_like(seqs), predict, 1.0)
+        return ours.float().cpu()
+
+    def _check(self, ours: torch.Tensor) -> None:
+        """The post-sync check: the servers' log-probs of the fixed sequences against the
+        actor's (`ours`); ServerError when the mean gap exceeds the tolerance."""
+        seqs = self.check_ids.tolist()
         for url in self.urls:
-            answer = self.call(url, "/score", {"sequences": seqs.tolist(), "temperature": 1.0})
+            answer = self.call(url, "/score", {"sequences": seqs, "temperature": 1.0})
             theirs = torch.tensor(answer["logprobs"], dtype=torch.float32)
-            gap = float((ours.float().cpu() - theirs).abs().mean())
+            gap = float((ours - theirs).abs().mean())
             if not gap <= self.tolerance:
                 raise ServerError(
                     f"post-sync check: {url} scores fixed sequences {gap:.3g} nats per token away "

@@ -340,6 +340,10 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
 
     stops = policy_stop_ids(cfg, tokenizer)
     engine = rollout_engine(cfg, runtime)
+    # Rollout servers read the actor a bucket at a time (under ZeRO-3 each bucket gathered
+    # on its own, rollout/server.py); with LoRA they need the adapters merged into whole
+    # weights, as generation_context gives them.
+    bucketed = cfg.generation.backend == "server" and not cfg.lora.enabled
     rollout_models = RolloutModels(
         model,
         generation_context,
@@ -352,6 +356,9 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         any_rank=runtime.any_rank if runtime.world_size > 1 else None,
         perf=cfg.perf,
         teacher=built.teacher,  # model.teacher: scores the rollout (docs/distill.md)
+        sync_context=(
+            (lambda: runtime.generation_context(model, "actor", gather=False)) if bucketed else None
+        ),
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     entropy_ctl = make_entropy_controller(p)

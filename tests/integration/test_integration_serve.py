@@ -17,27 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
+from serve_process import served
 
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.rows import left_pad
-from rlhf_dist.distributed.weight_sync import free_port
 from rlhf_dist.engine.decode import generate, truncate_after_eos
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.errors import ServerError
 from rlhf_dist.models.loading import load_causal_lm, load_tokenizer
 from rlhf_dist.rollout.server import ServerEngine
 
-REPO = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-7c1e"  # the shared secret of this module's server
 ENV = "RLHF_DIST_TEST_SERVER_TOKEN"
 # The served chat template: the demo's word-level tokenizer has none and no role tokens, so
@@ -50,44 +44,13 @@ CHAT_TEMPLATE_TEXT = "{} good"
 
 
 @pytest.fixture(scope="module")
-def server(task_env, tmp_path_factory):
-    """A `rlhf-dist serve` process on a free port; its URL."""
-    port = free_port()
-    config = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    config.write_text(
-        json.dumps(
-            {"model": {"policy": str(task_env.policy)},
-             "serve": {"port": port, "token_env": ENV, "max_batch": 16},
-             "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60},
-             "data": {"chat_template": CHAT_TEMPLATE}}
-        )
-    )  # fmt: skip
-    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", ENV: TOKEN}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if _call(url, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read().decode() if proc.stdout else ""
-                raise RuntimeError(f"rlhf-dist serve did not start: {out[-2000:]}")
-            time.sleep(0.3)
+def server(task_env):
+    """A `rlhf-dist serve` process of the tiny policy on a free port; its URL."""
+    tree = {"model": {"policy": str(task_env.policy)}, "serve": {"max_batch": 16},
+            "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60},
+            "data": {"chat_template": CHAT_TEMPLATE}}  # fmt: skip
+    with served(tree, ENV, TOKEN) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        out = proc.stdout.read().decode() if proc.stdout else ""
-        assert TOKEN not in out  # never written to the server's output
 
 
 def _call(url, path, body=None, token=TOKEN, raw: bytes | None = None):

@@ -24,7 +24,7 @@ PPO = ["model.policy=p", "data.train=t.jsonl", "reward.function=m:f"]
         (["generation.server_urls=[http://127.0.0.1:8000]"], "generation.server_urls"),
         (["generation.backend=server", "generation.server_urls=[127.0.0.1:8000]"], "generation.server_urls"),
         (["generation.backend=server", "generation.server_urls=[http://h:1]", "generation.tools=[m:f]"], "generation.backend=server"),
-        (["generation.backend=server", "generation.server_urls=[http://h:1]", "perf.gather_for_generation=false"], "generation.backend=server"),
+        (["generation.backend=server", "generation.server_urls=[http://h:1]", "lora.enabled=true", "perf.gather_for_generation=false"], "generation.backend=server"),
         (["generation.server_sync_tolerance=0"], "generation.server_sync_tolerance"),
         (["generation.server_sync_bucket_mb=-1"], "generation.server_sync_bucket_mb"),
         (["serve.port=0"], "serve.port"),
