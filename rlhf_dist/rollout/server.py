@@ -40,7 +40,7 @@ from rlhf_dist.distributed.weight_sync import (
     whole_bucket,
 )
 from rlhf_dist.engine.forward import token_logprobs
-from rlhf_dist.errors import ServerError
+from rlhf_dist.errors import ConfigError, ServerError
 from rlhf_dist.rollout.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 
 CHECK_ROWS, CHECK_TOKENS = 2, 16  # the post-sync check's fixed sequences
@@ -56,6 +56,11 @@ class ServerEngine:
         self.urls = [u.rstrip("/") for u in g.server_urls]
         self.timeout_s = float(cfg.distributed.timeout_s)
         self._token = os.environ.get(g.server_token_env, "") if g.server_token_env else ""
+        if not self._token:
+            raise ConfigError(
+                f"generation.server_token_env: set the environment variable "
+                f"{g.server_token_env or '(none named)'} to the servers' shared token"
+            )
         self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
         self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
         self.is_main, self.any_rank = is_main, any_rank
@@ -67,9 +72,7 @@ class ServerEngine:
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """One HTTP call (GET without a body) -> its JSON answer; ServerError otherwise."""
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"}
         request = urllib.request.Request(url + path, data, headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:

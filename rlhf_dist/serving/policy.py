@@ -75,6 +75,7 @@ class ServedPolicy:
         self.group: SyncGroup | None = None
         self.updates = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         self.pending: list[Future] = []
+        self.pending_lock = threading.Lock()  # request threads add and prune `pending`
         self.last_error = ""  # the last failed update, for /health
 
     def check_ids(self, seqs: list[list[int]], what: str) -> None:
@@ -134,12 +135,20 @@ class ServedPolicy:
 
     def _current(self):
         """The model lock, taken after every update announced so far is applied."""
-        for future in list(self.pending):
+        with self.pending_lock:
+            waiting = list(self.pending)
+        for future in waiting:
             # A failed update's error is in last_error; the weights there are are served.
             with contextlib.suppress(Exception):
                 future.result(timeout=self.timeout_s)
-        self.pending = [f for f in self.pending if not f.done()]
+        with self.pending_lock:
+            self.pending = [f for f in self.pending if not f.done()]
         return self.lock
+
+    def _queue(self, work) -> None:
+        """Run `work` on the update thread, after the updates queued before it."""
+        with self.pending_lock:
+            self.pending.append(self.updates.submit(self._logged, work))
 
     def join(self, address: str, port: int, rank: int, world_size: int) -> None:
         """Join trainer rank 0's weight-sync group in the background (its rank 0 blocks
@@ -149,7 +158,7 @@ class ServedPolicy:
             self.group = SyncGroup(address, port, rank, world_size, self.timeout_s)
 
         self.group = None
-        self.pending.append(self.updates.submit(self._logged, connect))
+        self._queue(connect)
 
     def check_bucket(self, version: int, specs: list[TensorSpec]) -> None:
         """Refuse an update bucket whose metadata does not fit the model (BadRequest)."""
@@ -183,7 +192,7 @@ class ServedPolicy:
                 if final:
                     self.version = version
 
-        self.pending.append(self.updates.submit(self._logged, receive))
+        self._queue(receive)
 
     def _logged(self, work) -> None:
         try:

@@ -104,3 +104,16 @@ def test_a_server_failure_ends_the_command_with_one_line_and_exit_4(capsys, monk
     assert cli.main(["grpo", "model.policy=p"]) == 4
     err = capsys.readouterr().err.strip()
     assert err.startswith("rlhf-dist grpo: error: post-sync check:") and "\n" not in err
+
+
+def test_the_client_without_its_token_is_a_config_error_naming_the_key(monkeypatch):
+    from rlhf_dist.rollout.server import ServerEngine
+
+    monkeypatch.delenv("RLHF_DIST_UNSET_TOKEN", raising=False)
+    cfg = load_config(
+        None,
+        [*PPO, "generation.backend=server", "generation.server_urls=[http://127.0.0.1:1]",
+         "generation.server_token_env=RLHF_DIST_UNSET_TOKEN"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"generation\.server_token_env: .*RLHF_DIST_UNSET_TOKEN"):
+        ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
