@@ -197,6 +197,31 @@ def test_a_weight_update_bumps_the_version_and_changes_what_is_served(
     assert logprobs.shape == served.shape
 
 
+@pytest.mark.slow  # a second server process starts (~10-20 s on 2 cores)
+def test_two_servers_behind_one_client_each_get_the_update_and_serve_a_shard(
+    server, task_env, monkeypatch
+):
+    """Data-parallel servers: one weight-sync group of the trainer and both servers (world
+    3), both checked after the sync, the rows cut into two shards and put back in order."""
+    monkeypatch.setenv(ENV, TOKEN)
+    tok = task_env.tokenizer
+    ids, mask = left_pad(_prompts(tok) * 2, tok.pad_token_id)  # 8 rows: 4 per server
+    greedy = config_from_dict({"generation": {"max_new_tokens": 10, "top_k": 1}}).generation
+    stops, pad = (tok.eos_token_id,), tok.pad_token_id
+    tree = {"model": {"policy": str(task_env.policy)}, "perf": {"num_threads": 1}}
+    with served(tree, ENV, TOKEN) as second:
+        engine = _client(server, server_urls=[server, second])
+        actor = _perturbed(task_env, seed=3)
+        engine.load_weights(actor)  # the post-sync check runs against both servers
+        versions = {_call(url, "/health")[1]["version"] for url in (server, second)}
+        assert versions == {engine.version}
+        served_ids, _ = engine.generate(ids, mask, greedy, stops, pad)
+    ours, _, _ = truncate_after_eos(
+        generate(actor, ids, mask, greedy, tok, None, stops), stops, pad
+    )
+    assert served_ids.tolist() == ours[:, : served_ids.shape[1]].tolist()
+
+
 def test_the_post_sync_check_catches_a_skipped_weight_update(server, task_env, monkeypatch):
     monkeypatch.setenv(ENV, TOKEN)
     monkeypatch.setenv("RLHF_DIST_FAULT", "skip_weight_sync:1")
