@@ -68,8 +68,8 @@ def build_app(policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: 
     app = FastAPI(title="rlhf-dist serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(authorization: str = Header("")) -> None:
-        given = authorization.removeprefix("Bearer ").strip()
-        if not given or not hmac.compare_digest(given.encode(), token.encode()):
+        scheme, _, given = authorization.partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise HTTPException(401, "missing or wrong token (Authorization: Bearer ...)")
 
     def refused(call, *args):
@@ -106,6 +106,14 @@ def build_app(policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: 
         batch(len(body.sequences), "sequences")
         return refused(policy.score, body.sequences, body.temperature)
 
+    _add_weight_sync(app, policy, authorized, refused)
+    _add_openai(app, policy, authorized, refused, max_new_tokens)
+    return app
+
+
+def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) -> None:
+    """/init_weight_sync and /update_weights: the trainer's side is rollout/server.py."""
+
     @app.post("/init_weight_sync", dependencies=[Depends(authorized)])
     def init_weight_sync(body: JoinBody) -> dict:
         if body.rank >= body.world_size:
@@ -119,9 +127,6 @@ def build_app(policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: 
         refused(policy.check_bucket, body.version, specs)
         policy.receive_bucket(body.version, specs, body.final)
         return {"receiving": len(specs), "version": body.version}
-
-    _add_openai(app, policy, authorized, refused, max_new_tokens)
-    return app
 
 
 def _add_openai(app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int) -> None:

@@ -82,6 +82,12 @@ def test_health_is_open_and_everything_else_needs_the_token(server, task_env):
     assert isinstance(health["version"], int)
     prompts = _prompts(task_env.tokenizer)
     body = {"prompts": prompts, "sampling": _sampling()}
+    no_scheme = urllib.request.Request(
+        server + "/generate", json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Authorization": TOKEN},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(no_scheme, timeout=60)
     for token in ("", "wrong-token"):
         assert _call(server, "/generate", body, token=token)[0] == 401
         assert _call(server, "/score", {"sequences": prompts}, token=token)[0] == 401
