@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -68,6 +69,8 @@ class ServerEngine:
         self.version = 0  # the policy version every server holds after the last sync
         self.syncs = 0  # weight syncs of this run (RLHF_DIST_FAULT=skip_weight_sync:N)
         self.check_ids = torch.zeros(0, dtype=torch.long)  # the post-sync check's sequences
+        self.sync_gap = 0.0  # rank 0: the last post-sync check's largest gap over the servers
+        self.sync_seconds = 0.0  # the last sync, check included
 
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """One HTTP call (GET without a body) -> its JSON answer; ServerError otherwise."""
@@ -104,10 +107,12 @@ class ServerEngine:
         trainer rank calls it together: under ZeRO-3 each bucket is gathered by all of them
         (`whole_bucket`; the actor may stay partitioned), and rank 0 sends it."""
         self.syncs += 1
+        start = time.perf_counter()
         self.together(self._begin if self.is_main else lambda: None)
         self.together(lambda: self._send(actor))
         ours = self._own_logprobs(actor)  # every rank: under ZeRO-3 a collective forward
         self.together(lambda: self._check(ours) if self.is_main else self._read_version())
+        self.sync_seconds = time.perf_counter() - start
 
     def _begin(self) -> None:
         """Rank 0: join the servers (first sync) and pick the new version."""
@@ -178,11 +183,12 @@ class ServerEngine:
     def _check(self, ours: torch.Tensor) -> None:
         """The post-sync check: the servers' log-probs of the fixed sequences against the
         actor's (`ours`); ServerError when the mean gap exceeds the tolerance."""
-        seqs = self.check_ids.tolist()
+        seqs, self.sync_gap = self.check_ids.tolist(), 0.0
         for url in self.urls:
             answer = self.call(url, "/score", {"sequences": seqs, "temperature": 1.0})
             theirs = torch.tensor(answer["logprobs"], dtype=torch.float32)
             gap = float((ours - theirs).abs().mean())
+            self.sync_gap = max(self.sync_gap, gap)
             if not gap <= self.tolerance:
                 raise ServerError(
                     f"post-sync check: {url} scores fixed sequences {gap:.3g} nats per token away "

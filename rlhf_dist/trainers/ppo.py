@@ -74,6 +74,7 @@ from rlhf_dist.trainers.ppo_stats import (
     report_iteration,
     rollout_stats,
     sample_rows,
+    server_stats,
 )
 from rlhf_dist.trainers.ppo_update import (
     UpdateKnobs,
@@ -213,6 +214,7 @@ def ppo_iteration(
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef) | sampling
     stats |= overlong | cov_stats | run.scorer.component_stats(runtime) | update.stats
     stats |= distill_stats(runtime, batch)  # {} without model.teacher
+    stats |= server_stats(runtime, run.rollout_models.engine)  # {} without rollout servers
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)

@@ -278,6 +278,8 @@ def test_grpo_trains_on_served_rollouts(
     ]
     assert len(logged) == 2 and all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in logged)
     assert all(r["policy/tis_capped_frac"] == 0.0 for r in logged)
+    assert [r["rollout/policy_version"] for r in logged] == [version + 1, version + 2]
+    assert all(r["rollout/server_sync_gap"] < 1e-4 and r["time/weight_sync"] > 0 for r in logged)
 
 
 def test_a_skipped_sync_stops_grpo_with_the_last_iteration_checkpointed_and_it_resumes(
