@@ -115,10 +115,12 @@ class ServerEngine:
         self.sync_seconds = time.perf_counter() - start
 
     def _begin(self) -> None:
-        """Rank 0: join the servers (first sync) and pick the new version."""
-        if self.group is None:
+        """Rank 0: make the weight-sync group (first sync, or again when a server holds
+        none: it restarted) and pick the new version."""
+        healths = [self.call(url, "/health") for url in self.urls]
+        if self.group is None or not all(h["sync_group"] for h in healths):
             self._join()
-        self.version = 1 + max(self.call(url, "/health")["version"] for url in self.urls)
+        self.version = 1 + max(h["version"] for h in healths)
 
     def _read_version(self) -> None:
         self.version = max(self.call(url, "/health")["version"] for url in self.urls)
@@ -165,7 +167,11 @@ class ServerEngine:
         for i, url in enumerate(self.urls):
             body = {"address": self.address, "port": port, "rank": i + 1, "world_size": world}
             self.call(url, "/init_weight_sync", body)
-        self.group = SyncGroup(self.address, port, 0, world, self.timeout_s)
+        try:
+            self.group = SyncGroup(self.address, port, 0, world, self.timeout_s)
+        except RuntimeError as e:  # a server that never joined: torch's store timeout
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ServerError(f"weight-sync group with the rollout servers: {why}") from None
 
     @torch.no_grad()
     def _own_logprobs(self, actor: torch.nn.Module) -> torch.Tensor:
