@@ -117,3 +117,41 @@ def test_the_client_without_its_token_is_a_config_error_naming_the_key(monkeypat
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"generation\.server_token_env: .*RLHF_DIST_UNSET_TOKEN"):
         ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
+
+
+def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypatch):
+    """A non-sending rank's walk over a ZeRO-3-like model (parameters with ds_id and
+    ds_numel, numel() 0): GatheredParameters is entered once per bucket, never nested,
+    with at most the bucket bound of whole weights, and covers every weight once."""
+    import contextlib
+
+    import deepspeed
+
+    from rlhf_dist.rollout.server import ServerEngine
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])  # 6 x 16.6 KB
+    for i, p in enumerate(model.parameters()):
+        p.ds_id, p.ds_numel = i, p.numel()
+        p.data = torch.zeros(0)  # a partition: nothing of it here
+    gathered, live = [], []
+
+    @contextlib.contextmanager
+    def recorder(params, modifier_rank=None):
+        assert not live  # never two buckets at once
+        live.append(params)
+        gathered.append([int(p.ds_numel) * 4 for p in params])
+        yield
+        live.pop()
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recorder)
+    monkeypatch.setenv("RLHF_DIST_TEST_TOKEN", "t")
+    cfg = load_config(
+        None,
+        ["generation.backend=server", "generation.server_urls=[http://127.0.0.1:1]",
+         "generation.server_token_env=RLHF_DIST_TEST_TOKEN",
+         f"generation.server_sync_bucket_mb={40_000 / 2**20}"],
+    )  # fmt: skip
+    ServerEngine(cfg, is_main=False, any_rank=lambda flag: flag)._send(model)
+    whole = sum(p.ds_numel * 4 for p in model.parameters())
+    assert sum(map(sum, gathered)) == whole and len(gathered) > 1
+    assert all(sum(b) <= 40_000 or len(b) == 1 for b in gathered)
