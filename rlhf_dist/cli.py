@@ -1,4 +1,4 @@
-"""`rlhf-dist {sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config,plan}`: the command line, a thin
+"""`rlhf-dist {sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config,plan,serve}`: the command line, a thin
 layer over the Python API (rlhf_dist/api.py).
 
 A user mistake (bad config, missing file, wrong data) ends as one line on stderr and
@@ -15,7 +15,7 @@ import sys
 
 from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
 from rlhf_dist.config.presets import PRESETS
-from rlhf_dist.errors import ConfigError, Preempted, TrainingDiverged, UserError
+from rlhf_dist.errors import ConfigError, Preempted, ServerError, TrainingDiverged, UserError
 from rlhf_dist.names import DEMO_ALGORITHMS, DEMO_ITERATIVE
 
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
@@ -46,12 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config,plan}",
+        metavar="{sft,rm,ppo,grpo,dpo,kto,eval,iterate,demo,report,config,plan,serve}",
     )
     _add_stages(sub)
     _add_demo(sub)
     _add_report_and_config(sub)
     _add_plan(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -196,6 +197,27 @@ def _run_plan(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    text = (
+        "the rollout server: model.policy's generation behind HTTP, weights synced from a "
+        "trainer (generation.backend=server; docs/serving.md)"
+    )
+    serve = sub.add_parser("serve", help=text, description=text, epilog=EPILOG)
+    serve.add_argument("--config", help="YAML config file (model, generation, serve, perf)")
+    serve.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+
+def _run_serve(args) -> int:
+    from rlhf_dist.config import check_keys, load_config
+
+    cfg = load_config(args.config, list(args.overrides))
+    check_keys(cfg)  # before torch loads: config errors are instant
+    from rlhf_dist.serving.main import serve
+
+    serve(cfg)
+    return 0
+
+
 def _run_stage(name: str, args) -> int:
     from rlhf_dist.config import load_config
 
@@ -267,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "serve":
+            return _run_serve(args)
         return _run_stage(args.command, args)
     except UserError as e:
         if not _duplicate_error():
@@ -279,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"rlhf-dist {args.command}: {e}", file=sys.stderr)
         return 0
+    except ServerError as e:
+        print(f"rlhf-dist {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 4
     except RuntimeError as e:
         from rlhf_dist.distributed import collective_failure
 

@@ -27,3 +27,8 @@ class TrainingDiverged(RuntimeError):
 
 class Preempted(Exception):
     """SIGTERM arrived; a checkpoint was written and the run stopped cleanly (exit 0)."""
+
+
+class ServerError(RuntimeError):
+    """A rollout server (generation.backend=server) failed, did not answer in time, or
+    holds weights other than the trainer's (the post-sync check): the run stops (exit 4)."""

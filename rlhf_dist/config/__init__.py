@@ -14,7 +14,7 @@ for a key without help. A new key is one such line in its section's dataclass.
 Modules: `keys` (declaring a key), one per group of sections (`run`: run, perf,
 distributed, debug, alerts; `model`: model, data, lora; `stages`: the keys every
 step-loop stage shares, then sft, rm, dpo, kto; `rl`: generation, reward, ppo, eval,
-iterate), `schema` (the root `Config`), `loading` (YAML, overrides, renamed keys, help
+iterate; `serve`: the rollout server), `schema` (the root `Config`), `loading` (YAML, overrides, renamed keys, help
 text) and `validation` (the rules between keys). Everything public is importable from
 here.
 """
@@ -49,6 +49,7 @@ from rlhf_dist.config.run import (
     RunConfig,
 )
 from rlhf_dist.config.schema import Config
+from rlhf_dist.config.serve import ServeConfig
 from rlhf_dist.config.stages import (
     REFERENCE_LOGPROBS,
     DPOConfig,
@@ -86,6 +87,7 @@ __all__ = [
     "RewardFunctionError",
     "RunConfig",
     "SFTConfig",
+    "ServeConfig",
     "StageConfig",
     "UserError",
     "apply_override",

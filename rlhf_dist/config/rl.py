@@ -40,10 +40,37 @@ class GenerationConfig:
     )
     backend: str = key(
         "hf",
-        "what samples PPO rollouts: hf (our decode loop over the actor, the reference) or vllm "
+        "what samples PPO rollouts: hf (our decode loop over the actor, the reference), vllm "
         "(one in-process vLLM engine per rank, weights synced before every rollout; needs the "
-        "vllm extra, docs/distributed.md)",
-        choices=("hf", "vllm"),
+        "vllm extra, docs/distributed.md) or server (rlhf-dist serve processes at "
+        "generation.server_urls, weights broadcast to them before every rollout; docs/serving.md)",
+        choices=("hf", "vllm", "server"),
+    )
+    server_urls: tuple[str, ...] = key(
+        (),
+        "generation.backend=server: base URLs of rlhf-dist serve processes (http://host:port); "
+        "with several, each rank's prompts are cut into one shard per server (data-parallel)",
+    )
+    server_token_env: str = key(
+        "RLHF_DIST_SERVER_TOKEN",
+        "generation.backend=server: the environment variable holding the servers' shared token "
+        "(sent as 'Authorization: Bearer ...'; the token itself is never logged or written)",
+    )
+    server_sync_address: str = key(
+        "127.0.0.1",
+        "generation.backend=server: the address of trainer rank 0 the servers connect to for "
+        "the weight broadcast (a torch.distributed group of rank 0 and the servers)",
+    )
+    server_sync_bucket_mb: float = key(
+        64.0,
+        "generation.backend=server: MiB of weights announced and broadcast at a time",
+        gt=0,
+    )
+    server_sync_tolerance: float = key(
+        0.01,
+        "generation.backend=server: after each weight sync the servers score fixed sequences; a "
+        "mean absolute per-token log-prob gap to the trainer's above this stops the run",
+        gt=0,
     )
     vllm_gpu_memory_utilization: float = key(
         0.3,
@@ -344,9 +371,9 @@ class PPOConfig:
     )
     tis_cap: float | None = key(
         None,
-        "generation.backend=vllm: weight each token's policy loss by the truncated importance "
-        "ratio min(pi_old / pi_vllm, tis_cap) between the trainer's and vLLM's sampling "
-        "probabilities (TIS, Yao et al. 2025; typical 2); null = off",
+        "generation.backend=vllm or server: weight each token's policy loss by the truncated "
+        "importance ratio min(pi_old / pi_sampler, tis_cap) between the trainer's and the "
+        "sampler's probabilities (TIS, Yao et al. 2025; typical 2); null = off",
         gt=0,
     )
     ratio_level: str = key(

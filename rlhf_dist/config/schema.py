@@ -9,6 +9,7 @@ from rlhf_dist.config.keys import key
 from rlhf_dist.config.model import DataConfig, LoRAConfig, ModelConfig
 from rlhf_dist.config.rl import EvalConfig, GenerationConfig, IterateConfig, PPOConfig, RewardConfig
 from rlhf_dist.config.run import AlertsConfig, DebugConfig, DistributedConfig, PerfConfig, RunConfig
+from rlhf_dist.config.serve import ServeConfig
 from rlhf_dist.config.stages import DPOConfig, KTOConfig, RMConfig, SFTConfig
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 
@@ -41,4 +42,7 @@ class Config:
     )
     iterate: IterateConfig = key(
         IterateConfig(), "rlhf-dist iterate: rounds of sampling, labelling, RM and PPO"
+    )
+    serve: ServeConfig = key(
+        ServeConfig(), "rlhf-dist serve: the rollout server's address, token and limits"
     )

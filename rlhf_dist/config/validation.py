@@ -240,9 +240,9 @@ def _validate_objective(cfg: Config) -> None:
     _validate_dapo(cfg)
     _validate_entropy_control(p)
     _validate_distill(cfg)
-    if p.tis_cap is not None and cfg.generation.backend != "vllm":
+    if p.tis_cap is not None and cfg.generation.backend not in ("vllm", "server"):
         raise ConfigError(
-            "ppo.tis_cap: needs generation.backend=vllm (the hf sampler is the trainer)"
+            "ppo.tis_cap: needs generation.backend=vllm or server (the hf sampler is the trainer)"
         )
 
 
@@ -348,6 +348,31 @@ def _validate_generation(cfg: Config) -> None:
         raise ConfigError(
             "generation.backend=vllm: needs perf.gather_for_generation=true (the engine "
             "loads whole weights, gathered once per rollout)"
+        )
+    _validate_server(cfg)
+
+
+def _validate_server(cfg: Config) -> None:
+    """generation.backend=server and its keys (docs/serving.md)."""
+    g = cfg.generation
+    if g.backend != "server":
+        if g.server_urls:
+            raise ConfigError("generation.server_urls: read by generation.backend=server only")
+        return
+    if not g.server_urls:
+        raise ConfigError("generation.server_urls: generation.backend=server needs at least one")
+    for url in g.server_urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"generation.server_urls: expected http(s)://host:port, got {url!r}")
+    if g.tools or g.environment:
+        raise ConfigError(
+            "generation.backend=server: multi-turn rollouts (generation.tools / environment) "
+            "are not served yet; use hf or vllm"
+        )
+    if cfg.lora.enabled and not cfg.perf.gather_for_generation:
+        raise ConfigError(
+            "generation.backend=server: with lora.enabled needs perf.gather_for_generation=true "
+            "(the adapters are merged into whole weights, gathered once per rollout)"
         )
 
 

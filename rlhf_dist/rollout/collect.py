@@ -28,6 +28,7 @@ from rlhf_dist.rollout.batch import (
     scores_with_eos_penalty,
     sequence_last_index,
 )
+from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
 
 
@@ -48,23 +49,27 @@ class RolloutModels:
     yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
     the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS),
     the frozen teacher of on-policy distillation (model.teacher; None without one),
-    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), a
+    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), with
+    generation.backend=server the rollout servers' client (rollout/server.py), a
     context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
     not layer by layer in every forward; a no-op elsewhere), for multi-turn rollouts
     the agent (rollout/agent.py) and the per-turn lock-step collective, and the speed
-    paths of generation and scoring (perf)."""
+    paths of generation and scoring (perf); for the engine's weight sync a context like
+    generation_context that leaves the weights as they are (rollout servers gather them a
+    bucket at a time; None: generation_context)."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
     reference: torch.nn.Module | None
     scorer: SequenceScorer
     stop_ids: tuple[int, ...] = ()
-    engine: VLLMEngine | None = None
+    engine: VLLMEngine | ServerEngine | None = None
     whole_weights: Callable = contextlib.nullcontext
     agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
     perf: PerfConfig = DEFAULT_PERF
     teacher: torch.nn.Module | None = None
+    sync_context: Callable | None = None
 
 
 @torch.no_grad()
@@ -167,7 +172,7 @@ def _episodes(
                 episodes += play(actor, keep_in_step, texts, columns=columns)
         else:  # vLLM schedules its own batches: the whole shard, every turn in one call
             engine.load_weights(actor)
-            if engine.checks_sync:
+            if isinstance(engine, VLLMEngine) and engine.checks_sync:
                 engine.check_sync(actor, prompts.ids, prompts.mask, gen, tokenizer, eos)
     if engine is not None:
         sampler = functools.partial(_engine_sample, engine, pad)
@@ -188,9 +193,10 @@ def _sample(
     backend, whose sampler is the trainer's own forward)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     if models.engine is not None:
-        with models.generation_context() as (actor, _):  # whole weights, once per rollout
+        # whole weights, once per rollout; rollout servers: gathered a bucket at a time
+        with (models.sync_context or models.generation_context)() as (actor, _):
             models.engine.load_weights(actor)
-            if models.engine.checks_sync:
+            if isinstance(models.engine, VLLMEngine) and models.engine.checks_sync:
                 models.engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
         # vLLM schedules its own batches: the whole shard goes in at once.
         out = models.engine.generate(prompt_ids, prompt_mask, gen, eos, pad)
@@ -261,6 +267,8 @@ def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=
     }
 
 
-def _engine_sample(engine: VLLMEngine, pad: int, ids, mask, gen: GenerationConfig, stop_ids):
+def _engine_sample(
+    engine: VLLMEngine | ServerEngine, pad: int, ids, mask, gen: GenerationConfig, stop_ids
+):
     """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
     return engine.generate(ids, mask, gen, stop_ids, pad)

@@ -141,13 +141,19 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a causal LM under its checkpoint names, the form vLLM's
     weight loader reads. A peft model gives its base weights (inside merged_adapters:
     W + scale * B @ A) without the adapter tensors and peft's name wrapping."""
+    for name, p in checkpoint_parameters(module):
+        yield name, p.detach()
+
+
+def checkpoint_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """`hf_weights`' names with the parameters themselves (under ZeRO-3: partitions, to be
+    gathered by whoever reads them)."""
     if hasattr(module, "get_base_model"):  # peft PeftModel
         module = module.get_base_model()
     for name, p in module.named_parameters():
         if "lora_" in name or ".original_module." in name:
             continue
-        name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        yield name, p.detach()
+        yield name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."), p
 
 
 def _rollout_length(cfg: Config) -> int:

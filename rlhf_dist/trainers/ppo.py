@@ -41,7 +41,7 @@ from rlhf_dist.data.batching import (
 )
 from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
-from rlhf_dist.errors import ConfigError, RewardFunctionError
+from rlhf_dist.errors import ConfigError, RewardFunctionError, ServerError
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.models.lora import merged_adapters
 from rlhf_dist.observability.alerts import AlertMonitor
@@ -51,6 +51,7 @@ from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
+from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.stats import global_mean_var, global_moments
 from rlhf_dist.trainers.common import (
@@ -75,6 +76,7 @@ from rlhf_dist.trainers.ppo_stats import (
     report_iteration,
     rollout_stats,
     sample_rows,
+    server_stats,
 )
 from rlhf_dist.trainers.ppo_update import (
     UpdateKnobs,
@@ -224,6 +226,7 @@ def ppo_iteration(
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef) | sampling
     stats |= overlong | cov_stats | run.scorer.component_stats(runtime) | update.stats
     stats |= distill_stats(runtime, batch)  # {} without model.teacher
+    stats |= server_stats(runtime, run.rollout_models.engine)  # {} without rollout servers
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)
@@ -314,6 +317,17 @@ def whitens(ppo_cfg) -> bool:
     return ppo_cfg.whiten_advantages
 
 
+def rollout_engine(cfg: Config, runtime: Runtime) -> VLLMEngine | ServerEngine | None:
+    """What samples rollouts besides the actor itself: vLLM in this process, rollout
+    servers (docs/serving.md), or nothing (the hf backend)."""
+    backend = cfg.generation.backend
+    if backend == "vllm":
+        return VLLMEngine(cfg, runtime.device)
+    if backend == "server":
+        return ServerEngine(cfg, runtime.is_main, runtime.any_rank)
+    return None
+
+
 def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     """Load data and models (from a checkpoint if resuming) into a PPORun."""
     p = cfg.ppo
@@ -340,7 +354,11 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
             yield (stack.enter_context(merged_adapters(actor)) if merge else actor), keep_in_step
 
     stops = policy_stop_ids(cfg, tokenizer)
-    engine = VLLMEngine(cfg, runtime.device) if cfg.generation.backend == "vllm" else None
+    engine = rollout_engine(cfg, runtime)
+    # Rollout servers read the actor a bucket at a time (under ZeRO-3 each bucket gathered
+    # on its own, rollout/server.py); with LoRA they need the adapters merged into whole
+    # weights, as generation_context gives them.
+    bucketed = cfg.generation.backend == "server" and not cfg.lora.enabled
     rollout_models = RolloutModels(
         model,
         generation_context,
@@ -353,6 +371,9 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         any_rank=runtime.any_rank if runtime.world_size > 1 else None,
         perf=cfg.perf,
         teacher=built.teacher,  # model.teacher: scores the rollout (docs/distill.md)
+        sync_context=(
+            (lambda: runtime.generation_context(model, "actor", gather=False)) if bucketed else None
+        ),
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     entropy_ctl = make_entropy_controller(p)
@@ -392,9 +413,10 @@ def trainer_state(run: PPORun, first_score: float | None, alerts: AlertMonitor) 
     }
 
 
-def stop_on_reward_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
-    """The error to end the run with after the reward failed (RewardFunctionError `error`,
-    retries spent) in the iteration after `done`; raised on every rank together.
+def stop_on_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
+    """The error to end the run with after the reward failed (RewardFunctionError, retries
+    spent) or a rollout server did (ServerError) in the iteration after `done`; raised on
+    every rank together (retry.py; rollout/server.py agrees over the ranks).
 
     run_files: (output dir, MetricsLogger); done: (last completed iteration, the RNG
     states at its end); state: trainer_state. The failed iteration's rollout changed no
@@ -410,9 +432,10 @@ def stop_on_reward_failure(cfg, runtime, run_files, run: PPORun, done, state, er
     set_rng_state(rng)
     write_checkpoint(cfg, runtime, out, step, run.model, run.optimizer, state)
     logger.close()
-    return RewardFunctionError(
+    fix = "fix the reward" if isinstance(error, RewardFunctionError) else "restart the server"
+    return type(error)(
         f"{error}; iteration {step} and all before it are checkpointed in "
-        f"{out / 'checkpoints'}: fix the reward, then continue with --resume auto"
+        f"{out / 'checkpoints'}: {fix}, then continue with --resume auto"
     )
 
 
@@ -442,11 +465,9 @@ def train_ppo(cfg, runtime) -> dict:
         more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
         try:
             result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more, planned)
-        except RewardFunctionError as e:
+        except (RewardFunctionError, ServerError) as e:
             state = trainer_state(run, first_score, alerts)
-            failure = stop_on_reward_failure(
-                cfg, runtime, (out, logger), run, (it - 1, rng), state, e
-            )
+            failure = stop_on_failure(cfg, runtime, (out, logger), run, (it - 1, rng), state, e)
             raise failure from e.__cause__
         stats = result.stats
         first_score = stats["objective/score"] if first_score is None else first_score

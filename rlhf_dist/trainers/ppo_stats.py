@@ -18,6 +18,7 @@ from rlhf_dist.algo.rewards import token_kl
 from rlhf_dist.data.chat import prompt_text
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.rollout.agent import episode_stats
+from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.stats import StatSums, global_moments
 from rlhf_dist.trainers.common import (
     padding_cells,
@@ -164,6 +165,20 @@ def memory_plan_stats(runtime, planned: dict[str, float], measured: dict) -> dic
             peak = float(runtime.all_max(torch.tensor(float(nbytes))))
             stats[f"memory/measured_{phase}_gib"] = peak / 2**30
     return stats
+
+
+def server_stats(runtime, engine) -> dict:
+    """generation.backend=server (docs/serving.md): the last post-sync check's mean
+    per-token log-prob gap (the largest over the servers), the policy version the rollout
+    was sampled with, the sync's seconds; {} with another backend. A collective."""
+    if not isinstance(engine, ServerEngine):
+        return {}
+    gap = float(runtime.all_max(torch.tensor(engine.sync_gap)))
+    return {
+        "rollout/server_sync_gap": gap,
+        "rollout/policy_version": float(engine.version),
+        "time/weight_sync": engine.sync_seconds,
+    }
 
 
 CONSOLE_KEYS = (

@@ -1,0 +1,26 @@
+"""The `serve` section: what `rlhf-dist serve` listens on and what it accepts
+(docs/serving.md). The served model is model.policy, in model.dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_dist.config.keys import key
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = key(
+        "127.0.0.1",
+        "address rlhf-dist serve listens on; 127.0.0.1 = this machine only (set 0.0.0.0 or an "
+        "interface's address to let trainers on other machines in)",
+    )
+    port: int = key(8000, "TCP port rlhf-dist serve listens on", min=1, max=65535)
+    token_env: str = key(
+        "RLHF_DIST_SERVER_TOKEN",
+        "the environment variable holding the shared token that generation, scoring and "
+        "weight updates must carry (Authorization: Bearer ...); the server refuses to start "
+        "without it and never writes it anywhere",
+    )
+    max_batch: int = key(256, "prompts (or scored sequences) per request at most", gt=0)
+    max_new_tokens: int = key(4096, "largest max_new_tokens a request may ask for", gt=0)

@@ -1,0 +1,253 @@
+"""Rollouts from `rlhf-dist serve` processes (generation.backend=server; docs/serving.md).
+
+`ServerEngine` has the in-process vLLM engine's face (rollout/vllm.py: load_weights,
+generate, sleep), so collect.py samples through it unchanged. Before every rollout
+trainer rank 0 sends the actor's weights to every server a bucket at a time (under ZeRO-3
+each bucket gathered on its own by every rank, never the whole model; with LoRA the
+merged weights, inside the generation gather): each bucket's (name, shape, dtype) list
+and the new version over HTTP, then the tensors by broadcast in the weight-sync group
+(distributed/weight_sync.py). Then the
+post-sync check: every server scores fixed token sequences and the trainer compares
+with its own log-probs; a mean gap above generation.server_sync_tolerance stops the run
+(a sync that looked normal but left stale weights: trl#5312, verl#7495).
+
+Each rank cuts its prompts into one contiguous shard per server (data-parallel servers)
+and asks them concurrently, each shard with its own seed from torch's global RNG (so a
+resumed run draws the same seeds). Every answer carries the policy version it was
+sampled with; one that is not the version just synced is an error (the seam for
+bounded staleness, issue 34 item 2). Standard library HTTP (urllib); every call times
+out after distributed.timeout_s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rlhf_dist.checkpoint import fault_active
+from rlhf_dist.config import Config, GenerationConfig
+from rlhf_dist.distributed.weight_sync import (
+    SyncGroup,
+    dtype_name,
+    free_port,
+    weight_buckets,
+    whole_bucket,
+)
+from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.errors import ConfigError, ServerError
+from rlhf_dist.rollout.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
+
+CHECK_ROWS, CHECK_TOKENS = 2, 16  # the post-sync check's fixed sequences
+
+
+class ServerEngine:
+    """The trainer's side of one or more rollout servers."""
+
+    def __init__(self, cfg: Config, is_main: bool, any_rank: Callable[[bool], bool]):
+        """is_main: this is trainer rank 0 (it syncs the weights); any_rank(flag): whether
+        any trainer rank passed True (Runtime.any_rank; a collective, every rank calls it)."""
+        g = cfg.generation
+        self.urls = [u.rstrip("/") for u in g.server_urls]
+        self.timeout_s = float(cfg.distributed.timeout_s)
+        self._token = os.environ.get(g.server_token_env, "") if g.server_token_env else ""
+        if not self._token:
+            raise ConfigError(
+                f"generation.server_token_env: set the environment variable "
+                f"{g.server_token_env or '(none named)'} to the servers' shared token"
+            )
+        self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
+        self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
+        self.is_main, self.any_rank = is_main, any_rank
+        self.group: SyncGroup | None = None
+        self.version = 0  # the policy version every server holds after the last sync
+        self.syncs = 0  # weight syncs of this run (RLHF_DIST_FAULT=skip_weight_sync:N)
+        self.check_ids = torch.zeros(0, dtype=torch.long)  # the post-sync check's sequences
+        self.sync_gap = 0.0  # rank 0: the last post-sync check's largest gap over the servers
+        self.sync_seconds = 0.0  # the last sync, check included
+
+    def call(self, url: str, path: str, body: dict | None = None) -> dict:
+        """One HTTP call (GET without a body) -> its JSON answer; ServerError otherwise."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"}
+        request = urllib.request.Request(url + path, data, headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read(300).decode("utf-8", "replace").strip()
+            raise ServerError(f"rollout server {url}{path}: HTTP {e.code} {detail}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            why = getattr(e, "reason", e)
+            raise ServerError(
+                f"rollout server {url}{path}: {why} (within {self.timeout_s:g} s)"
+            ) from None
+
+    def together(self, work: Callable[[], object]):
+        """work()'s result; when it raised ServerError on any trainer rank, ServerError on
+        every rank at once (so they stop, and checkpoint, together; no rank is left
+        waiting in a collective)."""
+        error, result = None, None
+        try:
+            result = work()
+        except ServerError as e:
+            error = e
+        if self.any_rank(error is not None):
+            raise error or ServerError("rollout server: another trainer rank's call failed")
+        return result
+
+    def load_weights(self, actor: torch.nn.Module) -> None:
+        """Send `actor`'s weights to every server as a new version and check them. Every
+        trainer rank calls it together: under ZeRO-3 each bucket is gathered by all of them
+        (`whole_bucket`; the actor may stay partitioned), and rank 0 sends it."""
+        self.syncs += 1
+        start = time.perf_counter()
+        self.together(self._begin if self.is_main else lambda: None)
+        self.together(lambda: self._send(actor))
+        ours = self._own_logprobs(actor)  # every rank: under ZeRO-3 a collective forward
+        self.together(lambda: self._check(ours) if self.is_main else self._read_version())
+        self.sync_seconds = time.perf_counter() - start
+
+    def _begin(self) -> None:
+        """Rank 0: make the weight-sync group (first sync, or again when a server holds
+        none: it restarted) and pick the new version."""
+        healths = [self.call(url, "/health") for url in self.urls]
+        if self.group is None or not all(h["sync_group"] for h in healths):
+            self._join()
+        self.version = 1 + max(h["version"] for h in healths)
+
+    def _read_version(self) -> None:
+        self.version = max(self.call(url, "/health")["version"] for url in self.urls)
+
+    def _send(self, actor: torch.nn.Module) -> None:
+        """Walk the weights a bucket at a time on every rank; rank 0 announces and
+        broadcasts each. After a failure rank 0 stops sending but keeps walking (the other
+        ranks are in the buckets' gathers), then raises."""
+        buckets = list(weight_buckets(checkpoint_parameters(actor), self.bucket_bytes))
+        # RLHF_DIST_FAULT=skip_weight_sync:N (tests): the servers keep their old weights.
+        sending = self.is_main and not fault_active("skip_weight_sync", self.syncs)
+        error = None
+        for i, bucket in enumerate(buckets):
+            with whole_bucket([p for _, p in bucket]):
+                if sending and error is None:
+                    try:
+                        self._send_bucket(bucket, final=i == len(buckets) - 1)
+                    except ServerError as e:
+                        error = e
+        if error is not None:
+            raise error
+
+    def _send_bucket(self, bucket: list, final: bool) -> None:
+        """One bucket of whole weights: metadata to every server, then the broadcasts."""
+        tensors = [p.detach().contiguous().cpu() for _, p in bucket]
+        specs = [
+            {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+            for (name, _), t in zip(bucket, tensors)
+        ]
+        body = {"version": self.version, "tensors": specs, "final": final}
+        for url in self.urls:
+            self.call(url, "/update_weights", body)
+        assert self.group is not None
+        try:
+            for t in tensors:
+                self.group.broadcast(t)
+        except RuntimeError as e:  # a timeout or a peer gone (torch's DistError)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ServerError(f"weight broadcast to the rollout servers failed: {why}") from None
+
+    def _join(self) -> None:
+        """Make the weight-sync group: rank 0 here, server i rank i + 1."""
+        port, world = free_port(self.address), 1 + len(self.urls)
+        for i, url in enumerate(self.urls):
+            body = {"address": self.address, "port": port, "rank": i + 1, "world_size": world}
+            self.call(url, "/init_weight_sync", body)
+        try:
+            self.group = SyncGroup(self.address, port, 0, world, self.timeout_s)
+        except RuntimeError as e:  # a server that never joined: torch's store timeout
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ServerError(f"weight-sync group with the rollout servers: {why}") from None
+
+    @torch.no_grad()
+    def _own_logprobs(self, actor: torch.nn.Module) -> torch.Tensor:
+        """The actor's log-probs (CHECK_ROWS, CHECK_TOKENS - 1) at temperature 1, on CPU,
+        of the check's fixed sequences (`check_ids`: uniform token ids, seed 0)."""
+        weight = actor.get_input_embeddings().weight
+        vocab = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3: the whole shape
+        g = torch.Generator().manual_seed(0)  # the same sequences every sync
+        self.check_ids = torch.randint(0, vocab, (CHECK_ROWS, CHECK_TOKENS), generator=g)
+        seqs = self.check_ids.to(weight.device)
+        predict = torch.ones(CHECK_ROWS, CHECK_TOKENS - 1, dtype=torch.bool, device=weight.device)
+        ours, _ = token_logprobs(actor, seqs, torch.ones_like(seqs), predict, 1.0)
+        return ours.float().cpu()
+
+    def _check(self, ours: torch.Tensor) -> None:
+        """The post-sync check: the servers' log-probs of the fixed sequences against the
+        actor's (`ours`); ServerError when the mean gap exceeds the tolerance."""
+        seqs, self.sync_gap = self.check_ids.tolist(), 0.0
+        for url in self.urls:
+            answer = self.call(url, "/score", {"sequences": seqs, "temperature": 1.0})
+            theirs = torch.tensor(answer["logprobs"], dtype=torch.float32)
+            gap = float((ours - theirs).abs().mean())
+            self.sync_gap = max(self.sync_gap, gap)
+            if not gap <= self.tolerance:
+                raise ServerError(
+                    f"post-sync check: {url} scores fixed sequences {gap:.3g} nats per token away "
+                    f"from the trainer after weight version {self.version} "
+                    f"(generation.server_sync_tolerance {self.tolerance:g}): it does not hold the "
+                    "trained weights"
+                )
+
+    def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
+        """Sample one response per left-padded prompt (B, P) on the servers -> (response_ids
+        (B, T) PAD after each response, sampler_logprobs (B, T) float32, 0 on padding)."""
+        rows = [r["prompt_token_ids"] for r in prompts_for_engine(prompt_ids, prompt_mask)]
+        bounds = torch.linspace(0, len(rows), len(self.urls) + 1).round().long().tolist()
+        shards = [(u, rows[a:b]) for u, a, b in zip(self.urls, bounds, bounds[1:]) if b > a]
+        seeds = sampling_seeds(len(shards)).tolist()
+        sampling = {
+            "max_new_tokens": gen_cfg.max_new_tokens, "min_new_tokens": gen_cfg.min_new_tokens,
+            "temperature": gen_cfg.temperature, "top_k": gen_cfg.top_k, "top_p": gen_cfg.top_p,
+            "stop_token_ids": [int(i) for i in stop_ids],
+        }  # fmt: skip
+
+        def ask(i: int) -> dict:
+            url, prompts = shards[i]
+            body = {"prompts": prompts, "sampling": {**sampling, "seed": seeds[i]}}
+            return self.call(url, "/generate", body)
+
+        def ask_all() -> tuple[list, list]:
+            with ThreadPoolExecutor(max_workers=len(shards)) as pool:
+                answers = list(pool.map(ask, range(len(shards))))
+            responses, logprobs = [], []
+            for (url, _), answer in zip(shards, answers):
+                if answer["version"] != self.version:
+                    raise ServerError(
+                        f"rollout server {url}: sampled with policy version "
+                        f"{answer['version']}, the trainer synced version {self.version}"
+                    )
+                responses += answer["responses"]
+                logprobs += answer["logprobs"]
+            return responses, logprobs
+
+        responses, logprobs = self.together(ask_all)
+        return _padded(responses, logprobs, pad_id, prompt_ids.device)
+
+    def sleep(self) -> None:
+        """Nothing to free in this process: the engine lives in the servers."""
+
+
+def _padded(responses: list[list[int]], logprobs: list[list[float]], pad_id: int, device):
+    """Right-padded (B, T) ids (pad_id) and float32 log-probs (0), T >= 1."""
+    T = max(1, max(len(r) for r in responses))
+    ids = torch.full((len(responses), T), pad_id, dtype=torch.long)
+    lp = torch.zeros(len(responses), T, dtype=torch.float32)
+    for b, (r, p) in enumerate(zip(responses, logprobs)):
+        ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        lp[b, : len(p)] = torch.tensor(p, dtype=torch.float32)
+    return ids.to(device), lp.to(device)

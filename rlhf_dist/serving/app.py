@@ -1,0 +1,149 @@
+"""The HTTP face of `rlhf-dist serve` (FastAPI; uvicorn runs it): docs/serving.md holds
+the protocol.
+
+GET /health (open): model, served policy version, whether a weight-sync group is
+joined, the last failed update. Everything else needs `Authorization: Bearer <token>`
+(serve.token_env), compared in constant time: POST /generate (token ids in, token ids
+and log-probs out), /score (the post-sync check), /init_weight_sync and /update_weights
+(the weight-sync protocol), and the OpenAI-compatible /v1/completions and
+/v1/chat/completions. A malformed body is a 422 naming the field (pydantic), metadata
+that does not fit the model a 400, a missing or wrong token a 401; none of them touches
+the model, which keeps serving.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Depends, FastAPI, Header, HTTPException
+from pydantic import BaseModel, Field
+
+from rlhf_dist.serving import openai_api as openai
+from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy, TensorSpec
+
+TokenIds = list[int]
+
+
+class Sampling(BaseModel):
+    max_new_tokens: int = Field(gt=0)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, ge=0, lt=2**63)
+    stop_token_ids: list[int] = []  # empty: the served model's own stop ids
+
+
+class GenerateBody(BaseModel):
+    prompts: list[TokenIds] = Field(min_length=1)
+    sampling: Sampling
+
+
+class ScoreBody(BaseModel):
+    sequences: list[TokenIds] = Field(min_length=1)
+    temperature: float = Field(1.0, gt=0)
+
+
+class JoinBody(BaseModel):
+    address: str = Field(min_length=1)
+    port: int = Field(gt=0, lt=65536)
+    rank: int = Field(gt=0)
+    world_size: int = Field(gt=1)
+
+
+class Spec(BaseModel):
+    name: str = Field(min_length=1)
+    shape: list[int]
+    dtype: str
+
+
+class UpdateBody(BaseModel):
+    version: int = Field(gt=0)
+    tensors: list[Spec] = Field(min_length=1)
+    final: bool = False
+
+
+def build_app(policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: int) -> FastAPI:
+    """The FastAPI app serving `policy`; `token` guards everything but /health."""
+    app = FastAPI(title="rlhf-dist serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def authorized(authorization: str = Header("")) -> None:
+        scheme, _, given = authorization.partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise HTTPException(401, "missing or wrong token (Authorization: Bearer ...)")
+
+    def refused(call, *args):
+        try:
+            return call(*args)
+        except BadRequest as e:
+            raise HTTPException(400, str(e)) from None
+
+    def batch(n: int, what: str) -> None:
+        if n > max_batch:
+            raise HTTPException(413, f"{what}: {n} rows, serve.max_batch is {max_batch}")
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"model": policy.name, "version": policy.version,
+                "sync_group": policy.group is not None, "last_error": policy.last_error}  # fmt: skip
+
+    @app.post("/generate", dependencies=[Depends(authorized)])
+    def generate(body: GenerateBody) -> dict:
+        batch(len(body.prompts), "prompts")
+        s = body.sampling
+        if s.max_new_tokens > max_new_tokens or s.min_new_tokens > s.max_new_tokens:
+            raise HTTPException(
+                400, f"sampling: need min_new_tokens <= max_new_tokens <= {max_new_tokens}"
+            )
+        return refused(
+            policy.generate,
+            body.prompts,
+            SamplingRequest(**(s.model_dump() | {"stop_token_ids": tuple(s.stop_token_ids)})),
+        )
+
+    @app.post("/score", dependencies=[Depends(authorized)])
+    def score(body: ScoreBody) -> dict:
+        batch(len(body.sequences), "sequences")
+        return refused(policy.score, body.sequences, body.temperature)
+
+    _add_weight_sync(app, policy, authorized, refused)
+    _add_openai(app, policy, authorized, refused, max_new_tokens)
+    return app
+
+
+def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) -> None:
+    """/init_weight_sync and /update_weights: the trainer's side is rollout/server.py."""
+
+    @app.post("/init_weight_sync", dependencies=[Depends(authorized)])
+    def init_weight_sync(body: JoinBody) -> dict:
+        if body.rank >= body.world_size:
+            raise HTTPException(400, f"rank: {body.rank} outside the world of {body.world_size}")
+        policy.join(body.address, body.port, body.rank, body.world_size)
+        return {"joining": True}
+
+    @app.post("/update_weights", dependencies=[Depends(authorized)])
+    def update_weights(body: UpdateBody) -> dict:
+        specs = [TensorSpec(t.name, tuple(t.shape), t.dtype) for t in body.tensors]
+        refused(policy.check_bucket, body.version, specs)
+        policy.receive_bucket(body.version, specs, body.final)
+        return {"receiving": len(specs), "version": body.version}
+
+
+def _add_openai(app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int) -> None:
+    """/v1/completions and /v1/chat/completions (serving/openai.py); a request without
+    max_tokens gets serve.max_new_tokens."""
+
+    def capped(body: openai.OpenAISampling) -> None:
+        asked = body.max_completion_tokens or body.max_tokens or max_new
+        if asked > max_new or body.min_tokens > asked:
+            raise HTTPException(400, f"max_tokens: need min_tokens <= max_tokens <= {max_new}")
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    def completions(body: openai.CompletionBody) -> dict:
+        capped(body)
+        return refused(openai.completion, policy, body, max_new)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    def chat_completions(body: openai.ChatBody) -> dict:
+        capped(body)
+        return refused(openai.chat_completion, policy, body, max_new)

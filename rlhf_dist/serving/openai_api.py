@@ -1,0 +1,134 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions over the served policy, for
+environment libraries that drive a policy through such an endpoint (verifiers, OpenEnv).
+
+The request fields of OpenAI's API that sampling uses are read (max_tokens or
+max_completion_tokens, temperature, top_p, seed, n = 1) plus two extensions, top_k and
+min_tokens; a prompt is a text or a list of token ids. Each choice carries, besides the
+usual text, `token_ids` (the sampled ids, stop token included where it ended the
+response), `prompt_token_ids` and OpenAI-style log-probs of every sampled token (those of
+/generate: the trainer's at the sampling temperature), so a trainer gets the exact ids
+back (token-in/token-out, no re-tokenisation: trl#5144). `policy_version` says which
+weights sampled it. A chat prompt is rendered with data.chat_template or the tokenizer's
+own template, with the generation prompt.
+
+Refused with a 400: n > 1, `stop` strings (stop tokens are the model's; use the
+extension `stop_token_ids`), a chat request when no template is known.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel, Field
+
+from rlhf_dist.data.chat import BadRow
+from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy
+
+
+class OpenAISampling(BaseModel):
+    model: str = ""
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**63)
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+
+
+class CompletionBody(OpenAISampling):
+    prompt: str | list[int]
+
+
+class Message(BaseModel):
+    role: str = Field(min_length=1)
+    content: str
+
+
+class ChatBody(OpenAISampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+def sampling_of(body: OpenAISampling, default_max: int) -> SamplingRequest:
+    """The request's sampling keys; BadRequest for what is not supported."""
+    if body.n != 1:
+        raise BadRequest("n: only 1 completion per request")
+    if body.stop:
+        raise BadRequest("stop: stop strings are not supported; use stop_token_ids")
+    max_new = body.max_completion_tokens or body.max_tokens or default_max
+    return SamplingRequest(
+        max_new_tokens=max_new, min_new_tokens=body.min_tokens, temperature=body.temperature,
+        top_k=body.top_k, top_p=body.top_p, seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids),
+    )  # fmt: skip
+
+
+def completion(policy: ServedPolicy, body: CompletionBody, default_max: int) -> dict:
+    """The text_completion answer to one /v1/completions request."""
+    s = sampling_of(body, default_max)
+    if isinstance(body.prompt, str):
+        prompt = policy.tokenizer(body.prompt, add_special_tokens=True)["input_ids"]
+    else:
+        prompt = list(body.prompt)
+    out, text = _sample(policy, prompt, s)
+    logprobs = {"tokens": out["tokens"], "token_logprobs": out["logprobs"]}
+    choice = {"index": 0, "text": text, "finish_reason": out["finish"], "logprobs": logprobs}
+    return _answer("text_completion", body.model or policy.name, choice, prompt, out)
+
+
+def chat_completion(policy: ServedPolicy, body: ChatBody, default_max: int) -> dict:
+    """The chat.completion answer to one /v1/chat/completions request."""
+    if policy.chat is None:
+        raise BadRequest("messages: the served tokenizer has no chat template (data.chat_template)")
+    s = sampling_of(body, default_max)
+    try:
+        prompt = policy.chat.prompt_ids([m.model_dump() for m in body.messages])
+    except BadRow as e:
+        raise BadRequest(f"messages: {e}") from None
+    out, text = _sample(policy, prompt, s)
+    content = [{"token": t, "logprob": lp} for t, lp in zip(out["tokens"], out["logprobs"])]
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": out["finish"],
+        "logprobs": {"content": content},
+    }
+    return _answer("chat.completion", body.model or policy.name, choice, prompt, out)
+
+
+def _sample(policy: ServedPolicy, prompt: list[int], s: SamplingRequest):
+    """One response to `prompt` -> (its ids, per-token strings and log-probs, finish reason,
+    version; the text without the stop token)."""
+    got = policy.generate([prompt], s)
+    ids, finished = got["responses"][0], got["finished"][0]
+    kept = ids[:-1] if finished else ids  # the text ends before the stop token
+    out = {
+        "ids": ids,
+        "tokens": policy.tokenizer.convert_ids_to_tokens(ids),
+        "logprobs": got["logprobs"][0],
+        "finish": "stop" if finished else "length",
+        "version": got["version"],
+    }
+    return out, policy.tokenizer.decode(kept, skip_special_tokens=True)
+
+
+def _answer(kind: str, model: str, choice: dict, prompt: list[int], out: dict) -> dict:
+    choice |= {"token_ids": out["ids"], "prompt_token_ids": prompt}
+    usage = {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(out["ids"]),
+        "total_tokens": len(prompt) + len(out["ids"]),
+    }
+    return {
+        "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+        "policy_version": out["version"],
+    }

@@ -1,0 +1,203 @@
+"""The served policy: the model behind `rlhf-dist serve`, what its endpoints call.
+
+Generation is the hf decode loop the trainer runs in-process (engine/decode.py), so a
+served rollout is the in-process one: same seed, same left-padded prompts, same tokens.
+Log-probs are the trainer's own sequence forward (engine/forward.py token_logprobs) over
+the sampled tokens at the sampling temperature: log softmax(logits / T) of the full
+vocabulary, the distribution the hf sampler draws from when top_k and top_p are off (with
+them on, the untruncated one; EOS suppression by min_new_tokens is not reflected).
+
+One model, one lock: requests run one at a time. A weight update arrives as buckets,
+each announced over HTTP (`check_bucket`) and then broadcast from trainer rank 0
+(`receive_bucket`, on a single worker thread, in order); requests wait for the updates
+announced before them. The version moves when the last bucket of an update is in. The
+decode loop keeps no cache between requests (each KV cache lives for one call), so
+nothing is left to reset after an update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.chat import Chat
+from rlhf_dist.data.rows import left_pad, right_pad
+from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup
+from rlhf_dist.engine.decode import generate, truncate_after_eos
+from rlhf_dist.engine.forward import token_logprobs
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One request's sampling keys (engine/sampling.py Sampling) and its seed."""
+
+    max_new_tokens: int
+    min_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_token_ids: tuple[int, ...] = ()  # empty: the served model's own (model.policy)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One weight of an update bucket: its parameter name, shape and dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (its message is the 4xx answer's detail)."""
+
+
+class ServedPolicy:
+    def __init__(
+        self, model, tokenizer, stop_ids, perf: PerfConfig, name: str, timeout_s: float,
+        chat: Chat | None = None,
+    ):  # fmt: skip
+        """chat: how the OpenAI-compatible chat endpoint renders messages (None: it refuses)."""
+        self.model, self.tokenizer, self.stop_ids = model.eval(), tokenizer, tuple(stop_ids)
+        self.chat = chat
+        self.perf, self.name, self.timeout_s = perf, name, timeout_s
+        self.vocab = int(model.get_input_embeddings().weight.shape[0])
+        self.device = next(model.parameters()).device
+        self.params = dict(model.named_parameters())
+        self.version = 0
+        self.lock = threading.Lock()
+        self.group: SyncGroup | None = None
+        self.updates = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        self.pending: list[Future] = []
+        self.pending_lock = threading.Lock()  # request threads add and prune `pending`
+        self.last_error = ""  # the last failed update, for /health
+
+    def check_ids(self, seqs: list[list[int]], what: str) -> None:
+        for i, seq in enumerate(seqs):
+            if not seq:
+                raise BadRequest(f"{what}[{i}]: empty")
+            bad = [t for t in seq if not 0 <= t < self.vocab]
+            if bad:
+                raise BadRequest(f"{what}[{i}]: token id {bad[0]} outside [0, {self.vocab})")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], s: SamplingRequest) -> dict:
+        """Sample one response per prompt (token id lists) -> {"responses": [ids], "logprobs":
+        [per-token log-probs], "finished": [ended with a stop id], "version"}."""
+        self.check_ids(prompts, "prompts")
+        stops = s.stop_token_ids or self.stop_ids
+        self.check_ids([list(stops)], "stop_token_ids")
+        pad = self.tokenizer.pad_token_id
+        ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
+        with self._current():
+            torch.manual_seed(s.seed)  # the in-process rollout's draw at the same seed
+            out = generate(self.model, ids, mask, s, self.tokenizer, None, stops, self.perf)
+            out, response_mask, finished = truncate_after_eos(out, stops, pad)
+            logprobs, _ = token_logprobs(
+                self.model, torch.cat([ids, out], 1), torch.cat([mask, response_mask.long()], 1),
+                response_mask, s.temperature, prompt_width=ids.shape[1], perf=self.perf,
+            )  # fmt: skip
+            version = self.version
+        out, logprobs, n = out.cpu(), logprobs.float().cpu(), response_mask.sum(1).tolist()
+        return {
+            "responses": [row[:k].tolist() for row, k in zip(out, n)],
+            "logprobs": [row[:k].tolist() for row, k in zip(logprobs, n)],
+            "finished": finished.tolist(),
+            "version": version,
+        }
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], temperature: float) -> dict:
+        """Log-probs of tokens 1.. of each sequence given those before it, at `temperature`
+        -> {"logprobs": [len - 1 floats each], "version"} (the post-sync check)."""
+        self.check_ids(sequences, "sequences")
+        if any(len(s) < 2 for s in sequences):
+            raise BadRequest("sequences: each needs at least 2 tokens")
+        ids, mask = (
+            t.to(self.device) for t in right_pad(sequences, self.tokenizer.pad_token_id or 0)
+        )
+        predict = mask[:, 1:].bool()
+        with self._current():
+            logprobs, _ = token_logprobs(
+                self.model, ids, mask, predict, temperature, perf=self.perf
+            )
+            version = self.version
+        return {
+            "logprobs": [row[m].tolist() for row, m in zip(logprobs.float().cpu(), predict.cpu())],
+            "version": version,
+        }
+
+    def _current(self):
+        """The model lock, taken after every update announced so far is applied."""
+        with self.pending_lock:
+            waiting = list(self.pending)
+        for future in waiting:
+            # A failed update's error is in last_error; the weights there are are served.
+            with contextlib.suppress(Exception):
+                future.result(timeout=self.timeout_s)
+        with self.pending_lock:
+            self.pending = [f for f in self.pending if not f.done()]
+        return self.lock
+
+    def _queue(self, work) -> None:
+        """Run `work` on the update thread, after the updates queued before it."""
+        with self.pending_lock:
+            self.pending.append(self.updates.submit(self._logged, work))
+
+    def join(self, address: str, port: int, rank: int, world_size: int) -> None:
+        """Join trainer rank 0's weight-sync group in the background (its rank 0 blocks
+        until every server joined); a later join replaces the group (a restarted trainer)."""
+
+        def connect():
+            self.group = SyncGroup(address, port, rank, world_size, self.timeout_s)
+
+        self.group = None
+        self._queue(connect)
+
+    def check_bucket(self, version: int, specs: list[TensorSpec]) -> None:
+        """Refuse an update bucket whose metadata does not fit the model (BadRequest)."""
+        if version <= self.version:
+            raise BadRequest(f"version: {version} is not newer than the served {self.version}")
+        for spec in specs:
+            param = self.params.get(spec.name)
+            if param is None:
+                raise BadRequest(f"tensors: no parameter named {spec.name!r}")
+            if tuple(param.shape) != spec.shape:
+                raise BadRequest(
+                    f"tensors: {spec.name} has shape {list(param.shape)}, not {list(spec.shape)}"
+                )
+            if spec.dtype not in DTYPES:
+                raise BadRequest(
+                    f"tensors: {spec.name}: dtype {spec.dtype!r} not in {sorted(DTYPES)}"
+                )
+
+    def receive_bucket(self, version: int, specs: list[TensorSpec], final: bool) -> None:
+        """Queue the broadcast of one checked bucket; applied in order, under the lock."""
+
+        def receive():
+            if self.group is None:
+                raise RuntimeError("no weight-sync group: the trainer must call /init_weight_sync")
+            received = [
+                self.group.broadcast(torch.empty(s.shape, dtype=DTYPES[s.dtype])) for s in specs
+            ]
+            with self.lock, torch.no_grad():
+                for spec, tensor in zip(specs, received):
+                    self.params[spec.name].copy_(tensor)
+                if final:
+                    self.version = version
+
+        self._queue(receive)
+
+    def _logged(self, work) -> None:
+        try:
+            work()
+            self.last_error = ""
+        except Exception as e:  # the server keeps serving; /health says what failed
+            self.last_error = f"{type(e).__name__}: {e}"
+            raise

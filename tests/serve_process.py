@@ -1,0 +1,65 @@
+"""A `rlhf-dist serve` process for the tests of the rollout server (not a test module).
+
+`served(tree, token_env, token)` writes the config `tree` (serve.port is set to a free
+port, serve.token_env to `token_env`) and starts `python -m rlhf_dist serve` with the token
+in its environment; it yields the server's URL once /health answers, and on exit stops
+the process and checks that the token never appeared in its output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def served(tree: dict, token_env: str, token: str, start_timeout: float = 90.0):
+    port = _free_port()
+    tree = {**tree, "serve": {**tree.get("serve", {}), "port": port, "token_env": token_env}}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "serve.yaml"
+        config.write_text(json.dumps(tree))
+        env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", token_env: token}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc, start_timeout)
+            yield url
+        finally:
+            proc.terminate()
+            out = proc.communicate(timeout=30)[0].decode(errors="replace")
+            assert token not in out  # never written to the server's output
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out = proc.communicate()[0].decode(errors="replace")
+            raise RuntimeError(f"rlhf-dist serve did not start: {out[-2000:]}")
+        time.sleep(0.3)

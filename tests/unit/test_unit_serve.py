@@ -1,0 +1,157 @@
+"""The rollout server's pieces that need no server (docs/serving.md): its config keys,
+`rlhf-dist serve` without a token, the weight buckets, the client's response layout."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rlhf_dist import cli
+from rlhf_dist.config import ConfigError, load_config, validate
+from rlhf_dist.distributed.weight_sync import SyncGroup, dtype_name, free_port, weight_buckets
+from rlhf_dist.errors import ServerError
+from rlhf_dist.rollout.server import _padded
+
+PPO = ["model.policy=p", "data.train=t.jsonl", "reward.function=m:f"]
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["generation.backend=server"], "generation.server_urls"),
+        (["generation.server_urls=[http://127.0.0.1:8000]"], "generation.server_urls"),
+        (["generation.backend=server", "generation.server_urls=[127.0.0.1:8000]"], "generation.server_urls"),
+        (["generation.backend=server", "generation.server_urls=[http://h:1]", "generation.tools=[m:f]"], "generation.backend=server"),
+        (["generation.backend=server", "generation.server_urls=[http://h:1]", "lora.enabled=true", "perf.gather_for_generation=false"], "generation.backend=server"),
+        (["generation.server_sync_tolerance=0"], "generation.server_sync_tolerance"),
+        (["generation.server_sync_bucket_mb=-1"], "generation.server_sync_bucket_mb"),
+        (["serve.port=0"], "serve.port"),
+        (["serve.max_batch=0"], "serve.max_batch"),
+    ],
+)  # fmt: skip
+def test_server_keys_refuse_bad_values_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(load_config(None, [*PPO, *overrides]), "ppo")
+
+
+def test_server_backend_accepts_several_urls():
+    urls = "generation.server_urls=[http://127.0.0.1:8000,http://10.0.0.2:8001]"
+    validate(load_config(None, [*PPO, "generation.backend=server", urls]), "ppo")
+
+
+def test_serve_without_its_token_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("RLHF_DIST_UNSET_TOKEN", raising=False)
+    code = cli.main(["serve", "model.policy=nowhere", "serve.token_env=RLHF_DIST_UNSET_TOKEN"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert "serve.token_env" in err and "RLHF_DIST_UNSET_TOKEN" in err
+
+
+def test_weight_buckets_are_bounded_and_count_zero3_partitions_whole():
+    tensors = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(300))]
+    sizes = [[n for n, _ in b] for b in weight_buckets(tensors, bucket_bytes=800)]
+    assert sizes == [["a", "b"], ["c"]]  # 400 + 400 bytes, then c alone (over the bound)
+    partition = torch.zeros(0)
+    partition.ds_numel = 200  # a ZeRO-3 parameter: numel() 0, whole size ds_numel
+    named = [("p", partition), ("q", torch.zeros(200))]
+    assert [[n for n, _ in b] for b in weight_buckets(named, bucket_bytes=1000)] == [["p"], ["q"]]
+
+
+def test_dtype_names_and_a_refused_dtype():
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    with pytest.raises(ValueError, match="cannot be sent"):
+        dtype_name(torch.int64)
+
+
+def test_a_group_whose_peer_never_joins_times_out_instead_of_hanging():
+    with pytest.raises(RuntimeError, match="timeout"):
+        SyncGroup("127.0.0.1", free_port(), 0, 2, timeout_s=1)
+
+
+def test_a_broadcast_whose_sender_never_sends_times_out_instead_of_hanging():
+    port, groups = free_port(), {}
+
+    def join(rank):
+        groups[rank] = SyncGroup("127.0.0.1", port, rank, 2, timeout_s=1)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sent = torch.arange(3.0)
+    done = threading.Thread(target=groups[0].broadcast, args=(sent,))
+    done.start()  # a broadcast that arrives: the group works
+    torch.testing.assert_close(groups[1].broadcast(torch.zeros(3)), sent)
+    done.join()
+    with pytest.raises(RuntimeError, match="(?i)timed out|timeout"):
+        groups[1].broadcast(torch.zeros(3))  # rank 0 sends nothing now
+
+
+def test_responses_are_right_padded_with_zero_log_probs():
+    ids, lp = _padded([[5, 6, 7], [8]], [[-0.1, -0.2, -0.3], [-0.5]], pad_id=0, device="cpu")
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    torch.testing.assert_close(lp, torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]]))
+
+
+def test_a_server_failure_ends_the_command_with_one_line_and_exit_4(capsys, monkeypatch):
+    def fail(name, args):
+        raise ServerError("post-sync check: http://127.0.0.1:1 scores\nfixed sequences 0.5 away")
+
+    monkeypatch.setattr(cli, "_run_stage", fail)
+    assert cli.main(["grpo", "model.policy=p"]) == 4
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlhf-dist grpo: error: post-sync check:") and "\n" not in err
+
+
+def test_the_client_without_its_token_is_a_config_error_naming_the_key(monkeypatch):
+    from rlhf_dist.rollout.server import ServerEngine
+
+    monkeypatch.delenv("RLHF_DIST_UNSET_TOKEN", raising=False)
+    cfg = load_config(
+        None,
+        [*PPO, "generation.backend=server", "generation.server_urls=[http://127.0.0.1:1]",
+         "generation.server_token_env=RLHF_DIST_UNSET_TOKEN"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"generation\.server_token_env: .*RLHF_DIST_UNSET_TOKEN"):
+        ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
+
+
+def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypatch):
+    """A non-sending rank's walk over a ZeRO-3-like model (parameters with ds_id and
+    ds_numel, numel() 0): GatheredParameters is entered once per bucket, never nested,
+    with at most the bucket bound of whole weights, and covers every weight once."""
+    import contextlib
+
+    import deepspeed
+
+    from rlhf_dist.rollout.server import ServerEngine
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])  # 6 x 16.6 KB
+    for i, p in enumerate(model.parameters()):
+        p.ds_id, p.ds_numel = i, p.numel()
+        p.data = torch.zeros(0)  # a partition: nothing of it here
+    gathered, live = [], []
+
+    @contextlib.contextmanager
+    def recorder(params, modifier_rank=None):
+        assert not live  # never two buckets at once
+        live.append(params)
+        gathered.append([int(p.ds_numel) * 4 for p in params])
+        yield
+        live.pop()
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", recorder)
+    monkeypatch.setenv("RLHF_DIST_TEST_TOKEN", "t")
+    cfg = load_config(
+        None,
+        ["generation.backend=server", "generation.server_urls=[http://127.0.0.1:1]",
+         "generation.server_token_env=RLHF_DIST_TEST_TOKEN",
+         f"generation.server_sync_bucket_mb={40_000 / 2**20}"],
+    )  # fmt: skip
+    ServerEngine(cfg, is_main=False, any_rank=lambda flag: flag)._send(model)
+    whole = sum(p.ds_numel * 4 for p in model.parameters())
+    assert sum(map(sum, gathered)) == whole and len(gathered) > 1
+    assert all(sum(b) <= 40_000 or len(b) == 1 for b in gathered)
