@@ -71,27 +71,36 @@ def test_online_dpo_with_the_reward_model_trains_the_actor_only(
     assert (out / "final" / "config.json").is_file()
 
 
-def test_the_python_api_skips_and_counts_ties(sft_run, task_env, tmp_path, read_jsonl):
-    calls: list[list[float]] = []
+def coarse_reward(calls: list):
+    """1 if a response holds a positive word, else 0: ties are common. Records each call."""
 
-    def coarse(prompts, responses):  # 1 if the response has a positive word: ties are common
+    def coarse(prompts, responses):
         scores = [float(any(w in r.split() for w in ("great", "good", "love"))) for r in responses]
         calls.append(scores)
         return scores
 
+    return coarse
+
+
+def api_run(sft_run, task_env, out, reward_fn, **keys) -> dict:
     prompts = [json.loads(line) for line in task_env.files.prompts.read_text().splitlines()]
-    out = tmp_path / "api"
-    summary = rlhf_dist.online_dpo(
+    return rlhf_dist.online_dpo(
         {
             "model.policy": str(sft_run.out / "final"), "run.output_dir": str(out),
             "run.seed": 0, "run.log_every": 1, "run.progress": False, "perf.num_threads": 1,
             "data.max_prompt_length": 16, "data.max_length": 48,
             "generation.max_new_tokens": 12, "ppo.iterations": 2, "ppo.rollout_batch_size": 8,
-            "ppo.optim.lr": 1e-3,
+            "ppo.optim.lr": 1e-3, **keys,
         },
         dataset=prompts[:64],
-        reward_fn=coarse,
+        reward_fn=reward_fn,
     )  # fmt: skip
+
+
+def test_the_python_api_skips_and_counts_ties(sft_run, task_env, tmp_path, read_jsonl):
+    calls: list[list[float]] = []
+    out = tmp_path / "api"
+    summary = api_run(sft_run, task_env, out, coarse_reward(calls))
     assert summary["iterations"] == 2
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(calls) == len(rows) == 2
@@ -105,3 +114,16 @@ def test_the_python_api_skips_and_counts_ties(sft_run, task_env, tmp_path, read_
     assert 0 < sum(r["online_dpo/tie_fraction"] for r in rows) < 2  # ties and pairs both seen
     effective = (out / "config.yaml").read_text()
     assert "estimator: online_dpo" in effective and "kl_coef: 0.1" in effective
+
+
+def test_dynamic_sampling_refills_the_tied_groups(sft_run, task_env, tmp_path, read_jsonl):
+    out = tmp_path / "dynamic"
+    keys = {"ppo.dynamic_sampling": True, "ppo.dynamic_sampling_max_rounds": 3}
+    api_run(sft_run, task_env, out, coarse_reward([]), **keys)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert any(r["rollout/dynamic_sampling_drop_rate"] > 0 for r in rows)  # ties were sampled
+    for row in rows:  # ... and the trained batch holds only those the rounds could not replace
+        assert row["online_dpo/tie_fraction"] == pytest.approx(
+            row["rollout/dynamic_sampling_filled"]
+        )
+        assert row["online_dpo/pairs"] == pytest.approx(8 * (1 - row["online_dpo/tie_fraction"]))
