@@ -3,6 +3,8 @@
 - labelled by the reward model: the actor trains, the reference and the reward model stay
   frozen, and every iteration logs the pair metrics (DPO loss, implicit rewards, accuracy,
   the labeller's scores, the share of tied groups) beside the KL to the reference;
+- with LoRA the reference is the policy's base with its adapters off: only the adapters
+  train, and the first rollout's KL to the reference is 0;
 - through the Python API (`rlhf_dist.online_dpo`) with a reward function that ties often:
   tied groups are skipped and counted, the pairs are the untied groups, and the run
   exports a policy that differs from the one it started from.
@@ -13,10 +15,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from spies import capture_calls
 
 import rlhf_dist
 from rlhf_dist.config import config_from_dict
+from rlhf_dist.models.lora import AdapterOffReference
 from rlhf_dist.trainers import ppo
 
 PAIR_METRICS = (
@@ -127,3 +131,41 @@ def test_dynamic_sampling_refills_the_tied_groups(sft_run, task_env, tmp_path, r
             row["rollout/dynamic_sampling_filled"]
         )
         assert row["online_dpo/pairs"] == pytest.approx(8 * (1 - row["online_dpo/tie_fraction"]))
+
+
+def test_with_lora_the_reference_is_the_base_with_adapters_off(
+    sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict, read_jsonl
+):
+    policy = sft_run.out / "final"
+    built = capture_calls(monkeypatch, ppo, "build_models")
+    out = tmp_path / "odpo_lora"
+    tree = {
+        "run": {"output_dir": str(out), "seed": 0, "log_every": 1},
+        "model": {"policy": str(policy)},
+        "data": data_cfg(train=str(task_env.files.prompts)),
+        "generation": {"max_new_tokens": 12, "temperature": 0.7},
+        "reward": {"function": "rlhf_dist.demo.task:positive_word_reward"},
+        "lora": {"enabled": True, "r": 4},
+        "ppo": {
+            "estimator": "online_dpo", "iterations": 2, "rollout_batch_size": 8,
+            "samples_per_prompt": 4, "kl_coef": 0.1, "optim": {"lr": 1e-2},
+        },
+    }  # fmt: skip
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    ((_, _, models),) = built
+    assert isinstance(models.reference, AdapterOffReference)
+    net = runtime.unwrap(models.model)
+    trained = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert any(p.abs().sum() > 0 for n, p in trained.items() if "lora_B" in n)  # B starts at 0
+    initial = saved_state_dict(policy)
+    base = {
+        n.replace("base_model.model.", "").replace("base_layer.", ""): p
+        for n, p in net.actor.state_dict().items()
+        if "lora_" not in n
+    }
+    for name, tensor in initial.items():
+        assert torch.equal(base[name], tensor), name
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert abs(rows[0]["objective/kl"]) < 1e-4  # fresh adapters: the actor is the reference
+    assert rows[1]["objective/kl"] > 1e-4 and rows[0]["online_dpo/pairs"] > 0
