@@ -5,7 +5,8 @@
   gradient of the mean DPO loss over the untied pairs, computed here directly;
 - a tied group's pair weighs nothing: its responses do not change the gradient;
 - a minibatch whose pairs all tie runs no backward and takes no step;
-- the labeller's statistics count ties and average the untied pairs' scores.
+- the labeller's statistics count ties and average the untied pairs' scores;
+- a config mistake of ppo.estimator=online_dpo is one ConfigError naming the key.
 """
 
 import dataclasses
@@ -15,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf_dist.algo.preference import dpo_loss, sequence_logprobs
+from rlhf_dist.config import ConfigError, config_from_dict, validate
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
@@ -141,3 +143,35 @@ def test_pair_statistics_count_ties_and_average_the_labellers_scores():
     assert stats["online_dpo/score_chosen"] == pytest.approx(7.5 / 4)
     assert stats["online_dpo/score_rejected"] == pytest.approx(0.0)
     assert stats["online_dpo/score_margin"] == pytest.approx(7.5 / 4)
+
+
+BASE = {
+    "model": {"policy": "p", "reward": "r"},
+    "data": {"train": "t"},
+    "ppo": {"estimator": "online_dpo", "samples_per_prompt": 2},
+}
+
+
+@pytest.mark.parametrize(
+    "ppo_keys, world_size, key",
+    [
+        ({"kl_coef": 0.0}, 1, "ppo.kl_coef"),  # beta
+        ({"samples_per_prompt": 1}, 1, "ppo.samples_per_prompt"),  # no pair in a group of 1
+        ({"clip_eps_high": 0.3}, 1, "ppo.clip_eps_high"),  # a knob the DPO loss does not read
+        ({"entropy_coef": 0.01}, 1, "ppo.entropy_coef"),
+        ({"kl_controller": "adaptive"}, 1, "ppo.kl_controller"),
+        ({"overlong": "mask"}, 1, "ppo.overlong"),
+        # 8 prompts x 2 over 2 ranks, minibatches of 6 sequences: 3 per rank, not whole pairs
+        ({"rollout_batch_size": 6, "minibatch_size": 6}, 2, "ppo.minibatch_size"),
+        ({"estimator": "grpo", "dpo_loss": "ipo"}, 1, "ppo.dpo_loss"),  # online_dpo's key only
+    ],
+)
+def test_online_dpo_config_mistakes_name_the_key(ppo_keys, world_size, key):
+    tree = {**BASE, "ppo": {**BASE["ppo"], **ppo_keys}}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(config_from_dict(tree), "ppo", world_size)
+
+
+def test_an_online_dpo_config_with_its_own_keys_validates():
+    tree = {**BASE, "ppo": {**BASE["ppo"], "dpo_loss": "ipo", "overlong": "soft"}}
+    validate(config_from_dict(tree), "ppo", 1)
