@@ -244,11 +244,8 @@ def online_dpo_iteration(
     print_first_batch(runtime, run, cfg, batch, texts)
     t1 = time.time()
     scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
-    batch, n, mask = (
-        dataclasses.replace(batch, scores=scores),
-        run.plan.samples_per_prompt,
-        batch.response_mask,
-    )
+    batch = dataclasses.replace(batch, scores=scores)
+    n, mask = run.plan.samples_per_prompt, batch.response_mask
     labels, _ = estimate("online_dpo", batch, score_rewards(scores, mask), n, cfg.ppo)
     pairs = Pairs.of(scores, n)
     run.model.train()
