@@ -44,6 +44,10 @@ CONFIGS = {
     "PPOConfig": ["trl/experimental/ppo/ppo_config.py", "trl/trainer/ppo_config.py"],
     "CPOConfig": ["trl/experimental/cpo/cpo_config.py", "trl/trainer/cpo_config.py"],
     "ORPOConfig": ["trl/experimental/orpo/orpo_config.py", "trl/trainer/orpo_config.py"],
+    "OnlineDPOConfig": [
+        "trl/experimental/online_dpo/online_dpo_config.py",
+        "trl/trainer/online_dpo_config.py",
+    ],
 }
 
 # The inherited TrainingArguments fields docs/from_trl.md maps (the ones users set).

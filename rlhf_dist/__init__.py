@@ -1,7 +1,8 @@
 """rlhf_dist: RLHF (SFT -> Bradley-Terry reward model -> PPO) on Accelerate + DeepSpeed.
 
 The stage functions of the Python API (rlhf_dist/api.py) are importable from here:
-`rlhf_dist.sft`, `reward_model`, `ppo`, `grpo`, `dpo`, `kto`, `eval`, `iterate`. They load on first use,
+`rlhf_dist.sft`, `reward_model`, `ppo`, `grpo`, `online_dpo`, `dpo`, `kto`, `eval`,
+`iterate`. They load on first use,
 so `import rlhf_dist.algo` stays torch-only and `rlhf-dist --help` stays instant.
 """
 
@@ -11,7 +12,7 @@ __version__ = "0.1.0"
 
 # Named so no submodule shadows them: `import rlhf_dist.evaluate` rebinds that attribute
 # to the module, so the eval stage is `rlhf_dist.eval` (and iterate's module is iterative).
-API = ("sft", "reward_model", "ppo", "grpo", "dpo", "kto", "eval", "iterate")
+API = ("sft", "reward_model", "ppo", "grpo", "online_dpo", "dpo", "kto", "eval", "iterate")
 
 
 def __getattr__(name: str):

@@ -206,6 +206,15 @@ def grpo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> dict:
     return ppo(config, dataset=dataset, reward_fn=reward_fn, overrides=overrides, preset="grpo")
 
 
+def online_dpo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> dict:
+    """Online DPO (docs/online_dpo.md): `ppo` with the online_dpo preset (TRL's
+    OnlineDPOTrainer defaults), every key of `config` over it. The labeller is `reward_fn`,
+    model.reward or reward.judge; beta is ppo.kl_coef."""
+    return ppo(
+        config, dataset=dataset, reward_fn=reward_fn, overrides=overrides, preset="online_dpo"
+    )
+
+
 def dpo(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
     """DPO / conservative DPO / IPO on preference pairs."""
     objects = {"data.train": dataset, "data.eval": eval_dataset}

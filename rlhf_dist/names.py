@@ -15,6 +15,7 @@ from rlhf_dist.algo.catalog import (
     ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
+    ONLINE_DPO_LOSSES,
     POLICY_LOSSES,
     REFERENCE_FREE_LOSSES,
     EstimatorTraits,
@@ -32,6 +33,7 @@ __all__ = [
     "ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGGREGATIONS",
+    "ONLINE_DPO_LOSSES",
     "OVERLONG",
     "POLICY_LOSSES",
     "RATIO_LEVELS",
@@ -54,6 +56,7 @@ DEMO_RL_ALGORITHMS: tuple[str, ...] = (
     "rloo",
     "reinforce_pp",
     "reinforce_pp_baseline",
+    "online_dpo",
 )
 DEMO_RL_ALGORITHMS += DEMO_OBJECTIVES
 # rlhf-dist dpo / kto on the preference pairs; simpo and orpo are rlhf-dist dpo with that

@@ -26,6 +26,9 @@ ESTIMATORS: dict[str, EstimatorTraits] = {
     "reinforce_pp_baseline": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=True),
     # on-policy distillation alone: no task advantage, the teacher's signal is the update's
     "distill": EstimatorTraits(needs_critic=False, needs_groups=False, whitens=False),
+    # online DPO: the best and worst sample of each prompt form a pair for the DPO loss;
+    # its "advantages" are the pair labels (+1 chosen, -1 rejected), the update reads pairs
+    "online_dpo": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=False),
 }
 # ppo.policy_loss: PPO's clipped surrogate, or CISPO's clipped stop-gradient weight
 POLICY_LOSSES = ("clip", "cispo")
@@ -38,6 +41,8 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean") 
 # DPO stage builds no reference model (trainers/dpo.py).
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+# ppo.dpo_loss of ppo.estimator=online_dpo: the DPO losses that compare with the reference
+ONLINE_DPO_LOSSES = ("sigmoid", "ipo")
 
 
 class Entry(NamedTuple):

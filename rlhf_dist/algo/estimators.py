@@ -23,6 +23,7 @@ import torch
 from rlhf_dist.algo import catalog
 from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.masking import last_token_index, pack_masked, unpack_masked
+from rlhf_dist.algo.preference import best_worst_pairs
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,19 @@ def distill_estimator(x: AdvantageInputs):
     return torch.zeros_like(x.rewards), None
 
 
+def online_dpo_estimator(x: AdvantageInputs):
+    """Online DPO (ppo.estimator=online_dpo, docs/online_dpo.md): no advantage in the
+    policy-gradient sense; each response's pair label, +1 on every token of its group's
+    chosen (best) row, -1 on the rejected (worst) row's, 0 on the other rows and on tied
+    groups (preference.best_worst_pairs), (B, T). The update trains the DPO loss on the
+    pairs themselves; these labels are what the rollout statistics and histograms show."""
+    chosen, rejected, valid = best_worst_pairs(x.scores, x.group_size)
+    label = torch.zeros(x.scores.shape[0], dtype=x.rewards.dtype, device=x.rewards.device)
+    label[chosen[valid]] = 1.0
+    label[rejected[valid]] = -1.0
+    return torch.where(x.response_mask.bool(), label[:, None], 0.0), None
+
+
 # One signature: f(AdvantageInputs) -> (advantages, returns or None). The names and each
 # one's traits (needs_critic, needs_groups, whitens) are declared in catalog.ESTIMATORS.
 Estimator = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
@@ -131,6 +145,7 @@ ESTIMATORS = catalog.registry(
         "reinforce_pp": reinforce_pp_estimator,
         "reinforce_pp_baseline": reinforce_pp_baseline_estimator,
         "distill": distill_estimator,
+        "online_dpo": online_dpo_estimator,
     },
 )
 

@@ -89,6 +89,33 @@ def dpo_terms(
     }
 
 
+def best_worst_pairs(
+    scores: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online DPO's pairs (Guo et al. 2024, section 3; with n > 2 samples the best against
+    the worst, as Xu et al. 2024 "Is DPO superior to PPO" and TRL pick them): per group of
+    `group_size` contiguous rows, the best-scored row is chosen and the worst rejected.
+
+    scores: (B,), B = G x group_size, a prompt's samples in adjacent rows. Returns (chosen,
+    rejected, valid), each (G,): row indices into the B rows (long), and whether the group
+    has a pair at all. A group whose best and worst scores are equal (a tie; with a NaN
+    score too, since NaN compares unequal to nothing) has no preference: valid is False
+    there, and its indices are the group's first row. Among equal best (worst) scores the
+    first row is taken, so the result depends on the scores only."""
+    B = scores.shape[0]
+    if group_size < 2 or B % group_size:
+        raise ValueError(f"best_worst_pairs: {B} rows do not form groups of {group_size} >= 2")
+    grouped = scores.reshape(-1, group_size)
+    best, worst = grouped.max(dim=1), grouped.min(dim=1)
+    valid = best.values > worst.values
+    # torch's argmax/argmin of a row: its FIRST extreme value (documented), on any device
+    chosen, rejected = grouped.argmax(dim=1), grouped.argmin(dim=1)
+    start = torch.arange(grouped.shape[0], device=scores.device) * group_size
+    chosen = torch.where(valid, start + chosen, start)
+    rejected = torch.where(valid, start + rejected, start)
+    return chosen, rejected, valid
+
+
 def dpo_loss(
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,

@@ -1,5 +1,5 @@
 """Named presets of `rlhf-dist ppo`: the keys that make it GRPO, Dr. GRPO, DAPO, GSPO,
-RLOO or REINFORCE++, so a user need not know that GRPO is `ppo.estimator=grpo` plus four
+RLOO, REINFORCE++ or online DPO, so a user need not know that GRPO is `ppo.estimator=grpo` plus four
 more keys. A preset lies UNDER the user's file and overrides: any key the user sets wins
 (docs/grpo.md lists each preset's keys and where its numbers come from)."""
 
@@ -20,6 +20,18 @@ GRPO: dict[str, Any] = {
     "ppo.loss_aggregation": "token_mean",
     "ppo.optim.lr": 1e-6,
     "generation.temperature": 1.0,
+}
+
+# Online DPO as TRL's OnlineDPOTrainer runs it by default (OnlineDPOConfig: 2 completions
+# per prompt, beta 0.1, the sigmoid loss, temperature 0.9, lr 5e-7, one optimizer step
+# per generation batch); here beta is ppo.kl_coef (docs/online_dpo.md).
+ONLINE_DPO: dict[str, Any] = {
+    "ppo.estimator": "online_dpo",
+    "ppo.samples_per_prompt": 2,
+    "ppo.kl_coef": 0.1,
+    "ppo.dpo_loss": "sigmoid",
+    "ppo.optim.lr": 5e-7,
+    "generation.temperature": 0.9,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -57,6 +69,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ppo.kl_kind": "k2",
         "ppo.kl_coef": 0.01,
     },
+    "online_dpo": ONLINE_DPO,
 }
 
 

@@ -15,6 +15,7 @@ from rlhf_dist.names import (
     ESTIMATORS,
     KL_KINDS,
     LOSS_AGGREGATIONS,
+    ONLINE_DPO_LOSSES,
     OVERLONG,
     POLICY_LOSSES,
     RATIO_LEVELS,
@@ -241,7 +242,8 @@ class PPOConfig:
         "advantage estimator (rlhf_dist/algo/estimators.py): gae (with a critic), grpo, rloo, "
         "reinforce_pp, reinforce_pp_baseline (critic-free: no critic is built); distill: "
         "on-policy distillation from model.teacher alone, the task reward trains nothing "
-        "(docs/distill.md)",
+        "(docs/distill.md); online_dpo: the DPO loss on each prompt's best and worst sample "
+        "(needs samples_per_prompt >= 2; docs/online_dpo.md)",
         choices=tuple(ESTIMATORS),
     )
     grpo_std_normalize: bool = key(
@@ -424,7 +426,8 @@ class PPOConfig:
     kl_coef: float = key(
         0.05,
         "weight of the per-token KL to the reference (initial, if adaptive); 0 = no KL term and "
-        "no reference model loaded (TRL's GRPO default)",
+        "no reference model loaded (TRL's GRPO default); with ppo.estimator=online_dpo it is "
+        "DPO's beta (> 0)",
         min=0,
     )
     kl_placement: str = key(
@@ -471,6 +474,13 @@ class PPOConfig:
         "0 = forward KL(teacher || student), 1 = reverse KL(student || teacher)",
         min=0,
         max=1,
+    )
+    dpo_loss: str = key(
+        "sigmoid",
+        "ppo.estimator=online_dpo: the DPO loss on each prompt's (best, worst) pair of samples "
+        "against the reference, with beta = ppo.kl_coef: sigmoid (Rafailov et al. 2023) or "
+        "ipo (Azar et al. 2023) (docs/online_dpo.md)",
+        choices=ONLINE_DPO_LOSSES,
     )
     whiten_advantages: bool | None = key(
         None,

@@ -9,6 +9,7 @@ import os
 
 from rlhf_dist.config import sizes
 from rlhf_dist.config.loading import check_keys
+from rlhf_dist.config.rl import PPOConfig
 from rlhf_dist.config.schema import Config
 from rlhf_dist.config.stages import DPOConfig
 from rlhf_dist.config.tasks import (
@@ -410,6 +411,7 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
         ("ppo.minibatch_size", minibatch),
     )
     _validate_objective(cfg)
+    _validate_online_dpo(cfg, minibatch // world_size)
     if not cfg.data.train:
         raise ConfigError("data.train: required (a prompt file or a hub dataset name)")
     if p.ptx_coef > 0 and not cfg.data.ptx:
@@ -420,6 +422,46 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             "data.ptx: set, but ppo.ptx_coef is 0 (ptx off): set ppo.ptx_coef > 0 or leave "
             "data.ptx empty"
+        )
+
+
+# What ppo.estimator=online_dpo does not read: the policy-gradient loss's knobs, and the
+# KL penalty's placement and controller (beta = ppo.kl_coef is in the DPO loss itself).
+# Set away from their defaults they would be silently ignored, so they are refused.
+NOT_ONLINE_DPO = (
+    "clip_eps_low", "clip_eps_high", "dual_clip", "policy_loss", "ratio_level",
+    "loss_aggregation", "entropy_coef", "entropy_target", "cov_control", "ptx_coef",
+    "tis_cap", "whiten_advantages", "kl_placement", "kl_controller", "micro_batch_tokens",
+)  # fmt: skip
+
+
+def _validate_online_dpo(cfg: Config, rank_minibatch: int) -> None:
+    """ppo.estimator=online_dpo (docs/online_dpo.md): beta > 0, the keys it does not read
+    left unset, and a rank's share of a minibatch made of whole groups (a group is one
+    pair); rank_minibatch: sequences per rank per optimizer step."""
+    p, default = cfg.ppo, PPOConfig()
+    if p.estimator != "online_dpo":
+        if p.dpo_loss != default.dpo_loss:
+            raise ConfigError(
+                f"ppo.dpo_loss: read by ppo.estimator=online_dpo only, not {p.estimator}"
+            )
+        return
+    if not p.kl_coef > 0:
+        raise ConfigError("ppo.kl_coef: DPO's beta with ppo.estimator=online_dpo; must be > 0")
+    for name in NOT_ONLINE_DPO:
+        if getattr(p, name) != getattr(default, name):
+            raise ConfigError(
+                f"ppo.{name}: not read by ppo.estimator=online_dpo (the DPO loss on pairs "
+                "replaces the policy-gradient loss); leave it unset"
+            )
+    if p.overlong == "mask" or cfg.model.teacher:
+        key = "ppo.overlong" if p.overlong == "mask" else "model.teacher"
+        raise ConfigError(f"{key}: not supported with ppo.estimator=online_dpo")
+    if rank_minibatch % p.samples_per_prompt:
+        raise ConfigError(
+            f"ppo.minibatch_size: with ppo.estimator=online_dpo each rank's share of a "
+            f"minibatch ({rank_minibatch} sequences) must be whole groups of "
+            f"ppo.samples_per_prompt={p.samples_per_prompt} (one pair each)"
         )
 
 

@@ -41,6 +41,7 @@ ESTIMATORS = {
     "reinforce_pp": ("REINFORCE++", "reinforce-pp"),
     "reinforce_pp_baseline": ("REINFORCE++ with a group baseline", "reinforce-pp"),
     "distill": ("on-policy distillation from a teacher", "distillation"),
+    "online_dpo": ("online DPO (pairs of the policy's own samples)", "online-dpo"),
 }
 
 # The settings that define a run, per stage (dotted config keys), shown in the card's table;

@@ -53,6 +53,15 @@ PANEL_GROUPS = (
         ),
     ),
     (
+        "online_dpo_pairs",
+        "Online DPO pairs: the labeller's scores & ties",
+        (
+            ("online_dpo/score_chosen", "online_dpo/score_rejected", "online_dpo/score_margin"),
+            ("online_dpo/tie_fraction",),
+            ("online_dpo/pairs",),
+        ),
+    ),
+    (
         "ppo_score_kl",
         "Score & KL",
         (

@@ -62,6 +62,7 @@ from rlhf_dist.trainers.common import (
     write_checkpoint,
 )
 from rlhf_dist.trainers.dynamic_sampling import rollout_until_full
+from rlhf_dist.trainers.online_dpo import PairKnobs, Pairs, online_dpo_update, pair_statistics
 from rlhf_dist.trainers.ppo_entropy import cov_choice, make_entropy_controller
 from rlhf_dist.trainers.ppo_eval import held_out_eval
 from rlhf_dist.trainers.ppo_setup import PPORun, build_models, export_models
@@ -195,6 +196,8 @@ def ppo_iteration(
     refilled) -> scores -> rewards -> advantages (ppo.estimator) -> whitening -> update
     (with ppo.overlong=mask: truncated rows masked out) -> statistics. The rollout batch
     is frozen: each step makes a new one."""
+    if cfg.ppo.estimator == "online_dpo":  # the DPO loss on pairs: its own update
+        return online_dpo_iteration(runtime, run, prompt_batch, cfg, it, more_prompts)
     p, kl_coef = cfg.ppo, run.kl_ctl.coef
     timings: dict[str, float] = {}
     skip = old_logprobs_from_update(cfg, run.plan)  # no actor pass in scoring
@@ -234,6 +237,43 @@ def ppo_iteration(
     stats |= memory_plan_stats(runtime, planned or {}, measured)
     run.kl_ctl.update(stats["objective/kl"], run.plan.sequences)
     run.entropy_ctl.update(stats["objective/entropy"])  # ppo.entropy_target: next iteration's
+    samples = sample_rows(prompt_texts, texts, batch, kl)[: cfg.run.num_samples]
+    return IterationResult(stats, distributions, samples)
+
+
+def online_dpo_iteration(
+    runtime: Runtime, run: PPORun, prompt_batch, cfg: Config, it: int, more_prompts=None
+) -> IterationResult:
+    """One iteration of online DPO (trainers/online_dpo.py, docs/online_dpo.md): rollout
+    of n samples per prompt by the current policy (old and reference log-probs, scores) ->
+    score normalisation -> each group's best and worst sample as a pair (tied groups
+    skipped) -> the DPO update on the pairs -> statistics (the rollout's, the labeller's,
+    the update's). The per-token "advantages" logged are the pair labels (+1 / -1 / 0)."""
+    timings: dict[str, float] = {}
+    t0 = time.time()
+    run.model.eval()
+    batch, texts, prompt_texts, sampling = sample_rollout(
+        runtime, run, prompt_batch, cfg, timings, more_prompts
+    )
+    maybe_fault("rollout", it)
+    run.scorer.raise_failure(runtime)  # all ranks together, weights untouched
+    print_first_batch(runtime, run, cfg, batch, texts)
+    t1 = time.time()
+    scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
+    batch = dataclasses.replace(batch, scores=scores)
+    n, mask = run.plan.samples_per_prompt, batch.response_mask
+    labels, _ = estimate("online_dpo", batch, score_rewards(scores, mask), n, cfg.ppo)
+    pairs = Pairs.of(scores, n)
+    run.model.train()
+    update = online_dpo_update(runtime, run, batch, pairs, PairKnobs.from_config(cfg), it)
+    kl = token_kl(batch.old_logprobs, batch.ref_logprobs, mask, cfg.ppo.kl_kind)
+    stats = rollout_stats(runtime, batch, kl, labels, None, run.kl_ctl.coef) | sampling | update
+    stats |= pair_statistics(runtime, batch, pairs) | run.scorer.component_stats(runtime)
+    stats |= overlong_stats(runtime, batch, mask, cfg)  # the soft penalty, in the scores
+    distributions = None
+    if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
+        distributions = gather_distributions(runtime, batch, labels, kl)
+    stats |= iteration_costs(runtime, run, (t0, t1, time.time()), timings, mask, cfg)
     samples = sample_rows(prompt_texts, texts, batch, kl)[: cfg.run.num_samples]
     return IterationResult(stats, distributions, samples)
 

@@ -25,7 +25,7 @@ from rlhf_dist.algo.estimators import (
 from rlhf_dist.algo.rewards import shape_rewards
 
 GRPO_EPS = 1e-6  # grpo_estimator's default eps, added to the group std
-NAMES = ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill"]
+NAMES = ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill", "online_dpo"]
 SEEDS = [0, 1, 2]
 GROUP_SIZES = [2, 3, 5]
 GAMMAS = [1.0, 0.99, 0.5]
@@ -203,6 +203,23 @@ def ref_reinforce_pp_baseline(x: AdvantageInputs):
     return ref_return_to_go(r, lengths, x.gamma)
 
 
+def ref_online_dpo(x: AdvantageInputs):
+    """+1 on the tokens of each group's first best-scored row, -1 on its first worst-scored
+    row's, 0 elsewhere and in groups whose scores all tie."""
+    _, _, lengths = _lists(x)
+    s, n = x.scores.double().tolist(), x.group_size
+    label = [0.0] * len(s)
+    for g in range(len(s) // n):
+        rows = list(range(g * n, (g + 1) * n))
+        hi, lo = max(s[b] for b in rows), min(s[b] for b in rows)
+        if hi > lo:
+            label[next(b for b in rows if s[b] == hi)] = 1.0
+            label[next(b for b in rows if s[b] == lo)] = -1.0
+    T = x.rewards.shape[1]
+    out = [[label[b] if t < lengths[b] else 0.0 for t in range(T)] for b in range(len(s))]
+    return torch.tensor(out, dtype=torch.float64)
+
+
 def ref_advantages(name, x):
     if name == "gae":
         return ref_gae(x)[0]
@@ -214,6 +231,7 @@ def ref_advantages(name, x):
         # distillation alone: the task gives no advantage (the teacher's signal is the
         # update's, tests/algo/test_algo_distill.py)
         "distill": lambda x: torch.zeros(x.rewards.shape, dtype=torch.float64),
+        "online_dpo": ref_online_dpo,
     }[name](x)
 
 
@@ -285,6 +303,17 @@ def test_rloo_group_of_two_hand_computed():
     x = AdvantageInputs(rewards, torch.zeros(2, dtype=torch.float64), mask, group_size=2)
     adv, _ = rloo_estimator(x)
     _close(adv, [[-3, -3], [3, 0]], atol=1e-12)
+
+
+def test_online_dpo_labels_hand_computed():
+    # groups of 3: scores [0.2, 0.9, -1] -> row 1 chosen, row 2 rejected; [5, 5, 5] tie;
+    # a 2-token mask on row 0 and an empty row 2 (its -1 has no token to sit on)
+    scores = torch.tensor([0.2, 0.9, -1.0, 5.0, 5.0, 5.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool()
+    x = AdvantageInputs(torch.zeros(6, 3, dtype=torch.float64), scores, mask, group_size=3)
+    adv, ret = estimate_advantages("online_dpo", x)
+    want = [[0, 0, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert ret is None and adv.tolist() == want
 
 
 def test_reinforce_pp_hand_computed():
@@ -558,6 +587,7 @@ def test_registry_flags():
         "reinforce_pp": (False, False, True),
         "reinforce_pp_baseline": (False, True, True),
         "distill": (False, False, False),
+        "online_dpo": (False, True, False),
     }
 
 

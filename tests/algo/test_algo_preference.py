@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf_dist.algo.preference import (
+    best_worst_pairs,
     dpo_loss,
     dpo_terms,
     kto_loss,
@@ -419,3 +420,58 @@ def test_reference_free_losses_leave_inputs_alone():
     simpo_loss(pc, pr, lc, lr, 2.0, 0.5, 0.1)
     orpo_loss(pc, pr, lc, lr, 0.1, -pc.sum(), lc.sum())
     assert all(torch.equal(x, y) for x, y in zip((pc, pr, lc, lr), before))
+
+
+# ---------------------------------------------------------------------------------------------
+# Online DPO's pairs: each group's best against its worst sample, ties skipped
+# ---------------------------------------------------------------------------------------------
+
+
+def test_best_worst_pairs_hand_computed():
+    # groups of 4: [1, 3, 3, 0] -> chosen row 1 (the first of the two 3s), rejected row 3;
+    # [2, 2, 2, 2] ties; [-1, nan, 4, 0] has no order (NaN) and is skipped; [0.5, -2, 7, -2]
+    # -> chosen 14, rejected 13 (the first of the two -2s)
+    nan = float("nan")
+    scores = torch.tensor([1, 3, 3, 0, 2, 2, 2, 2, -1, nan, 4, 0, 0.5, -2, 7, -2])
+    chosen, rejected, valid = best_worst_pairs(scores, 4)
+    assert valid.tolist() == [True, False, False, True]
+    assert chosen.tolist() == [1, 4, 8, 14] and rejected.tolist() == [3, 4, 8, 13]
+    # pairs of 2 (TRL's default): a tie is skipped, not "first wins"
+    chosen, rejected, valid = best_worst_pairs(torch.tensor([0.0, 1.0, 2.0, 2.0]), 2)
+    assert (chosen.tolist(), rejected.tolist(), valid.tolist()) == ([1, 2], [0, 2], [True, False])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_best_worst_pairs_properties(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    G = 40
+    # few distinct values, so ties (within and across groups) are common
+    scores = torch.randint(0, 3, (G * n,), generator=g).double()
+    before = scores.clone()
+    chosen, rejected, valid = best_worst_pairs(scores, n)
+    assert torch.equal(scores, before)  # the input is left alone
+    for k in range(G):
+        group = scores[k * n : (k + 1) * n].tolist()
+        assert bool(valid[k]) == (max(group) > min(group))  # a pair iff not all tie
+        if valid[k]:
+            c, r = int(chosen[k]) - k * n, int(rejected[k]) - k * n
+            assert 0 <= c < n and 0 <= r < n and c != r  # rows of its own group
+            assert group[c] == max(group) and group[r] == min(group)
+            assert group.index(max(group)) == c and group.index(min(group)) == r
+    # the pairs follow the rows they name: shuffling rows within groups moves them along
+    perm = torch.cat([torch.randperm(n, generator=g) + k * n for k in range(G)])
+    c2, r2, v2 = best_worst_pairs(scores[perm], n)
+    assert torch.equal(v2, valid)
+    assert torch.equal(scores[perm][c2[v2]], scores[chosen[valid]])
+    assert torch.equal(scores[perm][r2[v2]], scores[rejected[valid]])
+    # any strictly increasing map of the scores gives the same pairs (a ranking only)
+    assert all(torch.equal(a, b) for a, b in zip(best_worst_pairs(scores.exp() * 3 - 1, n),
+                                                 (chosen, rejected, valid)))  # fmt: skip
+
+
+def test_best_worst_pairs_refuses_rows_that_are_not_groups():
+    with pytest.raises(ValueError, match="groups of 3"):
+        best_worst_pairs(torch.zeros(7), 3)
+    with pytest.raises(ValueError, match="groups of 1"):
+        best_worst_pairs(torch.zeros(4), 1)
