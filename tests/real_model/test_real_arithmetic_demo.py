@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlhf_dist.demo import arithmetic_demo
 
 
+@pytest.mark.slow  # ~40 CPU-seconds with the fixture's tiny models (measured on a loaded 2-core VM)
 def test_the_arithmetic_demo_runs_end_to_end_and_writes_its_summary(
     tmp_path, tiny_real_vocab, capsys
 ):
