@@ -102,10 +102,11 @@ def _add_demo(sub) -> None:
     demo.add_argument(
         "--task",
         default="reviews",
-        choices=("reviews", "tool_use"),
+        choices=("reviews", "tool_use", "arithmetic"),
         help="reviews (default): the generated reviews task; tool_use: SFT -> GRPO with a "
         "lookup tool -> eval on a task whose answers only the tool knows (--algorithm grpo; "
-        "docs/agents.md)",
+        "docs/agents.md); arithmetic: the real SmolLM2-135M-Instruct (PyPI) evaluated, GRPO "
+        "on reasoning-gym's chain_sum, evaluated again (--algorithm grpo; docs/demo.md)",
     )
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
@@ -257,26 +258,38 @@ def _print_out(text: object) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _run_demo(args) -> int:
+    """`rlhf-dist demo`: the task's pipeline (demo/), one process."""
+    from rlhf_dist.demo.pipeline import run_demo
+
+    if args.task == "tool_use":
+        from rlhf_dist.demo.tool_demo import run_tool_demo
+
+        if args.algorithm != "grpo":
+            raise ConfigError("--task tool_use: runs with --algorithm grpo only")
+        run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+        return 0
+    if args.task == "arithmetic":
+        from rlhf_dist.demo.arithmetic_demo import run_arithmetic_demo
+
+        if args.algorithm != "grpo":
+            raise ConfigError("--task arithmetic: runs with --algorithm grpo only")
+        run_arithmetic_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+        return 0
+    if args.algorithm in DEMO_ITERATIVE:
+        from rlhf_dist.demo.iterative import run_iterative_demo
+
+        run_iterative_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+        return 0
+    run_demo(args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
-            from rlhf_dist.demo.pipeline import run_demo
-
-            if args.task == "tool_use":
-                from rlhf_dist.demo.tool_demo import run_tool_demo
-
-                if args.algorithm != "grpo":
-                    raise ConfigError("--task tool_use: runs with --algorithm grpo only")
-                run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
-                return 0
-            if args.algorithm in DEMO_ITERATIVE:
-                from rlhf_dist.demo.iterative import run_iterative_demo
-
-                run_iterative_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
-                return 0
-            run_demo(args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides))
-            return 0
+            return _run_demo(args)
         if args.command == "report":
             from rlhf_dist.observability.report import build_report
 

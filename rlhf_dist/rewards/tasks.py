@@ -8,6 +8,9 @@
   <answer></answer>) equals the row's `answer` (else `solution`, TRL's column) as
   mathematics (math-verify: 1/2 = 0.5 = \\frac{1}{2}), else 0.0.
 - `answer_format`: 1.0 where the completion gives exactly one final answer in that form.
+- `last_number`: 1.0 where the last number of the completion's final answer (or, without
+  one, of the whole completion) equals the row's numeric `answer`: a lenient reading for
+  small models that answer in prose and never write tags (the task demo, docs/demo.md).
 
 The first two need the tasks extra; config validation names it in one line when a spec
 names them and the package is missing, and calling them without it raises the same line.
@@ -19,12 +22,17 @@ import logging
 import re
 import sys
 import threading
+from fractions import Fraction
 
 from rlhf_dist.config.tasks import INSTALL
 from rlhf_dist.data.tasks import task_dataset
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 BOXED = "\\boxed"
+# A number in running text: a minus is its sign unless a word character or a point comes
+# just before it ("5-3" reads 5 and 3; "= -4" reads -4). Thousands commas are dropped first.
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?|(?<=[\w.])\d+(?:\.\d+)?")
+THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 # math-verify's own timeout per parse / comparison where it can have one (below), seconds.
 MATH_VERIFY_TIMEOUT_S = 5
 _said: set[str] = set()  # warnings already printed by this process, said once each
@@ -102,6 +110,40 @@ def answer_format(prompts, responses) -> list[float]:
             ok = len(boxes) == 1 and bool(boxes[0][1].strip())
         scores.append(float(ok))
     return scores
+
+
+def last_number(prompts, responses, answer) -> list[float]:
+    """1.0 where the response's last number equals the row's `answer` as a number
+    (exact rationals: "-4" = "-4.0", "0.5" = "1/2"), else 0.0. The number is read from the
+    response's final answer (`final_answer`: its last <answer></answer> or \\boxed{}) when it
+    has one, else from the whole response, so "5 - 9 = -4." and "The answer is -4" both
+    score 1 against "-4", and tags are not required. A gold that is not a number scores
+    every response 0.0, said once per gold on stderr (rewarding anything against an
+    unreadable gold is open-r1#293's bug). Pure Python: no extra needed."""
+    scores = []
+    for response, gold in zip(responses, answer):
+        expected = as_number(str(gold))
+        if expected is None:
+            _say_once(f"last_number reward: the gold answer {gold!r} is not a number; scored 0.0")
+            scores.append(0.0)
+            continue
+        region = final_answer(response)
+        got = _last_number(region if region is not None else response)
+        scores.append(float(got is not None and got == expected))
+    return scores
+
+
+def as_number(text: str) -> Fraction | None:
+    """`text` as an exact rational ("-4", "0.50", "3/4", "1,000"), None if it is not one."""
+    try:
+        return Fraction(THOUSANDS.sub("", text.strip()))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _last_number(text: str) -> Fraction | None:
+    found = NUMBER.findall(THOUSANDS.sub("", text))
+    return Fraction(found[-1]) if found else None
 
 
 def final_answer(text: str) -> str | None:

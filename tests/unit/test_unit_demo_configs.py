@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, to_dict
-from rlhf_dist.demo import pipeline, tool_demo
+from rlhf_dist.demo import arithmetic_demo, pipeline, tool_demo
 from rlhf_dist.demo.iterative import iterate_tree
 from rlhf_dist.demo.task import TaskFiles
 from rlhf_dist.names import DEMO_OFFLINE, DEMO_RL_ALGORITHMS, ESTIMATORS
@@ -49,6 +49,9 @@ def _configs(ROOT: Path) -> dict:
     }
     for stage, tree in tool_demo.tool_stage_configs(ROOT, tool_files, ROOT / "p", 0, False).items():
         out[f"tool_use/{stage}"] = to_dict(config_from_dict(tree))
+    arithmetic = arithmetic_demo.arithmetic_stage_configs(ROOT, ROOT / "p", 0, False)
+    for stage, tree in arithmetic.items():
+        out[f"arithmetic/{stage}"] = to_dict(config_from_dict(tree))
     return out
 
 

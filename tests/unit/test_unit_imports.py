@@ -15,6 +15,7 @@ STAGE_RUNNERS = {
     "iterative.py",
     "demo/iterative.py",
     "demo/tool_demo.py",
+    "demo/arithmetic_demo.py",
 }
 
 

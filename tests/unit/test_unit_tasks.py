@@ -26,7 +26,7 @@ from rlhf_dist.data.rows import load_data, load_rows
 from rlhf_dist.data.tasks import task_rows
 from rlhf_dist.rewards import tasks
 from rlhf_dist.rewards.scoring import RewardFunction
-from rlhf_dist.rewards.tasks import answer_format, final_answer, math_verify
+from rlhf_dist.rewards.tasks import answer_format, as_number, final_answer, last_number, math_verify
 
 ARITHMETIC = "reasoning_gym:basic_arithmetic?size=6&seed=3"
 INSTALL_LINE = "pip install 'rlhf_dist[tasks]'"
@@ -307,3 +307,46 @@ def test_final_answer_is_the_last_box_or_tags_whichever_ends_later():
     assert final_answer("<answer>3</answer> then \\boxed{4}") == "4"
     assert final_answer("\\boxed{4} then <answer> 3 </answer>") == "3"
     assert final_answer("\\boxed{") is None and final_answer("<answer> </answer>") is None
+
+
+@pytest.mark.parametrize(
+    ("response", "gold", "score"),
+    [
+        ("The answer to this arithmetic problem is 13.", "13", 1.0),
+        ("5 - 9 = -4.", "-4", 1.0),  # a minus after a space is a sign
+        ("The answer is 4.", "-4", 0.0),  # the sign matters
+        ("5-9 gives 4", "-4", 0.0),  # a minus after a digit is subtraction: 5, 9, 4
+        ("It is 4.0 exactly", "4", 1.0),  # as numbers, not strings
+        ("1/2 of it: 0.5", "1/2", 1.0),
+        ("about 1,000 apples", "1000", 1.0),  # a thousands comma
+        ("3, 4", "4", 1.0),  # a list's comma is no thousands comma
+        ("first 7, then 8", "7", 0.0),  # the last number counts
+        ("<answer>7</answer> and 8 more", "7", 1.0),  # the final answer's region, when there is one
+        ("\\boxed{x = 12} done, 3", "12", 1.0),
+        ("no number at all", "3", 0.0),
+        ("x2", "2", 1.0),  # a digit after a letter still counts
+    ],
+)
+def test_the_last_number_reward_on_hand_cases(response, gold, score):
+    assert last_number(None, [response], answer=[gold]) == [score]
+
+
+def test_last_number_scores_an_unreadable_gold_zero_said_once(capsys):
+    assert last_number(None, ["7", "seven", "7"], answer=["seven", "seven", "7"]) == [0, 0, 1]
+    assert capsys.readouterr().err.count("is not a number") == 1
+    assert as_number(" -3.50 ") == as_number("-7/2") and as_number("1/0") is None
+
+
+def test_last_number_property_any_prose_then_the_answer_scores_one():
+    # Property: prose with numbers, then the gold as the last number, scores 1; the same
+    # with any other last number scores 0.
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "sum", "is", "so", "we", "get", "answer", ":", "=", "+", "then"]
+    for _ in range(200):
+        gold = rng.randint(-99, 99)
+        prose = " ".join(rng.choice(words + [str(rng.randint(0, 9))]) for _ in range(8))
+        other = gold + rng.choice([-2, -1, 1, 2])
+        assert last_number(None, [f"{prose} {gold}."], answer=[str(gold)]) == [1.0]
+        assert last_number(None, [f"{prose} {other}"], answer=[str(gold)]) == [0.0]
