@@ -37,7 +37,7 @@ def _is_optional(tp: Any) -> tuple[bool, Any]:
     return False, tp
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
     """A command-line value as YAML would read it (`1`, `true`, `null`, `[a, b]`, text)."""
     try:
         return yaml.safe_load(text) if text.strip() else ""
@@ -45,7 +45,8 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int that is not a bool (YAML reads `true` as a bool, which Python counts as an int)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -81,7 +82,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             and all(isinstance(v, str) for v in items)
         ):
             return tuple(v for v in items if v)
-        if item is int and isinstance(items, (list, tuple)) and all(_is_int(v) for v in items):
+        if item is int and isinstance(items, (list, tuple)) and all(is_int(v) for v in items):
             return tuple(items)
         if item is float and isinstance(items, (list, tuple, int, float)):
             items = [items] if isinstance(items, (int, float)) else items
@@ -175,7 +176,7 @@ def apply_override(tree: dict, override: str) -> dict:
             raise ConfigError(f"{dotted}: {part} is not a section")
         node[part] = dict(child)
         node = node[part]
-    node[parts[-1]] = _parse_scalar(text)
+    node[parts[-1]] = parse_scalar(text)
     return out
 
 

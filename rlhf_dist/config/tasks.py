@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_dist.config.loading import _is_int, _parse_scalar
+from rlhf_dist.config.loading import is_int, parse_scalar
 from rlhf_dist.errors import ConfigError
 
 PREFIX = "reasoning_gym:"
@@ -73,11 +73,11 @@ def parse_task_spec(value: str, key: str) -> TaskSpec:
             raise ConfigError(f"{key}: {part!r} in {value!r} is not key=value ({FORM})")
         if field in given:
             raise ConfigError(f"{key}: {field} is given twice in {value!r}")
-        given[field] = _parse_scalar(text)
+        given[field] = parse_scalar(text)
     size, seed, prompt = (given.pop(k, default) for k, default in DEFAULTS.items())
-    if not _is_int(size) or size < 1:
+    if not is_int(size) or size < 1:
         raise ConfigError(f"{key}: size={size!r} in {value!r} must be an integer >= 1")
-    if not _is_int(seed) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ConfigError(f"{key}: seed={seed!r} in {value!r} must be an integer >= 0")
     if not isinstance(prompt, str):
         raise ConfigError(f"{key}: {SYSTEM_PROMPT}={prompt!r} in {value!r} must be a name")
