@@ -45,6 +45,9 @@ def main() -> None:
         # with model.dtype=bfloat16 without DeepSpeed (fp32 masters).
         output_dir=str(args.output_dir), use_cpu=not torch.cuda.is_available(),
         bf16=s.get("dtype") == "bfloat16", seed=0,
+        # TRL's configs default to gradient checkpointing (a second forward in the backward);
+        # off, as ours runs. The figures in docs/benchmarks.md up to 2026-12-03 had it on.
+        gradient_checkpointing=False,
         per_device_train_batch_size=rows, gradient_accumulation_steps=1,
         num_generations=s["samples_per_prompt"], num_iterations=1,
         max_completion_length=s["new_tokens"],
