@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from pathlib import Path
 
 import torch
 
@@ -77,12 +78,11 @@ class Backend:
         return "optimizer" if offloads("offload_optimizer") else "none"
 
     def device_memory_bytes(self) -> int:
-        """Memory one rank may use: the GPU's total, or on CPU the machine's physical
-        memory shared by this machine's ranks."""
+        """Memory one rank may fill with tensors: the GPU's total, or on CPU the host's
+        (`host_memory_budget`) shared by this machine's ranks."""
         if self.device.type == "cuda":
             return int(torch.cuda.get_device_properties(self.device).total_memory)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+        return host_memory_budget(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     def prepare(
         self,
@@ -244,3 +244,51 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def host_memory_budget(local_ranks: int = 1) -> int:
+    """Bytes of tensors one of this machine's `local_ranks` CPU ranks may hold: physical
+    memory or, inside a container or any memory cgroup, its limit if lower; less what the
+    processes hold already (interpreter, libraries: memory the plan's tensors do not
+    include), counted as this process's resident set on each rank."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = min(physical, cgroup_memory_limit() or physical)
+    local_ranks = max(1, local_ranks)
+    return max(0, limit - local_ranks * resident_bytes()) // local_ranks
+
+
+def resident_bytes() -> int:
+    """This process's resident set (bytes), from /proc/self/statm; 0 where there is none."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def cgroup_memory_limit() -> int | None:
+    """The lowest memory limit (bytes) on this process's cgroup and its ancestors, cgroup
+    v2 (`memory.max`) or v1 (`memory.limit_in_bytes`); None where nothing is limited or
+    /proc and /sys say nothing (not Linux)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            root, name = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        here = Path(path)
+        for level in (here, *here.parents):  # a parent's limit binds its children too
+            try:
+                text = (root / level.relative_to("/") / name).read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if text.isdigit() and int(text) < 2**60:  # v1 writes "no limit" as ~2**63
+                limits.append(int(text))
+    return min(limits) if limits else None
