@@ -35,9 +35,23 @@ def pytest_configure(config):
     single-process runs it starts take one CPU thread (OMP_NUM_THREADS, which
     distributed/backend.py's default_threads honours for one process), so two workers
     share 2 cores without oversubscribed OpenMP threads spin-waiting on each other.
-    2-rank launches take one thread per rank as always, one launch at a time
-    (tests/distributed/conftest.py puts them in one xdist group)."""
+    2-rank launches take one thread per rank as always."""
     import os
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The long files first: launch/test.sh hands pytest-xdist whole files (`--dist
+    loadfile`, so a module-scoped fixture such as a 2-rank launch is built once, not once
+    per worker), and a long file drawn last would leave the other worker idle at the end.
+    A file is long when it starts 2-rank launches (tests/distributed) or holds a test
+    marked slow. The order within a file is kept; so is the files' order in each group."""
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    long_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    long_files |= {item.path for item in items if (here / "distributed") in item.path.parents}
+    items.sort(key=lambda item: item.path not in long_files)

@@ -147,13 +147,3 @@ def assets(tmp_path_factory):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes minutes on a 2-core CPU")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Every 2-rank test in one xdist group (launch/test.sh runs 2 workers): two launches
-    at once would put 4 ranks on the 2 cores and stretch their collectives towards
-    distributed.timeout_s."""
-    here = Path(__file__).parent
-    for item in items:
-        if Path(str(item.fspath)).is_relative_to(here):
-            item.add_marker(pytest.mark.xdist_group("two_ranks"))

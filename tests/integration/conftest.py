@@ -32,17 +32,6 @@ def pytest_configure(config):
     )
 
 
-def pytest_collection_modifyitems(config, items):
-    # This directory's slow tests last, so the quick checks report first. Only ours: the
-    # hook sees the whole session, and other directories' order is theirs to decide.
-    here = Path(__file__).parent
-
-    def ours_and_slow(item) -> bool:
-        return here in Path(item.path).parents and item.get_closest_marker("slow") is not None
-
-    items.sort(key=ours_and_slow)
-
-
 # Sequence limits of the demo (demo/pipeline.py): demo prompts are <= 8 words and responses
 # <= 20 words + EOS, so nothing is dropped or truncated.
 DATA = {"max_prompt_length": 16, "max_length": 48}
