@@ -277,7 +277,7 @@ def test_grpo_trains_on_served_rollouts(
         if "rollout/sampler_logprob_absdiff" in r
     ]
     assert len(logged) == 2 and all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in logged)
-    assert all(r["policy/tis_capped_frac"] == 0.0 for r in logged)
+    assert all(r["rollout/corrected_frac"] == 0.0 for r in logged)
     assert [r["rollout/policy_version"] for r in logged] == [version + 1, version + 2]
     assert all(r["rollout/server_sync_gap"] < 1e-4 and r["time/weight_sync"] > 0 for r in logged)
 
