@@ -2,11 +2,11 @@
 docs/serving.md, "Asynchronous rollouts").
 
 `PrefetchingServer` has the face collect.py samples through (load_weights, generate,
-sleep) and wraps the `ServerEngine`. At iteration k, generate(): wait for the rollout
-requested during iteration k-1 (sampled by the weights the trainer started k-1 with),
-sync the trainer's current weights to the servers (they are idle now: a sync never
-changes weights under a running request), then request iteration k+1's prompts on a
-background thread and return iteration k's rollout. Scoring and the update of iteration
+sleep) and wraps the `ServerEngine`. At iteration k, load_weights(): wait for the
+rollout requested during iteration k-1 (sampled by the weights the trainer started k-1
+with), then sync the trainer's current weights to the servers (they are idle now: a sync
+never changes weights under a running request); generate(): request iteration k+1's
+prompts on a background thread and return iteration k's rollout. Scoring and the update of iteration
 k run on the main thread while the servers sample k+1. The background thread only does
 HTTP; every collective (the ranks' agreement on failures, the sync's gathers) stays on
 the main thread.
@@ -70,7 +70,7 @@ class PrefetchingServer:
         self.in_flight: InFlight | None = None
         self.iteration = 0  # the iteration about to sample (expect)
         self.upcoming: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.actor: torch.nn.Module | None = None
+        self.synced = (0, 0)  # (iteration, version) of the last sync
         self.dropped = 0  # rollouts dropped for staleness, this run
         # the last rollout handed out: its staleness (updates), version, request seconds
         self.staleness, self.version, self.request_seconds = 0, 0, 0.0
@@ -82,8 +82,14 @@ class PrefetchingServer:
         self.iteration, self.upcoming = iteration, upcoming
 
     def load_weights(self, actor: torch.nn.Module) -> None:
-        """Keep the actor to sync in `generate`, after the rollout in flight is back."""
-        self.actor = actor
+        """Wait until the servers have answered the rollout in flight (it stays in its
+        slot), then sync `actor`'s weights: the servers are idle, so a sync never changes
+        weights under a running request. collect.py calls it inside the sync context
+        (under ZeRO-3 the buckets' gathers; with LoRA the merged weights)."""
+        if self.in_flight is not None:
+            self.server.together(self.in_flight.answers.result)  # failures: all ranks at once
+        self.server.load_weights(actor)
+        self.synced = (self.iteration, self.server.version)
 
     def sleep(self) -> None:
         """Nothing to free in this process: the engine lives in the servers."""
@@ -94,41 +100,30 @@ class PrefetchingServer:
 
     def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
         """This iteration's rollout of the prompts (B, P) -> (response_ids (B, T),
-        sampler_logprobs (B, T)), as ServerEngine.generate; requests the next iteration's
-        prompts before it returns. Another call (held-out evaluation) samples its prompts
-        with the current weights and leaves the rollout in flight for its iteration."""
-        ready = self._collect(prompt_ids, prompt_mask)
-        assert self.actor is not None, "load_weights comes first (collect.py)"
-        self.server.load_weights(self.actor)  # the servers are idle: nothing in flight
-        synced = (self.iteration, self.server.version)
+        sampler_logprobs (B, T)), as ServerEngine.generate; after `load_weights`. Requests
+        the next iteration's prompts before it returns. Another call (held-out
+        evaluation) samples its prompts with the synced weights and leaves the rollout in
+        flight for its iteration."""
+        ready, held = None, self.in_flight
+        if held is not None and held.matches(prompt_ids, prompt_mask):
+            ready, self.in_flight = held, None
         if ready is not None and self.iteration - ready.sampled_at > self.max_staleness:
             self.dropped, ready = self.dropped + 1, None  # never trained on
         if ready is None:  # on-policy: the first iteration, after a checkpoint, evaluation
-            ready = self._request(prompt_ids, prompt_mask, gen_cfg, stop_ids, synced)
+            ready = self._request(prompt_ids, prompt_mask, gen_cfg, stop_ids)
         out = self._responses(ready, pad_id, prompt_ids.device)
         if self.upcoming is not None and self.in_flight is None:  # once per iteration
             ids, mask = self.upcoming
-            self.in_flight = self._request(ids, mask, gen_cfg, stop_ids, synced)
+            self.in_flight = self._request(ids, mask, gen_cfg, stop_ids)
             self.upcoming = None
         return out
 
-    def _collect(self, prompt_ids, prompt_mask) -> InFlight | None:
-        """The rollout in flight when it is these prompts' (taken out of the slot), else
-        None; either way the servers have answered it when this returns."""
-        held = self.in_flight
-        if held is None:
-            return None
-        self.server.together(held.answers.result)  # a failure stops every rank together
-        if not held.matches(prompt_ids, prompt_mask):
-            return None
-        self.in_flight = None
-        return held
-
-    def _request(self, prompt_ids, prompt_mask, gen_cfg, stop_ids, synced) -> InFlight:
-        """Ask the servers for these prompts on the background thread (seeds drawn here)."""
+    def _request(self, prompt_ids, prompt_mask, gen_cfg, stop_ids) -> InFlight:
+        """Ask the servers for these prompts on the background thread (seeds drawn here),
+        sampled by the weights of the last sync."""
         ask = self.server.request(prompt_ids, prompt_mask, gen_cfg, stop_ids)
         future = self.pool.submit(_timed, ask)
-        return InFlight(prompt_ids, prompt_mask, future, *synced)
+        return InFlight(prompt_ids, prompt_mask, future, *self.synced)
 
     def _responses(self, ready: InFlight, pad_id: int, device):
         """Wait for `ready` on every rank together -> its padded tensors; records its
