@@ -37,6 +37,7 @@ __all__ = [
     "OVERLONG",
     "POLICY_LOSSES",
     "RATIO_LEVELS",
+    "ROLLOUT_CORRECTIONS",
     "REFERENCE_FREE_LOSSES",
     "EstimatorTraits",
 ]
@@ -45,6 +46,8 @@ __all__ = [
 RATIO_LEVELS = ("token", "sequence")  # ppo.ratio_level: PPO's per-token ratio or GSPO's
 OVERLONG = ("none", "mask", "soft")  # ppo.overlong (DAPO)
 COV_CONTROLS = ("none", "clip_cov", "kl_cov")  # ppo.cov_control (Cui et al. 2025)
+# ppo.rollout_correction (algo/rollout_correction.py: the same names)
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop")
 
 # `rlhf-dist demo --algorithm`: rlhf_dist/demo/pipeline.py builds a stage list for each.
 # The on-policy ones: PPO, the critic-free estimators, then the objective presets on

@@ -56,24 +56,6 @@ def ppo_policy_terms(
     }
 
 
-def truncated_is_weights(
-    old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """Truncated importance-sampling weights min(pi_old / pi_sampler, cap), (B, T), with
-    no gradient (TIS: Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training").
-
-    When another engine (vLLM) samples the rollout, its token probabilities pi_sampler
-    differ slightly from the trainer's pi_old (other kernels, other precision), so the
-    PPO objective, an expectation under pi_old, is estimated from the wrong
-    distribution. Weighting each token's policy loss by pi_old / pi_sampler corrects it;
-    the cap bounds the variance a rare token the sampler found unlikely would add.
-    old_logprobs, sampler_logprobs: (B, T) log-probs of the sampled tokens.
-    """
-    ratio = torch.exp((old_logprobs - sampler_logprobs).detach())
-    return ratio.clamp(max=cap)  # exp overflow gives inf, which the cap turns into `cap`
-
-
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

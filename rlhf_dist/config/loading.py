@@ -234,10 +234,34 @@ def config_from_dict(tree: dict) -> Config:
     return _build(Config, renamed_keys(tree), "")
 
 
+def _moved_tis_cap(tree: dict) -> dict:
+    """`tree` with ppo.tis_cap: C (this release: ppo.rollout_correction=tis at the token
+    level, ppo.rollout_correction_high=C) moved to those keys, said once on stderr; null
+    means off, as it did. Setting both spellings is a ConfigError."""
+    found, cap = _pop_dotted(tree, "ppo.tis_cap")
+    if not found:
+        return tree
+    out = _without(tree, "ppo.tis_cap")
+    if cap is None:
+        return out
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0:
+        raise ConfigError(f"ppo.tis_cap: must be > 0 or null, got {cap!r}")
+    new = ("ppo.rollout_correction", "ppo.rollout_correction_level", "ppo.rollout_correction_high")
+    if any(_pop_dotted(out, name)[0] for name in new):
+        raise ConfigError("ppo.tis_cap: replaced by ppo.rollout_correction=tis; set only those")
+    out = apply_value(out, new[0], "tis")
+    out = apply_value(out, new[2], cap)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"config: ppo.tis_cap is now ppo.rollout_correction=tis with "
+              f"ppo.rollout_correction_high={cap:g} (the old name goes in the next release)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return out
+
+
 def renamed_keys(tree: dict) -> dict:
     """`tree` with every key of RENAMED_KEYS moved to its new name, said once on stderr
     (by the main process); the old and the new name both set is a ConfigError."""
-    out = tree
+    out = _moved_tis_cap(tree)
     for old, new in RENAMED_KEYS.items():
         found, value = _pop_dotted(out, old)
         if not found:

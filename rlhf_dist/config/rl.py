@@ -19,6 +19,7 @@ from rlhf_dist.names import (
     OVERLONG,
     POLICY_LOSSES,
     RATIO_LEVELS,
+    ROLLOUT_CORRECTIONS,
 )
 
 
@@ -371,12 +372,37 @@ class PPOConfig:
         "actor's loss; 0 = off",
         min=0,
     )
-    tis_cap: float | None = key(
-        None,
-        "generation.backend=vllm or server: weight each token's policy loss by the truncated "
-        "importance ratio min(pi_old / pi_sampler, tis_cap) between the trainer's and the "
-        "sampler's probabilities (TIS, Yao et al. 2025; typical 2); null = off",
+    rollout_correction: str = key(
+        "none",
+        "generation.backend=vllm or server: weight each trained token by the importance ratio "
+        "r = pi_old / pi_rollout between the trainer's and the sampler's probabilities, bounded: "
+        "tis min(r, high) (Yao et al. 2025), mis r * 1[r <= high] (masked: the tail dropped, "
+        "Liu et al. 2025), icepop r * 1[low <= r <= high] per token (Ling Team 2025); none = off "
+        '(docs/algorithms.md, "Rollout correction"; replaces ppo.tis_cap)',
+        choices=ROLLOUT_CORRECTIONS,
+    )
+    rollout_correction_level: str = key(
+        "token",
+        "ppo.rollout_correction's ratio: token (each token's own) or sequence (the row's "
+        "product over its response tokens, on every token of the row; not for icepop)",
+        choices=RATIO_LEVELS,
+    )
+    rollout_correction_low: float = key(
+        0.5, "ppo.rollout_correction=icepop: tokens with r below this are masked", gt=0
+    )
+    rollout_correction_high: float = key(
+        2.0,
+        "ppo.rollout_correction: tis's cap on r, mis's and icepop's upper bound (r above it "
+        "masked); typical 2",
         gt=0,
+    )
+    max_staleness: int = key(
+        0,
+        "generation.backend=server: 0 = on-policy (sync the weights, sample, train); 1 = the "
+        "servers sample iteration k+1's rollout while iteration k trains (one step off-policy; "
+        "a rollout more than this many updates old is never trained on); at most 1 "
+        '(docs/serving.md, "Asynchronous rollouts")',
+        min=0,
     )
     ratio_level: str = key(
         "token",

@@ -241,10 +241,56 @@ def _validate_objective(cfg: Config) -> None:
     _validate_dapo(cfg)
     _validate_entropy_control(p)
     _validate_distill(cfg)
-    if p.tis_cap is not None and cfg.generation.backend not in ("vllm", "server"):
+    _validate_rollout_correction(cfg)
+
+
+def _validate_rollout_correction(cfg: Config) -> None:
+    """ppo.rollout_correction and ppo.max_staleness (docs/algorithms.md, "Rollout
+    correction"; docs/serving.md, "Asynchronous rollouts")."""
+    p, backend = cfg.ppo, cfg.generation.backend
+    if p.rollout_correction != "none" and backend not in ("vllm", "server"):
         raise ConfigError(
-            "ppo.tis_cap: needs generation.backend=vllm or server (the hf sampler is the trainer)"
+            "ppo.rollout_correction: needs generation.backend=vllm or server (the hf sampler is "
+            "the trainer)"
         )
+    if p.rollout_correction == "icepop" and p.rollout_correction_level != "token":
+        raise ConfigError("ppo.rollout_correction_level: icepop masks tokens; set token")
+    if p.rollout_correction_low >= p.rollout_correction_high:
+        raise ConfigError(
+            f"ppo.rollout_correction_low: must be below ppo.rollout_correction_high "
+            f"({p.rollout_correction_high:g}), got {p.rollout_correction_low:g}"
+        )
+    if p.rollout_correction_low != PPOConfig().rollout_correction_low and (
+        p.rollout_correction != "icepop"
+    ):
+        raise ConfigError("ppo.rollout_correction_low: only icepop reads it")
+    _validate_staleness(cfg)
+
+
+def _validate_staleness(cfg: Config) -> None:
+    """ppo.max_staleness: rollout servers only, at most 1, with the loop's plain rollout."""
+    p, g = cfg.ppo, cfg.generation
+    if not p.max_staleness:
+        return
+    if g.backend != "server":
+        raise ConfigError(
+            f"ppo.max_staleness: needs generation.backend=server (with {g.backend} the trainer's "
+            "own ranks generate: nothing runs beside the update); set 0"
+        )
+    if p.max_staleness > 1:
+        raise ConfigError(
+            f"ppo.max_staleness: at most 1, got {p.max_staleness} (a weight sync waits for the "
+            "servers' rollout in flight, so a deeper queue adds staleness, not overlap)"
+        )
+    refused = (
+        ("ppo.estimator", p.estimator == "online_dpo", "online_dpo"),
+        ("ppo.dynamic_sampling", p.dynamic_sampling, "true"),
+        ("generation.tools", bool(g.tools), "set"),
+        ("generation.environment", bool(g.environment), "set"),
+    )
+    for name, on, value in refused:
+        if on:
+            raise ConfigError(f"{name}: {value} needs ppo.max_staleness=0 (on-policy rollouts)")
 
 
 def _validate_entropy_control(p) -> None:
@@ -431,7 +477,7 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
 NOT_ONLINE_DPO = (
     "clip_eps_low", "clip_eps_high", "dual_clip", "policy_loss", "ratio_level",
     "loss_aggregation", "entropy_coef", "entropy_target", "cov_control", "ptx_coef",
-    "tis_cap", "whiten_advantages", "kl_placement", "kl_controller", "micro_batch_tokens",
+    "rollout_correction", "whiten_advantages", "kl_placement", "kl_controller", "micro_batch_tokens",
 )  # fmt: skip
 
 

@@ -75,7 +75,9 @@ def _hf_backend(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[
     (with it, no TIS correction: there is no second sampler)."""
     if stage != "ppo" or cfg.generation.backend != "vllm":
         return ()
-    return ("generation.backend=hf",) + (("ppo.tis_cap=null",) if cfg.ppo.tis_cap else ())
+    return ("generation.backend=hf",) + (
+        ("ppo.rollout_correction=none",) if cfg.ppo.rollout_correction != "none" else ()
+    )
 
 
 def _checkpoint(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from rlhf_dist.rollout.batch import (
     scores_with_eos_penalty,
     sequence_last_index,
 )
+from rlhf_dist.rollout.prefetch import PrefetchingServer
 from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
 
@@ -63,7 +64,7 @@ class RolloutModels:
     reference: torch.nn.Module | None
     scorer: SequenceScorer
     stop_ids: tuple[int, ...] = ()
-    engine: VLLMEngine | ServerEngine | None = None
+    engine: VLLMEngine | ServerEngine | PrefetchingServer | None = None
     whole_weights: Callable = contextlib.nullcontext
     agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
@@ -268,7 +269,12 @@ def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=
 
 
 def _engine_sample(
-    engine: VLLMEngine | ServerEngine, pad: int, ids, mask, gen: GenerationConfig, stop_ids
+    engine: VLLMEngine | ServerEngine | PrefetchingServer,
+    pad: int,
+    ids,
+    mask,
+    gen: GenerationConfig,
+    stop_ids,
 ):
     """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
     return engine.generate(ids, mask, gen, stop_ids, pad)

@@ -14,8 +14,9 @@ with its own log-probs; a mean gap above generation.server_sync_tolerance stops 
 Each rank cuts its prompts into one contiguous shard per server (data-parallel servers)
 and asks them concurrently, each shard with its own seed from torch's global RNG (so a
 resumed run draws the same seeds). Every answer carries the policy version it was
-sampled with; one that is not the version just synced is an error (the seam for
-bounded staleness, issue 34 item 2). Standard library HTTP (urllib); every call times
+sampled with; one that is not the version synced before the request is an error.
+With ppo.max_staleness=1 (rollout/prefetch.py) the requests run on a thread of their
+own while the trainer trains. Standard library HTTP (urllib); every call times
 out after distributed.timeout_s.
 """
 
@@ -206,6 +207,15 @@ class ServerEngine:
     def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
         """Sample one response per left-padded prompt (B, P) on the servers -> (response_ids
         (B, T) PAD after each response, sampler_logprobs (B, T) float32, 0 on padding)."""
+        ask, version = self.request(prompt_ids, prompt_mask, gen_cfg, stop_ids), self.version
+        # on every rank together: a failed call or a wrong version stops them all at once
+        return self.together(lambda: self.responses(ask(), version, pad_id, prompt_ids.device))
+
+    def request(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids):
+        """The HTTP work of one rollout, not yet done: a callable that asks every server
+        for its shard concurrently and returns [(url, answer)], raising ServerError. Only
+        HTTP, no collective: it may run on another thread (ppo.max_staleness, prefetch.py).
+        The shards' seeds are drawn here, on the calling thread, from torch's global RNG."""
         rows = [r["prompt_token_ids"] for r in prompts_for_engine(prompt_ids, prompt_mask)]
         bounds = torch.linspace(0, len(rows), len(self.urls) + 1).round().long().tolist()
         shards = [(u, rows[a:b]) for u, a, b in zip(self.urls, bounds, bounds[1:]) if b > a]
@@ -216,27 +226,32 @@ class ServerEngine:
             "stop_token_ids": [int(i) for i in stop_ids],
         }  # fmt: skip
 
-        def ask(i: int) -> dict:
+        def ask(i: int) -> tuple[str, dict]:
             url, prompts = shards[i]
             body = {"prompts": prompts, "sampling": {**sampling, "seed": seeds[i]}}
-            return self.call(url, "/generate", body)
+            return url, self.call(url, "/generate", body)
 
-        def ask_all() -> tuple[list, list]:
+        def ask_all() -> list[tuple[str, dict]]:
             with ThreadPoolExecutor(max_workers=len(shards)) as pool:
-                answers = list(pool.map(ask, range(len(shards))))
-            responses, logprobs = [], []
-            for (url, _), answer in zip(shards, answers):
-                if answer["version"] != self.version:
-                    raise ServerError(
-                        f"rollout server {url}: sampled with policy version "
-                        f"{answer['version']}, the trainer synced version {self.version}"
-                    )
-                responses += answer["responses"]
-                logprobs += answer["logprobs"]
-            return responses, logprobs
+                return list(pool.map(ask, range(len(shards))))
 
-        responses, logprobs = self.together(ask_all)
-        return _padded(responses, logprobs, pad_id, prompt_ids.device)
+        return ask_all
+
+    def responses(self, answers: list, version: int, pad_id: int, device):
+        """The servers' answers [(url, answer)] of one rollout -> (response_ids (B, T),
+        sampler_logprobs (B, T)) as `generate` returns them; ServerError when a server
+        sampled with another policy version than `version`, the one synced before the
+        request (call it inside `together`)."""
+        responses, logprobs = [], []
+        for url, answer in answers:
+            if answer["version"] != version:
+                raise ServerError(
+                    f"rollout server {url}: sampled with policy version "
+                    f"{answer['version']}, the trainer synced version {version}"
+                )
+            responses += answer["responses"]
+            logprobs += answer["logprobs"]
+        return _padded(responses, logprobs, pad_id, device)
 
     def sleep(self) -> None:
         """Nothing to free in this process: the engine lives in the servers."""

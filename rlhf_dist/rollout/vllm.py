@@ -4,7 +4,7 @@ The shape is TRL's "colocate": every `accelerate launch` process owns one vLLM e
 (no Ray, no server, no collective between engines) that samples that rank's shard of
 prompts. The trainer stays the authority on probabilities: the PPO ratio's old
 log-probs are recomputed by the actor as with the hf backend, and vLLM's own sampling
-log-probs are kept only to measure (and optionally correct, ppo.tis_cap) the gap between
+log-probs are kept only to measure (and optionally correct, ppo.rollout_correction) the gap between
 the two samplers (docs/architecture.md, "Rollout backends").
 
 Before every rollout the engine gets the actor's current weights, under ZeRO-3 inside

@@ -51,11 +51,13 @@ from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
+from rlhf_dist.rollout.prefetch import PrefetchingServer
 from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.stats import global_mean_var, global_moments
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
+    checkpoint_due,
     evaluate_if_due,
     find_resume,
     safe_point,
@@ -357,15 +359,42 @@ def whitens(ppo_cfg) -> bool:
     return ppo_cfg.whiten_advantages
 
 
-def rollout_engine(cfg: Config, runtime: Runtime) -> VLLMEngine | ServerEngine | None:
+def rollout_engine(
+    cfg: Config, runtime: Runtime
+) -> VLLMEngine | ServerEngine | PrefetchingServer | None:
     """What samples rollouts besides the actor itself: vLLM in this process, rollout
-    servers (docs/serving.md), or nothing (the hf backend)."""
+    servers (docs/serving.md; with ppo.max_staleness one rollout requested ahead,
+    rollout/prefetch.py), or nothing (the hf backend)."""
     backend = cfg.generation.backend
     if backend == "vllm":
         return VLLMEngine(cfg, runtime.device)
     if backend == "server":
-        return ServerEngine(cfg, runtime.is_main, runtime.any_rank)
+        server = ServerEngine(cfg, runtime.is_main, runtime.any_rank)
+        if cfg.ppo.max_staleness:
+            return PrefetchingServer(server, cfg.ppo.max_staleness)
+        return server
     return None
+
+
+def with_next(stream):
+    """(this item, the next one or None) for each item of `stream`."""
+    current = next(stream, None)
+    while current is not None:
+        upcoming = next(stream, None)
+        yield current, upcoming
+        current = upcoming
+
+
+def expect_next(cfg: Config, run: PPORun, it: int, upcoming) -> None:
+    """ppo.max_staleness (rollout/prefetch.py): tell the servers' client which prompts to
+    request while iteration `it` trains: none at the last iteration or one that writes a
+    scheduled checkpoint, so the iteration after a checkpoint samples on-policy and a
+    resumed run samples what the unbroken run did."""
+    engine = run.rollout_models.engine
+    if not isinstance(engine, PrefetchingServer):
+        return
+    ahead = upcoming is not None and not checkpoint_due(cfg, it, cfg.ppo.iterations, False)
+    engine.expect(it, (upcoming.ids, upcoming.mask) if ahead else None)
 
 
 def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
@@ -500,12 +529,15 @@ def train_ppo(cfg, runtime) -> dict:
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
     evaluate = held_out_eval(cfg, runtime, run)  # run.eval_every; None: no evaluation
     planned = planned_phases(cfg, "ppo", run_hardware(runtime))  # memory/planned_* metrics
-    for it, prompt_batch in zip(range(start + 1, p.iterations + 1), stream):
+    for it, (prompt_batch, upcoming) in zip(range(start + 1, p.iterations + 1), with_next(stream)):
         rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
+        expect_next(cfg, run, it, upcoming)  # ppo.max_staleness: what to request ahead
         more = extra_prompts(prompts, run.plan, runtime, cfg.run.seed, pad, it)
         try:
             result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more, planned)
         except (RewardFunctionError, ServerError) as e:
+            if isinstance(run.rollout_models.engine, PrefetchingServer):
+                run.rollout_models.engine.close()  # a rollout in flight is not waited for
             state = trainer_state(run, first_score, alerts)
             failure = stop_on_failure(cfg, runtime, (out, logger), run, (it - 1, rng), state, e)
             raise failure from e.__cause__

@@ -21,12 +21,12 @@ from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.losses import (
     aggregation_count,
     aggregation_weights,
-    truncated_is_weights,
     value_terms,
 )
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.algo.objectives import sequence_log_ratio
 from rlhf_dist.algo.policy_losses import PolicyLossInputs, policy_loss_terms
+from rlhf_dist.algo.rollout_correction import rollout_correction_weights
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, PPOPlan, token_budget_split
@@ -60,7 +60,9 @@ class UpdateKnobs:
     kl_kind: str
     loss_aggregation: str
     max_grad_norms: tuple[float, ...]
-    tis_cap: float | None = None  # truncated IS weights against vLLM's sampler; None: off
+    # ppo.rollout_correction against the sampler's log-probs (vLLM, rollout servers):
+    # (method, level, low, high); method "none": off
+    rollout_correction: tuple[str, str, float, float] = ("none", "token", 0.5, 2.0)
     ratio_level: str = "token"  # token (PPO) or sequence (GSPO)
     policy_loss: str = "clip"  # clip (PPO) or cispo
     cov_control: str = "none"  # ppo.cov_control: what the chosen tokens get (ppo_entropy.py)
@@ -89,7 +91,9 @@ class UpdateKnobs:
         norms = tuple(optim[name].max_grad_norm for name in group_names)
         return cls(
             cfg.generation.temperature, low, high, p.dual_clip, p.value_clip_eps, p.vf_coef,
-            entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms, p.tis_cap,
+            entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms,
+            rollout_correction=(p.rollout_correction, p.rollout_correction_level,
+                                p.rollout_correction_low, p.rollout_correction_high),
             ratio_level=p.ratio_level, policy_loss=p.policy_loss, cov_control=p.cov_control,
             cov_kl_coef=p.cov_kl_coef,
             distill_coef=p.distill_coef if cfg.model.teacher else 0.0,
@@ -156,10 +160,8 @@ def micro_batch_loss(
     if divergence:  # gjsd: a loss term of its own, gradients through the actor's head
         per_token = per_token + knobs.distill_coef * divergence[0]
         stats.add("distill/gjsd", masked_sum(divergence[0].detach(), mask), n)
-    if knobs.tis_cap is not None:  # the rollout came from vLLM's sampler, not pi_old
-        weights = truncated_is_weights(old_logprobs, mb.sampler_logprobs, knobs.tis_cap)
-        per_token = weights * per_token
-        stats.add("policy/tis_capped_frac", masked_sum((weights >= knobs.tis_cap).float(), mask), n)
+    if knobs.rollout_correction[0] != "none":  # sampled by another engine, not pi_old
+        per_token = corrected_terms(per_token, old_logprobs, mb, knobs, stats)
     named = [("policy", per_token, pg["clipped"])]
     if values is not None:
         vf = value_terms(values, mb.old_values, returns, knobs.value_clip_eps)
@@ -176,6 +178,21 @@ def micro_batch_loss(
     weights = aggregation_weights(mask, knobs.loss_aggregation, per_token.dtype)
     fresh = (old_logprobs, entropy.detach()) if first else None
     return masked_sum(weights * per_token, mask), fresh
+
+
+def corrected_terms(per_token, old_logprobs, mb: RolloutBatch, knobs: UpdateKnobs, stats):
+    """The per-token policy loss (B, T) weighted by ppo.rollout_correction's bounded ratio
+    pi_old / pi_rollout (algo/rollout_correction.py; the sampler's log-probs are the
+    rollout's `sampler_logprobs`), with the share of tokens whose weight was capped or
+    masked added to `stats` as a token mean (the train-vs-rollout KL is the rollout's
+    rollout/sampler_kl, ppo_stats.py)."""
+    method, level, low, high = knobs.rollout_correction
+    mask, n = mb.response_mask, mb.response_mask.sum()
+    weights, corrected = rollout_correction_weights(
+        old_logprobs, mb.sampler_logprobs, mask, method, level, low, high
+    )
+    stats.add("rollout/corrected_frac", masked_sum(corrected.float(), mask), n)
+    return weights * per_token
 
 
 def cov_control_terms(

@@ -16,7 +16,6 @@ from rlhf_dist.algo.losses import (
     pairwise_reward_terms,
     ppo_policy_loss,
     ppo_policy_terms,
-    truncated_is_weights,
     value_loss,
 )
 from rlhf_dist.algo.masking import masked_sum
@@ -745,36 +744,3 @@ def test_unknown_aggregation_mode_raises(mode):
 def test_aggregation_count_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="loss aggregation"):
         aggregation_count(torch.ones(2, 3, dtype=torch.bool), "bogus")
-
-
-# ------------------------------------------------------------ truncated importance sampling
-
-
-def test_truncated_is_weights_hand_computed():
-    old = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)]])
-    sampler = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.3)]])
-    # ratios pi_old / pi_sampler = 2, 0.5, 3; cap 2.5 -> 2, 0.5, 2.5
-    w = truncated_is_weights(old, sampler, cap=2.5)
-    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 2.5]]))
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_truncated_is_weights_properties(seed):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(4, 7, generator=g) * 5
-    sampler = -torch.rand(4, 7, generator=g) * 5
-    old.requires_grad_(True)
-    cap = 1.5
-    w = truncated_is_weights(old, sampler, cap)
-    ratio = torch.exp(old - sampler)
-    assert (w <= cap).all() and (w > 0).all()
-    below = ratio < cap
-    torch.testing.assert_close(w[below], ratio[below].detach())  # untouched under the cap
-    assert not w.requires_grad  # a weight on the loss, never a path for gradients
-    same = truncated_is_weights(sampler, sampler, cap)
-    assert torch.equal(same, torch.ones_like(same))  # same sampler: no correction
-
-
-def test_truncated_is_weights_overflow_is_capped_not_nan():
-    w = truncated_is_weights(torch.tensor([[0.0]]), torch.tensor([[-1e4]]), cap=2.0)
-    assert w.item() == 2.0

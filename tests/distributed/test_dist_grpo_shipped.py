@@ -1,5 +1,5 @@
 """The shipped launch/configs/grpo_zero3_8gpu.yaml as written (ZeRO-3, vLLM rollouts, the
-grpo preset's 8 samples per prompt, tis_cap, gradient checkpointing), launched as its
+grpo preset's 8 samples per prompt, rollout_correction=tis, gradient checkpointing), launched as its
 header says on 2 CPU ranks (gloo) with the real SmolLM2-135M-Instruct, a reward function
 that reads the row's `answer` column and the file's keys overridden only where a CPU here
 cannot run them as written: the model, data and reward (placeholders in the file),
@@ -93,4 +93,4 @@ def test_shipped_grpo_zero3_vllm_config_trains_on_two_cpu_ranks(smollm2, tmp_pat
     assert metrics["objective/raw_score"] == pytest.approx(sum(scores) / 16, abs=1e-5)
     assert not (_probe(out / "final") == _probe(base)).all(), "the actor did not train"
     effective = (out / "config.yaml").read_text()
-    assert "gradient_checkpointing: true" in effective and "tis_cap: 2.0" in effective
+    assert "gradient_checkpointing: true" in effective and "rollout_correction: tis" in effective

@@ -10,7 +10,9 @@ process on a free port serving the tiny random policy:
   rounding at most);
 - a weight update (several buckets) bumps the version, and the served tokens become those
   of the updated model; a skipped update is caught by the post-sync check;
-- GRPO runs two iterations with its rollouts served, and the actor trains.
+- GRPO runs two iterations with its rollouts served, and the actor trains;
+- with ppo.max_staleness=1 no rollout older than one update is trained on, and a run
+  killed with a rollout in flight resumes to the unbroken run's metrics.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import urllib.request
 
 import pytest
 import torch
+from faults import Killed, kill_at, untimed
 from serve_process import served
 
 from rlhf_dist.config import config_from_dict
@@ -277,7 +280,7 @@ def test_grpo_trains_on_served_rollouts(
         if "rollout/sampler_logprob_absdiff" in r
     ]
     assert len(logged) == 2 and all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in logged)
-    assert all(r["policy/tis_capped_frac"] == 0.0 for r in logged)
+    assert all(r["rollout/corrected_frac"] == 0.0 for r in logged)
     assert [r["rollout/policy_version"] for r in logged] == [version + 1, version + 2]
     assert all(r["rollout/server_sync_gap"] < 1e-4 and r["time/weight_sync"] > 0 for r in logged)
 
@@ -301,6 +304,68 @@ def test_a_skipped_sync_stops_grpo_with_the_last_iteration_checkpointed_and_it_r
         dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume="auto")), runtime
     )
     assert resumed["iterations"] == 2 and (out / "final").is_dir()
+
+
+def test_grpo_one_step_off_policy_never_trains_on_a_rollout_older_than_one_update(
+    server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict,
+    read_jsonl,
+):  # fmt: skip
+    # ppo.max_staleness=1: iteration k+1's rollout is sampled while k trains
+    from rlhf_dist.trainers.ppo import train_ppo
+
+    monkeypatch.setenv(ENV, TOKEN)
+    version = _call(server, "/health")[1]["version"]
+    policy, out = sft_run.out / "final", tmp_path / "async"
+    cfg = _grpo_config(server, policy, out, task_env, data_cfg, iterations=3, max_staleness=1,
+                       rollout_correction="tis")  # fmt: skip
+    train_ppo(cfg, runtime)
+    assert _call(server, "/health")[1]["version"] == version + 3  # one sync per iteration
+    before, after = saved_state_dict(policy), saved_state_dict(out / "final")
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the actor trained
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rollout/staleness_max" in r]
+    # iteration 1 samples on-policy; iteration k > 1 trains what the weights of k - 1
+    # sampled (their version), never anything older
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert [r["rollout/policy_version"] for r in rows] == [version + 1, version + 1, version + 2]
+    assert all(r["rollout/stale_dropped"] == 0 and r["time/generate_request"] > 0 for r in rows)
+    assert all(0 <= r["rollout/corrected_frac"] <= 1 for r in rows)
+    # the stale rollouts' sampler is one update behind the trainer's old log-probs
+    assert rows[0]["rollout/sampler_logprob_absdiff"] < 1e-4
+    assert all(r["rollout/sampler_logprob_absdiff"] > 1e-4 for r in rows[1:])
+
+
+def test_one_step_off_policy_killed_with_a_rollout_in_flight_resumes_to_the_same_metrics(
+    server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, read_jsonl
+):
+    # Killed (tests/faults.py: where RLHF_DIST_FAULT would SIGKILL) in iteration 3, with
+    # iteration 4's rollout in flight; resumed from the checkpoint of iteration 2, the run
+    # logs what an unbroken run logs (the servers' version counter aside).
+    from rlhf_dist.trainers import ppo as ppo_module
+
+    monkeypatch.setenv(ENV, TOKEN)
+
+    def config(out):
+        cfg = _grpo_config(server, sft_run.out / "final", out, task_env, data_cfg, iterations=4,
+                           max_staleness=1)  # fmt: skip
+        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, checkpoint_every=2))
+
+    def logged(out):
+        rows = untimed(read_jsonl(out / "metrics.jsonl"))
+        return [{k: v for k, v in r.items() if k != "rollout/policy_version"} for r in rows]
+
+    ppo_module.train_ppo(config(tmp_path / "unbroken"), runtime)
+    cfg = config(tmp_path / "killed")
+    with monkeypatch.context() as m:
+        kill_at(m, ppo_module, "rollout", 3)
+        with pytest.raises(Killed):
+            ppo_module.train_ppo(cfg, runtime)
+    ppo_module.train_ppo(
+        dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume="auto")), runtime
+    )
+    unbroken, resumed = logged(tmp_path / "unbroken"), logged(tmp_path / "killed")
+    assert [r["rollout/staleness_max"] for r in unbroken] == [0, 1, 0, 1]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert resumed == unbroken
 
 
 def test_openai_completions_return_the_token_ids_and_log_probs_of_generate(server, task_env):

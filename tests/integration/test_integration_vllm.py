@@ -141,7 +141,7 @@ def test_stop_ids_and_min_new_tokens_mean_what_they_mean_in_the_hf_backend(engin
 @pytest.mark.parametrize("one_step", [False, True], ids=["separate_pass", "one_step"])
 def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path, one_step):
     # one_step: one optimizer step per rollout with the KL in the loss, so the old
-    # log-probs that tis_cap and the sampler gap compare with vLLM's come from the update's
+    # log-probs that the rollout correction and the sampler gap compare with vLLM's come from the update's
     # forward (trainers/ppo.py::old_logprobs_from_update), not from a scoring pass.
     from rlhf_dist.trainers.ppo import train_ppo
 
@@ -175,7 +175,7 @@ def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path, one_step):
     for r in rows:
         assert r["rollout/sampler_logprob_absdiff"] < 1e-4  # fp32: the same distribution
         assert abs(r["rollout/sampler_kl"]) < 1e-6
-        assert r["policy/tis_capped_frac"] == 0.0
+        assert r["rollout/corrected_frac"] == 0.0
         assert r["objective/score_std"] > 0  # the 4 samples of a prompt are not one sample
     assert (out / "final" / "model.safetensors").exists()
     # Resume (a new engine, synced from the checkpoint's weights) and continue.

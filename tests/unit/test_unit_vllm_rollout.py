@@ -142,7 +142,7 @@ def _ppo_tree(**sections):
 @pytest.mark.parametrize(
     "sections, message",
     [
-        ({"ppo": {"tis_cap": 2.0}}, r"^ppo.tis_cap: needs generation.backend=vllm"),
+        ({"ppo": {"tis_cap": 2.0}}, r"^ppo.rollout_correction: needs generation.backend=vllm"),
         (
             {"ppo": {"tis_cap": 0.0}, "generation": {"backend": "vllm"}},
             r"^ppo.tis_cap: must be > 0",
@@ -167,9 +167,12 @@ def test_vllm_config_accepted():
     tree = _ppo_tree(generation={"backend": "vllm"}, ppo={"tis_cap": 2.0})
     cfg = config_from_dict(tree)
     validate(cfg, "ppo")
-    assert cfg.generation.backend == "vllm" and cfg.ppo.tis_cap == 2.0
-    # tis_cap is accepted because the backend is vllm: with hf the same key is refused.
-    with pytest.raises(ConfigError, match=r"^ppo.tis_cap: needs generation.backend=vllm"):
+    assert cfg.generation.backend == "vllm"
+    # the old key ppo.tis_cap: C is truncated IS at the token level with cap C
+    assert (cfg.ppo.rollout_correction, cfg.ppo.rollout_correction_level) == ("tis", "token")
+    assert cfg.ppo.rollout_correction_high == 2.0
+    # accepted because the backend is vllm: with hf the same key is refused.
+    with pytest.raises(ConfigError, match=r"^ppo.rollout_correction: needs generation.backend"):
         validate(config_from_dict(_ppo_tree(ppo={"tis_cap": 2.0})), "ppo")
 
 

@@ -1,0 +1,137 @@
+"""One-step-off-policy rollouts from the rollout servers (ppo.max_staleness=1;
+docs/serving.md, "Asynchronous rollouts").
+
+`PrefetchingServer` has the face collect.py samples through (load_weights, generate,
+sleep) and wraps the `ServerEngine`. At iteration k, load_weights(): wait for the
+rollout requested during iteration k-1 (sampled by the weights the trainer started k-1
+with), then sync the trainer's current weights to the servers (they are idle now: a sync
+never changes weights under a running request); generate(): request iteration k+1's
+prompts on a background thread and return iteration k's rollout. Scoring and the update of iteration
+k run on the main thread while the servers sample k+1. The background thread only does
+HTTP; every collective (the ranks' agreement on failures, the sync's gathers) stays on
+the main thread.
+
+Every rollout carries the iteration whose weights sampled it and the server's policy
+version. Its staleness is the number of updates between those weights and the ones it
+trains: 1 in the steady state, 0 for the first iteration and after a checkpoint. One
+older than ppo.max_staleness is never trained on: it is dropped, counted, and the prompts
+sampled again by the current weights.
+
+Exact resume: nothing is requested ahead across an iteration that writes a scheduled
+checkpoint (the trainer passes no upcoming prompts there), so the iteration after it
+samples on-policy in the unbroken run as in a resumed one; a run stopped between
+checkpoints (SIGKILL, a server failure) resumes from the last checkpoint bitwise. A
+SIGTERM checkpoint drops the rollout in flight; the resumed run samples it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_dist.config import GenerationConfig
+from rlhf_dist.rollout.server import ServerEngine
+
+
+@dataclass
+class InFlight:
+    """A rollout requested from the servers: its prompts (B, P) and their mask, the
+    answers to come ([(url, answer)] with the request's seconds), the iteration whose
+    weights the servers held (`sampled_at`) and their policy version."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    answers: Future
+    sampled_at: int
+    version: int
+
+    def matches(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> bool:
+        return self.prompt_ids.shape == prompt_ids.shape and bool(
+            torch.equal(self.prompt_ids, prompt_ids) and torch.equal(self.prompt_mask, prompt_mask)
+        )
+
+
+def _timed(ask: Callable[[], list]) -> tuple[list, float]:
+    start = time.perf_counter()
+    answers = ask()
+    return answers, time.perf_counter() - start
+
+
+class PrefetchingServer:
+    """The rollout servers' client with one rollout requested ahead (module docstring)."""
+
+    def __init__(self, server: ServerEngine, max_staleness: int):
+        self.server, self.max_staleness = server, max_staleness
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-request")
+        self.in_flight: InFlight | None = None
+        self.iteration = 0  # the iteration about to sample (expect)
+        self.upcoming: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.synced = (0, 0)  # (iteration, version) of the last sync
+        self.dropped = 0  # rollouts dropped for staleness, this run
+        # the last rollout handed out: its staleness (updates), version, request seconds
+        self.staleness, self.version, self.request_seconds = 0, 0, 0.0
+
+    def expect(self, iteration: int, upcoming: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Before iteration `iteration`: the prompts (ids, mask) of the next one, to request
+        once this one's weights are synced (None: request nothing ahead; the last
+        iteration, or one that writes a checkpoint)."""
+        self.iteration, self.upcoming = iteration, upcoming
+
+    def load_weights(self, actor: torch.nn.Module) -> None:
+        """Wait until the servers have answered the rollout in flight (it stays in its
+        slot), then sync `actor`'s weights: the servers are idle, so a sync never changes
+        weights under a running request. collect.py calls it inside the sync context
+        (under ZeRO-3 the buckets' gathers; with LoRA the merged weights)."""
+        if self.in_flight is not None:
+            self.server.together(self.in_flight.answers.result)  # failures: all ranks at once
+        self.server.load_weights(actor)
+        self.synced = (self.iteration, self.server.version)
+
+    def sleep(self) -> None:
+        """Nothing to free in this process: the engine lives in the servers."""
+
+    def close(self) -> None:
+        """Stop waiting for a request in flight (the run ends); HTTP timeouts bound it."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
+        """This iteration's rollout of the prompts (B, P) -> (response_ids (B, T),
+        sampler_logprobs (B, T)), as ServerEngine.generate; after `load_weights`. Requests
+        the next iteration's prompts before it returns. Another call (held-out
+        evaluation) samples its prompts with the synced weights and leaves the rollout in
+        flight for its iteration."""
+        ready, held = None, self.in_flight
+        if held is not None and held.matches(prompt_ids, prompt_mask):
+            ready, self.in_flight = held, None
+        if ready is not None and self.iteration - ready.sampled_at > self.max_staleness:
+            self.dropped, ready = self.dropped + 1, None  # never trained on
+        if ready is None:  # on-policy: the first iteration, after a checkpoint, evaluation
+            ready = self._request(prompt_ids, prompt_mask, gen_cfg, stop_ids)
+        out = self._responses(ready, pad_id, prompt_ids.device)
+        if self.upcoming is not None and self.in_flight is None:  # once per iteration
+            ids, mask = self.upcoming
+            self.in_flight = self._request(ids, mask, gen_cfg, stop_ids)
+            self.upcoming = None
+        return out
+
+    def _request(self, prompt_ids, prompt_mask, gen_cfg, stop_ids) -> InFlight:
+        """Ask the servers for these prompts on the background thread (seeds drawn here),
+        sampled by the weights of the last sync."""
+        ask = self.server.request(prompt_ids, prompt_mask, gen_cfg, stop_ids)
+        future = self.pool.submit(_timed, ask)
+        return InFlight(prompt_ids, prompt_mask, future, *self.synced)
+
+    def _responses(self, ready: InFlight, pad_id: int, device):
+        """Wait for `ready` on every rank together -> its padded tensors; records its
+        staleness, version and request seconds for the statistics."""
+        answers, seconds = self.server.together(ready.answers.result)
+        out = self.server.together(
+            lambda: self.server.responses(answers, ready.version, pad_id, device)
+        )
+        self.staleness = self.iteration - ready.sampled_at
+        self.version, self.request_seconds = ready.version, seconds
+        return out

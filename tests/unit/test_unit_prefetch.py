@@ -1,0 +1,142 @@
+"""rollout/prefetch.py (ppo.max_staleness=1) against a stand-in for the servers: which weights
+sample which iteration, what is requested ahead and on which thread, the staleness bound,
+an evaluation between iterations, and the version check. The real servers: the
+integration test in tests/integration/test_integration_serve.py."""
+
+import threading
+
+import pytest
+import torch
+
+from rlhf_dist.config import GenerationConfig
+from rlhf_dist.errors import ServerError
+from rlhf_dist.rollout.prefetch import PrefetchingServer
+from rlhf_dist.rollout.server import ServerEngine
+
+PAD = 0
+
+
+class FakeServers(ServerEngine):
+    """One "server" whose weights are the version synced last: a response is
+    [version, first prompt token]. A request can be held until released (`gate`), and
+    every request records the thread it ran on."""
+
+    def __init__(self):  # no HTTP, no weight-sync group
+        self.version, self.urls, self.threads = 0, ["fake"], []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.answer_version: int | None = None  # a server that answers with another version
+        self.any_rank = lambda flag: flag
+
+    def load_weights(self, actor):
+        self.version += 1
+
+    def request(self, prompt_ids, prompt_mask, gen_cfg, stop_ids):
+        version = self.version if self.answer_version is None else self.answer_version
+
+        def ask():
+            self.threads.append(threading.current_thread().name)
+            assert self.gate.wait(10)
+            rows = [[version, int(r[-1])] for r in prompt_ids]
+            return [
+                (
+                    "fake",
+                    {"version": version, "responses": rows, "logprobs": [[-0.5, -0.5]] * len(rows)},
+                )
+            ]
+
+        return ask
+
+
+def prompts(first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([[first], [first + 1]])
+    return ids, torch.ones_like(ids)
+
+
+def sample(engine: PrefetchingServer, batch) -> list[list[int]]:
+    engine.load_weights(torch.nn.Linear(1, 1))
+    ids, _ = engine.generate(*batch, GenerationConfig(), (1,), PAD)
+    return ids.tolist()
+
+
+def test_each_iteration_trains_on_the_rollout_the_previous_weights_sampled():
+    servers = FakeServers()
+    engine = PrefetchingServer(servers, max_staleness=1)
+    batches = [prompts(10 * i) for i in range(1, 5)]
+    seen = []
+    for it, batch in enumerate(batches, start=1):
+        engine.expect(it, batches[it] if it < len(batches) else None)
+        seen.append((sample(engine, batch), engine.staleness, engine.version))
+    # iteration 1 sampled on-policy by version 1; iteration k > 1 by version k - 1, the
+    # weights iteration k - 1 started with; iteration k synced version k before asking.
+    assert seen[0] == ([[1, 10], [1, 11]], 0, 1)
+    for k in (2, 3, 4):
+        assert seen[k - 1] == ([[k - 1, 10 * k], [k - 1, 10 * k + 1]], 1, k - 1)
+    assert servers.version == 4 and engine.in_flight is None  # nothing asked after the last
+    assert engine.dropped == 0
+    # the rollouts asked ahead ran on the background thread, the first one too (waited for)
+    assert all(name.startswith("rollout-request") for name in servers.threads)
+
+
+def test_the_next_rollout_is_sampled_while_the_caller_goes_on():
+    servers = FakeServers()
+    engine = PrefetchingServer(servers, max_staleness=1)
+    engine.expect(1, prompts(20))
+    sample(engine, prompts(10))
+    assert engine.in_flight is not None
+    engine.in_flight.answers.result(10)  # iteration 2's rollout is back
+    servers.gate.clear()  # the servers now hold every request until released
+    engine.expect(2, prompts(30))
+    done = threading.Event()
+
+    def iteration_two():
+        sample(engine, prompts(20))  # iteration 2's rollout was sampled during iteration 1
+        done.set()
+
+    worker = threading.Thread(target=iteration_two)
+    worker.start()
+    assert done.wait(10), "iteration 2 waited for iteration 3's rollout"
+    assert engine.in_flight is not None and not engine.in_flight.answers.done()
+    servers.gate.set()
+    worker.join()
+
+
+def test_no_request_ahead_leaves_the_next_iteration_on_policy():
+    servers = FakeServers()
+    engine = PrefetchingServer(servers, max_staleness=1)
+    engine.expect(1, None)  # e.g. iteration 1 writes a checkpoint
+    sample(engine, prompts(10))
+    assert engine.in_flight is None
+    engine.expect(2, None)
+    assert sample(engine, prompts(20)) == [[2, 20], [2, 21]] and engine.staleness == 0
+
+
+def test_a_rollout_older_than_the_bound_is_dropped_and_sampled_again():
+    servers = FakeServers()
+    engine = PrefetchingServer(servers, max_staleness=1)
+    engine.expect(1, prompts(20))
+    sample(engine, prompts(10))  # asks iteration 2's prompts with version 1
+    engine.expect(3, None)  # the loop skipped an iteration: that rollout is 2 updates old
+    assert sample(engine, prompts(20)) == [[2, 20], [2, 21]]
+    assert engine.dropped == 1 and engine.staleness == 0
+
+
+def test_an_evaluation_between_iterations_keeps_the_rollout_in_flight():
+    servers = FakeServers()
+    engine = PrefetchingServer(servers, max_staleness=1)
+    engine.expect(1, prompts(20))
+    sample(engine, prompts(10))
+    # held-out evaluation after iteration 1: its own prompts, the current weights (v2)
+    assert sample(engine, prompts(90)) == [[2, 90], [2, 91]]
+    assert engine.in_flight is not None  # iteration 2's rollout still waits for it
+    engine.expect(2, None)
+    assert sample(engine, prompts(20)) == [[1, 20], [1, 21]] and engine.staleness == 1
+
+
+def test_an_answer_from_another_version_is_an_error():
+    servers = FakeServers()
+    servers.answer_version = 7
+    engine = PrefetchingServer(servers, max_staleness=1)
+    engine.expect(1, None)
+    with pytest.raises(ServerError, match="sampled with policy version 7, the trainer synced"):
+        sample(engine, prompts(10))
