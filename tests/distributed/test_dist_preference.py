@@ -48,8 +48,11 @@ def test_dpo_zero3_two_ranks_matches_one_process(assets, tmp_path):
     a, b = metrics(two), metrics(one)
     steps = [r for r in a if "dpo/loss" in r]
     assert len(steps) == 4 and abs(steps[0]["dpo/loss"] - math.log(2)) < 1e-5
-    for x, y in zip(steps, [r for r in b if "dpo/loss" in r], strict=True):
-        for key in ("dpo/loss", "rewards/margins", "rewards/accuracy", "logprobs/chosen"):
+    for step, (x, y) in enumerate(zip(steps, [r for r in b if "dpo/loss" in r], strict=True)):
+        # At step 1 the policy IS the reference: every margin is rounding noise around 0,
+        # so which pairs count as "accurate" (margin > 0) is noise too.
+        keys = ("dpo/loss", "rewards/margins", "logprobs/chosen")
+        for key in keys + (("rewards/accuracy",) if step > 0 else ()):
             assert abs(x[key] - y[key]) < 1e-3 * max(1.0, abs(y[key])), (key, x[key], y[key])
     two_summary = json.loads((two / "summary.json").read_text())
     assert two_summary["eval_pairs"] == 64 and math.isfinite(two_summary["eval_accuracy"])
