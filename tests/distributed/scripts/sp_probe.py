@@ -1,0 +1,147 @@
+"""Loss and gradient of one optimizer step of SFT, DPO and the GRPO update, with
+distributed.sequence_parallel_size 1 and 2, padded and packed rows (perf.packed_sequences).
+
+Usage (2 ranks): accelerate launch ... sp_probe.py OUT [LENGTH]
+Every rank builds the same tiny Llama (4 heads, 2 key/value heads) and the same global
+batch of 4 sequences of up to LENGTH tokens (default 4096; ragged lengths, so ranks and
+micro-batches hold different token counts), takes its share as the trainers do, and runs
+the trainer's own step function (`sft_step`, `dpo_step`, `minibatch_backward`) with one
+sequence per micro-batch. With sp=2 the two ranks pool their micro-batches and split each
+by columns. Rank 0 writes {"CASE/spN/packed|padded": {"loss": float, "grads": {param:
+full gradient}}} to OUT (the gradient after the backend's reduction over ranks, before
+any optimizer step).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlhf_dist.config import DPOConfig, PerfConfig
+from rlhf_dist.data.batching import BatchPlan
+from rlhf_dist.data.rows import PreferencePair, SFTExample
+from rlhf_dist.distributed import Runtime, seed_everything
+from rlhf_dist.models import quiet_transformers
+from rlhf_dist.models.value import ActorCritic
+from rlhf_dist.rollout.batch import RolloutBatch
+from rlhf_dist.stats import StatSums
+from rlhf_dist.trainers.common import make_optimizer
+from rlhf_dist.trainers.dpo import dpo_step
+from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward
+from rlhf_dist.trainers.sft import sft_step
+
+V, PAD, GLOBAL = 64, 0, 4
+
+
+def tiny_llama(length: int) -> LlamaForCausalLM:
+    seed_everything(0)
+    config = LlamaConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=length + 8,
+        attention_dropout=0.0, pad_token_id=PAD, eos_token_id=1,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def sequences(length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = [length, length - 333, length // 2 + 17, length // 3]
+    return [torch.randint(2, V, (n,), generator=g).tolist() for n in sizes]
+
+
+def prepared(runtime: Runtime, net):
+    optimizer = make_optimizer([(net.parameters(), DPOConfig().optim)])
+    model, _ = runtime.prepare(net, optimizer, 1, 2, 1.0, "float32")
+    model.train()
+    return model
+
+
+def full_grads(runtime: Runtime, model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in runtime.unwrap(model).named_parameters()}
+
+
+def sft_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
+    model = prepared(runtime, tiny_llama(length))
+    examples = [SFTExample(ids, len(ids) // 4) for ids in sequences(length, 1)]
+    plan = BatchPlan(GLOBAL, runtime.world_size, 1)
+    metrics, _ = sft_step(runtime, model, examples, plan, PAD, perf)
+    return {"loss": metrics["sft/loss"], "grads": full_grads(runtime, model)}
+
+
+def dpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
+    model = prepared(runtime, tiny_llama(length))
+    chosen, rejected = sequences(length // 2, 2), sequences(length // 2, 3)
+    pairs = [
+        PreferencePair(c[:64] + c, c[:64] + r[: len(r) - 40 * i], prompt_len=64)
+        for i, (c, r) in enumerate(zip(chosen, rejected))
+    ]
+    ref_rows = -torch.rand(GLOBAL, 2, generator=torch.Generator().manual_seed(4)) * 100
+    plan = BatchPlan(GLOBAL, runtime.world_size, 1)
+    metrics, _ = dpo_step(runtime, model, None, pairs, ref_rows, plan, DPOConfig(), PAD, perf)
+    return {"loss": metrics["dpo/loss"], "grads": full_grads(runtime, model)}
+
+
+def rollout(length: int) -> tuple[RolloutBatch, torch.Tensor]:
+    """The global GRPO minibatch: left-padded prompts of up to 256 tokens, ragged responses
+    ending in EOS, old and reference log-probs, advantages (B, T)."""
+    g = torch.Generator().manual_seed(5)
+    P, T = 256, length - 256
+    prompt = torch.randint(2, V, (GLOBAL, P), generator=g)
+    prompt_mask = torch.ones(GLOBAL, P, dtype=torch.long)
+    for b, pad in enumerate((0, 50, 100, 7)):
+        prompt_mask[b, :pad] = 0
+        prompt[b, :pad] = PAD
+    lengths = torch.tensor([T, T - 500, T // 2, T // 5])
+    response_mask = torch.arange(T)[None, :] < lengths[:, None]
+    response = torch.where(response_mask, torch.randint(2, V, (GLOBAL, T), generator=g), PAD)
+    old = torch.where(response_mask, -torch.rand(GLOBAL, T, generator=g) * 5, 0.0)
+    ref = torch.where(response_mask, old - 0.1 * torch.rand(GLOBAL, T, generator=g), 0.0)
+    advantages = torch.randn(GLOBAL, 1, generator=g).expand(GLOBAL, T).clone()
+    batch = RolloutBatch(
+        prompt, prompt_mask, response, response_mask, old, ref, None,
+        scores=torch.zeros(GLOBAL), raw_scores=torch.zeros(GLOBAL),
+        finished=torch.ones(GLOBAL, dtype=torch.bool), entropy=torch.zeros(GLOBAL, T),
+    )  # fmt: skip
+    return batch, advantages
+
+
+def grpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
+    model = prepared(runtime, ActorCritic(tiny_llama(length), None, perf))
+    batch, advantages = rollout(length)
+    per_rank = GLOBAL // runtime.world_size
+    mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
+    knobs = UpdateKnobs(
+        0.7, 0.2, 0.28, None, None, 0.0, 0.01, 0.05, "k3", "token_mean", (1.0,)
+    )  # GRPO's critic-free terms: clip-higher, k3 KL as a loss term, an entropy bonus
+    stats = StatSums()
+    slices = [slice(i, i + 1) for i in range(per_rank)]
+    minibatch_backward(
+        runtime, model, batch.select(mine), advantages[mine], None, knobs, slices, stats
+    )
+    return {"loss": stats.reduce(runtime)["policy/loss"], "grads": full_grads(runtime, model)}
+
+
+def main():
+    out, length = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+    quiet_transformers()
+    runtimes = {
+        "sp1": Runtime(seed=0, num_threads=1),
+        "sp2": Runtime(seed=0, num_threads=1, sequence_parallel_size=2),
+    }
+    result = {}
+    for packed in (False, True):
+        perf = PerfConfig(packed_sequences=packed, logprob_chunk_tokens=1024)
+        for name, runtime in runtimes.items():
+            for case, fn in (("sft", sft_case), ("dpo", dpo_case), ("grpo", grpo_case)):
+                key = f"{case}/{name}/{'packed' if packed else 'padded'}"
+                result[key] = fn(runtime, perf, length)
+    if runtimes["sp1"].is_main:
+        torch.save(result, out)
+    runtimes["sp1"].barrier()
+
+
+if __name__ == "__main__":
+    main()
