@@ -242,7 +242,8 @@ def update_phase(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: B
     if not grads_resident:
         grads = trained_states(cfg, shapes, hw, stage).grads
         model, pr = _trained_shape(cfg, shapes, stage), precision(cfg, hw)
-        late = grads + mem.backward_workspace(model, batch.sequences, batch.length, pr.compute)
+        rows = batch.sequences / cfg.distributed.sequence_parallel_size  # this rank's share
+        late = grads + mem.backward_workspace(model, rows, batch.length, pr.compute)
         extra = max(0.0, late - sum(b for _, b in early))
         terms.append(("gradients (as activations are freed)", extra))
     return terms + extra_update_copies(cfg, shapes, hw, stage)
@@ -255,12 +256,19 @@ def _trained_shape(cfg: Config, shapes: Shapes, stage: str) -> ModelShape:
 def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch, grads_resident: bool) -> list:  # fmt: skip
     """One micro-batch's kept activations (PPO's critic runs in the same backward) and the
     larger transient of backward's start: the head's chunks (+ its weight gradient when
-    gradients are not resident yet) or, with checkpointing, a recomputed layer."""
+    gradients are not resident yet) or, with checkpointing, a recomputed layer. With
+    sequence parallelism each term counts this rank's 1/n of the positions, plus the
+    exchanged heads and the whole-row mask (`memory.sequence_parallel_buffers`)."""
     pr, ckpt, attn = precision(cfg, hw), checkpointing(cfg, hw), attention_kind(cfg, hw)
     lora_r = cfg.lora.r if cfg.lora.enabled and stage in ("ppo", "dpo", "kto") else 0
     model = _trained_shape(cfg, shapes, stage)
-    b, s = batch.sequences, batch.length
+    # distributed.sequence_parallel_size = n: each rank holds 1/n of every row's positions
+    n = cfg.distributed.sequence_parallel_size
+    b, s = batch.sequences / n, batch.length
     terms = [("activations", mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r))]
+    if n > 1:
+        ulysses = mem.sequence_parallel_buffers(model, batch.sequences, s, n, pr.compute, ckpt)
+        terms.append(("sequence-parallel exchange + row mask", ulysses))
     if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
         critic = critic_shape(cfg, shapes)
         terms.append(("critic activations", mem.kept_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip

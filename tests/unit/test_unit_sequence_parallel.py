@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf_dist.config import PerfConfig, load_config, validate
 from rlhf_dist.distributed.sequence_parallel import SequenceGroup, sequence_parallel
+from rlhf_dist.engine import sequence_parallel as engine_sp
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.engine.sequence_parallel import _row_mask, check_heads
-from rlhf_dist.engine import sequence_parallel as engine_sp
 from rlhf_dist.errors import ConfigError
 
 V = 50
@@ -127,3 +127,32 @@ def test_the_combinations_it_does_not_support_are_one_line_naming_the_key():
     for key, extra in refused.items():
         message = one_line_error(load_config(overrides=[*PPO, *extra]), "ppo", world_size=2)
         assert message.startswith(f"distributed.sequence_parallel_size=2: not supported with {key}")
+
+
+def test_the_planner_divides_activations_by_the_group_and_adds_the_exchange():
+    from pathlib import Path
+
+    from rlhf_dist.planning import GIB, Hardware, ModelShape, Shapes, build_plan
+    from rlhf_dist.planning import memory as mem
+    from rlhf_dist.planning.shapes import read_shape
+
+    tiny = ModelShape(vocab=10, hidden=4, layers=2, heads=2, kv_heads=1, head_dim=2,
+                      intermediate=8)  # fmt: skip
+    # 2 layers x 3 rows x 8 positions / 2 ranks x (h + 2kd = 8) x 2 bytes + 3 x 8 x 8 mask
+    assert mem.sequence_parallel_buffers(tiny, 3, 8, 2, 2.0, False) == 2 * 3 * 4 * 8 * 2 + 192
+    assert mem.sequence_parallel_buffers(tiny, 3, 8, 2, 2.0, True) == 3 * 4 * 8 * 2 + 192
+    shape = Path(__file__).resolve().parents[2] / "launch/configs/shapes/llama3-8b"
+    shapes = Shapes(read_shape(str(shape), "model.policy"))
+
+    def update_terms(n: int) -> dict:
+        cfg = load_config(None, [
+            f"model.policy={shape}", "data.train=x", "data.max_length=32768",
+            "sft.micro_batch_size=1", f"distributed.sequence_parallel_size={n}",
+        ])  # fmt: skip
+        plan = build_plan(cfg, "sft", shapes, Hardware(8, 80 * GIB, 3))
+        return dict(next(p for p in plan.phases if p.name == "update").terms)
+
+    one, two = update_terms(1), update_terms(2)
+    assert two["activations"] == pytest.approx(one["activations"] / 2)
+    assert "sequence-parallel exchange + row mask" in two
+    assert "sequence-parallel exchange + row mask" not in one
