@@ -143,10 +143,11 @@ def gather_heads(y: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
 
 
 class _GatherColumns(torch.autograd.Function):
-    """(R, W) per rank -> (R, n*W), rank k's columns at [k*W, (k+1)*W). Every rank then
-    computes the same loss from the whole rows, so a column's gradient is the SUM over
-    the group of each rank's gradient of it (all-reduce), of which each rank keeps its
-    own columns; callers divide the loss by n (trainers/common.py share_of_global_mean)."""
+    """(R, W) per rank -> (R, n*W), rank k's columns at [k*W, (k+1)*W). Every rank of the
+    group then computes the same loss from the whole rows, so each holds the same
+    gradient of every column: the backward takes their average (all-reduce / n, which
+    also keeps a rank from trusting its own copy alone) and keeps its own columns. The
+    loss is thus counted once per group, as without sequence parallelism."""
 
     @staticmethod
     def forward(ctx, x, sg):
@@ -159,6 +160,7 @@ class _GatherColumns(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.sg.group)
+        grad /= ctx.sg.size
         w, r = ctx.width, ctx.sg.rank
         return grad[:, r * w : (r + 1) * w], None
 

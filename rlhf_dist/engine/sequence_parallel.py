@@ -48,6 +48,11 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ConfigError(f"{KEY}: attention with {name} is not supported; set it to 1")
+    if key.shape[1] % sg.size:
+        # Fewer KV heads than ranks (MQA, the demo's 1): each query head's KV copy, so
+        # every rank receives the KV heads of its query heads (DeepSpeed replicates alike).
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
     q, k, v = (scatter_heads(x, sg) for x in (query, key, value))
     # GQA: local query head j uses local KV head j // groups (both blocks are contiguous).
     groups = q.shape[1] // k.shape[1]
@@ -76,13 +81,12 @@ def ulysses_attention_on(lm):
 
 
 def check_heads(config, size: int) -> None:
-    """Ulysses splits heads over the group: refuse a model whose query or KV head count
-    `size` does not divide (one line naming the key)."""
+    """Ulysses splits the query heads over the group: refuse a model whose attention head
+    count `size` does not divide (one line naming the key). Key/value heads that it does
+    not divide are copied per query head first (`ulysses_attention`)."""
     heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads", heads), ("key/value heads", kv)):
-        if count is None or count % size:
-            raise ConfigError(f"{KEY}={size} must divide the model's {count} {what}")
+    if heads is None or heads % size:
+        raise ConfigError(f"{KEY}={size} must divide the model's {heads} attention heads")
 
 
 @dataclass(frozen=True)

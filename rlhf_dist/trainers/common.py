@@ -319,11 +319,11 @@ def share_of_global_mean(runtime: Runtime, loss_sum: torch.Tensor, global_count)
     average; dividing by the global count makes the accumulated gradient the gradient of
     the step's global mean loss, the same however the batch is split into ranks and
     micro-batches (a per-micro-batch mean would weight tokens of short batches more).
-    With sequence parallelism (n = distributed.sequence_parallel_size) the n ranks of a
-    group each compute this same loss of a pooled micro-batch, and its gradient reaches
-    each rank's columns summed over the group (distributed/sequence_parallel.py): / n.
+    With sequence parallelism the n ranks of a group each compute this same loss of a
+    pooled micro-batch; the gradient reaching each rank's columns is the average of the n
+    (distributed/sequence_parallel.py `gather_columns`), so nothing changes here.
     """
-    return loss_sum * runtime.world_size / (global_count * runtime.sequence_parallel_size)
+    return loss_sum * runtime.world_size / global_count
 
 
 def padding_cells(attention_mask: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -2,7 +2,7 @@
 distributed.sequence_parallel_size 1 and 2, padded and packed rows (perf.packed_sequences).
 
 Usage (2 ranks): accelerate launch ... sp_probe.py OUT [LENGTH]
-Every rank builds the same tiny Llama (4 heads, 2 key/value heads) and the same global
+Every rank builds the same tiny Llama (4 heads; 2 key/value heads, 1 for GRPO) and the same global
 batch of 4 sequences of up to LENGTH tokens (default 4096; ragged lengths, so ranks and
 micro-batches hold different token counts), takes its share as the trainers do, and runs
 the trainer's own step function (`sft_step`, `dpo_step`, `minibatch_backward`) with one
@@ -35,11 +35,11 @@ from rlhf_dist.trainers.sft import sft_step
 V, PAD, GLOBAL = 64, 0, 4
 
 
-def tiny_llama(length: int) -> LlamaForCausalLM:
+def tiny_llama(length: int, kv_heads: int = 2) -> LlamaForCausalLM:
     seed_everything(0)
     config = LlamaConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=length + 8,
+        num_key_value_heads=kv_heads, intermediate_size=64, max_position_embeddings=length + 8,
         attention_dropout=0.0, pad_token_id=PAD, eos_token_id=1,
     )  # fmt: skip
     config._attn_implementation = "sdpa"
@@ -109,7 +109,8 @@ def rollout(length: int) -> tuple[RolloutBatch, torch.Tensor]:
 
 
 def grpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
-    model = prepared(runtime, ActorCritic(tiny_llama(length), None, perf))
+    # 1 KV head (the demo's MQA shape): copied per query head before the exchange
+    model = prepared(runtime, ActorCritic(tiny_llama(length, kv_heads=1), None, perf))
     batch, advantages = rollout(length)
     per_rank = GLOBAL // runtime.world_size
     mine = slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank)
