@@ -39,7 +39,8 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                       **kwargs):  # fmt: skip
     """transformers attention function (AttentionInterface) under `sequence_parallel`:
     query (B, h, S, d), key/value (B, h_kv, S, d) of this rank's S = W/n positions, already
-    rotated; attention_mask (B, 1, W, W) bool, True = may attend (`_row_mask`). Heads for
+    rotated; attention_mask (B, 1, W, W) bool, True = may attend (`_row_mask`), or None:
+    causal over the whole row (right-padded rows, `_starts_real`). Heads for
     positions (all-to-all), sdpa over the whole row for h/n heads, positions back.
     Returns (B, S, h, d) as transformers' sdpa_attention_forward does, and no weights."""
     sg = active_group()
@@ -59,8 +60,9 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-    )
+        q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=attention_mask is None,
+    )  # fmt: skip
     return gather_heads(out, sg).transpose(1, 2).contiguous(), None
 
 
@@ -93,7 +95,8 @@ def check_heads(config, size: int) -> None:
 class SequenceRows:
     """One pooled micro-batch laid out for the split, every tensor (R, W) with W a
     multiple of the group size: ids, positions, `scored` (bool: the position's next token
-    is scored), `targets` (that next token), `mask` (R, 1, W, W) bool, `width` the
+    is scored), `targets` (that next token), `mask` (R, 1, W, W) bool or None (causal
+    alone is exact: `_starts_real`), `width` the
     row width before the columns that make it a multiple, and `scatter` (packed rows
     back to the padded batch, packing_layout's) or None."""
 
@@ -101,7 +104,7 @@ class SequenceRows:
     positions: torch.Tensor
     scored: torch.Tensor
     targets: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     width: int
     scatter: torch.Tensor | None
 
@@ -135,8 +138,17 @@ def sequence_rows(lm, input_ids, attention_mask, predict_mask, perf: PerfConfig,
         positions = torch.cat([positions, tail], dim=1)  # packed: one more sequence
         if key_real is not None:
             key_real = F.pad(key_real, (0, pad))
-    mask = _row_mask(positions, key_real)
+    mask = (
+        None if key_real is not None and _starts_real(key_real) else _row_mask(positions, key_real)
+    )
     return SequenceRows(ids, positions, scored, targets, mask, width, scatter)
+
+
+def _starts_real(key_real: torch.Tensor) -> bool:
+    """Whether every padded row's real tokens come first (right padding only): then the
+    causal mask alone is exact for every real query, and sdpa needs no (W, W) mask, which
+    its CPU and GPU kernels would otherwise expand to floats on every call."""
+    return bool((key_real[:, :-1] >= key_real[:, 1:]).all()) and bool(key_real[:, 0].all())
 
 
 def _row_mask(positions: torch.Tensor, key_real: torch.Tensor | None) -> torch.Tensor:

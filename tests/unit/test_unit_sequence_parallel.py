@@ -14,7 +14,7 @@ from rlhf_dist.config import PerfConfig, load_config, validate
 from rlhf_dist.distributed.sequence_parallel import SequenceGroup, sequence_parallel
 from rlhf_dist.engine import sequence_parallel as engine_sp
 from rlhf_dist.engine.forward import token_logprobs
-from rlhf_dist.engine.sequence_parallel import _row_mask, check_heads
+from rlhf_dist.engine.sequence_parallel import _row_mask, check_heads, sequence_rows
 from rlhf_dist.errors import ConfigError
 
 V = 50
@@ -32,31 +32,34 @@ def tiny_lm(heads: int = 4, kv: int = 2) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def batch():
-    """(ids, mask, predict_mask (B, L - 1)) of 3 rows: left-padded, full, right-padded."""
+def batch(left: bool = True):
+    """(ids, mask, predict_mask (B, L - 1)) of 3 rows: left-padded (or right-padded with
+    left=False), full, right-padded."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(2, V, (3, 11), generator=g)
     mask = torch.ones(3, 11, dtype=torch.long)
     mask[0, :3] = 0
+    if not left:
+        mask[0] = mask[0].flip(0)
     mask[2, 8:] = 0
     predict = mask[:, 1:].bool() & (torch.arange(10) >= 4)
     return ids, mask, predict
 
 
-def forward_and_grads(model, perf, group):
+def forward_and_grads(model, perf, group, left=True):
     model.zero_grad()
-    ids, mask, predict = batch()
+    ids, mask, predict = batch(left)
     with sequence_parallel(group):
         lp, ent = token_logprobs(model, ids, mask, predict, 0.7, True, perf=perf)
     (lp.sum() + ent.sum()).backward()
     return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_group_of_one_gives_the_plain_forward_and_gradient(packed, monkeypatch):
+@pytest.mark.parametrize(("packed", "left"), [(False, True), (False, False), (True, True)])
+def test_a_group_of_one_gives_the_plain_forward_and_gradient(packed, left, monkeypatch):
     model = tiny_lm()
     perf = PerfConfig(packed_sequences=packed, logprob_chunk_tokens=4)
-    lp, ent, grads = forward_and_grads(model, perf, None)
+    lp, ent, grads = forward_and_grads(model, perf, None, left)
     exchanges = []  # every layer's q, k, v go through the Ulysses attention function
 
     def counted(x, sg):
@@ -64,14 +67,18 @@ def test_a_group_of_one_gives_the_plain_forward_and_gradient(packed, monkeypatch
         return x
 
     monkeypatch.setattr(engine_sp, "scatter_heads", counted)
-    lp1, ent1, grads1 = forward_and_grads(model, perf, ONE)
+    lp1, ent1, grads1 = forward_and_grads(model, perf, ONE, left)
     assert len(exchanges) == 3 * model.config.num_hidden_layers
     assert model.config._attn_implementation == "sdpa"  # switched back after the forward
     torch.testing.assert_close(lp1, lp, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent1, ent, rtol=0, atol=1e-5)
     for a, b in zip(grads1, grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert bool((lp1 == 0).eq(~batch()[2]).all())  # 0 exactly where nothing is scored
+    assert bool((lp1 == 0).eq(~batch(left)[2]).all())  # 0 exactly where nothing is scored
+    # right padding alone: causal attention, no (W, W) mask; otherwise the whole-row mask
+    ids, mask, predict = batch(left)
+    rows = sequence_rows(model, ids, mask, predict, perf, 1)
+    assert (rows.mask is None) == (not left and not packed)
 
 
 def test_the_row_mask_by_hand():
