@@ -161,3 +161,23 @@ def test_the_planner_divides_activations_by_the_group_and_adds_the_exchange():
     assert two["activations"] == pytest.approx(one["activations"] / 2)
     assert "sequence-parallel exchange + row mask" in two
     assert "sequence-parallel exchange + row mask" not in one
+
+
+def test_the_planners_fix_names_the_size_when_micro_batches_of_one_do_not_fit():
+    from pathlib import Path
+
+    from rlhf_dist.planning import GIB, Hardware, Shapes, build_plan, find_fix, with_overrides
+    from rlhf_dist.planning.shapes import read_shape
+
+    shape = Path(__file__).resolve().parents[2] / "launch/configs/shapes/llama3-8b"
+    shapes, hw = Shapes(read_shape(str(shape), "model.policy")), Hardware(8, 80 * GIB, 3)
+    cfg = load_config(None, [
+        f"model.policy={shape}", "data.train=x", "data.max_length=131072", "sft.batch_size=8",
+        "sft.micro_batch_size=1", "model.gradient_checkpointing=true",
+    ])  # fmt: skip
+    assert not build_plan(cfg, "sft", shapes, hw).fits
+    fix = find_fix(cfg, "sft", shapes, hw)
+    assert fix is not None and "distributed.sequence_parallel_size=2" in fix.overrides
+    fixed = with_overrides(cfg, fix.overrides)
+    assert build_plan(fixed, "sft", shapes, hw).fits
+    validate(fixed, "sft", 8)
