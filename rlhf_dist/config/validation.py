@@ -315,11 +315,12 @@ SP_KEY = "distributed.sequence_parallel_size"
 
 def _validate_sequence_parallel(cfg: Config, stage: str, world_size: int) -> None:
     """Sequence parallelism (docs/distributed.md): the world splits into groups, and only
-    the forwards that pool their micro-batches over a group can run split."""
+    the steps that pool their micro-batches over a group (SFT, DPO, KTO, the critic-free
+    PPO update) can run split."""
     n = cfg.distributed.sequence_parallel_size
     _divides((SP_KEY, n), ("world size", world_size))
-    if stage in ("rm", "kto"):
-        raise ConfigError(f"{SP_KEY}={n}: {stage} does not split sequences; set it to 1")
+    if stage == "rm":
+        raise ConfigError(f"{SP_KEY}={n}: rm does not split sequences; set it to 1")
     if stage != "ppo":
         return
     p = cfg.ppo

@@ -1,6 +1,6 @@
 """distributed.sequence_parallel_size=2 on 2 CPU ranks (gloo, DDP) gives the loss and the
-gradient of sequence_parallel_size=1, to 1e-5, for one optimizer step of SFT, DPO and the
-GRPO update on 4K-token sequences, padded and packed (docs/distributed.md "Sequence
+gradient of sequence_parallel_size=1, to 1e-5, for one optimizer step of SFT, DPO, KTO and
+the GRPO update on 4K-token sequences, padded and packed (docs/distributed.md "Sequence
 parallelism"). One launch of scripts/sp_probe.py computes every case."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import torch
 from conftest import REPO, free_port, launch_args, run_launch
 
 PROBE = str(REPO / "tests" / "distributed" / "scripts" / "sp_probe.py")
-CASES = [(case, layout) for case in ("sft", "dpo", "grpo") for layout in ("padded", "packed")]
+CASES = [
+    (case, layout) for case in ("sft", "dpo", "kto", "grpo") for layout in ("padded", "packed")
+]
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""Loss and gradient of one optimizer step of SFT, DPO and the GRPO update, with
+"""Loss and gradient of one optimizer step of SFT, DPO, KTO and the GRPO update, with
 distributed.sequence_parallel_size 1 and 2, padded and packed rows (perf.packed_sequences).
 
 Usage (2 ranks): accelerate launch ... sp_probe.py OUT [LENGTH]
 Every rank builds the same tiny Llama (4 heads; 2 key/value heads, 1 for GRPO) and the same global
 batch of 4 sequences of up to LENGTH tokens (default 4096; ragged lengths, so ranks and
 micro-batches hold different token counts), takes its share as the trainers do, and runs
-the trainer's own step function (`sft_step`, `dpo_step`, `minibatch_backward`) with one
+the trainer's own step function (`sft_step`, `dpo_step`, `kto_step`, `minibatch_backward`) with one
 sequence per micro-batch. With sp=2 the two ranks pool their micro-batches and split each
 by columns. Rank 0 writes {"CASE/spN/packed|padded": {"loss": float, "grads": {param:
 full gradient}}} to OUT (the gradient after the backend's reduction over ranks, before
@@ -19,9 +19,9 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_dist.config import DPOConfig, PerfConfig
+from rlhf_dist.config import DPOConfig, KTOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan
-from rlhf_dist.data.rows import PreferencePair, SFTExample
+from rlhf_dist.data.rows import KTOExample, PreferencePair, SFTExample
 from rlhf_dist.distributed import Runtime, seed_everything
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.models.value import ActorCritic
@@ -29,6 +29,7 @@ from rlhf_dist.rollout.batch import RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import make_optimizer
 from rlhf_dist.trainers.dpo import dpo_step
+from rlhf_dist.trainers.kto import kto_step
 from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward
 from rlhf_dist.trainers.sft import sft_step
 
@@ -84,6 +85,19 @@ def dpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
     return {"loss": metrics["dpo/loss"], "grads": full_grads(runtime, model)}
 
 
+def kto_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
+    model = prepared(runtime, tiny_llama(length))
+    completions = sequences(length // 2, 6)
+    examples = [
+        KTOExample(c[:64], c[64:], i % 2 == 0, completions[(i + 1) % GLOBAL][64:])
+        for i, c in enumerate(completions)
+    ]
+    ref_rows = -torch.rand(GLOBAL, 2, generator=torch.Generator().manual_seed(7)) * 100
+    plan = BatchPlan(GLOBAL, runtime.world_size, 1)
+    metrics, _ = kto_step(runtime, model, None, examples, ref_rows, plan, KTOConfig(), PAD, perf)
+    return {"loss": metrics["kto/loss"], "grads": full_grads(runtime, model)}
+
+
 def rollout(length: int) -> tuple[RolloutBatch, torch.Tensor]:
     """The global GRPO minibatch: left-padded prompts of up to 256 tokens, ragged responses
     ending in EOS, old and reference log-probs, advantages (B, T)."""
@@ -136,7 +150,8 @@ def main():
     for packed in (False, True):
         perf = PerfConfig(packed_sequences=packed, logprob_chunk_tokens=1024)
         for name, runtime in runtimes.items():
-            for case, fn in (("sft", sft_case), ("dpo", dpo_case), ("grpo", grpo_case)):
+            cases = (("sft", sft_case), ("dpo", dpo_case), ("kto", kto_case), ("grpo", grpo_case))
+            for case, fn in cases:
                 key = f"{case}/{name}/{'packed' if packed else 'padded'}"
                 result[key] = fn(runtime, perf, length)
     if runtimes["sp1"].is_main:
