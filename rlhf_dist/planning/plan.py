@@ -267,8 +267,10 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
     b, s = batch.sequences / n, batch.length
     terms = [("activations", mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r))]
     if n > 1:
-        ulysses = mem.sequence_parallel_buffers(model, batch.sequences, s, n, pr.compute, ckpt)
-        terms.append(("sequence-parallel exchange + row mask", ulysses))
+        # rollouts' prompts are left-padded, packed rows need their blocks: a (s, s) mask
+        mask = stage == "ppo" or cfg.perf.packed_sequences
+        ulysses = mem.sequence_parallel_buffers(model, batch.sequences, s, n, pr.compute, ckpt, mask)  # fmt: skip
+        terms.append(("sequence-parallel exchange" + (" + row mask" if mask else ""), ulysses))
     if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
         critic = critic_shape(cfg, shapes)
         terms.append(("critic activations", mem.kept_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip

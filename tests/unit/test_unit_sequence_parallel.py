@@ -144,23 +144,27 @@ def test_the_planner_divides_activations_by_the_group_and_adds_the_exchange():
     tiny = ModelShape(vocab=10, hidden=4, layers=2, heads=2, kv_heads=1, head_dim=2,
                       intermediate=8)  # fmt: skip
     # 2 layers x 3 rows x 8 positions / 2 ranks x (h + 2kd = 8) x 2 bytes + 3 x 8 x 8 mask
-    assert mem.sequence_parallel_buffers(tiny, 3, 8, 2, 2.0, False) == 2 * 3 * 4 * 8 * 2 + 192
-    assert mem.sequence_parallel_buffers(tiny, 3, 8, 2, 2.0, True) == 3 * 4 * 8 * 2 + 192
+    assert mem.sequence_parallel_buffers(tiny, 3, 8, 2, 2.0, False, True) == 2 * 3 * 4 * 8 * 2 + 192
+    assert mem.sequence_parallel_buffers(tiny, 3, 8, 2, 2.0, True, True) == 3 * 4 * 8 * 2 + 192
+    assert mem.sequence_parallel_buffers(tiny, 3, 8, 2, 2.0, True, False) == 3 * 4 * 8 * 2
     shape = Path(__file__).resolve().parents[2] / "launch/configs/shapes/llama3-8b"
     shapes = Shapes(read_shape(str(shape), "model.policy"))
 
-    def update_terms(n: int) -> dict:
+    def update_terms(n: int, packed: bool = False) -> dict:
         cfg = load_config(None, [
             f"model.policy={shape}", "data.train=x", "data.max_length=32768",
             "sft.micro_batch_size=1", f"distributed.sequence_parallel_size={n}",
+            f"perf.packed_sequences={packed}",
         ])  # fmt: skip
         plan = build_plan(cfg, "sft", shapes, Hardware(8, 80 * GIB, 3))
         return dict(next(p for p in plan.phases if p.name == "update").terms)
 
     one, two = update_terms(1), update_terms(2)
     assert two["activations"] == pytest.approx(one["activations"] / 2)
-    assert "sequence-parallel exchange + row mask" in two
-    assert "sequence-parallel exchange + row mask" not in one
+    assert "sequence-parallel exchange" in two and "sequence-parallel exchange" not in one
+    # packed rows need the whole-row mask: 32768^2 bytes more
+    packed = update_terms(2, packed=True)["sequence-parallel exchange + row mask"]
+    assert packed == pytest.approx(two["sequence-parallel exchange"] + 32768**2)
 
 
 def test_the_planners_fix_names_the_size_when_micro_batches_of_one_do_not_fit():
