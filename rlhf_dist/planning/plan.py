@@ -348,15 +348,21 @@ def vllm_share(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[str, float]:
 def scoring_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
     """Rollout scoring of `rows` sequences per forward, no gradients, one model at a time
     (actor, reference, critic, reward model, teacher): the larger of the biggest model's
-    layer working set and the head's chunk workspace with the hidden states it reads."""
+    layer working set and the head's chunk workspace with the hidden states it reads.
+    With sequence parallelism (n) the log-prob forwards hold 1/n of the positions and the
+    whole-row mask of the left-padded rows; the reward model runs whole rows."""
     pr, attn = precision(cfg, hw), attention_kind(cfg, hw)
     s, t = cfg.data.max_prompt_length + cfg.generation.max_new_tokens, cfg.generation.max_new_tokens
-    models = [m for m in (shapes.policy, shapes.reward, shapes.teacher) if m is not None]
-    layer = max(mem.inference_forward(m, rows, s, pr.compute, attn) for m in models)
+    n = cfg.distributed.sequence_parallel_size
+    split = [m for m in (shapes.policy, shapes.teacher) if m is not None]
+    layer = max(mem.inference_forward(m, rows / n, s, pr.compute, attn) for m in split)
+    if shapes.reward is not None:
+        layer = max(layer, mem.inference_forward(shapes.reward, rows, s, pr.compute, attn))
     p = shapes.policy
-    head = mem.head_bytes(p, rows * t, cfg.perf.logprob_chunk_tokens, False)
-    head += rows * s * p.hidden * pr.compute
-    return [("logits chunks" if head >= layer else "layer working set", max(head, layer))]
+    head = mem.head_bytes(p, max(1, rows * t // n), cfg.perf.logprob_chunk_tokens, False)
+    head += rows / n * s * p.hidden * pr.compute
+    terms = [("logits chunks" if head >= layer else "layer working set", max(head, layer))]
+    return terms + ([("sequence-parallel row mask", float(rows * s * s))] if n > 1 else [])
 
 
 def build_plan(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> Plan:

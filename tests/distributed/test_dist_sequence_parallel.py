@@ -1,7 +1,8 @@
 """distributed.sequence_parallel_size=2 on 2 CPU ranks (gloo, DDP) gives the loss and the
 gradient of sequence_parallel_size=1, to 1e-5, for one optimizer step of SFT, DPO, KTO and
-the GRPO update on 4K-token sequences, padded and packed (docs/distributed.md "Sequence
-parallelism"). One launch of scripts/sp_probe.py computes every case."""
+the GRPO update on 4K-token sequences, padded and packed, and the rollout's scoring gives
+the same log-probs and entropies (docs/distributed.md "Sequence parallelism"). One launch
+of scripts/sp_probe.py computes every case."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import torch
 from conftest import REPO, free_port, launch_args, run_launch
 
 PROBE = str(REPO / "tests" / "distributed" / "scripts" / "sp_probe.py")
-CASES = [
-    (case, layout) for case in ("sft", "dpo", "kto", "grpo") for layout in ("padded", "packed")
-]
+STEPS = ("sft", "dpo", "kto", "grpo", "score")  # score: the rollout's scoring forwards
+CASES = [(case, layout) for case in STEPS for layout in ("padded", "packed")]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def probe(tmp_path_factory) -> dict:
 def test_sequence_parallel_gives_the_same_loss_and_gradient(probe, case, layout):
     one, two = probe[f"{case}/sp1/{layout}"], probe[f"{case}/sp2/{layout}"]
     assert abs(two["loss"] - one["loss"]) <= 1e-5
-    assert one["grads"].keys() == two["grads"].keys()
-    for name, g in one["grads"].items():
+    assert one["tensors"].keys() == two["tensors"].keys()
+    for name, g in one["tensors"].items():
         assert g.abs().max() > 0, name  # every weight gets a gradient: a real comparison
-        torch.testing.assert_close(two["grads"][name], g, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(two["tensors"][name], g, rtol=0, atol=1e-5, msg=name)

@@ -7,9 +7,10 @@ batch of 4 sequences of up to LENGTH tokens (default 4096; ragged lengths, so ra
 micro-batches hold different token counts), takes its share as the trainers do, and runs
 the trainer's own step function (`sft_step`, `dpo_step`, `kto_step`, `minibatch_backward`) with one
 sequence per micro-batch. With sp=2 the two ranks pool their micro-batches and split each
-by columns. Rank 0 writes {"CASE/spN/packed|padded": {"loss": float, "grads": {param:
+by columns. Rank 0 writes {"CASE/spN/packed|padded": {"loss": float, "tensors": {param:
 full gradient}}} to OUT (the gradient after the backend's reduction over ranks, before
-any optimizer step).
+any optimizer step); CASE "score" is the rollout's scoring instead (no gradient): its
+tensors are the old log-probs, entropies and reference log-probs of all rows.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rlhf_dist.distributed import Runtime, seed_everything
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.models.value import ActorCritic
 from rlhf_dist.rollout.batch import RolloutBatch
+from rlhf_dist.rollout.collect import RolloutModels, _scoring_forwards
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import make_optimizer
 from rlhf_dist.trainers.dpo import dpo_step
@@ -69,7 +71,7 @@ def sft_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
     examples = [SFTExample(ids, len(ids) // 4) for ids in sequences(length, 1)]
     plan = BatchPlan(GLOBAL, runtime.world_size, 1)
     metrics, _ = sft_step(runtime, model, examples, plan, PAD, perf)
-    return {"loss": metrics["sft/loss"], "grads": full_grads(runtime, model)}
+    return {"loss": metrics["sft/loss"], "tensors": full_grads(runtime, model)}
 
 
 def dpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
@@ -82,7 +84,7 @@ def dpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
     ref_rows = -torch.rand(GLOBAL, 2, generator=torch.Generator().manual_seed(4)) * 100
     plan = BatchPlan(GLOBAL, runtime.world_size, 1)
     metrics, _ = dpo_step(runtime, model, None, pairs, ref_rows, plan, DPOConfig(), PAD, perf)
-    return {"loss": metrics["dpo/loss"], "grads": full_grads(runtime, model)}
+    return {"loss": metrics["dpo/loss"], "tensors": full_grads(runtime, model)}
 
 
 def kto_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
@@ -95,7 +97,7 @@ def kto_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
     ref_rows = -torch.rand(GLOBAL, 2, generator=torch.Generator().manual_seed(7)) * 100
     plan = BatchPlan(GLOBAL, runtime.world_size, 1)
     metrics, _ = kto_step(runtime, model, None, examples, ref_rows, plan, KTOConfig(), PAD, perf)
-    return {"loss": metrics["kto/loss"], "grads": full_grads(runtime, model)}
+    return {"loss": metrics["kto/loss"], "tensors": full_grads(runtime, model)}
 
 
 def rollout(length: int) -> tuple[RolloutBatch, torch.Tensor]:
@@ -136,7 +138,36 @@ def grpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
     minibatch_backward(
         runtime, model, batch.select(mine), advantages[mine], None, knobs, slices, stats
     )
-    return {"loss": stats.reduce(runtime)["policy/loss"], "grads": full_grads(runtime, model)}
+    return {"loss": stats.reduce(runtime)["policy/loss"], "tensors": full_grads(runtime, model)}
+
+
+def score_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
+    """The rollout's scoring forwards (collect.py `_scoring_forwards`: the actor's old
+    log-probs and entropies, the reference's log-probs) of this rank's rows in chunks of
+    one, gathered from both ranks in row order."""
+    actor = prepared(runtime, ActorCritic(tiny_llama(length, kv_heads=1), None, perf))
+    reference = tiny_llama(length, kv_heads=1).eval()
+    with torch.no_grad():  # another reference than the actor
+        for p in reference.parameters():
+            p.mul_(1.01)
+    batch, _ = rollout(length)
+    per_rank = GLOBAL // runtime.world_size
+    mine = batch.select(slice(runtime.rank * per_rank, (runtime.rank + 1) * per_rank))
+    sampled = {k: getattr(mine, k) for k in ("prompt_ids", "prompt_mask", "response_ids")}
+    sampled["response_mask"] = mine.response_mask
+    split = runtime.sequence_parallel_size > 1
+    models = RolloutModels(
+        actor, None, reference, None, perf=perf,
+        pool=runtime.pool_micro_batches if split else None, split=runtime.sequence_parallel,
+    )  # fmt: skip
+    chunks = [slice(i, i + 1) for i in range(per_rank)]
+    with torch.no_grad():
+        parts = _scoring_forwards(models, sampled, chunks, 0.7, True)
+    names = ("old_logprobs", "entropy", "ref_logprobs")
+    mine_rows = {n: torch.cat([p[n] for p in parts]) for n in names}
+    everything = runtime.gather_objects([mine_rows])
+    tensors = {n: torch.cat([part[n] for part in everything]) for n in names}
+    return {"loss": float(tensors["ref_logprobs"].sum()), "tensors": tensors}
 
 
 def main():
@@ -150,7 +181,10 @@ def main():
     for packed in (False, True):
         perf = PerfConfig(packed_sequences=packed, logprob_chunk_tokens=1024)
         for name, runtime in runtimes.items():
-            cases = (("sft", sft_case), ("dpo", dpo_case), ("kto", kto_case), ("grpo", grpo_case))
+            cases = (
+                ("sft", sft_case), ("dpo", dpo_case), ("kto", kto_case), ("grpo", grpo_case),
+                ("score", score_case),
+            )  # fmt: skip
             for case, fn in cases:
                 key = f"{case}/{name}/{'packed' if packed else 'padded'}"
                 result[key] = fn(runtime, perf, length)
