@@ -149,7 +149,8 @@ class Runtime:
         if self.sequence_group is None:
             return [(True, x) for x in items]
         mine = self.sequence_group.rank
-        return [(owner == mine, x) for owner, x in self.sequence_group.pool(items)]
+        pooled = self.sequence_group.pool(items, self.device)
+        return [(owner == mine, x) for owner, x in pooled]
 
     def sequence_parallel(self) -> contextlib.AbstractContextManager[None]:
         """Context for the forward of one pooled micro-batch: its columns split over the

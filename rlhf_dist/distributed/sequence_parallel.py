@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -45,15 +46,26 @@ class SequenceGroup:
     rank: int
     group: object
 
-    def pool(self, items: list[T]) -> list[tuple[int, T]]:
+    def pool(self, items: list[T], device=None) -> list[tuple[int, T]]:
         """Every item of every rank of the group, as (owner's rank in the group, item),
         in rank order then each rank's own order: the same list on every rank of the
-        group. Items are pickled (tensors included) and sent over the group."""
+        group. Items are serialised by torch.save (any picklable structure of tensors)
+        and the other ranks' tensors loaded onto `device` (pickled GPU tensors would land
+        on the sender's device index); this rank's own items are kept as they are."""
         if self.size == 1:
             return [(0, x) for x in items]
-        parts: list[list[T]] = [[] for _ in range(self.size)]
-        dist.all_gather_object(parts, items, group=self.group)
-        return [(owner, x) for owner, part in enumerate(parts) for x in part]
+        buffer = io.BytesIO()
+        torch.save(items, buffer)
+        parts: list[bytes] = [b""] * self.size
+        dist.all_gather_object(parts, buffer.getvalue(), group=self.group)
+        pooled = []
+        for owner, part in enumerate(parts):
+            if owner == self.rank:
+                pooled += [(owner, x) for x in items]
+                continue
+            theirs = torch.load(io.BytesIO(part), map_location=device, weights_only=False)
+            pooled += [(owner, x) for x in theirs]
+        return pooled
 
 
 def sequence_group(world_size: int, rank: int, size: int) -> SequenceGroup | None:

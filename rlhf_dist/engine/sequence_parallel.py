@@ -95,10 +95,10 @@ def check_heads(config, size: int) -> None:
 class SequenceRows:
     """One pooled micro-batch laid out for the split, every tensor (R, W) with W a
     multiple of the group size: ids, positions, `scored` (bool: the position's next token
-    is scored), `targets` (that next token), `mask` (R, 1, W, W) bool or None (causal
-    alone is exact: `_starts_real`), `width` the
-    row width before the columns that make it a multiple, and `scatter` (packed rows
-    back to the padded batch, packing_layout's) or None."""
+    is scored), `targets` (that next token); `mask` (R, 1, W, W) bool, or None where
+    causal alone is exact (`_starts_real`); `width` the row width before the columns
+    that make it a multiple; `scatter` (packed rows back to the padded batch,
+    packing_layout's) or None."""
 
     ids: torch.Tensor
     positions: torch.Tensor
