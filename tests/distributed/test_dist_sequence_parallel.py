@@ -30,3 +30,5 @@ def test_sequence_parallel_gives_the_same_loss_and_gradient(probe, case, layout)
     for name, g in one["tensors"].items():
         assert g.abs().max() > 0, name  # every weight gets a gradient: a real comparison
         torch.testing.assert_close(two["tensors"][name], g, rtol=0, atol=1e-5, msg=name)
+        # and relative to the tensor's own size (some gradients are ~1e-4 here)
+        assert (two["tensors"][name] - g).norm() <= 1e-4 * g.norm(), name

@@ -15,6 +15,7 @@ tensors are the old log-probs, entropies and reference log-probs of all rows.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -81,7 +82,9 @@ def dpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
         PreferencePair(c[:64] + c, c[:64] + r[: len(r) - 40 * i], prompt_len=64)
         for i, (c, r) in enumerate(zip(chosen, rejected))
     ]
-    ref_rows = -torch.rand(GLOBAL, 2, generator=torch.Generator().manual_seed(4)) * 100
+    lengths = torch.tensor([[len(p.chosen) - 64, len(p.rejected) - 64] for p in pairs])
+    noise = torch.randn(GLOBAL, 2, generator=torch.Generator().manual_seed(4))
+    ref_rows = -math.log(V) * lengths + 5 * noise  # near the random policy's log pi
     plan = BatchPlan(GLOBAL, runtime.world_size, 1)
     metrics, _ = dpo_step(runtime, model, None, pairs, ref_rows, plan, DPOConfig(), PAD, perf)
     return {"loss": metrics["dpo/loss"], "tensors": full_grads(runtime, model)}
@@ -94,7 +97,10 @@ def kto_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
         KTOExample(c[:64], c[64:], i % 2 == 0, completions[(i + 1) % GLOBAL][64:])
         for i, c in enumerate(completions)
     ]
-    ref_rows = -torch.rand(GLOBAL, 2, generator=torch.Generator().manual_seed(7)) * 100
+    # log pi_ref near the random policy's (log V nats a token), so the loss is not saturated
+    lengths = torch.tensor([[len(ex.completion), len(ex.kl_completion)] for ex in examples])
+    noise = torch.randn(GLOBAL, 2, generator=torch.Generator().manual_seed(7))
+    ref_rows = -math.log(V) * lengths + 5 * noise
     plan = BatchPlan(GLOBAL, runtime.world_size, 1)
     metrics, _ = kto_step(runtime, model, None, examples, ref_rows, plan, KTOConfig(), PAD, perf)
     return {"loss": metrics["kto/loss"], "tensors": full_grads(runtime, model)}
