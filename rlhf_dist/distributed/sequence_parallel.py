@@ -58,12 +58,14 @@ class SequenceGroup:
         torch.save(items, buffer)
         parts: list[bytes] = [b""] * self.size
         dist.all_gather_object(parts, buffer.getvalue(), group=self.group)
+        # (a CPU rank's device may read "cpu:0", which torch.load does not take)
+        where = None if device is None or torch.device(device).type == "cpu" else device
         pooled = []
         for owner, part in enumerate(parts):
             if owner == self.rank:
                 pooled += [(owner, x) for x in items]
                 continue
-            theirs = torch.load(io.BytesIO(part), map_location=device, weights_only=False)
+            theirs = torch.load(io.BytesIO(part), map_location=where, weights_only=False)
             pooled += [(owner, x) for x in theirs]
         return pooled
 
@@ -112,8 +114,9 @@ def active_group() -> SequenceGroup | None:
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """x (n, ...): block k goes to rank k of the group; returns (n, ...), block k from
     rank k."""
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # contiguous too: empty_like keeps a view's strides
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 
