@@ -55,13 +55,11 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
     q, k, v = (scatter_heads(x, sg) for x in (query, key, value))
-    # GQA: local query head j uses local KV head j // groups (both blocks are contiguous).
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    # GQA: local query head j uses local KV head j // groups (both blocks are contiguous),
+    # which sdpa's enable_gqa does without keeping expanded copies for backward.
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        is_causal=attention_mask is None,
+        is_causal=attention_mask is None, enable_gqa=q.shape[1] != k.shape[1],
     )  # fmt: skip
     return gather_heads(out, sg).transpose(1, 2).contiguous(), None
 
