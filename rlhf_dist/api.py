@@ -126,6 +126,7 @@ def _runtime(cfg: Config) -> Runtime:
         train_dtype(cfg.model),
         tuple(r.trackers),
         r.output_dir,
+        d.sequence_parallel_size,
     )
     if settings not in _RUNTIMES:
         if not _RUNTIMES:

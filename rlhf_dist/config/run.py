@@ -241,3 +241,13 @@ class DistributedConfig:
         "seconds a collective waits for the other ranks before the run fails with an error",
         gt=0,
     )
+    sequence_parallel_size: int = key(
+        1,
+        "Ulysses sequence parallelism: this many consecutive ranks split every training "
+        "forward's sequences (SFT, DPO/IPO/SimPO/ORPO, KTO, the GRPO/RLOO/REINFORCE++ update "
+        "and rollout scoring) by columns, all-to-all around attention, so each holds 1/n of "
+        "the activations; must divide the world size and the model's attention heads (not "
+        "rm, critics, online DPO, PPO-ptx); generation, reward models and evaluation run "
+        "whole; 1 = off",
+        gt=0,
+    )

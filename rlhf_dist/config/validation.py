@@ -81,6 +81,8 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         _validate_iterate(cfg, world_size)
     if cfg.lora.critic and not cfg.lora.enabled:
         raise ConfigError("lora.critic: needs lora.enabled=true")
+    if cfg.distributed.sequence_parallel_size > 1:
+        _validate_sequence_parallel(cfg, stage, world_size)
     if cfg.run.push_to_hub:
         _validate_hub(cfg.run)
     if cfg.lora.load_in_4bit:
@@ -352,6 +354,34 @@ def _validate_distill(cfg: Config) -> None:
             "ppo.distill_coef: 0 turns off distillation from model.teacher; set it > 0 or "
             "leave model.teacher empty"
         )
+
+
+SP_KEY = "distributed.sequence_parallel_size"
+
+
+def _validate_sequence_parallel(cfg: Config, stage: str, world_size: int) -> None:
+    """Sequence parallelism (docs/distributed.md): the world splits into groups, and only
+    the steps that pool their micro-batches over a group (SFT, DPO, KTO, the critic-free
+    PPO update) can run split."""
+    n = cfg.distributed.sequence_parallel_size
+    _divides((SP_KEY, n), ("world size", world_size))
+    if stage == "rm":
+        raise ConfigError(f"{SP_KEY}={n}: rm does not split sequences; set it to 1")
+    if stage != "ppo":
+        return
+    p = cfg.ppo
+    unsupported = {
+        "ppo.estimator": p.estimator == "online_dpo" or ESTIMATORS[p.estimator].needs_critic,
+        "ppo.ptx_coef": p.ptx_coef > 0,
+        "ppo.distill_loss": bool(cfg.model.teacher) and p.distill_loss == "gjsd",
+    }
+    for name, refused in unsupported.items():
+        if refused:
+            value = getattr(p, name.split(".")[1])
+            raise ConfigError(
+                f"{SP_KEY}={n}: not supported with {name}={value} (critic-free estimators, "
+                "no PPO-ptx, no gjsd distillation); set it to 1"
+            )
 
 
 def _validate_preference(cfg: Config, stage: str) -> None:

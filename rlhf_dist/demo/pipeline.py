@@ -8,6 +8,7 @@ DIR/<stage>/config.yaml), so the demo exercises exactly the code users run.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,10 +213,14 @@ def run_demo(
     root = Path(output_dir)
     files, models = task_and_models(root, seed)
     trees = with_overrides(stage_configs(root, files, models, seed, quick, algorithm), overrides)
+    # distributed.sequence_parallel_size splits SFT and the RL stage; the reward model
+    # trains on whole sequences (its stage does not split them)
+    trees["rm"] = apply_override(trees["rm"], "distributed.sequence_parallel_size=1")
     configs = {name: config_from_dict(tree) for name, tree in trees.items()}
     for name, cfg in configs.items():
-        validate(cfg, "ppo" if name == algorithm else name)
-    runtime = Runtime(seed=seed)
+        validate(cfg, "ppo" if name == algorithm else name, int(os.environ.get("WORLD_SIZE", "1")))
+    sp = configs[algorithm].distributed.sequence_parallel_size
+    runtime = Runtime(seed=seed, sequence_parallel_size=sp)
     say = runtime.print
     say(f"== demo task written to {files.root}; stage 1/4: SFT")
     train_sft(configs["sft"], runtime)

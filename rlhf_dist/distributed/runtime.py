@@ -7,6 +7,7 @@ collectives.py, training_state.py, inference.py, trackers.py); the logic lives t
 from __future__ import annotations
 
 import contextlib
+from typing import TypeVar
 
 import torch
 
@@ -14,6 +15,9 @@ from rlhf_dist.distributed import collectives, inference, training_state
 from rlhf_dist.distributed import trackers as experiment_trackers
 from rlhf_dist.distributed.backend import Backend, seed_everything
 from rlhf_dist.distributed.guard import NumericalGuard
+from rlhf_dist.distributed.sequence_parallel import sequence_group, sequence_parallel
+
+T = TypeVar("T")
 
 
 class Runtime:
@@ -27,9 +31,12 @@ class Runtime:
         dtype: str = "float32",
         trackers: tuple[str, ...] = (),
         logging_dir: str | None = None,
+        sequence_parallel_size: int = 1,
     ):
         self.backend = Backend(num_threads, timeout_s, dtype, trackers, logging_dir)
         self.guard = NumericalGuard(self.backend)
+        # distributed.sequence_parallel_size: this rank's group (sequence_parallel.py)
+        self.sequence_group = sequence_group(self.world_size, self.rank, sequence_parallel_size)
         if seed is not None:
             # The same seed on every rank: freshly initialised weights (a new value head)
             # must agree everywhere. Samplers that must differ use `seed_per_rank`.
@@ -127,6 +134,28 @@ class Runtime:
     @property
     def bad_steps_in_row(self) -> int:
         return self.guard.bad_steps_in_row
+
+    # ------------------------------------------------------- sequence parallelism
+    @property
+    def sequence_parallel_size(self) -> int:
+        """distributed.sequence_parallel_size: ranks that split each sequence (1: off)."""
+        return 1 if self.sequence_group is None else self.sequence_group.size
+
+    def pool_micro_batches(self, items: list[T]) -> list[tuple[bool, T]]:
+        """The micro-batches the ranks of this rank's sequence-parallel group run together,
+        (whether this rank owns it, item), the same list on each of them; without
+        sequence parallelism this rank's own items. Each is then run inside
+        `sequence_parallel()`."""
+        if self.sequence_group is None:
+            return [(True, x) for x in items]
+        mine = self.sequence_group.rank
+        pooled = self.sequence_group.pool(items, self.device)
+        return [(owner == mine, x) for owner, x in pooled]
+
+    def sequence_parallel(self) -> contextlib.AbstractContextManager[None]:
+        """Context for the forward of one pooled micro-batch: its columns split over the
+        sequence-parallel group (engine/sequence_parallel.py); a no-op without it."""
+        return sequence_parallel(self.sequence_group)
 
     # ------------------------------------------------- inference-only models
     def generation_context(self, model, submodule: str | None = None, gather: bool = True):

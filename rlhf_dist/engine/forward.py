@@ -22,8 +22,12 @@ from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.algo.prefix import unique_prompts
 from rlhf_dist.config import PerfConfig
+from rlhf_dist.distributed.sequence_parallel import active_group
 from rlhf_dist.distributed.zero3 import stays_whole, whole_tensors
 from rlhf_dist.engine import packing
+from rlhf_dist.engine.sequence_parallel import KEY as SP_KEY
+from rlhf_dist.engine.sequence_parallel import sequence_parallel_logprobs
+from rlhf_dist.errors import ConfigError
 
 # The speed paths of a caller that was given no config: perf's defaults.
 DEFAULT_PERF = PerfConfig()
@@ -86,7 +90,9 @@ def token_forward(
     term (B, T) computed in the same forward from the final hidden states of the scored
     positions, divergence(lm, hidden (N, H)) -> (N,) with N = predict_mask.sum() and lm the
     transformers model inside `model` (GJSD to a teacher, `chunked_divergence`); 0 where
-    predict_mask is False. None without `divergence`."""
+    predict_mask is False. None without `divergence`. Inside `runtime.sequence_parallel()`
+    (a pooled micro-batch) the forward is split over the group's ranks by columns
+    (engine/sequence_parallel.py), giving the same tensors on every rank of the group."""
     if hasattr(model, "scoring_model"):
         with model.scoring_model() as inner:
             return token_forward(
@@ -94,6 +100,15 @@ def token_forward(
                 prompt_width, perf, divergence,
             )  # fmt: skip
     predict_mask, lm = predict_mask.bool(), causal_lm(model)
+    group = active_group()
+    if group is not None:  # a pooled micro-batch, 1/n of its columns here (sequence_parallel)
+        if divergence is not None:
+            raise ConfigError(f"{SP_KEY}: on-policy distillation's gjsd loss is not supported")
+        lp, entropy = sequence_parallel_logprobs(
+            model, lm, input_ids, attention_mask, predict_mask, temperature, with_entropy,
+            perf, group, head_logprobs,
+        )  # fmt: skip
+        return lp, entropy, None
     hidden, tokens = _scored_states(model, lm, input_ids, attention_mask, predict_mask.shape[1],
                                     prompt_width, perf)  # fmt: skip
     selected = predict_mask

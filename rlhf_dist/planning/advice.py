@@ -109,6 +109,19 @@ def _rollout_rows(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tupl
     return (f"ppo.rollout_micro_batch_size={rows}",) if rows != cfg.ppo.rollout_micro_batch_size else ()  # fmt: skip
 
 
+def _sequence_parallel(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:
+    """The smallest distributed.sequence_parallel_size (2, 4, 8, ...) that dividing the GPUs
+    and the policy's attention heads makes the plan fit; the largest such when none does
+    (validation decides later whether the stage can split)."""
+    n = cfg.distributed.sequence_parallel_size
+    options = [k for k in (2, 4, 8, 16, 32, 64) if k > n and hw.gpus % k == 0]
+    options = [k for k in options if shapes.policy.heads % k == 0]
+    for k in options:
+        if _fits(cfg, stage, shapes, hw, f"distributed.sequence_parallel_size={k}"):
+            return (f"distributed.sequence_parallel_size={k}",)
+    return (f"distributed.sequence_parallel_size={options[-1]}",) if options else ()
+
+
 def _lora(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:
     """LoRA on the actor, and on a critic that starts from the reward model."""
     if stage not in ("ppo", "dpo", "kto") or cfg.lora.enabled:
@@ -135,8 +148,8 @@ def _fits(cfg: Config, stage: str, shapes: Shapes, hw: Hardware, override: str) 
 
 
 CONFIG_STEPS: tuple[Step, ...] = (
-    _chunk_head, _partition_frozen, _no_gather, _checkpoint, _micro_batch, _rollout_rows, _lora,
-    _hf_backend,
+    _chunk_head, _partition_frozen, _no_gather, _checkpoint, _micro_batch, _rollout_rows,
+    _sequence_parallel, _lora, _hf_backend,
 )  # fmt: skip
 
 

@@ -178,6 +178,23 @@ def kept_activations(
     return batch * seq_len * per_token * act_bytes
 
 
+def sequence_parallel_buffers(
+    shape: ModelShape, batch: float, seq_len: int, n: int, act_bytes: float,
+    checkpointing: bool, row_mask: bool,
+) -> float:  # fmt: skip
+    """What Ulysses sequence parallelism (distributed.sequence_parallel_size = n) adds per
+    rank to a micro-batch of `batch` rows of `seq_len` positions, 1/n of them here: each
+    layer's attention keeps the all-to-all's outputs, q and k, v for the whole row and h/n
+    heads (h + 2kd elements per local position; with checkpointing only the layer being
+    recomputed), and with `row_mask` (left-padded or packed rows) the whole-row
+    (rows, 1, s, s) bool mask that every rank builds once (engine/sequence_parallel.py;
+    right-padded rows attend causally without one)."""
+    kd = shape.kv_heads * shape.head_dim
+    layers = 1 if checkpointing else shape.layers
+    exchanged = layers * batch * seq_len / n * (shape.hidden + 2 * kd) * act_bytes
+    return exchanged + (batch * seq_len * seq_len if row_mask else 0.0)
+
+
 def recomputed_layer(shape: ModelShape, batch: float, seq_len: int, act_bytes: float, attention: str) -> float:  # fmt: skip
     """With checkpointing, the one layer whose activations backward recomputes at a time."""
     return batch * seq_len * layer_activation_elements(shape, seq_len, attention) * act_bytes

@@ -242,7 +242,8 @@ def update_phase(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: B
     if not grads_resident:
         grads = trained_states(cfg, shapes, hw, stage).grads
         model, pr = _trained_shape(cfg, shapes, stage), precision(cfg, hw)
-        late = grads + mem.backward_workspace(model, batch.sequences, batch.length, pr.compute)
+        rows = batch.sequences / cfg.distributed.sequence_parallel_size  # this rank's share
+        late = grads + mem.backward_workspace(model, rows, batch.length, pr.compute)
         extra = max(0.0, late - sum(b for _, b in early))
         terms.append(("gradients (as activations are freed)", extra))
     return terms + extra_update_copies(cfg, shapes, hw, stage)
@@ -255,12 +256,21 @@ def _trained_shape(cfg: Config, shapes: Shapes, stage: str) -> ModelShape:
 def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch, grads_resident: bool) -> list:  # fmt: skip
     """One micro-batch's kept activations (PPO's critic runs in the same backward) and the
     larger transient of backward's start: the head's chunks (+ its weight gradient when
-    gradients are not resident yet) or, with checkpointing, a recomputed layer."""
+    gradients are not resident yet) or, with checkpointing, a recomputed layer. With
+    sequence parallelism each term counts this rank's 1/n of the positions, plus the
+    exchanged heads and the whole-row mask (`memory.sequence_parallel_buffers`)."""
     pr, ckpt, attn = precision(cfg, hw), checkpointing(cfg, hw), attention_kind(cfg, hw)
     lora_r = cfg.lora.r if cfg.lora.enabled and stage in ("ppo", "dpo", "kto") else 0
     model = _trained_shape(cfg, shapes, stage)
-    b, s = batch.sequences, batch.length
+    # distributed.sequence_parallel_size = n: each rank holds 1/n of every row's positions
+    n = cfg.distributed.sequence_parallel_size
+    b, s = batch.sequences / n, batch.length
     terms = [("activations", mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r))]
+    if n > 1:
+        # rollouts' prompts are left-padded, packed rows need their blocks: a (s, s) mask
+        mask = stage == "ppo" or cfg.perf.packed_sequences
+        ulysses = mem.sequence_parallel_buffers(model, batch.sequences, s, n, pr.compute, ckpt, mask)  # fmt: skip
+        terms.append(("sequence-parallel exchange" + (" + row mask" if mask else ""), ulysses))
     if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
         critic = critic_shape(cfg, shapes)
         terms.append(("critic activations", mem.kept_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip
@@ -338,15 +348,21 @@ def vllm_share(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[str, float]:
 def scoring_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
     """Rollout scoring of `rows` sequences per forward, no gradients, one model at a time
     (actor, reference, critic, reward model, teacher): the larger of the biggest model's
-    layer working set and the head's chunk workspace with the hidden states it reads."""
+    layer working set and the head's chunk workspace with the hidden states it reads.
+    With sequence parallelism (n) the log-prob forwards hold 1/n of the positions and the
+    whole-row mask of the left-padded rows; the reward model runs whole rows."""
     pr, attn = precision(cfg, hw), attention_kind(cfg, hw)
     s, t = cfg.data.max_prompt_length + cfg.generation.max_new_tokens, cfg.generation.max_new_tokens
-    models = [m for m in (shapes.policy, shapes.reward, shapes.teacher) if m is not None]
-    layer = max(mem.inference_forward(m, rows, s, pr.compute, attn) for m in models)
+    n = cfg.distributed.sequence_parallel_size
+    split = [m for m in (shapes.policy, shapes.teacher) if m is not None]
+    layer = max(mem.inference_forward(m, rows / n, s, pr.compute, attn) for m in split)
+    if shapes.reward is not None:
+        layer = max(layer, mem.inference_forward(shapes.reward, rows, s, pr.compute, attn))
     p = shapes.policy
-    head = mem.head_bytes(p, rows * t, cfg.perf.logprob_chunk_tokens, False)
-    head += rows * s * p.hidden * pr.compute
-    return [("logits chunks" if head >= layer else "layer working set", max(head, layer))]
+    head = mem.head_bytes(p, max(1, rows * t // n), cfg.perf.logprob_chunk_tokens, False)
+    head += rows / n * s * p.hidden * pr.compute
+    terms = [("logits chunks" if head >= layer else "layer working set", max(head, layer))]
+    return terms + ([("sequence-parallel row mask", float(rows * s * s))] if n > 1 else [])
 
 
 def build_plan(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> Plan:

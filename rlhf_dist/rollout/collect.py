@@ -57,7 +57,8 @@ class RolloutModels:
     the agent (rollout/agent.py) and the per-turn lock-step collective, and the speed
     paths of generation and scoring (perf); for the engine's weight sync a context like
     generation_context that leaves the weights as they are (rollout servers gather them a
-    bucket at a time; None: generation_context)."""
+    bucket at a time; None: generation_context); with sequence parallelism how scoring
+    pools its chunks over the group and splits their forwards (`pool`, `split`)."""
 
     actor_critic: torch.nn.Module
     generation_context: Callable
@@ -71,6 +72,10 @@ class RolloutModels:
     perf: PerfConfig = DEFAULT_PERF
     teacher: torch.nn.Module | None = None
     sync_context: Callable | None = None
+    # distributed.sequence_parallel_size > 1: Runtime.pool_micro_batches and
+    # Runtime.sequence_parallel, scoring's forwards split over the group; None: whole rows
+    pool: Callable | None = None
+    split: Callable = contextlib.nullcontext
 
 
 @torch.no_grad()
@@ -105,16 +110,12 @@ def collect_rollout(
         # nested under hf: already whole. No gradients: the grouped KV heads go to CPU
         # attention uncopied, the same values (generate has its own context).
         with models.whole_weights(), scoring_context(models.perf):
+            forwards = _scoring_forwards(models, sampled, chunks, gen.temperature, old_logprobs)
             parts = [
                 _score_chunk(
-                    models,
-                    sampled,
-                    s,
-                    (score_prompts[s], texts[s], prompts.rows(s)[1]),
-                    gen.temperature,
-                    old_logprobs,
+                    models, sampled, s, (score_prompts[s], texts[s], prompts.rows(s)[1]), f
                 )  # fmt: skip
-                for s in chunks
+                for s, f in zip(chunks, forwards)
             ]
     merged = {
         k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]
@@ -221,18 +222,40 @@ def _sample(
     return torch.cat([pad_columns(r, width, pad) for r in responses]), None
 
 
-def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=True):
-    """Old log-probs, entropies and values, reference and teacher log-probs and scores of the rows `s`
-    of the rollout tensors `sampled`; read: (prompts, response texts, other columns) of
-    those rows, what the scorer reads; with_actor=False leaves old log-probs and entropies
-    None. Attention covers response_attention where a multi-turn rollout has it (tool
-    tokens are context); log-probs, values and the score use response_mask."""
+def _chunk_inputs(sampled: dict, s: slice) -> tuple:
+    """(input_ids, attention_mask (B, P + T), response_mask (B, T), P) of the rows `s` of
+    the rollout tensors `sampled`. Attention covers response_attention where a multi-turn
+    rollout has it (tool tokens are context); log-probs, values and the score use
+    response_mask."""
     prompt_ids, prompt_mask = sampled["prompt_ids"][s], sampled["prompt_mask"][s]
     response_ids, response_mask = sampled["response_ids"][s], sampled["response_mask"][s]
     attended = sampled.get("response_attention")
     attended = response_mask.long() if attended is None else attended[s]
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, attended], dim=1)
+    return input_ids, attention_mask, response_mask, prompt_ids.shape[1]
+
+
+def _scoring_forwards(models, sampled: dict, chunks: list[slice], temperature, with_actor):
+    """`_chunk_forwards` of every chunk of this rank's rollout, in order. With sequence
+    parallelism (models.pool set) the ranks of a group pool their chunks and run each
+    split by columns (distributed.sequence_parallel_size); each keeps its own chunks'."""
+    inputs = [_chunk_inputs(sampled, s) for s in chunks]
+    if models.pool is None:
+        return [_chunk_forwards(models, x, temperature, with_actor) for x in inputs]
+    mine = []
+    for own, x in models.pool(inputs):
+        with models.split():
+            forwards = _chunk_forwards(models, x, temperature, with_actor)
+        if own:
+            mine.append(forwards)
+    return mine
+
+
+def _chunk_forwards(models, inputs: tuple, temperature, with_actor=True) -> dict:
+    """Old log-probs, entropies and values, reference and teacher log-probs of one chunk's
+    `_chunk_inputs`; with_actor=False leaves old log-probs and entropies None."""
+    input_ids, attention_mask, response_mask, P = inputs
     old_logprobs, entropy, values = models.actor_critic(
         input_ids, attention_mask, response_mask, temperature, with_entropy=True,
         with_actor=with_actor,
@@ -244,7 +267,7 @@ def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=
             attention_mask,
             response_mask,
             temperature,
-            prompt_width=prompt_ids.shape[1],
+            prompt_width=P,
             perf=models.perf,
         )
     else:  # no reference: KL 0 (ref = old; with the skip, filled in after the update)
@@ -253,19 +276,25 @@ def _score_chunk(models, sampled: dict, s: slice, read, temperature, with_actor=
     if models.teacher is not None:  # scored like the reference, at the sampling temperature
         teacher_logprobs, _ = token_logprobs(
             models.teacher, input_ids, attention_mask, response_mask, temperature,
-            prompt_width=prompt_ids.shape[1], perf=models.perf,
+            prompt_width=P, perf=models.perf,
         )  # fmt: skip
-    last = sequence_last_index(prompt_ids.shape[1], response_mask)
-    prompts, texts, columns = read
-    raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last, columns)
     return {
         "old_logprobs": old_logprobs,
         "ref_logprobs": None if ref_logprobs is None else ref_logprobs.float(),
         "teacher_logprobs": None if teacher_logprobs is None else teacher_logprobs.float(),
         "old_values": None if values is None else values.float(),
-        "raw_scores": raw_scores.float(),
         "entropy": entropy,
     }
+
+
+def _score_chunk(models, sampled: dict, s: slice, read, forwards: dict) -> dict:
+    """The rows `s`' `_chunk_forwards` (given) and their scores; read: (prompts, response
+    texts, other columns) of those rows, what the scorer reads."""
+    input_ids, attention_mask, response_mask, P = _chunk_inputs(sampled, s)
+    last = sequence_last_index(P, response_mask)
+    prompts, texts, columns = read
+    raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last, columns)
+    return forwards | {"raw_scores": raw_scores.float()}
 
 
 def _engine_sample(

@@ -319,6 +319,9 @@ def share_of_global_mean(runtime: Runtime, loss_sum: torch.Tensor, global_count)
     average; dividing by the global count makes the accumulated gradient the gradient of
     the step's global mean loss, the same however the batch is split into ranks and
     micro-batches (a per-micro-batch mean would weight tokens of short batches more).
+    With sequence parallelism the n ranks of a group each compute this same loss of a
+    pooled micro-batch; the gradient reaching each rank's columns is the average of the n
+    (distributed/sequence_parallel.py `gather_columns`), so nothing changes here.
     """
     return loss_sum * runtime.world_size / global_count
 

@@ -159,19 +159,27 @@ def dpo_step(
     slices = plan.micro_batches(widths, runtime.rank, rows_per_item=2)  # chosen + rejected
     global_nll_tokens = nll_tokens(pairs, dc)  # every rank holds the whole global batch
     stats, margins = StatSums(), []
-    for i, s in enumerate(slices):
-        batch = response_batch(pair_sequences([share[j] for j in s]), pad_id, runtime.device)
+    micro = [
+        (pair_sequences([share[j] for j in s]), None if rows is None else rows[s].T.reshape(-1))
+        for s in slices
+    ]
+    # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
+    pooled = runtime.pool_micro_batches(micro)
+    for i, (own, (seqs, ref)) in enumerate(pooled):
+        batch = response_batch(seqs, pad_id, runtime.device)
         stats.add("dpo/pad_fraction", *padding_cells(batch["attention_mask"]))
-        ref = None if rows is None else rows[s].T.reshape(-1).to(runtime.device)
-        terms, logprobs = micro_terms(runtime, model, reference, batch, ref, dc, perf)
+        ref = None if ref is None else ref.to(runtime.device)
+        with runtime.sequence_parallel():
+            terms, logprobs = micro_terms(runtime, model, reference, batch, ref, dc, perf)
         # The pair-loss SUM over the global pair count, ORPO's NLL SUM over the global token
         # count: split-invariant (architecture.md s. 4).
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
         if "nll_sum" in terms:
             loss = loss + share_of_global_mean(runtime, terms["nll_sum"], global_nll_tokens)
-        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
+        runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
         add_pair_stats(stats, terms, logprobs)
-        margins.append((terms["chosen_rewards"] - terms["rejected_rewards"]).cpu())
+        if own:  # the histograms: each pair once, from the rank that owns it
+            margins.append((terms["chosen_rewards"] - terms["rejected_rewards"]).cpu())
     metrics = stats.reduce(runtime)
     if "dpo/nll" in metrics:  # ORPO's loss: the pair term's mean plus the token-mean NLL
         metrics["dpo/loss"] += metrics["dpo/nll"]

@@ -109,24 +109,27 @@ def kto_step(
     z0 = global_reference_point(runtime, model, reference, share, kl_ref, plan, pad_id, perf)
     widths = [len(ex.prompt) + len(ex.completion) for ex in examples]
     stats, rewards, slices = StatSums(), [], plan.micro_batches(widths, runtime.rank)
-    for i, s in enumerate(slices):
-        micro = [share[j] for j in s]
+    own_micro = [([share[j] for j in s], None if rows is None else rows[s, 0]) for s in slices]
+    # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
+    pooled = runtime.pool_micro_batches(own_micro)
+    for i, (own, (micro, ref)) in enumerate(pooled):
         batch = response_batch(completion_sequences(micro), pad_id, runtime.device)
         stats.add("kto/pad_fraction", *padding_cells(batch["attention_mask"]))
-        logprobs = response_logprobs(model, batch, perf)  # (m,) log pi of each completion
-        if rows is None:
-            ref = reference_logprobs(runtime, reference, batch, perf)
-        else:
-            ref = rows[s, 0].to(runtime.device)
+        with runtime.sequence_parallel():
+            logprobs = response_logprobs(model, batch, perf)  # (m,) log pi of each completion
+            if ref is None:
+                ref = reference_logprobs(runtime, reference, batch, perf)
+        ref = ref.to(runtime.device)
         desirable = torch.tensor([ex.desirable for ex in micro], device=runtime.device)
         w = (kc.desirable_weight, kc.undesirable_weight)
         terms = kto_terms(logprobs, ref, desirable, z0, kc.beta, *w)
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
-        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
+        runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
         # On the right side of the reference point: the value v(x, y) is above half its weight.
         right = torch.where(desirable, logprobs > ref + z0, logprobs < ref + z0).detach()
         add_kto_stats(stats, terms, desirable, right)
-        rewards.append(terms["rewards"].cpu())
+        if own:  # the histograms: each example once, from the rank that owns it
+            rewards.append(terms["rewards"].cpu())
     metrics = stats.reduce(runtime)
     metrics["rewards/margins"] = metrics["rewards/desirable"] - metrics["rewards/undesirable"]
     return metrics | {"kto/kl": float(z0)}, {"reward": torch.cat(rewards)}

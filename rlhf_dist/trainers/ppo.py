@@ -443,6 +443,9 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         sync_context=(
             (lambda: runtime.generation_context(model, "actor", gather=False)) if bucketed else None
         ),
+        # distributed.sequence_parallel_size: scoring's forwards split over the group
+        pool=runtime.pool_micro_batches if runtime.sequence_parallel_size > 1 else None,
+        split=runtime.sequence_parallel,
     )
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     entropy_ctl = make_entropy_controller(p)

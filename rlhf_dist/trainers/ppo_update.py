@@ -287,21 +287,33 @@ def minibatch_backward(
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
     ptx_step = None if ptx is None else ptx.next_step(runtime, len(slices))
     first_forwards = []
-    for i, s in enumerate(slices):
+    # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
+    # (validation refuses it with PPO-ptx, so ptx_step is None then)
+    pooled = runtime.pool_micro_batches(
+        [(s, *_micro_inputs(mb, s, advantages, returns, chosen)) for s in slices]
+    )
+    for i, (own, (s, micro, adv, ret, cho)) in enumerate(pooled):
         if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
             with runtime.accumulating(model):  # its forward leaves the critic unused
                 runtime.micro_backward(model, ptx_step.loss(runtime, model, i, stats), last=False)
-        micro, T = mb.select(s).trimmed()  # columns that are padding in every row cost nothing
         stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
-        adv = advantages[s][:, :T]
-        ret = None if returns is None else returns[s][:, :T]
-        cho = None if chosen is None else chosen[s][:, :T]
-        loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats, cho, teacher)
+        with runtime.sequence_parallel():
+            loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats, cho, teacher)
         loss = share_of_global_mean(runtime, loss_sum, count)
-        runtime.micro_backward(model, loss, last=i == len(slices) - 1)
-        if fresh is not None:
+        runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
+        if fresh is not None and own:
             first_forwards.append((s, *fresh))
     return first_forwards
+
+
+def _micro_inputs(mb: RolloutBatch, s, advantages, returns, chosen):
+    """Micro-batch `s` of minibatch share `mb`, trimmed to the columns some row uses
+    (padding in every row costs nothing), with its advantages, returns and cov_control
+    tokens (each (b, T) or None)."""
+    micro, T = mb.select(s).trimmed()
+    ret = None if returns is None else returns[s][:, :T]
+    cho = None if chosen is None else chosen[s][:, :T]
+    return micro, advantages[s][:, :T], ret, cho
 
 
 def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:

@@ -70,15 +70,19 @@ def sft_step(
     local_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
     total_tokens = runtime.all_sum(torch.tensor(float(local_tokens), device=runtime.device))
     stats, per_seq, lengths = StatSums(), [], []
-    for i, batch in enumerate(micro):
+    # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
+    pooled = runtime.pool_micro_batches(micro)
+    for i, (own, batch) in enumerate(pooled):
         stats.add("sft/pad_fraction", *padding_cells(batch["attention_mask"]))
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
-        nll, count = sequence_nll(model, batch, causal_lm_logprobs(perf))
+        with runtime.sequence_parallel():
+            nll, count = sequence_nll(model, batch, causal_lm_logprobs(perf))
         loss = share_of_global_mean(runtime, nll.sum(), total_tokens)
-        runtime.micro_backward(model, loss, last=i == len(micro) - 1)
+        runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
         stats.add("sft/loss", nll.sum().detach(), count.sum())
-        per_seq.append((nll.detach() / count.clamp(min=1)).cpu())
-        lengths.append(count.float().cpu())
+        if own:  # the histograms: each sequence once, from the rank that owns it
+            per_seq.append((nll.detach() / count.clamp(min=1)).cpu())
+            lengths.append(count.float().cpu())
     values = {"sequence_nll": torch.cat(per_seq), "response_length": torch.cat(lengths)}
     return stats.reduce(runtime), values
 
