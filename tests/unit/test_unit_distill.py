@@ -9,6 +9,7 @@
   really in that gradient.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -113,6 +114,12 @@ class OneRank:
     def micro_backward(self, model, loss: torch.Tensor, last: bool) -> bool:
         loss.backward()
         return True
+
+    def pool_micro_batches(self, items: list) -> list:
+        return [(True, x) for x in items]  # no sequence parallelism: this rank's own
+
+    def sequence_parallel(self):
+        return contextlib.nullcontext()
 
 
 def step_gradient(batch, slices, knobs, teacher) -> dict[str, torch.Tensor]:
