@@ -409,6 +409,29 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     built = build_models(cfg, runtime, plan, total_steps, ckpt)
     model = built.model
 
+    rollout_models = make_rollout_models(cfg, runtime, built, tokenizer)
+    kl_ctl, moments, entropy_ctl = restored_controllers(p, ckpt, built.scheduler)
+    return PPORun(
+        model,
+        built.optimizer,
+        built.scheduler,
+        rollout_models,
+        tokenizer,
+        kl_ctl,
+        plan,
+        moments,
+        built.group_names,
+        built.scorer,
+        cfg.perf.gather_for_training,
+        ptx=ptx,
+        entropy_ctl=entropy_ctl,
+    )
+
+
+def make_rollout_models(cfg: Config, runtime: Runtime, built, tokenizer) -> RolloutModels:
+    """What a rollout reads: the actor (generated from through `generation_context`), the
+    frozen models, the stop ids, the engine, the agent and the scoring split."""
+    model = built.model
     gather = cfg.perf.gather_for_generation
     # LoRA: generate with the adapters folded into the base (whole tensors only: not
     # through ZeRO-3's per-layer gathers).
@@ -428,7 +451,7 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     # on its own, rollout/server.py); with LoRA they need the adapters merged into whole
     # weights, as generation_context gives them.
     bucketed = cfg.generation.backend == "server" and not cfg.lora.enabled
-    rollout_models = RolloutModels(
+    return RolloutModels(
         model,
         generation_context,
         built.reference,
@@ -447,6 +470,11 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         pool=runtime.pool_micro_batches if runtime.sequence_parallel_size > 1 else None,
         split=runtime.sequence_parallel,
     )
+
+
+def restored_controllers(p, ckpt, scheduler):
+    """(KL controller, score moments, entropy controller), restored from the checkpoint
+    (the scheduler's position too) when resuming."""
     kl_ctl, moments = make_kl_controller(p), RunningMoments()
     entropy_ctl = make_entropy_controller(p)
     if ckpt:
@@ -454,22 +482,8 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
         if "entropy_controller" in ckpt.trainer:  # absent from checkpoints written before it
             entropy_ctl.load_state_dict(ckpt.trainer["entropy_controller"])
         moments.load_state_dict(ckpt.trainer["score_moments"])
-        built.scheduler.load_state_dict(ckpt.trainer["scheduler"])
-    return PPORun(
-        model,
-        built.optimizer,
-        built.scheduler,
-        rollout_models,
-        tokenizer,
-        kl_ctl,
-        plan,
-        moments,
-        built.group_names,
-        built.scorer,
-        cfg.perf.gather_for_training,
-        ptx=ptx,
-        entropy_ctl=entropy_ctl,
-    )
+        scheduler.load_state_dict(ckpt.trainer["scheduler"])
+    return kl_ctl, moments, entropy_ctl
 
 
 def trainer_state(run: PPORun, first_score: float | None, alerts: AlertMonitor) -> dict:
