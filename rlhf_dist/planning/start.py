@@ -38,6 +38,7 @@ def plan_at_start(cfg: Config, stage: str, hw: Hardware) -> tuple[Config, list[s
         shapes = read_shapes(cfg, stage)
     except ConfigError:
         return cfg, []
+    _check_sequence_parallel_heads(cfg, shapes)
     lines = []
     if cfg.run.auto_fit:
         changes = auto_fit(cfg, stage, shapes, hw)
@@ -48,6 +49,17 @@ def plan_at_start(cfg: Config, stage: str, hw: Hardware) -> tuple[Config, list[s
     if hw.device == "cuda" and not plan.fits:
         raise ConfigError(verdict(cfg, plan, shapes))
     return cfg, lines
+
+
+def _check_sequence_parallel_heads(cfg: Config, shapes: Shapes) -> None:
+    """Ulysses splits the policy's query heads over the group (engine/sequence_parallel.py
+    `check_heads`, which the forward applies to whatever loaded): refused here from
+    config.json alone, before minutes of loading, with the same one line."""
+    n, heads = cfg.distributed.sequence_parallel_size, shapes.policy.heads
+    if n > 1 and heads % n:
+        raise ConfigError(
+            f"distributed.sequence_parallel_size={n} must divide the model's {heads} attention heads"
+        )
 
 
 def auto_fit(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:

@@ -163,6 +163,20 @@ def test_a_gpu_run_that_cannot_fit_is_refused_before_loading_and_its_fix_starts(
     assert fitted.sft.micro_batch_size < 8
 
 
+def test_sequence_parallel_that_does_not_divide_the_heads_is_refused_before_loading():
+    from rlhf_dist.errors import ConfigError
+    from rlhf_dist.planning.start import plan_at_start
+
+    # Qwen2.5-7B has 28 attention heads: 8 does not divide them, 4 does (read from
+    # config.json alone, on CPU too: it is a config error, not a memory estimate)
+    qwen = f"model.policy={SHAPES / 'qwen2.5-7b'}"
+    for device in ("cuda", "cpu"):
+        hw = Hardware(8, 80 * GIB, 3, device=device)
+        with pytest.raises(ConfigError, match=r"^distributed.sequence_parallel_size=8 must divide the model's 28 attention heads$"):  # fmt: skip
+            plan_at_start(_cfg(qwen, "distributed.sequence_parallel_size=8"), "sft", hw)
+        plan_at_start(_cfg(qwen, "distributed.sequence_parallel_size=4"), "sft", hw)
+
+
 def test_head_bytes_by_hand():
     # chunks of 3 tokens share one (2, 3, V) fp32 workspace: 2 x 3 x 10 x 4 bytes
     assert mem.head_bytes(TINY, tokens=7, chunk_tokens=3, training=True) == 240
