@@ -11,7 +11,11 @@ gradients, DDP's buckets and lazily made buffers exist) and once measured. With 
 two sequences and run each split in halves. Measured as launch/bench/plan_check.py does:
 the profiler's allocation records of torch's CPU allocator, the peak of their running sum
 during the step over what was held when it began, i.e. the step's activations and
-transients (the weights, gradients and Adam moments were allocated before). Prints each
+transients (the weights, gradients and Adam moments were allocated before). A fourth
+step counts the activations themselves: the bytes autograd saves for one micro-batch's
+backward (saved-tensor hooks, unique storages, weights left out), which excludes the
+fixed-size transients the peak also holds (the log-prob head's (2, 512, V) workspace).
+Prints each
 rank's peak for sp=1 and sp=2 and their ratio, and the planner's update phase activations
 for the same shapes (`rlhf_dist.planning`).
 """
@@ -51,8 +55,39 @@ def llama(args):
     return LlamaForCausalLM(config)
 
 
-def step_peak(runtime: Runtime, args) -> int:
-    """This rank's peak bytes over one measured SFT step (after one unmeasured one)."""
+def saved_activations(runtime: Runtime, step) -> int:
+    """The most bytes any one micro-batch of `step()` saves for its backward (autograd's
+    saved tensors, unique storages, the weights left out): the activations alive when its
+    backward starts, which is where the step peaks."""
+    per_micro: list[dict[int, int]] = [{}]
+    weights: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if isinstance(t, torch.nn.Parameter):
+            weights.add(storage.data_ptr())
+        per_micro[-1].setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    backward = runtime.micro_backward
+
+    def counted(*args, **kwargs):
+        done = backward(*args, **kwargs)
+        per_micro.append({})
+        return done
+
+    runtime.micro_backward = counted  # type: ignore[method-assign]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step()
+    finally:
+        del runtime.micro_backward  # the class's method again
+    return max(sum(n for p, n in m.items() if p not in weights) for m in per_micro)
+
+
+def step_peak(runtime: Runtime, args) -> tuple[int, int]:
+    """This rank's (peak bytes over held, saved activations) of one measured SFT step
+    (after two unmeasured ones)."""
     net = llama(args)
     optimizer = make_optimizer([(net.parameters(), OptimConfig())])
     model, _ = runtime.prepare(net, optimizer, 1, 1, 1.0, "float32")
@@ -76,7 +111,10 @@ def step_peak(runtime: Runtime, args) -> int:
     runtime.barrier()
     peak = peak_during(step)
     runtime.barrier()
-    return peak
+    optimizer.zero_grad(set_to_none=False)
+    saved = saved_activations(runtime, step)
+    runtime.barrier()
+    return peak, saved
 
 
 def main() -> None:
@@ -95,9 +133,11 @@ def main() -> None:
         print(f"SFT step, {args.length}-token sequences, hidden {args.hidden}, "
               f"{args.layers} layers, 8 heads / 4 KV heads, vocab {VOCAB}, fp32, 2 ranks")  # fmt: skip
         for r in range(runtime.world_size):
-            one, two = peaks[1][r], peaks[2][r]
+            (one, one_saved), (two, two_saved) = peaks[1][r], peaks[2][r]
             print(f"rank {r}: peak over held  sp=1 {one / mib:8.1f} MiB  sp=2 {two / mib:8.1f} MiB"
                   f"  ratio {two / one:.3f}")  # fmt: skip
+            print(f"        activations saved sp=1 {one_saved / mib:8.1f} MiB  sp=2 {two_saved / mib:8.1f} MiB"
+                  f"  ratio {two_saved / one_saved:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
