@@ -14,6 +14,7 @@ model as a 4-D mask, which transformers' masking_utils passes through unchanged.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from rlhf_dist.distributed.sequence_parallel import (
     gather_columns,
     gather_heads,
     scatter_heads,
+    sequence_parallel,
 )
 from rlhf_dist.engine import packing
 from rlhf_dist.errors import ConfigError
@@ -64,6 +66,12 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return gather_heads(out, sg).transpose(1, 2).contiguous(), None
 
 
+# The config of the model whose attention `ulysses_attention_on` switched, inside it.
+_SWITCHED: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "rlhf_dist_ulysses_config", default=None
+)
+
+
 @contextlib.contextmanager
 def ulysses_attention_on(lm):
     """Transformers model `lm` attends through `ulysses_attention` inside; its own
@@ -72,12 +80,40 @@ def ulysses_attention_on(lm):
 
     if ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION, ulysses_attention)
-    before = lm.config._attn_implementation
-    lm.config._attn_implementation = ATTENTION
+    with _attention_switched(lm.config):
+        yield
+
+
+@contextlib.contextmanager
+def _attention_switched(config):
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    token = _SWITCHED.set(config)
     try:
         yield
     finally:
-        lm.config._attn_implementation = before
+        _SWITCHED.reset(token)
+        config._attn_implementation = before
+
+
+def checkpoint_contexts():
+    """`context_fn` of torch.utils.checkpoint (non-reentrant; models/loading.py): gradient
+    checkpointing recomputes a layer's forward during backward, after `sequence_parallel`
+    and `ulysses_attention_on` have exited, so the recomputation would attend over this
+    rank's slice alone (a shape error at best). Called at the layer's forward, this puts
+    the group and the attention of that forward back around its recomputation; outside
+    sequence parallelism both contexts do nothing. The group's ranks recompute in the
+    same backward order, so the exchanges stay paired."""
+    group, config = active_group(), _SWITCHED.get()
+    if group is None or config is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _recompute_under(group, config)
+
+
+@contextlib.contextmanager
+def _recompute_under(group: SequenceGroup, config):
+    with sequence_parallel(group), _attention_switched(config):
+        yield
 
 
 def check_heads(config, size: int) -> None:

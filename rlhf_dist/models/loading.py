@@ -15,6 +15,7 @@ from torch import nn
 
 from rlhf_dist.config import Config, ModelConfig
 from rlhf_dist.data.chat import chat_for, stop_token_ids
+from rlhf_dist.engine.sequence_parallel import checkpoint_contexts
 from rlhf_dist.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -198,9 +199,12 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
             continue  # inside a model already switched on (its backbone, peft's wrapper)
         target = module.get_base_model() if hasattr(module, "get_base_model") else module
         if isinstance(target, PreTrainedModel):
+            # context_fn: a layer recomputed under sequence parallelism attends as it did
             target.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+                gradient_checkpointing_kwargs={
+                    "use_reentrant": False, "context_fn": checkpoint_contexts,
+                }
+            )  # fmt: skip
             done.append(f"{name}." if name else "")
     return model
 

@@ -81,6 +81,7 @@ def one_rank(assets, tmp_path_factory):
         variants += [variant(name, 8, *flags), variant(f"{name}/1x4", 2, *flags)]
     # on-policy distillation's GJSD to a teacher (docs/distill.md), a loss term of its own
     variants += [variant("gjsd", 8, "--distill=gjsd"), variant("gjsd/1x4", 2, "--distill=gjsd")]
+    variants.append(variant("lora-critic_free", 8, "--critic-free", "--lora"))
     return probe_single(assets, tmp_path_factory.mktemp("one_rank") / "1.pt", *variants)
 
 
@@ -108,6 +109,11 @@ def zero3(assets, tmp_path_factory):
     # GJSD with the teacher partitioned: its forward per micro-batch a collective, its head
     # gathered once per micro-batch (zero3.whole_tensors) for every chunk of both passes
     variants.append(variant("gjsd", 2, "--distill=gjsd", "--teacher-partition"))
+    # Ulysses sequence parallelism (sp=2: both ranks run every micro-batch, half its columns
+    # each) under ZeRO-3, with recomputation, and with LoRA adapters (issue 35)
+    sp = ("--critic-free", "--sequence-parallel")
+    variants.append(variant("sp-checkpointing", 2, *sp, "--gradient-checkpointing"))
+    variants.append(variant("sp-lora-checkpointing", 2, *sp, "--lora", "--gradient-checkpointing"))
     variants += [f"--uneven-generation={assets['files'].prompts}", "--check-reduce"]
     out = tmp_path_factory.mktemp("zero3") / "2x2.pt"
     return probe_two_ranks(assets, out, "cpu_zero3.yaml", *variants)
@@ -203,6 +209,18 @@ def test_packed_sequences_give_the_same_gradient(one_rank, zero3):
     assert_same_gradients(grads, zero3["gradients"]["packed-checkpointing"], 1e-4, "ZeRO-3 packed")
     layered = zero3["gradients"]["checkpointing"]
     assert_same_gradients(layered, zero3["gradients"]["packed-checkpointing"], 1e-5, "packed")
+
+
+def test_sequence_parallel_under_zero3_with_checkpointing_and_lora(one_rank, zero3):
+    """distributed.sequence_parallel_size=2 on the 2 ZeRO-3 ranks (the critic-free update:
+    both ranks run all 4 micro-batches, each half of every row's columns, ZeRO-3 fetching
+    weights per layer), with gradient checkpointing, and with LoRA adapters on every
+    linear: one process's gradient. LoRA's gradients are the adapters' only."""
+    plain, lora = (one_rank["gradients"][k] for k in ("token_mean-critic_free", "lora-critic_free"))
+    assert all("lora_" in name for name in lora) and not any("lora_" in n for n in plain)
+    assert any(g.abs().max() > 0 for g in lora.values())
+    assert_same_gradients(plain, zero3["gradients"]["sp-checkpointing"], 1e-4, "sp=2 ZeRO-3")
+    assert_same_gradients(lora, zero3["gradients"]["sp-lora-checkpointing"], 1e-4, "sp=2 LoRA")
 
 
 def test_gradient_and_checkpoint_optimizer_under_zero2(assets, one_rank, tmp_path):

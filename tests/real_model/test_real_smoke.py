@@ -80,9 +80,13 @@ def test_sft_then_dpo_on_the_real_model_through_the_api(smollm2, chat_files, tmp
     assert not torch.equal(_probe(sft_final), _probe(base)), "SFT changed no weight"
     assert AutoTokenizer.from_pretrained(str(sft_final)).pad_token_id == shipped_pad
 
+    pairs = tmp_path / "pairs.jsonl"  # one step of 4 conversational pairs
+    pairs.write_text("".join(chat_files["prefs"].read_text(encoding="utf-8").splitlines(True)[:4]))
     rlhf_dist.dpo({**COMMON, "model.policy": str(sft_final), "run.output_dir": str(tmp_path / "dpo"),
-                   "data.train": str(chat_files["prefs"]), "dpo.batch_size": 4,
-                   "dpo.micro_batch_size": 4, "dpo.optim.lr": 1e-6}, overrides=["data.train=" + str(chat_files["prefs"])])  # fmt: skip
+                   "dpo.batch_size": 4, "dpo.micro_batch_size": 4, "dpo.optim.lr": 1e-6},
+                  overrides=[f"data.train={pairs}"])  # fmt: skip
+    (step,) = [r for r in _rows(tmp_path / "dpo" / "metrics.jsonl") if "dpo/loss" in r]
+    assert abs(step["dpo/loss"] - 0.6931) < 1e-3  # the policy is its own reference at step 1
     assert not torch.equal(_probe(tmp_path / "dpo" / "final"), _probe(sft_final))
 
 

@@ -4,13 +4,17 @@ Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generatio
   [--check-reduce]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
-  --policy-loss=cispo, --overlong-mask, --tokens=N, --packed, --cov-control=METHOD
+  --policy-loss=cispo, --overlong-mask, --tokens=N, --packed, --cov-control=METHOD,
+  --lora, --sequence-parallel
 (--distill=LOSS: on-policy distillation from a teacher (the policy with its weights
 perturbed, written next to OUT once), ppo.distill_loss=LOSS (reverse_kl: the rollout's
 teacher log-probs as an advantage; gjsd: the teacher run on every micro-batch and GJSD
 over the vocabulary in the loss); --teacher-partition: the teacher placed with
 distributed.frozen_models=partition (ZeRO-3: its forward a collective, its head gathered
 once per micro-batch).
+--lora: LoRA adapters (r=4) on every linear of the actor. --sequence-parallel:
+distributed.sequence_parallel_size=2 (2 ranks: both hold both shares and split each
+micro-batch by columns; engine/sequence_parallel.py).
 --packed: perf.packed_sequences, every forward of the step on packed rows, here of twice
 the padded width, so that the minibatch's sequences share rows; the variant also records
 {"packed_rows": {NAME: [padded rows, packed rows] summed over its forwards}}.
@@ -176,6 +180,10 @@ def variant_config(policy: str, reward: str, micro: int, flags: list[str], teach
         tree["ppo"] |= {"distill_loss": distill, "distill_coef": 2.0, "distill_beta": 0.3}
     if "--teacher-partition" in flags:
         tree["distributed"] = {"frozen_models": "partition"}
+    if "--lora" in flags:  # every linear; B starts at 0, so the A gradients are 0 at step 1
+        tree["lora"] = {"enabled": True, "r": 4, "alpha": 8}
+    if "--sequence-parallel" in flags:
+        tree.setdefault("distributed", {})["sequence_parallel_size"] = 2
     return config_from_dict(tree)
 
 
@@ -342,12 +350,16 @@ def main():
             with runtime.local_loading():  # one rank's load: outside ZeRO-3's collective init
                 write_teacher(policy, out)
         runtime.barrier()
+    runtimes = {1: runtime}
     for variant in (a for a in sys.argv[4:] if not a.startswith("--")):
         name, micro, *flags = variant.split(":")
         cfg = variant_config(policy, reward, int(micro), flags, teacher)
+        n = cfg.distributed.sequence_parallel_size
+        if n not in runtimes:  # the ranks' sequence-parallel groups, made once
+            runtimes[n] = Runtime(seed=0, num_threads=1, sequence_parallel_size=n)
         with shared_packed_rows("--packed" in flags) as rows:
             grads, optimizer, facts = probe(
-                runtime, cfg, "--whole-weights" in flags, "--overlong-mask" in flags
+                runtimes[n], cfg, "--whole-weights" in flags, "--overlong-mask" in flags
             )
         if "--packed" in flags:
             result.setdefault("packed_rows", {})[name] = rows
