@@ -73,9 +73,7 @@ def arithmetic_stage_configs(root: Path, policy: Path, seed: int, quick: bool) -
                 "micro_batch_size": 16,
                 "loss_aggregation": "token_mean",
                 "kl_coef": 0.0,  # no reference model: the 200 steps of lr below stay close
-                # AdamW's epsilon as transformers' Trainer (and so TRL) has it: 1e-8 (ours
-                # defaults to 1e-5, which damps the smallest gradients' updates at this lr)
-                "optim": {"lr": 2e-5, "adam_eps": 1e-8},
+                "optim": {"lr": 2e-5},
             },
         },
         "eval": {
