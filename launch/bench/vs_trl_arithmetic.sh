@@ -2,8 +2,8 @@
 # The arithmetic demo (`rlhf-dist demo --task arithmetic --algorithm grpo`) against TRL's
 # GRPOTrainer (1.16.0) at matched settings: the same SmolLM2-135M-Instruct, the same 160
 # training rows (each side's own order), `last_number` reward, 8 prompts x 8 samples, 24
-# new tokens, temperature 1, one optimizer step per rollout, lr 2e-5, AdamW epsilon 1e-8
-# (TRL's default; the demo sets it), no KL, token-mean loss, fp32, 2 threads. Both trained
+# new tokens, temperature 1, one optimizer step per rollout, lr 2e-5, no KL, token-mean
+# loss, fp32, 2 threads; AdamW epsilon differs (ours 1e-5, TRL 1e-8). Both trained
 # policies are scored by the demo's own held-out evaluation (greedy; the same held-out
 # rows), so the accuracies compare; the times are each side's
 # training loop (ours: the GRPO stage's wall time; TRL: trainer.train()).
