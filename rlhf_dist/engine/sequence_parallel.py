@@ -32,6 +32,7 @@ from rlhf_dist.distributed.sequence_parallel import (
 )
 from rlhf_dist.engine import packing
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.planning.start import check_sequence_parallel_heads
 
 ATTENTION = "rlhf_dist_ulysses"  # the name registered in transformers' AttentionInterface
 KEY = "distributed.sequence_parallel_size"
@@ -117,12 +118,10 @@ def _recompute_under(group: SequenceGroup, config):
 
 
 def check_heads(config, size: int) -> None:
-    """Ulysses splits the query heads over the group: refuse a model whose attention head
-    count `size` does not divide (one line naming the key). Key/value heads that it does
-    not divide are copied per query head first (`ulysses_attention`)."""
-    heads = getattr(config, "num_attention_heads", None)
-    if heads is None or heads % size:
-        raise ConfigError(f"{KEY}={size} must divide the model's {heads} attention heads")
+    """The loaded model's attention heads against the group size (planning's check, the
+    one line naming the key). Key/value heads that it does not divide are copied per
+    query head first (`ulysses_attention`)."""
+    check_sequence_parallel_heads(size, getattr(config, "num_attention_heads", None))
 
 
 @dataclass(frozen=True)

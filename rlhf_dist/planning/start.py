@@ -38,7 +38,7 @@ def plan_at_start(cfg: Config, stage: str, hw: Hardware) -> tuple[Config, list[s
         shapes = read_shapes(cfg, stage)
     except ConfigError:
         return cfg, []
-    _check_sequence_parallel_heads(cfg, shapes)
+    check_sequence_parallel_heads(cfg.distributed.sequence_parallel_size, shapes.policy.heads)
     lines = []
     if cfg.run.auto_fit:
         changes = auto_fit(cfg, stage, shapes, hw)
@@ -51,14 +51,14 @@ def plan_at_start(cfg: Config, stage: str, hw: Hardware) -> tuple[Config, list[s
     return cfg, lines
 
 
-def _check_sequence_parallel_heads(cfg: Config, shapes: Shapes) -> None:
-    """Ulysses splits the policy's query heads over the group (engine/sequence_parallel.py
-    `check_heads`, which the forward applies to whatever loaded): refused here from
-    config.json alone, before minutes of loading, with the same one line."""
-    n, heads = cfg.distributed.sequence_parallel_size, shapes.policy.heads
-    if n > 1 and heads % n:
+def check_sequence_parallel_heads(size: int, heads: int | None) -> None:
+    """Ulysses splits the query heads over the group: a size that does not divide the
+    model's `heads` (None: unknown) is one line naming the key. Called from config.json
+    before loading (`plan_at_start`) and on the loaded model by the forward
+    (engine/sequence_parallel.py `check_heads`)."""
+    if size > 1 and (heads is None or heads % size):
         raise ConfigError(
-            f"distributed.sequence_parallel_size={n} must divide the model's {heads} attention heads"
+            f"distributed.sequence_parallel_size={size} must divide the model's {heads} attention heads"
         )
 
 
