@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_dist.config import sizes
 from rlhf_dist.errors import ConfigError
 
 
@@ -27,9 +28,7 @@ def fill_deepspeed_config(
     _fill_auto(bf16, "enabled", dtype == "bfloat16", "bf16.enabled")
 
 
-# DeepSpeed's own default, used as a floor (elements): below it every bucket holds one
-# small tensor and each collective pays its fixed latency for a few KiB.
-MIN_BUCKET = 50_000_000
+MIN_BUCKET = sizes.MIN_BUCKET  # re-exported: the floor's rule lives in config/sizes.py
 
 
 def fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
@@ -52,22 +51,14 @@ def fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
     )
     if not hidden:
         return
-    # Floors no larger than the model: a 5e7-element bucket for a 4.7M-parameter model
-    # made each ZeRO-3 rank hold 3.3x the model states of stage 0. The gradient bucket
-    # may hold the whole model's gradients (one reduce per optimizer step: a ZeRO-3
-    # iteration of the deep CPU benchmark took 3.95 s instead of 5.11 s with eighths,
-    # 3 alternated rounds, docs/benchmarks.md); prefetching stays at
-    # an eighth, so fetching layer by layer does not turn into fetching everything.
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     zero = ds.setdefault("zero_optimization", {})
-    sizes = {
-        "reduce_bucket_size": max(hidden * hidden, min(MIN_BUCKET, params)),
-        "stage3_prefetch_bucket_size": max(
-            int(0.9 * hidden * hidden), min(MIN_BUCKET, params // 8)
-        ),
+    filled = {
+        "reduce_bucket_size": sizes.zero_reduce_bucket(hidden, params),
+        "stage3_prefetch_bucket_size": sizes.zero_prefetch_bucket(hidden, params),
         "stage3_param_persistence_threshold": 0,
     }
-    for key, value in sizes.items():
+    for key, value in filled.items():
         if zero.get(key) == "auto":
             zero[key] = value
 

@@ -55,7 +55,7 @@ class RolloutBatch:
     response_ids: torch.Tensor  # (B, T) PAD after the first EOS
     response_mask: torch.Tensor  # (B, T) bool, True up to and including the first EOS
     # (B, T), 0 outside response_mask; None until the update's first forward gives them
-    # (the skip of trainers/ppo.py::old_logprobs_from_update)
+    # (the skip of config/sizes.py::old_logprobs_from_update)
     old_logprobs: torch.Tensor | None
     # (B, T), 0 outside response_mask; None without a reference model until the update's
     # forward gives the old log-probs, which then stand in for it (KL 0)

@@ -33,6 +33,7 @@ from rlhf_dist.algo.objectives import (
 from rlhf_dist.algo.rewards import score_rewards, shape_rewards, token_kl
 from rlhf_dist.checkpoint import maybe_fault, rng_state, set_rng_state
 from rlhf_dist.config import Config, PPOConfig
+from rlhf_dist.config.sizes import old_logprobs_from_update
 from rlhf_dist.data.batching import (
     PPOPlan,
     extra_batch,
@@ -84,7 +85,6 @@ from rlhf_dist.trainers.ppo_stats import (
 from rlhf_dist.trainers.ppo_update import (
     UpdateKnobs,
     UpdateResult,
-    old_logprobs_from_update,
     ppo_update,
 )
 from rlhf_dist.trainers.ptx import ptx_stream
@@ -202,7 +202,7 @@ def ppo_iteration(
         return online_dpo_iteration(runtime, run, prompt_batch, cfg, it, more_prompts)
     p, kl_coef = cfg.ppo, run.kl_ctl.coef
     timings: dict[str, float] = {}
-    skip = old_logprobs_from_update(cfg, run.plan)  # no actor pass in scoring
+    skip = old_logprobs_from_update(cfg)  # no actor pass in scoring
     t0 = time.time()
     run.model.eval()
     runtime.start_phase_peak()

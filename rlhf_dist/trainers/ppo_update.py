@@ -29,7 +29,7 @@ from rlhf_dist.algo.policy_losses import PolicyLossInputs, policy_loss_terms
 from rlhf_dist.algo.rollout_correction import rollout_correction_weights
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import Config, PerfConfig
-from rlhf_dist.data.batching import BatchPlan, PPOPlan, token_budget_split
+from rlhf_dist.data.batching import BatchPlan, token_budget_split
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.engine.forward import chunked_divergence, teacher_states
 from rlhf_dist.rollout import RolloutBatch
@@ -381,26 +381,3 @@ def rollout_rows(shape, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch
     for rows, values in parts:
         out[rows, : values.shape[1]] = values.float()
     return out
-
-
-def old_logprobs_from_update(cfg: Config, plan: PPOPlan) -> bool:
-    """Whether the rollout's scoring skips its actor pass (docs/architecture.md section 10,
-    "no redundant forwards"): with ONE optimizer step per rollout (ppo_epochs = 1, one
-    minibatch) pi_old is the policy of the update's forward, so its log-probs, detached,
-    are the old log-probs (ratio exactly 1, as TRL does). Nothing before the update may
-    need them: the KL must be a loss term (with kl_placement=reward the rewards read
-    them). The critic, reference and scorer passes still run in scoring; the statistics
-    that read old log-probs and entropies (objective/kl, objective/entropy, the vLLM
-    sampler gap) are taken after the update. Not with ppo.dynamic_sampling (its refill
-    joins rollouts) or ppo.overlong=mask (the update never sees a truncated row's tokens,
-    so it could not give their old log-probs), nor with ppo.cov_control (it chooses its
-    tokens from the old log-probs before the update, trainers/ppo_entropy.py)."""
-    p = cfg.ppo
-    return (
-        cfg.perf.old_logprobs_from_update
-        and plan.optimizer_steps_per_iteration == 1
-        and p.kl_placement == "loss"
-        and not p.dynamic_sampling
-        and p.overlong != "mask"
-        and p.cov_control == "none"
-    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_dist.config import config_from_dict
+from rlhf_dist.config.sizes import old_logprobs_from_update
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.trainers import ppo
 
@@ -54,7 +55,7 @@ def test_one_step_per_rollout_takes_old_logprobs_from_the_update(
 ):
     data = data_cfg(train=str(task_env.files.prompts))
     cfg = config_from_dict(grpo_tree(tmp_path / "x", task_env.policy, data))
-    assert ppo.old_logprobs_from_update(cfg, ppo.ppo_plan(cfg.ppo, 1))
+    assert old_logprobs_from_update(cfg)
     skipped, passes = run(
         grpo_tree(tmp_path / "skip", task_env.policy, data), runtime, monkeypatch, read_jsonl, True
     )
@@ -83,4 +84,4 @@ def test_the_skip_needs_one_step_and_the_kl_in_the_loss(task_env, data_cfg, tmp_
     for change in (*changes, {"cov_control": "clip_cov"}):
         t = {**tree, "ppo": {**tree["ppo"], **change}}
         cfg = config_from_dict(t)
-        assert not ppo.old_logprobs_from_update(cfg, ppo.ppo_plan(cfg.ppo, 1)), change
+        assert not old_logprobs_from_update(cfg), change

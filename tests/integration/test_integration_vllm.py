@@ -142,7 +142,7 @@ def test_stop_ids_and_min_new_tokens_mean_what_they_mean_in_the_hf_backend(engin
 def test_ppo_on_vllm_rollouts_end_to_end(task_env, runtime, tmp_path, one_step):
     # one_step: one optimizer step per rollout with the KL in the loss, so the old
     # log-probs that the rollout correction and the sampler gap compare with vLLM's come from the update's
-    # forward (trainers/ppo.py::old_logprobs_from_update), not from a scoring pass.
+    # forward (config/sizes.py::old_logprobs_from_update), not from a scoring pass.
     from rlhf_dist.trainers.ppo import train_ppo
 
     out = tmp_path / "ppo_vllm"
