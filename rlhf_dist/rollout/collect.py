@@ -76,6 +76,10 @@ class RolloutModels:
     # Runtime.sequence_parallel, scoring's forwards split over the group; None: whole rows
     pool: Callable | None = None
     split: Callable = contextlib.nullcontext
+    # whether actor_critic holds a critic: without one, scoring without the actor's pass
+    # (old_logprobs=False) calls no actor_critic forward at all (under ZeRO-3 even an
+    # empty forward fetches the top module's weights)
+    has_critic: bool = True
 
 
 @torch.no_grad()
@@ -95,7 +99,7 @@ def collect_rollout(
 
     micro_batch_size: prompts per generation/scoring pass (None: ppo.rollout_micro_batch_size).
     old_logprobs=False: no actor pass in scoring (old_logprobs and entropy stay None; the
-    update's first forward gives them, trainers/ppo.py::old_logprobs_from_update)."""
+    update's first forward gives them, config/sizes.py::old_logprobs_from_update)."""
     gen = cfg.generation
     micro = micro_batch_size or cfg.ppo.rollout_micro_batch_size
     chunks = [slice(i, i + micro) for i in range(0, prompts.ids.shape[0], micro)]
@@ -256,10 +260,12 @@ def _chunk_forwards(models, inputs: tuple, temperature, with_actor=True) -> dict
     """Old log-probs, entropies and values, reference and teacher log-probs of one chunk's
     `_chunk_inputs`; with_actor=False leaves old log-probs and entropies None."""
     input_ids, attention_mask, response_mask, P = inputs
-    old_logprobs, entropy, values = models.actor_critic(
-        input_ids, attention_mask, response_mask, temperature, with_entropy=True,
-        with_actor=with_actor,
-    )  # fmt: skip
+    old_logprobs = entropy = values = None
+    if with_actor or models.has_critic:
+        old_logprobs, entropy, values = models.actor_critic(
+            input_ids, attention_mask, response_mask, temperature, with_entropy=True,
+            with_actor=with_actor,
+        )  # fmt: skip
     if models.reference is not None:
         ref_logprobs, _ = token_logprobs(
             models.reference,

@@ -468,6 +468,7 @@ def make_rollout_models(cfg: Config, runtime: Runtime, built, tokenizer) -> Roll
         ),
         # distributed.sequence_parallel_size: scoring's forwards split over the group
         pool=runtime.pool_micro_batches if runtime.sequence_parallel_size > 1 else None,
+        has_critic=ESTIMATORS[cfg.ppo.estimator].traits.needs_critic,
         split=runtime.sequence_parallel,
     )
 
