@@ -74,6 +74,8 @@ def overrides(path: Path, prompt: int, response: int, variant: str, attn: str) -
         f"ppo.rollout_micro_batch_size={ROWS}", f"ppo.micro_batch_size={MICRO}",
         f"model.gradient_checkpointing={variant == 'checkpointing'}",
         f"lora.enabled={variant == 'lora'}", f"model.attn_implementation={attn}",
+        # measure() scores with the actor and samples 8 distinct prompts (nothing shared)
+        "perf.old_logprobs_from_update=false", "perf.shared_prompt_forward=false",
     ]  # fmt: skip
 
 

@@ -72,12 +72,14 @@ def _no_gather(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[s
 
 def _hf_backend(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:
     """Our decode loop instead of a vLLM engine whose copy of the actor does not fit
-    (with it, no TIS correction: there is no second sampler)."""
+    (with it, no TIS correction: there is no second sampler), under ZeRO-3 through its
+    per-layer fetches: a gathered copy (with LoRA, merged copies too) is what did not fit.
+    Pruning puts the gather back when the plan fits with it."""
     if stage != "ppo" or cfg.generation.backend != "vllm":
         return ()
-    return ("generation.backend=hf",) + (
-        ("ppo.rollout_correction=none",) if cfg.ppo.rollout_correction != "none" else ()
-    )
+    correction = ("ppo.rollout_correction=none",) if cfg.ppo.rollout_correction != "none" else ()
+    layers = hw.zero_stage == 3 and cfg.perf.gather_for_generation
+    return ("generation.backend=hf",) + correction + (("perf.gather_for_generation=false",) if layers else ())  # fmt: skip
 
 
 def _checkpoint(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:

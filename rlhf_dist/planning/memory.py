@@ -92,6 +92,12 @@ class ModelStates:
     cpu: float = 0.0
 
 
+# DeepSpeed's default zero_optimization.sub_group_size (elements): ZeRO-3 steps the
+# optimizer one sub-group of a rank's partition at a time, with one fp32 gradient buffer
+# the size of the largest.
+ZERO3_SUB_GROUP = 1e9
+
+
 def model_states(
     trainable: float,
     frozen: float,
@@ -99,6 +105,7 @@ def model_states(
     zero_stage: int | None,
     world: int,
     offload: str = "none",
+    bucket: float = 0.0,
 ) -> ModelStates:
     """Weights, gradients and AdamW states of a trained model, per rank.
 
@@ -109,8 +116,13 @@ def model_states(
     ZeRO paper eq. 1: weight_bytes for weights and gradients plus K = 12 (bf16: fp32
     master, momentum, variance) or 8 (fp32: momentum, variance); stage 1 partitions the
     optimizer states over the ranks, stage 2 also the gradients, stage 3 also the
-    weights (the frozen part included). offload: "optimizer" moves the optimizer states
-    to CPU memory, "all" (stage 3) the weights as well.
+    weights (the frozen part included). ZeRO-3 (DeepSpeed's stage3.py) holds two buffers
+    the paper leaves out, measured on 2 CPU ranks (launch/bench/plan_check_zero3.py): the
+    fp32 gradient the optimizer steps with (4 bytes per parameter of its largest
+    sub-group) and the gradient bucket backward reduces through (`bucket` elements of
+    the weights' dtype, whole on every rank: config/sizes.py zero_reduce_bucket); both
+    are counted with the gradients. offload: "optimizer" moves the optimizer states (and
+    ZeRO-3's fp32 gradients) to CPU memory, "all" (stage 3) the weights as well.
     """
     if zero_stage is None:
         buckets = 4.0 * trainable if world > 1 else 0.0
@@ -123,9 +135,13 @@ def model_states(
         optim /= world
     if zero_stage >= 2:
         grads /= world
+    cpu = 0.0
     if zero_stage >= 3:
         params /= world
-    cpu = 0.0
+        fp32_grads = FP32 * min(trainable / world, ZERO3_SUB_GROUP)
+        if offload in ("optimizer", "all"):
+            cpu, fp32_grads = cpu + FP32 * trainable / world, 0.0
+        grads += fp32_grads + weight_bytes * bucket
     if offload in ("optimizer", "all"):
         cpu, optim = cpu + optim, 0.0
     if offload == "all" and zero_stage >= 3:

@@ -150,7 +150,11 @@ def trained_states(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> mem
     """Weights, gradients and optimizer states of the trained module (`trained_params`)."""
     pr = precision(cfg, hw)
     trainable, frozen = trained_params(cfg, shapes, stage, pr)
-    return mem.model_states(trainable, frozen, pr.weights, hw.zero_stage, hw.gpus, hw.offload)
+    hidden = max(m.hidden for m in (shapes.policy, shapes.reward) if m is not None)
+    bucket = sizes.zero_reduce_bucket(hidden, int(trainable)) if hw.zero_stage == 3 else 0.0
+    return mem.model_states(
+        trainable, frozen, pr.weights, hw.zero_stage, hw.gpus, hw.offload, bucket
+    )
 
 
 def critic_shape(cfg: Config, shapes: Shapes) -> ModelShape:
@@ -277,6 +281,7 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
     head = 0.0
     if stage != "rm":
         head = mem.head_bytes(model, int(b * batch.scored), cfg.perf.logprob_chunk_tokens, True)
+        head *= 2 if head_as_module(cfg, shapes, hw, stage) and cfg.perf.logprob_chunk_tokens else 1
         if not grads_resident and not lora_r and not model.tied:
             head += model.vocab * model.hidden * mem.FP32
     layer = mem.backward_workspace(model, b, s, pr.compute)
@@ -294,11 +299,41 @@ def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -
     terms = []
     if pr.autocast and not lora:
         terms.append(("bf16 weight copies (autocast)", 2.0 * model.layers * model.linear_params()))
-    trainable, frozen = trained_params(cfg, shapes, stage, pr)
-    copy = trainable * pr.weights + frozen
-    if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
-        terms.append(("gathered weights (ZeRO-3)", copy))
+    if hw.zero_stage == 3 and gathers_for_training(cfg, hw, trained_copy(cfg, shapes, hw, stage)):
+        terms.append(("gathered weights (ZeRO-3)", trained_copy(cfg, shapes, hw, stage)))
+    elif hw.zero_stage == 3:
+        terms.append(live_weights(model, pr.compute))
     return terms
+
+
+def trained_copy(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> float:
+    """Bytes of one whole copy of the trained module's weights (what ZeRO-3 gathers)."""
+    pr = precision(cfg, hw)
+    trainable, frozen = trained_params(cfg, shapes, stage, pr)
+    return trainable * pr.weights + frozen
+
+
+def head_as_module(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> bool:
+    """Whether the update calls the output head as a module per chunk (engine/forward.py
+    head_logprobs): its weight fetched layer by layer under ZeRO-3 (not gathered for
+    training). Each checkpointed chunk's backward then holds four (C, V) fp32 tensors
+    (logits, log-softmax, their gradients), not the fused path's two."""
+    whole = gathers_for_training(cfg, hw, trained_copy(cfg, shapes, hw, stage))
+    return hw.zero_stage == 3 and not whole
+
+
+# DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance (elements): ZeRO-3
+# keeps a fetched weight until this many others were fetched after it, so a forward's
+# weights live on into the backward that reuses them (and across a decode loop's steps).
+ZERO3_LIVE_PARAMETERS = 1e9
+
+
+def live_weights(model: ModelShape, weight_bytes: float) -> tuple[str, float]:
+    """ZeRO-3 fetching layer by layer: the whole weights it keeps fetched at once, up to
+    stage3_max_live_parameters (measured on 2 CPU ranks: the whole small model stays
+    fetched from the forward through the backward, launch/bench/plan_check_zero3.py)."""
+    live = min(float(model.lm_params()), ZERO3_LIVE_PARAMETERS) * weight_bytes
+    return ("fetched weights (ZeRO-3)", live)
 
 
 def gathers_for_training(cfg: Config, hw: Hardware, copy: float) -> bool:
@@ -314,22 +349,30 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
     """PPO's sampling of `rows` sequences at once: vLLM's reserved share of the device, or
     our decode loop's peak, the larger of the prefill's layer and the full KV cache with
     the last step's sampling tensors; under ZeRO-3 the gathered actor
-    (perf.gather_for_generation); with LoRA the merged copies of the adapted weights the
-    rollout generates with (not QLoRA, not through ZeRO-3's per-layer gathers)."""
+    (perf.gather_for_generation) or the weights its per-layer fetches keep; with LoRA the
+    merged copies of the adapted weights the rollout generates with (not QLoRA, not
+    through ZeRO-3's per-layer fetches)."""
     pr, g = precision(cfg, hw), cfg.generation
     p, t = cfg.data.max_prompt_length, g.max_new_tokens
     actor = shapes.policy
     if g.backend == "vllm":
         terms = [vllm_share(cfg, shapes, hw)]
     else:
-        prefill = mem.inference_forward(actor, rows, p, pr.compute, attention_kind(cfg, hw))
+        # perf.shared_prompt_forward: each distinct prompt's prefill runs once (GRPO's n
+        # samples of a prompt), not under checkpointing (engine/forward.py shares_prompts)
+        shared = cfg.perf.shared_prompt_forward and not checkpointing(cfg, hw)
+        prompts = -(-rows // cfg.ppo.samples_per_prompt) if shared else rows
+        prefill = mem.inference_forward(actor, prompts, p, pr.compute, attention_kind(cfg, hw))
         cache = mem.kv_cache(actor, rows, p + t, pr.compute) + mem.sampling_workspace(actor, rows)
         terms = [("prefill" if prefill > cache else "KV cache + sampling", max(prefill, cache))]
     if hw.zero_stage == 3 and cfg.perf.gather_for_generation:
-        terms.append(("gathered actor (ZeRO-3)", actor.lm_params() * pr.compute))
-    elif (
-        cfg.lora.enabled and g.backend == "hf" and hw.zero_stage != 3 and not cfg.lora.load_in_4bit
-    ):
+        terms += gathered_actor(cfg, shapes, hw)
+    elif hw.zero_stage == 3 and g.backend == "hf":
+        terms.append(live_weights(actor, pr.compute))
+    # LoRA generates with the adapters merged into copies of the adapted weights (whole
+    # weights only: not through ZeRO-3's per-layer fetches; QLoRA's 4-bit ones never)
+    whole = hw.zero_stage != 3 or cfg.perf.gather_for_generation
+    if cfg.lora.enabled and g.backend == "hf" and whole and not cfg.lora.load_in_4bit:
         terms.append(("merged LoRA weights", actor.quantizable_params() * pr.compute))
     return terms
 
@@ -384,10 +427,33 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
     batch = micro_batch(micro, p.micro_batch_tokens, length, g.max_new_tokens, minibatch // hw.gpus)
     awake = [vllm_share(cfg, shapes, hw)] if g.backend == "vllm" and not g.vllm_sleep else []
     base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None)
+    scoring = scoring_terms(cfg, shapes, hw, rows) if scores_a_model(cfg, shapes) else []
     return (
         Phase("generation", tuple(base + generation_terms(cfg, shapes, hw, rows))),
-        Phase("scoring", tuple(base + awake + scoring_terms(cfg, shapes, hw, rows))),
+        Phase("scoring", tuple(base + awake + gathered_actor(cfg, shapes, hw) + scoring)),
         Phase("update", tuple(update_phase(cfg, shapes, hw, "ppo", batch) + awake)),
+    )
+
+
+def gathered_actor(cfg: Config, shapes: Shapes, hw: Hardware) -> list:
+    """Under ZeRO-3 with perf.gather_for_generation the rollout holds the actor's whole
+    weights from sampling through scoring (rollout/collect.py: one gather per rollout)."""
+    if hw.zero_stage == 3 and cfg.perf.gather_for_generation:
+        return [("gathered actor (ZeRO-3)", shapes.policy.lm_params() * precision(cfg, hw).compute)]  # fmt: skip
+    return []
+
+
+def scores_a_model(cfg: Config, shapes: Shapes) -> bool:
+    """Whether the rollout's scoring runs any forward: the actor's (unless its old
+    log-probs come from the update, config/sizes.py), the reference's (a KL), the critic's,
+    a reward model's or a teacher's."""
+    p = cfg.ppo
+    return (
+        not sizes.old_logprobs_from_update(cfg)
+        or p.kl_coef > 0
+        or ESTIMATORS[p.estimator].needs_critic
+        or (shapes.reward is not None and not cfg.reward.text_rewards())
+        or shapes.teacher is not None
     )
 
 

@@ -40,8 +40,15 @@ def test_model_states_by_hand():
     # ZeRO paper: bf16 Adam is 2 + 2 + 12 bytes per weight; stage 2 over 4 ranks
     s = mem.model_states(1000, 0.0, 2.0, zero_stage=2, world=4)
     assert (s.params, s.grads, s.optimizer) == (2000, 500, 3000)
+    # ZeRO-3 also holds the optimizer's fp32 gradients (4 x 250) and the whole gradient
+    # bucket (100 bf16 elements) on every rank
+    s3 = mem.model_states(1000, 0.0, 2.0, zero_stage=3, world=4, bucket=100)
+    assert (s3.params, s3.grads, s3.optimizer) == (500, 500 + 1000 + 200, 3000)
     s3 = mem.model_states(1000, 0.0, 2.0, zero_stage=3, world=4, offload="optimizer")
-    assert (s3.params, s3.grads, s3.optimizer, s3.cpu) == (500, 500, 0, 3000)
+    assert (s3.params, s3.grads, s3.optimizer, s3.cpu) == (500, 500, 0, 3000 + 1000)
+    # the fp32 gradient buffer is one sub-group's (1e9 elements) however large the partition
+    big = mem.model_states(8e9, 0.0, 2.0, zero_stage=3, world=2)
+    assert big.grads == 2.0 * 4e9 + 4.0 * mem.ZERO3_SUB_GROUP
     # no DeepSpeed: fp32 weights, gradients, and Adam's two moments; DDP's buckets
     plain = mem.model_states(1000, 0.0, 2.0, zero_stage=None, world=2)
     assert (plain.params, plain.grads, plain.optimizer) == (4000, 8000, 8000)
