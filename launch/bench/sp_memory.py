@@ -7,11 +7,12 @@
 Every rank builds the same random Llama (8 heads, 4 key/value heads) and takes one
 sequence of --length tokens (the whole global batch: 2 sequences, one per rank), then
 runs `trainers.sft.sft_step` (micro-batches of one sequence) twice unmeasured (so that the
-gradients, DDP's buckets and lazily made buffers exist) and once measured. With sp=2 the two ranks pool their
-two sequences and run each split in halves. Measured as launch/bench/plan_check.py does:
-the profiler's allocation records of torch's CPU allocator, the peak of their running sum
-during the step over what was held when it began, i.e. the step's activations and
-transients (the weights, gradients and Adam moments were allocated before). A fourth
+gradients, DDP's buckets and lazily made buffers exist) and once measured. With sp=2 the
+two ranks pool their two sequences and run each split in halves. Measured by counting
+torch's CPU allocations from every thread (cpu_memory.py; the profiler's records miss the
+frees gloo's threads make): the peak during the step over what was held when it began,
+i.e. the step's activations and transients (the weights, gradients and Adam moments were
+allocated before). A fourth
 step counts the activations themselves: the bytes autograd saves for one micro-batch's
 backward (saved-tensor hooks, unique storages, weights left out), which excludes the
 fixed-size transients the peak also holds (the log-prob head's (2, 512, V) workspace).
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_check import peak_during  # noqa: E402 (this directory)
+import cpu_memory  # noqa: E402 (this directory)
 
 from rlhf_dist.config import OptimConfig, PerfConfig  # noqa: E402
 from rlhf_dist.data.batching import BatchPlan  # noqa: E402
@@ -109,7 +110,10 @@ def step_peak(runtime: Runtime, args) -> tuple[int, int]:
         step()
     optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated: not measured
     runtime.barrier()
-    peak = peak_during(step)
+    cpu_memory.reset_peak()
+    start = cpu_memory.held()
+    step()
+    peak = cpu_memory.peak() - start
     runtime.barrier()
     optimizer.zero_grad(set_to_none=False)
     saved = saved_activations(runtime, step)
@@ -123,6 +127,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
+    cpu_memory.install()
     quiet_transformers()
     peaks = {}
     for n in (1, 2):
