@@ -9,7 +9,8 @@
 # training loop (ours: the GRPO stage's wall time; TRL: trainer.train()).
 # A benchmark, not a test: nothing here is run by launch/test.sh or CI.
 #
-# Usage: bash launch/bench/vs_trl_arithmetic.sh [SEEDS="0 1"] [QUICK=0|1]
+# Usage: bash launch/bench/vs_trl_arithmetic.sh [SEEDS="0 1"] [QUICK=0|1] [TRL_ARGS="--adam-epsilon 1e-5 --shuffle"]
+# (TRL_ARGS go to vs_trl_arithmetic_trl.py: AdamW epsilon, per-seed shuffling of the rows)
 # Output: the table (per seed and mean: accuracy before -> after, GRPO seconds, ratio);
 # raw files in runs/bench/vs_trl_arithmetic/ (seed<N>/ours/summary.json, trl.json,
 # eval/summary.json, report.txt).
@@ -41,7 +42,8 @@ for seed in $SEEDS; do
     --output-dir "$dir/ours" perf.num_threads=2 > "$dir/ours.log" 2>&1 \
     || { tail -20 "$dir/ours.log"; exit 1; }
   echo "seed $seed: TRL GRPOTrainer"
-  "$TRL_PY" launch/bench/vs_trl_arithmetic_trl.py "$OUT" "$dir/trl.json" --seed "$seed" \
+  # shellcheck disable=SC2086  # TRL_ARGS: words
+  "$TRL_PY" launch/bench/vs_trl_arithmetic_trl.py "$OUT" "$dir/trl.json" --seed "$seed" ${TRL_ARGS:-} \
     --output-dir "$dir/trl_out" > "$dir/trl.log" 2>&1 || { tail -20 "$dir/trl.log"; exit 1; }
   echo "seed $seed: the demo's held-out evaluation of TRL's policy"
   "$PY" -m rlhf_dist eval --config "$OUT/eval.json" model.policy="$dir/trl_out/final" \

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer on the arithmetic demo's task and settings (run in .venv-trl-grpo).
 
 Usage: python launch/bench/vs_trl_arithmetic_trl.py PREPARED_DIR RESULT_JSON --output-dir DIR
-         [--seed 0]
+         [--seed 0] [--adam-epsilon 1e-8] [--shuffle]
 
 PREPARED_DIR is what vs_trl_arithmetic_prepare.py wrote. The same SmolLM2 weights, chat
 template, training rows (TRL in file order, ours in its seeded order), reward (rlhf_dist's
@@ -10,6 +10,9 @@ temperature 1, 24 new tokens, one optimizer step per rollout at lr 2e-5 (constan
 no KL (beta 0), token-mean loss (TRL's "dapo" aggregation), group-std-normalised
 advantages, fp32, 2 threads. Saves the trained policy in DIR/final for the demo's own
 held-out evaluation, and writes {"seconds": [per iteration], "train_seconds"} to RESULT_JSON.
+--adam-epsilon: transformers' 1e-8 by default; 1e-5 is ours (the only setting in which the
+two updates differ on a fixed batch, launch/bench/vs_trl_loss_check.py). --shuffle: TRL
+shuffles the rows by seed (as ours does); without it every seed trains in file order.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def main() -> None:
     ap.add_argument("result", type=Path)
     ap.add_argument("--output-dir", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--adam-epsilon", type=float, default=1e-8)
+    ap.add_argument("--shuffle", action="store_true")
     args = ap.parse_args()
     s = json.loads((args.prepared / "settings.json").read_text(encoding="utf-8"))
     torch.set_num_threads(s["threads"])
@@ -62,7 +67,7 @@ def main() -> None:
         max_completion_length=s["new_tokens"], temperature=s["temperature"], top_k=0, top_p=1.0,
         beta=s["kl_coef"], loss_type="dapo", scale_rewards="group", learning_rate=s["lr"],
         lr_scheduler_type="constant", warmup_steps=0, max_steps=s["iterations"],
-        shuffle_dataset=False, logging_steps=1, report_to=[], save_strategy="no",
+        adam_epsilon=args.adam_epsilon, shuffle_dataset=args.shuffle, logging_steps=1, report_to=[], save_strategy="no",
         log_completions=False, dataloader_num_workers=0, use_vllm=False,
     )  # fmt: skip
     timer = IterationTimer()
