@@ -299,8 +299,9 @@ def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -
     terms = []
     if pr.autocast and not lora:
         terms.append(("bf16 weight copies (autocast)", 2.0 * model.layers * model.linear_params()))
-    if hw.zero_stage == 3 and gathers_for_training(cfg, hw, trained_copy(cfg, shapes, hw, stage)):
-        terms.append(("gathered weights (ZeRO-3)", trained_copy(cfg, shapes, hw, stage)))
+    copy = trained_copy(cfg, shapes, hw, stage)
+    if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
+        terms.append(("gathered weights (ZeRO-3)", copy))
     elif hw.zero_stage == 3:
         terms.append(live_weights(model, pr.compute))
     return terms
