@@ -6,6 +6,10 @@ must then log, for every later step, exactly the metrics of the uninterrupted ru
 (bitwise on CPU; time/* excluded), alerts/* included: alerts judge "since the start" of
 the run, so their state is in the checkpoint. SIGTERM writes a checkpoint and exits 0, and a
 checkpoint resumes on a different number of ranks.
+
+Each process launch costs ~10 s of imports against ~0.5 s per iteration, so the kill
+points are spread over the runs: PPO is killed during a rollout and mid-update, GRPO while
+writing a checkpoint, SFT mid-update; the SIGTERM checkpoint starts the 1 -> 2 -> 1 ranks run.
 """
 
 from __future__ import annotations
@@ -89,14 +93,13 @@ def ppo_reference(assets, tmp_path_factory):
 
 def test_ppo_killed_anywhere_resumes_to_the_same_metrics(assets, ppo_reference, tmp_path):
     """One run killed at each point in turn, each kill resumed by the next run: during the
-    rollout of iteration 2 (resumes from step 1), while writing checkpoint 2 (from step 1
-    again, over a half-written checkpoint), half-way through the update of iteration 3
-    (from step 2); the last resume runs to the end. The metrics rows after every resume
-    point are compared with the uninterrupted run, bitwise."""
+    rollout of iteration 2 (resumes from step 1), half-way through the update of iteration 3
+    (from step 2, in a process that itself resumed); the last resume runs to the end. The
+    metrics rows after every resume point are compared with the uninterrupted run, bitwise.
+    The third kill point, half-way through writing a checkpoint, is the GRPO test's."""
     out = tmp_path / "ppo"
     args = ppo_args(assets, out, ALERT_AFTER_RESUME)
     killed(args, out, "rollout:2")
-    killed([*args, "--resume", "auto"], out, "checkpoint:2")
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"
     killed([*args, "--resume", "auto"], out, "update:3")
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
@@ -114,13 +117,21 @@ GRPO = (
 )  # fmt: skip
 
 
-def test_grpo_killed_mid_update_resumes_to_the_same_metrics(assets, tmp_path):
-    """Also with dynamic sampling: its extra prompts and rounds are the same after a resume
+def test_grpo_killed_writing_a_checkpoint_resumes_to_the_same_metrics(assets, tmp_path):
+    """Killed half-way through writing checkpoint 2 (after iteration 2 was logged): the
+    resume starts again from step 1, over the half-written checkpoint, to the same metrics.
+    Also with dynamic sampling: its extra prompts and rounds are the same after a resume
     (batching.extra_batch is a function of seed, iteration and round)."""
     reference, out = tmp_path / "reference", tmp_path / "grpo"
     proc = cli(ppo_args(assets, reference, *GRPO))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    killed_then_resumed(ppo_args(assets, out, *GRPO), out, "update:2")
+    args = ppo_args(assets, out, *GRPO)
+    killed(args, out, "checkpoint:2")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"
+    assert (out / "checkpoints" / ".tmp-step-000002").is_dir()  # else no half-written one
+    assert [r["step"] for r in rows(out)] == [1, 2]  # row 2 was logged: the resume drops it
+    resumed = cli([*args, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert rows(out) == rows(reference)
     assert "value/explained_variance" not in rows(out)[0]
     # an extra round after the resume point (step 1), else this would not test them
@@ -162,14 +173,19 @@ def test_step_loop_stages_killed_resume_to_the_same_metrics(assets, tmp_path, st
     assert len(rows(out)) == 8  # 256 rows / 32 per step
 
 
-def test_sigterm_writes_a_checkpoint_and_exits_zero(assets, tmp_path):
+def test_sigterm_checkpoint_resumes_on_a_different_number_of_ranks(assets, tmp_path):
+    """One run, 1 -> 2 -> 1 ranks. On one rank with no checkpoint due (checkpoint_every=0),
+    SIGTERM after the first logged iteration writes a checkpoint of the last iteration and
+    exits 0 without an export. That checkpoint resumes on two ranks (checkpoint_every=1),
+    killed in the rollout of the iteration after next, then on one rank again to the end.
+    The consolidated checkpoint resumes on either world size (then not bitwise: the RNG is
+    re-seeded; bitwise resumes on the same world size are the tests above)."""
     out = tmp_path / "ppo"
     args = ppo_args(assets, out, "ppo.iterations=200", "run.checkpoint_every=0")
-    env = _env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlhf_dist", *args],
         cwd=REPO,
-        env=env,
+        env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -186,36 +202,27 @@ def test_sigterm_writes_a_checkpoint_and_exits_zero(assets, tmp_path):
     step = int(latest.split("-")[1])
     assert step >= 1 and rows(out)[-1]["step"] == step
     assert not (out / "final").exists()  # stopped early: no export of an unfinished run
-    resumed = cli([*args[:-2], f"ppo.iterations={step + 1}", "--resume", "auto"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["step"] for r in rows(out)][-1] == step + 1
-
-
-def test_resume_on_a_different_number_of_ranks(assets, tmp_path):
-    """One run, 1 -> 2 -> 1 ranks: killed in iteration 2 on one rank, resumed on two ranks
-    and killed in iteration 3 there, resumed on one rank again to the end. The consolidated
-    checkpoint resumes on either world size (then not bitwise: the RNG is re-seeded)."""
-    out = tmp_path / "ppo"
-    args = ppo_args(assets, out, "ppo.iterations=3")
-    assert cli(args, "rollout:2").returncode == -signal.SIGKILL
+    # ppo_args' own run.checkpoint_every=1 again, and the run ends two iterations on.
+    last = step + 2
+    args = [*args[:-2], f"ppo.iterations={last}"]
     two_ranks = launch_args("cpu_zero3.yaml", free_port(), "-m", "rlhf_dist", *args)
-    env = _env() | {"RLHF_DIST_FAULT": "rollout:3"}
+    env = _env() | {"RLHF_DIST_FAULT": f"rollout:{last}"}
     second = subprocess.run(
         [*two_ranks, "--resume", "auto"], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     assert second.returncode != 0, (second.stdout + second.stderr)[-3000:]
     latest = (out / "checkpoints" / "latest").read_text().strip()
-    assert latest == "step-000002", (second.stdout + second.stderr)[-3000:]
+    assert latest == f"step-{step + 1:06d}", (second.stdout + second.stderr)[-3000:]
     third = cli([*args, "--resume", "auto"])
     assert third.returncode == 0, third.stderr[-3000:]
     logged = rows(out)
-    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert [r["step"] for r in logged] == list(range(1, last + 1))
     # Each restored actor differs from the reference (it trained before the kill), so the
     # KL is no longer exactly 0: the weights came from the checkpoint (written on one rank
-    # for step 2, on two ranks for step 3), not from the start.
+    # by SIGTERM, on two ranks for the step after), not from the start.
     assert logged[0]["objective/kl"] == 0.0
-    assert logged[1]["objective/kl"] != 0.0 and logged[2]["objective/kl"] != 0.0
+    assert logged[step]["objective/kl"] != 0.0 and logged[step + 1]["objective/kl"] != 0.0
     assert (out / "final" / "model.safetensors").exists()
 
 
