@@ -9,7 +9,8 @@ checkpoint resumes on a different number of ranks.
 
 Each process launch costs ~10 s of imports against ~0.5 s per iteration, so the kill
 points are spread over the runs: PPO is killed during a rollout and mid-update, GRPO while
-writing a checkpoint, SFT mid-update; the SIGTERM checkpoint starts the 1 -> 2 -> 1 ranks run.
+writing a checkpoint, SFT mid-update; one 1 -> 2 -> 1 ranks run is stopped by SIGTERM,
+then by a dead rank, then resumed to the end.
 """
 
 from __future__ import annotations
@@ -173,11 +174,16 @@ def test_step_loop_stages_killed_resume_to_the_same_metrics(assets, tmp_path, st
     assert len(rows(out)) == 8  # 256 rows / 32 per step
 
 
-def test_sigterm_checkpoint_resumes_on_a_different_number_of_ranks(assets, tmp_path):
-    """One run, 1 -> 2 -> 1 ranks. On one rank with no checkpoint due (checkpoint_every=0),
-    SIGTERM after the first logged iteration writes a checkpoint of the last iteration and
-    exits 0 without an export. That checkpoint resumes on two ranks (checkpoint_every=1),
-    killed in the rollout of the iteration after next, then on one rank again to the end.
+def test_sigterm_then_a_dead_rank_then_resume_on_another_number_of_ranks(assets, tmp_path):
+    """One run, 1 -> 2 -> 1 ranks, each part stopped a different way.
+
+    1. One rank, no checkpoint due (checkpoint_every=0): SIGTERM after the first logged
+       iteration writes a checkpoint of the last iteration and exits 0, without an export.
+    2. Resumed on two 'machines' (one rank each, checkpoint_every=1): machine 1's process
+       is SIGKILLed mid-update in the iteration after next; machine 0 must not hang but
+       stop within the collective timeout, saying in one line that it lost contact.
+    3. Resumed on one rank again from the checkpoint the two ranks wrote, to the end.
+
     The consolidated checkpoint resumes on either world size (then not bitwise: the RNG is
     re-seeded; bitwise resumes on the same world size are the tests above)."""
     out = tmp_path / "ppo"
@@ -202,49 +208,26 @@ def test_sigterm_checkpoint_resumes_on_a_different_number_of_ranks(assets, tmp_p
     step = int(latest.split("-")[1])
     assert step >= 1 and rows(out)[-1]["step"] == step
     assert not (out / "final").exists()  # stopped early: no export of an unfinished run
+
     # ppo_args' own run.checkpoint_every=1 again, and the run ends two iterations on.
     last = step + 2
-    args = [*args[:-2], f"ppo.iterations={last}"]
-    two_ranks = launch_args("cpu_zero3.yaml", free_port(), "-m", "rlhf_dist", *args)
-    env = _env() | {"RLHF_DIST_FAULT": f"rollout:{last}"}
-    second = subprocess.run(
-        [*two_ranks, "--resume", "auto"], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
-    assert second.returncode != 0, (second.stdout + second.stderr)[-3000:]
-    latest = (out / "checkpoints" / "latest").read_text().strip()
-    assert latest == f"step-{step + 1:06d}", (second.stdout + second.stderr)[-3000:]
-    third = cli([*args, "--resume", "auto"])
-    assert third.returncode == 0, third.stderr[-3000:]
-    logged = rows(out)
-    assert [r["step"] for r in logged] == list(range(1, last + 1))
-    # Each restored actor differs from the reference (it trained before the kill), so the
-    # KL is no longer exactly 0: the weights came from the checkpoint (written on one rank
-    # by SIGTERM, on two ranks for the step after), not from the start.
-    assert logged[0]["objective/kl"] == 0.0
-    assert logged[step]["objective/kl"] != 0.0 and logged[step + 1]["objective/kl"] != 0.0
-    assert (out / "final" / "model.safetensors").exists()
-
-
-def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(assets, tmp_path):
-    """Machine 1's process is SIGKILLed mid-update; machine 0 must not hang but stop within
-    the collective timeout, saying in one line that it lost contact with another rank."""
-    out = tmp_path / "ppo"
-    command = [
-        "-m",
-        "rlhf_dist",
-        *ppo_args(assets, out, "ppo.iterations=3", "distributed.timeout_s=30"),
-    ]
+    args = [*args[:-2], f"ppo.iterations={last}", "distributed.timeout_s=30"]
+    command = ["-m", "rlhf_dist", *args, "--resume", "auto"]
     port, procs = free_port(), []
     start = time.time()
     for machine in (0, 1):
-        env = _env() | ({"RLHF_DIST_FAULT": "update:2"} if machine == 1 else {})
-        args = launch_args(
+        env = _env() | ({"RLHF_DIST_FAULT": f"update:{last}"} if machine == 1 else {})
+        launch = launch_args(
             "cpu_zero3_2machines.yaml", port, "--machine_rank", str(machine), *command
         )
         procs.append(
             subprocess.Popen(
-                args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                launch,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
         )
     survivor = procs[0].communicate(timeout=120)[0]
@@ -257,3 +240,16 @@ def test_a_dead_rank_makes_the_other_exit_with_a_clear_message(assets, tmp_path)
         if line.startswith("rlhf-dist ppo: error: lost contact")
     ]
     assert len(ours) == 1, survivor[-3000:]
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{step + 1:06d}", survivor[-3000:]
+
+    third = cli([*args, "--resume", "auto"])
+    assert third.returncode == 0, third.stderr[-3000:]
+    logged = rows(out)
+    assert [r["step"] for r in logged] == list(range(1, last + 1))
+    # Each restored actor differs from the reference (it trained before the kill), so the
+    # KL is no longer exactly 0: the weights came from the checkpoint (written on one rank
+    # by SIGTERM, on two ranks for the step after), not from the start.
+    assert logged[0]["objective/kl"] == 0.0
+    assert logged[step]["objective/kl"] != 0.0 and logged[step + 1]["objective/kl"] != 0.0
+    assert (out / "final" / "model.safetensors").exists()
