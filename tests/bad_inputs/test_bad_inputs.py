@@ -40,10 +40,14 @@ def tiny(tmp_path_factory):
     }
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{CORPUS}", OMP_NUM_THREADS="1")
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m rlhf_dist ARGS` as a user runs it, with `env` added to the environment."""
+    path = {"PYTHONPATH": f"{REPO}{os.pathsep}{CORPUS}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rlhf_dist", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, **path, **(env or {})}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
 
 
 def assert_one_line_error(proc, *words: str) -> None:
@@ -55,7 +59,9 @@ def assert_one_line_error(proc, *words: str) -> None:
         assert word in lines[0], lines[0]
 
 
-def sft(tiny, data: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def sft(
+    tiny, data: str, out: Path, *extra: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
     base = [
         f"model.policy={tiny['policy']}",
         f"data.train={CORPUS / data}",
@@ -64,12 +70,48 @@ def sft(tiny, data: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return run(
         "sft", *base, "sft.batch_size=8", "sft.micro_batch_size=8", "data.max_length=48",
         "data.max_prompt_length=64", *extra,  # the lengths the corpus's long rows exceed
+        env=env,
     )  # fmt: skip
 
 
-def test_bad_sft_rows_are_skipped_counted_and_reported(tiny, tmp_path):
-    proc = sft(tiny, "sft_mixed_bad_rows.jsonl", tmp_path / "out", "data.too_long=drop")
+@pytest.fixture(scope="module")
+def pickled(tiny, tmp_path_factory):
+    """The tiny policy saved only as pickle (pytorch_model.bin), with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_dist.demo.task import build_tokenizer
+
+    pickled = tmp_path_factory.mktemp("pickled")
+    AutoModelForCausalLM.from_pretrained(tiny["policy"]).save_pretrained(pickled)
+    state = AutoModelForCausalLM.from_pretrained(pickled).state_dict()
+    (pickled / "model.safetensors").unlink()
+    torch.save(state, pickled / "pytorch_model.bin")  # the legacy pickle format
+    build_tokenizer(pickled)
+    return str(pickled)
+
+
+SECRET = "wandb-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def mixed_rows_run(tiny, pickled, tmp_path_factory):
+    """ONE successful SFT launch on sft_mixed_bad_rows.jsonl (each launch is ~10 s of
+    imports) that four tests read, each for its own input: its bad rows (dropped when too
+    long), a tokenizer without a PAD token, secrets in the environment, and a policy saved
+    only as pickle with model.safetensors_only=false. -> (process, output directory)."""
+    out = tmp_path_factory.mktemp("mixed_rows") / "out"
+    proc = sft(
+        {**tiny, "policy": pickled}, "sft_mixed_bad_rows.jsonl", out, "data.too_long=drop",
+        f"model.tokenizer={tiny['no_pad']}", "model.safetensors_only=false",
+        env={"WANDB_API_KEY": SECRET, "HF_TOKEN": SECRET},
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out
+
+
+def test_bad_sft_rows_are_skipped_counted_and_reported(mixed_rows_run):
+    proc, _ = mixed_rows_run
     report = next(line for line in proc.stdout.splitlines() if line.startswith("sft data"))
     # 40 good rows kept; each bad row counted under its reason.
     assert "40 kept" in report and "6 skipped" in report, report
@@ -183,14 +225,12 @@ def test_unusable_sft_input_is_one_line_and_writes_nothing(tiny, tmp_path, data,
     assert not out.exists(), "a failed start left an output directory behind"
 
 
-def test_tokenizer_without_pad_token_trains_and_is_exported_as_shipped(tiny, tmp_path):
+def test_tokenizer_without_pad_token_trains_and_is_exported_as_shipped(mixed_rows_run):
     # Llama-3 and Mistral instruct tokenizers ship no PAD: the run pads with EOS, says so
     # once, and exports the tokenizer without a PAD again (docs/data.md, padding).
     from transformers import AutoTokenizer
 
-    out = tmp_path / "out"
-    proc = sft(tiny, "sft_mixed_bad_rows.jsonl", out, f"model.tokenizer={tiny['no_pad']}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, out = mixed_rows_run
     assert proc.stdout.count("has no PAD token; padding with EOS") == 1, proc.stdout
     exported = AutoTokenizer.from_pretrained(out / "final")
     assert exported.pad_token is None and exported.eos_token == "<eos>"
@@ -232,41 +272,22 @@ def test_bad_reward_functions_are_one_line(tiny, tmp_path, fn, words):
     assert not out.exists(), "a reward failure before any iteration left a run directory"
 
 
-def test_secrets_never_reach_the_written_config(tiny, tmp_path):
-    out = tmp_path / "out"
-    env_secret = "wandb-secret-0123456789"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlhf_dist", "sft", f"model.policy={tiny['policy']}", f"data.train={CORPUS / 'sft_mixed_bad_rows.jsonl'}", f"run.output_dir={out}", "sft.batch_size=8", "sft.micro_batch_size=8"],
-        cwd=REPO, env=dict(os.environ, WANDB_API_KEY=env_secret, HF_TOKEN=env_secret, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_secrets_never_reach_the_written_config(mixed_rows_run):
+    _, out = mixed_rows_run  # run with WANDB_API_KEY and HF_TOKEN set to SECRET
     for path in out.rglob("*"):
         if path.is_file():
-            assert env_secret.encode() not in path.read_bytes(), path
+            assert SECRET.encode() not in path.read_bytes(), path
     assert json.loads((out / "summary.json").read_text())["steps"] > 0
 
 
-def test_pickle_checkpoints_are_refused_unless_allowed(tiny, tmp_path):
-    """A model saved only as pickle (.bin) can run code when loaded: refused by default."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from rlhf_dist.demo.task import build_tokenizer
-
-    pickled = tmp_path / "pickled"
-    AutoModelForCausalLM.from_pretrained(tiny["policy"]).save_pretrained(pickled)
-    state = AutoModelForCausalLM.from_pretrained(pickled).state_dict()
-    (pickled / "model.safetensors").unlink()
-    torch.save(state, pickled / "pytorch_model.bin")  # the legacy pickle format
-    build_tokenizer(pickled)
+def test_pickle_checkpoints_are_refused_unless_allowed(tiny, pickled, mixed_rows_run, tmp_path):
+    """A model saved only as pickle (.bin) can run code when loaded: refused by default;
+    with model.safetensors_only=false it trains (the shared run's policy is this one)."""
     out = tmp_path / "out"
-    proc = sft({**tiny, "policy": str(pickled)}, "sft_mixed_bad_rows.jsonl", out)
+    proc = sft({**tiny, "policy": pickled}, "sft_mixed_bad_rows.jsonl", out)
     assert_one_line_error(proc, "model.policy", "cannot load")
     assert not out.exists()
-    allowed = sft(
-        {**tiny, "policy": str(pickled)},
-        "sft_mixed_bad_rows.jsonl",
-        out,
-        "model.safetensors_only=false",
+    allowed, _ = mixed_rows_run
+    assert (
+        "model.safetensors_only=false" in allowed.args and f"model.policy={pickled}" in allowed.args
     )
-    assert allowed.returncode == 0, allowed.stderr[-3000:]
