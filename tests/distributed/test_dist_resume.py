@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, _env, free_port, launch_args
 
+RUN_COMMANDS = REPO / "tests" / "distributed" / "scripts" / "run_commands.py"
+
 
 def cli(
     args: list[str], fault: str | None = None, timeout: float = 120
@@ -82,17 +84,46 @@ def killed_then_resumed(args: list[str], out: Path, fault: str) -> None:
 ALERT_AFTER_RESUME = "alerts.entropy_collapse=0.0012"
 
 
+# GRPO with DAPO's dynamic sampling: the random policy rarely writes a sentiment word, so
+# many groups tie at score 0 and extra rounds draw prompts outside the epoch stream.
+GRPO = (
+    "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=2",
+    "reward.function=rlhf_dist.demo.task:positive_word_reward", "ppo.dynamic_sampling=true",
+)  # fmt: skip
+
+
+def sft_args(assets, out: Path) -> list[str]:
+    return [
+        "sft", f"model.policy={assets['policy']}", f"data.train={assets['files'].sft}",
+        f"run.output_dir={out}", "run.checkpoint_every=2", "perf.num_threads=1",
+        "sft.batch_size=32", "sft.micro_batch_size=8", "sft.optim.lr=1e-3",
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def ppo_reference(assets, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppo_ref")
-    proc = cli(ppo_args(assets, out, ALERT_AFTER_RESUME))
+def references(assets, tmp_path_factory) -> Path:
+    """The uninterrupted runs the kill-and-resume tests compare with (ppo/, grpo/, sft/),
+    from ONE process: scripts/run_commands.py runs the CLI's main on each command in turn,
+    each stage seeded afresh, to the same metrics bitwise as separate processes (checked
+    when this was written). A launch is ~10 s of imports; the killed and resumed runs are
+    separate processes as always."""
+    root = tmp_path_factory.mktemp("references")
+    commands = [
+        ppo_args(assets, root / "ppo", ALERT_AFTER_RESUME),
+        ppo_args(assets, root / "grpo", *GRPO),
+        sft_args(assets, root / "sft"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(RUN_COMMANDS), json.dumps(commands)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # Without an alert after every resume point (steps 1, 2) this test would not test alerts.
-    assert [r["step"] for r in rows(out) if "alerts/entropy_collapse" in r] == [3]
-    return rows(out), (out / "alerts.jsonl").read_text()
+    # Without an alert after every resume point (steps 1, 2) the PPO test would not test alerts.
+    assert [r["step"] for r in rows(root / "ppo") if "alerts/entropy_collapse" in r] == [3]
+    return root
 
 
-def test_ppo_killed_anywhere_resumes_to_the_same_metrics(assets, ppo_reference, tmp_path):
+def test_ppo_killed_anywhere_resumes_to_the_same_metrics(assets, references, tmp_path):
     """One run killed at each point in turn, each kill resumed by the next run: during the
     rollout of iteration 2 (resumes from step 1), half-way through the update of iteration 3
     (from step 2, in a process that itself resumed); the last resume runs to the end. The
@@ -106,26 +137,16 @@ def test_ppo_killed_anywhere_resumes_to_the_same_metrics(assets, ppo_reference, 
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000002"
     resumed = cli([*args, "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert rows(out) == ppo_reference[0]
-    assert (out / "alerts.jsonl").read_text() == ppo_reference[1]
+    assert rows(out) == rows(references / "ppo")
+    assert (out / "alerts.jsonl").read_text() == (references / "ppo" / "alerts.jsonl").read_text()
 
 
-# GRPO with DAPO's dynamic sampling: the random policy rarely writes a sentiment word, so
-# many groups tie at score 0 and extra rounds draw prompts outside the epoch stream.
-GRPO = (
-    "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=2",
-    "reward.function=rlhf_dist.demo.task:positive_word_reward", "ppo.dynamic_sampling=true",
-)  # fmt: skip
-
-
-def test_grpo_killed_writing_a_checkpoint_resumes_to_the_same_metrics(assets, tmp_path):
+def test_grpo_killed_writing_a_checkpoint_resumes_to_the_same_metrics(assets, references, tmp_path):
     """Killed half-way through writing checkpoint 2 (after iteration 2 was logged): the
     resume starts again from step 1, over the half-written checkpoint, to the same metrics.
     Also with dynamic sampling: its extra prompts and rounds are the same after a resume
     (batching.extra_batch is a function of seed, iteration and round)."""
-    reference, out = tmp_path / "reference", tmp_path / "grpo"
-    proc = cli(ppo_args(assets, reference, *GRPO))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference, out = references / "grpo", tmp_path / "grpo"
     args = ppo_args(assets, out, *GRPO)
     killed(args, out, "checkpoint:2")
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000001"
@@ -139,38 +160,13 @@ def test_grpo_killed_writing_a_checkpoint_resumes_to_the_same_metrics(assets, tm
     assert any(r["rollout/dynamic_sampling_rounds"] > 0 for r in rows(out)[1:])
 
 
-# The loop SFT, RM, DPO and KTO share (trainers/common.py), really SIGKILLed once; each
-# other stage's batches are stopped in-process and resumed in
+# The loop SFT, RM, DPO and KTO share (trainers/common.py), really SIGKILLed once, in SFT;
+# each other stage's batches are stopped in-process and resumed in
 # tests/integration/test_integration_step_resume.py.
-@pytest.mark.parametrize("stage", ["sft"])
-def test_step_loop_stages_killed_resume_to_the_same_metrics(assets, tmp_path, stage):
-    files = assets["files"]
-    data = f"data.train={files.sft}" if stage == "sft" else f"data.train={files.prefs_train}"
-    model = f"model.policy={assets['policy']}"
-    # KTO reads each of the 256 pairs as two examples: 64 per step keeps 8 steps.
-    batch = 64 if stage == "kto" else 32
-    common = [
-        f"{stage}.batch_size={batch}",
-        f"{stage}.micro_batch_size=8",
-        f"{stage}.optim.lr=1e-3",
-    ]
-
-    def args(out):
-        return [
-            stage,
-            model,
-            data,
-            f"run.output_dir={out}",
-            "run.checkpoint_every=2",
-            "perf.num_threads=1",
-            *common,
-        ]
-
-    reference = tmp_path / "ref"
-    assert cli(args(reference)).returncode == 0
+def test_step_loop_killed_resumes_to_the_same_metrics(assets, references, tmp_path):
     out = tmp_path / "killed"
-    killed_then_resumed(args(out), out, "update:5")  # steps 1-4 checkpointed, 5 lost
-    assert rows(out) == rows(reference)
+    killed_then_resumed(sft_args(assets, out), out, "update:5")  # steps 1-4 checkpointed, 5 lost
+    assert rows(out) == rows(references / "sft")
     assert len(rows(out)) == 8  # 256 rows / 32 per step
 
 

@@ -1,0 +1,21 @@
+"""Run several `rlhf-dist` commands one after another in ONE process: each is the CLI's
+own `main` on its arguments, as `python -m rlhf_dist ARGS` would run it; the first that
+fails ends the process with its exit status.
+
+    python run_commands.py '[["ppo", "model.policy=...", ...], ["sft", ...]]'
+
+For reference runs that several tests compare with: a process launch costs ~10 s of
+imports, a tiny model's run a few seconds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rlhf_dist.cli import main
+
+if __name__ == "__main__":
+    for argv in json.loads(sys.argv[1]):
+        status = main(argv)
+        if status:
+            sys.exit(status)
