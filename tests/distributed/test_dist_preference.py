@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO, _env, free_port, launch_args, run_launch
+
+RUN_COMMANDS = REPO / "tests" / "distributed" / "scripts" / "run_commands.py"
 
 
 def command(stage: str, assets, out: Path, *extra: str) -> list[str]:
@@ -30,22 +33,49 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_dpo_zero3_two_ranks_matches_one_process(assets, tmp_path):
-    """A partitioned reference scored in lock-step, then the same optimizer steps as one
-    process with 8 micro-batches: losses and reward statistics agree to float rounding."""
-    pairs = tmp_path / "pairs.jsonl"  # 2 steps of 32 pairs
-    pairs.write_text("".join(assets["files"].prefs_train.read_text().splitlines(True)[:64]))
-    data = (f"data.train={pairs}", f"data.eval={assets['files'].prefs_eval}")
-    two = tmp_path / "two"
-    extra = ("distributed.frozen_models=partition", *data)
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command("dpo", assets, two, *extra)))
-    one = tmp_path / "one"
+def first_pairs(assets, path: Path, n: int) -> Path:
+    path.write_text("".join(assets["files"].prefs_train.read_text().splitlines(True)[:n]))
+    return path
+
+
+def dpo_data(assets, root: Path) -> tuple[str, ...]:
+    pairs = first_pairs(assets, root / "pairs64.jsonl", 64)  # 2 steps of 32 pairs
+    return (f"data.train={pairs}", f"data.eval={assets['files'].prefs_eval}")
+
+
+def orpo_extra(assets, root: Path) -> tuple[str, ...]:
+    pairs = first_pairs(assets, root / "pairs128.jsonl", 128)  # 4 steps of 32 pairs
+    return (
+        f"data.train={pairs}", f"data.eval={assets['files'].prefs_eval}", "dpo.loss_type=orpo",
+        "dpo.beta=0.5",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(assets, tmp_path_factory) -> Path:
+    """The one-process runs the 2-rank DPO and ORPO launches are compared with (dpo/,
+    orpo/), from ONE process: scripts/run_commands.py runs the CLI's main on each command
+    in turn, each stage seeded afresh (a launch is ~10 s of imports)."""
+    root = tmp_path_factory.mktemp("one_process")
+    commands = [
+        command("dpo", assets, root / "dpo", *dpo_data(assets, root))[2:],
+        command("dpo", assets, root / "orpo", *orpo_extra(assets, root))[2:],
+    ]
     proc = subprocess.run(
-        [sys.executable, *command("dpo", assets, one, *data)],
+        [sys.executable, str(RUN_COMMANDS), json.dumps(commands)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = metrics(two), metrics(one)
+    return root
+
+
+def test_dpo_zero3_two_ranks_matches_one_process(assets, one_process, tmp_path):
+    """A partitioned reference scored in lock-step, then the same optimizer steps as one
+    process with 8 micro-batches: losses and reward statistics agree to float rounding."""
+    two = tmp_path / "two"
+    extra = ("distributed.frozen_models=partition", *dpo_data(assets, tmp_path))
+    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command("dpo", assets, two, *extra)))
+    a, b = metrics(two), metrics(one_process / "dpo")
     steps = [r for r in a if "dpo/loss" in r]
     assert len(steps) == 2 and abs(steps[0]["dpo/loss"] - math.log(2)) < 1e-5
     for step, (x, y) in enumerate(zip(steps, [r for r in b if "dpo/loss" in r], strict=True)):
@@ -74,24 +104,14 @@ def test_kto_lora_zero3_two_ranks_online_reference(assets, tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_orpo_zero3_two_ranks_matches_one_process(assets, tmp_path):
+def test_orpo_zero3_two_ranks_matches_one_process(assets, one_process, tmp_path):
     """Reference-free ORPO on 2 ZeRO-3 ranks (no reference table or model): the same
     steps as one process (its NLL a token sum over the chosen tokens of BOTH ranks), and
     the held-out evaluation scored in lock-step passes."""
-    pairs = tmp_path / "pairs.jsonl"  # 4 steps of 32 pairs
-    pairs.write_text("".join(assets["files"].prefs_train.read_text().splitlines(True)[:128]))
-    extra = (
-        f"data.train={pairs}", f"data.eval={assets['files'].prefs_eval}", "dpo.loss_type=orpo",
-        "dpo.beta=0.5",
-    )  # fmt: skip
     two = tmp_path / "two"
+    extra = orpo_extra(assets, tmp_path)
     run_launch(launch_args("cpu_zero3.yaml", free_port(), *command("dpo", assets, two, *extra)))
-    one = tmp_path / "one"
-    proc = subprocess.run(
-        [sys.executable, *command("dpo", assets, one, *extra)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = one_process / "orpo"
     a = [r for r in metrics(two) if "dpo/loss" in r]
     b = [r for r in metrics(one) if "dpo/loss" in r]
     assert len(a) == len(b) == 4
