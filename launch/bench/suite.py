@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from rlhf_dist.config import sizes
+
 REPO = Path(__file__).resolve().parents[2]
 # Per device: prompts per iteration, response tokens, ppo micro-batch, dtype. The GPU
 # numbers are the issue's: 64 prompts x 128 tokens, 4 epochs x 4 minibatches.
@@ -77,7 +79,9 @@ def update_flops(run_dir: Path) -> float:
     lora = cfg.get("lora", {})
     factors = {"policy": 4 if lora.get("enabled") else 6, "reward": 4 if lora.get("critic") else 6}
     p, g = cfg["ppo"], cfg["generation"]
-    tokens = p["rollout_batch_size"] * g["max_new_tokens"] * p["ppo_epochs"]
+    # ppo.ppo_epochs null resolves by the trainer's own rule (4 with a critic, 1 without).
+    epochs = sizes.ppo_epochs(p["ppo_epochs"], p["estimator"])
+    tokens = p["rollout_batch_size"] * g["max_new_tokens"] * epochs
     total = 0.0
     for key, factor in factors.items():
         c = json.loads((Path(cfg["model"][key]) / "config.json").read_text())
