@@ -223,17 +223,25 @@ def backward_workspace(shape: ModelShape, batch: float, seq_len: int, act_bytes:
     return batch * seq_len * (3 * shape.intermediate + 2 * shape.hidden) * act_bytes
 
 
-def head_bytes(shape: ModelShape, tokens: int, chunk_tokens: int, training: bool) -> float:
+def head_bytes(
+    shape: ModelShape, tokens: int, chunk_tokens: int, training: bool,
+    compute_bytes: float = FP32, cast_head: bool = False,
+) -> float:  # fmt: skip
     """The output head's logits memory (fp32 (tokens, V) blocks).
 
     Chunked (perf.logprob_chunk_tokens = C > 0): the one (2, C, V) fp32 workspace the
-    chunks share, forward and (logits recomputed) backward alike. Whole (C = 0): the (n, V)
-    logits and their log-softmax, and in training the gradients of both: 2 (no grad) or
-    4 (n, V) fp32 tensors at once.
+    chunks share, forward and (logits recomputed) backward alike; a 16-bit head
+    (`compute_bytes` < 4) also makes each chunk's (C, V) logits in its own dtype before
+    they are upcast into the workspace, and under autocast (`cast_head`) the (V, h) head
+    is cast once per pass (algo/logprobs.py). Whole (C = 0): the (n, V) logits and their
+    log-softmax, and in training the gradients of both: 2 (no grad) or 4 (n, V) fp32
+    tensors at once.
     """
     v = shape.vocab
     if chunk_tokens > 0:
-        return FP32 * 2 * min(chunk_tokens, tokens) * v
+        c = min(chunk_tokens, tokens)
+        low = compute_bytes * c * v if compute_bytes < FP32 else 0.0
+        return FP32 * 2 * c * v + low + (compute_bytes * v * shape.hidden if cast_head else 0.0)
     return FP32 * tokens * v * (4 if training else 2)
 
 

@@ -280,7 +280,7 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
         terms.append(("critic activations", mem.kept_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip
     head = 0.0
     if stage != "rm":
-        head = mem.head_bytes(model, int(b * batch.scored), cfg.perf.logprob_chunk_tokens, True)
+        head = mem.head_bytes(model, int(b * batch.scored), cfg.perf.logprob_chunk_tokens, True, pr.compute, pr.autocast)  # fmt: skip
         head *= 2 if head_as_module(cfg, shapes, hw, stage) and cfg.perf.logprob_chunk_tokens else 1
         if not grads_resident and not lora_r and not model.tied:
             head += model.vocab * model.hidden * mem.FP32
@@ -292,19 +292,43 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
 
 
 def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list:
-    """autocast's bf16 copies of the trained linears (kept for backward, no DeepSpeed),
-    ZeRO-3's whole-model gather per step (perf.gather_for_training)."""
+    """autocast's bf16 copies of the trained linears (`autocast_copies`; saved for
+    backward, none kept under checkpointing, which recasts layer by layer), ZeRO-3's
+    whole-model gather per step (perf.gather_for_training)."""
     pr, model = precision(cfg, hw), _trained_shape(cfg, shapes, stage)
     lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
     terms = []
-    if pr.autocast and not lora:
-        terms.append(("bf16 weight copies (autocast)", 2.0 * model.layers * model.linear_params()))
+    if stage == "ppo" and not checkpointing(cfg, hw):
+        terms += autocast_copies(cfg, shapes, hw, actor=True, critic=True)
+    elif pr.autocast and not lora and not checkpointing(cfg, hw):
+        terms.append(("bf16 weight copies (autocast)", pr.compute * model.layers * model.linear_params()))  # fmt: skip
     copy = trained_copy(cfg, shapes, hw, stage)
     if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
         terms.append(("gathered weights (ZeRO-3)", copy))
     elif hw.zero_stage == 3:
         terms.append(live_weights(model, pr.compute))
     return terms
+
+
+def autocast_copies(cfg: Config, shapes: Shapes, hw: Hardware, actor: bool, critic: bool) -> list:  # fmt: skip
+    """PPO's bf16 copies of trained fp32 linears under autocast (no DeepSpeed, bf16 asked
+    for): torch's autocast caches the cast of each weight that requires grad until the
+    outermost region exits. The rollout is one region (trainers/ppo.py sample_rollout),
+    so the actor's copies made while sampling stay through scoring, joined there by the
+    critic's; in the update each forward's copies are saved for backward. A LoRA base
+    (and lora.critic's) is already 16-bit; the adapters' copies are negligible. Measured
+    on an H200 (docs/benchmarks.md): without these terms the 0.47B plain cell's rollout
+    was planned 14% and its update 9% under the peak."""
+    pr = precision(cfg, hw)
+    if not pr.autocast:
+        return []
+    count = 0
+    if actor and not cfg.lora.enabled:
+        count += shapes.policy.layers * shapes.policy.linear_params()
+    if critic and ESTIMATORS[cfg.ppo.estimator].needs_critic and not (cfg.lora.enabled and cfg.lora.critic):  # fmt: skip
+        model = critic_shape(cfg, shapes)
+        count += model.layers * model.linear_params()
+    return [("bf16 weight copies (autocast)", count * pr.compute)] if count else []
 
 
 def trained_copy(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> float:
@@ -375,7 +399,7 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
     whole = hw.zero_stage != 3 or cfg.perf.gather_for_generation
     if cfg.lora.enabled and g.backend == "hf" and whole and not cfg.lora.load_in_4bit:
         terms.append(("merged LoRA weights", actor.quantizable_params() * pr.compute))
-    return terms
+    return terms + autocast_copies(cfg, shapes, hw, actor=g.backend == "hf", critic=False)
 
 
 def vllm_share(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[str, float]:
@@ -403,7 +427,7 @@ def scoring_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
     if shapes.reward is not None:
         layer = max(layer, mem.inference_forward(shapes.reward, rows, s, pr.compute, attn))
     p = shapes.policy
-    head = mem.head_bytes(p, max(1, rows * t // n), cfg.perf.logprob_chunk_tokens, False)
+    head = mem.head_bytes(p, max(1, rows * t // n), cfg.perf.logprob_chunk_tokens, False, pr.compute, pr.autocast)  # fmt: skip
     head += rows / n * s * p.hidden * pr.compute
     terms = [("logits chunks" if head >= layer else "layer working set", max(head, layer))]
     return terms + ([("sequence-parallel row mask", float(rows * s * s))] if n > 1 else [])
@@ -429,9 +453,12 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
     awake = [vllm_share(cfg, shapes, hw)] if g.backend == "vllm" and not g.vllm_sleep else []
     base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None)
     scoring = scoring_terms(cfg, shapes, hw, rows) if scores_a_model(cfg, shapes) else []
+    # autocast's copies: the actor's from sampling (hf) or its scoring pass, the critic's
+    actor_ran = g.backend == "hf" or not sizes.old_logprobs_from_update(cfg)
+    copies = autocast_copies(cfg, shapes, hw, actor=actor_ran, critic=True) if scoring else []
     return (
         Phase("generation", tuple(base + generation_terms(cfg, shapes, hw, rows))),
-        Phase("scoring", tuple(base + awake + gathered_actor(cfg, shapes, hw) + scoring)),
+        Phase("scoring", tuple(base + awake + gathered_actor(cfg, shapes, hw) + scoring + copies)),
         Phase("update", tuple(update_phase(cfg, shapes, hw, "ppo", batch) + awake)),
     )
 

@@ -191,6 +191,43 @@ def test_head_bytes_by_hand():
     # whole logits: the (7, V) logits and log-softmax (+ both gradients in training)
     assert mem.head_bytes(TINY, tokens=7, chunk_tokens=0, training=False) == 2 * 7 * 10 * 4
     assert mem.head_bytes(TINY, tokens=7, chunk_tokens=0, training=True) == 4 * 7 * 10 * 4
+    # a bf16 head: each chunk's (3, V) bf16 logits before the upcast (+ 3 x 10 x 2), and
+    # under autocast the (V, h) head cast once per pass (+ 10 x 4 x 2)
+    assert mem.head_bytes(TINY, 7, 3, True, compute_bytes=2.0) == 240 + 60
+    assert mem.head_bytes(TINY, 7, 3, True, compute_bytes=2.0, cast_head=True) == 240 + 60 + 80
+
+
+def _terms(plan, phase):
+    return dict(next(p for p in plan.phases if p.name == phase).terms)
+
+
+def test_autocast_copies_of_the_trained_linears_by_phase():
+    # bf16 on one GPU without DeepSpeed: fp32 weights, bf16 autocast. torch caches a bf16
+    # copy of each trained linear weight until the outermost region exits: the rollout is
+    # one region (the actor's copies from sampling, the critic's from scoring), the
+    # update's forwards save theirs for backward, except under checkpointing.
+    shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
+    shapes, hw = Shapes(shape), Hardware(1, 80 * GIB, None, device="cuda")
+    actor = 2.0 * shape.layers * shape.linear_params()
+    name = "bf16 weight copies (autocast)"
+    base = ("model.dtype=bfloat16", "model.gradient_checkpointing=false", "ppo.estimator=gae",
+            "ppo.critic_init=policy", "reward.function=a:b")  # fmt: skip
+
+    def plan_of(*extra, hw=hw):
+        return build_plan(_cfg(*base, *extra), "ppo", shapes, hw)
+
+    plan = plan_of()
+    assert _terms(plan, "generation")[name] == actor
+    assert _terms(plan, "scoring")[name] == 2 * actor  # the critic is the policy's shape
+    assert _terms(plan, "update")[name] == 2 * actor
+    ckpt = plan_of("model.gradient_checkpointing=true")
+    assert name not in _terms(ckpt, "update") and _terms(ckpt, "scoring")[name] == 2 * actor
+    lora = plan_of("lora.enabled=true", "lora.critic=true")
+    assert all(name not in _terms(lora, p) for p in ("generation", "scoring", "update"))
+    fp32 = plan_of("model.dtype=float32")
+    assert all(name not in _terms(fp32, p) for p in ("generation", "scoring", "update"))
+    zero3 = plan_of(hw=Hardware(8, 80 * GIB, 3, device="cuda"))
+    assert all(name not in _terms(zero3, p) for p in ("generation", "scoring", "update"))
 
 
 def test_lora_and_qlora_hold_less_than_full_training():
