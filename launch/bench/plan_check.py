@@ -21,6 +21,11 @@ by torch.cuda.max_memory_allocated, planned with the GPU's fused attention.
 
     PYTHONPATH=. python launch/bench/plan_check.py [--sizes S M L] [--attn sdpa] [--out DIR]
 
+`--autocast`: bf16 compute over fp32 weights, as a run without DeepSpeed at model.dtype=bfloat16
+(runtime.autocast): generation and scoring in one autocast region, as the rollout runs, so
+the bf16 weight copies autocast caches at generation stay through scoring; each update
+forward in its own region, as Accelerate's prepared forward; LoRA over a bf16 base.
+
 ZeRO-3 is not in the CPU grid: in one process ZeRO-3 partitions over one rank, i.e. the
 plain cell's tensors; its per-rank division is the planner's arithmetic (the ZeRO paper's)
 and is checked on GPUs by launch/bench/gpu_suite.sh's zero3 case (planned vs measured).
@@ -79,19 +84,20 @@ def overrides(path: Path, prompt: int, response: int, variant: str, attn: str) -
     ]  # fmt: skip
 
 
-def planned(path: Path, prompt: int, response: int, variant: str, attn: str, device: str = "cpu") -> dict:  # fmt: skip
-    """The plan's per-phase peaks of the cell (fp32 on either device: the CPU's dtype)."""
-    extra = ["model.dtype=float32"]
+def planned(path: Path, prompt: int, response: int, variant: str, attn: str, device: str = "cpu", autocast: bool = False) -> dict:  # fmt: skip
+    """The plan's per-phase peaks of the cell (fp32, or bf16 autocast over fp32 weights)."""
+    extra = [f"model.dtype={'bfloat16' if autocast else 'float32'}"]
     cfg = load_config(None, overrides(path, prompt, response, variant, attn) + extra, "grpo")
     hw = Hardware(gpus=1, memory=1024 * GIB, zero_stage=None, device=device)
     plan = build_plan(cfg, "ppo", read_shapes(cfg, "ppo"), hw)
     return {p.name: p.total for p in plan.phases}
 
 
-def peak_during(step, device: str = "cpu") -> int:
-    """The most bytes torch's allocator held at once during `step()`, over what it held
-    when it began: on CPU from the profiler's allocation and free records (in time
-    order), on a GPU from the caching allocator's own peak counter."""
+def peak_during(step, device: str = "cpu") -> tuple[int, int]:
+    """(the most bytes torch's allocator held at once during `step()`, the bytes still
+    held when it returned), both over what it held when it began: on CPU from the
+    profiler's allocation and free records (in time order), on a GPU from the caching
+    allocator's own counters."""
     from torch.profiler import ProfilerActivity, profile
 
     if device == "cuda":
@@ -100,7 +106,7 @@ def peak_during(step, device: str = "cpu") -> int:
         before = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
+        return torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
@@ -110,7 +116,7 @@ def peak_during(step, device: str = "cpu") -> int:
     for _, nbytes in deltas:
         held += nbytes
         peak = max(peak, held)
-    return peak
+    return peak, held
 
 
 def held_bytes(model, optimizer) -> int:
@@ -123,9 +129,10 @@ def held_bytes(model, optimizer) -> int:
     return sum(storages.values())
 
 
-def make_actor(path: Path, variant: str, device: str = "cpu"):
-    """The actor as the trainer builds it: fp32, dropout off, LoRA adapters (fp32) or
-    gradient checkpointing per the variant; and its fused AdamW."""
+def make_actor(path: Path, variant: str, device: str = "cpu", autocast: bool = False):
+    """The actor as the trainer builds it: fp32 (under autocast a LoRA base is bf16),
+    dropout off, LoRA adapters (fp32) or gradient checkpointing per the variant; and its
+    fused AdamW."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     from rlhf_dist.models.loading import (
@@ -139,6 +146,7 @@ def make_actor(path: Path, variant: str, device: str = "cpu"):
     torch.manual_seed(0)
     model = disable_dropout(LlamaForCausalLM(AutoConfig.from_pretrained(str(path)))).to(device)
     if variant == "lora":
+        model = model.to(torch.bfloat16) if autocast else model
         model = upcast_trainable(add_adapters(model, LoRAConfig(enabled=True), "CAUSAL_LM"))
     if variant == "checkpointing":
         model = enable_gradient_checkpointing(model)
@@ -156,18 +164,20 @@ def batch(vocab: int, rows: int, prompt: int, response: int):
     return prompt_ids, prompt_mask, response_ids
 
 
-def update_step(model, optimizer, ids, mask, predict, prompt: int, perf: PerfConfig) -> None:
+def update_step(model, optimizer, ids, mask, predict, prompt: int, perf: PerfConfig, region) -> None:  # fmt: skip
     """One optimizer step of the update over ROWS sequences in micro-batches of MICRO:
-    log-probs and entropies with gradients, the clipped-ratio loss against detached old
-    log-probs, backward per micro-batch (gradients accumulate), then the AdamW step."""
+    log-probs and entropies with gradients (each forward inside `region()`), the
+    clipped-ratio loss against detached old log-probs, backward per micro-batch
+    (gradients accumulate), then the AdamW step."""
     from rlhf_dist.engine.forward import token_logprobs
 
     model.train()
     for start in range(0, ids.shape[0], MICRO):
         part = slice(start, start + MICRO)
-        lp, entropy = token_logprobs(
-            model, ids[part], mask[part], predict[part], 1.0, True, prompt, perf
-        )
+        with region():
+            lp, entropy = token_logprobs(
+                model, ids[part], mask[part], predict[part], 1.0, True, prompt, perf
+            )
         adv = torch.linspace(-1, 1, lp.shape[0], device=lp.device)[:, None].expand_as(lp)
         ratio = torch.exp(lp - lp.detach())
         loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * predict[part]).sum()
@@ -176,15 +186,21 @@ def update_step(model, optimizer, ids, mask, predict, prompt: int, perf: PerfCon
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure(path: Path, prompt: int, response: int, variant: str, device: str = "cpu") -> dict:
-    """Each phase's measured peak (bytes) of the cell's actor."""
+def measure(path: Path, prompt: int, response: int, variant: str, device: str = "cpu", autocast: bool = False) -> dict:  # fmt: skip
+    """Each phase's measured peak (bytes) of the cell's actor. Under `autocast`, scoring
+    follows generation in the same region and starts with what generation left held."""
+    from contextlib import nullcontext
     from types import SimpleNamespace
 
     from rlhf_dist.engine.decode import generate
     from rlhf_dist.engine.forward import token_logprobs
     from rlhf_dist.models.lora import merged_adapters
 
-    model, optimizer = make_actor(path, variant, device)
+    model, optimizer = make_actor(path, variant, device, autocast)
+
+    def region():
+        return torch.autocast(device, dtype=torch.bfloat16) if autocast else nullcontext()
+
     vocab = SIZES[path.name][5]
     # MKL-packed decode weights (perf.packed_linears) are CPU-only copies whose size MKL
     # decides (~25x the weights of these narrow layers): off, as the planner is for GPUs
@@ -196,7 +212,7 @@ def measure(path: Path, prompt: int, response: int, variant: str, device: str = 
     mask = torch.cat([prompt_mask, torch.ones_like(response_ids)], 1)
     predict = torch.ones_like(response_ids, dtype=torch.bool)
     micro = (ids, mask, predict)
-    update_step(model, optimizer, *micro, prompt, perf)  # Adam's moments exist from here
+    update_step(model, optimizer, *micro, prompt, perf, region)  # Adam's moments exist from here
     base = held_bytes(model, optimizer)
     sampling = SimpleNamespace(max_new_tokens=response, min_new_tokens=response,
                                temperature=1.0, top_k=0, top_p=1.0)  # fmt: skip
@@ -213,9 +229,13 @@ def measure(path: Path, prompt: int, response: int, variant: str, device: str = 
         with torch.no_grad():
             token_logprobs(model, ids, mask, predict, 1.0, True, prompt, perf)
 
-    steps = {"generation": generation, "scoring": scoring,
-             "update": lambda: update_step(model, optimizer, *micro, prompt, perf)}  # fmt: skip
-    return {name: base + peak_during(step, device) for name, step in steps.items()}
+    peaks = {}
+    with region():  # the rollout: one region for sampling and scoring (trainers/ppo.py)
+        peaks["generation"], left = peak_during(generation, device)
+        peaks["scoring"] = left + peak_during(scoring, device)[0]
+    update = lambda: update_step(model, optimizer, *micro, prompt, perf, region)  # noqa: E731
+    peaks["update"] = peak_during(update, device)[0]
+    return {name: base + peak for name, peak in peaks.items()}
 
 
 class _nothing:
@@ -235,6 +255,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--autocast", action="store_true", help="bf16 autocast over fp32 weights")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here too")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -246,8 +267,8 @@ def main() -> None:
             for prompt, response in LENGTHS:
                 for variant in args.variants:
                     start = time.perf_counter()
-                    plan = planned(path, prompt, response, variant, args.attn, args.device)
-                    got = measure(path, prompt, response, variant, args.device)
+                    plan = planned(path, prompt, response, variant, args.attn, args.device, args.autocast)  # fmt: skip
+                    got = measure(path, prompt, response, variant, args.device, args.autocast)
                     cell = f"{size} P{prompt}+T{response} {variant}"
                     for phase in PHASES:
                         ratio = plan[phase] / got[phase]
