@@ -220,17 +220,21 @@ def _run_serve(args) -> int:
 
 
 def _run_stage(name: str, args) -> int:
-    from rlhf_dist.config import load_config
+    from rlhf_dist.config import load_config, validate
+    from rlhf_dist.config.paths import check_stage_inputs
 
     overrides = list(args.overrides) + (
         [f"run.resume={args.resume}"] if getattr(args, "resume", None) else []
     )
     preset = "grpo" if name == "grpo" else getattr(args, "preset", None)
-    # before torch loads: config errors are instant
+    # before torch loads: config errors, missing models and empty data files are instant
     cfg = load_config(args.config, overrides, preset)
+    stage = "ppo" if name == "grpo" else name
+    validate(cfg, stage, int(os.environ.get("WORLD_SIZE", "1")))  # the config, then its files
+    check_stage_inputs(cfg, stage)
     from rlhf_dist import api
 
-    api.run("ppo" if name == "grpo" else name, cfg)
+    api.run(stage, cfg)
     api.close()
     return 0
 

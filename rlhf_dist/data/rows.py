@@ -21,6 +21,7 @@ import torch
 
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.config import DataConfig, KTOConfig
+from rlhf_dist.config.paths import LOCAL_BUILDERS, data_file_problem
 from rlhf_dist.config.tasks import is_task_spec
 from rlhf_dist.data import inputs, tasks
 from rlhf_dist.data.chat import (
@@ -35,8 +36,6 @@ from rlhf_dist.errors import ConfigError
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
     from transformers import PreTrainedTokenizerBase
-
-LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 @dataclass
@@ -61,41 +60,6 @@ class SkipReport:
             reasons = ", ".join(f"{n} {r}" for r, n in self.skipped.most_common())
             text += f", {sum(self.skipped.values())} skipped ({reasons})"
         return text
-
-
-def _non_blank(path: Path, limit: int) -> bytes:
-    """Up to `limit` non-whitespace bytes from the start of a file (reads no further)."""
-    found = b""
-    with path.open("rb") as f:
-        while len(found) < limit and (chunk := f.read(1 << 16)):
-            found += b"".join(chunk.split())[: limit - len(found)]
-    return found
-
-
-def _csv_has_a_row(path: Path) -> bool:
-    """A non-blank line after the header line."""
-    with path.open("rb") as f:
-        lines = (line for line in f if line.strip())
-        return next(lines, None) is not None and next(lines, None) is not None
-
-
-def _why_no_rows(path: Path) -> str | None:
-    """Why a local data file holds no rows, or None if it may hold some. Checked before
-    `datasets` reads it: that reports such files as "StopIteration" or "corresponds to no
-    data", which does not tell the user the file is empty."""
-    head = _non_blank(path, 3)
-    if not head:
-        return "is empty"
-    if path.suffix == ".json" and head == b"[]":
-        return "has no rows (an empty JSON list)"
-    if path.suffix == ".csv" and not _csv_has_a_row(path):
-        return "has a header line but no rows"
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        if pq.ParquetFile(path).metadata.num_rows == 0:
-            return "has no rows"
-    return None
 
 
 def load_data(d: DataConfig, which: str) -> list[dict]:
@@ -123,11 +87,9 @@ def load_rows(source: str, key: str, split: str = "train", subset: str = "") -> 
     path = Path(source).expanduser()
     try:
         if path.suffix in LOCAL_BUILDERS:
-            if not path.is_file():
-                raise ConfigError(f"{key}: data file {source!r} does not exist")
-            empty = _why_no_rows(path)
-            if empty:
-                raise ConfigError(f"{key}: data file {source!r} {empty}")
+            problem = data_file_problem(source, key)  # missing or empty: one line
+            if problem:
+                raise ConfigError(problem)
             ds = datasets.load_dataset(
                 LOCAL_BUILDERS[path.suffix], data_files=str(path), split="train"
             )

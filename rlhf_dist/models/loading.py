@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rlhf_dist.config import Config, ModelConfig
+from rlhf_dist.config.paths import missing_model
 from rlhf_dist.data.chat import chat_for, stop_token_ids
 from rlhf_dist.engine.sequence_parallel import checkpoint_contexts
 from rlhf_dist.errors import ConfigError
@@ -56,9 +57,10 @@ def _from_pretrained(loader, path: str, key: str, **kwargs):
     """`loader.from_pretrained(path)`, with a missing or unreadable model as a ConfigError."""
     if not path:
         raise ConfigError(f"{key}: no model path given")
+    missing = missing_model(path, key)
+    if missing:
+        raise ConfigError(missing)
     local = Path(path).expanduser()
-    if path.startswith((".", "/", "~")) and not local.exists():
-        raise ConfigError(f"{key}: model path {path!r} does not exist")
     try:
         return loader.from_pretrained(str(local) if local.exists() else path, **kwargs)
     except (OSError, ValueError) as e:

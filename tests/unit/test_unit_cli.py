@@ -75,10 +75,8 @@ def test_config_mistakes_are_one_line(args, needle, tmp_path):
 
 @pytest.fixture(scope="module")
 def missing_model_run(tmp_path_factory) -> subprocess.CompletedProcess:
-    """`sft` with an absent policy path; run once (it imports torch/transformers, ~5 s).
-
-    validate() only checks that model.policy is set, so this reaches the model loader.
-    """
+    """`sft` with an absent policy path: refused by the inputs check before torch loads
+    (config/paths.py), with the loader's words."""
     root = tmp_path_factory.mktemp("cli_missing_model")
     data = root / "train.jsonl"
     data.write_text('{"prompt": "review of the food :", "response": "great"}\n')
@@ -99,6 +97,23 @@ def test_missing_model_path_is_one_line(missing_model_run):
 
 def test_missing_model_path_names_the_key_the_user_set(missing_model_run):
     assert "model.policy" in assert_one_line_error(missing_model_run)
+
+
+def test_missing_inputs_are_refused_before_torch_is_imported(tmp_path):
+    # the CLI as a user runs it, in one process that then reports what it imported
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    code = (
+        "import sys; from rlhf_dist.cli import main\n"
+        f"rc = main(['sft', 'model.policy=/nonexistent/policy', 'data.train={empty}'])\n"
+        f"rc2 = main(['sft', 'model.policy={tmp_path}', 'data.train={empty}'])\n"
+        "print(rc, rc2, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "2", "False"], proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "model.policy: model path '/nonexistent/policy' does not exist" in lines[0]
+    assert f"data.train: data file '{empty}' is empty" in lines[1]
 
 
 @pytest.mark.parametrize("stage", ["sft", "rm", "ppo", "dpo", "kto", "eval"])
