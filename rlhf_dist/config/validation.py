@@ -441,11 +441,6 @@ def _validate_server(cfg: Config) -> None:
     for url in g.server_urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"generation.server_urls: expected http(s)://host:port, got {url!r}")
-    if g.tools or g.environment:
-        raise ConfigError(
-            "generation.backend=server: multi-turn rollouts (generation.tools / environment) "
-            "are not served yet; use hf or vllm"
-        )
     if cfg.lora.enabled and not cfg.perf.gather_for_generation:
         raise ConfigError(
             "generation.backend=server: with lora.enabled needs perf.gather_for_generation=true "

@@ -242,13 +242,17 @@ def start_episode(agent: Agent, prompt, columns: dict | None = None) -> Episode:
 def run_episodes(
     agent: Agent, actor, keep_in_step, prompts, gen: GenerationConfig, tokenizer, stop_ids,
     any_rank=None, sampler=None, perf: PerfConfig = DEFAULT_PERF, columns: list[dict] | None = None,
+    sampler_in_step: bool = False,
 ) -> list[Episode]:  # fmt: skip
     """Play one episode per prompt, all rows of a turn in one `engine.decode.generate` call over
-    `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine).
+    `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine, the
+    rollout servers).
 
     any_rank (several ranks): every rank runs as many turns as the busiest one; a rank whose
     episodes are all done runs a throw-away one-token generate while its forwards are
-    collectives (keep_in_step not None), so ZeRO-3's per-layer gathers stay matched.
+    collectives (keep_in_step not None), so ZeRO-3's per-layer gathers stay matched, or a
+    throw-away one-token sample when the sampler's calls are (`sampler_in_step`: the
+    servers' answers are awaited on every rank together).
     columns: each prompt's row's other columns, for the environments' reset."""
     columns = columns or [{} for _ in prompts]
     episodes = [start_episode(agent, p, c) for p, c in zip(prompts, columns, strict=True)]
@@ -260,9 +264,13 @@ def run_episodes(
             hf = functools.partial(_hf_sample, actor, keep_in_step, tokenizer, perf)
             sample = sampler or hf
             sample_turn(agent, sample, active, gen, tokenizer, stop_ids)
-        elif keep_in_step is not None:
-            filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
+        elif keep_in_step is not None or (sampler is not None and sampler_in_step):
             throw_away = dataclasses.replace(gen, max_new_tokens=1, min_new_tokens=0)
+            if sampler is not None:
+                filler = torch.full((1, 1), tokenizer.pad_token_id)
+                sampler(filler, torch.ones_like(filler), throw_away, stop_ids)
+                continue
+            filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
             generate(actor, filler, torch.ones_like(filler), throw_away, tokenizer,
                      keep_in_step, stop_ids, perf)  # fmt: skip
     return episodes

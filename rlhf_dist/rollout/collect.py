@@ -171,19 +171,22 @@ def _episodes(
                              stop_ids=eos, any_rank=models.any_rank,
                              perf=models.perf)  # fmt: skip
     episodes, engine = [], models.engine
-    with models.generation_context() as (actor, keep_in_step):
-        if engine is None:
+    if engine is None:
+        with models.generation_context() as (actor, keep_in_step):
             for s in chunks:
                 texts, columns = prompts.rows(s)
                 episodes += play(actor, keep_in_step, texts, columns=columns)
-        else:  # vLLM schedules its own batches: the whole shard, every turn in one call
-            engine.load_weights(actor)
+    else:  # an engine schedules its own batches: the whole shard, every turn in one call
+        with (models.sync_context or models.generation_context)() as (actor, _):
+            engine.load_weights(actor)  # rollout servers: gathered a bucket at a time
             if isinstance(engine, VLLMEngine) and engine.checks_sync:
                 engine.check_sync(actor, prompts.ids, prompts.mask, gen, tokenizer, eos)
-    if engine is not None:
         sampler = functools.partial(_engine_sample, engine, pad)
         texts, columns = prompts.rows(slice(None))
-        episodes = play(None, None, list(texts), sampler=sampler, columns=columns)
+        # a server's answers are awaited on every rank together: turns stay in step
+        in_step = not isinstance(engine, VLLMEngine)
+        episodes = play(None, None, list(texts), sampler=sampler, columns=columns,
+                        sampler_in_step=in_step)  # fmt: skip
         engine.sleep()  # GPU: free its memory for scoring and the update
     device = next(iter(models.actor_critic.parameters())).device
     sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
@@ -311,5 +314,6 @@ def _engine_sample(
     gen: GenerationConfig,
     stop_ids,
 ):
-    """One turn sampled by the vLLM engine: (ids (B, T), sampler log-probs (B, T))."""
+    """One turn sampled by the vLLM engine or the rollout servers: (ids (B, T), sampler
+    log-probs (B, T))."""
     return engine.generate(ids, mask, gen, stop_ids, pad)

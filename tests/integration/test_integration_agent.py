@@ -268,3 +268,30 @@ def test_grpo_with_a_tool_on_the_vllm_backend(tool_sft, runtime, tmp_path, read_
     (row,) = read_jsonl(out / "metrics.jsonl")
     assert row["rollout/tool_calls"] > 0 and row["rollout/turns"] > 1.0
     assert row["rollout/sampler_logprob_absdiff"] < 0.05
+
+
+@pytest.mark.slow  # a server process starts (~10-20 s on 2 cores)
+def test_grpo_with_a_tool_on_a_rollout_server(
+    tool_sft, runtime, tmp_path, read_jsonl, saved_state_dict, monkeypatch
+):
+    """Every turn sampled by `rlhf-dist serve` (generation.backend=server): the weights are
+    synced once per rollout, the episodes call the tool, the served log-probs are the
+    trainer's own (the hf server scores with the trainer's forward), and the actor trains."""
+    from serve_process import served
+
+    files, policy = tool_sft
+    token, env = "tool-server-token-3f9a", "RLHF_DIST_TEST_TOOL_SERVER_TOKEN"
+    monkeypatch.setenv(env, token)
+    tree = {"model": {"policy": str(policy)}, "perf": {"num_threads": 1},
+            "distributed": {"timeout_s": 60}}  # fmt: skip
+    out = tmp_path / "grpo_server"
+    with served(tree, env, token) as url:
+        run = grpo_tree(out, policy, files, backend="server", server_urls=[url],
+                        server_token_env=env)  # fmt: skip
+        ppo.train_ppo(config_from_dict(run), runtime)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["rollout/policy_version"] for r in rows] == [1, 2]  # one sync per rollout
+    assert all(r["rollout/turns"] > 1.0 for r in rows) and rows[0]["rollout/tool_calls"] > 0
+    assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
+    before, after = saved_state_dict(policy), saved_state_dict(out / "final")
+    assert any(not torch.equal(before[k], after[k]) for k in before)

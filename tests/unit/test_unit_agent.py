@@ -391,6 +391,28 @@ def test_an_engine_samples_the_turns_and_its_log_probs_sit_on_the_sampled_tokens
     )
 
 
+def test_a_rank_with_no_episode_left_asks_the_servers_in_lock_step(tok):
+    """generation.backend=server: every call's answers are awaited on all ranks together,
+    so this rank, done after one turn while the other still plays, sends a one-row,
+    one-token throw-away request per turn (sampler_in_step); the vLLM engine (no
+    collective in its calls) sends none."""
+    from rlhf_dist.engine.decode import generate
+
+    agent = make_agent(tok, {"lookup": lookup}, max_turns=4)
+    model = Scripted(turn_policy(tok, [answer_turn(tok)]), len(tok))
+    for in_step, throw_aways in ((True, 3), (False, 0)):
+        calls = []
+
+        def sampler(ids, mask, gen, stop_ids, calls=calls):
+            calls.append((ids.shape[0], gen.max_new_tokens))
+            return generate(model, ids, mask, gen, tok, None, stop_ids), None
+
+        [e] = run_episodes(agent, None, None, ["q"], gen_cfg(), tok, stops(tok), lambda f: True,
+                           sampler=sampler, sampler_in_step=in_step)  # fmt: skip
+        assert e.turns == 1 and e.finished
+        assert len(calls) == 1 + throw_aways and calls[1:] == [(1, 1)] * throw_aways
+
+
 # ---------------------------------------------------------------------------- config
 
 
