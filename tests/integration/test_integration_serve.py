@@ -368,6 +368,44 @@ def test_one_step_off_policy_killed_with_a_rollout_in_flight_resumes_to_the_same
     assert resumed == unbroken
 
 
+@pytest.mark.slow  # three trainer processes (~10 s of start-up each)
+def test_one_step_off_policy_sigkilled_with_a_rollout_in_flight_resumes_to_the_same_metrics(
+    server, sft_run, task_env, tmp_path, data_cfg, read_jsonl
+):
+    """The test above with real processes: `rlhf-dist ppo` SIGKILLed (RLHF_DIST_FAULT) at
+    iteration 3's rollout, with iteration 4's request in flight on the server, then
+    resumed from iteration 2's checkpoint by the same command with run.resume=auto."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    def run(out, *extra, fault=""):
+        cfg = _grpo_config(server, sft_run.out / "final", out, task_env, data_cfg,
+                           iterations=4, max_staleness=1)  # fmt: skip
+        tree = dataclasses.asdict(cfg)
+        tree["run"]["checkpoint_every"] = 2
+        path = tmp_path / f"{out.name}.json"
+        path.write_text(json.dumps(tree))
+        env = os.environ | {ENV: TOKEN, "OMP_NUM_THREADS": "1", "RLHF_DIST_FAULT": fault}
+        cmd = [sys.executable, "-m", "rlhf_dist", "ppo", "--config", str(path), *extra]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    def logged(out):
+        rows = untimed(read_jsonl(out / "metrics.jsonl"))
+        return [{k: v for k, v in r.items() if k != "rollout/policy_version"} for r in rows]
+
+    assert run(tmp_path / "unbroken").returncode == 0
+    killed = run(tmp_path / "killed", fault="rollout:3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run(tmp_path / "killed", "run.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    unbroken, again = logged(tmp_path / "unbroken"), logged(tmp_path / "killed")
+    assert [r["rollout/staleness_max"] for r in unbroken] == [0, 1, 0, 1]
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    assert again == unbroken
+
+
 def test_openai_completions_return_the_token_ids_and_log_probs_of_generate(server, task_env):
     tok = task_env.tokenizer
     prompt = _prompts(tok)[0]
