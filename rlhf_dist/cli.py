@@ -112,6 +112,12 @@ def _add_demo(sub) -> None:
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
     )
     demo.add_argument(
+        "--through-endpoint",
+        action="store_true",
+        help="--task tool_use: GRPO's environment drives the policy through a rollout "
+        "server's OpenAI-compatible chat endpoint (a `rlhf-dist serve` process started for it)",
+    )
+    demo.add_argument(
         "overrides",
         nargs="*",
         help="section.key=value overrides applied to every stage they concern "
@@ -271,8 +277,12 @@ def _run_demo(args) -> int:
 
         if args.algorithm != "grpo":
             raise ConfigError("--task tool_use: runs with --algorithm grpo only")
-        run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+        run_tool_demo(
+            args.output_dir, args.seed, args.quick, tuple(args.overrides), args.through_endpoint
+        )
         return 0
+    if args.through_endpoint:
+        raise ConfigError("--through-endpoint: with --task tool_use only")
     if args.task == "arithmetic":
         from rlhf_dist.demo.arithmetic_demo import run_arithmetic_demo
 

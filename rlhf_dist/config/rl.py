@@ -111,6 +111,16 @@ class GenerationConfig:
         "object with reset(prompt) -> messages and step(messages) -> (new messages, done, "
         "reward or None); a fresh one per episode. Not together with generation.tools",
     )
+    environment_endpoint: bool = key(
+        False,
+        "generation.environment drives the policy itself through the rollout servers' "
+        "OpenAI-compatible chat endpoint (docs/agents.md): module:function(client, prompt, "
+        "**row columns) -> reward or None, called once per episode with client.base_url, "
+        "client.api_key, client.model and client.sampling; needs generation.backend=server",
+    )
+    endpoint_episodes_at_once: int = key(
+        16, "generation.environment_endpoint: episodes played at once per trainer rank", gt=0
+    )
     max_turns: int = key(
         4, "multi-turn rollouts: assistant turns per episode at most (then truncated)"
     )

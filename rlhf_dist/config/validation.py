@@ -49,6 +49,11 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             "run.trackers: trackio needs the trackio package (pip install 'rlhf_dist[trackio]')"
         )
     _validate_task_data(cfg)
+    if stage == "eval" and cfg.generation.environment_endpoint:
+        raise ConfigError(
+            "generation.environment_endpoint: rlhf-dist eval plays episodes in its own process; "
+            "set false (with in-process tools or an environment factory) to evaluate"
+        )
     training = stage in ("sft", "rm", "dpo", "kto", "ppo")
     if training and cfg.run.eval_every and not cfg.data.eval:
         raise ConfigError(
@@ -421,6 +426,8 @@ def _validate_generation(cfg: Config) -> None:
         )
     if g.tools or g.environment:
         _validate_multi_turn(cfg)
+    if g.environment_endpoint:
+        _validate_endpoint_environment(cfg)
     if g.backend == "vllm" and not cfg.perf.gather_for_generation:
         raise ConfigError(
             "generation.backend=vllm: needs perf.gather_for_generation=true (the engine "
@@ -445,6 +452,23 @@ def _validate_server(cfg: Config) -> None:
         raise ConfigError(
             "generation.backend=server: with lora.enabled needs perf.gather_for_generation=true "
             "(the adapters are merged into whole weights, gathered once per rollout)"
+        )
+
+
+def _validate_endpoint_environment(cfg: Config) -> None:
+    """generation.environment_endpoint: an environment that calls the servers' endpoint."""
+    g = cfg.generation
+    if not g.environment:
+        raise ConfigError("generation.environment_endpoint: needs generation.environment")
+    if g.backend != "server":
+        raise ConfigError(
+            "generation.environment_endpoint: needs generation.backend=server (the environment "
+            "calls the rollout servers' chat endpoint)"
+        )
+    if cfg.run.eval_every:
+        raise ConfigError(
+            "run.eval_every: not with generation.environment_endpoint (held-out evaluation "
+            "plays episodes in this process); evaluate the exported policy with its own run"
         )
 
 

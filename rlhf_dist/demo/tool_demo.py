@@ -9,12 +9,23 @@ is right about 1/2 + 1/12 of the time. summary.json: `sft.gold_reward`,
 
 Measured (docs/agents.md, "The tool-use demo"): gold 0.59 -> 0.83, tool calls per
 response 0.45 -> 0.78, about a minute on a quiet 2-core CPU.
+
+`endpoint=True` (`--through-endpoint`): the GRPO stage's environment drives the policy
+itself through the OpenAI-compatible chat endpoint of a `rlhf-dist serve` process started
+here (tool_task.endpoint_episode; generation.environment_endpoint), as an environment
+library would; the trainer trains on the ids the server recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, validate
@@ -77,8 +88,55 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
     }
 
 
-def run_tool_demo(output_dir: str, seed: int = 0, quick: bool = False, overrides=()) -> dict:
-    """SFT -> GRPO with the tool -> eval of both; returns (and writes) DIR/summary.json."""
+TOKEN_ENV = "RLHF_DIST_DEMO_SERVER_TOKEN"
+
+
+@contextlib.contextmanager
+def served(policy: Path, root: Path, port: int):
+    """A `rlhf-dist serve` process of `policy` on 127.0.0.1:`port` with a fresh token in
+    TOKEN_ENV (this process's environment too); its URL once /health answers."""
+    os.environ[TOKEN_ENV] = secrets.token_hex(16)
+    config = root / "serve.json"
+    tree = {"model": {"policy": str(policy)}, "perf": {"num_threads": 1},
+            "serve": {"port": port, "token_env": TOKEN_ENV}}  # fmt: skip
+    config.write_text(json.dumps(tree), encoding="utf-8")
+    log = (root / "serve.log").open("w")
+    cmd = [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"rlhf-dist serve did not start: see {root / 'serve.log'}"
+                    ) from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def through_endpoint(tree: dict, url: str) -> dict:
+    """The GRPO stage's tree with its environment playing through the server's endpoint."""
+    gen = {k: v for k, v in tree["generation"].items() if k != "tools"}
+    gen |= {"backend": "server", "server_urls": [url], "server_token_env": TOKEN_ENV,
+            "environment": "rlhf_dist.demo.tool_task:endpoint_episode",
+            "environment_endpoint": True}  # fmt: skip
+    return tree | {"generation": gen}
+
+
+def run_tool_demo(
+    output_dir: str, seed: int = 0, quick: bool = False, overrides=(), endpoint: bool = False
+) -> dict:
+    """SFT -> GRPO with the tool -> eval of both; returns (and writes) DIR/summary.json.
+    endpoint: GRPO's environment talks to a rollout server's chat endpoint (module doc)."""
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers
@@ -97,8 +155,19 @@ def run_tool_demo(output_dir: str, seed: int = 0, quick: bool = False, overrides
     runtime = Runtime(seed=seed)
     runtime.print(f"== tool-use task written to {root / 'task'}; stage 1/3: SFT")
     train_sft(configs["sft"], runtime)
-    runtime.print("== stage 2/3: GRPO with the lookup tool")
-    train_ppo(configs["grpo"], runtime)
+    if endpoint:
+        from rlhf_dist.distributed.weight_sync import free_port
+
+        runtime.print(
+            "== stage 2/3: GRPO, the environment driving a rollout server's chat endpoint"
+        )
+        with served(root / "sft" / "final", root, free_port()) as url:
+            grpo = config_from_dict(through_endpoint(trees["grpo"], url))
+            validate(grpo, "ppo")
+            train_ppo(grpo, runtime)
+    else:
+        runtime.print("== stage 2/3: GRPO with the lookup tool")
+        train_ppo(configs["grpo"], runtime)
     runtime.print("== stage 3/3: evaluation of the SFT and GRPO policies on held-out keys")
     sft_eval = run_eval(_with_output(configs["eval"], root / "eval" / "sft"), runtime)
     grpo_cfg = _with_output(

@@ -60,6 +60,35 @@ def lookup(key: str) -> str:
     return TABLE[key.strip()]
 
 
+def endpoint_episode(client, prompt, max_turns: int = 3) -> None:
+    """The task as an environment that drives the policy through the rollout servers'
+    chat endpoint (generation.environment_endpoint; rollout/endpoint.py): it asks, runs the
+    `lookup` calls the policy writes, and stops at the first turn without one or after
+    `max_turns` turns; None: reward.function (answer_reward) scores the final answer."""
+    from rlhf_dist.rollout.agent import ToolCallError, parse_tool_call, run_tool, tool_schema
+
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    for _ in range(max_turns):
+        reply = client.chat(messages, tools=[tool_schema(lookup)])["choices"][0]
+        messages.append({"role": "assistant", "content": reply["message"]["content"]})
+        try:
+            call = (
+                parse_tool_call(messages[-1]["content"])
+                if reply["finish_reason"] == "stop"
+                else None
+            )
+            if call is None:
+                return None
+            name, arguments = call
+            if name != "lookup":
+                raise ToolCallError(f"unknown tool {name!r} (tools: lookup)")
+            text, _ = run_tool(lookup, arguments, 10.0)
+        except ToolCallError as e:
+            text = f"error: {e}"
+        messages.append({"role": "tool", "content": text})
+    return None
+
+
 def call_text(key: str) -> str:
     return f"{CALL_OPEN} {key} {CALL_CLOSE}"
 

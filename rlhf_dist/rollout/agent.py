@@ -188,9 +188,10 @@ class Agent:
 
 
 def build_agent(cfg: Config, tokenizer) -> Agent | None:
-    """The Agent generation.tools / generation.environment ask for; None when neither."""
+    """The Agent generation.tools / generation.environment ask for; None when neither,
+    or when the environment plays through the endpoint (rollout/endpoint.py)."""
     g = cfg.generation
-    if not (g.tools or g.environment):
+    if not (g.tools or g.environment) or g.environment_endpoint:
         return None
     where = "generation.tools" if g.tools else "generation.environment"
     template = resolve_template(tokenizer, cfg.data.chat_template, where)
@@ -216,7 +217,7 @@ class Episode:
     """One conversation in progress. `tokens` is everything after the prompt (sampled turns
     and environment messages, as ids); `sampled[t]` says whether the policy sampled it."""
 
-    env: Environment
+    env: Environment | None  # None: played through the servers' endpoint (endpoint.py)
     messages: list[dict]
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -327,6 +328,7 @@ def advance(agent: Agent, e: Episode, row: list[int], tokenizer, stop_ids, logpr
     if end is None:
         e.done = True
         return
+    assert e.env is not None  # episodes played here have their environment
     new, done, reward = e.env.step(list(e.messages))
     new = list(new)
     e.tool_calls += sum(m.get("role") == "tool" for m in new)

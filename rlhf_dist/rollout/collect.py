@@ -22,6 +22,7 @@ from rlhf_dist.engine.cpu import scoring_context
 from rlhf_dist.engine.decode import decode_responses, generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.rollout import agent as agent_mod
+from rlhf_dist.rollout import endpoint
 from rlhf_dist.rollout.batch import (
     PromptBatch,
     RolloutBatch,
@@ -67,7 +68,9 @@ class RolloutModels:
     stop_ids: tuple[int, ...] = ()
     engine: VLLMEngine | ServerEngine | PrefetchingServer | None = None
     whole_weights: Callable = contextlib.nullcontext
-    agent: agent_mod.Agent | None = None  # multi-turn rollouts (generation.tools / environment)
+    # multi-turn rollouts (generation.tools / environment; an EndpointAgent when the
+    # environment plays through the servers' endpoint)
+    agent: agent_mod.Agent | endpoint.EndpointAgent | None = None
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
     perf: PerfConfig = DEFAULT_PERF
     teacher: torch.nn.Module | None = None
@@ -165,9 +168,35 @@ def _episodes(
     The data's prompt ids are not sampled from (an episode starts from the environment's
     first messages, rendered with the tools); vLLM's sync check reads them. Each episode's
     environment is reset with its row's other columns where it takes them."""
-    eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
+    eos = models.stop_ids or (tokenizer.eos_token_id,)
     assert models.agent is not None  # collect_rollout plays episodes only with an agent
-    play = functools.partial(agent_mod.run_episodes, models.agent, gen=gen, tokenizer=tokenizer,
+    if isinstance(models.agent, endpoint.EndpointAgent):
+        episodes = _endpoint_episodes(models, prompts, gen, eos)
+    else:
+        episodes = _agent_episodes(models, prompts, gen, chunks, tokenizer, eos)
+    device = next(iter(models.actor_critic.parameters())).device
+    sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
+    env_scores = sampled.pop("env_scores")
+    score_prompts, texts = agent_mod.scoring_inputs(episodes)
+    return sampled, score_prompts, texts, env_scores
+
+
+def _endpoint_episodes(models: RolloutModels, prompts: PromptBatch, gen, eos) -> list:
+    """generation.environment_endpoint: one sync, then the environment plays every episode
+    against the servers' chat endpoint (rollout/endpoint.py)."""
+    server = models.engine
+    assert isinstance(server, ServerEngine) and isinstance(models.agent, endpoint.EndpointAgent)
+    with (models.sync_context or models.generation_context)() as (actor, _):
+        server.load_weights(actor)  # a bucket at a time
+    texts, columns = prompts.rows(slice(None))
+    return endpoint.play(models.agent, server, list(texts), columns, gen, eos)
+
+
+def _agent_episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer, eos):
+    """Episodes of generation.tools / environment, played by this process (rollout/agent.py)."""
+    pad, agent = tokenizer.pad_token_id, models.agent
+    assert isinstance(agent, agent_mod.Agent)
+    play = functools.partial(agent_mod.run_episodes, agent, gen=gen, tokenizer=tokenizer,
                              stop_ids=eos, any_rank=models.any_rank,
                              perf=models.perf)  # fmt: skip
     episodes, engine = [], models.engine
@@ -188,11 +217,7 @@ def _episodes(
         episodes = play(None, None, list(texts), sampler=sampler, columns=columns,
                         sampler_in_step=in_step)  # fmt: skip
         engine.sleep()  # GPU: free its memory for scoring and the update
-    device = next(iter(models.actor_critic.parameters())).device
-    sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
-    env_scores = sampled.pop("env_scores")
-    score_prompts, texts = agent_mod.scoring_inputs(episodes)
-    return sampled, score_prompts, texts, env_scores
+    return episodes
 
 
 def _sample(

@@ -73,6 +73,11 @@ class ServerEngine:
         self.sync_gap = 0.0  # rank 0: the last post-sync check's largest gap over the servers
         self.sync_seconds = 0.0  # the last sync, check included
 
+    @property
+    def token(self) -> str:
+        """The shared token (for the episodes of generation.environment_endpoint)."""
+        return self._token
+
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """One HTTP call (GET without a body) -> its JSON answer; ServerError otherwise."""
         data = None if body is None else json.dumps(body).encode()

@@ -19,6 +19,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 
 from rlhf_dist.serving import openai_api as openai
+from rlhf_dist.serving.episodes import EpisodeLog
 from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy, TensorSpec
 
 TokenIds = list[int]
@@ -55,6 +56,10 @@ class Spec(BaseModel):
     name: str = Field(min_length=1)
     shape: list[int]
     dtype: str
+
+
+class EpisodesBody(BaseModel):
+    episodes: list[str] = Field(min_length=1)
 
 
 class UpdateBody(BaseModel):
@@ -143,7 +148,14 @@ def _add_openai(app: FastAPI, policy: ServedPolicy, authorized, refused, max_new
         capped(body)
         return refused(openai.completion, policy, body, max_new)
 
+    episodes = None if policy.chat is None else EpisodeLog(policy.chat)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     def chat_completions(body: openai.ChatBody) -> dict:
         capped(body)
-        return refused(openai.chat_completion, policy, body, max_new)
+        return refused(openai.chat_completion, policy, body, max_new, episodes)
+
+    @app.post("/v1/episodes", dependencies=[Depends(authorized)])
+    def collect_episodes(body: EpisodesBody) -> dict:
+        """The records of finished episodes (serving/episodes.py), removed from the log."""
+        return {"episodes": [] if episodes is None else episodes.collect(body.episodes)}

@@ -11,18 +11,25 @@ back (token-in/token-out, no re-tokenisation: trl#5144). `policy_version` says w
 weights sampled it. A chat prompt is rendered with data.chat_template or the tokenizer's
 own template, with the generation prompt.
 
+A chat request may carry `tools` (OpenAI function schemas, shown by the template) and
+may name an episode in `model` (`<name>#<episode id>`): it is then one turn of that
+episode, recorded token in, token out for the trainer (serving/episodes.py).
+
 Refused with a 400: n > 1, `stop` strings (stop tokens are the model's; use the
-extension `stop_token_ids`), a chat request when no template is known.
+extension `stop_token_ids`), a chat request when no template is known, an episode's turn
+that does not extend its messages so far.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
 from pydantic import BaseModel, Field
 
 from rlhf_dist.data.chat import BadRow
+from rlhf_dist.serving.episodes import EpisodeLog, episode_of, turn_seed
 from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy
 
 
@@ -51,6 +58,7 @@ class Message(BaseModel):
 
 class ChatBody(OpenAISampling):
     messages: list[Message] = Field(min_length=1)
+    tools: list[dict] | None = None
 
 
 def sampling_of(body: OpenAISampling, default_max: int) -> SamplingRequest:
@@ -80,16 +88,27 @@ def completion(policy: ServedPolicy, body: CompletionBody, default_max: int) -> 
     return _answer("text_completion", body.model or policy.name, choice, prompt, out)
 
 
-def chat_completion(policy: ServedPolicy, body: ChatBody, default_max: int) -> dict:
-    """The chat.completion answer to one /v1/chat/completions request."""
-    if policy.chat is None:
+def chat_completion(
+    policy: ServedPolicy, body: ChatBody, default_max: int, episodes: EpisodeLog | None = None
+) -> dict:
+    """The chat.completion answer to one /v1/chat/completions request; a turn of an episode
+    (`model` names one) continues and extends its record in `episodes`."""
+    if policy.chat is None or episodes is None:
         raise BadRequest("messages: the served tokenizer has no chat template (data.chat_template)")
     s = sampling_of(body, default_max)
-    try:
-        prompt = policy.chat.prompt_ids([m.model_dump() for m in body.messages])
-    except BadRow as e:
-        raise BadRequest(f"messages: {e}") from None
+    messages, tools = [m.model_dump() for m in body.messages], tuple(body.tools or ())
+    episode = episode_of(body.model)
+    if episode is None:
+        try:
+            prompt = dataclasses.replace(policy.chat, tools=tools).prompt_ids(messages)
+        except BadRow as e:
+            raise BadRequest(f"messages: {e}") from None
+    else:
+        prompt, turn = episodes.context(episode, messages, tools)
+        s = dataclasses.replace(s, seed=turn_seed(s.seed, episode, turn))
     out, text = _sample(policy, prompt, s)
+    if episode is not None:
+        episodes.answered(episode, out["ids"], out["logprobs"], text, out["version"])
     content = [{"token": t, "logprob": lp} for t, lp in zip(out["tokens"], out["logprobs"])]
     choice = {
         "index": 0,

@@ -52,6 +52,7 @@ from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import build_agent
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
+from rlhf_dist.rollout.endpoint import endpoint_agent
 from rlhf_dist.rollout.prefetch import PrefetchingServer
 from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
@@ -459,7 +460,9 @@ def make_rollout_models(cfg: Config, runtime: Runtime, built, tokenizer) -> Roll
         stops,
         engine,
         whole_weights=lambda: runtime.whole_weights(model, gather),
-        agent=build_agent(cfg, tokenizer),  # None without generation.tools / environment
+        # None without generation.tools / environment; played through the endpoint with
+        # generation.environment_endpoint
+        agent=endpoint_agent(cfg) or build_agent(cfg, tokenizer),
         any_rank=runtime.any_rank if runtime.world_size > 1 else None,
         perf=cfg.perf,
         teacher=built.teacher,  # model.teacher: scores the rollout (docs/distill.md)

@@ -21,7 +21,7 @@ from rlhf_dist.algo.objectives import tied_groups
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import tool_task
 from rlhf_dist.engine.forward import token_logprobs
-from rlhf_dist.rollout.agent import TOOL_CALL
+from rlhf_dist.rollout.agent import TOOL_CALL, parse_tool_call, tool_schema
 from rlhf_dist.trainers import ppo, ppo_update
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
@@ -295,3 +295,61 @@ def test_grpo_with_a_tool_on_a_rollout_server(
     assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
     before, after = saved_state_dict(policy), saved_state_dict(out / "final")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def openai_episode(client, prompt):
+    """The tool task driven by the official `openai` client, as environment libraries do
+    (generation.environment_endpoint): a chat call, a lookup when asked, a second call."""
+    import openai
+
+    api = openai.OpenAI(base_url=client.base_url, api_key=client.api_key)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        reply = api.chat.completions.create(
+            model=client.model, messages=messages, tools=[tool_schema(tool_task.lookup)],
+            **client.openai_fields,
+        )  # fmt: skip
+        text = reply.choices[0].message.content
+        messages.append({"role": "assistant", "content": text})
+        call = parse_tool_call(text)
+        if call is None:
+            return None
+        messages.append({"role": "tool", "content": tool_task.lookup(**call[1])})
+    return None
+
+
+@pytest.mark.slow  # a server process starts (~10-20 s on 2 cores)
+def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
+    tool_sft, runtime, tmp_path, read_jsonl, saved_state_dict, monkeypatch
+):
+    """generation.environment_endpoint: the environment only speaks OpenAI chat to the
+    server; the trainer trains on the ids the server recorded. The served log-probs are
+    the trainer's own forward over exactly those ids (a re-tokenised conversation would
+    show a gap), tools are called, versions move once per rollout, the actor trains; the
+    official openai client drives it the same way."""
+    pytest.importorskip("openai")
+    from serve_process import served
+
+    files, policy = tool_sft
+    token, env = "endpoint-env-token-8e21", "RLHF_DIST_TEST_ENDPOINT_TOKEN"
+    monkeypatch.setenv(env, token)
+    tree = {"model": {"policy": str(policy)}, "perf": {"num_threads": 1},
+            "distributed": {"timeout_s": 60}}  # fmt: skip
+    with served(tree, env, token) as url:
+        for name, fn, iterations in (
+            ("demo", "rlhf_dist.demo.tool_task:endpoint_episode", 2),
+            ("openai", "test_integration_agent:openai_episode", 1),
+        ):
+            out = tmp_path / name
+            run = grpo_tree(out, policy, files, backend="server", server_urls=[url],
+                            server_token_env=env, environment=fn,
+                            environment_endpoint=True)  # fmt: skip
+            del run["generation"]["tools"]
+            run["ppo"]["iterations"] = iterations
+            ppo.train_ppo(config_from_dict(run), runtime)
+            rows = read_jsonl(out / "metrics.jsonl")
+            assert len(rows) == iterations
+            assert all(r["rollout/turns"] > 1.0 and r["rollout/tool_calls"] > 0 for r in rows)
+            assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
+            before, after = saved_state_dict(policy), saved_state_dict(out / "final")
+            assert any(not torch.equal(before[k], after[k]) for k in before)

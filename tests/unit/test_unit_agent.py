@@ -413,6 +413,39 @@ def test_a_rank_with_no_episode_left_asks_the_servers_in_lock_step(tok):
         assert len(calls) == 1 + throw_aways and calls[1:] == [(1, 1)] * throw_aways
 
 
+def test_an_episode_played_through_the_endpoint_keeps_the_sampled_ids(tok):
+    """serving/episodes.py: a chat request naming an episode continues its record. The
+    sampled turn's ids stay as sampled ("name" spelt by character, which the tokenizer
+    would merge), the new messages' ids are Renderer.continuation_ids, a request that
+    rewrites an earlier message is refused, and collecting hands the record over once."""
+    from rlhf_dist.data.chat import Chat
+    from rlhf_dist.serving.episodes import EpisodeLog, episode_of, turn_seed
+    from rlhf_dist.serving.policy import BadRequest
+
+    log, render = EpisodeLog(Chat(tok, CHATML_TOOLS_TEMPLATE)), Renderer(tok, CHATML_TOOLS_TEMPLATE)
+    user = [{"role": "user", "content": "What is b?"}]
+    ids, turn = log.context("e1", user, ())
+    assert (ids, turn) == (render.prompt_ids(user), 0)
+    sampled = call_turn(tok)  # '... "name" ...' one token per character
+    text = tok.decode(sampled[:-1])
+    log.answered("e1", sampled, [-0.5] * len(sampled), text, version=3)
+    said = [*user, {"role": "assistant", "content": text}]
+    tool = [{"role": "tool", "content": "value-b"}]
+    ids, turn = log.context("e1", said + tool, ())
+    more = render.continuation_ids(said, tool)
+    assert turn == 1 and ids == render.prompt_ids(user) + sampled + more
+    assert tok(text, add_special_tokens=False)["input_ids"] != sampled[:-1]  # re-tokenised differs
+    with pytest.raises(BadRequest, match="must repeat its 3 messages"):
+        log.context("e1", [{"role": "user", "content": "What is c?"}, *said[1:], *tool], ())
+    [record, missing] = log.collect(["e1", "e2"])
+    assert missing is None and log.collect(["e1"]) == [None]
+    assert record["token_ids"] == sampled + more and record["versions"] == [3]
+    assert record["sampled"] == [True] * len(sampled) + [False] * len(more)
+    assert record["logprobs"] == [-0.5] * len(sampled) + [0.0] * len(more)
+    assert episode_of("policy#r0-7-2") == "r0-7-2" and episode_of("policy") is None
+    assert turn_seed(0, "e1", 1) == turn_seed(0, "e1", 1) != turn_seed(0, "e1", 2)
+
+
 # ---------------------------------------------------------------------------- config
 
 

@@ -23,7 +23,9 @@ PPO = ["model.policy=p", "data.train=t.jsonl", "reward.function=m:f"]
         (["generation.backend=server"], "generation.server_urls"),
         (["generation.server_urls=[http://127.0.0.1:8000]"], "generation.server_urls"),
         (["generation.backend=server", "generation.server_urls=[127.0.0.1:8000]"], "generation.server_urls"),
-        (["generation.backend=server", "generation.server_urls=[http://h:1]", "generation.tools=[m:f]"], "generation.backend=server"),
+        (["generation.environment_endpoint=true"], "generation.environment_endpoint: needs generation.environment"),
+        (["generation.environment=m:f", "generation.environment_endpoint=true"], "generation.environment_endpoint: needs generation.backend=server"),
+        (["generation.backend=server", "generation.server_urls=[http://h:1]", "generation.environment=m:f", "generation.environment_endpoint=true", "run.eval_every=1", "data.eval=e.jsonl"], "run.eval_every"),
         (["generation.backend=server", "generation.server_urls=[http://h:1]", "lora.enabled=true", "perf.gather_for_generation=false"], "generation.backend=server"),
         (["generation.server_sync_tolerance=0"], "generation.server_sync_tolerance"),
         (["generation.server_sync_bucket_mb=-1"], "generation.server_sync_bucket_mb"),
@@ -34,6 +36,14 @@ PPO = ["model.policy=p", "data.train=t.jsonl", "reward.function=m:f"]
 def test_server_keys_refuse_bad_values_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(load_config(None, [*PPO, *overrides]), "ppo")
+
+
+def test_an_endpoint_environment_is_refused_by_rlhf_dist_eval():
+    keys = ["generation.backend=server", "generation.server_urls=[http://h:1]",
+            "generation.environment=m:f", "generation.environment_endpoint=true"]  # fmt: skip
+    validate(load_config(None, [*PPO, *keys]), "ppo")
+    with pytest.raises(ConfigError, match=r"^generation\.environment_endpoint: rlhf-dist eval"):
+        validate(load_config(None, [*PPO, *keys]), "eval")
 
 
 def test_server_backend_accepts_several_urls():

@@ -1,0 +1,114 @@
+"""Episodes an environment plays through the OpenAI-compatible chat endpoint, recorded
+token in, token out, for the trainer (docs/serving.md, "Environments behind the endpoint").
+
+An environment library (verifiers, OpenEnv, one's own loop over an OpenAI client) drives
+the policy with chat requests and never sees token ids. The trainer must train on exactly
+the ids that were sampled, so the server keeps them: a request whose `model` ends in
+`#<episode id>` (the name the trainer hands each episode) is one turn of that episode.
+Its first request is rendered whole; every later one must repeat the episode's messages so
+far (the assistant turns as the server answered them) and add new ones, whose tokens alone
+are rendered (rollout/agent.py Renderer.continuation_ids) and appended after the ids
+sampled so far: no earlier turn is decoded and re-tokenised (trl#5144). The trainer
+collects the record (`collect`) once the episode is over: the prompt ids, the ids after
+them, which of those the policy sampled, their log-probs and the policy version.
+
+Each turn's seed is derived from the request's seed, the episode id and the turn's
+index, so an episode samples the same tokens however the environment's requests
+interleave with other episodes'.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from dataclasses import dataclass, field
+
+from rlhf_dist.data.chat import BadRow, Chat
+from rlhf_dist.rollout.agent import Renderer
+from rlhf_dist.serving.policy import BadRequest
+
+SEPARATOR = "#"  # `model` = "<name>#<episode id>"
+
+
+@dataclass
+class Record:
+    """One episode so far: its messages (assistant turns as answered), the prompt's ids,
+    every id after the prompt, which of those were sampled, and their log-probs."""
+
+    messages: list[dict]
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: set[int] = field(default_factory=set)
+
+    def answer(self) -> dict:
+        return {
+            "messages": self.messages, "prompt_ids": self.prompt, "token_ids": self.tokens,
+            "sampled": self.sampled, "logprobs": self.logprobs, "versions": sorted(self.versions),
+        }  # fmt: skip
+
+
+def episode_of(model: str) -> str | None:
+    """The episode id a request's `model` names, or None (a plain request)."""
+    name, sep, episode = model.rpartition(SEPARATOR)
+    return episode if sep and name and episode else None
+
+
+class EpisodeLog:
+    """Every episode in progress on this server, by id (requests run on many threads)."""
+
+    def __init__(self, chat: Chat):
+        self.chat, self.lock = chat, threading.Lock()
+        self.records: dict[str, Record] = {}
+
+    def context(self, episode: str, messages: list[dict], tools: tuple) -> tuple[list[int], int]:
+        """The ids the episode's next turn continues and the turn's index (0: the first);
+        BadRequest when `messages` do not extend the episode's messages so far."""
+        render = Renderer(self.chat.tokenizer, self.chat.template, tools)
+        with self.lock:
+            record = self.records.get(episode)
+        try:
+            if record is None:
+                ids = render.prompt_ids(messages)
+                with self.lock:
+                    self.records[episode] = Record(list(messages), ids)
+                return ids, 0
+            known = len(record.messages)
+            if messages[:known] != record.messages or len(messages) == known:
+                raise BadRequest(
+                    f"messages: episode {episode!r} must repeat its {known} messages so far "
+                    "(the assistant turns as answered) and add new ones"
+                )
+            more = render.continuation_ids(record.messages, messages[known:])
+        except BadRow as e:
+            raise BadRequest(f"messages: {e}") from None
+        with self.lock:
+            record.messages += messages[known:]
+            record.tokens += more
+            record.sampled += [False] * len(more)
+            record.logprobs += [0.0] * len(more)
+            return record.prompt + record.tokens, sum(m["role"] == "assistant" for m in messages)
+
+    def answered(
+        self, episode: str, ids: list[int], logprobs: list[float], text: str, version: int
+    ):
+        """Append a sampled turn (stop token included) and the assistant message it reads as."""
+        with self.lock:
+            record = self.records[episode]
+            record.tokens += ids
+            record.sampled += [True] * len(ids)
+            record.logprobs += logprobs
+            record.messages.append({"role": "assistant", "content": text})
+            record.versions.add(version)
+
+    def collect(self, episodes: list[str]) -> list[dict | None]:
+        """The records of `episodes`, removed from the log (None: no request named it)."""
+        with self.lock:
+            records = [self.records.pop(e, None) for e in episodes]
+        return [None if r is None else r.answer() for r in records]
+
+
+def turn_seed(seed: int, episode: str, turn: int) -> int:
+    """A turn's sampling seed from the request's, the episode id and the turn's index."""
+    return zlib.crc32(f"{seed}:{episode}:{turn}".encode())
