@@ -79,8 +79,11 @@ def test_a_preset_lies_under_the_file_and_the_overrides(tmp_path):
     assert Config().ppo.estimator == "gae"  # without a preset: PPO as before
 
 
-def test_grpo_command_is_ppo_with_the_grpo_preset(monkeypatch):
+def test_grpo_command_is_ppo_with_the_grpo_preset(monkeypatch, tmp_path):
     seen = []
+    data = tmp_path / "d.jsonl"  # the CLI checks the stage's local inputs before the api
+    data.write_text('{"prompt": "p"}\n')
+    required = [f"model.policy={tmp_path}", f"data.train={data}", "reward.function=m:f"]
 
     class FakeApi:
         @staticmethod
@@ -96,8 +99,8 @@ def test_grpo_command_is_ppo_with_the_grpo_preset(monkeypatch):
 
     monkeypatch.setattr(rlhf_dist, "api", FakeApi, raising=False)
     monkeypatch.setitem(__import__("sys").modules, "rlhf_dist.api", FakeApi)
-    assert cli.main(["grpo", *REQUIRED, "ppo.iterations=3"]) == 0
-    assert cli.main(["ppo", "--preset", "grpo", *REQUIRED, "ppo.iterations=3"]) == 0
+    assert cli.main(["grpo", *required, "ppo.iterations=3"]) == 0
+    assert cli.main(["ppo", "--preset", "grpo", *required, "ppo.iterations=3"]) == 0
     (stage_a, a), (stage_b, b) = seen
     assert stage_a == stage_b == "ppo" and a == b
     assert a.ppo.estimator == "grpo" and a.ppo.samples_per_prompt == 8 and a.ppo.iterations == 3
