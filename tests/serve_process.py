@@ -3,7 +3,8 @@
 `served(tree, token_env, token)` writes the config `tree` (serve.port is set to a free
 port, serve.token_env to `token_env`) and starts `python -m rlhf_dist serve` with the token
 in its environment; it yields the server's URL once /health answers, and on exit stops
-the process and checks that the token never appeared in its output.
+the process and checks that the token never appeared in its output. `client(url,
+token_env)` is the trainer's client of such a server (one rank).
 """
 
 from __future__ import annotations
@@ -63,3 +64,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
             out = proc.communicate()[0].decode(errors="replace")
             raise RuntimeError(f"rlhf-dist serve did not start: {out[-2000:]}")
         time.sleep(0.3)
+
+
+def client(url: str, token_env: str, timeout_s: int = 60, **generation):
+    """The trainer's ServerEngine for the server at `url` (one rank), with `generation` keys."""
+    from rlhf_dist.config import config_from_dict
+    from rlhf_dist.rollout.server import ServerEngine
+
+    cfg = config_from_dict(
+        {"generation": {"backend": "server", "server_urls": [url], "server_token_env": token_env,
+                        **generation},
+         "distributed": {"timeout_s": timeout_s}}
+    )  # fmt: skip
+    return ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)

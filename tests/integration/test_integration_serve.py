@@ -25,7 +25,7 @@ import urllib.request
 import pytest
 import torch
 from faults import Killed, kill_at, untimed
-from serve_process import served
+from serve_process import client, served
 
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.rows import left_pad
@@ -161,12 +161,7 @@ def test_served_generation_equals_in_process_generation_at_the_same_seed(server,
 
 
 def _client(server, **generation) -> ServerEngine:
-    cfg = config_from_dict(
-        {"generation": {"backend": "server", "server_urls": [server], "server_token_env": ENV,
-                        **generation},
-         "distributed": {"timeout_s": 60}}
-    )  # fmt: skip
-    return ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
+    return client(server, ENV, **generation)
 
 
 def _perturbed(task_env, seed: int):

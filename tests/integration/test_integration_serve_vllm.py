@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from serve_process import served  # noqa: E402
+from serve_process import client, served  # noqa: E402
 
 from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.data.rows import left_pad  # noqa: E402
@@ -48,12 +48,7 @@ def server(task_env):
 
 
 def _client(url, **generation) -> ServerEngine:
-    cfg = config_from_dict(
-        {"generation": {"backend": "server", "server_urls": [url], "server_token_env": ENV,
-                        **generation},
-         "distributed": {"timeout_s": 120}}
-    )  # fmt: skip
-    return ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
+    return client(url, ENV, 120, **generation)
 
 
 def _prompts(task_env):
