@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from datasets.table import InMemoryTable
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
@@ -38,7 +39,11 @@ def main() -> None:
     torch.set_num_threads(s["threads"])
     rows = s["prompts_per_iteration"] * s["samples_per_prompt"]
     lines = (args.prepared / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
-    dataset = Dataset.from_list([json.loads(line) for line in lines])
+    # A fixed fingerprint: datasets otherwise hashes the Arrow table with dill, which on
+    # the first GPU loan's image (Python 3.12, pyarrow 24) failed ("Can't pickle
+    # MonthDayNano"); the prompts are the same either way.
+    table = InMemoryTable.from_pylist([json.loads(line) for line in lines])
+    dataset = Dataset(table, fingerprint="vs-trl-grpo-prompts")
     policy = str(args.prepared / "policy")
     config = GRPOConfig(
         # bf16: fp32 weights under bf16 autocast (TRL's mixed precision), as ours does
