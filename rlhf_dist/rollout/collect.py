@@ -21,6 +21,7 @@ from rlhf_dist.config import Config, GenerationConfig, PerfConfig
 from rlhf_dist.engine.cpu import scoring_context
 from rlhf_dist.engine.decode import decode_responses, generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
+from rlhf_dist.errors import ServerError, UserError
 from rlhf_dist.rollout import agent as agent_mod
 from rlhf_dist.rollout import endpoint
 from rlhf_dist.rollout.batch import (
@@ -189,7 +190,16 @@ def _endpoint_episodes(models: RolloutModels, prompts: PromptBatch, gen, eos) ->
     with (models.sync_context or models.generation_context)() as (actor, _):
         server.load_weights(actor)  # a bucket at a time
     texts, columns = prompts.rows(slice(None))
-    return endpoint.play(models.agent, server, list(texts), columns, gen, eos)
+    failed: Exception | None = None
+    try:
+        episodes = endpoint.play(models.agent, server, list(texts), columns, gen, eos)
+    except (ServerError, UserError) as e:  # this rank's: the other ranks must stop too
+        failed = e
+    if models.any_rank is not None and models.any_rank(failed is not None) and failed is None:
+        raise UserError("generation.environment: another trainer rank's episodes failed")
+    if failed is not None:
+        raise failed
+    return episodes
 
 
 def _agent_episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer, eos):

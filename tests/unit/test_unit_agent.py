@@ -446,6 +446,55 @@ def test_an_episode_played_through_the_endpoint_keeps_the_sampled_ids(tok):
     assert turn_seed(0, "e1", 1) == turn_seed(0, "e1", 1) != turn_seed(0, "e1", 2)
 
 
+def test_endpoint_episodes_are_collected_in_order_and_failures_are_one_line():
+    """rollout/endpoint.py over a stand-in server: the records come back in prompt order
+    with the environment's rewards; an environment that raises, one that never asks the
+    model, and a record sampled by another policy version each stop the rollout."""
+    from types import SimpleNamespace
+
+    from rlhf_dist.errors import ServerError, UserError
+    from rlhf_dist.rollout.endpoint import EndpointAgent, play
+
+    def record(i, version=2):
+        return {"messages": [{"role": "user", "content": f"q{i}"},
+                             {"role": "assistant", "content": f"a{i}"}],
+                "prompt_ids": [1, i], "token_ids": [7, i], "sampled": [True, True],
+                "logprobs": [-0.1, -0.2], "versions": [version]}  # fmt: skip
+
+    def server(records):
+        asked = []
+
+        def call(url, path, body):
+            asked.append(body["episodes"])
+            return {"episodes": [records(int(e.rsplit("-", 1)[1])) for e in body["episodes"]]}
+
+        return SimpleNamespace(urls=["http://a"], token="t", version=2, call=call), asked
+
+    def env(client, prompt, answer):
+        assert client.model.startswith("policy#") and client.sampling["temperature"] == 0.7
+        return float(answer)
+
+    gen, stops = gen_cfg(), (1,)
+    fake, asked = server(record)
+    episodes = play(EndpointAgent(env, 2), fake, ["q0", "q1", "q2"],
+                    [{"answer": 0}, {"answer": 1}, {"answer": 2}], gen, stops)  # fmt: skip
+    assert [e.reward for e in episodes] == [0.0, 1.0, 2.0] and len(asked) == 1
+    assert [e.tokens for e in episodes] == [[7, 0], [7, 1], [7, 2]]
+    assert [e.answer for e in episodes] == ["a0", "a1", "a2"] and episodes[0].turns == 1
+
+    def broken(client, prompt):
+        raise ValueError("no tool")
+
+    with pytest.raises(UserError, match=r"^generation.environment: episode 0 raised ValueError: no tool$"):  # fmt: skip
+        play(EndpointAgent(broken, 2), fake, ["q0"], [{}], gen, stops)
+    silent, _ = server(lambda i: None)
+    with pytest.raises(UserError, match="made no chat request"):
+        play(EndpointAgent(env, 2), silent, ["q0"], [{"answer": 0}], gen, stops)
+    stale, _ = server(lambda i: record(i, version=1))
+    with pytest.raises(ServerError, match="sampled with policy versions"):
+        play(EndpointAgent(env, 2), stale, ["q0"], [{"answer": 0}], gen, stops)
+
+
 # ---------------------------------------------------------------------------- config
 
 
