@@ -13,7 +13,8 @@
 #           with the hf backend and with vLLM (TRL's colocate mode); needs trl importable
 #           (carried as a wheel); one round of ITERATIONS; its own table follows the main one
 #   plan    rlhf-dist plan's estimate against torch.cuda.max_memory_allocated per phase on the
-#           CPU grid's cells (launch/bench/plan_check.py --device cuda, fp32, ~2-3 minutes)
+#           CPU grid's cells (launch/bench/plan_check.py --device cuda, fp32 then bf16 autocast,
+#           ~2-3 minutes each)
 # and print one table: s/iteration, phase times, peak memory, update MFU (vs 989 TFLOP/s
 # bf16 dense, an H100/H200). Meant to fit one 15-minute GPU loan: ~6-8 minutes on an H200.
 # Without a GPU it runs the same four cases on the CPU with a tiny model (a smoke test of
@@ -86,8 +87,14 @@ if [ "$grpo" = 1 ]; then
   fi
 fi
 if [ "$plan" = 1 ]; then
-  echo "== plan vs measured ($DEVICE)"
-  "$PY" launch/bench/plan_check.py --device "$DEVICE" --out "$OUT/plan_check.json" 2>&1 \
-    | grep -v USDT | tee "$OUT/plan_check.txt" | tail -60
+  # fp32 (measured on the first loan: within 7%), then bf16 autocast over fp32 weights, the
+  # precision of a GPU run without DeepSpeed (its kept activations are the open question)
+  for precision in fp32 autocast; do
+    flag=() suffix=""
+    [ "$precision" = autocast ] && flag=(--autocast) suffix=_autocast
+    echo "== plan vs measured ($DEVICE, $precision)"
+    "$PY" launch/bench/plan_check.py --device "$DEVICE" "${flag[@]}" \
+      --out "$OUT/plan_check$suffix.json" 2>&1 | grep -v USDT | tee "$OUT/plan_check$suffix.txt" | tail -60
+  done
 fi
 [ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || [ "$plan" = 1 ] || exit 1
