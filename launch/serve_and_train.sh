@@ -45,17 +45,11 @@ for gpu in ${SERVE_GPUS//,/ }; do
 done
 # every server answers /health before the trainer starts (model loading takes a while)
 python - "${urls[@]}" <<'PY'
-import sys, time, urllib.request
+import sys
+from rlhf_dist.rollout.server import wait_healthy
 for url in sys.argv[1:]:
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                sys.exit(f"{url} did not answer /health within 900 s: see the server logs")
-            time.sleep(1)
+    if not wait_healthy(url, 900):
+        sys.exit(f"{url} did not answer /health within 900 s: see the server logs")
 PY
 list=$(IFS=,; echo "${urls[*]}")
 echo "rollout servers up: $list; trainer on ${TRAIN_GPUS}"

@@ -16,8 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,18 +50,12 @@ def served(tree: dict, token_env: str, token: str, start_timeout: float = 90.0):
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5):
-                return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            out = proc.communicate()[0].decode(errors="replace")
-            raise RuntimeError(f"rlhf-dist serve did not start: {out[-2000:]}")
-        time.sleep(0.3)
+    from rlhf_dist.rollout.server import wait_healthy
+
+    if not wait_healthy(url, timeout, lambda: proc.poll() is None):
+        proc.kill()
+        out = proc.communicate()[0].decode(errors="replace")
+        raise RuntimeError(f"rlhf-dist serve did not start: {out[-2000:]}")
 
 
 def client(url: str, token_env: str, timeout_s: int = 60, **generation):

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from rlhf_dist.distributed.weight_sync import free_port
 from rlhf_dist.engine.decode import generate
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.models.loading import load_causal_lm, load_tokenizer, policy_stop_ids
-from rlhf_dist.rollout.server import ServerEngine
+from rlhf_dist.rollout.server import ServerEngine, wait_healthy
 
 TOKEN_ENV = "RLHF_DIST_BENCH_SERVER_TOKEN"
 QUESTIONS = ["What is a good review?", "Name a fruit.", "Say hello.", "Count to three."]
@@ -53,13 +52,8 @@ def start_server(model: Path, port: int, threads: int, workdir: Path) -> subproc
     config.write_text(json.dumps(tree))
     cmd = [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)]
     proc = subprocess.Popen(cmd, env=os.environ | {"OMP_NUM_THREADS": str(threads)})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return proc
-        except OSError:
-            time.sleep(0.5)
+    if wait_healthy(f"http://127.0.0.1:{port}", 300, lambda: proc.poll() is None):
+        return proc
     proc.kill()
     raise SystemExit("rlhf-dist serve did not start within 300 s")
 

@@ -25,12 +25,12 @@ import secrets
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, validate
 from rlhf_dist.demo import task, tool_task
 from rlhf_dist.demo.pipeline import _with_output, demo_model, with_overrides
+from rlhf_dist.rollout.server import wait_healthy
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
 REWARD = "rlhf_dist.demo.tool_task:answer_reward"
@@ -105,17 +105,8 @@ def served(policy: Path, root: Path, port: int):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"rlhf-dist serve did not start: see {root / 'serve.log'}"
-                    ) from None
-                time.sleep(0.5)
+        if not wait_healthy(url, 300, lambda: proc.poll() is None):
+            raise RuntimeError(f"rlhf-dist serve did not start: see {root / 'serve.log'}")
         yield url
     finally:
         proc.terminate()

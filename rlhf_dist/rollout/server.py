@@ -271,3 +271,16 @@ def _padded(responses: list[list[int]], logprobs: list[list[float]], pad_id: int
         ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
         lp[b, : len(p)] = torch.tensor(p, dtype=torch.float32)
     return ids.to(device), lp.to(device)
+
+
+def wait_healthy(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Poll `url`/health until it answers (True), or until `alive()` turns False (the
+    server process ended) or `timeout_s` passed (False): starting a server loads a model."""
+    deadline = time.monotonic() + timeout_s
+    while alive() and time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5).close()
+            return True
+        except OSError:
+            time.sleep(0.3)
+    return False
