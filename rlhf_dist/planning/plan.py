@@ -298,10 +298,11 @@ def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -
     pr, model = precision(cfg, hw), _trained_shape(cfg, shapes, stage)
     lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
     terms = []
-    if stage == "ppo" and not checkpointing(cfg, hw):
-        terms += autocast_copies(cfg, shapes, hw, actor=True, critic=True)
-    elif pr.autocast and not lora and not checkpointing(cfg, hw):
-        terms.append(("bf16 weight copies (autocast)", pr.compute * model.layers * model.linear_params()))  # fmt: skip
+    if not checkpointing(cfg, hw):  # checkpointing recasts layer by layer: no copies kept
+        if stage == "ppo":
+            terms += autocast_copies(cfg, shapes, hw, actor=True, critic=True)
+        elif pr.autocast and not lora:
+            terms.append(("bf16 weight copies (autocast)", pr.compute * model.layers * model.linear_params()))  # fmt: skip
     copy = trained_copy(cfg, shapes, hw, stage)
     if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
         terms.append(("gathered weights (ZeRO-3)", copy))

@@ -265,16 +265,19 @@ def run_episodes(
             hf = functools.partial(_hf_sample, actor, keep_in_step, tokenizer, perf)
             sample = sampler or hf
             sample_turn(agent, sample, active, gen, tokenizer, stop_ids)
-        elif keep_in_step is not None or (sampler is not None and sampler_in_step):
-            throw_away = dataclasses.replace(gen, max_new_tokens=1, min_new_tokens=0)
-            if sampler is not None:
-                filler = torch.full((1, 1), tokenizer.pad_token_id)
-                sampler(filler, torch.ones_like(filler), throw_away, stop_ids)
-                continue
+        elif sampler is not None and sampler_in_step:
+            filler = torch.full((1, 1), tokenizer.pad_token_id)
+            sampler(filler, torch.ones_like(filler), _throw_away(gen), stop_ids)
+        elif keep_in_step is not None:
             filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
-            generate(actor, filler, torch.ones_like(filler), throw_away, tokenizer,
+            generate(actor, filler, torch.ones_like(filler), _throw_away(gen), tokenizer,
                      keep_in_step, stop_ids, perf)  # fmt: skip
     return episodes
+
+
+def _throw_away(gen: GenerationConfig) -> GenerationConfig:
+    """A one-token turn for a rank with no episode left (kept in step with the others)."""
+    return dataclasses.replace(gen, max_new_tokens=1, min_new_tokens=0)
 
 
 def _hf_sample(

@@ -190,16 +190,12 @@ def _endpoint_episodes(models: RolloutModels, prompts: PromptBatch, gen, eos) ->
     with (models.sync_context or models.generation_context)() as (actor, _):
         server.load_weights(actor)  # a bucket at a time
     texts, columns = prompts.rows(slice(None))
-    failed: Exception | None = None
-    try:
-        episodes = endpoint.play(models.agent, server, list(texts), columns, gen, eos)
-    except (ServerError, UserError) as e:  # this rank's: the other ranks must stop too
-        failed = e
-    if models.any_rank is not None and models.any_rank(failed is not None) and failed is None:
-        raise UserError("generation.environment: another trainer rank's episodes failed")
-    if failed is not None:
-        raise failed
-    return episodes
+    agent = models.agent
+    # an environment's error or a server's on one rank stops every rank at once
+    return server.together(
+        lambda: endpoint.play(agent, server, list(texts), columns, gen, eos),
+        errors=(ServerError, UserError),
+    )
 
 
 def _agent_episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer, eos):

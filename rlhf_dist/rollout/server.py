@@ -95,14 +95,14 @@ class ServerEngine:
                 f"rollout server {url}{path}: {why} (within {self.timeout_s:g} s)"
             ) from None
 
-    def together(self, work: Callable[[], object]):
-        """work()'s result; when it raised ServerError on any trainer rank, ServerError on
-        every rank at once (so they stop, and checkpoint, together; no rank is left
-        waiting in a collective)."""
+    def together(self, work: Callable[[], object], errors: tuple = (ServerError,)):
+        """work()'s result; when it raised one of `errors` on any trainer rank, that error
+        there and ServerError on every other rank, at once (so they stop, and checkpoint,
+        together; no rank is left waiting in a collective)."""
         error, result = None, None
         try:
             result = work()
-        except ServerError as e:
+        except errors as e:
             error = e
         if self.any_rank(error is not None):
             raise error or ServerError("rollout server: another trainer rank's call failed")
