@@ -3,8 +3,9 @@ endpoints, one server process for the module (docs/serving.md, "The engine"):
 
 - a weight update in many buckets reaches the engine itself: the version moves, the
   post-sync check passes (the server scores with the engine's prompt log-probs, so a
-  staged but unloaded update would fail it), and the engine's greedy tokens become the
-  updated actor's own greedy tokens (our decode loop, in this process);
+  staged but unloaded update would fail it), and every greedy token the engine serves is
+  the updated actor's argmax at its position (up to a near-tie: the two kernels round
+  differently);
 - sampled tokens come with the log-probs the engine drew them with, which are the
   trainer's log-probs of those tokens (fp32 on CPU: rounding apart), and the same seed
   gives the same tokens;
@@ -27,7 +28,7 @@ from serve_process import client, served  # noqa: E402
 
 from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.data.rows import left_pad  # noqa: E402
-from rlhf_dist.engine.decode import generate, truncate_after_eos  # noqa: E402
+from rlhf_dist.engine.decode import truncate_after_eos  # noqa: E402
 from rlhf_dist.engine.forward import token_logprobs  # noqa: E402
 from rlhf_dist.models.loading import load_causal_lm  # noqa: E402
 from rlhf_dist.rollout.server import ServerEngine  # noqa: E402
@@ -86,11 +87,17 @@ def test_an_update_reaches_the_engine_and_it_serves_the_updated_greedy_tokens(
     assert _health(server)["version"] == engine.version
     assert engine.sync_gap < 1e-4, engine.sync_gap
     served_ids, _ = engine.generate(ids, mask, greedy, stops, pad)
-    ours, _, _ = truncate_after_eos(
-        generate(actor, ids, mask, greedy, tok, None, stops), stops, pad
-    )
-    assert served_ids.tolist() == ours[:, : served_ids.shape[1]].tolist()
-    assert not bool((ours[:, served_ids.shape[1] :] != pad).any())
+    # every served token is the updated actor's greedy choice at its position, up to a
+    # near-tie (vLLM's kernels and ours round differently: no bit-for-bit token match)
+    served_ids, response_mask, _ = truncate_after_eos(served_ids, stops, pad)
+    full, attention = torch.cat([ids, served_ids], 1), torch.cat([mask, response_mask.long()], 1)
+    with torch.no_grad():
+        logits = actor(full, attention_mask=attention,
+                       position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits  # fmt: skip
+    logits = logits[:, ids.shape[1] - 1 : -1].float()
+    chosen = logits.gather(-1, served_ids.unsqueeze(-1)).squeeze(-1)
+    gap = (logits.max(-1).values - chosen)[response_mask]
+    assert response_mask.any() and gap.max() < 1e-3, gap.max()
     assert served_ids.tolist() != before.tolist()
 
 
