@@ -57,6 +57,7 @@ class EndpointClient:
     api_key: str
     model: str  # "<policy>#<episode id>": the server records the episode under this id
     sampling: dict  # the run's generation keys as OpenAI request fields
+    timeout_s: float = 600.0  # one request at most (distributed.timeout_s)
 
     @property
     def openai_fields(self) -> dict:
@@ -76,7 +77,7 @@ class EndpointClient:
             self.base_url + "/chat/completions", json.dumps(body).encode(),
             {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
         )  # fmt: skip
-        with urllib.request.urlopen(request, timeout=600) as answer:
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
             return json.loads(answer.read())
 
 
@@ -104,7 +105,9 @@ def play(
     fields = request_fields(gen, stop_ids)
 
     def run(i: int):
-        client = EndpointClient(f"{urls[i]}/v1", server.token, f"policy#{ids[i]}", fields)
+        client = EndpointClient(
+            f"{urls[i]}/v1", server.token, f"policy#{ids[i]}", fields, server.timeout_s
+        )
         kwargs = accepted_columns(agent.episode, columns[i], ("client", "prompt"))
         try:
             return agent.episode(client, prompts[i], **kwargs)

@@ -468,7 +468,9 @@ def test_endpoint_episodes_are_collected_in_order_and_failures_are_one_line():
             asked.append(body["episodes"])
             return {"episodes": [records(int(e.rsplit("-", 1)[1])) for e in body["episodes"]]}
 
-        return SimpleNamespace(urls=["http://a"], token="t", version=2, call=call), asked
+        return SimpleNamespace(
+            urls=["http://a"], token="t", version=2, timeout_s=60, call=call
+        ), asked
 
     def env(client, prompt, answer):
         assert client.model.startswith("policy#") and client.sampling["temperature"] == 0.7
