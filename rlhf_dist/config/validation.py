@@ -8,6 +8,8 @@ import dataclasses
 import os
 
 from rlhf_dist.config import sizes
+from rlhf_dist.config.environments import INSTALL as ENV_INSTALL
+from rlhf_dist.config.environments import is_environment_spec, parse_environment_spec
 from rlhf_dist.config.loading import check_keys
 from rlhf_dist.config.rl import PPOConfig
 from rlhf_dist.config.schema import Config
@@ -49,6 +51,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             "run.trackers: trackio needs the trackio package (pip install 'rlhf_dist[trackio]')"
         )
     _validate_task_data(cfg)
+    _validate_environment_specs(cfg)
     if stage == "eval" and cfg.generation.environment_endpoint:
         raise ConfigError(
             "generation.environment_endpoint: rlhf-dist eval plays episodes in its own process; "
@@ -184,6 +187,26 @@ def _validate_reward_sources(r) -> None:
     if r.api_key_env and not r.api_key_env.replace("_", "").isalnum():
         raise ConfigError(
             f"reward.api_key_env: the NAME of an environment variable, got {r.api_key_env!r}"
+        )
+
+
+def _validate_environment_specs(cfg: Config) -> None:
+    """`verifiers:` specs (config/environments.py): well formed, verifiers installed, and
+    as generation.environment only through the endpoint (verifiers drives an OpenAI
+    client, never our in-process turns)."""
+    g, d = cfg.generation, cfg.data
+    for key, value in (
+        ("data.train", d.train), ("data.eval", d.eval), ("generation.environment", g.environment)
+    ):  # fmt: skip
+        if is_environment_spec(value):
+            parse_environment_spec(value, key)
+            if not _installed("verifiers"):
+                raise ConfigError(f"{key}: {value!r} needs the verifiers package: {ENV_INSTALL}")
+    if is_environment_spec(g.environment) and not g.environment_endpoint:
+        raise ConfigError(
+            "generation.environment: a verifiers environment plays through the rollout "
+            "servers' chat endpoint: set generation.environment_endpoint=true "
+            "(with generation.backend=server)"
         )
 
 

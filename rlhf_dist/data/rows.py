@@ -1,7 +1,8 @@
 """Prompt, SFT and preference data: loading with `datasets`, tokenising, collating.
 
-Data sources are local .jsonl/.json/.parquet/.csv files, hub dataset names or reasoning-gym
-tasks (`reasoning_gym:TASK?...`, data/tasks.py). Each file is
+Data sources are local .jsonl/.json/.parquet/.csv files, hub dataset names, reasoning-gym
+tasks (`reasoning_gym:TASK?...`, data/tasks.py) or a verifiers environment's dataset
+(`verifiers:ENV_ID?...`, data/environments.py). Each file is
 text or conversational, decided once per file from its rows (TRL's formats, docs/data.md):
 conversational rows hold message lists and are rendered with a chat template
 (rlhf_dist.chat). Rows a user got wrong (missing field, empty text, wrong type, unknown
@@ -21,6 +22,7 @@ import torch
 
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.config import DataConfig, KTOConfig
+from rlhf_dist.config.environments import is_environment_spec
 from rlhf_dist.config.paths import LOCAL_BUILDERS, data_file_problem
 from rlhf_dist.config.tasks import is_task_spec
 from rlhf_dist.data import inputs, tasks
@@ -32,6 +34,7 @@ from rlhf_dist.data.chat import (
     check_prompt_turns,
     stop_token_ids,
 )
+from rlhf_dist.data.environments import environment_rows
 from rlhf_dist.errors import ConfigError
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
@@ -80,6 +83,8 @@ def load_rows(source: str, key: str, split: str = "train", subset: str = "") -> 
         return python_rows(inputs.lookup(source, key), key)
     if is_task_spec(source):
         return tasks.task_rows(source, key)
+    if is_environment_spec(source):
+        return environment_rows(source, key, "eval" if key == "data.eval" else "train")
     import datasets
 
     datasets.disable_progress_bars()

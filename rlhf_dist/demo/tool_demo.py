@@ -10,10 +10,12 @@ is right about 1/2 + 1/12 of the time. summary.json: `sft.gold_reward`,
 Measured (docs/agents.md, "The tool-use demo"): gold 0.59 -> 0.83, tool calls per
 response 0.45 -> 0.78, about a minute on a quiet 2-core CPU.
 
-`endpoint=True` (`--through-endpoint`): the GRPO stage's environment drives the policy
-itself through the OpenAI-compatible chat endpoint of a `rlhf-dist serve` process started
-here (tool_task.endpoint_episode; generation.environment_endpoint), as an environment
-library would; the trainer trains on the ids the server recorded.
+`endpoint="function"` (`--through-endpoint`): the GRPO stage's environment drives the
+policy itself through the OpenAI-compatible chat endpoint of a `rlhf-dist serve` process
+started here (tool_task.endpoint_episode; generation.environment_endpoint), as an
+environment library would; the trainer trains on the ids the server recorded.
+`endpoint="verifiers"` (`--verifiers`): the environment is the task written as a
+verifiers ToolEnv (demo/tool_verifiers.py), which also supplies the GRPO prompts.
 """
 
 from __future__ import annotations
@@ -114,20 +116,33 @@ def served(policy: Path, root: Path, port: int):
         log.close()
 
 
-def through_endpoint(tree: dict, url: str) -> dict:
-    """The GRPO stage's tree with its environment playing through the server's endpoint."""
+ENVIRONMENTS = {
+    "function": "rlhf_dist.demo.tool_task:endpoint_episode",
+    "verifiers": "verifiers:rlhf_dist.demo.tool_verifiers",
+}
+
+
+def through_endpoint(tree: dict, url: str, environment: str = "function") -> dict:
+    """The GRPO stage's tree with its environment (ENVIRONMENTS) playing through the
+    server's endpoint; a verifiers environment's dataset is the prompts too (the same RL
+    keys as the task's prompts file, at the run's seed)."""
+    spec = ENVIRONMENTS[environment]
     gen = {k: v for k, v in tree["generation"].items() if k != "tools"}
     gen |= {"backend": "server", "server_urls": [url], "server_token_env": TOKEN_ENV,
-            "environment": "rlhf_dist.demo.tool_task:endpoint_episode",
-            "environment_endpoint": True}  # fmt: skip
-    return tree | {"generation": gen}
+            "environment": spec, "environment_endpoint": True}  # fmt: skip
+    data = tree["data"]
+    if environment == "verifiers":
+        data = data | {"train": f"{spec}?seed={tree['run']['seed']}"}
+        gen["environment"] = data["train"]
+    return tree | {"generation": gen, "data": data}
 
 
 def run_tool_demo(
-    output_dir: str, seed: int = 0, quick: bool = False, overrides=(), endpoint: bool = False
+    output_dir: str, seed: int = 0, quick: bool = False, overrides=(), endpoint: str = ""
 ) -> dict:
     """SFT -> GRPO with the tool -> eval of both; returns (and writes) DIR/summary.json.
-    endpoint: GRPO's environment talks to a rollout server's chat endpoint (module doc)."""
+    endpoint ("function" or "verifiers"): GRPO's environment talks to a rollout server's
+    chat endpoint (module doc); "": the tool runs in the trainer's episodes."""
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers
@@ -153,7 +168,7 @@ def run_tool_demo(
             "== stage 2/3: GRPO, the environment driving a rollout server's chat endpoint"
         )
         with served(root / "sft" / "final", root, free_port()) as url:
-            grpo = config_from_dict(through_endpoint(trees["grpo"], url))
+            grpo = config_from_dict(through_endpoint(trees["grpo"], url, endpoint))
             validate(grpo, "ppo")
             train_ppo(grpo, runtime)
     else:

@@ -63,30 +63,40 @@ def lookup(key: str) -> str:
 def endpoint_episode(client, prompt, max_turns: int = 3) -> None:
     """The task as an environment that drives the policy through the rollout servers'
     chat endpoint (generation.environment_endpoint; rollout/endpoint.py): it asks, runs the
-    `lookup` calls the policy writes, and stops at the first turn without one or after
-    `max_turns` turns; None: reward.function (answer_reward) scores the final answer."""
+    `lookup` call the policy makes (OpenAI `tool_calls`, serve.tool_call_parser; a call the
+    server could not parse is read from the text and answered with its error, as in-process
+    rollouts do), and stops at the first turn without one or after `max_turns` turns; None:
+    reward.function (answer_reward) scores the final answer."""
     from rlhf_dist.rollout.agent import ToolCallError, parse_tool_call, run_tool, tool_schema
 
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     for _ in range(max_turns):
         reply = client.chat(messages, tools=[tool_schema(lookup)])["choices"][0]
-        messages.append({"role": "assistant", "content": reply["message"]["content"]})
+        said = reply["message"]
+        messages.append(said)  # sent back as answered
+        if reply["finish_reason"] == "length":
+            return None
+        calls = said.get("tool_calls") or []
         try:
-            call = (
-                parse_tool_call(messages[-1]["content"])
-                if reply["finish_reason"] == "stop"
-                else None
-            )
-            if call is None:
-                return None
-            name, arguments = call
+            if calls:
+                name = calls[0]["function"]["name"]
+                arguments = json.loads(calls[0]["function"]["arguments"])
+            else:
+                call = parse_tool_call(said["content"] or "")
+                if call is None:
+                    return None
+                name, arguments = call
             if name != "lookup":
                 raise ToolCallError(f"unknown tool {name!r} (tools: lookup)")
             text, _ = run_tool(lookup, arguments, 10.0)
         except ToolCallError as e:
             text = f"error: {e}"
-        messages.append({"role": "tool", "content": text})
+        messages.append({"role": "tool", "content": text, **_answering(calls)})
     return None
+
+
+def _answering(calls: list[dict]) -> dict:
+    return {"tool_call_id": calls[0]["id"]} if calls else {}
 
 
 def call_text(key: str) -> str:
@@ -154,9 +164,7 @@ def write_tool_task(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    keys = list(KEYS)
-    rng.shuffle(keys)
-    train, held_out = keys[:train_keys], keys[train_keys:]
+    train, held_out = split_keys(rng, train_keys)
     rows = {
         "sft": [demonstration(k, rng.choice(CODES), rng.random() < tool_share) for k in train],
         "prompts": [{"prompt": QUESTION.format(k)} for k in train],
@@ -167,6 +175,13 @@ def write_tool_task(
         paths[name] = root / f"{name}.jsonl"
         paths[name].write_text("".join(json.dumps(r) + "\n" for r in items), encoding="utf-8")
     return paths
+
+
+def split_keys(rng: random.Random, train_keys: int = 96) -> tuple[list[str], list[str]]:
+    """(RL keys, held-out keys): KEYS shuffled by `rng` (write_tool_task's first draw)."""
+    keys = list(KEYS)
+    rng.shuffle(keys)
+    return keys[:train_keys], keys[train_keys:]
 
 
 def build_tool_tokenizer(save_dir: str | Path):

@@ -7,7 +7,8 @@ once per prompt row: it talks to the policy with chat requests to `client.base_u
 (any OpenAI client: `OpenAI(base_url=client.base_url, api_key=client.api_key)`, with
 `model=client.model` and `**client.sampling`; or `client.chat(messages)`), runs its own
 tools and rules, and returns the episode's reward (None: reward.function scores the final
-answer). It never sees a token id. The `model` name carries the episode's id; the server
+answer). It never sees a token id. `verifiers:ENV_ID` names a verifiers environment
+instead (rollout/environments.py). The `model` name carries the episode's id; the server
 records each turn token in, token out (serving/episodes.py), and the trainer collects the
 records once every episode of the rollout is over: exactly the sampled ids, which of them
 the policy sampled, the log-probs they were sampled with and the policy version.
@@ -29,6 +30,7 @@ from rlhf_dist.config import GenerationConfig
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.errors import ServerError, UserError
 from rlhf_dist.rollout.agent import Episode
+from rlhf_dist.rollout.environments import environment_episode
 from rlhf_dist.rollout.vllm import sampling_seeds
 
 
@@ -45,7 +47,9 @@ def endpoint_agent(cfg) -> EndpointAgent | None:
     g = cfg.generation
     if not g.environment_endpoint:
         return None
-    episode = resolve_callable(g.environment, "generation.environment")
+    episode = environment_episode(g.environment) or resolve_callable(
+        g.environment, "generation.environment"
+    )
     return EndpointAgent(episode, g.endpoint_episodes_at_once)
 
 

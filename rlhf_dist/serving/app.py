@@ -68,8 +68,12 @@ class UpdateBody(BaseModel):
     final: bool = False
 
 
-def build_app(policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: int) -> FastAPI:
-    """The FastAPI app serving `policy`; `token` guards everything but /health."""
+def build_app(
+    policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: int,
+    tool_call_parser: str = "hermes",
+) -> FastAPI:  # fmt: skip
+    """The FastAPI app serving `policy`; `token` guards everything but /health; the
+    serve.* keys: max_batch, max_new_tokens, tool_call_parser."""
     app = FastAPI(title="rlhf-dist serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(authorization: str = Header("")) -> None:
@@ -112,7 +116,7 @@ def build_app(policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: 
         return refused(policy.score, body.sequences, body.temperature)
 
     _add_weight_sync(app, policy, authorized, refused)
-    _add_openai(app, policy, authorized, refused, max_new_tokens)
+    _add_openai(app, policy, authorized, refused, max_new_tokens, tool_call_parser == "hermes")
     return app
 
 
@@ -134,9 +138,11 @@ def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) ->
         return {"receiving": len(specs), "version": body.version}
 
 
-def _add_openai(app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int) -> None:
+def _add_openai(
+    app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int, tool_calls: bool
+) -> None:
     """/v1/completions and /v1/chat/completions (serving/openai.py); a request without
-    max_tokens gets serve.max_new_tokens."""
+    max_tokens gets serve.max_new_tokens; `tool_calls`: parse them (serve.tool_call_parser)."""
 
     def capped(body: openai.OpenAISampling) -> None:
         asked = body.max_completion_tokens or body.max_tokens or max_new
@@ -153,7 +159,7 @@ def _add_openai(app: FastAPI, policy: ServedPolicy, authorized, refused, max_new
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     def chat_completions(body: openai.ChatBody) -> dict:
         capped(body)
-        return refused(openai.chat_completion, policy, body, max_new, episodes)
+        return refused(openai.chat_completion, policy, body, max_new, episodes, tool_calls)
 
     @app.post("/v1/episodes", dependencies=[Depends(authorized)])
     def collect_episodes(body: EpisodesBody) -> dict:

@@ -6,7 +6,9 @@ the policy with chat requests and never sees token ids. The trainer must train o
 the ids that were sampled, so the server keeps them: a request whose `model` ends in
 `#<episode id>` (the name the trainer hands each episode) is one turn of that episode.
 Its first request is rendered whole; every later one must repeat the episode's messages so
-far (the assistant turns as the server answered them) and add new ones, whose tokens alone
+far (the assistant turns as the server answered them; compared by role, text and tool
+calls, so ids, absent or empty content and a client's extra fields do not matter: the
+same turn as verifiers or the `openai` client sends it back) and add new ones, whose tokens alone
 are rendered (rollout/agent.py Renderer.continuation_ids) and appended after the ids
 sampled so far: no earlier turn is decoded and re-tokenised (trl#5144). The trainer
 collects the record (`collect`) once the episode is over: the prompt ids, the ids after
@@ -19,6 +21,8 @@ interleave with other episodes'.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -32,10 +36,12 @@ SEPARATOR = "#"  # `model` = "<name>#<episode id>"
 
 @dataclass
 class Record:
-    """One episode so far: its messages (assistant turns as answered), the prompt's ids,
-    every id after the prompt, which of those were sampled, and their log-probs."""
+    """One episode so far: its messages (assistant turns as sampled, to render), how each
+    reads when sent back (`seen`: `canonical`, assistant turns as answered), the prompt's
+    ids, every id after the prompt, which of those were sampled, and their log-probs."""
 
     messages: list[dict]
+    seen: list[tuple]
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)
@@ -47,6 +53,20 @@ class Record:
             "messages": self.messages, "prompt_ids": self.prompt, "token_ids": self.tokens,
             "sampled": self.sampled, "logprobs": self.logprobs, "versions": sorted(self.versions),
         }  # fmt: skip
+
+
+def canonical(message: dict) -> tuple:
+    """What identifies a message sent back: role, text ("" for none) and tool calls (name,
+    arguments as sorted JSON; a call's id is the client's business)."""
+    calls = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):  # compared as the text it is
+                arguments = json.loads(arguments)
+        calls.append((function.get("name"), json.dumps(arguments, sort_keys=True)))
+    return message["role"], message.get("content") or "", tuple(calls)
 
 
 def episode_of(model: str) -> str | None:
@@ -72,10 +92,10 @@ class EpisodeLog:
             if record is None:
                 ids = render.prompt_ids(messages)
                 with self.lock:
-                    self.records[episode] = Record(list(messages), ids)
+                    self.records[episode] = Record(list(messages), _seen(messages), ids)
                 return ids, 0
             known = len(record.messages)
-            if messages[:known] != record.messages or len(messages) == known:
+            if _seen(messages[:known]) != record.seen or len(messages) == known:
                 raise BadRequest(
                     f"messages: episode {episode!r} must repeat its {known} messages so far "
                     "(the assistant turns as answered) and add new ones"
@@ -85,21 +105,25 @@ class EpisodeLog:
             raise BadRequest(f"messages: {e}") from None
         with self.lock:
             record.messages += messages[known:]
+            record.seen += _seen(messages[known:])
             record.tokens += more
             record.sampled += [False] * len(more)
             record.logprobs += [0.0] * len(more)
             return record.prompt + record.tokens, sum(m["role"] == "assistant" for m in messages)
 
     def answered(
-        self, episode: str, ids: list[int], logprobs: list[float], text: str, version: int
-    ):
-        """Append a sampled turn (stop token included) and the assistant message it reads as."""
+        self, episode: str, ids: list[int], logprobs: list[float], text: str, version: int,
+        reply: dict,
+    ):  # fmt: skip
+        """Append a sampled turn (stop token included), its text as an assistant message and
+        the `reply` it was answered as (with tool calls, if parsed)."""
         with self.lock:
             record = self.records[episode]
             record.tokens += ids
             record.sampled += [True] * len(ids)
             record.logprobs += logprobs
             record.messages.append({"role": "assistant", "content": text})
+            record.seen.append(canonical(reply))
             record.versions.add(version)
 
     def collect(self, episodes: list[str]) -> list[dict | None]:
@@ -107,6 +131,10 @@ class EpisodeLog:
         with self.lock:
             records = [self.records.pop(e, None) for e in episodes]
         return [None if r is None else r.answer() for r in records]
+
+
+def _seen(messages: list[dict]) -> list[tuple]:
+    return [canonical(m) for m in messages]
 
 
 def turn_seed(seed: int, episode: str, turn: int) -> int:

@@ -11,9 +11,16 @@ back (token-in/token-out, no re-tokenisation: trl#5144). `policy_version` says w
 weights sampled it. A chat prompt is rendered with data.chat_template or the tokenizer's
 own template, with the generation prompt.
 
-A chat request may carry `tools` (OpenAI function schemas, shown by the template) and
-may name an episode in `model` (`<name>#<episode id>`): it is then one turn of that
-episode, recorded token in, token out for the trainer (serving/episodes.py).
+A chat request may carry `tools` (OpenAI function schemas, shown by the template). With
+serve.tool_call_parser=hermes (the default) the answer's `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks (the Hermes / Qwen / SmolLM2 format, as vLLM's
+`hermes` parser reads it) then come back as OpenAI `tool_calls` with finish reason
+"tool_calls", and the rest of the text as `content` (None when nothing else was
+written): what tool-using environments (verifiers' ToolEnv) read. A malformed block
+stays text: the environment sees what the policy wrote. Messages may carry `tool_calls`,
+`tool_call_id` and `name`, and their content may be a list of text parts. A request may
+name an episode in `model` (`<name>#<episode id>`): it is then one turn of that episode,
+recorded token in, token out for the trainer (serving/episodes.py).
 
 Refused with a 400: n > 1, `stop` strings (stop tokens are the model's; use the
 extension `stop_token_ids`), a chat request when no template is known, an episode's turn
@@ -23,12 +30,14 @@ that does not extend its messages so far.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 
 from pydantic import BaseModel, Field
 
 from rlhf_dist.data.chat import BadRow
+from rlhf_dist.rollout.agent import TOOL_CALL, ToolCallError, parse_tool_call
 from rlhf_dist.serving.episodes import EpisodeLog, episode_of, turn_seed
 from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy
 
@@ -53,7 +62,20 @@ class CompletionBody(OpenAISampling):
 
 class Message(BaseModel):
     role: str = Field(min_length=1)
-    content: str
+    content: str | list[dict] | None = None  # None: an assistant turn that only called tools
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    def as_dict(self) -> dict:
+        """The message as the chat template reads it: content as one text ("" for None);
+        BadRequest for a non-text content part."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise BadRequest("messages: only text content parts are supported")
+            content = "".join(str(part.get("text", "")) for part in content)
+        return self.model_dump(exclude_none=True) | {"content": content or ""}
 
 
 class ChatBody(OpenAISampling):
@@ -89,14 +111,16 @@ def completion(policy: ServedPolicy, body: CompletionBody, default_max: int) -> 
 
 
 def chat_completion(
-    policy: ServedPolicy, body: ChatBody, default_max: int, episodes: EpisodeLog | None = None
-) -> dict:
+    policy: ServedPolicy, body: ChatBody, default_max: int, episodes: EpisodeLog | None = None,
+    tool_calls: bool = True,
+) -> dict:  # fmt: skip
     """The chat.completion answer to one /v1/chat/completions request; a turn of an episode
-    (`model` names one) continues and extends its record in `episodes`."""
+    (`model` names one) continues and extends its record in `episodes`; `tool_calls`:
+    tool-call blocks come back as OpenAI tool_calls (serve.tool_call_parser=hermes)."""
     if policy.chat is None or episodes is None:
         raise BadRequest("messages: the served tokenizer has no chat template (data.chat_template)")
     s = sampling_of(body, default_max)
-    messages, tools = [m.model_dump() for m in body.messages], tuple(body.tools or ())
+    messages, tools = [m.as_dict() for m in body.messages], tuple(body.tools or ())
     episode = episode_of(body.model)
     if episode is None:
         try:
@@ -107,16 +131,44 @@ def chat_completion(
         prompt, turn = episodes.context(episode, messages, tools)
         s = dataclasses.replace(s, seed=turn_seed(s.seed, episode, turn))
     out, text = _sample(policy, prompt, s)
+    message, finish = {"role": "assistant", "content": text}, out["finish"]
+    if tool_calls and tools and out["finish"] == "stop":
+        message = _with_tool_calls(text)
+        finish = "tool_calls" if "tool_calls" in message else "stop"
     if episode is not None:
-        episodes.answered(episode, out["ids"], out["logprobs"], text, out["version"])
-    content = [{"token": t, "logprob": lp} for t, lp in zip(out["tokens"], out["logprobs"])]
+        episodes.answered(episode, out["ids"], out["logprobs"], text, out["version"], message)
+    # every field of OpenAI's token log-prob, as clients that validate the answer require
+    content = [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+        for t, lp in zip(out["tokens"], out["logprobs"])
+    ]
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "finish_reason": out["finish"],
+        "message": message,
+        "finish_reason": finish,
         "logprobs": {"content": content},
     }
     return _answer("chat.completion", body.model or policy.name, choice, prompt, out)
+
+
+def _with_tool_calls(text: str) -> dict:
+    """The assistant message of a finished answer to a request with tools: its tool-call
+    blocks as OpenAI `tool_calls`, the text around them as content (None if empty); the
+    whole text as content when it calls nothing or a block is malformed."""
+    calls = []
+    for found in TOOL_CALL.finditer(text):
+        try:
+            name, arguments = parse_tool_call(found.group(0))
+        except ToolCallError:
+            return {"role": "assistant", "content": text}
+        function = {"name": name, "arguments": json.dumps(arguments)}
+        calls.append(
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+        )
+    if not calls:
+        return {"role": "assistant", "content": text}
+    rest = TOOL_CALL.sub("", text).strip()
+    return {"role": "assistant", "content": rest or None, "tool_calls": calls}
 
 
 def _sample(policy: ServedPolicy, prompt: list[int], s: SamplingRequest):

@@ -13,6 +13,9 @@ task (rlhf_dist/demo/tool_task.py) with a tiny Llama (docs/agents.md):
 
 from __future__ import annotations
 
+import importlib.util
+import json
+
 import pytest
 import torch
 from faults import Killed, kill_at, untimed
@@ -21,7 +24,7 @@ from rlhf_dist.algo.objectives import tied_groups
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import tool_task
 from rlhf_dist.engine.forward import token_logprobs
-from rlhf_dist.rollout.agent import TOOL_CALL, parse_tool_call, tool_schema
+from rlhf_dist.rollout.agent import TOOL_CALL, tool_schema
 from rlhf_dist.trainers import ppo, ppo_update
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
@@ -299,7 +302,8 @@ def test_grpo_with_a_tool_on_a_rollout_server(
 
 def openai_episode(client, prompt):
     """The tool task driven by the official `openai` client, as environment libraries do
-    (generation.environment_endpoint): a chat call, a lookup when asked, a second call."""
+    (generation.environment_endpoint): a chat call, a lookup when the reply calls it
+    (OpenAI tool_calls), a second call."""
     import openai
 
     api = openai.OpenAI(base_url=client.base_url, api_key=client.api_key)
@@ -309,12 +313,13 @@ def openai_episode(client, prompt):
             model=client.model, messages=messages, tools=[tool_schema(tool_task.lookup)],
             **client.openai_fields,
         )  # fmt: skip
-        text = reply.choices[0].message.content
-        messages.append({"role": "assistant", "content": text})
-        call = parse_tool_call(text)
-        if call is None:
+        said = reply.choices[0].message
+        messages.append(said.model_dump(exclude_none=True))
+        if not said.tool_calls:
             return None
-        messages.append({"role": "tool", "content": tool_task.lookup(**call[1])})
+        [call] = said.tool_calls
+        result = tool_task.lookup(**json.loads(call.function.arguments))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None
 
 
@@ -326,7 +331,9 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
     server; the trainer trains on the ids the server recorded. The served log-probs are
     the trainer's own forward over exactly those ids (a re-tokenised conversation would
     show a gap), tools are called, versions move once per rollout, the actor trains; the
-    official openai client drives it the same way."""
+    official openai client drives it the same way, and so does the task written as a
+    verifiers ToolEnv (its prompts from the environment's dataset, the tool calls read
+    from the server's OpenAI `tool_calls` and run by verifiers, the reward its rubric's)."""
     pytest.importorskip("openai")
     from serve_process import served
 
@@ -335,17 +342,22 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
     monkeypatch.setenv(env, token)
     tree = {"model": {"policy": str(policy)}, "perf": {"num_threads": 1},
             "distributed": {"timeout_s": 60}}  # fmt: skip
+    runs = [
+        ("demo", "rlhf_dist.demo.tool_task:endpoint_episode", 2),
+        ("openai", "test_integration_agent:openai_episode", 1),
+    ]
+    if importlib.util.find_spec("verifiers") is not None:  # launch/setup.sh installs it
+        runs.append(("verifiers", "verifiers:rlhf_dist.demo.tool_verifiers", 1))
     with served(tree, env, token) as url:
-        for name, fn, iterations in (
-            ("demo", "rlhf_dist.demo.tool_task:endpoint_episode", 2),
-            ("openai", "test_integration_agent:openai_episode", 1),
-        ):
+        for name, fn, iterations in runs:
             out = tmp_path / name
             run = grpo_tree(out, policy, files, backend="server", server_urls=[url],
                             server_token_env=env, environment=fn,
                             environment_endpoint=True)  # fmt: skip
             del run["generation"]["tools"]
             run["ppo"]["iterations"] = iterations
+            if name == "verifiers":  # its dataset: the same RL keys as files["prompts"]
+                run["data"]["train"] = fn
             ppo.train_ppo(config_from_dict(run), runtime)
             rows = read_jsonl(out / "metrics.jsonl")
             assert len(rows) == iterations

@@ -8,6 +8,7 @@ is NOT the tokenizer's encoding of its own text: re-tokenising it would change t
 
 from __future__ import annotations
 
+import json
 import string
 import time
 
@@ -428,8 +429,8 @@ def test_an_episode_played_through_the_endpoint_keeps_the_sampled_ids(tok):
     assert (ids, turn) == (render.prompt_ids(user), 0)
     sampled = call_turn(tok)  # '... "name" ...' one token per character
     text = tok.decode(sampled[:-1])
-    log.answered("e1", sampled, [-0.5] * len(sampled), text, version=3)
     said = [*user, {"role": "assistant", "content": text}]
+    log.answered("e1", sampled, [-0.5] * len(sampled), text, 3, said[-1])
     tool = [{"role": "tool", "content": "value-b"}]
     ids, turn = log.context("e1", said + tool, ())
     more = render.continuation_ids(said, tool)
@@ -444,6 +445,82 @@ def test_an_episode_played_through_the_endpoint_keeps_the_sampled_ids(tok):
     assert record["logprobs"] == [-0.5] * len(sampled) + [0.0] * len(more)
     assert episode_of("policy#r0-7-2") == "r0-7-2" and episode_of("policy") is None
     assert turn_seed(0, "e1", 1) == turn_seed(0, "e1", 1) != turn_seed(0, "e1", 2)
+
+
+def test_a_tool_call_comes_back_as_openai_tool_calls_and_its_echo_continues_the_episode(tok):
+    """serving/openai_api.py: to a request with tools, a sampled `<tool_call>` block is
+    answered as OpenAI `tool_calls` (content None) and finish reason "tool_calls"; the
+    client sends that turn back with its own call id, JSON-string arguments and extra
+    fields, then a tool message: the episode continues with the ids of the text as sampled,
+    as for the plain echo. Other arguments are refused; a malformed block stays text."""
+    from rlhf_dist.data.chat import Chat
+    from rlhf_dist.serving.episodes import EpisodeLog
+    from rlhf_dist.serving.openai_api import Message, _with_tool_calls
+    from rlhf_dist.serving.policy import BadRequest
+
+    log, render = EpisodeLog(Chat(tok, CHATML_TOOLS_TEMPLATE)), Renderer(tok, CHATML_TOOLS_TEMPLATE)
+    user = [{"role": "user", "content": "What is b?"}]
+    log.context("e1", user, ())
+    sampled = call_turn(tok)
+    text = tok.decode(sampled[:-1])
+    reply = _with_tool_calls(text)
+    [call] = reply["tool_calls"]
+    assert reply["content"] is None and call["function"]["name"] == "lookup"
+    assert json.loads(call["function"]["arguments"]) == {"key": "b"}
+    log.answered("e1", sampled, [-0.5] * len(sampled), text, 3, reply)
+    echo = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
+        {"id": "call_9", "type": "function",
+         "function": {"name": "lookup", "arguments": '{ "key":"b" }'}}]}  # fmt: skip
+    tool = {
+        "role": "tool",
+        "tool_call_id": "call_9",
+        "content": [{"type": "text", "text": "value-b"}],
+    }
+    sent = [Message(**m).as_dict() for m in (*user, echo, tool)]
+    ids, turn = log.context("e1", sent, ())
+    said = [*user, {"role": "assistant", "content": text}]
+    more = render.continuation_ids(said, [{"role": "tool", "content": "value-b"}])
+    assert turn == 1 and ids == render.prompt_ids(user) + sampled + more
+    log.context("e2", user, ())
+    log.answered("e2", sampled, [-0.5] * len(sampled), text, 3, reply)
+    echo["tool_calls"][0]["function"]["arguments"] = '{"key": "c"}'
+    with pytest.raises(BadRequest, match="must repeat its 2 messages"):
+        log.context("e2", [Message(**m).as_dict() for m in (*user, echo, tool)], ())
+    broken = text.replace('"name"', "name")
+    assert _with_tool_calls(broken) == {"role": "assistant", "content": broken}
+    assert _with_tool_calls("It is b.") == {"role": "assistant", "content": "It is b."}
+
+
+def test_serve_tool_call_parser_none_leaves_the_call_in_the_text(tok):
+    """chat_completion over a stand-in policy that samples a tool call: with tools and
+    the parser (serve.tool_call_parser=hermes) OpenAI tool_calls and "tool_calls"; with
+    `none`, or without tools, the text as content and "stop"."""
+    from types import SimpleNamespace
+
+    from rlhf_dist.data.chat import Chat
+    from rlhf_dist.serving.episodes import EpisodeLog
+    from rlhf_dist.serving.openai_api import ChatBody, chat_completion
+
+    sampled = call_turn(tok)
+    policy = SimpleNamespace(
+        chat=Chat(tok, CHATML_TOOLS_TEMPLATE), tokenizer=tok, name="p",
+        generate=lambda prompts, s: {"responses": [sampled], "finished": [True],
+                                     "logprobs": [[-0.5] * len(sampled)], "version": 1},
+    )  # fmt: skip
+    tools = [tool_schema(lookup)]
+    body = ChatBody(messages=[{"role": "user", "content": "What is b?"}], tools=tools)
+    for parse, with_tools, finish in ((True, True, "tool_calls"), (False, True, "stop"),
+                                      (True, False, "stop")):  # fmt: skip
+        asked = body if with_tools else body.model_copy(update={"tools": None})
+        log = EpisodeLog(policy.chat)
+        [choice] = chat_completion(policy, asked, 16, log, tool_calls=parse)["choices"]
+        assert choice["finish_reason"] == finish
+        assert choice["token_ids"] == sampled
+        message = choice["message"]
+        if finish == "tool_calls":
+            assert message["content"] is None and len(message["tool_calls"]) == 1
+        else:
+            assert message == {"role": "assistant", "content": tok.decode(sampled[:-1])}
 
 
 def test_endpoint_episodes_are_collected_in_order_and_failures_are_one_line():
