@@ -25,13 +25,19 @@ time/generate_request (the servers' seconds, in the background) are printed besi
 
 Both processes share the machine's cores: on a 2-core box keep THREADS at 1.
 
+`--suite OUT` runs the scale suite's PPO work instead (launch/bench/suite.py `plain` over
+the models scale_prepare.py built in OUT, a critic and a reward model; the GPU case of
+launch/bench/gpu_suite.sh, `async`): on one GPU the server and the trainer share it, so
+the overlap measures how much of generation hides behind training on the same device.
+
 Usage: python launch/bench/async_overlap.py [--iterations 6] [--threads 1] [--new 24]
-       [--out runs/bench/async]
+       [--out runs/bench/async] [--suite OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -42,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import start_server  # noqa: E402 (this folder's rollout-server benchmark)
+from suite import SETTINGS, run_config  # noqa: E402 (the scale suite's configs)
 
 from rlhf_dist.demo import arithmetic_demo, smollm2  # noqa: E402
 from rlhf_dist.distributed.weight_sync import free_port  # noqa: E402
@@ -57,6 +64,23 @@ def grpo_tree(out: Path, policy: Path, url: str, args, staleness: int) -> dict:
     tree["ppo"] |= {"iterations": args.iterations, "max_staleness": staleness}
     tree["perf"] = {"num_threads": args.threads}
     return tree
+
+
+def suite_tree(out: Path, policy: Path, url: str, args, staleness: int, suite: Path) -> dict:
+    """The scale suite's `plain` PPO run (GPU settings on a GPU) against the server."""
+    tree = run_config(suite, "plain", device(), args.iterations)
+    tree["run"] |= {"output_dir": str(out / f"staleness{staleness}")}
+    tree["generation"] |= {"backend": "server", "server_urls": [url],
+                           "server_token_env": TOKEN_ENV}  # fmt: skip
+    tree["ppo"] |= {"max_staleness": staleness}
+    tree["perf"] = {"num_threads": args.threads}
+    return tree
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def train(tree: dict, workdir: Path, threads: int) -> list[dict]:
@@ -97,21 +121,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--new", type=int, default=24, help="max new tokens per response")
     parser.add_argument("--out", default="runs/bench/async")
+    parser.add_argument("--suite", help="the scale suite's OUT: its PPO work instead")
     args = parser.parse_args()
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
-    policy, out = smollm2.build("shipped"), Path(args.out).resolve()
+    out = Path(args.out).resolve()
+    if args.suite:
+        policy, work = Path(args.suite).resolve() / "policy", f"PPO on {args.suite}'s policy"
+        dtype, make = (
+            SETTINGS[device()]["dtype"],
+            functools.partial(suite_tree, suite=Path(args.suite).resolve()),
+        )
+    else:
+        policy, work = smollm2.build("shipped"), "GRPO on SmolLM2-135M"
+        dtype, make = "float32", grpo_tree
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for staleness in (0, 1):
             port = free_port()
-            server = start_server(policy, port, args.threads, Path(tmp))
+            server = start_server(policy, port, args.threads, Path(tmp), dtype)
             try:
-                tree = grpo_tree(out, policy, f"http://127.0.0.1:{port}", args, staleness)
+                tree = make(out, policy=policy, url=f"http://127.0.0.1:{port}", args=args,
+                            staleness=staleness)  # fmt: skip
                 results[staleness] = medians(train(tree, Path(tmp), args.threads))
             finally:
                 server.terminate()
                 server.wait(timeout=60)
-    print(f"GRPO on SmolLM2-135M, one trainer + one server process, {args.threads} thread(s) "
+    print(f"{work} ({device()}), one trainer + one server process, {args.threads} thread(s) "
           f"each, {args.iterations} iterations (first dropped), medians in seconds")  # fmt: skip
     print(f"{'ppo.max_staleness':<18} {'s/iteration':>11} {'waited':>7} {'request':>8} "
           f"{'sync':>6} {'score':>6} {'update':>7} {'mean score':>10}")  # fmt: skip

@@ -12,6 +12,9 @@
 #           model (random init, SmolLM2's tokenizer: TOKENIZER=dir of its files, carried),
 #           with the hf backend and with vLLM (TRL's colocate mode); needs trl importable
 #           (carried as a wheel); one round of ITERATIONS; its own table follows the main one
+#   async   plain against a `rlhf-dist serve` process on the same device, ppo.max_staleness 0
+#           then 1: s/iteration and the overlap of generation with training
+#           (launch/bench/async_overlap.py --suite; docs/serving.md)
 #   plan    rlhf-dist plan's estimate against torch.cuda.max_memory_allocated per phase on the
 #           CPU grid's cells (launch/bench/plan_check.py --device cuda, fp32 then bf16 autocast,
 #           ~2-3 minutes each)
@@ -20,12 +23,12 @@
 # Without a GPU it runs the same four cases on the CPU with a tiny model (a smoke test of
 # the script; CPU figures mean nothing for GPUs).
 #
-# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm grpo plan"]
+# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm grpo async plan"]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/bench/gpu_suite}
 ITERATIONS=${ITERATIONS:-5}
-CASES=${CASES:-plain zero3 lora gc vllm grpo plan}
+CASES=${CASES:-plain zero3 lora gc vllm grpo async plan}
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -36,10 +39,11 @@ else
 fi
 mkdir -p "$OUT"
 [ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/scale_prepare.py "$OUT" --shape "$SHAPE" --prompts 256
-runs=() grpo=0 plan=0
+runs=() grpo=0 plan=0 async=0
 for case in $CASES; do
   [ "$case" = grpo ] && { grpo=1; continue; }  # after the PPO cases, below
   [ "$case" = plan ] && { plan=1; continue; }
+  [ "$case" = async ] && { async=1; continue; }
   base=$case extra=()
   [ "$case" = zero3 ] && base=plain
   if [ "$case" = qlora ]; then
@@ -86,6 +90,12 @@ if [ "$grpo" = 1 ]; then
     done
   fi
 fi
+if [ "$async" = 1 ]; then
+  echo "== async: plain against a rollout server on the same $DEVICE, max_staleness 0 then 1"
+  "$PY" launch/bench/async_overlap.py --suite "$OUT" --iterations "$ITERATIONS" \
+    --out "$OUT/async" > "$OUT/async.log" 2>&1 && tail -5 "$OUT/async.log" | tee "$OUT/async.txt" \
+    || { echo "   failed:"; tail -20 "$OUT/async.log"; }
+fi
 if [ "$plan" = 1 ]; then
   # fp32 (measured on the first loan: within 7%), then bf16 autocast over fp32 weights, the
   # precision of a GPU run without DeepSpeed (its kept activations are the open question)
@@ -97,4 +107,4 @@ if [ "$plan" = 1 ]; then
       --out "$OUT/plan_check$suffix.json" 2>&1 | grep -v USDT | tee "$OUT/plan_check$suffix.txt" | tail -60
   done
 fi
-[ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || [ "$plan" = 1 ] || exit 1
+[ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || [ "$plan" = 1 ] || [ "$async" = 1 ] || exit 1

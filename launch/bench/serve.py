@@ -45,9 +45,12 @@ TOKEN_ENV = "RLHF_DIST_BENCH_SERVER_TOKEN"
 QUESTIONS = ["What is a good review?", "Name a fruit.", "Say hello.", "Count to three."]
 
 
-def start_server(model: Path, port: int, threads: int, workdir: Path) -> subprocess.Popen:
+def start_server(
+    model: Path, port: int, threads: int, workdir: Path, dtype: str = "float32"
+) -> subprocess.Popen:
     config = workdir / "serve.yaml"
-    tree = {"model": {"policy": str(model)}, "serve": {"port": port, "token_env": TOKEN_ENV},
+    tree = {"model": {"policy": str(model), "dtype": dtype},
+            "serve": {"port": port, "token_env": TOKEN_ENV},
             "perf": {"num_threads": threads}}  # fmt: skip
     config.write_text(json.dumps(tree))
     cmd = [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)]
