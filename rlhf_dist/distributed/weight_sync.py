@@ -19,7 +19,9 @@ come from `ds_numel` where a parameter has one, the full size of a ZeRO-3 partit
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -52,6 +54,43 @@ class SyncGroup:
         raises after the timeout instead of waiting for a peer that is gone."""
         self.group.broadcast(tensor, 0, self.timeout).wait()
         return tensor
+
+
+class MemoryGrowth:
+    """The largest growth of this process's memory over its level at the start, sampled
+    every `every_s` seconds on a thread while the `with` body runs: tensor memory on the
+    GPU (torch.cuda.memory_allocated), else the resident set (/proc/self/statm). Sampling
+    leaves the allocator's peak counters (the memory plan's per-phase peaks) alone; a
+    spike shorter than `every_s` can be missed, which a gathered bucket, held for its
+    broadcast, is not. `peak_bytes` is 0 where nothing can be read."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.005):
+        self.device, self.every_s, self.peak_bytes = device, every_s, 0
+        self._stop = threading.Event()
+
+    def _read(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def __enter__(self) -> MemoryGrowth:
+        start = self._read()
+
+        def sample():
+            while not self._stop.wait(self.every_s):
+                self.peak_bytes = max(self.peak_bytes, self._read() - start)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def free_port(address: str = "127.0.0.1") -> int:

@@ -35,6 +35,7 @@ import torch
 from rlhf_dist.checkpoint import fault_active
 from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.distributed.weight_sync import (
+    MemoryGrowth,
     SyncGroup,
     dtype_name,
     free_port,
@@ -72,6 +73,7 @@ class ServerEngine:
         self.check_ids = torch.zeros(0, dtype=torch.long)  # the post-sync check's sequences
         self.sync_gap = 0.0  # rank 0: the last post-sync check's largest gap over the servers
         self.sync_seconds = 0.0  # the last sync, check included
+        self.sync_peak_bytes = 0  # the last sync's memory growth on this rank (sampled)
 
     @property
     def token(self) -> str:
@@ -115,7 +117,9 @@ class ServerEngine:
         self.syncs += 1
         start = time.perf_counter()
         self.together(self._begin if self.is_main else lambda: None)
-        self.together(lambda: self._send(actor))
+        with MemoryGrowth(next(actor.parameters()).device) as grown:
+            self.together(lambda: self._send(actor))
+        self.sync_peak_bytes = grown.peak_bytes
         ours = self._own_logprobs(actor)  # every rank: under ZeRO-3 a collective forward
         self.together(lambda: self._check(ours) if self.is_main else self._read_version())
         self.sync_seconds = time.perf_counter() - start

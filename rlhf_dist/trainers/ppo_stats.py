@@ -171,7 +171,9 @@ def memory_plan_stats(runtime, planned: dict[str, float], measured: dict) -> dic
 def server_stats(runtime, engine) -> dict:
     """generation.backend=server (docs/serving.md): the last post-sync check's mean
     per-token log-prob gap (the largest over the servers), the policy version the rollout
-    was sampled with, the sync's seconds; {} with another backend. With ppo.max_staleness
+    was sampled with, the sync's seconds and its memory growth on the rank that grew most
+    (sampled: GPU tensor memory, else the resident set; the gathered buckets and rank 0's
+    host copies of one); {} with another backend. With ppo.max_staleness
     (rollout/prefetch.py) also the rollout's staleness over the ranks, the rollouts dropped
     as too stale so far and the seconds the servers took for it (on a background thread,
     beside the previous iteration's update). A collective."""
@@ -180,8 +182,10 @@ def server_stats(runtime, engine) -> dict:
     if not isinstance(server, ServerEngine):
         return {}
     gap = float(runtime.all_max(torch.tensor(server.sync_gap)))
+    grown = float(runtime.all_max(torch.tensor(float(server.sync_peak_bytes)))) / 2**20
     out = {
         "rollout/server_sync_gap": gap,
+        "rollout/sync_peak_mib": grown,
         "rollout/policy_version": float(server.version),
         "time/weight_sync": server.sync_seconds,
     }

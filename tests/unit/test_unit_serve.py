@@ -165,3 +165,21 @@ def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypa
     whole = sum(p.ds_numel * 4 for p in model.parameters())
     assert sum(map(sum, gathered)) == whole and len(gathered) > 1
     assert all(sum(b) <= 40_000 or len(b) == 1 for b in gathered)
+
+
+def test_memory_growth_samples_what_the_body_holds_above_the_start():
+    """weight_sync.MemoryGrowth (rollout/sync_peak_mib): 64 MiB written and held inside
+    the body show as about that much growth of the resident set; a body that allocates
+    nothing shows far less."""
+    import time
+
+    from rlhf_dist.distributed.weight_sync import MemoryGrowth
+
+    with MemoryGrowth(torch.device("cpu")) as idle:
+        time.sleep(0.05)
+    with MemoryGrowth(torch.device("cpu")) as held:
+        block = torch.ones(16 * 2**20)  # 64 MiB, every page written
+        time.sleep(0.05)
+        del block
+    assert 56 * 2**20 < held.peak_bytes < 96 * 2**20
+    assert idle.peak_bytes < 16 * 2**20
