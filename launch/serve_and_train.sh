@@ -44,13 +44,7 @@ for gpu in ${SERVE_GPUS//,/ }; do
   i=$((i + 1))
 done
 # every server answers /health before the trainer starts (model loading takes a while)
-python - "${urls[@]}" <<'PY'
-import sys
-from rlhf_dist.rollout.server import wait_healthy
-for url in sys.argv[1:]:
-    if not wait_healthy(url, 900):
-        sys.exit(f"{url} did not answer /health within 900 s: see the server logs")
-PY
+python launch/wait_servers.py "${urls[@]}"
 list=$(IFS=,; echo "${urls[*]}")
 echo "rollout servers up: $list; trainer on ${TRAIN_GPUS}"
 train=(-m rlhf_dist grpo --config "$CONFIG" generation.backend=server

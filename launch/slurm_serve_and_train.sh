@@ -89,13 +89,7 @@ urls=()
 for node in "${SERVERS[@]}"; do
   for i in $(seq 0 $((PER_NODE - 1))); do urls+=("http://$node:$((BASE_PORT + i))"); done
 done
-python - "${urls[@]}" <<'PY'
-import sys
-from rlhf_dist.rollout.server import wait_healthy
-for url in sys.argv[1:]:
-    if not wait_healthy(url, 900):
-        sys.exit(f"{url} did not answer /health within 900 s: see {sys.argv[0]} logs in LOGS")
-PY
+python launch/wait_servers.py "${urls[@]}"
 list=$(IFS=,; echo "${urls[*]}")
 MAIN_ADDR=${TRAINERS[0]}
 PORT=$((20000 + SLURM_JOB_ID % 10000))  # per job: two jobs on one node do not collide

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_dist.config.loading import parse_scalar
+from rlhf_dist.config.loading import spec_options
 from rlhf_dist.errors import ConfigError
 
 PREFIX = "verifiers:"
@@ -43,10 +43,4 @@ def parse_environment_spec(value: str, key: str) -> EnvironmentSpec:
             f"{key}: {value!r} names no environment: expected {FORM}, ENV_ID an installed "
             "verifiers environment or a module with load_environment()"
         )
-    args: dict[str, Any] = {}
-    for part in query.split("&") if query else []:
-        name, eq, text = part.partition("=")
-        if not eq or not name.isidentifier() or name in args:
-            raise ConfigError(f"{key}: {part!r} in {value!r} is not a new key=value ({FORM})")
-        args[name] = parse_scalar(text)
-    return EnvironmentSpec(env_id, tuple(args.items()))
+    return EnvironmentSpec(env_id, tuple(spec_options(query, value, key, FORM).items()))

@@ -45,6 +45,21 @@ def parse_scalar(text: str) -> Any:
         return text
 
 
+def spec_options(query: str, value: str, key: str, form: str) -> dict[str, Any]:
+    """The `name=value&name=value` part of a spec (`reasoning_gym:`, `verifiers:`), values
+    read as parse_scalar reads them; a ConfigError naming `key` for a malformed or repeated
+    pair (`value` the whole spec, `form` its expected shape)."""
+    given: dict[str, Any] = {}
+    for part in query.split("&") if query else []:
+        name, eq, text = part.partition("=")
+        if not eq or not name.isidentifier():
+            raise ConfigError(f"{key}: {part!r} in {value!r} is not key=value ({form})")
+        if name in given:
+            raise ConfigError(f"{key}: {name} is given twice in {value!r}")
+        given[name] = parse_scalar(text)
+    return given
+
+
 def is_int(v: Any) -> bool:
     """An int that is not a bool (YAML reads `true` as a bool, which Python counts as an int)."""
     return isinstance(v, int) and not isinstance(v, bool)

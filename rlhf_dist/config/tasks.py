@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_dist.config.loading import is_int, parse_scalar
+from rlhf_dist.config.loading import is_int, spec_options
 from rlhf_dist.errors import ConfigError
 
 PREFIX = "reasoning_gym:"
@@ -66,14 +66,7 @@ def parse_task_spec(value: str, key: str) -> TaskSpec:
             f"{key}: {value!r} names no task: expected {FORM}, TASK a reasoning-gym task "
             "name such as basic_arithmetic"
         )
-    given: dict[str, Any] = {}
-    for part in query.split("&") if query else []:
-        field, eq, text = part.partition("=")
-        if not eq or not field.isidentifier():
-            raise ConfigError(f"{key}: {part!r} in {value!r} is not key=value ({FORM})")
-        if field in given:
-            raise ConfigError(f"{key}: {field} is given twice in {value!r}")
-        given[field] = parse_scalar(text)
+    given = spec_options(query, value, key, FORM)
     size, seed, prompt = (given.pop(k, default) for k, default in DEFAULTS.items())
     if not is_int(size) or size < 1:
         raise ConfigError(f"{key}: size={size!r} in {value!r} must be an integer >= 1")
