@@ -3,7 +3,7 @@ sync memory"): the arithmetic demo's GRPO work (quick size, the real SmolLM2-135
 513 MiB of weights) on 2 CPU ranks under ZeRO-3 (accelerate_configs/cpu_zero3.yaml, gloo),
 its rollouts from one `rlhf-dist serve` process, with each bucket size of
 generation.server_sync_bucket_mb. Prints, per bucket size, the largest bucket in MiB and
-`rollout/sync_peak_mib` (how far the sync raised a rank's resident memory; the largest
+`memory/sync_peak_mib` (how far the sync raised a rank's resident memory; the largest
 over ranks and iterations) and the sync's seconds: under ZeRO-3 each bucket is gathered
 on its own, so the growth should follow the bucket, not the model.
 
@@ -74,7 +74,7 @@ def run(policy: Path, url: str, bucket_mb: float, out: Path, iterations: int) ->
            "-m", "rlhf_dist", "ppo", "--config", str(config)]  # fmt: skip
     subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, check=True)
     lines = (out / f"bucket{bucket_mb:g}" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "rollout/sync_peak_mib" in r]
+    return [r for r in map(json.loads, lines) if "memory/sync_peak_mib" in r]
 
 
 def main() -> None:
@@ -102,7 +102,7 @@ def main() -> None:
           "per iteration) and seconds")  # fmt: skip
     print(f"{'bucket MiB':>10} {'largest':>8} {'growth MiB':>24} {'sync s':>14}")
     for mb, largest, rows in results:
-        growth = ", ".join(f"{r['rollout/sync_peak_mib']:.0f}" for r in rows)
+        growth = ", ".join(f"{r['memory/sync_peak_mib']:.0f}" for r in rows)
         seconds = ", ".join(f"{r['time/weight_sync']:.1f}" for r in rows)
         print(f"{mb:>10g} {largest:8.0f} {growth:>24} {seconds:>14}")
 

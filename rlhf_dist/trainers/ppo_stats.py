@@ -185,7 +185,7 @@ def server_stats(runtime, engine) -> dict:
     grown = float(runtime.all_max(torch.tensor(float(server.sync_peak_bytes)))) / 2**20
     out = {
         "rollout/server_sync_gap": gap,
-        "rollout/sync_peak_mib": grown,
+        "memory/sync_peak_mib": grown,
         "rollout/policy_version": float(server.version),
         "time/weight_sync": server.sync_seconds,
     }

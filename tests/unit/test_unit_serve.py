@@ -168,7 +168,7 @@ def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypa
 
 
 def test_memory_growth_samples_what_the_body_holds_above_the_start():
-    """weight_sync.MemoryGrowth (rollout/sync_peak_mib): 64 MiB written and held inside
+    """weight_sync.MemoryGrowth (memory/sync_peak_mib): 64 MiB written and held inside
     the body show as about that much growth of the resident set; a body that allocates
     nothing shows far less."""
     import time
