@@ -471,10 +471,11 @@ def _validate_server(cfg: Config) -> None:
     for url in g.server_urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"generation.server_urls: expected http(s)://host:port, got {url!r}")
-    if cfg.lora.enabled and not cfg.perf.gather_for_generation:
+    if cfg.lora.load_in_4bit:
         raise ConfigError(
-            "generation.backend=server: with lora.enabled needs perf.gather_for_generation=true "
-            "(the adapters are merged into whole weights, gathered once per rollout)"
+            "generation.backend=server: not with lora.load_in_4bit (the servers fold the "
+            "adapters into their own unquantized copy of model.policy, not the NF4 base "
+            "the trainer trains against)"
         )
 
 

@@ -24,9 +24,12 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+K = TypeVar("K")
 
 # dtypes a weight may travel in (the names in the HTTP metadata).
 DTYPES = {
@@ -114,11 +117,12 @@ def _full_numel(param: torch.Tensor) -> int:
 
 
 def weight_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive (name, parameter) lists of about `bucket_bytes` of whole weights (a
-    parameter larger than the bound is a bucket alone), counted in full sizes."""
-    bucket: list[tuple[str, torch.Tensor]] = []
+    named: Iterable[tuple[K, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[K, torch.Tensor]]]:
+    """Consecutive (key, parameter) lists of about `bucket_bytes` of whole weights (a
+    parameter larger than the bound is a bucket alone), counted in full sizes; the key
+    (a name, or what a sync sends with it) travels along."""
+    bucket: list[tuple[K, torch.Tensor]] = []
     size = 0
     for name, p in named:
         nbytes = _full_numel(p) * p.element_size()

@@ -93,6 +93,36 @@ def merged_adapters(model: nn.Module):
             base.weight = weight
 
 
+def adapter_weights(model: nn.Module):
+    """(the adapted weight's name in the plain model, "A" or "B", the adapter's matrix,
+    scale) of every LoRA layer of a peft `model`: the weight it serves is W + scale * B @ A
+    (A: (r, in), B: (out, r); peft's Linear delta), which a rollout server folds into its
+    own copy of the frozen base (rollout/server.py). Nothing for a model without adapters.
+    An adapter of another shape (embedding, fan_in_fan_out, DoRA, two at once) is a
+    ConfigError: it is not a plain B @ A on one weight."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name, layer in base.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        active = [
+            a for a in layer.active_adapters if a in layer.lora_A or a in layer.lora_embedding_A
+        ]
+        if not active:
+            continue
+        a = active[0]
+        if len(active) > 1 or a not in layer.lora_A or getattr(layer, "fan_in_fan_out", False) \
+                or layer.use_dora.get(a, False):  # fmt: skip
+            raise ConfigError(
+                f"lora: {name}'s adapter is not one plain B @ A on a linear weight; a rollout "
+                "server takes only those (lora.target_modules: linear layers)"
+            )
+        scale = float(layer.scaling[a])
+        yield f"{name}.weight", "A", layer.lora_A[a].weight, scale
+        yield f"{name}.weight", "B", layer.lora_B[a].weight, scale
+
+
 def keep_4bit_differentiable(model: nn.Module) -> nn.Module:
     """Keep every bitsandbytes 4-bit layer of `model` on its differentiable matmul.
 

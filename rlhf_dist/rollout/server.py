@@ -3,8 +3,8 @@
 `ServerEngine` has the in-process vLLM engine's face (rollout/vllm.py: load_weights,
 generate, sleep), so collect.py samples through it unchanged. Before every rollout
 trainer rank 0 sends the actor's weights to every server a bucket at a time (under ZeRO-3
-each bucket gathered on its own by every rank, never the whole model; with LoRA the
-merged weights, inside the generation gather): each bucket's (name, shape, dtype) list
+each bucket gathered on its own by every rank, never the whole model; with LoRA only the
+adapters, which each server folds into its frozen base): each bucket's (name, shape, dtype) list
 and the new version over HTTP, then the tensors by broadcast in the weight-sync group
 (distributed/weight_sync.py). Then the
 post-sync check: every server scores fixed token sequences and the trainer compares
@@ -44,9 +44,25 @@ from rlhf_dist.distributed.weight_sync import (
 )
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.errors import ConfigError, ServerError
+from rlhf_dist.models.lora import adapter_weights
 from rlhf_dist.rollout.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 
 CHECK_ROWS, CHECK_TOKENS = 2, 16  # the post-sync check's fixed sequences
+
+
+def sync_entries(
+    actor: torch.nn.Module, with_base: bool
+) -> list[tuple[tuple[str, str, float], torch.Tensor]]:
+    """What a sync sends, as ((weight name, LoRA role, scale), tensor): every weight whole
+    (role ""); with LoRA adapters only their A and B matrices (role "A" / "B": each server
+    folds scale * B @ A into its own copy of the frozen base, megabytes instead of the
+    model), after the frozen base itself where `with_base` (the first sync of this trainer
+    with a server: what it served before may be another run's weights)."""
+    adapters = [((name, role, scale), t) for name, role, t, scale in adapter_weights(actor)]
+    whole = [((name, "", 1.0), p) for name, p in checkpoint_parameters(actor)]
+    if not adapters:
+        return whole
+    return whole + adapters if with_base else adapters
 
 
 class ServerEngine:
@@ -74,6 +90,7 @@ class ServerEngine:
         self.sync_gap = 0.0  # rank 0: the last post-sync check's largest gap over the servers
         self.sync_seconds = 0.0  # the last sync, check included
         self.sync_peak_bytes = 0  # the last sync's memory growth on this rank (sampled)
+        self.joined = False  # rank 0: the servers joined a new sync group (send the base)
 
     @property
     def token(self) -> str:
@@ -117,9 +134,11 @@ class ServerEngine:
         self.syncs += 1
         start = time.perf_counter()
         self.together(self._begin if self.is_main else lambda: None)
+        # rank 0 knows whether a server joined anew (it may hold another run's weights)
+        with_base = self.any_rank(self.joined)
         with MemoryGrowth(next(actor.parameters()).device) as grown:
-            self.together(lambda: self._send(actor))
-        self.sync_peak_bytes = grown.peak_bytes
+            self.together(lambda: self._send(actor, with_base))
+        self.sync_peak_bytes, self.joined = grown.peak_bytes, False
         ours = self._own_logprobs(actor)  # every rank: under ZeRO-3 a collective forward
         self.together(lambda: self._check(ours) if self.is_main else self._read_version())
         self.sync_seconds = time.perf_counter() - start
@@ -130,16 +149,17 @@ class ServerEngine:
         healths = [self.call(url, "/health") for url in self.urls]
         if self.group is None or not all(h["sync_group"] for h in healths):
             self._join()
+            self.joined = True
         self.version = 1 + max(h["version"] for h in healths)
 
     def _read_version(self) -> None:
         self.version = max(self.call(url, "/health")["version"] for url in self.urls)
 
-    def _send(self, actor: torch.nn.Module) -> None:
-        """Walk the weights a bucket at a time on every rank; rank 0 announces and
-        broadcasts each. After a failure rank 0 stops sending but keeps walking (the other
-        ranks are in the buckets' gathers), then raises."""
-        buckets = list(weight_buckets(checkpoint_parameters(actor), self.bucket_bytes))
+    def _send(self, actor: torch.nn.Module, with_base: bool) -> None:
+        """Walk the weights (`sync_entries`) a bucket at a time on every rank; rank 0
+        announces and broadcasts each. After a failure rank 0 stops sending but keeps
+        walking (the other ranks are in the buckets' gathers), then raises."""
+        buckets = list(weight_buckets(sync_entries(actor, with_base), self.bucket_bytes))
         # RLHF_DIST_FAULT=skip_weight_sync:N (tests): the servers keep their old weights.
         sending = self.is_main and not fault_active("skip_weight_sync", self.syncs)
         error = None
@@ -154,11 +174,13 @@ class ServerEngine:
             raise error
 
     def _send_bucket(self, bucket: list, final: bool) -> None:
-        """One bucket of whole weights: metadata to every server, then the broadcasts."""
+        """One bucket of whole weights (or adapter matrices): metadata to every server,
+        then the broadcasts."""
         tensors = [p.detach().contiguous().cpu() for _, p in bucket]
         specs = [
             {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-            for (name, _), t in zip(bucket, tensors)
+            | ({"lora": role, "scale": scale} if role else {})
+            for ((name, role, scale), _), t in zip(bucket, tensors)
         ]
         body = {"version": self.version, "tensors": specs, "final": final}
         for url in self.urls:

@@ -14,6 +14,7 @@ the model, which keeps serving.
 from __future__ import annotations
 
 import hmac
+from typing import Literal
 
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
@@ -56,6 +57,8 @@ class Spec(BaseModel):
     name: str = Field(min_length=1)
     shape: list[int]
     dtype: str
+    lora: Literal["A", "B"] | None = None  # a LoRA matrix of weight `name` (policy.py)
+    scale: float = Field(1.0, allow_inf_nan=False)
 
 
 class EpisodesBody(BaseModel):
@@ -132,7 +135,9 @@ def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) ->
 
     @app.post("/update_weights", dependencies=[Depends(authorized)])
     def update_weights(body: UpdateBody) -> dict:
-        specs = [TensorSpec(t.name, tuple(t.shape), t.dtype) for t in body.tensors]
+        specs = [
+            TensorSpec(t.name, tuple(t.shape), t.dtype, t.lora or "", t.scale) for t in body.tensors
+        ]
         refused(policy.check_bucket, body.version, specs)
         policy.receive_bucket(body.version, specs, body.final)
         return {"receiving": len(specs), "version": body.version}

@@ -54,11 +54,29 @@ class SamplingRequest:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One weight of an update bucket: its parameter name, shape and dtype name."""
+    """One weight of an update bucket: its parameter name, shape and dtype name; or, with
+    `lora` "A" / "B", one LoRA matrix of that weight and the adapter's scale."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    lora: str = ""
+    scale: float = 1.0
+
+
+def _check_adapter(spec: TensorSpec, weight: tuple[int, ...]) -> None:
+    """A LoRA matrix must fit its 2-D weight (out, in): A (r, in), B (out, r)."""
+    shape = spec.shape
+    fits = (
+        len(weight) == 2
+        and len(shape) == 2
+        and (shape[1] == weight[1] if spec.lora == "A" else shape[0] == weight[0])
+    )
+    if not fits:
+        raise BadRequest(
+            f"tensors: LoRA {spec.lora} of {spec.name} has shape {list(shape)}, which does "
+            f"not fit the weight's {list(weight)} (A: (r, in), B: (out, r))"
+        )
 
 
 class BadRequest(ValueError):
@@ -85,6 +103,10 @@ class ServedPolicy:
         self.pending: list[Future] = []
         self.pending_lock = threading.Lock()  # request threads add and prune `pending`
         self.last_error = ""  # the last failed update, for /health
+        # LoRA updates (`_apply`): each adapted weight's frozen base, and matrices waiting
+        # for their pair (A and B of one weight may travel in two buckets)
+        self.bases: dict[str, torch.Tensor] = {}
+        self.adapter_parts: dict[str, dict[str, torch.Tensor]] = {}
 
     def check_ids(self, seqs: list[list[int]], what: str) -> None:
         for i, seq in enumerate(seqs):
@@ -183,7 +205,9 @@ class ServedPolicy:
             param = self.params.get(spec.name)
             if param is None:
                 raise BadRequest(f"tensors: no parameter named {spec.name!r}")
-            if tuple(param.shape) != spec.shape:
+            if spec.lora:
+                _check_adapter(spec, tuple(param.shape))
+            elif tuple(param.shape) != spec.shape:
                 raise BadRequest(
                     f"tensors: {spec.name} has shape {list(param.shape)}, not {list(spec.shape)}"
                 )
@@ -203,13 +227,37 @@ class ServedPolicy:
             ]
             with self.lock, torch.no_grad():
                 for spec, tensor in zip(specs, received):
-                    self.params[spec.name].copy_(tensor)
+                    self._apply(spec, tensor)
+                if final and self.adapter_parts:
+                    missing = sorted(self.adapter_parts)[:3]
+                    self.adapter_parts.clear()
+                    raise RuntimeError(
+                        f"update {version}: LoRA matrices without their pair: {missing}"
+                    )
                 if final and self.engine is not None:  # the whole update is staged now
                     self.engine.load_weights(self.model)
                 if final:
                     self.version = version
 
         self._queue(receive)
+
+    def _apply(self, spec: TensorSpec, tensor: torch.Tensor) -> None:
+        """Write one received tensor: a whole weight as it is; a LoRA matrix kept until its
+        pair is in, then the weight becomes its frozen base + scale * B @ A (in fp32; the
+        base is the weight as first served, copied the first time an adapter reaches it)."""
+        param = self.params[spec.name]
+        if not spec.lora:
+            self.bases.pop(spec.name, None)  # a whole weight is the new base
+            param.copy_(tensor)
+            return
+        parts = self.adapter_parts.setdefault(spec.name, {})
+        parts[spec.lora] = tensor
+        if len(parts) < 2:
+            return
+        del self.adapter_parts[spec.name]
+        base = self.bases.setdefault(spec.name, param.detach().clone())
+        delta = spec.scale * (parts["B"].float() @ parts["A"].float())
+        param.copy_((base.float() + delta.to(base.device)).to(param.dtype))
 
     def _logged(self, work) -> None:
         try:

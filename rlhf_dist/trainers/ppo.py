@@ -449,9 +449,8 @@ def make_rollout_models(cfg: Config, runtime: Runtime, built, tokenizer) -> Roll
     stops = policy_stop_ids(cfg, tokenizer)
     engine = rollout_engine(cfg, runtime)
     # Rollout servers read the actor a bucket at a time (under ZeRO-3 each bucket gathered
-    # on its own, rollout/server.py); with LoRA they need the adapters merged into whole
-    # weights, as generation_context gives them.
-    bucketed = cfg.generation.backend == "server" and not cfg.lora.enabled
+    # on its own; with LoRA only the adapters, which the servers fold in: rollout/server.py)
+    bucketed = cfg.generation.backend == "server"
     return RolloutModels(
         model,
         generation_context,

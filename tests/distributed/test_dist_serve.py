@@ -40,3 +40,25 @@ def test_ppo_zero3_two_ranks_with_rollouts_from_a_server(assets, tmp_path):
     before = load_file(str(Path(assets["policy"]) / "model.safetensors"))
     after = load_file(str(out / "final" / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_lora_under_zero3_two_ranks_syncs_the_adapters_the_server_folds_in(assets, tmp_path):
+    """lora.enabled, 2 ranks under ZeRO-3: the adapters are partitioned like every weight;
+    the first sync sends the base whole and the adapters, later ones the adapters only,
+    each gathered a bucket at a time; the served policy stays the trainer's adapted actor
+    (post-sync check and sampler log-probs within fp32 rounding)."""
+    tree = {"model": {"policy": str(assets["policy"])}, "perf": {"num_threads": 1}}
+    out = tmp_path / "lora"
+    with served(tree, ENV, TOKEN) as url:
+        command = ppo_command(
+            assets, out, "generation.backend=server", f"generation.server_urls=[{url}]",
+            f"generation.server_token_env={ENV}", "generation.server_sync_bucket_mb=0.05",
+            "distributed.timeout_s=60", "lora.enabled=true", "lora.r=4", "ppo.iterations=3",
+        )  # fmt: skip
+        run_launch(
+            launch_args("cpu_zero3.yaml", free_port(), *command), timeout=240, env={ENV: TOKEN}
+        )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/server_sync_gap"] < 1e-4 for r in rows)
+    assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)

@@ -280,6 +280,40 @@ def test_grpo_trains_on_served_rollouts(
     assert all(r["rollout/server_sync_gap"] < 1e-4 and r["time/weight_sync"] > 0 for r in logged)
 
 
+def test_grpo_with_lora_sends_the_base_once_then_only_the_adapters(
+    server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, read_jsonl
+):
+    """lora.enabled against a server that served other weights before: the first sync
+    sends the frozen base whole and the adapters, every later one only the adapters,
+    which the server folds in; the post-sync check and the sampler log-probs agree with
+    the trainer's adapted actor every iteration (fp32: rounding only)."""
+    from rlhf_dist.trainers.ppo import train_ppo
+
+    monkeypatch.setenv(ENV, TOKEN)
+    syncs, send = [], ServerEngine._send_bucket
+
+    def recorded(engine, bucket, final):
+        if not syncs or syncs[-1][-1]:
+            syncs.append([])
+        syncs[-1] += [role for (_, role, _), _ in bucket] + [final]
+        return send(engine, bucket, final)
+
+    monkeypatch.setattr(ServerEngine, "_send_bucket", recorded)
+    cfg = _grpo_config(server, sft_run.out / "final", tmp_path / "lora", task_env, data_cfg,
+                       iterations=3)  # fmt: skip
+    cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, enabled=True, r=4, alpha=8))
+    train_ppo(cfg, runtime)
+    roles = [[r for r in sync if r is not True and r is not False] for sync in syncs]
+    assert len(roles) == 3 and "" in roles[0] and "A" in roles[0]
+    assert all(set(r) == {"A", "B"} for r in roles[1:])
+    rows = [
+        r for r in read_jsonl(tmp_path / "lora" / "metrics.jsonl") if "rollout/server_sync_gap" in r
+    ]
+    assert len(rows) == 3
+    assert all(r["rollout/server_sync_gap"] < 1e-4 for r in rows)
+    assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
+
+
 def test_a_skipped_sync_stops_grpo_with_the_last_iteration_checkpointed_and_it_resumes(
     server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg
 ):

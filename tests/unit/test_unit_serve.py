@@ -26,7 +26,7 @@ PPO = ["model.policy=p", "data.train=t.jsonl", "reward.function=m:f"]
         (["generation.environment_endpoint=true"], "generation.environment_endpoint: needs generation.environment"),
         (["generation.environment=m:f", "generation.environment_endpoint=true"], "generation.environment_endpoint: needs generation.backend=server"),
         (["generation.backend=server", "generation.server_urls=[http://h:1]", "generation.environment=m:f", "generation.environment_endpoint=true", "run.eval_every=1", "data.eval=e.jsonl"], "run.eval_every"),
-        (["generation.backend=server", "generation.server_urls=[http://h:1]", "lora.enabled=true", "perf.gather_for_generation=false"], "generation.backend=server"),
+        (["generation.backend=server", "generation.server_urls=[http://h:1]", "lora.enabled=true", "lora.load_in_4bit=true"], "generation.backend=server: not with lora.load_in_4bit"),
         (["generation.server_sync_tolerance=0"], "generation.server_sync_tolerance"),
         (["generation.server_sync_bucket_mb=-1"], "generation.server_sync_bucket_mb"),
         (["serve.port=0"], "serve.port"),
@@ -161,7 +161,7 @@ def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypa
          "generation.server_token_env=RLHF_DIST_TEST_TOKEN",
          f"generation.server_sync_bucket_mb={40_000 / 2**20}"],
     )  # fmt: skip
-    ServerEngine(cfg, is_main=False, any_rank=lambda flag: flag)._send(model)
+    ServerEngine(cfg, is_main=False, any_rank=lambda flag: flag)._send(model, with_base=False)
     whole = sum(p.ds_numel * 4 for p in model.parameters())
     assert sum(map(sum, gathered)) == whole and len(gathered) > 1
     assert all(sum(b) <= 40_000 or len(b) == 1 for b in gathered)
@@ -183,3 +183,51 @@ def test_memory_growth_samples_what_the_body_holds_above_the_start():
         del block
     assert 56 * 2**20 < held.peak_bytes < 96 * 2**20
     assert idle.peak_bytes < 16 * 2**20
+
+
+def test_a_lora_sync_sends_the_base_once_then_only_adapters_that_the_server_folds_in():
+    """rollout/server.py sync_entries + serving/policy.py ServedPolicy._apply: a served
+    model holding other weights gets the frozen base whole and the adapters on the first
+    sync, only A and B after; each time it then computes what the peft actor computes
+    (fp32, 1e-5), the fold never accumulating over syncs. A matrix that does not fit its
+    weight is refused."""
+    import copy
+    import functools
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_dist.config import LoRAConfig
+    from rlhf_dist.models.lora import add_adapters
+    from rlhf_dist.rollout.server import sync_entries
+    from rlhf_dist.serving.policy import BadRequest, ServedPolicy, TensorSpec, _check_adapter
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    base = LlamaForCausalLM(cfg).eval()
+    served = copy.deepcopy(base)
+    with torch.no_grad():  # what the server held before: another run's weights
+        for p in served.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    lora = LoRAConfig(enabled=True, r=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    actor = add_adapters(copy.deepcopy(base), lora, "CAUSAL_LM").eval()
+    server = SimpleNamespace(params=dict(served.named_parameters()), bases={}, adapter_parts={})
+    apply = functools.partial(ServedPolicy._apply, server)
+    ids = torch.randint(0, 64, (2, 9))
+    for sync in range(2):
+        with torch.no_grad():  # the adapters after some training
+            for name, p in actor.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.2 * torch.randn_like(p))
+        entries = sync_entries(actor, with_base=sync == 0)
+        roles = [role for (_, role, _), _ in entries]
+        assert roles.count("A") == roles.count("B") == 4  # 2 layers x (q_proj, v_proj)
+        assert roles.count("") == (len(server.params) if sync == 0 else 0)
+        with torch.no_grad():
+            for (name, role, scale), t in entries:
+                apply(TensorSpec(name, tuple(t.shape), "float32", role, scale), t.clone())
+            assert not server.adapter_parts
+            torch.testing.assert_close(served(ids).logits, actor(ids).logits, atol=1e-5, rtol=0)
+    with pytest.raises(BadRequest, match="does not fit the weight"):
+        _check_adapter(TensorSpec("w", (4, 31), "float32", "A", 2.0), (32, 32))
