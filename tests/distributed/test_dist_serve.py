@@ -18,20 +18,26 @@ from serve_process import served
 ENV, TOKEN = "RLHF_DIST_TEST_SERVER_TOKEN", "dist-test-token-51f0"
 
 
-def test_ppo_zero3_two_ranks_with_rollouts_from_a_server(assets, tmp_path):
+def served_ppo(assets, out: Path, *extra: str) -> int:
+    """2-rank ZeRO-3 PPO (conftest.ppo_command + `extra`) against a fresh server of the
+    tiny policy, synced in 50 KiB buckets -> the server's version at the end."""
     tree = {"model": {"policy": str(assets["policy"])}, "perf": {"num_threads": 1}}
-    out = tmp_path / "served"
     with served(tree, ENV, TOKEN) as url:
         command = ppo_command(
             assets, out, "generation.backend=server", f"generation.server_urls=[{url}]",
             f"generation.server_token_env={ENV}", "generation.server_sync_bucket_mb=0.05",
-            "distributed.timeout_s=60",
+            "distributed.timeout_s=60", *extra,
         )  # fmt: skip
         run_launch(
             launch_args("cpu_zero3.yaml", free_port(), *command), timeout=240, env={ENV: TOKEN}
         )
         with urllib.request.urlopen(url + "/health", timeout=10) as answer:
-            assert json.loads(answer.read())["version"] == 2  # one sync per rollout
+            return json.loads(answer.read())["version"]
+
+
+def test_ppo_zero3_two_ranks_with_rollouts_from_a_server(assets, tmp_path):
+    out = tmp_path / "served"
+    assert served_ppo(assets, out) == 2  # one sync per rollout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -47,17 +53,8 @@ def test_lora_under_zero3_two_ranks_syncs_the_adapters_the_server_folds_in(asset
     the first sync sends the base whole and the adapters, later ones the adapters only,
     each gathered a bucket at a time; the served policy stays the trainer's adapted actor
     (post-sync check and sampler log-probs within fp32 rounding)."""
-    tree = {"model": {"policy": str(assets["policy"])}, "perf": {"num_threads": 1}}
     out = tmp_path / "lora"
-    with served(tree, ENV, TOKEN) as url:
-        command = ppo_command(
-            assets, out, "generation.backend=server", f"generation.server_urls=[{url}]",
-            f"generation.server_token_env={ENV}", "generation.server_sync_bucket_mb=0.05",
-            "distributed.timeout_s=60", "lora.enabled=true", "lora.r=4", "ppo.iterations=3",
-        )  # fmt: skip
-        run_launch(
-            launch_args("cpu_zero3.yaml", free_port(), *command), timeout=240, env={ENV: TOKEN}
-        )
+    assert served_ppo(assets, out, "lora.enabled=true", "lora.r=4", "ppo.iterations=3") == 3
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/server_sync_gap"] < 1e-4 for r in rows)
