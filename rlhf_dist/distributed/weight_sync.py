@@ -59,33 +59,37 @@ class SyncGroup:
         return tensor
 
 
-class MemoryGrowth:
-    """The largest growth of this process's memory over its level at the start, sampled
-    every `every_s` seconds on a thread while the `with` body runs: tensor memory on the
-    GPU (torch.cuda.memory_allocated), else the resident set (/proc/self/statm). Sampling
-    leaves the allocator's peak counters (the memory plan's per-phase peaks) alone; a
-    spike shorter than `every_s` can be missed, which a gathered bucket, held for its
-    broadcast, is not. `peak_bytes` is 0 where nothing can be read."""
+def memory_in_use(device: torch.device) -> int:
+    """Bytes this process holds now: tensor memory on a GPU, else the resident set
+    (/proc/self/statm; 0 where it cannot be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
-    def __init__(self, device: torch.device, every_s: float = 0.005):
-        self.device, self.every_s, self.peak_bytes = device, every_s, 0
+
+class MemoryGrowth:
+    """The largest growth of `read()` (memory_in_use by default) over its value at the
+    start, sampled every `every_s` seconds on a thread while the `with` body runs.
+    Sampling leaves the allocator's peak counters (the memory plan's per-phase peaks)
+    alone; a spike shorter than `every_s` can be missed, which a gathered bucket, held for
+    its broadcast, is not. On CPU the resident set only grows where the body needs pages
+    the process does not hold yet (memory freed earlier and reused does not count)."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.005, read=None):
+        self.read = read or (lambda: memory_in_use(device))
+        self.every_s, self.peak_bytes = every_s, 0
         self._stop = threading.Event()
 
-    def _read(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.memory_allocated(self.device))
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return 0
-
     def __enter__(self) -> MemoryGrowth:
-        start = self._read()
+        start = self.read()
 
         def sample():
             while not self._stop.wait(self.every_s):
-                self.peak_bytes = max(self.peak_bytes, self._read() - start)
+                self.peak_bytes = max(self.peak_bytes, self.read() - start)
 
         self._thread = threading.Thread(target=sample, daemon=True)
         self._thread.start()
