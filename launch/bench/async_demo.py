@@ -7,7 +7,10 @@ evaluated as the demo evaluates it (held-out prompts, gold reward, KL to the SFT
 the off-policy run's logged staleness shows no rollout older than one update was trained
 on (docs/serving.md, "Asynchronous rollouts").
 
-Usage: python launch/bench/async_demo.py [--seeds 0 1] [--out runs/bench/async_demo]
+`--ranks 2`: the PPO stage runs as 2 CPU ranks under ZeRO-3 (`accelerate launch` with
+accelerate_configs/cpu_zero3.yaml, gloo), each rank sampling its shard through the server.
+
+Usage: python launch/bench/async_demo.py [--seeds 0 1] [--ranks 1|2] [--out runs/bench/async_demo]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +32,7 @@ from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.demo import pipeline  # noqa: E402
 from rlhf_dist.distributed.weight_sync import free_port  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[2]
 MODES = {"colocated": None, "served, max_staleness 0": 0, "served, max_staleness 1": 1}
 
 
@@ -41,11 +46,28 @@ def ppo_tree(trees: dict, root: Path, name: str, url: str, staleness: int | None
     return tree
 
 
-def one_seed(root: Path, seed: int) -> dict:
+def train(tree: dict, ranks: int, runtime) -> None:
+    """The PPO stage in this process, or as `ranks` ZeRO-3 CPU ranks."""
+    from rlhf_dist.trainers.ppo import train_ppo
+
+    if ranks == 1:
+        train_ppo(config_from_dict(tree), runtime)
+        return
+    p = tree["ppo"]  # each rank's micro-batches: its share of a minibatch (same loss)
+    p["micro_batch_size"] = min(p["micro_batch_size"], p["minibatch_size"] // ranks)
+    config = Path(tree["run"]["output_dir"] + ".json")
+    config.write_text(json.dumps(tree))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(REPO / "accelerate_configs" / "cpu_zero3.yaml"),
+           "--num_processes", str(ranks), "--main_process_port", str(free_port()),
+           "-m", "rlhf_dist", "ppo", "--config", str(config)]  # fmt: skip
+    subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, check=True)
+
+
+def one_seed(root: Path, seed: int, ranks: int) -> dict:
     """SFT and RM once, then the PPO stage each way and its evaluation -> figures."""
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.evaluate import run_eval
-    from rlhf_dist.trainers.ppo import train_ppo
     from rlhf_dist.trainers.reward import train_reward_model
     from rlhf_dist.trainers.sft import train_sft
 
@@ -69,12 +91,8 @@ def one_seed(root: Path, seed: int) -> dict:
             for i, (mode, staleness) in enumerate(MODES.items()):
                 name = f"ppo_{i}"
                 start = time.perf_counter()
-                train_ppo(
-                    config_from_dict(
-                        ppo_tree(trees, root, name, f"http://127.0.0.1:{port}", staleness)
-                    ),
-                    runtime,
-                )
+                url = f"http://127.0.0.1:{port}"
+                train(ppo_tree(trees, root, name, url, staleness), ranks, runtime)
                 seconds = time.perf_counter() - start
                 ev = run_eval(
                     pipeline._with_output(
@@ -98,13 +116,14 @@ def one_seed(root: Path, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--ranks", type=int, default=1, choices=(1, 2))
     parser.add_argument("--out", default="runs/bench/async_demo")
     args = parser.parse_args()
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
-    results = {
-        seed: one_seed(Path(args.out).resolve() / f"seed{seed}", seed) for seed in args.seeds
-    }
-    print("The offline demo's PPO stage from the same SFT policy and reward model; held-out gold")
+    out = Path(args.out).resolve()
+    results = {seed: one_seed(out / f"seed{seed}", seed, args.ranks) for seed in args.seeds}
+    print(f"The offline demo's PPO stage ({args.ranks} rank(s)) from the same SFT policy and "
+          "reward model; held-out gold")  # fmt: skip
     print(f"{'seed':>4} {'way':<26} {'gold':>6} {'KL':>6} {'seconds':>8} {'staleness max':>13}")
     for seed, figures in results.items():
         print(f"{seed:>4} {'SFT':<26} {figures['SFT']['gold']:6.3f}")
