@@ -100,10 +100,13 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         if not cfg.model.policy:
             raise ConfigError("model.policy: required (the SFT policy)")
         distill_alone = stage == "ppo" and cfg.ppo.estimator == "distill"  # no task reward
-        if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone):
+        # a verifiers environment's rubric scores every episode itself
+        rubric = stage == "ppo" and is_environment_spec(cfg.generation.environment)
+        if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone or rubric):
             raise ConfigError(
                 "model.reward: required unless reward.function, reward.functions, reward.url "
-                "or reward.judge is set (or ppo.estimator=distill)"
+                "or reward.judge is set (or ppo.estimator=distill, or a verifiers:ENV_ID "
+                "generation.environment, whose rubric scores)"
             )
         for spec in (cfg.reward.function, *cfg.reward.functions):
             if spec and ":" not in spec:

@@ -333,7 +333,8 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
     show a gap), tools are called, versions move once per rollout, the actor trains; the
     official openai client drives it the same way, and so does the task written as a
     verifiers ToolEnv (its prompts from the environment's dataset, the tool calls read
-    from the server's OpenAI `tool_calls` and run by verifiers, the reward its rubric's)."""
+    from the server's OpenAI `tool_calls` and run by verifiers, the reward its rubric's,
+    with no reward.function set)."""
     pytest.importorskip("openai")
     from serve_process import served
 
@@ -356,8 +357,9 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
                             environment_endpoint=True)  # fmt: skip
             del run["generation"]["tools"]
             run["ppo"]["iterations"] = iterations
-            if name == "verifiers":  # its dataset: the same RL keys as files["prompts"]
+            if name == "verifiers":  # its dataset (files["prompts"]' keys); its rubric alone
                 run["data"]["train"] = fn
+                del run["reward"]
             ppo.train_ppo(config_from_dict(run), runtime)
             rows = read_jsonl(out / "metrics.jsonl")
             assert len(rows) == iterations
