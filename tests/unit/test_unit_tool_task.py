@@ -64,3 +64,29 @@ def test_the_tool_demo_runs_with_grpo_only(tmp_path, capsys):
     assert main(argv) == 2
     assert "--task tool_use: runs with --algorithm grpo only" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("environment", ["function", "verifiers"])
+def test_the_endpoint_demos_grpo_config_plays_through_the_server(tmp_path, environment):
+    """demo --through-endpoint / --verifiers: the GRPO stage samples from the server and
+    its environment drives the endpoint; with verifiers the prompts are the environment's
+    dataset at the run's seed (write_tool_task's RL keys), and the config validates."""
+    from rlhf_dist.config import config_from_dict, validate
+    from rlhf_dist.demo import tool_demo
+
+    if environment == "verifiers":
+        pytest.importorskip("verifiers")
+    files = {name: tmp_path / f"{name}.jsonl" for name in ("sft", "prompts", "eval_prompts")}
+    trees = tool_demo.tool_stage_configs(tmp_path, files, tmp_path / "p", 3, False)
+    tree = tool_demo.through_endpoint(trees["grpo"], "http://127.0.0.1:1", environment)
+    g = tree["generation"]
+    assert g["backend"] == "server" and g["environment_endpoint"] and "tools" not in g
+    if environment == "verifiers":
+        assert (
+            tree["data"]["train"]
+            == g["environment"]
+            == f"{tool_demo.ENVIRONMENTS['verifiers']}?seed=3"
+        )
+    else:
+        assert tree["data"]["train"] == str(files["prompts"])
+    validate(config_from_dict(tree), "ppo")
