@@ -99,20 +99,26 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         _validate_generation(cfg)
         if not cfg.model.policy:
             raise ConfigError("model.policy: required (the SFT policy)")
-        distill_alone = stage == "ppo" and cfg.ppo.estimator == "distill"  # no task reward
-        # a verifiers environment's rubric scores every episode itself
-        rubric = stage == "ppo" and is_environment_spec(cfg.generation.environment)
-        if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone or rubric):
-            raise ConfigError(
-                "model.reward: required unless reward.function, reward.functions, reward.url "
-                "or reward.judge is set (or ppo.estimator=distill, or a verifiers:ENV_ID "
-                "generation.environment, whose rubric scores)"
-            )
-        for spec in (cfg.reward.function, *cfg.reward.functions):
-            if spec and ":" not in spec:
-                raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
-        _validate_reward_sources(cfg.reward)
-        _validate_task_rewards(cfg.reward)
+        _validate_reward(cfg, stage)
+
+
+def _validate_reward(cfg: Config, stage: str) -> None:
+    """An RL or eval stage's reward: some source, well-formed function specs, and what the
+    sources need (ppo.estimator=distill and a verifiers environment's rubric need none)."""
+    distill_alone = stage == "ppo" and cfg.ppo.estimator == "distill"  # no task reward
+    # a verifiers environment's rubric scores every episode itself
+    rubric = stage == "ppo" and is_environment_spec(cfg.generation.environment)
+    if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone or rubric):
+        raise ConfigError(
+            "model.reward: required unless reward.function, reward.functions, reward.url "
+            "or reward.judge is set (or ppo.estimator=distill, or a verifiers:ENV_ID "
+            "generation.environment, whose rubric scores)"
+        )
+    for spec in (cfg.reward.function, *cfg.reward.functions):
+        if spec and ":" not in spec:
+            raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
+    _validate_reward_sources(cfg.reward)
+    _validate_task_rewards(cfg.reward)
 
 
 def _validate_hub(run) -> None:
