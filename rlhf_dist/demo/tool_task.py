@@ -62,41 +62,29 @@ def lookup(key: str) -> str:
 
 def endpoint_episode(client, prompt, max_turns: int = 3) -> None:
     """The task as an environment that drives the policy through the rollout servers'
-    chat endpoint (generation.environment_endpoint; rollout/endpoint.py): it asks, runs the
-    `lookup` call the policy makes (OpenAI `tool_calls`, serve.tool_call_parser; a call the
-    server could not parse is read from the text and answered with its error, as in-process
-    rollouts do), and stops at the first turn without one or after `max_turns` turns; None:
-    reward.function (answer_reward) scores the final answer."""
-    from rlhf_dist.rollout.agent import ToolCallError, parse_tool_call, run_tool, tool_schema
+    chat endpoint (generation.environment_endpoint; rollout/endpoint.py): the in-process
+    rollouts' ToolEnvironment with `lookup`, answering the call each reply makes (OpenAI
+    `tool_calls`, or a malformed call left in the text, with its error), until a reply
+    calls none or after `max_turns` turns; None: reward.function (answer_reward) scores
+    the final answer."""
+    from rlhf_dist.rollout.agent import ToolEnvironment, tool_schema
 
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    env = ToolEnvironment({"lookup": lookup}, 10.0)
+    messages = env.reset(prompt)
     for _ in range(max_turns):
         reply = client.chat(messages, tools=[tool_schema(lookup)])["choices"][0]
         said = reply["message"]
         messages.append(said)  # sent back as answered
         if reply["finish_reason"] == "length":
             return None
-        calls = said.get("tool_calls") or []
-        try:
-            if calls:
-                name = calls[0]["function"]["name"]
-                arguments = json.loads(calls[0]["function"]["arguments"])
-            else:
-                call = parse_tool_call(said["content"] or "")
-                if call is None:
-                    return None
-                name, arguments = call
-            if name != "lookup":
-                raise ToolCallError(f"unknown tool {name!r} (tools: lookup)")
-            text, _ = run_tool(lookup, arguments, 10.0)
-        except ToolCallError as e:
-            text = f"error: {e}"
-        messages.append({"role": "tool", "content": text, **_answering(calls)})
+        new, done, _ = env.step(messages)
+        if done:
+            return None
+        calls = said.get("tool_calls") or [{}]
+        messages += [
+            m | ({"tool_call_id": calls[0]["id"]} if "id" in calls[0] else {}) for m in new
+        ]
     return None
-
-
-def _answering(calls: list[dict]) -> dict:
-    return {"tool_call_id": calls[0]["id"]} if calls else {}
 
 
 def call_text(key: str) -> str:

@@ -65,12 +65,32 @@ def parse_tool_call(text: str):
     in a turn's text (the Hermes / Qwen format); None when the turn calls no tool. A
     malformed call raises ToolCallError."""
     found = TOOL_CALL.search(text)
-    if found is None:
-        return None
+    return None if found is None else _checked_call(_json(found.group(1)))
+
+
+def requested_call(message: dict):
+    """(name, arguments) of the tool a turn calls: its first OpenAI `tool_calls` entry (as
+    the rollout servers' endpoint answers, serve.tool_call_parser), else the first
+    `<tool_call>` block of its text; None when it calls none. A malformed call raises
+    ToolCallError."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return parse_tool_call(message.get("content") or "")
+    function = calls[0].get("function") or {}
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        arguments = _json(arguments)
+    return _checked_call({"name": function.get("name"), "arguments": arguments})
+
+
+def _json(text: str):
     try:
-        call = json.loads(found.group(1))
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ToolCallError(f"the tool call is not valid JSON ({e.msg})") from None
+
+
+def _checked_call(call) -> tuple[str, dict]:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise ToolCallError('a tool call needs {"name": ..., "arguments": {...}}')
     arguments = call.get("arguments", {})
@@ -142,7 +162,7 @@ class ToolEnvironment:
 
     def step(self, messages: list[dict]):
         try:
-            call = parse_tool_call(messages[-1]["content"])
+            call = requested_call(messages[-1])
             if call is None:
                 return [], True, None
             name, arguments = call

@@ -59,10 +59,9 @@ def sync_entries(
     model), after the frozen base itself where `with_base` (the first sync of this trainer
     with a server: what it served before may be another run's weights)."""
     adapters = [((name, role, scale), t) for name, role, t, scale in adapter_weights(actor)]
-    whole = [((name, "", 1.0), p) for name, p in checkpoint_parameters(actor)]
-    if not adapters:
-        return whole
-    return whole + adapters if with_base else adapters
+    if adapters and not with_base:
+        return adapters
+    return [((name, "", 1.0), p) for name, p in checkpoint_parameters(actor)] + adapters
 
 
 class ServerEngine:

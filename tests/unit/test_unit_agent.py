@@ -595,3 +595,19 @@ def test_multi_turn_config_errors():
         check({"tools": ["m:f"], "environment": "m:g"})
     with pytest.raises(ConfigError, match="max_turns"):
         check({"environment": "m:g", "max_turns": 0})
+
+
+def test_a_requested_call_is_read_from_openai_tool_calls_or_the_text():
+    """agent.requested_call (ToolEnvironment.step, the endpoint demo's episodes): an OpenAI
+    tool_calls entry (JSON-string arguments), else a <tool_call> block of the text; a
+    malformed one of either form is a ToolCallError for the model to read."""
+    from rlhf_dist.rollout.agent import ToolCallError, requested_call
+
+    openai_form = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "b"}'}}]}  # fmt: skip
+    assert requested_call(openai_form) == ("lookup", {"key": "b"})
+    assert requested_call({"role": "assistant", "content": CALL}) == ("lookup", {"key": "b"})
+    assert requested_call({"role": "assistant", "content": "It is b."}) is None
+    openai_form["tool_calls"][0]["function"]["arguments"] = "{key"
+    with pytest.raises(ToolCallError, match="not valid JSON"):
+        requested_call(openai_form)
