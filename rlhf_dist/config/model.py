@@ -119,8 +119,9 @@ class DataConfig:
     chat_template: str = key(
         "",
         "chat template for conversational rows (lists of {role, content} messages) of the "
-        "policy's tokenizer: a Jinja string or the path of a file holding one; empty: the "
-        "tokenizer's own (docs/data.md)",
+        "policy's tokenizer: a Jinja string, the path of a file holding one, or chatml_tools "
+        "(ChatML that shows tools and tool calls, for tokenizers whose own template ignores "
+        "them, as SmolLM2's does); empty: the tokenizer's own (docs/data.md)",
     )
 
 

@@ -106,13 +106,14 @@ def _validate_reward(cfg: Config, stage: str) -> None:
     """An RL or eval stage's reward: some source, well-formed function specs, and what the
     sources need (ppo.estimator=distill and a verifiers environment's rubric need none)."""
     distill_alone = stage == "ppo" and cfg.ppo.estimator == "distill"  # no task reward
-    # a verifiers environment's rubric scores every episode itself
-    rubric = stage == "ppo" and is_environment_spec(cfg.generation.environment)
-    if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone or rubric):
+    # an environment scores its episodes itself (a verifiers environment's rubric always
+    # does; an episode of another that returns none stops the run: rollout/collect.py)
+    environment = stage == "ppo" and bool(cfg.generation.environment)
+    if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone or environment):
         raise ConfigError(
             "model.reward: required unless reward.function, reward.functions, reward.url "
-            "or reward.judge is set (or ppo.estimator=distill, or a verifiers:ENV_ID "
-            "generation.environment, whose rubric scores)"
+            "or reward.judge is set (or ppo.estimator=distill, or a generation.environment "
+            "that returns its episodes' rewards)"
         )
     for spec in (cfg.reward.function, *cfg.reward.functions):
         if spec and ":" not in spec:

@@ -11,6 +11,7 @@ BOS is never added twice (docs/data.md).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +25,16 @@ if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
     from transformers import PreTrainedTokenizerBase
 
 ROLES = ("system", "user", "assistant", "tool")
+# The tool Chat.shows_tools renders a conversation with (an OpenAI function schema).
+PROBE_TOOL_NAME = "rlhf_dist_probe_tool"
+PROBE_TOOL: dict = {
+    "type": "function",
+    "function": {
+        "name": PROBE_TOOL_NAME,
+        "description": "A probe: is this tool shown to the model?",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 class BadRow(Exception):
@@ -59,17 +70,40 @@ def prompt_text(prompt) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
+# ChatML with Hermes/Qwen-style tools, for tokenizers whose own template shows no tools
+# (SmolLM2's, Llama 2's): data.chat_template: chatml_tools. The tools' schemas go into a
+# system turn; an assistant turn's OpenAI `tool_calls` are written as the <tool_call> blocks
+# the policy itself emits (its content may be None then: the turn only called); tool
+# results are turns of role "tool". Without tools and calls it renders plain ChatML.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}{{ '\\n' }}"
+    '{% endfor %}Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}{% set a = c['function']['arguments'] %}"
+    "<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, \"arguments\": "
+    "{% if a is string %}{{ a }}{% else %}{{ a | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NAMED_TEMPLATES = {"chatml_tools": CHATML_TOOLS_TEMPLATE}
+
+
 def resolve_template(tokenizer, chat_template: str, where: str) -> str:
-    """The chat template to render with: `chat_template` (data.chat_template: a Jinja
-    string or a file holding one), else the tokenizer's own; none is a ConfigError."""
+    """The chat template to render with: `chat_template` (data.chat_template: a name in
+    NAMED_TEMPLATES, a Jinja string or a file holding one), else the tokenizer's own; none
+    is a ConfigError."""
     if chat_template:
+        if chat_template in NAMED_TEMPLATES:
+            return NAMED_TEMPLATES[chat_template]
         path = Path(chat_template).expanduser()
         if "{" not in chat_template and path.is_file():
             return path.read_text(encoding="utf-8")
         if "{{" in chat_template or "{%" in chat_template:
             return chat_template
         raise ConfigError(
-            f"data.chat_template: {chat_template!r} is neither a file nor a Jinja template"
+            f"data.chat_template: {chat_template!r} is neither a file, a Jinja template "
+            f"nor a template's name ({', '.join(NAMED_TEMPLATES)})"
         )
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.chat_template
@@ -102,6 +136,18 @@ class Chat:
             )
         except Exception as e:  # jinja2's raise_exception and template bugs alike
             raise BadRow(f"chat template refused the row ({type(e).__name__})") from None
+
+    def shows_tools(self) -> bool:
+        """Whether the template writes the tools' schemas into the prompt: a probe tool's
+        name must appear in a rendered one-turn conversation. SmolLM2's template, for one,
+        ignores `tools`, so the policy would never learn what it may call. A template that
+        refuses the probe conversation is given the benefit of the doubt."""
+        probe = dataclasses.replace(self, tools=(PROBE_TOOL,))
+        try:
+            text = probe.render([{"role": "user", "content": "hello"}], generation_prompt=True)
+        except BadRow:
+            return True
+        return PROBE_TOOL_NAME in text
 
     def encode(self, text: str) -> list[int]:
         """Ids of rendered text, no special tokens added: the template wrote them."""

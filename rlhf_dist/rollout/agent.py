@@ -29,7 +29,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -39,21 +39,7 @@ from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.engine.decode import generate
 from rlhf_dist.engine.forward import DEFAULT_PERF
 
-if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
-    pass
-
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-# A ChatML template with Hermes/Qwen-style tool support, for tokenizers whose own template
-# has none (pass it as data.chat_template): the tools' schemas go into a system turn, tool
-# results are turns of role "tool".
-CHATML_TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}"
-    '{% endfor %}\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
-    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 class ToolCallError(Exception):
@@ -205,6 +191,15 @@ class Agent:
     renderer: Renderer
     max_turns: int
     max_episode_tokens: int
+    # no reward source is set (validation.py): every episode's reward is the environment's
+    reward_required: bool = False
+
+
+def environment_rewards_only(cfg: Config) -> bool:
+    """Whether generation.environment is the run's only reward source (no reward function,
+    remote reward, judge or reward model): each episode must then return its reward."""
+    r = cfg.reward
+    return bool(cfg.generation.environment) and not (r.text_rewards() or cfg.model.reward)
 
 
 def build_agent(cfg: Config, tokenizer) -> Agent | None:
@@ -228,8 +223,14 @@ def build_agent(cfg: Config, tokenizer) -> Agent | None:
         def factory():
             return ToolEnvironment(tools, g.tool_timeout_s)
 
+    renderer = Renderer(tokenizer, template, schemas)
+    if schemas and not renderer.shows_tools():
+        raise ConfigError(
+            "data.chat_template: the chat template does not show the tools to the model "
+            "(it ignores `tools`); set data.chat_template: chatml_tools, or a template that does"
+        )
     budget = g.max_episode_tokens or g.max_turns * g.max_new_tokens
-    return Agent(factory, Renderer(tokenizer, template, schemas), g.max_turns, budget)
+    return Agent(factory, renderer, g.max_turns, budget, environment_rewards_only(cfg))
 
 
 @dataclass

@@ -175,6 +175,13 @@ def _episodes(
         episodes = _endpoint_episodes(models, prompts, gen, eos)
     else:
         episodes = _agent_episodes(models, prompts, gen, chunks, tokenizer, eos)
+    unscored = [i for i, e in enumerate(episodes) if e.reward is None]
+    if models.agent.reward_required and unscored:
+        raise UserError(
+            f"generation.environment: episode {unscored[0]} returned no reward, and the run "
+            "has no other reward source (reward.function, reward.functions, reward.url, "
+            "reward.judge or model.reward)"
+        )
     device = next(iter(models.actor_critic.parameters())).device
     sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
     env_scores = sampled.pop("env_scores")

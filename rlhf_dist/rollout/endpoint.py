@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from rlhf_dist.config import GenerationConfig
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.errors import ServerError, UserError
-from rlhf_dist.rollout.agent import Episode
+from rlhf_dist.rollout.agent import Episode, environment_rewards_only
 from rlhf_dist.rollout.environments import environment_episode
 from rlhf_dist.rollout.vllm import sampling_seeds
 
@@ -40,6 +41,7 @@ class EndpointAgent:
 
     episode: Callable
     at_once: int
+    reward_required: bool = False  # as agent.Agent's
 
 
 def endpoint_agent(cfg) -> EndpointAgent | None:
@@ -50,7 +52,7 @@ def endpoint_agent(cfg) -> EndpointAgent | None:
     episode = environment_episode(g.environment) or resolve_callable(
         g.environment, "generation.environment"
     )
-    return EndpointAgent(episode, g.endpoint_episodes_at_once)
+    return EndpointAgent(episode, g.endpoint_episodes_at_once, environment_rewards_only(cfg))
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,12 @@ class EndpointClient:
             self.base_url + "/chat/completions", json.dumps(body).encode(),
             {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
         )  # fmt: skip
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-            return json.loads(answer.read())
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as e:  # the server's reason, not just "Bad Request"
+            detail = e.read(500).decode("utf-8", "replace").strip()
+            raise ServerError(f"{self.base_url}/chat/completions: HTTP {e.code} {detail}") from None
 
 
 def request_fields(gen: GenerationConfig, stop_ids) -> dict:

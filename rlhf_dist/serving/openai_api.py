@@ -23,7 +23,8 @@ name an episode in `model` (`<name>#<episode id>`): it is then one turn of that 
 recorded token in, token out for the trainer (serving/episodes.py).
 
 Refused with a 400: n > 1, `stop` strings (stop tokens are the model's; use the
-extension `stop_token_ids`), a chat request when no template is known, an episode's turn
+extension `stop_token_ids`), a chat request when no template is known, tools when the
+template does not show them (data.chat_template: chatml_tools does), an episode's turn
 that does not extend its messages so far.
 """
 
@@ -121,6 +122,11 @@ def chat_completion(
         raise BadRequest("messages: the served tokenizer has no chat template (data.chat_template)")
     s = sampling_of(body, default_max)
     messages, tools = [m.as_dict() for m in body.messages], tuple(body.tools or ())
+    if tools and not policy.chat.shows_tools():  # else the policy never sees what it may call
+        raise BadRequest(
+            "tools: the served chat template does not show tools to the model (it ignores "
+            "`tools`); serve with data.chat_template: chatml_tools, or a template that does"
+        )
     episode = episode_of(body.model)
     if episode is None:
         try:

@@ -20,7 +20,6 @@ from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf_dist.algo.masking import RunningMoments
 from rlhf_dist.config import Config
-from rlhf_dist.config.environments import is_environment_spec
 from rlhf_dist.data.batching import PPOPlan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.distributed import Runtime
@@ -99,12 +98,12 @@ def _load_teacher(cfg: Config, runtime: Runtime) -> nn.Module:
 def _frozen_scorer(cfg: Config, runtime: Runtime, reward_inputs) -> Scorer | None:
     """The reward of the run (rewards.scoring.build_scorer); None where the LoRA critic's
     adapters-off base is the reward model (built after prepare); without a reward source,
-    a verifiers environment's rubric alone, or zeros for distillation alone
+    the environment's rewards alone, or zeros for distillation alone
     (ppo.estimator=distill)."""
     if shares_reward_with_critic(cfg):
         return None
     if not (cfg.reward.text_rewards() or cfg.model.reward):
-        from_environment = is_environment_spec(cfg.generation.environment)
+        from_environment = bool(cfg.generation.environment)
         return Scorer(reward_fn=environment_reward if from_environment else no_task_reward)
     placement = cfg.distributed.frozen_models
     return build_scorer(
@@ -119,9 +118,9 @@ def no_task_reward(prompts, responses, columns=None) -> torch.Tensor:
 
 
 def environment_reward(prompts, responses, columns=None) -> torch.Tensor:
-    """The scores of a verifiers environment without another reward source: NaN for every
-    response (B,), each replaced by the reward the environment's rubric gave its episode
-    (rollout/collect.py; a verifiers episode always returns one)."""
+    """The scores of an environment without another reward source: NaN for every response
+    (B,), each replaced by the reward the environment gave its episode (rollout/collect.py,
+    which stops the run when an episode gave none; a verifiers rubric always gives one)."""
     return torch.full((len(responses),), float("nan"))
 
 

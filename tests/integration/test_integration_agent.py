@@ -24,6 +24,7 @@ from rlhf_dist.algo.objectives import tied_groups
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.demo import tool_task
 from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.errors import UserError
 from rlhf_dist.rollout.agent import TOOL_CALL, tool_schema
 from rlhf_dist.trainers import ppo, ppo_update
 
@@ -334,7 +335,8 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
     official openai client drives it the same way, and so does the task written as a
     verifiers ToolEnv (its prompts from the environment's dataset, the tool calls read
     from the server's OpenAI `tool_calls` and run by verifiers, the reward its rubric's,
-    with no reward.function set)."""
+    with no reward.function set). With no reward source, an episode that returns no reward
+    stops the run."""
     pytest.importorskip("openai")
     from serve_process import served
 
@@ -367,3 +369,11 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
             assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
             before, after = saved_state_dict(policy), saved_state_dict(out / "final")
             assert any(not torch.equal(before[k], after[k]) for k in before)
+        # an environment that returns no reward is a reward source only if it scores:
+        # with no other source, its first unscored episode stops the run in one line
+        run = grpo_tree(tmp_path / "unscored", policy, files, backend="server",
+                        server_urls=[url], server_token_env=env, environment=runs[1][1],
+                        environment_endpoint=True)  # fmt: skip
+        del run["generation"]["tools"], run["reward"]
+        with pytest.raises(UserError, match=r"^generation\.environment: episode 0 returned no"):
+            ppo.train_ppo(config_from_dict(run), runtime)

@@ -8,6 +8,7 @@ is NOT the tokenizer's encoding of its own text: re-tokenising it would change t
 
 from __future__ import annotations
 
+import copy
 import json
 import string
 import time
@@ -16,10 +17,10 @@ import pytest
 import torch
 
 from rlhf_dist.config import ConfigError, GenerationConfig, config_from_dict, validate
+from rlhf_dist.data.chat import CHATML_TOOLS_TEMPLATE
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.rollout import agent as agent_mod
 from rlhf_dist.rollout.agent import (
-    CHATML_TOOLS_TEMPLATE,
     Agent,
     Renderer,
     ToolEnvironment,
@@ -500,6 +501,7 @@ def test_serve_tool_call_parser_none_leaves_the_call_in_the_text(tok):
     from rlhf_dist.data.chat import Chat
     from rlhf_dist.serving.episodes import EpisodeLog
     from rlhf_dist.serving.openai_api import ChatBody, chat_completion
+    from rlhf_dist.serving.policy import BadRequest
 
     sampled = call_turn(tok)
     policy = SimpleNamespace(
@@ -521,6 +523,11 @@ def test_serve_tool_call_parser_none_leaves_the_call_in_the_text(tok):
             assert message["content"] is None and len(message["tool_calls"]) == 1
         else:
             assert message == {"role": "assistant", "content": tok.decode(sampled[:-1])}
+    hidden = SimpleNamespace(**{**vars(policy), "chat": Chat(tok, IGNORES_TOOLS)})
+    with pytest.raises(BadRequest, match=r"^tools: .*does not show tools.*chatml_tools"):
+        chat_completion(hidden, body, 16, EpisodeLog(hidden.chat))
+    no_tools = body.model_copy(update={"tools": None})  # a plain chat is served as before
+    assert chat_completion(hidden, no_tools, 16, EpisodeLog(hidden.chat))["choices"]
 
 
 def test_endpoint_episodes_are_collected_in_order_and_failures_are_one_line():
@@ -595,6 +602,31 @@ def test_multi_turn_config_errors():
         check({"tools": ["m:f"], "environment": "m:g"})
     with pytest.raises(ConfigError, match="max_turns"):
         check({"environment": "m:g", "max_turns": 0})
+
+
+IGNORES_TOOLS = (  # SmolLM2's template as it ships, in short: no `tools` anywhere
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_with_a_template_that_hides_them_are_an_error_naming_the_key(tok):
+    """generation.tools when the chat template ignores `tools` (the policy would never see
+    what it may call): a ConfigError naming data.chat_template and the template that
+    shows them; data.chat_template: chatml_tools builds the agent."""
+    from rlhf_dist.rollout.agent import build_agent
+
+    tree = {"generation": {"tools": ["test_unit_agent:lookup"]}}
+    hidden = copy.deepcopy(tok)
+    hidden.chat_template = IGNORES_TOOLS
+    with pytest.raises(
+        ConfigError, match=r"^data\.chat_template: .*does not show the tools.*chatml_tools"
+    ):
+        build_agent(config_from_dict(tree), hidden)
+    named = config_from_dict({**tree, "data": {"chat_template": "chatml_tools"}})
+    agent = build_agent(named, hidden)
+    assert agent is not None and agent.renderer.template == CHATML_TOOLS_TEMPLATE
+    assert "lookup" in agent.renderer.render([{"role": "user", "content": "b?"}], True)
 
 
 def test_a_requested_call_is_read_from_openai_tool_calls_or_the_text():

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from rlhf_dist.config import ConfigError, DataConfig
 from rlhf_dist.data.chat import (
+    CHATML_TOOLS_TEMPLATE,
     BadRow,
     Chat,
     chat_for,
@@ -112,8 +113,47 @@ def test_template_from_key_string_file_or_tokenizer(tmp_path, toks):
     path.write_text(jinja)
     assert resolve_template(plain, str(path), "data.train 'x'") == jinja
     assert resolve_template(toks["chatml"], "", "w") == toks["chatml"].chat_template
-    with pytest.raises(ConfigError, match=r"^data\.chat_template: .*neither a file"):
+    assert resolve_template(plain, "chatml_tools", "w") == CHATML_TOOLS_TEMPLATE
+    with pytest.raises(ConfigError, match=r"^data\.chat_template: .*neither a file.*chatml_tools"):
         resolve_template(plain, "no_such_file.jinja", "data.train 'x'")
+
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def test_shows_tools_tells_a_template_that_writes_the_schemas_from_one_that_ignores_them(toks):
+    tok = toks["chatml"]
+    ignores = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% endfor %}"
+    names_only = "{% for t in tools %}{{ t['function']['name'] }}{% endfor %}" + ignores
+    refuses = "{{ raise_exception('no') }}"
+    assert Chat(tok, CHATML_TOOLS_TEMPLATE).shows_tools()
+    assert Chat(tok, names_only).shows_tools()
+    assert not Chat(tok, ignores).shows_tools()
+    assert Chat(tok, refuses).shows_tools()  # cannot tell: not refused for it
+
+
+def test_chatml_tools_writes_openai_tool_calls_as_the_blocks_the_policy_emits(toks):
+    """An assistant turn that only called (content None, as OpenAI clients send it back) and
+    one with text too; arguments as a JSON string (OpenAI's wire format) or a dict."""
+    chat = Chat(toks["chatml"], CHATML_TOOLS_TEMPLATE, tools=(LOOKUP,))
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup"}}
+    messages = [
+        user("code of river ?"),
+        {"role": "assistant", "content": None,
+         "tool_calls": [{**call, "function": {**call["function"], "arguments": '{"key": "river"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "again",
+         "tool_calls": [{**call, "function": {**call["function"], "arguments": {"key": "sea"}}}]},
+    ]  # fmt: skip
+    text = chat.render(messages, generation_prompt=False)
+    assert text.startswith('<|im_start|>system\nTools:\n{"type": "function"')
+    assert (
+        '<|im_start|>assistant\n<tool_call>{"name": "lookup", "arguments": {"key": "river"}}'
+        "</tool_call><|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\nagain"
+        '<tool_call>{"name": "lookup", "arguments": {"key": "sea"}}</tool_call><|im_end|>'
+    ) in text
+    plain = Chat(toks["chatml"], CHATML_TOOLS_TEMPLATE).render([user("hi")], True)
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_missing_template_is_one_line_naming_file_and_key(tmp_path):

@@ -51,16 +51,20 @@ def endpoint_tree(environment: str, endpoint: bool = True, train: str = "p.jsonl
 
 def test_validation_wants_the_endpoint_and_the_package(monkeypatch):
     """A verifiers environment drives an OpenAI client: it plays through the endpoint
-    only; its rubric is a reward source (no reward.function needed, unlike a function
-    environment's run); without the package every spec is one line naming its key."""
+    only; an environment is a reward source (its rubric, a function's returned rewards:
+    no reward.function needed), tools alone are not; without the package every spec is
+    one line naming its key."""
     pytest.importorskip("verifiers")
     with pytest.raises(ConfigError, match="generation.environment: a verifiers environment"):
         validate(config_from_dict(endpoint_tree(DEMO, endpoint=False)), "ppo")
     rubric_only = endpoint_tree(DEMO)
     del rubric_only["reward"]
     validate(config_from_dict(rubric_only), "ppo")
+    validate(config_from_dict({**endpoint_tree("m:f"), "reward": {}}), "ppo")
+    tools_only = {**endpoint_tree("m:f", endpoint=False), "reward": {}}
+    tools_only["generation"] = {"tools": ["m:lookup"]}
     with pytest.raises(ConfigError, match="^model.reward: required"):
-        validate(config_from_dict({**endpoint_tree("m:f"), "reward": {}}), "ppo")
+        validate(config_from_dict(tools_only), "ppo")
     monkeypatch.setattr(validation_mod, "_installed", lambda module: module != "verifiers")
     for tree, key in ((endpoint_tree(DEMO), "generation.environment"),
                       (endpoint_tree("m:f", train=DEMO), "data.train")):  # fmt: skip
