@@ -256,6 +256,7 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict:
     which = "eval" if cfg.data.eval else "train"
     where = f"data.{which} {getattr(cfg.data, which)!r}"
     prompts = prompt_set(load_data(cfg.data, which), tokenizer, cfg.data, where)
+    agent = build_agent(cfg, tokenizer)  # tools resolved and shown, before any model loads
     # Evaluation replicates its models on every rank: sampling from partitioned (ZeRO-3)
     # weights would need every rank to step each token together. Its chunks still run in
     # lock-step (evaluate_policy), as every forward-only loop does.
@@ -275,8 +276,9 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict:
         runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg), cfg.reward,
         cfg.perf,
     )  # fmt: skip
-    stops, agent = policy_stop_ids(cfg, tokenizer), build_agent(cfg, tokenizer)
-    models = eval_models(policy, reference, scorer, stops, agent, cfg.perf)
+    models = eval_models(
+        policy, reference, scorer, policy_stop_ids(cfg, tokenizer), agent, cfg.perf
+    )
     win_scorer = win_rate_judge(runtime, cfg, scorer) if reference is not None else None
     try:
         summary, samples = evaluate_policy(

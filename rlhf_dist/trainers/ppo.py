@@ -50,9 +50,9 @@ from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.planning.start import planned_phases, run_hardware
 from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
-from rlhf_dist.rollout.agent import build_agent
+from rlhf_dist.rollout.agent import Agent, build_agent
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
-from rlhf_dist.rollout.endpoint import endpoint_agent
+from rlhf_dist.rollout.endpoint import EndpointAgent, endpoint_agent
 from rlhf_dist.rollout.prefetch import PrefetchingServer
 from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.rollout.vllm import VLLMEngine
@@ -406,11 +406,15 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     # batch of ppo.minibatch_size rows per optimizer step, from where the checkpoint was.
     position = ckpt.trainer.get("ptx_position", 0) if ckpt else 0
     ptx = ptx_stream(cfg, runtime, tokenizer, plan.update, position)
+    # The multi-turn agent too (tools resolved, the template checked to show them): None
+    # without generation.tools / environment; played through the endpoint with
+    # generation.environment_endpoint.
+    agent = endpoint_agent(cfg) or build_agent(cfg, tokenizer)
     total_steps = p.iterations * plan.optimizer_steps_per_iteration
     built = build_models(cfg, runtime, plan, total_steps, ckpt)
     model = built.model
 
-    rollout_models = make_rollout_models(cfg, runtime, built, tokenizer)
+    rollout_models = make_rollout_models(cfg, runtime, built, tokenizer, agent)
     kl_ctl, moments, entropy_ctl = restored_controllers(p, ckpt, built.scheduler)
     return PPORun(
         model,
@@ -429,7 +433,9 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     )
 
 
-def make_rollout_models(cfg: Config, runtime: Runtime, built, tokenizer) -> RolloutModels:
+def make_rollout_models(
+    cfg: Config, runtime: Runtime, built, tokenizer, agent: Agent | EndpointAgent | None
+) -> RolloutModels:
     """What a rollout reads: the actor (generated from through `generation_context`), the
     frozen models, the stop ids, the engine, the agent and the scoring split."""
     model = built.model
@@ -459,9 +465,7 @@ def make_rollout_models(cfg: Config, runtime: Runtime, built, tokenizer) -> Roll
         stops,
         engine,
         whole_weights=lambda: runtime.whole_weights(model, gather),
-        # None without generation.tools / environment; played through the endpoint with
-        # generation.environment_endpoint
-        agent=endpoint_agent(cfg) or build_agent(cfg, tokenizer),
+        agent=agent,
         any_rank=runtime.any_rank if runtime.world_size > 1 else None,
         perf=cfg.perf,
         teacher=built.teacher,  # model.teacher: scores the rollout (docs/distill.md)
