@@ -72,7 +72,9 @@ def test_one_step_per_rollout_takes_old_logprobs_from_the_update(
             assert a[k] == pytest.approx(b[k], abs=1e-6, rel=1e-6), k
         assert a["policy/ratio_mean"] == 1.0 and a["policy/ratio_max"] == 1.0
         assert a["policy/approx_kl"] == 0.0 and a["objective/entropy"] > 0
-    assert skipped[0]["objective/kl"] == 0.0  # iteration 1: the actor is the reference
+    # iteration 1: the actor is the reference, though its log-probs come from the update's
+    # forward and the reference's from scoring's (other batch shapes): equal up to rounding
+    assert skipped[0]["objective/kl"] == pytest.approx(0.0, abs=1e-9)
     assert skipped[1]["objective/kl"] > 0.0
 
 
