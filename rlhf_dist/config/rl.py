@@ -409,7 +409,8 @@ class PPOConfig:
     max_staleness: int = key(
         0,
         "generation.backend=server: 0 = on-policy (sync the weights, sample, train); 1 = the "
-        "servers sample iteration k+1's rollout while iteration k trains (one step off-policy; "
+        "servers sample iteration k+1's rollout (or play its episodes, with "
+        "generation.environment_endpoint) while iteration k trains (one step off-policy; "
         "a rollout more than this many updates old is never trained on); at most 1 "
         '(docs/serving.md, "Asynchronous rollouts")',
         min=0,

@@ -308,7 +308,8 @@ def _validate_rollout_correction(cfg: Config) -> None:
 
 
 def _validate_staleness(cfg: Config) -> None:
-    """ppo.max_staleness: rollout servers only, at most 1, with the loop's plain rollout."""
+    """ppo.max_staleness: rollout servers only, at most 1, with the loop's plain rollout
+    or an environment through the endpoint (rollout/prefetch.py)."""
     p, g = cfg.ppo, cfg.generation
     if not p.max_staleness:
         return
@@ -326,7 +327,13 @@ def _validate_staleness(cfg: Config) -> None:
         ("ppo.estimator", p.estimator == "online_dpo", "online_dpo"),
         ("ppo.dynamic_sampling", p.dynamic_sampling, "true"),
         ("generation.tools", bool(g.tools), "set"),
-        ("generation.environment", bool(g.environment), "set"),
+        # played in this process, turn by turn in step with the other ranks: nothing to
+        # overlap; through the endpoint the episodes run beside the update
+        (
+            "generation.environment",
+            bool(g.environment) and not g.environment_endpoint,
+            "set without generation.environment_endpoint",
+        ),
     )
     for name, on, value in refused:
         if on:

@@ -144,7 +144,6 @@ def run_tool_demo(
     endpoint ("function" or "verifiers"): GRPO's environment talks to a rollout server's
     chat endpoint (module doc); "": the tool runs in the trainer's episodes."""
     from rlhf_dist.distributed import Runtime
-    from rlhf_dist.evaluate import run_eval
     from rlhf_dist.models import quiet_transformers
     from rlhf_dist.trainers.ppo import train_ppo
     from rlhf_dist.trainers.sft import train_sft
@@ -155,9 +154,7 @@ def run_tool_demo(
     tokenizer = tool_task.build_tool_tokenizer(root / "task" / "tokenizer")
     policy = task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed)["policy"]
     trees = with_overrides(tool_stage_configs(root, files, policy, seed, quick), overrides)
-    configs = {name: config_from_dict(tree) for name, tree in trees.items()}
-    for name, cfg in configs.items():
-        validate(cfg, "ppo" if name == "grpo" else name)
+    configs = validated_configs(trees, endpoint)
     runtime = Runtime(seed=seed)
     runtime.print(f"== tool-use task written to {root / 'task'}; stage 1/3: SFT")
     train_sft(configs["sft"], runtime)
@@ -168,27 +165,12 @@ def run_tool_demo(
             "== stage 2/3: GRPO, the environment driving a rollout server's chat endpoint"
         )
         with served(root / "sft" / "final", root, free_port()) as url:
-            grpo = config_from_dict(through_endpoint(trees["grpo"], url, endpoint))
-            validate(grpo, "ppo")
-            train_ppo(grpo, runtime)
+            train_ppo(config_from_dict(through_endpoint(trees["grpo"], url, endpoint)), runtime)
     else:
         runtime.print("== stage 2/3: GRPO with the lookup tool")
         train_ppo(configs["grpo"], runtime)
     runtime.print("== stage 3/3: evaluation of the SFT and GRPO policies on held-out keys")
-    sft_eval = run_eval(_with_output(configs["eval"], root / "eval" / "sft"), runtime)
-    grpo_cfg = _with_output(
-        configs["eval"], root / "eval" / "grpo", policy=str(root / "grpo" / "final")
-    )
-    grpo_eval = run_eval(grpo_cfg, runtime)
-
-    def pick(ev):
-        return {
-            "gold_reward": ev["gold_reward"],
-            "tool_calls_per_response": ev["tool_calls"],
-            "turns": ev["turns"],
-        }
-
-    summary = {"sft": pick(sft_eval), "grpo": pick(grpo_eval)}
+    summary = evaluated(configs["eval"], root, runtime)
     summary["wall_seconds"] = round(time.time() - start, 1)
     if runtime.is_main:
         (root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -198,4 +180,32 @@ def run_tool_demo(
             f"tool calls per response {s['tool_calls_per_response']:.2f} -> "
             f"{g['tool_calls_per_response']:.2f}; {summary['wall_seconds']:.0f} s"
         )
+    return summary
+
+
+def validated_configs(trees: dict, endpoint: str) -> dict:
+    """Each stage's Config, validated before anything trains; the GRPO stage as it will
+    run (through the endpoint: the server's URL is known only once it starts, so a stand-in
+    here), so that e.g. ppo.max_staleness=1, which needs the server, is checked as such."""
+    configs = {name: config_from_dict(tree) for name, tree in trees.items()}
+    for name, cfg in configs.items():
+        if name == "grpo" and endpoint:
+            cfg = config_from_dict(through_endpoint(trees[name], "http://127.0.0.1:1", endpoint))
+        validate(cfg, "ppo" if name == "grpo" else name)
+    return configs
+
+
+def evaluated(eval_cfg, root: Path, runtime) -> dict:
+    """Gold reward, tool calls and turns per response of the SFT and GRPO policies on the
+    held-out prompts."""
+    from rlhf_dist.evaluate import run_eval
+
+    summary = {}
+    for name, policy in (("sft", None), ("grpo", str(root / "grpo" / "final"))):
+        ev = run_eval(_with_output(eval_cfg, root / "eval" / name, policy), runtime)
+        summary[name] = {
+            "gold_reward": ev["gold_reward"],
+            "tool_calls_per_response": ev["tool_calls"],
+            "turns": ev["turns"],
+        }
     return summary

@@ -191,18 +191,23 @@ def _episodes(
 
 def _endpoint_episodes(models: RolloutModels, prompts: PromptBatch, gen, eos) -> list:
     """generation.environment_endpoint: one sync, then the environment plays every episode
-    against the servers' chat endpoint (rollout/endpoint.py)."""
-    server = models.engine
-    assert isinstance(server, ServerEngine) and isinstance(models.agent, endpoint.EndpointAgent)
+    against the servers' chat endpoint (rollout/endpoint.py); with ppo.max_staleness, the
+    episodes played ahead by the last iteration's weights (rollout/prefetch.py)."""
+    engine, agent = models.engine, models.agent
+    assert isinstance(agent, endpoint.EndpointAgent)
+    assert isinstance(engine, (ServerEngine, PrefetchingServer))
     with (models.sync_context or models.generation_context)() as (actor, _):
-        server.load_weights(actor)  # a bucket at a time
-    texts, columns = prompts.rows(slice(None))
-    agent = models.agent
+        engine.load_weights(actor)  # a bucket at a time
+    server = engine.server if isinstance(engine, PrefetchingServer) else engine
+
+    def play(batch: PromptBatch):
+        texts, columns = batch.rows(slice(None))
+        return endpoint.request(agent, server, list(texts), columns, gen, eos)
+
+    if isinstance(engine, PrefetchingServer):
+        return engine.episodes(prompts, play)
     # an environment's error or a server's on one rank stops every rank at once
-    return server.together(
-        lambda: endpoint.play(agent, server, list(texts), columns, gen, eos),
-        errors=(ServerError, UserError),
-    )
+    return server.together(play(prompts), errors=(ServerError, UserError))
 
 
 def _agent_episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer, eos):

@@ -107,12 +107,22 @@ def play(
 ) -> list[Episode]:  # fmt: skip
     """One episode per prompt against `server` (rollout/server.py ServerEngine, synced)
     -> the episodes as the in-process multi-turn rollout returns them."""
-    # ids from the checkpointed RNG and the rank: a resumed run names (and seeds) its
-    # episodes as the unbroken one did
+    return request(agent, server, prompts, columns, gen, stop_ids)()
+
+
+def request(
+    agent: EndpointAgent, server, prompts: list, columns: list[dict], gen: GenerationConfig,
+    stop_ids,
+) -> Callable[[], list[Episode]]:  # fmt: skip
+    """The episodes of `play`, named now (their ids drawn on this thread from the
+    checkpointed RNG, so a resumed run names and seeds them as the unbroken one did) and
+    played when the returned work runs (with ppo.max_staleness, on rollout/prefetch.py's
+    background thread while the trainer trains). Their records must carry the servers'
+    version of now: nothing syncs while they play."""
     tag = f"{os.environ.get('RANK', '0')}-{int(sampling_seeds(1)[0])}"
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     urls = [server.urls[i % len(server.urls)] for i in range(len(prompts))]
-    fields = request_fields(gen, stop_ids)
+    fields, version = request_fields(gen, stop_ids), server.version
 
     def run(i: int):
         client = EndpointClient(
@@ -126,12 +136,15 @@ def play(
                 f"generation.environment: episode {i} raised {type(e).__name__}: {e}"
             ) from None
 
-    with ThreadPoolExecutor(max_workers=max(1, min(agent.at_once, len(prompts)))) as pool:
-        rewards = list(pool.map(run, range(len(prompts))))
-    return [
-        _episode(record, reward, server.version, i)
-        for i, (record, reward) in enumerate(zip(_collect(server, urls, ids), rewards))
-    ]
+    def work() -> list[Episode]:
+        with ThreadPoolExecutor(max_workers=max(1, min(agent.at_once, len(prompts)))) as pool:
+            rewards = list(pool.map(run, range(len(prompts))))
+        return [
+            _episode(record, reward, version, i)
+            for i, (record, reward) in enumerate(zip(_collect(server, urls, ids), rewards))
+        ]
+
+    return work
 
 
 def _collect(server, urls: list[str], ids: list[str]) -> list[dict]:

@@ -6,10 +6,14 @@ sleep) and wraps the `ServerEngine`. At iteration k, load_weights(): wait for th
 rollout requested during iteration k-1 (sampled by the weights the trainer started k-1
 with), then sync the trainer's current weights to the servers (they are idle now: a sync
 never changes weights under a running request); generate(): request iteration k+1's
-prompts on a background thread and return iteration k's rollout. Scoring and the update of iteration
-k run on the main thread while the servers sample k+1. The background thread only does
-HTTP; every collective (the ranks' agreement on failures, the sync's gathers) stays on
-the main thread.
+prompts on a background thread and return iteration k's rollout. Scoring and the update
+of iteration k run on the main thread while the servers sample k+1. An environment that
+drives the policy through the chat endpoint (generation.environment_endpoint) is one
+step off the same way: episodes() returns iteration k's episodes, played by the weights
+k-1 started with, and starts iteration k+1's (the environment runs on the trainer's
+threads, its turns on the servers). The background thread only does HTTP and the
+environment's own work; every collective (the ranks' agreement on failures, the sync's
+gathers) stays on the main thread.
 
 Every rollout carries the iteration whose weights sampled it and the server's policy
 version. Its staleness is the number of updates between those weights and the ones it
@@ -34,14 +38,17 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_dist.config import GenerationConfig
+from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.rollout.batch import PromptBatch
 from rlhf_dist.rollout.server import ServerEngine
 
 
 @dataclass
 class InFlight:
     """A rollout requested from the servers: its prompts (B, P) and their mask, the
-    answers to come ([(url, answer)] with the request's seconds), the iteration whose
-    weights the servers held (`sampled_at`) and their policy version."""
+    answers to come (with the request's seconds: [(url, answer)] of /generate, or the
+    episodes an environment played), the iteration whose weights the servers held
+    (`sampled_at`) and their policy version."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
@@ -69,16 +76,16 @@ class PrefetchingServer:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-request")
         self.in_flight: InFlight | None = None
         self.iteration = 0  # the iteration about to sample (expect)
-        self.upcoming: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.upcoming: PromptBatch | None = None
         self.synced = (0, 0)  # (iteration, version) of the last sync
         self.dropped = 0  # rollouts dropped for staleness, this run
         # the last rollout handed out: its staleness (updates), version, request seconds
         self.staleness, self.version, self.request_seconds = 0, 0, 0.0
 
-    def expect(self, iteration: int, upcoming: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Before iteration `iteration`: the prompts (ids, mask) of the next one, to request
-        once this one's weights are synced (None: request nothing ahead; the last
-        iteration, or one that writes a checkpoint)."""
+    def expect(self, iteration: int, upcoming: PromptBatch | None) -> None:
+        """Before iteration `iteration`: the prompts of the next one, to request once this
+        one's weights are synced (None: request nothing ahead; the last iteration, or one
+        that writes a checkpoint)."""
         self.iteration, self.upcoming = iteration, upcoming
 
     def load_weights(self, actor: torch.nn.Module) -> None:
@@ -104,25 +111,51 @@ class PrefetchingServer:
         the next iteration's prompts before it returns. Another call (held-out
         evaluation) samples its prompts with the synced weights and leaves the rollout in
         flight for its iteration."""
+
+        def ask(ids, mask):  # the seeds are drawn now, on this thread
+            return self.server.request(ids, mask, gen_cfg, stop_ids)
+
+        ready = self._ready(prompt_ids, prompt_mask, ask)
+        out = self._responses(ready, pad_id, prompt_ids.device)
+        self._ask_ahead(lambda batch: ask(batch.ids, batch.mask))
+        return out
+
+    def episodes(self, prompts: PromptBatch, play: Callable[[PromptBatch], Callable[[], list]]):
+        """This iteration's episodes of `prompts` (generation.environment_endpoint), as
+        `generate` does a plain rollout: the ones played ahead by the weights of the last
+        iteration, else played now; then the next iteration's are started. `play(batch)`
+        names the episodes on this thread (their ids come from the checkpointed RNG) and
+        returns the work that plays them (rollout/endpoint.py `request`)."""
+        ready = self._ready(prompts.ids, prompts.mask, lambda ids, mask: play(prompts))
+        # an environment's error or a server's, on any rank, stops every rank at once
+        episodes, seconds = self.server.together(
+            ready.answers.result, errors=(ServerError, UserError)
+        )
+        self._record(ready, seconds)
+        self._ask_ahead(play)
+        return episodes
+
+    def _ready(self, prompt_ids, prompt_mask, ask: Callable) -> InFlight:
+        """The request in flight for these prompts when it is recent enough, else a new one
+        (`ask(ids, mask)` -> its work), sampled by the weights of the last sync."""
         ready, held = None, self.in_flight
         if held is not None and held.matches(prompt_ids, prompt_mask):
             ready, self.in_flight = held, None
         if ready is not None and self.iteration - ready.sampled_at > self.max_staleness:
             self.dropped, ready = self.dropped + 1, None  # never trained on
         if ready is None:  # on-policy: the first iteration, after a checkpoint, evaluation
-            ready = self._request(prompt_ids, prompt_mask, gen_cfg, stop_ids)
-        out = self._responses(ready, pad_id, prompt_ids.device)
-        if self.upcoming is not None and self.in_flight is None:  # once per iteration
-            ids, mask = self.upcoming
-            self.in_flight = self._request(ids, mask, gen_cfg, stop_ids)
-            self.upcoming = None
-        return out
+            ready = self._submit(prompt_ids, prompt_mask, ask(prompt_ids, prompt_mask))
+        return ready
 
-    def _request(self, prompt_ids, prompt_mask, gen_cfg, stop_ids) -> InFlight:
-        """Ask the servers for these prompts on the background thread (seeds drawn here),
-        sampled by the weights of the last sync."""
-        ask = self.server.request(prompt_ids, prompt_mask, gen_cfg, stop_ids)
-        future = self.pool.submit(_timed, ask)
+    def _ask_ahead(self, ask: Callable[[PromptBatch], Callable[[], list]]) -> None:
+        """Once per iteration: start the next iteration's request (`ask(batch)` -> its work)."""
+        if self.upcoming is not None and self.in_flight is None:
+            batch, self.upcoming = self.upcoming, None
+            self.in_flight = self._submit(batch.ids, batch.mask, ask(batch))
+
+    def _submit(self, prompt_ids, prompt_mask, work: Callable[[], list]) -> InFlight:
+        """Run `work` on the background thread (HTTP only)."""
+        future = self.pool.submit(_timed, work)
         return InFlight(prompt_ids, prompt_mask, future, *self.synced)
 
     def _responses(self, ready: InFlight, pad_id: int, device):
@@ -132,6 +165,9 @@ class PrefetchingServer:
         out = self.server.together(
             lambda: self.server.responses(answers, ready.version, pad_id, device)
         )
+        self._record(ready, seconds)
+        return out
+
+    def _record(self, ready: InFlight, seconds: float) -> None:
         self.staleness = self.iteration - ready.sampled_at
         self.version, self.request_seconds = ready.version, seconds
-        return out

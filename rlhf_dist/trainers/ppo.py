@@ -395,7 +395,7 @@ def expect_next(cfg: Config, run: PPORun, it: int, upcoming) -> None:
     if not isinstance(engine, PrefetchingServer):
         return
     ahead = upcoming is not None and not checkpoint_due(cfg, it, cfg.ppo.iterations, False)
-    engine.expect(it, (upcoming.ids, upcoming.mask) if ahead else None)
+    engine.expect(it, upcoming if ahead else None)
 
 
 def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:

@@ -336,7 +336,8 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
     verifiers ToolEnv (its prompts from the environment's dataset, the tool calls read
     from the server's OpenAI `tool_calls` and run by verifiers, the reward its rubric's,
     with no reward.function set). With no reward source, an episode that returns no reward
-    stops the run."""
+    stops the run. One step off-policy, the next iteration's episodes play while one
+    trains."""
     pytest.importorskip("openai")
     from serve_process import served
 
@@ -369,6 +370,22 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
             assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
             before, after = saved_state_dict(policy), saved_state_dict(out / "final")
             assert any(not torch.equal(before[k], after[k]) for k in before)
+        # one step off-policy (ppo.max_staleness=1): iteration k+1's episodes play on the
+        # servers while iteration k trains, by the weights iteration k started with
+        out = tmp_path / "one_step_off"
+        run = grpo_tree(out, policy, files, backend="server", server_urls=[url],
+                        server_token_env=env, environment=runs[0][1],
+                        environment_endpoint=True)  # fmt: skip
+        del run["generation"]["tools"]
+        run["ppo"] |= {"iterations": 3, "max_staleness": 1}
+        ppo.train_ppo(config_from_dict(run), runtime)
+        rows = read_jsonl(out / "metrics.jsonl")
+        assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+        first = rows[0]["rollout/policy_version"]
+        assert [r["rollout/policy_version"] for r in rows] == [first, first, first + 1]
+        assert all(r["rollout/turns"] > 1.0 and r["time/generate_request"] > 0 for r in rows)
+        assert rows[0]["rollout/sampler_logprob_absdiff"] < 1e-4  # on-policy
+        assert all(r["rollout/sampler_logprob_absdiff"] > 1e-4 for r in rows[1:])  # one update old
         # an environment that returns no reward is a reward source only if it scores:
         # with no other source, its first unscored episode stops the run in one line
         run = grpo_tree(tmp_path / "unscored", policy, files, backend="server",

@@ -1,7 +1,8 @@
 """rollout/prefetch.py (ppo.max_staleness=1) against a stand-in for the servers: which weights
 sample which iteration, what is requested ahead and on which thread, the staleness bound,
-an evaluation between iterations, and the version check. The real servers: the
-integration test in tests/integration/test_integration_serve.py."""
+an evaluation between iterations, the version check, and episodes an environment plays
+through the endpoint. The real servers: the integration tests in
+tests/integration/test_integration_serve.py and test_integration_agent.py."""
 
 import threading
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from rlhf_dist.config import GenerationConfig
-from rlhf_dist.errors import ServerError
+from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.rollout.batch import PromptBatch
 from rlhf_dist.rollout.prefetch import PrefetchingServer
 from rlhf_dist.rollout.server import ServerEngine
 
@@ -48,14 +50,14 @@ class FakeServers(ServerEngine):
         return ask
 
 
-def prompts(first: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prompts(first: int) -> PromptBatch:
     ids = torch.tensor([[first], [first + 1]])
-    return ids, torch.ones_like(ids)
+    return PromptBatch(ids, torch.ones_like(ids), [f"q{first}", f"q{first + 1}"])
 
 
-def sample(engine: PrefetchingServer, batch) -> list[list[int]]:
+def sample(engine: PrefetchingServer, batch: PromptBatch) -> list[list[int]]:
     engine.load_weights(torch.nn.Linear(1, 1))
-    ids, _ = engine.generate(*batch, GenerationConfig(), (1,), PAD)
+    ids, _ = engine.generate(batch.ids, batch.mask, GenerationConfig(), (1,), PAD)
     return ids.tolist()
 
 
@@ -140,3 +142,46 @@ def test_an_answer_from_another_version_is_an_error():
     engine.expect(1, None)
     with pytest.raises(ServerError, match="sampled with policy version 7, the trainer synced"):
         sample(engine, prompts(10))
+
+
+def test_episodes_are_played_one_step_ahead_like_a_rollout():
+    """generation.environment_endpoint with ppo.max_staleness=1: iteration k's episodes
+    were played by the weights iteration k-1 started with, iteration k+1's start as k's are
+    handed out, on the background thread; the episodes are named on the caller's thread
+    (`play(batch)` runs there) and an environment's error reaches the caller."""
+    servers = FakeServers()
+    engine = PrefetchingServer(servers, max_staleness=1)
+    named_on, played = [], []
+
+    def play(batch: PromptBatch):
+        named_on.append(threading.current_thread().name)
+        version = servers.version
+
+        def work():
+            played.append(threading.current_thread().name)
+            return [(t, version) for t in batch.texts]
+
+        return work
+
+    batches = [prompts(10 * i) for i in range(1, 4)]
+    seen = []
+    for it, batch in enumerate(batches, start=1):
+        engine.expect(it, batches[it] if it < len(batches) else None)
+        engine.load_weights(torch.nn.Linear(1, 1))
+        seen.append((engine.episodes(batch, play), engine.staleness, engine.version))
+    assert seen[0] == ([("q10", 1), ("q11", 1)], 0, 1)
+    assert seen[1] == ([("q20", 1), ("q21", 1)], 1, 1)
+    assert seen[2] == ([("q30", 2), ("q31", 2)], 1, 2)
+    assert set(named_on) == {threading.current_thread().name}
+    assert played and all(name.startswith("rollout-request") for name in played)
+
+    def failing(batch: PromptBatch):
+        def work():
+            raise UserError("generation.environment: episode 0 raised ValueError: no")
+
+        return work
+
+    engine.expect(4, None)
+    engine.load_weights(torch.nn.Linear(1, 1))
+    with pytest.raises(UserError, match="episode 0 raised ValueError"):
+        engine.episodes(prompts(40), failing)
