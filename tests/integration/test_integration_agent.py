@@ -324,6 +324,46 @@ def openai_episode(client, prompt):
     return None
 
 
+def one_step_off_resumes(tmp_path, url, env, files, policy, runtime, environment):
+    """ppo.max_staleness=1 through the endpoint: iteration k+1's episodes play on the
+    servers while iteration k trains, by the weights k started with (none across the
+    checkpoint of iteration 2); killed in iteration 3 with iteration 4's episodes in
+    flight and resumed, the run logs what the unbroken one logs (the servers' version
+    counter aside): the episodes are named from the checkpointed RNG."""
+    from rlhf_dist.trainers import ppo as ppo_module
+
+    def run(name: str, **keys):
+        tree = grpo_tree(tmp_path / name, policy, files, checkpoint_every=2, backend="server",
+                         server_urls=[url], server_token_env=env, environment=environment,
+                         environment_endpoint=True)  # fmt: skip
+        del tree["generation"]["tools"]
+        tree["ppo"] |= {"iterations": 4, "max_staleness": 1}
+        tree["run"] |= keys
+        ppo_module.train_ppo(config_from_dict(tree), runtime)
+        return _read(tmp_path / name / "metrics.jsonl")
+
+    unbroken = run("unbroken")
+    assert [r["rollout/staleness_max"] for r in unbroken] == [0, 1, 0, 1]
+    v = unbroken[0]["rollout/policy_version"]
+    assert [r["rollout/policy_version"] for r in unbroken] == [v, v, v + 2, v + 2]
+    assert all(r["rollout/turns"] > 1.0 and r["time/generate_request"] > 0 for r in unbroken)
+    gaps = [r["rollout/sampler_logprob_absdiff"] for r in unbroken]
+    assert gaps[0] < 1e-4 and gaps[2] < 1e-4  # on-policy
+    assert gaps[1] > 1e-4 and gaps[3] > 1e-4  # one update old
+    with pytest.MonkeyPatch.context() as m:
+        kill_at(m, ppo_module, "rollout", 3)
+        with pytest.raises(Killed):
+            run("killed")
+    resumed, unbroken = untimed(run("killed", resume="auto")), untimed(unbroken)
+    for row in (*resumed, *unbroken):
+        del row["rollout/policy_version"]
+    assert resumed == unbroken
+
+
+def _read(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 @pytest.mark.slow  # a server process starts (~10-20 s on 2 cores)
 def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
     tool_sft, runtime, tmp_path, read_jsonl, saved_state_dict, monkeypatch
@@ -370,22 +410,7 @@ def test_grpo_with_an_environment_that_drives_the_policy_through_the_endpoint(
             assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
             before, after = saved_state_dict(policy), saved_state_dict(out / "final")
             assert any(not torch.equal(before[k], after[k]) for k in before)
-        # one step off-policy (ppo.max_staleness=1): iteration k+1's episodes play on the
-        # servers while iteration k trains, by the weights iteration k started with
-        out = tmp_path / "one_step_off"
-        run = grpo_tree(out, policy, files, backend="server", server_urls=[url],
-                        server_token_env=env, environment=runs[0][1],
-                        environment_endpoint=True)  # fmt: skip
-        del run["generation"]["tools"]
-        run["ppo"] |= {"iterations": 3, "max_staleness": 1}
-        ppo.train_ppo(config_from_dict(run), runtime)
-        rows = read_jsonl(out / "metrics.jsonl")
-        assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
-        first = rows[0]["rollout/policy_version"]
-        assert [r["rollout/policy_version"] for r in rows] == [first, first, first + 1]
-        assert all(r["rollout/turns"] > 1.0 and r["time/generate_request"] > 0 for r in rows)
-        assert rows[0]["rollout/sampler_logprob_absdiff"] < 1e-4  # on-policy
-        assert all(r["rollout/sampler_logprob_absdiff"] > 1e-4 for r in rows[1:])  # one update old
+        one_step_off_resumes(tmp_path, url, env, files, policy, runtime, runs[0][1])
         # an environment that returns no reward is a reward source only if it scores:
         # with no other source, its first unscored episode stops the run in one line
         run = grpo_tree(tmp_path / "unscored", policy, files, backend="server",
