@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from rlhf_dist.checkpoint import fault_active
+from rlhf_dist.checkpoint import fault_active, maybe_fault
 from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.distributed.weight_sync import (
     MemoryGrowth,
@@ -169,6 +169,9 @@ class ServerEngine:
                         self._send_bucket(bucket, final=i == len(buckets) - 1)
                     except ServerError as e:
                         error = e
+                    # RLHF_DIST_FAULT=weight_sync:N (tests): SIGKILLed after the first bucket
+                    # of sync N, the servers hold a torn update (serving/policy.py)
+                    maybe_fault("weight_sync", self.syncs)
         if error is not None:
             raise error
 

@@ -2,7 +2,9 @@
 the protocol.
 
 GET /health (open): model, served policy version, whether a weight-sync group is
-joined, the last failed update. Everything else needs `Authorization: Bearer <token>`
+joined, the last failed update, and the version of an update that stopped half-way
+(`torn_update`, 0 when none: until the next whole update the sampling endpoints answer
+503 rather than serve weights that are neither version). Everything else needs `Authorization: Bearer <token>`
 (serve.token_env), compared in constant time: POST /generate (token ids in, token ids
 and log-probs out), /score (the post-sync check), /init_weight_sync and /update_weights
 (the weight-sync protocol), and the OpenAI-compatible /v1/completions and
@@ -21,7 +23,13 @@ from pydantic import BaseModel, Field
 
 from rlhf_dist.serving import openai_api as openai
 from rlhf_dist.serving.episodes import EpisodeLog
-from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy, TensorSpec
+from rlhf_dist.serving.policy import (
+    BadRequest,
+    SamplingRequest,
+    ServedPolicy,
+    TensorSpec,
+    Unavailable,
+)
 
 TokenIds = list[int]
 
@@ -89,6 +97,8 @@ def build_app(
             return call(*args)
         except BadRequest as e:
             raise HTTPException(400, str(e)) from None
+        except Unavailable as e:
+            raise HTTPException(503, str(e)) from None
 
     def batch(n: int, what: str) -> None:
         if n > max_batch:
@@ -97,7 +107,8 @@ def build_app(
     @app.get("/health")
     def health() -> dict:
         return {"model": policy.name, "version": policy.version,
-                "sync_group": policy.group is not None, "last_error": policy.last_error}  # fmt: skip
+                "sync_group": policy.group is not None, "last_error": policy.last_error,
+                "torn_update": policy.torn}  # fmt: skip
 
     @app.post("/generate", dependencies=[Depends(authorized)])
     def generate(body: GenerateBody) -> dict:

@@ -83,6 +83,11 @@ class BadRequest(ValueError):
     """A request the server refuses (its message is the 4xx answer's detail)."""
 
 
+class Unavailable(RuntimeError):
+    """The server cannot answer now: its weights are half-way through an update that
+    stopped (a 503; the next whole update serves again)."""
+
+
 class ServedPolicy:
     def __init__(
         self, model, tokenizer, stop_ids, perf: PerfConfig, name: str, timeout_s: float,
@@ -103,6 +108,9 @@ class ServedPolicy:
         self.pending: list[Future] = []
         self.pending_lock = threading.Lock()  # request threads add and prune `pending`
         self.last_error = ""  # the last failed update, for /health
+        # the version whose update stopped after some of its buckets were written (0: none):
+        # those weights are neither the old version nor the new, and are never served
+        self.torn = 0
         # LoRA updates (`_apply`): each adapted weight's frozen base, and matrices waiting
         # for their pair (A and B of one weight may travel in two buckets)
         self.bases: dict[str, torch.Tensor] = {}
@@ -170,17 +178,26 @@ class ServedPolicy:
             "version": version,
         }
 
+    @contextlib.contextmanager
     def _current(self):
-        """The model lock, taken after every update announced so far is applied."""
+        """Hold the model lock, taken after every update announced so far is applied;
+        Unavailable while an update that stopped half-way left the weights torn."""
         with self.pending_lock:
             waiting = list(self.pending)
         for future in waiting:
-            # A failed update's error is in last_error; the weights there are are served.
+            # A failed update's error is in last_error; whole weights are still served.
             with contextlib.suppress(Exception):
                 future.result(timeout=self.timeout_s)
         with self.pending_lock:
             self.pending = [f for f in self.pending if not f.done()]
-        return self.lock
+        with self.lock:
+            if self.torn:
+                why = self.last_error or "see /health"
+                raise Unavailable(
+                    f"weights: update {self.torn} stopped half-way ({why}); the trainer's "
+                    "next whole update serves again"
+                )
+            yield
 
     def _queue(self, work) -> None:
         """Run `work` on the update thread, after the updates queued before it."""
@@ -226,6 +243,7 @@ class ServedPolicy:
                 self.group.broadcast(torch.empty(s.shape, dtype=DTYPES[s.dtype])) for s in specs
             ]
             with self.lock, torch.no_grad():
+                self.torn = version  # until its final bucket is in (a trainer may die first)
                 for spec, tensor in zip(specs, received):
                     self._apply(spec, tensor)
                 if final and self.adapter_parts:
@@ -237,7 +255,7 @@ class ServedPolicy:
                 if final and self.engine is not None:  # the whole update is staged now
                     self.engine.load_weights(self.model)
                 if final:
-                    self.version = version
+                    self.version, self.torn = version, 0
 
         self._queue(receive)
 

@@ -403,7 +403,10 @@ def test_one_step_off_policy_sigkilled_with_a_rollout_in_flight_resumes_to_the_s
 ):
     """The test above with real processes: `rlhf-dist ppo` SIGKILLed (RLHF_DIST_FAULT) at
     iteration 3's rollout, with iteration 4's request in flight on the server, then
-    resumed from iteration 2's checkpoint by the same command with run.resume=auto."""
+    resumed from iteration 2's checkpoint by the same command with run.resume=auto. Then
+    killed in the middle of iteration 3's weight sync (after its first bucket): the server
+    reports the torn update and answers 503 instead of serving those weights, and the
+    resumed run's whole sync serves again, to the same metrics."""
     import os
     import signal
     import subprocess
@@ -414,6 +417,7 @@ def test_one_step_off_policy_sigkilled_with_a_rollout_in_flight_resumes_to_the_s
                            iterations=4, max_staleness=1)  # fmt: skip
         tree = dataclasses.asdict(cfg)
         tree["run"]["checkpoint_every"] = 2
+        tree["generation"]["server_sync_bucket_mb"] = 0.25  # several buckets per sync
         path = tmp_path / f"{out.name}.json"
         path.write_text(json.dumps(tree))
         env = os.environ | {ENV: TOKEN, "OMP_NUM_THREADS": "1", "RLHF_DIST_FAULT": fault}
@@ -433,6 +437,19 @@ def test_one_step_off_policy_sigkilled_with_a_rollout_in_flight_resumes_to_the_s
     assert [r["rollout/staleness_max"] for r in unbroken] == [0, 1, 0, 1]
     assert [r["step"] for r in again] == [1, 2, 3, 4]
     assert again == unbroken
+
+    torn = run(tmp_path / "torn", fault="weight_sync:3")
+    assert torn.returncode == -signal.SIGKILL, torn.stderr[-2000:]
+    # /generate first: it waits for the bucket the server was still writing
+    status, answer = _call(server, "/generate", {"prompts": [_prompts(task_env.tokenizer)[0]],
+                                                 "sampling": _sampling(max_new_tokens=4)})  # fmt: skip
+    assert status == 503 and "stopped half-way" in answer["detail"], answer
+    health = _call(server, "/health")[1]
+    assert health["torn_update"] == health["version"] + 1, health
+    resumed = run(tmp_path / "torn", "run.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _call(server, "/health")[1]["torn_update"] == 0
+    assert logged(tmp_path / "torn") == unbroken
 
 
 def test_openai_completions_return_the_token_ids_and_log_probs_of_generate(server, task_env):

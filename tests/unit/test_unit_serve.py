@@ -234,3 +234,54 @@ def test_a_lora_sync_sends_the_base_once_then_only_adapters_that_the_server_fold
             torch.testing.assert_close(served(ids).logits, actor(ids).logits, atol=1e-5, rtol=0)
     with pytest.raises(BadRequest, match="does not fit the weight"):
         _check_adapter(TensorSpec("w", (4, 31), "float32", "A", 2.0), (32, 32))
+
+
+def test_an_update_that_stops_half_way_is_never_served(tmp_path):
+    """A trainer that dies mid-broadcast leaves some buckets of its update written and the
+    rest never sent: those weights are neither version, so /generate and /score answer
+    Unavailable (a 503) naming the update and the error, until a whole update (the resumed
+    trainer's first sync) is in; then the new version is served."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_dist.config import PerfConfig
+    from rlhf_dist.demo.task import build_tokenizer
+    from rlhf_dist.serving.policy import SamplingRequest, ServedPolicy, TensorSpec, Unavailable
+
+    tok = build_tokenizer(tmp_path / "tok")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    policy = ServedPolicy(LlamaForCausalLM(cfg), tok, (tok.eos_token_id,), PerfConfig(), "p", 5.0)
+
+    class Group:  # the trainer's broadcasts: `alive` tensors, then its connection is gone
+        def __init__(self, alive: int):
+            self.alive = alive
+
+        def broadcast(self, t):
+            if self.alive == 0:
+                raise RuntimeError("Connection closed by peer")
+            self.alive -= 1
+            return torch.full_like(t, 0.01)
+
+    names = list(policy.params)
+
+    def spec(name):
+        return TensorSpec(name, tuple(policy.params[name].shape), "float32")
+
+    ask = SamplingRequest(max_new_tokens=3, min_new_tokens=0, temperature=1.0, top_k=0,
+                          top_p=1.0, seed=1)  # fmt: skip
+    assert policy.generate([[4, 5, 6]], ask)["version"] == 0
+    policy.group = Group(alive=1)
+    policy.receive_bucket(1, [spec(names[0])], final=False)  # written
+    policy.receive_bucket(1, [spec(names[1])], final=True)  # its sender died
+    with pytest.raises(Unavailable, match=r"update 1 stopped half-way .*Connection closed"):
+        policy.generate([[4, 5, 6]], ask)
+    with pytest.raises(Unavailable, match="update 1"):
+        policy.score([[4, 5, 6]], 1.0)
+    assert (policy.version, policy.torn) == (0, 1)
+    policy.group = Group(alive=len(names))  # the resumed trainer: every weight, as version 1
+    for i, name in enumerate(names):
+        policy.receive_bucket(1, [spec(name)], final=i == len(names) - 1)
+    assert policy.generate([[4, 5, 6]], ask)["version"] == 1
+    assert (policy.version, policy.torn) == (1, 0)
+    assert all(bool((p == 0.01).all()) for p in policy.params.values())
