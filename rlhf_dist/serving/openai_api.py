@@ -70,13 +70,31 @@ class Message(BaseModel):
 
     def as_dict(self) -> dict:
         """The message as the chat template reads it: content as one text ("" for None);
-        BadRequest for a non-text content part."""
+        a tool call's arguments as a dict where they came as OpenAI's JSON text (Qwen's,
+        Hermes' and Llama 3.1's templates write them with `tojson`: a string would be
+        written quoted, as vLLM's server also avoids); BadRequest for a non-text content
+        part."""
         content = self.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
                 raise BadRequest("messages: only text content parts are supported")
             content = "".join(str(part.get("text", "")) for part in content)
-        return self.model_dump(exclude_none=True) | {"content": content or ""}
+        out = self.model_dump(exclude_none=True) | {"content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [_arguments_as_dict(call) for call in self.tool_calls]
+        return out
+
+
+def _arguments_as_dict(call: dict) -> dict:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    arguments = function["arguments"]
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call  # left as the text it is: the template shows what was sent
+    return call | {"function": function | {"arguments": parsed}}
 
 
 class ChatBody(OpenAISampling):

@@ -643,3 +643,28 @@ def test_a_requested_call_is_read_from_openai_tool_calls_or_the_text():
     openai_form["tool_calls"][0]["function"]["arguments"] = "{key"
     with pytest.raises(ToolCallError, match="not valid JSON"):
         requested_call(openai_form)
+
+
+def test_a_tool_calls_json_arguments_reach_the_template_as_a_dict(tok):
+    """OpenAI clients send a call's arguments as JSON text; templates that write them with
+    `tojson` (Qwen's, Hermes', Llama 3.1's) would quote that text, so the server hands the
+    template a dict (text that is not JSON stays as it came)."""
+    from rlhf_dist.data.chat import Chat
+    from rlhf_dist.serving.openai_api import Message
+
+    def said(arguments):
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "lookup", "arguments": arguments}}  # fmt: skip
+        return Message(role="assistant", content=None, tool_calls=[call]).as_dict()
+
+    message = said('{"key": "b"}')
+    assert message["tool_calls"][0]["function"]["arguments"] == {"key": "b"}
+    assert message["content"] == ""
+    assert said("{key")["tool_calls"][0]["function"]["arguments"] == "{key"
+    qwen_like = (
+        "{% for m in messages %}{% for c in m.get('tool_calls') or [] %}"
+        '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+        "{% endfor %}{% endfor %}"
+    )
+    text = Chat(tok, qwen_like).render([message], generation_prompt=False)
+    assert text == '{"name": "lookup", "arguments": {"key": "b"}}'
