@@ -175,18 +175,26 @@ def _episodes(
         episodes = _endpoint_episodes(models, prompts, gen, eos)
     else:
         episodes = _agent_episodes(models, prompts, gen, chunks, tokenizer, eos)
-    unscored = [i for i, e in enumerate(episodes) if e.reward is None]
-    if models.agent.reward_required and unscored:
-        raise UserError(
-            f"generation.environment: episode {unscored[0]} returned no reward, and the run "
-            "has no other reward source (reward.function, reward.functions, reward.url, "
-            "reward.judge or model.reward)"
-        )
+    if models.agent.reward_required:  # the same on every rank: the collective is safe
+        _require_rewards(episodes, models.any_rank)
     device = next(iter(models.actor_critic.parameters())).device
     sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
     env_scores = sampled.pop("env_scores")
     score_prompts, texts = agent_mod.scoring_inputs(episodes)
     return sampled, score_prompts, texts, env_scores
+
+
+def _require_rewards(episodes: list, any_rank) -> None:
+    """With the environment as the run's only reward source, an episode that returned none
+    stops every rank at once (any_rank: the ranks' agreement, None alone)."""
+    unscored = [i for i, e in enumerate(episodes) if e.reward is None]
+    if any_rank(bool(unscored)) if any_rank is not None else unscored:
+        where = f"episode {unscored[0]}" if unscored else "an episode of another rank"
+        raise UserError(
+            f"generation.environment: {where} returned no reward, and the run has no other "
+            "reward source (reward.function, reward.functions, reward.url, reward.judge or "
+            "model.reward)"
+        )
 
 
 def _endpoint_episodes(models: RolloutModels, prompts: PromptBatch, gen, eos) -> list:
