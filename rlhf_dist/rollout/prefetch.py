@@ -154,7 +154,7 @@ class PrefetchingServer:
             self.in_flight = self._submit(batch.ids, batch.mask, ask(batch))
 
     def _submit(self, prompt_ids, prompt_mask, work: Callable[[], list]) -> InFlight:
-        """Run `work` on the background thread (HTTP only)."""
+        """Run `work` on the background thread (HTTP, and an environment's own work)."""
         future = self.pool.submit(_timed, work)
         return InFlight(prompt_ids, prompt_mask, future, *self.synced)
 
