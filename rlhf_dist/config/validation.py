@@ -68,19 +68,7 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             "(pip install flash-attn) and a CUDA GPU; use sdpa or auto otherwise"
         )
     if stage in ("sft", "rm", "dpo", "kto"):
-        section = getattr(cfg, stage)
-        _divides(("world size", world_size), (f"{stage}.batch_size", section.batch_size))
-        micro = sizes.micro_batch_size(section.micro_batch_size, section.batch_size, world_size)
-        _divides(
-            (f"{stage}.micro_batch_size x {world_size} ranks", micro * world_size),
-            (f"{stage}.batch_size", section.batch_size),
-        )
-        if not cfg.data.train:
-            raise ConfigError("data.train: required (a local data file or a hub dataset name)")
-        if stage == "sft" and not cfg.model.policy:
-            raise ConfigError("model.policy: required (the causal LM to fine-tune)")
-        if stage == "rm" and not (cfg.model.reward or cfg.model.policy):
-            raise ConfigError("model.reward: required (the model to train as reward model)")
+        _validate_stage_section(cfg, stage, world_size)
     if stage in ("dpo", "kto"):
         _validate_preference(cfg, stage)
     if stage == "ppo":
@@ -100,6 +88,23 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
         if not cfg.model.policy:
             raise ConfigError("model.policy: required (the SFT policy)")
         _validate_reward(cfg, stage)
+
+
+def _validate_stage_section(cfg: Config, stage: str, world_size: int) -> None:
+    """sft, rm, dpo, kto: batch sizes that split over the ranks, data and a model."""
+    section = getattr(cfg, stage)
+    _divides(("world size", world_size), (f"{stage}.batch_size", section.batch_size))
+    micro = sizes.micro_batch_size(section.micro_batch_size, section.batch_size, world_size)
+    _divides(
+        (f"{stage}.micro_batch_size x {world_size} ranks", micro * world_size),
+        (f"{stage}.batch_size", section.batch_size),
+    )
+    if not cfg.data.train:
+        raise ConfigError("data.train: required (a local data file or a hub dataset name)")
+    if stage == "sft" and not cfg.model.policy:
+        raise ConfigError("model.policy: required (the causal LM to fine-tune)")
+    if stage == "rm" and not (cfg.model.reward or cfg.model.policy):
+        raise ConfigError("model.reward: required (the model to train as reward model)")
 
 
 def _validate_reward(cfg: Config, stage: str) -> None:

@@ -271,6 +271,17 @@ def reference_free_eval(runtime: Runtime, model, seqs, size: int, dc: DPOConfig,
     return orpo_loss(chosen[0], rejected[0], chosen[1], rejected[1], dc.beta, nll_sum, count)
 
 
+def precomputed_tables(cfg: Config, runtime: Runtime, reference, pairs, pad: int, out):
+    """dpo.reference_logprobs=precompute: the reference's sequence log-probs of the training
+    pairs (N, 2: chosen, rejected) and of the held-out pairs' sequences, in one pass."""
+    train, evals = pairs
+    seqs = pair_sequences(train) + pair_sequences(evals)
+    micro = 2 * stage_plan(cfg.dpo, runtime.world_size).micro_batch_size
+    full = reference_table(cfg, runtime, reference, seqs, micro, pad, out)
+    n = len(train)
+    return torch.stack([full[:n], full[n : 2 * n]], dim=1), full[2 * n :]
+
+
 def train_dpo(cfg: Config, runtime: Runtime) -> dict:
     """Train the policy with DPO/cDPO/IPO/SimPO/ORPO as configured; returns the summary.json
     content."""
@@ -284,19 +295,7 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
     out, logger = open_run(cfg, runtime, "dpo", ckpt, len(batches))
     table = eval_table = None
     if dc.reference_logprobs == "precompute" and not reference_free:
-        seqs = pair_sequences(train) + pair_sequences(evals)
-        full = reference_table(
-            cfg,
-            runtime,
-            reference,
-            seqs,
-            2 * stage_plan(dc, runtime.world_size).micro_batch_size,
-            pad,
-            out,
-        )
-        n = len(train)
-        table = torch.stack([full[:n], full[n : 2 * n]], dim=1)  # (N, 2): chosen, rejected
-        eval_table = full[2 * n :]
+        table, eval_table = precomputed_tables(cfg, runtime, reference, (train, evals), pad, out)
         if not cfg.lora.enabled:
             reference = None  # every reference log-prob is in the table: free the copy
 
