@@ -25,13 +25,19 @@ time/generate_request (the servers' seconds, in the background) are printed besi
 
 Both processes share the machine's cores: on a 2-core box keep THREADS at 1.
 
+`--environment` plays the same prompts as two-turn episodes of an environment that drives
+the policy through the server's chat endpoint (`chat_episode` below;
+generation.environment_endpoint): the answer, then "check it", the last number of the
+second answer scored. One step off, the next iteration's episodes play on the trainer's
+threads while it trains.
+
 `--suite OUT` runs the scale suite's PPO work instead (launch/bench/suite.py `plain` over
 the models scale_prepare.py built in OUT, a critic and a reward model; the GPU case of
 launch/bench/gpu_suite.sh, `async`): on one GPU the server and the trainer share it, so
 the overlap measures how much of generation hides behind training on the same device.
 
 Usage: python launch/bench/async_overlap.py [--iterations 6] [--threads 1] [--new 24]
-       [--out runs/bench/async] [--suite OUT]
+       [--out runs/bench/async] [--environment | --suite OUT]
 """
 
 from __future__ import annotations
@@ -66,6 +72,26 @@ def grpo_tree(out: Path, policy: Path, url: str, args, staleness: int) -> dict:
     return tree
 
 
+def chat_episode(client, prompt) -> None:
+    """The environment of `--environment`: the task's question, then a request to check
+    the answer; None: reward.function scores the second answer."""
+    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    for follow_up in ("Check your answer, then give it again as a number.", None):
+        messages.append(client.chat(messages)["choices"][0]["message"])
+        if follow_up is None:
+            return None
+        messages.append({"role": "user", "content": follow_up})
+    return None
+
+
+def environment_tree(out: Path, policy: Path, url: str, args, staleness: int) -> dict:
+    """`--environment`: grpo_tree's work played as chat_episode's two-turn episodes."""
+    tree = grpo_tree(out, policy, url, args, staleness)
+    tree["generation"] |= {"environment": "async_overlap:chat_episode",
+                           "environment_endpoint": True, "max_turns": 2}  # fmt: skip
+    return tree
+
+
 def suite_tree(out: Path, policy: Path, url: str, args, staleness: int, suite: Path) -> dict:
     """The scale suite's `plain` PPO run (GPU settings on a GPU) against the server."""
     tree = run_config(suite, "plain", device(), args.iterations)
@@ -87,7 +113,9 @@ def train(tree: dict, workdir: Path, threads: int) -> list[dict]:
     """Run the GRPO stage in its own process -> its metrics rows."""
     config = workdir / f"{Path(tree['run']['output_dir']).name}.yaml"
     config.write_text(json.dumps(tree))
-    env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+    here = str(Path(__file__).resolve().parent)  # chat_episode, for --environment
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "rlhf_dist", "ppo", "--config", str(config)]
     subprocess.run(cmd, env=env, check=True)
     lines = (Path(tree["run"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()
@@ -122,6 +150,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=24, help="max new tokens per response")
     parser.add_argument("--out", default="runs/bench/async")
     parser.add_argument("--suite", help="the scale suite's OUT: its PPO work instead")
+    parser.add_argument(
+        "--environment",
+        action="store_true",
+        help="two-turn episodes of an environment through the chat endpoint",
+    )
     args = parser.parse_args()
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
     out = Path(args.out).resolve()
@@ -134,6 +167,8 @@ def main() -> None:
     else:
         policy, work = smollm2.build("shipped"), "GRPO on SmolLM2-135M"
         dtype, make = "float32", grpo_tree
+        if args.environment:
+            work, make = f"{work}, two-turn episodes through the chat endpoint", environment_tree
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for staleness in (0, 1):

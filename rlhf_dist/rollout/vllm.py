@@ -220,10 +220,15 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(module)})
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks came from old weights
 
-    def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
+    def generate(
+        self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int,
+        seeds: list[int] | None = None,
+    ):  # fmt: skip
         """Sample one response per left-padded prompt (B, P) -> (response_ids (B, T),
-        sampler_logprobs (B, T)); rows are in prompt order, PAD after each response."""
-        seeds = sampling_seeds(prompt_ids.shape[0]).tolist()
+        sampler_logprobs (B, T)); rows are in prompt order, PAD after each response.
+        seeds: each row's vLLM seed (None: drawn from the global RNG)."""
+        if seeds is None:
+            seeds = sampling_seeds(prompt_ids.shape[0]).tolist()
         params = [sampling_params(self.vllm, gen_cfg, stop_ids, s) for s in seeds]
         outputs = self.llm.generate(
             prompts_for_engine(prompt_ids, prompt_mask), params, use_tqdm=False

@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 
 from rlhf_dist.serving import openai_api as openai
+from rlhf_dist.serving.batching import RequestBatcher
 from rlhf_dist.serving.episodes import EpisodeLog
 from rlhf_dist.serving.policy import (
     BadRequest,
@@ -81,10 +82,10 @@ class UpdateBody(BaseModel):
 
 def build_app(
     policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: int,
-    tool_call_parser: str = "hermes",
+    tool_call_parser: str = "hermes", batch_window_ms: float = 0.0,
 ) -> FastAPI:  # fmt: skip
     """The FastAPI app serving `policy`; `token` guards everything but /health; the
-    serve.* keys: max_batch, max_new_tokens, tool_call_parser."""
+    serve.* keys: max_batch, max_new_tokens, tool_call_parser, batch_window_ms."""
     app = FastAPI(title="rlhf-dist serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(authorization: str = Header("")) -> None:
@@ -130,7 +131,12 @@ def build_app(
         return refused(policy.score, body.sequences, body.temperature)
 
     _add_weight_sync(app, policy, authorized, refused)
-    _add_openai(app, policy, authorized, refused, max_new_tokens, tool_call_parser == "hermes")
+    batcher = None  # one request at a time
+    if batch_window_ms > 0:
+        batcher = RequestBatcher(policy, batch_window_ms / 1000, max_batch)
+    _add_openai(
+        app, policy, authorized, refused, max_new_tokens, tool_call_parser == "hermes", batcher
+    )
     return app
 
 
@@ -155,8 +161,9 @@ def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) ->
 
 
 def _add_openai(
-    app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int, tool_calls: bool
-) -> None:
+    app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int, tool_calls: bool,
+    batcher: RequestBatcher | None,
+) -> None:  # fmt: skip
     """/v1/completions and /v1/chat/completions (serving/openai.py); a request without
     max_tokens gets serve.max_new_tokens; `tool_calls`: parse them (serve.tool_call_parser)."""
 
@@ -168,14 +175,14 @@ def _add_openai(
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     def completions(body: openai.CompletionBody) -> dict:
         capped(body)
-        return refused(openai.completion, policy, body, max_new)
+        return refused(openai.completion, policy, body, max_new, batcher)
 
     episodes = None if policy.chat is None else EpisodeLog(policy.chat)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     def chat_completions(body: openai.ChatBody) -> dict:
         capped(body)
-        return refused(openai.chat_completion, policy, body, max_new, episodes, tool_calls)
+        return refused(openai.chat_completion, policy, body, max_new, episodes, tool_calls, batcher)
 
     @app.post("/v1/episodes", dependencies=[Depends(authorized)])
     def collect_episodes(body: EpisodesBody) -> dict:

@@ -58,6 +58,8 @@ def serve(cfg: Config) -> None:
     token = server_token(cfg)  # before the model loads: a missing token is instant
     policy = load_policy(cfg)
     s = cfg.serve
-    app = build_app(policy, token, s.max_batch, s.max_new_tokens, s.tool_call_parser)
+    app = build_app(
+        policy, token, s.max_batch, s.max_new_tokens, s.tool_call_parser, s.batch_window_ms
+    )
     print(f"rlhf-dist serve: {cfg.model.policy} on http://{s.host}:{s.port}", flush=True)
     uvicorn.run(app, host=s.host, port=s.port, log_level="warning")

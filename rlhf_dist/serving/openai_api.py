@@ -39,6 +39,7 @@ from pydantic import BaseModel, Field
 
 from rlhf_dist.data.chat import BadRow
 from rlhf_dist.rollout.agent import TOOL_CALL, ToolCallError, parse_tool_call
+from rlhf_dist.serving.batching import RequestBatcher
 from rlhf_dist.serving.episodes import EpisodeLog, episode_of, turn_seed
 from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy
 
@@ -116,14 +117,18 @@ def sampling_of(body: OpenAISampling, default_max: int) -> SamplingRequest:
     )  # fmt: skip
 
 
-def completion(policy: ServedPolicy, body: CompletionBody, default_max: int) -> dict:
-    """The text_completion answer to one /v1/completions request."""
+def completion(
+    policy: ServedPolicy, body: CompletionBody, default_max: int,
+    batcher: RequestBatcher | None = None,
+) -> dict:  # fmt: skip
+    """The text_completion answer to one /v1/completions request (`batcher`: sampled with
+    concurrent ones, serve.batch_window_ms)."""
     s = sampling_of(body, default_max)
     if isinstance(body.prompt, str):
         prompt = policy.tokenizer(body.prompt, add_special_tokens=True)["input_ids"]
     else:
         prompt = list(body.prompt)
-    out, text = _sample(policy, prompt, s)
+    out, text = _sample(policy, prompt, s, batcher)
     logprobs = {"tokens": out["tokens"], "token_logprobs": out["logprobs"]}
     choice = {"index": 0, "text": text, "finish_reason": out["finish"], "logprobs": logprobs}
     return _answer("text_completion", body.model or policy.name, choice, prompt, out)
@@ -131,11 +136,12 @@ def completion(policy: ServedPolicy, body: CompletionBody, default_max: int) -> 
 
 def chat_completion(
     policy: ServedPolicy, body: ChatBody, default_max: int, episodes: EpisodeLog | None = None,
-    tool_calls: bool = True,
+    tool_calls: bool = True, batcher: RequestBatcher | None = None,
 ) -> dict:  # fmt: skip
     """The chat.completion answer to one /v1/chat/completions request; a turn of an episode
     (`model` names one) continues and extends its record in `episodes`; `tool_calls`:
-    tool-call blocks come back as OpenAI tool_calls (serve.tool_call_parser=hermes)."""
+    tool-call blocks come back as OpenAI tool_calls (serve.tool_call_parser=hermes);
+    `batcher`: sampled with concurrent requests (serve.batch_window_ms)."""
     if policy.chat is None or episodes is None:
         raise BadRequest("messages: the served tokenizer has no chat template (data.chat_template)")
     s = sampling_of(body, default_max)
@@ -154,7 +160,7 @@ def chat_completion(
     else:
         prompt, turn = episodes.context(episode, messages, tools)
         s = dataclasses.replace(s, seed=turn_seed(s.seed, episode, turn))
-    out, text = _sample(policy, prompt, s)
+    out, text = _sample(policy, prompt, s, batcher)
     message, finish = {"role": "assistant", "content": text}, out["finish"]
     if tool_calls and tools and out["finish"] == "stop":
         message = _with_tool_calls(text)
@@ -195,10 +201,12 @@ def _with_tool_calls(text: str) -> dict:
     return {"role": "assistant", "content": rest or None, "tool_calls": calls}
 
 
-def _sample(policy: ServedPolicy, prompt: list[int], s: SamplingRequest):
+def _sample(
+    policy: ServedPolicy, prompt: list[int], s: SamplingRequest, batcher: RequestBatcher | None
+):
     """One response to `prompt` -> (its ids, per-token strings and log-probs, finish reason,
     version; the text without the stop token)."""
-    got = policy.generate([prompt], s)
+    got = policy.generate([prompt], s) if batcher is None else batcher.generate(prompt, s)
     ids, finished = got["responses"][0], got["finished"][0]
     kept = ids[:-1] if finished else ids  # the text ends before the stop token
     out = {

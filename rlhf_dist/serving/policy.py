@@ -37,6 +37,7 @@ from rlhf_dist.data.rows import left_pad, right_pad
 from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup
 from rlhf_dist.engine.decode import generate, truncate_after_eos
 from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.rollout.vllm import sampling_seeds
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,12 @@ class ServedPolicy:
         self.lock = threading.Lock()
         self.group: SyncGroup | None = None
         self.updates = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        # Every forward runs on this one thread, whichever request thread asked (they run
+        # one at a time under the lock anyway): the allocator then keeps freed memory for
+        # one thread. Run on the web server's many request threads, each decode's KV cache,
+        # logits and packed weights were kept per thread by glibc's arenas: SmolLM2-135M's
+        # server grew to 18 GiB over 96 concurrent chat requests (docs/serving.md).
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.pending: list[Future] = []
         self.pending_lock = threading.Lock()  # request threads add and prune `pending`
         self.last_error = ""  # the last failed update, for /health
@@ -116,6 +123,14 @@ class ServedPolicy:
         self.bases: dict[str, torch.Tensor] = {}
         self.adapter_parts: dict[str, dict[str, torch.Tensor]] = {}
 
+    def checked_stops(self, prompts: list[list[int]], s: SamplingRequest) -> tuple[int, ...]:
+        """The stop ids a request samples with, once its prompts and stop ids are checked
+        (BadRequest)."""
+        self.check_ids(prompts, "prompts")
+        stops = s.stop_token_ids or self.stop_ids
+        self.check_ids([list(stops)], "stop_token_ids")
+        return stops
+
     def check_ids(self, seqs: list[list[int]], what: str) -> None:
         for i, seq in enumerate(seqs):
             if not seq:
@@ -124,22 +139,39 @@ class ServedPolicy:
             if bad:
                 raise BadRequest(f"{what}[{i}]: token id {bad[0]} outside [0, {self.vocab})")
 
+    def generate(
+        self, prompts: list[list[int]], s: SamplingRequest, seeds: list[int] | None = None
+    ) -> dict:
+        """_generate's answer, computed on the model thread."""
+        return self.model_thread.submit(self._generate, prompts, s, seeds).result()
+
+    def score(self, sequences: list[list[int]], temperature: float) -> dict:
+        """_score's answer, computed on the model thread."""
+        return self.model_thread.submit(self._score, sequences, temperature).result()
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], s: SamplingRequest) -> dict:
+    def _generate(
+        self, prompts: list[list[int]], s: SamplingRequest, seeds: list[int] | None = None
+    ) -> dict:
         """Sample one response per prompt (token id lists) -> {"responses": [ids], "logprobs":
-        [per-token log-probs], "finished": [ended with a stop id], "version"}."""
-        self.check_ids(prompts, "prompts")
-        stops = s.stop_token_ids or self.stop_ids
-        self.check_ids([list(stops)], "stop_token_ids")
+        [per-token log-probs], "finished": [ended with a stop id], "version"}. seeds: one
+        per prompt, each row then sampling what a one-prompt request of that seed samples
+        (the batched requests of serving/batching.py; the forward's float rounding at
+        another batch shape aside); None: every row from s.seed."""
+        stops = self.checked_stops(prompts, s)
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         with self._current():
             torch.manual_seed(s.seed)  # the in-process rollout's draw at the same seed
             if self.engine is not None:  # the sampler's own log-probs come with the tokens
-                out, logprobs = self.engine.generate(ids, mask, s, stops, pad)
+                rows = None if seeds is None else [_engine_seed(x) for x in seeds]
+                out, logprobs = self.engine.generate(ids, mask, s, stops, pad, rows)
                 out, response_mask, finished = truncate_after_eos(out, stops, pad)
             else:
-                out = generate(self.model, ids, mask, s, self.tokenizer, None, stops, self.perf)
+                gens = None if seeds is None else [_generator(x, self.device) for x in seeds]
+                out = generate(
+                    self.model, ids, mask, s, self.tokenizer, None, stops, self.perf, gens
+                )
                 out, response_mask, finished = truncate_after_eos(out, stops, pad)
                 logprobs, _ = token_logprobs(
                     self.model, torch.cat([ids, out], 1), torch.cat([mask, response_mask.long()], 1),
@@ -155,7 +187,7 @@ class ServedPolicy:
         }
 
     @torch.no_grad()
-    def score(self, sequences: list[list[int]], temperature: float) -> dict:
+    def _score(self, sequences: list[list[int]], temperature: float) -> dict:
         """Log-probs of tokens 1.. of each sequence given those before it, at `temperature`
         -> {"logprobs": [len - 1 floats each], "version"} (the post-sync check)."""
         self.check_ids(sequences, "sequences")
@@ -285,3 +317,16 @@ class ServedPolicy:
         except Exception as e:  # the server keeps serving; /health says what failed
             self.last_error = f"{type(e).__name__}: {e}"
             raise
+
+
+def _generator(seed: int, device) -> torch.Generator:
+    """A row's own RNG, seeded as torch.manual_seed(seed) seeds the global one: its draws
+    are the ones a one-prompt request with that seed takes."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _engine_seed(seed: int) -> int:
+    """The vLLM seed a one-prompt request with `seed` gives its row (VLLMEngine.generate
+    draws it from the global RNG just seeded with it)."""
+    torch.manual_seed(seed)
+    return int(sampling_seeds(1)[0])

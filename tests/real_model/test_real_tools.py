@@ -4,8 +4,8 @@ SmolLM2's own chat template ignores `tools`: served with it, a chat request that
 tools is refused with a 400 naming data.chat_template, and a run whose environment sends
 one stops with that line. Served with data.chat_template: chatml_tools, the real weights
 play two-turn episodes through the OpenAI endpoint (the second turn rendered after the
-ids sampled in the first, never re-tokenised), the trainer's log-probs over the recorded
-ids match the server's, and GRPO trains on them.
+ids sampled in the first, never re-tokenised; concurrent turns sampled as one batch), the
+trainer's log-probs over the recorded ids match the server's, and GRPO trains on them.
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def serve_tree(policy, template: str = "") -> dict:
         "data": {"chat_template": template},
         "perf": {"num_threads": 1},
         "distributed": {"timeout_s": 120},
+        # the episodes' concurrent turns sampled as one batch (serving/batching.py)
+        "serve": {"batch_window_ms": 50},
     }
 
 

@@ -236,22 +236,65 @@ def test_a_lora_sync_sends_the_base_once_then_only_adapters_that_the_server_fold
         _check_adapter(TensorSpec("w", (4, 31), "float32", "A", 2.0), (32, 32))
 
 
-def test_an_update_that_stops_half_way_is_never_served(tmp_path):
-    """A trainer that dies mid-broadcast leaves some buckets of its update written and the
-    rest never sent: those weights are neither version, so /generate and /score answer
-    Unavailable (a 503) naming the update and the error, until a whole update (the resumed
-    trainer's first sync) is in; then the new version is served."""
+def tiny_served_policy(tmp_path):
+    """A ServedPolicy of a random one-layer Llama over the demo's word-level tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf_dist.config import PerfConfig
     from rlhf_dist.demo.task import build_tokenizer
-    from rlhf_dist.serving.policy import SamplingRequest, ServedPolicy, TensorSpec, Unavailable
+    from rlhf_dist.serving.policy import ServedPolicy
 
     tok = build_tokenizer(tmp_path / "tok")
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     torch.manual_seed(0)
-    policy = ServedPolicy(LlamaForCausalLM(cfg), tok, (tok.eos_token_id,), PerfConfig(), "p", 5.0)
+    return ServedPolicy(LlamaForCausalLM(cfg), tok, (tok.eos_token_id,), PerfConfig(), "p", 5.0)
+
+
+def sampling(**keys):
+    from rlhf_dist.serving.policy import SamplingRequest
+
+    return SamplingRequest(**({"max_new_tokens": 8, "min_new_tokens": 0, "temperature": 1.0,
+                               "top_k": 0, "top_p": 1.0, "seed": 0} | keys))  # fmt: skip
+
+
+def test_concurrent_requests_are_sampled_as_one_batch_each_row_as_it_would_alone(tmp_path):
+    """serve.batch_window_ms: requests that arrive within the window with the same sampling
+    keys are one generate call, each row drawing from its own seed's generator, so each
+    gets the tokens it gets alone (log-probs within float rounding of the batched
+    forward: a near-tie could flip a token, unlikely at these few tokens); a request with
+    other keys is a group of its own; a bad one fails alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlhf_dist.serving.batching import RequestBatcher
+    from rlhf_dist.serving.policy import BadRequest
+
+    policy = tiny_served_policy(tmp_path)
+    asks = [([4, 5, 6 + i], sampling(seed=10 + i)) for i in range(4)]
+    asks.append(([7, 8], sampling(seed=3, temperature=0.5)))  # other keys: another group
+    alone = [policy.generate([prompt], s) for prompt, s in asks]
+    calls = []
+    generate = policy.generate
+    policy.generate = lambda *a: calls.append(len(a[0])) or generate(*a)
+    batcher = RequestBatcher(policy, window_s=0.5, max_batch=8)
+    with ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: batcher.generate(*a), asks))
+    assert sorted(calls) == [1, 4]  # two groups: the four alike, and the other
+    for one, batched in zip(alone, together):
+        assert batched["responses"] == one["responses"]
+        torch.testing.assert_close(batched["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
+    with pytest.raises(BadRequest, match="prompts"):
+        batcher.generate([10**6], sampling())
+
+
+def test_an_update_that_stops_half_way_is_never_served(tmp_path):
+    """A trainer that dies mid-broadcast leaves some buckets of its update written and the
+    rest never sent: those weights are neither version, so /generate and /score answer
+    Unavailable (a 503) naming the update and the error, until a whole update (the resumed
+    trainer's first sync) is in; then the new version is served."""
+    from rlhf_dist.serving.policy import TensorSpec, Unavailable
+
+    policy = tiny_served_policy(tmp_path)
 
     class Group:  # the trainer's broadcasts: `alive` tensors, then its connection is gone
         def __init__(self, alive: int):
@@ -268,8 +311,7 @@ def test_an_update_that_stops_half_way_is_never_served(tmp_path):
     def spec(name):
         return TensorSpec(name, tuple(policy.params[name].shape), "float32")
 
-    ask = SamplingRequest(max_new_tokens=3, min_new_tokens=0, temperature=1.0, top_k=0,
-                          top_p=1.0, seed=1)  # fmt: skip
+    ask = sampling(max_new_tokens=3, seed=1)
     assert policy.generate([[4, 5, 6]], ask)["version"] == 0
     policy.group = Group(alive=1)
     policy.receive_bucket(1, [spec(names[0])], final=False)  # written
