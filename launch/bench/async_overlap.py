@@ -37,7 +37,7 @@ launch/bench/gpu_suite.sh, `async`): on one GPU the server and the trainer share
 the overlap measures how much of generation hides behind training on the same device.
 
 Usage: python launch/bench/async_overlap.py [--iterations 6] [--threads 1] [--new 24]
-       [--out runs/bench/async] [--environment | --suite OUT]
+       [--out runs/bench/async] [--environment [--window MS] | --suite OUT]
 """
 
 from __future__ import annotations
@@ -155,6 +155,9 @@ def main() -> None:
         action="store_true",
         help="two-turn episodes of an environment through the chat endpoint",
     )
+    parser.add_argument(
+        "--window", type=float, default=0.0, help="the server's serve.batch_window_ms"
+    )
     args = parser.parse_args()
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
     out = Path(args.out).resolve()
@@ -173,7 +176,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for staleness in (0, 1):
             port = free_port()
-            server = start_server(policy, port, args.threads, Path(tmp), dtype)
+            server = start_server(policy, port, args.threads, Path(tmp), dtype, args.window)
             try:
                 tree = make(out, policy=policy, url=f"http://127.0.0.1:{port}", args=args,
                             staleness=staleness)  # fmt: skip
@@ -182,7 +185,8 @@ def main() -> None:
                 server.terminate()
                 server.wait(timeout=60)
     print(f"{work} ({device()}), one trainer + one server process, {args.threads} thread(s) "
-          f"each, {args.iterations} iterations (first dropped), medians in seconds")  # fmt: skip
+          f"each, serve.batch_window_ms {args.window:g}, {args.iterations} iterations (first "
+          f"dropped), medians in seconds")  # fmt: skip
     print(f"{'ppo.max_staleness':<18} {'s/iteration':>11} {'waited':>7} {'request':>8} "
           f"{'sync':>6} {'score':>6} {'update':>7} {'mean score':>10}")  # fmt: skip
     for staleness, t in results.items():

@@ -46,11 +46,12 @@ QUESTIONS = ["What is a good review?", "Name a fruit.", "Say hello.", "Count to 
 
 
 def start_server(
-    model: Path, port: int, threads: int, workdir: Path, dtype: str = "float32"
-) -> subprocess.Popen:
+    model: Path, port: int, threads: int, workdir: Path, dtype: str = "float32",
+    batch_window_ms: float = 0.0,
+) -> subprocess.Popen:  # fmt: skip
     config = workdir / "serve.yaml"
     tree = {"model": {"policy": str(model), "dtype": dtype},
-            "serve": {"port": port, "token_env": TOKEN_ENV},
+            "serve": {"port": port, "token_env": TOKEN_ENV, "batch_window_ms": batch_window_ms},
             "perf": {"num_threads": threads}}  # fmt: skip
     config.write_text(json.dumps(tree))
     cmd = [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)]
