@@ -355,3 +355,21 @@ def test_generation_stops_at_the_first_of_several_stop_ids(tok):
     short = [[7, 6, 6, 6], [9, 6, 6, 6], [1, 6, 6, 6]]
     out = generate(_Scripted(short), prompt, torch.ones_like(prompt), gen, tok, stop_ids=STOPS)
     assert out.tolist() == [[7], [9], [1]]
+
+
+def test_per_row_generators_draw_what_each_row_draws_alone():
+    """sample_categorical(generators=...): each row takes its uniform from its own
+    generator, so a row samples what a one-row batch seeded the same samples from the
+    global RNG, whatever the other rows are (the rollout server's batched requests)."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(5, 300), dim=-1)
+    seeds = [11, 12, 13, 14, 15]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    together = [sample_categorical(probs, generators=gens) for _ in range(4)]
+    for i, seed in enumerate(seeds):
+        torch.manual_seed(seed)
+        alone = [sample_categorical(probs[i : i + 1]) for _ in range(4)]
+        assert [int(t[i]) for t in together] == [int(a[0]) for a in alone]
+    # a row's draws do not depend on the batch: drop row 0, the others are unchanged
+    gens = [torch.Generator().manual_seed(s) for s in seeds[1:]]
+    assert sample_categorical(probs[1:], generators=gens).tolist() == together[0][1:].tolist()
