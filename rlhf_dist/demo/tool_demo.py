@@ -15,7 +15,8 @@ policy itself through the OpenAI-compatible chat endpoint of a `rlhf-dist serve`
 started here (tool_task.endpoint_episode; generation.environment_endpoint), as an
 environment library would; the trainer trains on the ids the server recorded.
 `endpoint="verifiers"` (`--verifiers`): the environment is the task written as a
-verifiers ToolEnv (demo/tool_verifiers.py), which also supplies the GRPO prompts.
+verifiers ToolEnv (demo/tool_verifiers.py), which also supplies the GRPO prompts. The
+server batches the episodes' concurrent turns (serve.batch_window_ms).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def served(policy: Path, root: Path, port: int):
     os.environ[TOKEN_ENV] = secrets.token_hex(16)
     config = root / "serve.json"
     tree = {"model": {"policy": str(policy)}, "perf": {"num_threads": 1},
-            "serve": {"port": port, "token_env": TOKEN_ENV}}  # fmt: skip
+            "serve": {"port": port, "token_env": TOKEN_ENV, "batch_window_ms": 20}}  # fmt: skip
     config.write_text(json.dumps(tree), encoding="utf-8")
     log = (root / "serve.log").open("w")
     cmd = [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)]
