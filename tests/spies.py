@@ -24,7 +24,7 @@ def forced_decode(monkeypatch, module, vocab: int, first: int = 2) -> list:
 
     seen = []
 
-    def sample(logits, gen_cfg, eos_id, allow_eos, generators=None):
+    def sample(logits, gen_cfg, eos_id, allow_eos, streams=None):
         seen.append(logits.detach().clone())
         rows = torch.arange(logits.shape[0], device=logits.device)
         return first + (7 * rows + 3 * (len(seen) - 1)) % (vocab - first)

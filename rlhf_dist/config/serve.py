@@ -41,10 +41,11 @@ class ServeConfig:
     max_batch: int = key(256, "prompts (or scored sequences) per request at most", gt=0)
     batch_window_ms: float = key(
         0.0,
-        "the OpenAI endpoints (an environment's turns): a request waits up to this long for "
-        "others with the same sampling keys, and they are sampled as one batch, each row with "
-        "its own seed's draws (equal to one at a time up to the float rounding of a batched "
-        "forward); 0 = one request at a time, reproducible bit for bit (docs/serving.md)",
+        "/generate and the OpenAI endpoints (trainer ranks' rollouts, an environment's turns): "
+        "a request waits up to this long for others with the same sampling keys, and they are "
+        "sampled as one batch, each request with its own seed's draws (equal to one at a time "
+        "up to the float rounding of a batched forward); 0 = one request at a time, "
+        "reproducible bit for bit (docs/serving.md)",
         min=0,
     )
     max_new_tokens: int = key(4096, "largest max_new_tokens a request may ask for", gt=0)

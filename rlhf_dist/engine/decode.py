@@ -43,7 +43,7 @@ def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):
 @torch.no_grad()
 def generate(
     model, prompt_ids, prompt_mask, gen_cfg: Sampling, tokenizer, keep_in_step=None,
-    stop_ids=None, perf: PerfConfig = DEFAULT_PERF, generators=None,
+    stop_ids=None, perf: PerfConfig = DEFAULT_PERF, streams=None,
 ) -> torch.Tensor:  # fmt: skip
     """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
     PAD after a row's first stop token (any of `stop_ids`; None: the tokenizer's EOS);
@@ -60,8 +60,8 @@ def generate(
     forwards until all ranks are done, so none waits forever for the others.
     perf: its speed paths (perf.shared_prompt_forward for the prefill; on CPU
     perf.packed_linears and perf.grouped_kv_attention, engine/cpu.py `decode_context`).
-    generators: one torch.Generator per row for its draws (sampling.sample_categorical);
-    None: the global RNG.
+    streams: [(torch.Generator, n)] over the rows in order, their draws
+    (sampling.sample_categorical); None: the global RNG.
     """
     pad = tokenizer.pad_token_id
     stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
@@ -69,11 +69,11 @@ def generate(
     mask = prompt_mask.long()
     with decode_context(model, prompt_ids.shape[0], perf):
         logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf))
-        return _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad, generators)
+        return _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad, streams)
 
 
 def _decode(
-    model, logits, cache, mask, gen_cfg: Sampling, keep_in_step, eos, pad: int, generators=None
+    model, logits, cache, mask, gen_cfg: Sampling, keep_in_step, eos, pad: int, streams=None
 ) -> torch.Tensor:
     """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt mask
     (B, P): (B, T) sampled ids, PAD after a row's stop token."""
@@ -84,7 +84,7 @@ def _decode(
     while True:
         if more:
             allow_eos = len(tokens) >= gen_cfg.min_new_tokens
-            token = sample_next(logits, gen_cfg, eos, allow_eos, generators)
+            token = sample_next(logits, gen_cfg, eos, allow_eos, streams)
             tokens.append(torch.where(finished, pad, token))
             finished |= is_stop(tokens[-1], eos)
             more = len(tokens) < steps and not bool(finished.all())

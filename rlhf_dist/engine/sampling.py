@@ -29,13 +29,11 @@ class Sampling(Protocol):
     def top_p(self) -> float: ...
 
 
-def sample_next(
-    logits, gen_cfg: Sampling, eos_id, allow_eos: bool, generators=None
-) -> torch.Tensor:
+def sample_next(logits, gen_cfg: Sampling, eos_id, allow_eos: bool, streams=None) -> torch.Tensor:
     """One token per row, (B,), drawn from softmax(logits / temperature) after EOS
     suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V). eos_id: one
-    id or a (S,) tensor of stop ids, all suppressed alike. generators: one torch.Generator
-    per row, whose draws that row's token takes (None: the global RNG's)."""
+    id or a (S,) tensor of stop ids, all suppressed alike. streams: the rows' random draws
+    (sample_categorical; None: the global RNG's)."""
     logits = scale_logits(logits, gen_cfg.temperature)
     if not truncates(gen_cfg.top_k, gen_cfg.top_p, logits.shape[-1]):
         # No truncation: suppressing EOS is zeroing its probability (the sampler takes
@@ -43,15 +41,15 @@ def sample_next(
         probs = torch.softmax(logits, dim=-1)
         if not allow_eos:
             probs[:, eos_id] = 0.0
-        return sample_categorical(probs, generators=generators)
+        return sample_categorical(probs, streams=streams)
     if not allow_eos:  # truncation must see the distribution without EOS
         logits = logits.clone()  # scale_logits may return the model's own tensor
         logits[:, eos_id] = float("-inf")
     logits = truncate_logits(logits, gen_cfg.top_k, gen_cfg.top_p)
-    return sample_categorical(torch.softmax(logits, dim=-1), generators=generators)
+    return sample_categorical(torch.softmax(logits, dim=-1), streams=streams)
 
 
-def sample_categorical(probs: torch.Tensor, block: int = 256, generators=None) -> torch.Tensor:
+def sample_categorical(probs: torch.Tensor, block: int = 256, streams=None) -> torch.Tensor:
     """One index per row of probs (B, V) -> (B,), drawn by inverting the CDF: one uniform
     per row, located first among the float64 cumulative masses of blocks of `block`
     entries, then inside its block. torch.multinomial draws one exponential per
@@ -60,16 +58,17 @@ def sample_categorical(probs: torch.Tensor, block: int = 256, generators=None) -
     would write 2x the rows' bytes: the blocks read them once (~0.4 ms). Exact: an entry
     of probability 0 spans no interval of either CDF, so it is never drawn (each uniform
     stays below its CDF's total). Rows need not sum to 1; a row that is not finite or
-    has no mass is an error, as with torch.multinomial. generators: one per row, each
-    drawing its row's uniform (a row then samples what it would alone, seeded the same,
-    whatever else is in the batch: the rollout servers' batched requests)."""
+    has no mass is an error, as with torch.multinomial. streams: [(torch.Generator, n)]
+    covering the rows in order, each generator drawing the uniforms of its n rows as the
+    global RNG would for an n-row batch alone (the rollout server's merged requests: each
+    samples what it would alone, seeded the same, whatever else is in the batch)."""
     B, V = probs.shape
     sums = _block_sums(probs, block)  # (B, K) float64
     cdf = sums.cumsum(dim=-1)
     total = cdf[:, -1:]  # (B, 1)
     if not bool((torch.isfinite(total) & (total > 0)).all()):
         raise ValueError("sampling probabilities are not finite or sum to 0 (NaN/inf logits?)")
-    u = _below(_uniforms(total.shape, cdf.dtype, probs.device, generators) * total, total)
+    u = _below(_uniforms(total.shape, cdf.dtype, probs.device, streams) * total, total)
     k = torch.searchsorted(cdf, u, right=True)  # (B, 1): a block with mass
     before = torch.where(k > 0, cdf.gather(1, (k - 1).clamp(min=0)), 0.0)
     idx = k * block + torch.arange(block, device=probs.device)  # (B, block)
@@ -79,12 +78,12 @@ def sample_categorical(probs: torch.Tensor, block: int = 256, generators=None) -
     return idx.gather(1, j).squeeze(1)
 
 
-def _uniforms(shape, dtype, device, generators) -> torch.Tensor:
-    """(B, 1) uniforms in [0, 1): from the global RNG, or one from each row's generator."""
-    if generators is None:
+def _uniforms(shape, dtype, device, streams) -> torch.Tensor:
+    """(B, 1) uniforms in [0, 1): from the global RNG, or each stream's n from its own."""
+    if streams is None:
         return torch.rand(shape, dtype=dtype, device=device)
-    draws = [torch.rand((), dtype=dtype, device=device, generator=g) for g in generators]
-    return torch.stack(draws).reshape(shape)
+    draws = [torch.rand((n, 1), dtype=dtype, device=device, generator=g) for g, n in streams]
+    return torch.cat(draws).reshape(shape)
 
 
 def _block_sums(probs: torch.Tensor, block: int) -> torch.Tensor:

@@ -87,6 +87,10 @@ def build_app(
     """The FastAPI app serving `policy`; `token` guards everything but /health; the
     serve.* keys: max_batch, max_new_tokens, tool_call_parser, batch_window_ms."""
     app = FastAPI(title="rlhf-dist serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # serve.batch_window_ms: concurrent requests sampled together; None: one at a time
+    batcher = None
+    if batch_window_ms > 0:
+        batcher = RequestBatcher(policy, batch_window_ms / 1000, max_batch)
 
     def authorized(authorization: str = Header("")) -> None:
         scheme, _, given = authorization.partition(" ")
@@ -119,11 +123,8 @@ def build_app(
             raise HTTPException(
                 400, f"sampling: need min_new_tokens <= max_new_tokens <= {max_new_tokens}"
             )
-        return refused(
-            policy.generate,
-            body.prompts,
-            SamplingRequest(**(s.model_dump() | {"stop_token_ids": tuple(s.stop_token_ids)})),
-        )
+        sampling = SamplingRequest(**(s.model_dump() | {"stop_token_ids": tuple(s.stop_token_ids)}))
+        return refused((policy if batcher is None else batcher).generate, body.prompts, sampling)
 
     @app.post("/score", dependencies=[Depends(authorized)])
     def score(body: ScoreBody) -> dict:
@@ -131,9 +132,6 @@ def build_app(
         return refused(policy.score, body.sequences, body.temperature)
 
     _add_weight_sync(app, policy, authorized, refused)
-    batcher = None  # one request at a time
-    if batch_window_ms > 0:
-        batcher = RequestBatcher(policy, batch_window_ms / 1000, max_batch)
     _add_openai(
         app, policy, authorized, refused, max_new_tokens, tool_call_parser == "hermes", batcher
     )

@@ -1,13 +1,14 @@
-"""Concurrent one-prompt requests sampled as one batch (serve.batch_window_ms; docs/serving.md,
+"""Concurrent requests sampled as one batch (serve.batch_window_ms; docs/serving.md,
 "Batching concurrent requests").
 
 An environment that drives the policy through the OpenAI-compatible endpoints sends one
-request per episode turn, many episodes at once (generation.endpoint_episodes_at_once).
-Served one at a time, each decode step of a one-row batch reads every weight for one
-token. Here a request waits up to the window for others with the same sampling keys, and
-the group is decoded together: every row with its own seed's generator
-(ServedPolicy.generate `seeds`), so each row draws what it would draw alone. Its tokens
-and log-probs are the one-at-a-time ones up to the float rounding of a forward at another
+request per episode turn, many episodes at once (generation.endpoint_episodes_at_once);
+several trainer ranks each send their shard's /generate after a sync. Served one at a
+time, each decode step of a small batch reads every weight for a few tokens. Here a
+request waits up to the window for others with the same sampling keys, and the group is
+decoded together: every request with its own seed's generator for its rows
+(ServedPolicy.generate `seeds`), so each draws what it would draw alone. Its tokens and
+log-probs are the one-at-a-time ones up to the float rounding of a forward at another
 batch shape (a near-tie can then break the other way): reproducible within that, not bit
 for bit, which is why the window is 0 (off) by default.
 """
@@ -25,33 +26,35 @@ from rlhf_dist.serving.policy import SamplingRequest, ServedPolicy
 
 @dataclasses.dataclass
 class Waiting:
-    """One request: its prompt, its sampling keys and where its answer goes."""
+    """One request: its prompts, its sampling keys and where its answer goes."""
 
-    prompt: list[int]
+    prompts: list[list[int]]
     sampling: SamplingRequest
     answer: Future
 
 
 def group_key(s: SamplingRequest) -> SamplingRequest:
-    """What rows of one batch must share: every sampling key but the seed."""
+    """What requests of one batch must share: every sampling key but the seed."""
     return dataclasses.replace(s, seed=0)
 
 
 class RequestBatcher:
-    """Takes one-prompt requests from any thread; a worker thread samples them in groups."""
+    """Takes requests from any thread; a worker thread samples them in groups of at most
+    max_rows prompts (serve.max_batch)."""
 
-    def __init__(self, policy: ServedPolicy, window_s: float, max_batch: int):
-        self.policy, self.window_s, self.max_batch = policy, window_s, max_batch
+    def __init__(self, policy: ServedPolicy, window_s: float, max_rows: int):
+        self.policy, self.window_s, self.max_rows = policy, window_s, max_rows
         self.waiting: queue.Queue[Waiting] = queue.Queue()
+        self.held: Waiting | None = None  # came within a window but did not fit: next batch
         self.worker = threading.Thread(target=self._serve, name="request-batcher", daemon=True)
         self.worker.start()
 
-    def generate(self, prompt: list[int], s: SamplingRequest) -> dict:
-        """ServedPolicy.generate([prompt], s)'s answer, sampled with whatever else came
+    def generate(self, prompts: list[list[int]], s: SamplingRequest) -> dict:
+        """ServedPolicy.generate(prompts, s)'s answer, sampled with whatever else came
         within the window."""
-        self.policy.checked_stops([prompt], s)  # a bad request fails alone, not its group
+        self.policy.checked_stops(prompts, s)  # a bad request fails alone, not its group
         answer: Future = Future()
-        self.waiting.put(Waiting(prompt, s, answer))
+        self.waiting.put(Waiting(prompts, s, answer))
         return answer.result()
 
     def _serve(self) -> None:
@@ -60,18 +63,21 @@ class RequestBatcher:
                 self._sample(group)
 
     def _collect(self) -> list[Waiting]:
-        """The first request to come, and the others that come within the window after it
-        (at most max_batch in all)."""
-        batch = [self.waiting.get()]
+        """The first request to come and the others that come within the window after it,
+        while they fit in max_rows prompts."""
+        first, self.held = self.held or self.waiting.get(), None
+        batch, rows = [first], len(first.prompts)
         deadline = time.monotonic() + self.window_s
-        while len(batch) < self.max_batch:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                batch.append(self.waiting.get(timeout=left))
+                more = self.waiting.get(timeout=left)
             except queue.Empty:
                 break
+            if rows + len(more.prompts) > self.max_rows:
+                self.held = more
+                break
+            batch.append(more)
+            rows += len(more.prompts)
         return batch
 
     @staticmethod
@@ -83,14 +89,17 @@ class RequestBatcher:
         return list(groups.values())
 
     def _sample(self, group: list[Waiting]) -> None:
-        """One generate call for the group; each request gets its row, or the error."""
+        """One generate call for the group; each request gets its rows, or the error."""
+        prompts = [p for w in group for p in w.prompts]
+        seeds = [(w.sampling.seed, len(w.prompts)) for w in group]
         try:
-            got = self.policy.generate(
-                [w.prompt for w in group], group[0].sampling, [w.sampling.seed for w in group]
-            )
+            got = self.policy.generate(prompts, group[0].sampling, seeds)
         except Exception as e:  # BadRequest, Unavailable, ...: each request answers with it
             for w in group:
                 w.answer.set_exception(e)
             return
-        for i, w in enumerate(group):
-            w.answer.set_result({k: (v if k == "version" else [v[i]]) for k, v in got.items()})
+        start = 0
+        for w in group:
+            rows = slice(start, start + len(w.prompts))
+            w.answer.set_result({k: (v if k == "version" else v[rows]) for k, v in got.items()})
+            start = rows.stop

@@ -206,7 +206,7 @@ def _sample(
 ):
     """One response to `prompt` -> (its ids, per-token strings and log-probs, finish reason,
     version; the text without the stop token)."""
-    got = policy.generate([prompt], s) if batcher is None else batcher.generate(prompt, s)
+    got = (policy if batcher is None else batcher).generate([prompt], s)
     ids, finished = got["responses"][0], got["finished"][0]
     kept = ids[:-1] if finished else ids  # the text ends before the stop token
     out = {

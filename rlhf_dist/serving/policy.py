@@ -140,8 +140,9 @@ class ServedPolicy:
                 raise BadRequest(f"{what}[{i}]: token id {bad[0]} outside [0, {self.vocab})")
 
     def generate(
-        self, prompts: list[list[int]], s: SamplingRequest, seeds: list[int] | None = None
-    ) -> dict:
+        self, prompts: list[list[int]], s: SamplingRequest,
+        seeds: list[tuple[int, int]] | None = None,
+    ) -> dict:  # fmt: skip
         """_generate's answer, computed on the model thread."""
         return self.model_thread.submit(self._generate, prompts, s, seeds).result()
 
@@ -151,26 +152,32 @@ class ServedPolicy:
 
     @torch.no_grad()
     def _generate(
-        self, prompts: list[list[int]], s: SamplingRequest, seeds: list[int] | None = None
-    ) -> dict:
+        self, prompts: list[list[int]], s: SamplingRequest,
+        seeds: list[tuple[int, int]] | None = None,
+    ) -> dict:  # fmt: skip
         """Sample one response per prompt (token id lists) -> {"responses": [ids], "logprobs":
-        [per-token log-probs], "finished": [ended with a stop id], "version"}. seeds: one
-        per prompt, each row then sampling what a one-prompt request of that seed samples
-        (the batched requests of serving/batching.py; the forward's float rounding at
-        another batch shape aside); None: every row from s.seed."""
+        [per-token log-probs], "finished": [ended with a stop id], "version"}. seeds:
+        [(seed, n)] covering the prompts in order, each n rows sampling what a request of
+        those n prompts with that seed samples alone (the merged requests of
+        serving/batching.py; the forward's float rounding at another batch shape aside);
+        None: every row from s.seed, as one request."""
         stops = self.checked_stops(prompts, s)
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         with self._current():
             torch.manual_seed(s.seed)  # the in-process rollout's draw at the same seed
             if self.engine is not None:  # the sampler's own log-probs come with the tokens
-                rows = None if seeds is None else [_engine_seed(x) for x in seeds]
+                rows = (
+                    None if seeds is None else [x for seed in seeds for x in _engine_seeds(*seed)]
+                )
                 out, logprobs = self.engine.generate(ids, mask, s, stops, pad, rows)
                 out, response_mask, finished = truncate_after_eos(out, stops, pad)
             else:
-                gens = None if seeds is None else [_generator(x, self.device) for x in seeds]
+                streams = None
+                if seeds is not None:
+                    streams = [(_generator(seed, self.device), n) for seed, n in seeds]
                 out = generate(
-                    self.model, ids, mask, s, self.tokenizer, None, stops, self.perf, gens
+                    self.model, ids, mask, s, self.tokenizer, None, stops, self.perf, streams
                 )
                 out, response_mask, finished = truncate_after_eos(out, stops, pad)
                 logprobs, _ = token_logprobs(
@@ -320,13 +327,13 @@ class ServedPolicy:
 
 
 def _generator(seed: int, device) -> torch.Generator:
-    """A row's own RNG, seeded as torch.manual_seed(seed) seeds the global one: its draws
-    are the ones a one-prompt request with that seed takes."""
+    """A request's own RNG, seeded as torch.manual_seed(seed) seeds the global one: its
+    draws are the ones the request takes alone."""
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _engine_seed(seed: int) -> int:
-    """The vLLM seed a one-prompt request with `seed` gives its row (VLLMEngine.generate
-    draws it from the global RNG just seeded with it)."""
+def _engine_seeds(seed: int, n: int) -> list[int]:
+    """The vLLM seeds a request of n prompts with `seed` gives its rows alone
+    (VLLMEngine.generate draws them from the global RNG just seeded with it)."""
     torch.manual_seed(seed)
-    return int(sampling_seeds(1)[0])
+    return sampling_seeds(n).tolist()

@@ -357,19 +357,27 @@ def test_generation_stops_at_the_first_of_several_stop_ids(tok):
     assert out.tolist() == [[7], [9], [1]]
 
 
-def test_per_row_generators_draw_what_each_row_draws_alone():
-    """sample_categorical(generators=...): each row takes its uniform from its own
-    generator, so a row samples what a one-row batch seeded the same samples from the
-    global RNG, whatever the other rows are (the rollout server's batched requests)."""
+def test_streams_draw_what_each_request_draws_alone():
+    """sample_categorical(streams=[(generator, n)]): each stream's n rows take their
+    uniforms from its own generator as the global RNG gives them to an n-row batch alone,
+    so each request in a merged batch samples what it samples alone, whatever the others
+    are (the rollout server's merged requests)."""
     torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(5, 300), dim=-1)
-    seeds = [11, 12, 13, 14, 15]
-    gens = [torch.Generator().manual_seed(s) for s in seeds]
-    together = [sample_categorical(probs, generators=gens) for _ in range(4)]
-    for i, seed in enumerate(seeds):
+    probs = torch.softmax(torch.randn(6, 300), dim=-1)
+    requests = [(11, 1), (12, 3), (13, 2)]  # (seed, rows), in row order
+
+    def streams(reqs):
+        return [(torch.Generator().manual_seed(seed), n) for seed, n in reqs]
+
+    merged = streams(requests)
+    together = torch.stack([sample_categorical(probs, streams=merged) for _ in range(4)])
+    start = 0
+    for seed, n in requests:
         torch.manual_seed(seed)
-        alone = [sample_categorical(probs[i : i + 1]) for _ in range(4)]
-        assert [int(t[i]) for t in together] == [int(a[0]) for a in alone]
-    # a row's draws do not depend on the batch: drop row 0, the others are unchanged
-    gens = [torch.Generator().manual_seed(s) for s in seeds[1:]]
-    assert sample_categorical(probs[1:], generators=gens).tolist() == together[0][1:].tolist()
+        rows = probs[start : start + n]
+        alone = torch.stack([sample_categorical(rows) for _ in range(4)])
+        assert together[:, start : start + n].tolist() == alone.tolist()
+        start += n
+    # without the first request, the others draw the same
+    rest = sample_categorical(probs[1:], streams=streams(requests[1:]))
+    assert rest.tolist() == sample_categorical(probs, streams=streams(requests))[1:].tolist()

@@ -258,33 +258,40 @@ def sampling(**keys):
                                "top_k": 0, "top_p": 1.0, "seed": 0} | keys))  # fmt: skip
 
 
-def test_concurrent_requests_are_sampled_as_one_batch_each_row_as_it_would_alone(tmp_path):
+def test_concurrent_requests_are_sampled_as_one_batch_each_as_it_would_alone(tmp_path):
     """serve.batch_window_ms: requests that arrive within the window with the same sampling
-    keys are one generate call, each row drawing from its own seed's generator, so each
-    gets the tokens it gets alone (log-probs within float rounding of the batched
+    keys are one generate call, each request's rows drawing from its own seed's generator,
+    so each gets the tokens it gets alone (log-probs within float rounding of the batched
     forward: a near-tie could flip a token, unlikely at these few tokens); a request with
-    other keys is a group of its own; a bad one fails alone."""
+    other keys is a group of its own; a bad one fails alone; a request that would take
+    the batch past max_rows waits for the next."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rlhf_dist.serving.batching import RequestBatcher
     from rlhf_dist.serving.policy import BadRequest
 
     policy = tiny_served_policy(tmp_path)
-    asks = [([4, 5, 6 + i], sampling(seed=10 + i)) for i in range(4)]
-    asks.append(([7, 8], sampling(seed=3, temperature=0.5)))  # other keys: another group
-    alone = [policy.generate([prompt], s) for prompt, s in asks]
+    asks = [([[4, 5, 6 + i]], sampling(seed=10 + i)) for i in range(3)]
+    asks.append(([[4, 6], [5, 7, 9]], sampling(seed=20)))  # two prompts: /generate's shape
+    asks.append(([[7, 8]], sampling(seed=3, temperature=0.5)))  # other keys: another group
+    alone = [policy.generate(prompts, s) for prompts, s in asks]
     calls = []
     generate = policy.generate
     policy.generate = lambda *a: calls.append(len(a[0])) or generate(*a)
-    batcher = RequestBatcher(policy, window_s=2.0, max_batch=8)  # room for a loaded CI
+    batcher = RequestBatcher(policy, window_s=2.0, max_rows=8)  # room for a loaded CI
     with ThreadPoolExecutor(len(asks)) as pool:
         together = list(pool.map(lambda a: batcher.generate(*a), asks))
-    assert sorted(calls) == [1, 4]  # two groups: the four alike, and the other
+    assert sorted(calls) == [1, 5]  # two groups: the four alike (5 prompts), and the other
     for one, batched in zip(alone, together):
         assert batched["responses"] == one["responses"]
         torch.testing.assert_close(batched["logprobs"], one["logprobs"], atol=1e-5, rtol=0)
     with pytest.raises(BadRequest, match="prompts"):
-        batcher.generate([10**6], sampling())
+        batcher.generate([[10**6]], sampling())
+    calls.clear()
+    small = RequestBatcher(policy, window_s=2.0, max_rows=2)
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda a: small.generate(*a), asks[:3]))
+    assert sorted(calls) == [1, 2]  # the third did not fit: the next batch
 
 
 def test_an_update_that_stops_half_way_is_never_served(tmp_path):
