@@ -2,9 +2,10 @@
 the protocol.
 
 GET /health (open): model, served policy version, whether a weight-sync group is
-joined, the last failed update, and the version of an update that stopped half-way
+joined, the last failed update, the version of an update that stopped half-way
 (`torn_update`, 0 when none: until the next whole update the sampling endpoints answer
-503 rather than serve weights that are neither version). Everything else needs `Authorization: Bearer <token>`
+503 rather than serve weights that are neither version), and with serve.batch_window_ms
+the requests and generate calls so far (`batched`). Everything else needs `Authorization: Bearer <token>`
 (serve.token_env), compared in constant time: POST /generate (token ids in, token ids
 and log-probs out), /score (the post-sync check), /init_weight_sync and /update_weights
 (the weight-sync protocol), and the OpenAI-compatible /v1/completions and
@@ -111,9 +112,14 @@ def build_app(
 
     @app.get("/health")
     def health() -> dict:
+        batched = (
+            {}
+            if batcher is None
+            else {"batched": {"requests": batcher.requests, "batches": batcher.batches}}
+        )  # serve.batch_window_ms: how many requests each generate call took
         return {"model": policy.name, "version": policy.version,
                 "sync_group": policy.group is not None, "last_error": policy.last_error,
-                "torn_update": policy.torn}  # fmt: skip
+                "torn_update": policy.torn} | batched  # fmt: skip
 
     @app.post("/generate", dependencies=[Depends(authorized)])
     def generate(body: GenerateBody) -> dict:

@@ -46,6 +46,7 @@ class RequestBatcher:
         self.policy, self.window_s, self.max_rows = policy, window_s, max_rows
         self.waiting: queue.Queue[Waiting] = queue.Queue()
         self.held: Waiting | None = None  # came within a window but did not fit: next batch
+        self.requests = self.batches = 0  # so far, for /health: requests per generate call
         self.worker = threading.Thread(target=self._serve, name="request-batcher", daemon=True)
         self.worker.start()
 
@@ -90,6 +91,7 @@ class RequestBatcher:
 
     def _sample(self, group: list[Waiting]) -> None:
         """One generate call for the group; each request gets its rows, or the error."""
+        self.requests, self.batches = self.requests + len(group), self.batches + 1
         prompts = [p for w in group for p in w.prompts]
         seeds = [(w.sampling.seed, len(w.prompts)) for w in group]
         try:

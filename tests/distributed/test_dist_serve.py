@@ -20,10 +20,12 @@ from serve_process import served
 ENV, TOKEN = "RLHF_DIST_TEST_SERVER_TOKEN", "dist-test-token-51f0"
 
 
-def served_ppo(assets, out: Path, *extra: str) -> int:
+def served_ppo(assets, out: Path, *extra: str, serve: dict | None = None) -> dict:
     """2-rank ZeRO-3 PPO (conftest.ppo_command + `extra`) against a fresh server of the
-    tiny policy, synced in 50 KiB buckets -> the server's version at the end."""
-    tree = {"model": {"policy": str(assets["policy"])}, "perf": {"num_threads": 1}}
+    tiny policy (`serve`: its serve keys), synced in 50 KiB buckets -> the server's
+    /health at the end."""
+    tree = {"model": {"policy": str(assets["policy"])}, "perf": {"num_threads": 1},
+            "serve": serve or {}}  # fmt: skip
     with served(tree, ENV, TOKEN) as url:
         command = ppo_command(
             assets, out, "generation.backend=server", f"generation.server_urls=[{url}]",
@@ -34,12 +36,18 @@ def served_ppo(assets, out: Path, *extra: str) -> int:
             launch_args("cpu_zero3.yaml", free_port(), *command), timeout=240, env={ENV: TOKEN}
         )
         with urllib.request.urlopen(url + "/health", timeout=10) as answer:
-            return json.loads(answer.read())["version"]
+            return json.loads(answer.read())
 
 
 def test_ppo_zero3_two_ranks_with_rollouts_from_a_server(assets, tmp_path):
+    """Each rank's /generate after a sync: with serve.batch_window_ms the two ranks'
+    requests are merged into one generate call (the window is wide for a loaded CI
+    machine), each rank's rows sampled as its own request's."""
     out = tmp_path / "served"
-    assert served_ppo(assets, out) == 2  # one sync per rollout
+    health = served_ppo(assets, out, serve={"batch_window_ms": 2000})
+    assert health["version"] == 2  # one sync per rollout
+    assert health["batched"]["requests"] == 4  # 2 ranks x 2 rollouts
+    assert health["batched"]["batches"] < 4  # merged, at least once
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -84,7 +92,8 @@ def test_lora_under_zero3_two_ranks_syncs_the_adapters_the_server_folds_in(asset
     each gathered a bucket at a time; the served policy stays the trainer's adapted actor
     (post-sync check and sampler log-probs within fp32 rounding)."""
     out = tmp_path / "lora"
-    assert served_ppo(assets, out, "lora.enabled=true", "lora.r=4", "ppo.iterations=3") == 3
+    health = served_ppo(assets, out, "lora.enabled=true", "lora.r=4", "ppo.iterations=3")
+    assert health["version"] == 3
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/server_sync_gap"] < 1e-4 for r in rows)
