@@ -160,26 +160,24 @@ class ServedPolicy:
         [(seed, n)] covering the prompts in order, each n rows sampling what a request of
         those n prompts with that seed samples alone (the merged requests of
         serving/batching.py; the forward's float rounding at another batch shape aside);
-        None: every row from s.seed, as one request."""
+        None: every row from s.seed, as one request. One request alone draws from a
+        generator seeded with s.seed, as the in-process rollout draws from the global RNG
+        seeded the same: one sampling path, merged or not."""
         stops = self.checked_stops(prompts, s)
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
+        seeds = seeds or [(s.seed, len(prompts))]
         with self._current():
-            torch.manual_seed(s.seed)  # the in-process rollout's draw at the same seed
             if self.engine is not None:  # the sampler's own log-probs come with the tokens
-                rows = (
-                    None if seeds is None else [x for seed in seeds for x in _engine_seeds(*seed)]
-                )
+                rows = [x for seed, n in seeds for x in _engine_seeds(seed, n)]
                 out, logprobs = self.engine.generate(ids, mask, s, stops, pad, rows)
-                out, response_mask, finished = truncate_after_eos(out, stops, pad)
             else:
-                streams = None
-                if seeds is not None:
-                    streams = [(_generator(seed, self.device), n) for seed, n in seeds]
+                streams = [(_generator(seed, self.device), n) for seed, n in seeds]
                 out = generate(
                     self.model, ids, mask, s, self.tokenizer, None, stops, self.perf, streams
                 )
-                out, response_mask, finished = truncate_after_eos(out, stops, pad)
+            out, response_mask, finished = truncate_after_eos(out, stops, pad)
+            if self.engine is None:  # the trainer's forward scores the sampled tokens
                 logprobs, _ = token_logprobs(
                     self.model, torch.cat([ids, out], 1), torch.cat([mask, response_mask.long()], 1),
                     response_mask, s.temperature, prompt_width=ids.shape[1], perf=self.perf,
