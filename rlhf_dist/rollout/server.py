@@ -67,9 +67,10 @@ def sync_entries(
 class ServerEngine:
     """The trainer's side of one or more rollout servers."""
 
-    def __init__(self, cfg: Config, is_main: bool, any_rank: Callable[[bool], bool]):
-        """is_main: this is trainer rank 0 (it syncs the weights); any_rank(flag): whether
-        any trainer rank passed True (Runtime.any_rank; a collective, every rank calls it)."""
+    def __init__(self, cfg: Config, is_main: bool, all_max: Callable[[torch.Tensor], torch.Tensor]):
+        """is_main: this is trainer rank 0 (it syncs the weights); all_max(x): the elementwise
+        maximum of x over the trainer ranks (Runtime.all_max; a collective, every rank
+        calls it)."""
         g = cfg.generation
         self.urls = [u.rstrip("/") for u in g.server_urls]
         self.timeout_s = float(cfg.distributed.timeout_s)
@@ -81,7 +82,7 @@ class ServerEngine:
             )
         self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
         self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
-        self.is_main, self.any_rank = is_main, any_rank
+        self.is_main, self.all_max = is_main, all_max
         self.group: SyncGroup | None = None
         self.version = 0  # the policy version every server holds after the last sync
         self.syncs = 0  # weight syncs of this run (RLHF_DIST_FAULT=skip_weight_sync:N)
@@ -113,6 +114,10 @@ class ServerEngine:
                 f"rollout server {url}{path}: {why} (within {self.timeout_s:g} s)"
             ) from None
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether any trainer rank passed True (a collective)."""
+        return bool(self.all_max(torch.tensor(float(flag))) > 0)
+
     def together(self, work: Callable[[], object], errors: tuple = (ServerError,)):
         """work()'s result; when it raised one of `errors` on any trainer rank, that error
         there and ServerError on every other rank, at once (so they stop, and checkpoint,
@@ -139,7 +144,10 @@ class ServerEngine:
             self.together(lambda: self._send(actor, with_base))
         self.sync_peak_bytes, self.joined = grown.peak_bytes, False
         ours = self._own_logprobs(actor)  # every rank: under ZeRO-3 a collective forward
-        self.together(lambda: self._check(ours) if self.is_main else self._read_version())
+        self.together(lambda: self._check(ours) if self.is_main else None)
+        # Rank 0's version, by a collective: a server's /health may still show the old one
+        # while it applies the last bucket, and a request stamped with that would be refused.
+        self.version = int(self.all_max(torch.tensor(self.version if self.is_main else 0)))
         self.sync_seconds = time.perf_counter() - start
 
     def _begin(self) -> None:
@@ -150,9 +158,6 @@ class ServerEngine:
             self._join()
             self.joined = True
         self.version = 1 + max(h["version"] for h in healths)
-
-    def _read_version(self) -> None:
-        self.version = max(self.call(url, "/health")["version"] for url in self.urls)
 
     def _send(self, actor: torch.nn.Module, with_base: bool) -> None:
         """Walk the weights (`sync_entries`) a bucket at a time on every rank; rank 0

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from rlhf_dist.checkpoint import fault_active
 from rlhf_dist.config import PerfConfig
 from rlhf_dist.data.chat import Chat
 from rlhf_dist.data.rows import left_pad, right_pad
@@ -279,6 +281,10 @@ class ServedPolicy:
             received = [
                 self.group.broadcast(torch.empty(s.shape, dtype=DTYPES[s.dtype])) for s in specs
             ]
+            if final and fault_active("slow_update", version):
+                time.sleep(
+                    1.0
+                )  # tests: the trainer sees the broadcast end before the version moves
             with self.lock, torch.no_grad():
                 self.torn = version  # until its final bucket is in (a trainer may die first)
                 for spec, tensor in zip(specs, received):

@@ -370,7 +370,7 @@ def rollout_engine(
     if backend == "vllm":
         return VLLMEngine(cfg, runtime.device)
     if backend == "server":
-        server = ServerEngine(cfg, runtime.is_main, runtime.any_rank)
+        server = ServerEngine(cfg, runtime.is_main, runtime.all_max)
         if cfg.ppo.max_staleness:
             return PrefetchingServer(server, cfg.ppo.max_staleness)
         return server

@@ -20,13 +20,15 @@ from serve_process import served
 ENV, TOKEN = "RLHF_DIST_TEST_SERVER_TOKEN", "dist-test-token-51f0"
 
 
-def served_ppo(assets, out: Path, *extra: str, serve: dict | None = None) -> dict:
+def served_ppo(
+    assets, out: Path, *extra: str, serve: dict | None = None, server_env: dict | None = None
+) -> dict:
     """2-rank ZeRO-3 PPO (conftest.ppo_command + `extra`) against a fresh server of the
-    tiny policy (`serve`: its serve keys), synced in 50 KiB buckets -> the server's
-    /health at the end."""
+    tiny policy (`serve`: its serve keys; `server_env`: added to its environment), synced
+    in 50 KiB buckets -> the server's /health at the end."""
     tree = {"model": {"policy": str(assets["policy"])}, "perf": {"num_threads": 1},
             "serve": serve or {}}  # fmt: skip
-    with served(tree, ENV, TOKEN) as url:
+    with served(tree, ENV, TOKEN, server_env=server_env) as url:
         command = ppo_command(
             assets, out, "generation.backend=server", f"generation.server_urls=[{url}]",
             f"generation.server_token_env={ENV}", "generation.server_sync_bucket_mb=0.05",
@@ -42,9 +44,13 @@ def served_ppo(assets, out: Path, *extra: str, serve: dict | None = None) -> dic
 def test_ppo_zero3_two_ranks_with_rollouts_from_a_server(assets, tmp_path):
     """Each rank's /generate after a sync: with serve.batch_window_ms the two ranks'
     requests are merged into one generate call (the window is wide for a loaded CI
-    machine), each rank's rows sampled as its own request's."""
+    machine), each rank's rows sampled as its own request's. Every rank knows the synced
+    version from rank 0, not from a server still applying the update."""
     out = tmp_path / "served"
-    health = served_ppo(assets, out, serve={"batch_window_ms": 2000})
+    # The second update applies 1 s after its broadcast ends: rank 1 must still stamp its
+    # request with version 2 (it once read the server's /health, which showed 1 then).
+    slow = {"RLHF_DIST_FAULT": "slow_update:2"}
+    health = served_ppo(assets, out, serve={"batch_window_ms": 2000}, server_env=slow)
     assert health["version"] == 2  # one sync per rollout
     assert health["batched"]["requests"] == 4  # 2 ranks x 2 rollouts
     assert health["batched"]["batches"] < 4  # merged, at least once

@@ -126,7 +126,7 @@ def test_the_client_without_its_token_is_a_config_error_naming_the_key(monkeypat
          "generation.server_token_env=RLHF_DIST_UNSET_TOKEN"],
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"generation\.server_token_env: .*RLHF_DIST_UNSET_TOKEN"):
-        ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
+        ServerEngine(cfg, is_main=True, all_max=lambda x: x)
 
 
 def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypatch):
@@ -161,7 +161,7 @@ def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypa
          "generation.server_token_env=RLHF_DIST_TEST_TOKEN",
          f"generation.server_sync_bucket_mb={40_000 / 2**20}"],
     )  # fmt: skip
-    ServerEngine(cfg, is_main=False, any_rank=lambda flag: flag)._send(model, with_base=False)
+    ServerEngine(cfg, is_main=False, all_max=lambda x: x)._send(model, with_base=False)
     whole = sum(p.ds_numel * 4 for p in model.parameters())
     assert sum(map(sum, gathered)) == whole and len(gathered) > 1
     assert all(sum(b) <= 40_000 or len(b) == 1 for b in gathered)
