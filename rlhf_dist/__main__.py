@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from rlhf_dist.cli import main
+from rlhf_dist.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

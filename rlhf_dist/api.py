@@ -18,7 +18,7 @@ directory as `rlhf-dist <stage>` and returns its summary (summary.json's content
 command line. The objects are registered for the run under `python:<key>` specs
 (rlhf_dist.inputs), so config.yaml records where each value came from. The command line
 is a thin layer over `run` (cli.py). Under `accelerate launch`, every rank runs the script
-and calls the same functions.
+and calls the same functions, and the script ends with `sys.exit(end_process())`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import atexit
 import dataclasses
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -141,6 +142,16 @@ def close() -> None:
     """Leave the process group (once per process, after the last stage)."""
     while _RUNTIMES:
         _RUNTIMES.popitem()[1].close()
+
+
+def end_process(code: int = 0) -> int:
+    """The end of a script that ran stages on several ranks (or with a rollout server):
+    `sys.exit(rlhf_dist.api.end_process())`. Where this process made a gloo group it runs
+    the atexit handlers (close() among them), flushes the output and leaves at once with
+    `code`: the interpreter's own teardown can abort or hang a rank whose work is done
+    (distributed/process_exit.py). Otherwise `code` comes back."""
+    exits = sys.modules.get("rlhf_dist.distributed.process_exit")  # not imported: no group
+    return code if exits is None else exits.end_process(code)
 
 
 def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> dict:

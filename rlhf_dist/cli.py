@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import traceback
 
 from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
 from rlhf_dist.config.presets import PRESETS
@@ -351,5 +352,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> int:
+    """`rlhf-dist` and `python -m rlhf_dist`: main(), then the end of the process
+    (api.end_process: one that made a gloo group leaves without the interpreter's teardown,
+    which can abort or hang it after its work is done). An error no handler in main()
+    took is printed as Python would, with exit status 1."""
+    try:
+        code = main()
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    from rlhf_dist import api
+
+    return api.end_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -28,33 +28,41 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def served(tree: dict, token_env: str, token: str, start_timeout: float = 90.0):
+def served(
+    tree: dict, token_env: str, token: str, start_timeout: float = 90.0,
+    server_env: dict | None = None,
+):  # fmt: skip
     port = _free_port()
     tree = {**tree, "serve": {**tree.get("serve", {}), "port": port, "token_env": token_env}}
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "serve.yaml"
         config.write_text(json.dumps(tree))
         env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", token_env: token}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        # The output goes to a file: a pipe nobody reads until the end fills at 64 KiB
+        # and then blocks the server mid-request.
+        log = Path(tmp) / "serve.log"
+        with log.open("w") as sink:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)],
+                env=env | (server_env or {}), stdout=sink, stderr=subprocess.STDOUT,
+            )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(url, proc, start_timeout)
+            _wait_healthy(url, proc, start_timeout, log)
             yield url
         finally:
             proc.terminate()
-            out = proc.communicate(timeout=30)[0].decode(errors="replace")
-            assert token not in out  # never written to the server's output
+            proc.wait(timeout=30)
+            assert token not in log.read_text(errors="replace")  # never in the server's output
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
     from rlhf_dist.rollout.server import wait_healthy
 
     if not wait_healthy(url, timeout, lambda: proc.poll() is None):
         proc.kill()
-        out = proc.communicate()[0].decode(errors="replace")
+        proc.wait()
+        out = log.read_text(errors="replace")
         raise RuntimeError(f"rlhf-dist serve did not start: {out[-2000:]}")
 
 
@@ -68,4 +76,4 @@ def client(url: str, token_env: str, timeout_s: int = 60, **generation):
                         **generation},
          "distributed": {"timeout_s": timeout_s}}
     )  # fmt: skip
-    return ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
+    return ServerEngine(cfg, is_main=True, all_max=lambda x: x)

@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import TOKEN_ENV, start_server  # noqa: E402 (this folder's rollout-server benchmark)
 
+from rlhf_dist.api import end_process
 from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.demo import pipeline  # noqa: E402
 from rlhf_dist.distributed.weight_sync import free_port  # noqa: E402
@@ -135,3 +136,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process())  # a rank leaves without interpreter teardown (api.end_process)

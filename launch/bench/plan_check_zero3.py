@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlhf_dist.api import end_process
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_memory  # noqa: E402
@@ -216,3 +218,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process())  # a rank leaves without interpreter teardown (api.end_process)

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_memory  # noqa: E402 (this directory)
 
+from rlhf_dist.api import end_process
 from rlhf_dist.config import OptimConfig, PerfConfig  # noqa: E402
 from rlhf_dist.data.batching import BatchPlan  # noqa: E402
 from rlhf_dist.data.rows import SFTExample  # noqa: E402
@@ -147,3 +148,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process())  # a rank leaves without interpreter teardown (api.end_process)

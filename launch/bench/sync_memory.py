@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import TOKEN_ENV, start_server  # noqa: E402 (this folder's rollout-server benchmark)
 
+from rlhf_dist.api import end_process
 from rlhf_dist.demo import arithmetic_demo, smollm2  # noqa: E402
 from rlhf_dist.distributed.weight_sync import free_port, weight_buckets  # noqa: E402
 
@@ -109,3 +110,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process())  # a rank leaves without interpreter teardown (api.end_process)

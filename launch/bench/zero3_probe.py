@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from rlhf_dist.api import end_process
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.models import DTYPES, quiet_transformers
 
@@ -171,3 +173,4 @@ class _plain:
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process())  # a rank leaves without interpreter teardown (api.end_process)

@@ -25,6 +25,8 @@ backends):
   outside ZeRO-3;
 - zero3.py: a ZeRO-3 model's weights gathered whole in one collective, per-module hooks off;
 - trackers.py: W&B / TensorBoard / trackio through Accelerate;
+- process_exit.py: ending a process that made a gloo group without the interpreter's
+  teardown (which can abort or hang a finished rank);
 - runtime.py: the `Runtime` facade.
 """
 

@@ -18,6 +18,7 @@ from rlhf_dist.distributed.deepspeed_config import (
     fill_gloo_zero3,
     fill_zero_buckets,
 )
+from rlhf_dist.distributed.process_exit import note_group
 
 
 class Backend:
@@ -32,6 +33,8 @@ class Backend:
         logging_dir: str | None = None,
     ):
         self.accelerator = _make_accelerator(timeout_s, dtype, trackers, logging_dir)
+        if self.world_size > 1:
+            note_group()  # gloo's worker threads and interpreter exit: process_exit.py
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads or default_threads())
         self._unwrapped: dict[int, tuple] = {}  # id -> (wrapper, kept alive; inner module)

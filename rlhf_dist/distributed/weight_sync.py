@@ -29,6 +29,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from rlhf_dist.distributed.process_exit import note_group
+
 K = TypeVar("K")
 
 # dtypes a weight may travel in (the names in the HTTP metadata).
@@ -51,6 +53,7 @@ class SyncGroup:
         )
         # Built directly, not by init_process_group: no default group is created or used.
         self.group = dist.ProcessGroupGloo(self.store, rank, world_size, self.timeout)
+        note_group()  # its worker threads and interpreter exit: process_exit.py
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Broadcast `tensor` (contiguous, CPU) from rank 0 into every rank's `tensor`;

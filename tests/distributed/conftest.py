@@ -6,12 +6,17 @@ a user would, and fails with the tail of their output if they exit non-zero or h
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,22 +49,11 @@ def run_launch(
     args: list[str], timeout: float = 120.0, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run one launcher command (with `env` added to the environment); fail the test with
-    its output tail on error or timeout."""
-    try:
-        proc = subprocess.run(
-            args,
-            cwd=REPO,
-            env=_env() | (env or {}),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"")[-4000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-4000:]
-        pytest.fail(f"launch timed out after {timeout}s (a hang?)\n{out}")
-    if proc.returncode != 0:
-        pytest.fail(f"launch exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return proc
+    its output tail on error, or on a hang with every rank's stack (_run_all)."""
+    ((returncode, out, err),) = _run_all([args], timeout, env or {})
+    if returncode != 0:
+        pytest.fail(f"launch exited {returncode}\n{(out + err)[-6000:]}")
+    return subprocess.CompletedProcess(args, returncode, out, err)
 
 
 def shm_buffers(port: int) -> list[Path]:
@@ -71,28 +65,80 @@ def shm_buffers(port: int) -> list[Path]:
 def run_two_machines(config: str, command: list[str], timeout: float = 120.0) -> None:
     """Two 'machines' (one process each) on 127.0.0.1 with machine ranks 0 and 1."""
     port = free_port()
-    procs = []
-    for machine_rank in (0, 1):
-        args = launch_args(config, port, "--machine_rank", str(machine_rank), *command)
-        procs.append(
-            subprocess.Popen(
-                args,
-                cwd=REPO,
-                env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    machines = [launch_args(config, port, "--machine_rank", str(rank), *command) for rank in (0, 1)]
+    for rank, (returncode, out, err) in enumerate(_run_all(machines, timeout, {})):
+        if returncode != 0:
+            pytest.fail(f"machine {rank} exited {returncode}\n{(out + err)[-6000:]}")
+
+
+def _run_all(commands: list[list[str]], timeout: float, env: dict) -> list[tuple[int, str, str]]:
+    """Run the commands at once; (return code, stdout, stderr) of each.
+
+    Output goes to files, never to pipes: a pipe read only after another process finishes
+    fills at 64 KiB and blocks its writer inside a step while its peer waits in a
+    collective. On a hang every process gets SIGABRT with faulthandler on, and the test
+    fails with each one's output tail: where every rank stood."""
+    with tempfile.TemporaryDirectory(prefix="launch_") as tmp:
+        logs = [(Path(tmp, f"{i}.out"), Path(tmp, f"{i}.err")) for i in range(len(commands))]
+        procs = []
+        for args, (out, err) in zip(commands, logs):
+            with out.open("w") as stdout, err.open("w") as stderr:
+                procs.append(
+                    subprocess.Popen(
+                        args,
+                        cwd=REPO,
+                        env=_env() | {"PYTHONFAULTHANDLER": "1"} | env,
+                        stdout=stdout,
+                        stderr=stderr,
+                    )
+                )
+        hung = _wait_all(procs, timeout)
+        outputs = [
+            (p.returncode, out.read_text(), err.read_text()) for p, (out, err) in zip(procs, logs)
+        ]
+    if hung:
+        tails = [f"process {i}:\n{(out + err)[-8000:]}" for i, (_, out, err) in enumerate(outputs)]
+        pytest.fail(f"launch timed out after {timeout}s (a hang?)\n" + "\n".join(tails))
+    return outputs
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> bool:
+    """Wait for every process; on timeout abort each launcher's workers, then any launcher
+    still running (faulthandler prints each one's stacks; the workers run in sessions of
+    their own, so a process group would miss them), kill what is left, and return True."""
+    deadline = time.monotonic() + timeout
     try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    except subprocess.TimeoutExpired:
         for p in procs:
-            p.kill()
-        pytest.fail("two-machine launch timed out (a hang?)")
-    for p, out in zip(procs, outputs):
-        if p.returncode != 0:
-            pytest.fail(f"machine exited {p.returncode}\n{out[-6000:]}")
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        return False
+    except subprocess.TimeoutExpired:
+        trees = [_tree(p.pid) for p in procs]
+        for tree in trees:  # the workers first: their launchers then report them
+            _signal_all(tree[1:], signal.SIGABRT)
+        time.sleep(3)  # time to write the stacks
+        for p, tree in zip(procs, trees):  # a launcher still there is stuck itself
+            if p.poll() is None:
+                _signal_all(tree[:1], signal.SIGABRT)
+        time.sleep(1)
+        for tree in trees:
+            _signal_all(tree, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        return True
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """The process `pid` and all its descendants."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    return []
+
+
+def _signal_all(processes: list[psutil.Process], sig: int) -> None:
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
 
 
 def ppo_command(assets, out: Path, *extra: str) -> list[str]:

@@ -59,6 +59,7 @@ from rlhf_dist.algo.objectives import drop_truncated
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.batching import ppo_plan, token_budget_split
 from rlhf_dist.distributed import Runtime, seed_everything
+from rlhf_dist.distributed.process_exit import end_process
 from rlhf_dist.distributed.training_state import innermost_optimizer
 from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.models import quiet_transformers
@@ -386,3 +387,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process(0))  # gloo and interpreter exit: distributed/process_exit.py

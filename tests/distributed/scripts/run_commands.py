@@ -13,9 +13,12 @@ import json
 import sys
 
 from rlhf_dist.cli import main
+from rlhf_dist.distributed.process_exit import end_process
 
 if __name__ == "__main__":
+    status = 0
     for argv in json.loads(sys.argv[1]):
         status = main(argv)
         if status:
-            sys.exit(status)
+            break
+    sys.exit(end_process(status))  # gloo and interpreter exit: distributed/process_exit.py

@@ -26,6 +26,7 @@ from rlhf_dist.config import DPOConfig, KTOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan
 from rlhf_dist.data.rows import KTOExample, PreferencePair, SFTExample
 from rlhf_dist.distributed import Runtime, seed_everything
+from rlhf_dist.distributed.process_exit import end_process
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.models.value import ActorCritic
 from rlhf_dist.rollout.batch import RolloutBatch
@@ -207,3 +208,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process(0))  # gloo and interpreter exit: distributed/process_exit.py

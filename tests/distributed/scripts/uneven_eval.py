@@ -17,6 +17,7 @@ from pathlib import Path
 from rlhf_dist.api import RUNNERS
 from rlhf_dist.config import load_config, validate
 from rlhf_dist.distributed import Runtime
+from rlhf_dist.distributed.process_exit import end_process
 from rlhf_dist.models import quiet_transformers
 
 
@@ -38,3 +39,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process(0))  # gloo and interpreter exit: distributed/process_exit.py

@@ -16,6 +16,7 @@ from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.batching import ppo_plan
 from rlhf_dist.data.rows import load_rows, prompt_set
 from rlhf_dist.distributed import Runtime
+from rlhf_dist.distributed.process_exit import end_process
 from rlhf_dist.models import load_tokenizer, quiet_transformers
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.stats import StatSums
@@ -81,3 +82,4 @@ def uneven_rollout_and_step(runtime, policy, reward, prompts_path, gather: bool)
 
 if __name__ == "__main__":
     main()
+    sys.exit(end_process(0))  # gloo and interpreter exit: distributed/process_exit.py
