@@ -138,10 +138,17 @@ def _runtime(cfg: Config) -> Runtime:
     return _RUNTIMES[settings]
 
 
-def close() -> None:
-    """Leave the process group (once per process, after the last stage)."""
+def close(failed: bool = False) -> None:
+    """Leave the process group (once per process, after the last stage). After a failure
+    (`failed`, or an uncaught exception ending the script) without the closing barrier:
+    a rank that failed alone would wait there while its peers wait in a collective it
+    never joins, both until distributed.timeout_s; without it the process exits at once
+    and its launcher stops the other ranks."""
+    failed = failed or getattr(sys, "last_value", None) is not None
     while _RUNTIMES:
-        _RUNTIMES.popitem()[1].close()
+        runtime = _RUNTIMES.popitem()[1]
+        if not failed:
+            runtime.close()
 
 
 def end_process(code: int = 0) -> int:

@@ -50,10 +50,14 @@ class RankGroup(Protocol):
 
 def maybe_fault(point: str, step: int) -> None:
     """Fault injection for the kill-and-resume tests: RLHF_DIST_FAULT=point:step SIGKILLs
-    this process when it reaches `point` at `step` (as an OOM killer or preemption would)."""
+    this process when it reaches `point` at `step` (as an OOM killer or preemption would);
+    RLHF_DIST_FAULT=crash:point:step@RANK raises there on that rank only (a bug that one
+    rank hits)."""
     spec = os.environ.get(FAULT_ENV)
     if spec and spec == f"{point}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+    if spec and spec == f"crash:{point}:{step}@{os.environ.get('RANK', '0')}":
+        raise RuntimeError(f"injected crash ({FAULT_ENV}={spec})")
 
 
 def fault_active(point: str, step: int) -> bool:

@@ -356,7 +356,8 @@ def entry() -> int:
     """`rlhf-dist` and `python -m rlhf_dist`: main(), then the end of the process
     (api.end_process: one that made a gloo group leaves without the interpreter's teardown,
     which can abort or hang it after its work is done). An error no handler in main()
-    took is printed as Python would, with exit status 1."""
+    took is printed as Python would, with exit status 1; a failed command leaves without
+    the closing barrier (api.close), so its launcher stops the other ranks at once."""
     try:
         code = main()
     except Exception:
@@ -364,6 +365,8 @@ def entry() -> int:
         code = 1
     from rlhf_dist import api
 
+    if code != 0:
+        api.close(failed=True)  # no closing barrier: this rank may have failed alone
     return api.end_process(code)
 
 

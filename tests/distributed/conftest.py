@@ -49,8 +49,8 @@ def run_launch(
     args: list[str], timeout: float = 120.0, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run one launcher command (with `env` added to the environment); fail the test with
-    its output tail on error, or on a hang with every rank's stack (_run_all)."""
-    ((returncode, out, err),) = _run_all([args], timeout, env or {})
+    its output tail on error, or on a hang with every rank's stack (run_all)."""
+    ((returncode, out, err),) = run_all([args], timeout, env or {})
     if returncode != 0:
         pytest.fail(f"launch exited {returncode}\n{(out + err)[-6000:]}")
     return subprocess.CompletedProcess(args, returncode, out, err)
@@ -66,12 +66,12 @@ def run_two_machines(config: str, command: list[str], timeout: float = 120.0) ->
     """Two 'machines' (one process each) on 127.0.0.1 with machine ranks 0 and 1."""
     port = free_port()
     machines = [launch_args(config, port, "--machine_rank", str(rank), *command) for rank in (0, 1)]
-    for rank, (returncode, out, err) in enumerate(_run_all(machines, timeout, {})):
+    for rank, (returncode, out, err) in enumerate(run_all(machines, timeout, {})):
         if returncode != 0:
             pytest.fail(f"machine {rank} exited {returncode}\n{(out + err)[-6000:]}")
 
 
-def _run_all(commands: list[list[str]], timeout: float, env: dict) -> list[tuple[int, str, str]]:
+def run_all(commands: list[list[str]], timeout: float, env: dict) -> list[tuple[int, str, str]]:
     """Run the commands at once; (return code, stdout, stderr) of each.
 
     Output goes to files, never to pipes: a pipe read only after another process finishes
