@@ -281,10 +281,10 @@ class ServedPolicy:
             received = [
                 self.group.broadcast(torch.empty(s.shape, dtype=DTYPES[s.dtype])) for s in specs
             ]
+            # RLHF_DIST_FAULT=slow_update:N (tests): update N's version moves 1 s after its
+            # broadcast ended, a window the trainer ranks must not read the old one in
             if final and fault_active("slow_update", version):
-                time.sleep(
-                    1.0
-                )  # tests: the trainer sees the broadcast end before the version moves
+                time.sleep(1.0)
             with self.lock, torch.no_grad():
                 self.torn = version  # until its final bucket is in (a trainer may die first)
                 for spec, tensor in zip(specs, received):
