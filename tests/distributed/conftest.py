@@ -50,7 +50,7 @@ def run_launch(
 ) -> subprocess.CompletedProcess:
     """Run one launcher command (with `env` added to the environment); fail the test with
     its output tail on error, or on a hang with every rank's stack (run_all)."""
-    ((returncode, out, err),) = run_all([args], timeout, env or {})
+    ((returncode, out, err),) = run_all([args], timeout, [env or {}])
     if returncode != 0:
         pytest.fail(f"launch exited {returncode}\n{(out + err)[-6000:]}")
     return subprocess.CompletedProcess(args, returncode, out, err)
@@ -66,13 +66,16 @@ def run_two_machines(config: str, command: list[str], timeout: float = 120.0) ->
     """Two 'machines' (one process each) on 127.0.0.1 with machine ranks 0 and 1."""
     port = free_port()
     machines = [launch_args(config, port, "--machine_rank", str(rank), *command) for rank in (0, 1)]
-    for rank, (returncode, out, err) in enumerate(run_all(machines, timeout, {})):
+    for rank, (returncode, out, err) in enumerate(run_all(machines, timeout, [{}, {}])):
         if returncode != 0:
             pytest.fail(f"machine {rank} exited {returncode}\n{(out + err)[-6000:]}")
 
 
-def run_all(commands: list[list[str]], timeout: float, env: dict) -> list[tuple[int, str, str]]:
-    """Run the commands at once; (return code, stdout, stderr) of each.
+def run_all(
+    commands: list[list[str]], timeout: float, envs: list[dict]
+) -> list[tuple[int, str, str]]:
+    """Run the commands at once, each with its `envs` entry added to the environment;
+    (return code, stdout, stderr) of each.
 
     Output goes to files, never to pipes: a pipe read only after another process finishes
     fills at 64 KiB and blocks its writer inside a step while its peer waits in a
@@ -81,7 +84,7 @@ def run_all(commands: list[list[str]], timeout: float, env: dict) -> list[tuple[
     with tempfile.TemporaryDirectory(prefix="launch_") as tmp:
         logs = [(Path(tmp, f"{i}.out"), Path(tmp, f"{i}.err")) for i in range(len(commands))]
         procs = []
-        for args, (out, err) in zip(commands, logs):
+        for args, env, (out, err) in zip(commands, envs, logs, strict=True):
             with out.open("w") as stdout, err.open("w") as stderr:
                 procs.append(
                     subprocess.Popen(

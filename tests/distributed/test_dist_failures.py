@@ -14,7 +14,7 @@ from conftest import free_port, launch_args, ppo_command, run_all
 def test_one_rank_crashing_ends_the_launch_at_once(assets, tmp_path):
     command = launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, tmp_path / "ppo"))
     # A launch still running after 120 s fails here, with every rank's stack.
-    ((returncode, out, err),) = run_all([command], 120, {"RLHF_DIST_FAULT": "crash:rollout:1@1"})
+    ((returncode, out, err),) = run_all([command], 120, [{"RLHF_DIST_FAULT": "crash:rollout:1@1"}])
     output = out + err
     assert returncode != 0, output[-3000:]
     assert "injected crash (RLHF_DIST_FAULT=crash:rollout:1@1)" in output, output[-3000:]

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, free_port, launch_args
+from conftest import REPO, _env, free_port, launch_args, run_all
 
 RUN_COMMANDS = REPO / "tests" / "distributed" / "scripts" / "run_commands.py"
 
@@ -209,27 +209,17 @@ def test_sigterm_then_a_dead_rank_then_resume_on_another_number_of_ranks(assets,
     last = step + 2
     args = [*args[:-2], f"ppo.iterations={last}", "distributed.timeout_s=30"]
     command = ["-m", "rlhf_dist", *args, "--resume", "auto"]
-    port, procs = free_port(), []
+    port = free_port()
+    machines = [
+        launch_args("cpu_zero3_2machines.yaml", port, "--machine_rank", str(m), *command)
+        for m in (0, 1)
+    ]
     start = time.time()
-    for machine in (0, 1):
-        env = _env() | ({"RLHF_DIST_FAULT": f"update:{last}"} if machine == 1 else {})
-        launch = launch_args(
-            "cpu_zero3_2machines.yaml", port, "--machine_rank", str(machine), *command
-        )
-        procs.append(
-            subprocess.Popen(
-                launch,
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    survivor = procs[0].communicate(timeout=120)[0]
-    procs[1].communicate(timeout=60)
+    # machine 1 is SIGKILLed in the update of the last iteration
+    (code, stdout, stderr), _ = run_all(machines, 120, [{}, {"RLHF_DIST_FAULT": f"update:{last}"}])
+    survivor = stdout + stderr
     assert time.time() - start < 90, "the surviving rank took longer than the timeout allows"
-    assert procs[0].returncode != 0
+    assert code != 0
     ours = [
         line
         for line in survivor.splitlines()
