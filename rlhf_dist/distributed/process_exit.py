@@ -20,6 +20,7 @@ Everything the run wrote is already closed by then (checkpoints, metrics, tracke
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 
@@ -40,5 +41,6 @@ def end_process(code: int) -> int:
         return code
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, a stream closed
+            stream.flush()
     os._exit(code)
