@@ -82,12 +82,12 @@ def _release_vllm_groups() -> None:
     parallel_state.destroy_distributed_environment()
 
 
-def sampling_seeds(n: int, device=None) -> torch.Tensor:
+def sampling_seeds(n: int, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
     """(n,) int64 seeds, one per request, from torch's global RNG (checkpointed, so a
-    resumed run draws the same seeds). Each request needs its own: vLLM seeds a
-    request's sampler with its seed alone, so equal seeds give equal samples for the
-    n copies of a prompt (samples_per_prompt) and correlated ones across prompts."""
-    return torch.randint(0, 2**31 - 1, (n,), dtype=torch.long, device=device)
+    resumed run draws the same seeds) or from `generator`. Each request needs its own:
+    vLLM seeds a request's sampler with its seed alone, so equal seeds give equal samples
+    for the n copies of a prompt (samples_per_prompt) and correlated ones across prompts."""
+    return torch.randint(0, 2**31 - 1, (n,), dtype=torch.long, device=device, generator=generator)
 
 
 def sampling_params(vllm, gen_cfg: GenerationConfig, stop_ids, seed: int):

@@ -337,7 +337,7 @@ def _generator(seed: int, device) -> torch.Generator:
 
 
 def _engine_seeds(seed: int, n: int) -> list[int]:
-    """The vLLM seeds a request of n prompts with `seed` gives its rows alone
-    (VLLMEngine.generate draws them from the global RNG just seeded with it)."""
-    torch.manual_seed(seed)
-    return sampling_seeds(n).tolist()
+    """The vLLM seeds a request of n prompts with `seed` gives its rows alone: the draws
+    of the global RNG seeded with it, from a generator of its own (the server's global
+    RNG is left alone)."""
+    return sampling_seeds(n, generator=_generator(seed, "cpu")).tolist()
