@@ -28,8 +28,9 @@ import dataclasses
 import importlib
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlhf_dist.config import (
     Config,
@@ -40,7 +41,7 @@ from rlhf_dist.config import (
     validate,
 )
 from rlhf_dist.config.loading import read_tree
-from rlhf_dist.config.presets import preset_tree
+from rlhf_dist.config.presets import preset_tree, stage_and_preset
 
 if TYPE_CHECKING:  # torch loads when a stage runs (rlhf-dist --help stays instant)
     from rlhf_dist.distributed import Runtime
@@ -57,7 +58,11 @@ RUNNERS = {
 }
 
 
-def config_of(config=None, overrides=(), preset: str | None = None) -> Config:
+def config_of(
+    config: Config | str | Path | dict[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    preset: str | None = None,
+) -> Config:
     """A frozen Config from a Config, a YAML path, a dict (sections and/or dotted keys) or
     None (the defaults), over a preset (config/presets.py; every key the config sets wins,
     for a Config object every key that differs from its default), with `section.key=value`
@@ -84,9 +89,9 @@ def config_of(config=None, overrides=(), preset: str | None = None) -> Config:
     return config_from_dict(tree)
 
 
-def explicit_keys(tree: dict, defaults: dict) -> dict:
+def explicit_keys(tree: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """The entries of a config tree that differ from the defaults' (nested)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and isinstance(defaults.get(key), dict):
             inner = explicit_keys(value, defaults[key])
@@ -161,7 +166,7 @@ def end_process(code: int = 0) -> int:
     return code if exits is None else exits.end_process(code)
 
 
-def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> dict:
+def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> dict[str, Any]:
     """Run `stage` ("sft", "rm", "ppo", "dpo", "kto", "eval", "iterate") with `cfg`; `objects` maps
     config keys (e.g. "data.train", "reward.function") to Python objects standing for them.
     Returns the stage's summary."""
@@ -177,11 +182,19 @@ def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> di
         cfg = _with_keys(cfg, specs | named)
         # Checked before anything heavy: world size comes from the launcher's environment.
         validate(cfg, stage, int(os.environ.get("WORLD_SIZE", "1")))
-        module_name, _, fn_name = RUNNERS[stage].partition(":")
-        runner = getattr(importlib.import_module(module_name), fn_name)
-        runtime = _runtime(cfg)
-        cfg = _planned(cfg, stage, runtime)
-        return runner(cfg, runtime)
+        return run_validated(stage, cfg)
+
+
+def run_validated(stage: str, cfg: Config) -> dict[str, Any]:
+    """`run` of a `cfg` already validated for `stage` at this world size: the command
+    line validates before torch loads (cli.py), so the config is checked once per
+    command. Only a config the memory plan derives (run.auto_fit) is validated again."""
+    module_name, _, fn_name = RUNNERS[stage].partition(":")
+    runner = getattr(importlib.import_module(module_name), fn_name)
+    runtime = _runtime(cfg)
+    cfg = _planned(cfg, stage, runtime)
+    summary: dict[str, Any] = runner(cfg, runtime)
+    return summary
 
 
 def _planned(cfg: Config, stage: str, runtime: Runtime) -> Config:
@@ -198,20 +211,45 @@ def _planned(cfg: Config, stage: str, runtime: Runtime) -> Config:
     return planned
 
 
-def sft(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+# What the stage functions take: a Config, a YAML path or a dict of keys; a dataset
+# (datasets.Dataset or a list of dicts, typed loosely: datasets loads with the stage).
+ConfigLike = Config | str | Path | dict[str, Any] | None
+Overrides = Sequence[str]
+
+
+def sft(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    eval_dataset: object = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     """Supervised fine-tuning; `dataset` rows as in docs/data.md (messages, prompt +
     completion, prompt + response)."""
     objects = {"data.train": dataset, "data.eval": eval_dataset}
     return run("sft", config_of(config, overrides), objects)
 
 
-def reward_model(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+def reward_model(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    eval_dataset: object = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     """A Bradley-Terry reward model on preference pairs (chosen / rejected)."""
     objects = {"data.train": dataset, "data.eval": eval_dataset}
     return run("rm", config_of(config, overrides), objects)
 
 
-def ppo(config=None, *, dataset=None, reward_fn=None, overrides=(), preset=None) -> dict:
+def ppo(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    reward_fn: Callable[..., Any] | None = None,
+    overrides: Overrides = (),
+    preset: str | None = None,
+) -> dict[str, Any]:
     """PPO or a critic-free estimator (ppo.estimator, or a `preset`: grpo, dr_grpo, dapo,
     gspo, rloo, reinforce_pp) on `dataset`'s prompts, scored by `reward_fn` (TRL's
     `(prompts, completions, **columns)` or `(prompts, responses)`, docs/rewards.md) or by
@@ -220,12 +258,25 @@ def ppo(config=None, *, dataset=None, reward_fn=None, overrides=(), preset=None)
     return run("ppo", config_of(config, overrides, preset), objects)
 
 
-def grpo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> dict:
+def grpo(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    reward_fn: Callable[..., Any] | None = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     """GRPO: `ppo` with the grpo preset (docs/grpo.md), every key of `config` over it."""
-    return ppo(config, dataset=dataset, reward_fn=reward_fn, overrides=overrides, preset="grpo")
+    _, preset = stage_and_preset("grpo")
+    return ppo(config, dataset=dataset, reward_fn=reward_fn, overrides=overrides, preset=preset)
 
 
-def online_dpo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> dict:
+def online_dpo(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    reward_fn: Callable[..., Any] | None = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     """Online DPO (docs/online_dpo.md): `ppo` with the online_dpo preset (TRL's
     OnlineDPOTrainer defaults), every key of `config` over it. The labeller is `reward_fn`,
     model.reward or reward.judge; beta is ppo.kl_coef."""
@@ -234,19 +285,38 @@ def online_dpo(config=None, *, dataset=None, reward_fn=None, overrides=()) -> di
     )
 
 
-def dpo(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+def dpo(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    eval_dataset: object = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     """DPO / conservative DPO / IPO on preference pairs."""
     objects = {"data.train": dataset, "data.eval": eval_dataset}
     return run("dpo", config_of(config, overrides), objects)
 
 
-def kto(config=None, *, dataset=None, eval_dataset=None, overrides=()) -> dict:
+def kto(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    eval_dataset: object = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     """KTO on labelled completions (or preference pairs)."""
     objects = {"data.train": dataset, "data.eval": eval_dataset}
     return run("kto", config_of(config, overrides), objects)
 
 
-def eval(config=None, *, dataset=None, reward_fn=None, gold_fn=None, overrides=()) -> dict:
+def eval(
+    config: ConfigLike = None,
+    *,
+    dataset: object = None,
+    reward_fn: Callable[..., Any] | None = None,
+    gold_fn: Callable[..., Any] | None = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     # Named like the `rlhf-dist eval` stage: `rlhf_dist.evaluate` is the module that runs it.
     """Score model.policy on held-out prompts (`dataset`, else data.eval / data.train);
     `gold_fn(prompts, responses, finished)` is an optional oracle (eval.gold_function)."""
@@ -254,7 +324,12 @@ def eval(config=None, *, dataset=None, reward_fn=None, gold_fn=None, overrides=(
     return run("eval", config_of(config, overrides), objects)
 
 
-def iterate(config=None, *, labeller=None, overrides=()) -> dict:
+def iterate(
+    config: ConfigLike = None,
+    *,
+    labeller: Callable[..., Any] | None = None,
+    overrides: Overrides = (),
+) -> dict[str, Any]:
     """Iterative RLHF (docs/iterate.md): iterate.rounds rounds of sampling answer pairs from
     the current policy, labelling them with `labeller(prompt, a, b) -> bool or P(a
     preferred)` (else iterate.labeller), a reward model on all pairs so far and PPO."""

@@ -15,7 +15,7 @@ import sys
 import traceback
 
 from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
-from rlhf_dist.config.presets import PRESETS
+from rlhf_dist.config.presets import PRESETS, stage_and_preset
 from rlhf_dist.errors import ConfigError, Preempted, ServerError, TrainingDiverged, UserError
 from rlhf_dist.names import DEMO_ALGORITHMS, DEMO_ITERATIVE
 
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_stages(sub) -> None:
+def _add_stages(sub: argparse._SubParsersAction) -> None:
     """One subcommand per stage runner: --config, --resume (not eval), overrides."""
     for name, help_text in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG)
@@ -81,7 +81,7 @@ def _add_stages(sub) -> None:
         p.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
 
-def _add_demo(sub) -> None:
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
         help="offline end-to-end demo: SFT -> RM -> PPO -> eval on a generated task",
@@ -132,7 +132,7 @@ def _add_demo(sub) -> None:
     )
 
 
-def _add_report_and_config(sub) -> None:
+def _add_report_and_config(sub: argparse._SubParsersAction) -> None:
     report = sub.add_parser(
         "report",
         help="PNG plots and an HTML page of a run (or of a directory of runs, e.g. the demo's)",
@@ -150,7 +150,11 @@ def _add_report_and_config(sub) -> None:
         "section.key, its type, default, choices or range, and meaning.",
     )
     config.add_argument(
-        "section", nargs="?", default="", help="a section (ppo), subsection (ppo.optim) or key"
+        "section",
+        nargs="?",
+        default="",
+        help="a section (ppo), subsection (ppo.optim) or key; or a preset (grpo, dapo, ...): "
+        "every key it reads, with its values (no critic key for a critic-free one)",
     )
     config.add_argument(
         "--yaml",
@@ -161,11 +165,12 @@ def _add_report_and_config(sub) -> None:
     )
 
 
-def _add_plan(sub) -> None:
+def _add_plan(sub: argparse._SubParsersAction) -> None:
     text = (
         "the per-rank memory peak of each phase of a stage (generation, scoring, update) "
-        "and its terms, from the models' config.json alone; exit 2 with the change to make "
-        "when it does not fit (docs/distributed.md, Planning memory)"
+        "and its terms, from the models' config.json alone (no data or reward is needed); "
+        "exit 2 with the change to make when it does not fit (docs/distributed.md, Planning "
+        "memory)"
     )
     p = sub.add_parser("plan", help=text, description=text, epilog=EPILOG)
     p.add_argument("--config", help="YAML config file of the run to plan")
@@ -197,12 +202,11 @@ def _add_plan(sub) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
 
-def _run_plan(args) -> int:
+def _run_plan(args: argparse.Namespace) -> int:
     from rlhf_dist.config import load_config
     from rlhf_dist.planning import cli_plan
 
-    stage = "ppo" if args.stage == "grpo" else args.stage
-    preset = "grpo" if args.stage == "grpo" else args.preset
+    stage, preset = stage_and_preset(args.stage, args.preset)
     cfg = load_config(args.config, list(args.overrides), preset)
     table = cli_plan(
         cfg, stage, args.gpus, args.gpu_memory, args.zero_stage, args.offload, args.device
@@ -211,7 +215,7 @@ def _run_plan(args) -> int:
     return 0
 
 
-def _add_serve(sub) -> None:
+def _add_serve(sub: argparse._SubParsersAction) -> None:
     text = (
         "the rollout server: model.policy's generation behind HTTP, weights synced from a "
         "trainer (generation.backend=server; docs/serving.md)"
@@ -221,7 +225,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("overrides", nargs="*", help="section.key=value overrides")
 
 
-def _run_serve(args) -> int:
+def _run_serve(args: argparse.Namespace) -> int:
     from rlhf_dist.config import check_keys, load_config
 
     cfg = load_config(args.config, list(args.overrides))
@@ -232,22 +236,21 @@ def _run_serve(args) -> int:
     return 0
 
 
-def _run_stage(name: str, args) -> int:
+def _run_stage(name: str, args: argparse.Namespace) -> int:
     from rlhf_dist.config import load_config, validate
     from rlhf_dist.config.paths import check_stage_inputs
 
     overrides = list(args.overrides) + (
         [f"run.resume={args.resume}"] if getattr(args, "resume", None) else []
     )
-    preset = "grpo" if name == "grpo" else getattr(args, "preset", None)
+    stage, preset = stage_and_preset(name, getattr(args, "preset", None))
     # before torch loads: config errors, missing models and empty data files are instant
     cfg = load_config(args.config, overrides, preset)
-    stage = "ppo" if name == "grpo" else name
     validate(cfg, stage, int(os.environ.get("WORLD_SIZE", "1")))  # the config, then its files
     check_stage_inputs(cfg, stage)
     from rlhf_dist import api
 
-    api.run(stage, cfg)
+    api.run_validated(stage, cfg)  # validated once: here, before torch loads
     api.close()
     return 0
 
@@ -275,7 +278,7 @@ def _print_out(text: object) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def _run_demo(args) -> int:
+def _run_demo(args: argparse.Namespace) -> int:
     """`rlhf-dist demo`: the task's pipeline (demo/), one process."""
     from rlhf_dist.demo.pipeline import run_demo
 
@@ -317,8 +320,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "config":
             from rlhf_dist.config import describe, starter_yaml
+            from rlhf_dist.config.views import describe_view, is_view
 
-            _print_out(starter_yaml(args.yaml) if args.yaml else describe(args.section))
+            if args.yaml:
+                _print_out(starter_yaml(args.yaml))
+            elif is_view(args.section):
+                _print_out(describe_view(args.section))
+            else:
+                _print_out(describe(args.section))
             return 0
         if args.command == "plan":
             return _run_plan(args)

@@ -1,5 +1,5 @@
-"""Declaring a config key: `key(default, help, choices=..., min=/max=/gt=/lt=)`, and
-the range checks `validate` and `rlhf-dist config` share."""
+"""Declaring a config key: `key(default, help, choices=..., min=/max=/gt=/lt=, needs=,
+estimators=)`, and the range checks `validate` and `rlhf-dist config` share."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from typing import Any
 from rlhf_dist.errors import ConfigError, RewardFunctionError, UserError  # noqa: F401 (re-exported)
 
 BOUNDS = ("min", "max", "gt", "lt")  # >= min, <= max, > gt, < lt
+# `needs=`: the estimator trait (algo/catalog.py EstimatorTraits, needs_<name>) without
+# which ppo.estimator does not read the key (config/views.py)
+NEEDS = ("critic", "groups")
 
 
 def key(
@@ -18,18 +21,30 @@ def key(
     choices: tuple[str, ...] = (),
     *,
     finite: bool = False,
+    needs: str = "",
+    estimators: tuple[str, ...] = (),
     **bounds: float,
 ) -> Any:
     """A config key: its default, its meaning (what `rlhf-dist config` prints), and what
     `validate` enforces on its value: `choices` for text keys (and each item of a list
     key) with a fixed set of values; a range, `min`/`max` (inclusive) and `gt`/`lt`
     (exclusive), on numbers (and each item of a list key; null passes where the key is
-    optional); `finite` alone refuses NaN and inf (any bound implies it). Every key is
-    declared with this, so its documentation and range cannot drift away from it."""
+    optional); `finite` alone refuses NaN and inf (any bound implies it). Who reads it,
+    where only some PPO estimators do: `needs="critic"` (only an estimator with that
+    trait, algo/catalog.py) and/or `estimators=(names)` (only those); a key with either
+    is read by the PPO loop alone (`config/views.py`: the starter file and `rlhf-dist
+    config PRESET` leave it out where the estimator does not read it). Every key is
+    declared with this, so its documentation, range and readers cannot drift away from it."""
     unknown = set(bounds) - set(BOUNDS)
     if unknown:
         raise TypeError(f"key(): unknown bound {sorted(unknown)} (one of {BOUNDS})")
+    if needs and needs not in NEEDS:
+        raise TypeError(f"key(): needs={needs!r} (one of {NEEDS})")
     meta: dict[str, Any] = {"help": help}
+    if needs:
+        meta["needs"] = needs
+    if estimators:
+        meta["estimators"] = tuple(estimators)
     if choices:
         meta["choices"] = tuple(choices)
     if bounds or finite:

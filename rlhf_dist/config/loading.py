@@ -11,7 +11,7 @@ import sys
 import textwrap
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -368,14 +368,21 @@ def _walk(section: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, 
     return out
 
 
-def describe(section: str = "") -> str:
+def describe(
+    section: str = "", cfg: Config | None = None, keep: Callable[[str], bool] | None = None
+) -> str:
     """Every key under `section` ("" = all; "ppo", "ppo.optim" or one key; a renamed key
     by its new name) with its type, default, choices or range, and meaning: the text of
-    `rlhf-dist config [SECTION]`."""
+    `rlhf-dist config [SECTION]`. `cfg`: whose values are shown as defaults (a preset's;
+    None: Config()); `keep`: which dotted keys to show (config/views.py; None: all)."""
     for old, new in RENAMED_KEYS.items():
         if f"{section}.".startswith(f"{old}."):
             section = new + section[len(old) :]
-    entries = [e for e in _walk(Config()) if not section or f"{e[0]}.".startswith(f"{section}.")]
+    entries = [
+        e
+        for e in _walk(cfg or Config())
+        if (not section or f"{e[0]}.".startswith(f"{section}.")) and (keep is None or keep(e[0]))
+    ]
     if not entries:
         known = ", ".join(f.name for f in dataclasses.fields(Config))
         raise ConfigError(f"{section}: no such section or key (sections: {known})")

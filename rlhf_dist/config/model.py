@@ -143,6 +143,7 @@ class LoRAConfig:
         "adapters on the critic too (its value head stays fully trainable); with the critic "
         "initialised from the reward model, the frozen reward model is that same base with "
         "adapters disabled: one copy of the reward model's weights",
+        needs="critic",
     )
     load_in_4bit: bool = key(
         False,

@@ -73,11 +73,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_tree(name: str | None) -> dict:
+def preset_tree(name: str | None) -> dict[str, Any]:
     """The nested config tree of preset `name` (None: empty)."""
     if name is None:
         return {}
-    tree: dict = {}
+    tree: dict[str, Any] = {}
     for dotted, value in PRESETS[name].items():
         node = tree
         *parents, last = dotted.split(".")
@@ -85,3 +85,17 @@ def preset_tree(name: str | None) -> dict:
             node = node.setdefault(part, {})
         node[last] = value
     return tree
+
+
+# The stage every preset configures: `rlhf-dist grpo` is `rlhf-dist ppo --preset grpo`.
+PRESET_STAGE = "ppo"
+
+
+def stage_and_preset(name: str, preset: str | None = None) -> tuple[str, str | None]:
+    """(stage, preset) that command, plan stage or starter name `name` runs: a preset's
+    own name (`rlhf-dist grpo`, `rlhf-dist plan --stage grpo`, `rlhf-dist config --yaml
+    dapo`) is the ppo stage with that preset; a stage's name is that stage with `preset`
+    (`rlhf-dist ppo --preset NAME`; None: none). The one place this mapping is written."""
+    if name in PRESETS:
+        return PRESET_STAGE, name
+    return name, preset

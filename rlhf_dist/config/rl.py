@@ -258,7 +258,9 @@ class PPOConfig:
         choices=tuple(ESTIMATORS),
     )
     grpo_std_normalize: bool = key(
-        True, "grpo: divide by the group's reward std; false = Dr. GRPO (mean baseline only)"
+        True,
+        "grpo: divide by the group's reward std; false = Dr. GRPO (mean baseline only)",
+        estimators=("grpo",),
     )
     rollout_micro_batch_size: int = key(
         64, "sequences per forward pass during rollout scoring and generation, per rank", gt=0
@@ -300,12 +302,15 @@ class PPOConfig:
         OptimConfig(lr=3e-6), "optimizer of the actor (the policy); lr 3e-6 is the N+ study's at 1B"
     )
     critic_optim: OptimConfig = key(
-        OptimConfig(lr=3e-6), "optimizer of the critic (the value model), when there is one"
+        OptimConfig(lr=3e-6),
+        "optimizer of the critic (the value model), when there is one",
+        needs="critic",
     )
     critic_init: str = key(
         "reward",
         "the critic starts from the reward model or from the policy (with a new value head)",
         choices=("reward", "policy"),
+        needs="critic",
     )
     clip_eps: float | None = key(
         0.2, "policy ratio clip; null turns clipping off (a debugging knob)", gt=0
@@ -455,11 +460,20 @@ class PPOConfig:
         "the penalty falls from 0 to -1",
     )
     value_clip_eps: float | None = key(
-        0.2, "clip of the value update around the rollout's values; null = off", gt=0
+        0.2,
+        "clip of the value update around the rollout's values; null = off",
+        gt=0,
+        needs="critic",
     )
-    vf_coef: float = key(0.1, "weight of the value loss")
-    gamma: float = key(1.0, "discount of GAE", min=0, max=1)
-    lam: float = key(0.95, "lambda of GAE", min=0, max=1)
+    vf_coef: float = key(0.1, "weight of the value loss", needs="critic")
+    gamma: float = key(
+        1.0,
+        "discount of GAE and of REINFORCE++'s return-to-go",
+        min=0,
+        max=1,
+        estimators=("gae", "reinforce_pp", "reinforce_pp_baseline"),
+    )
+    lam: float = key(0.95, "lambda of GAE", min=0, max=1, needs="critic")
     kl_coef: float = key(
         0.05,
         "weight of the per-token KL to the reference (initial, if adaptive); 0 = no KL term and "
@@ -518,6 +532,7 @@ class PPOConfig:
         "against the reference, with beta = ppo.kl_coef: sigmoid (Rafailov et al. 2023) or "
         "ipo (Azar et al. 2023) (docs/online_dpo.md)",
         choices=ONLINE_DPO_LOSSES,
+        estimators=("online_dpo",),
     )
     whiten_advantages: bool | None = key(
         None,
