@@ -41,22 +41,54 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
+def validate(cfg: Config, stage: str, world_size: int = 1, *, inputs: bool = True) -> None:
     """Check `cfg` for `stage` ("sft", "rm", "dpo", "kto", "ppo", "eval", "iterate"): every
     key's declared choices and range (`check_keys`), then the rules between keys that
-    stage uses; raise ConfigError naming one."""
+    stage uses; raise ConfigError naming one. `inputs=False` leaves out what only a run
+    opens or needs installed: the data (data.train, data.eval, data.ptx and their specs),
+    the reward's source, packages (trackio, flash-attn, bitsandbytes, reasoning-gym,
+    verifiers) and the hub login: `rlhf-dist plan` reads none of them."""
     check_keys(cfg)
+    if inputs:
+        _validate_inputs(cfg, stage)
+    if stage == "eval" and cfg.generation.environment_endpoint:
+        raise ConfigError(
+            "generation.environment_endpoint: rlhf-dist eval plays episodes in its own process; "
+            "set false (with in-process tools or an environment factory) to evaluate"
+        )
+    if stage in ("sft", "rm", "dpo", "kto"):
+        _validate_stage_section(cfg, stage, world_size, inputs)
+    if stage in ("dpo", "kto"):
+        _validate_preference(cfg, stage)
+    if stage == "ppo":
+        _validate_ppo(cfg, world_size, inputs)
+    if stage == "iterate":
+        _validate_iterate(cfg, world_size)
+    if cfg.lora.critic and not cfg.lora.enabled:
+        raise ConfigError("lora.critic: needs lora.enabled=true")
+    if cfg.distributed.sequence_parallel_size > 1:
+        _validate_sequence_parallel(cfg, stage, world_size)
+    if inputs and cfg.run.push_to_hub:
+        _validate_hub(cfg.run)
+    if cfg.lora.load_in_4bit:
+        _validate_4bit(cfg, inputs)
+    if stage in ("ppo", "eval"):
+        _validate_generation(cfg)
+        if not cfg.model.policy:
+            raise ConfigError("model.policy: required (the SFT policy)")
+        _validate_reward(cfg, stage, inputs)
+
+
+def _validate_inputs(cfg: Config, stage: str) -> None:
+    """What a run opens or needs installed besides its models, checked before the rules
+    between keys (validate's `inputs`): the trackers' and the attention kernel's packages,
+    the data and environment specs, held-out data for run.eval_every."""
     if "trackio" in cfg.run.trackers and not _installed("trackio"):
         raise ConfigError(
             "run.trackers: trackio needs the trackio package (pip install 'rlhf_dist[trackio]')"
         )
     _validate_task_data(cfg)
     _validate_environment_specs(cfg)
-    if stage == "eval" and cfg.generation.environment_endpoint:
-        raise ConfigError(
-            "generation.environment_endpoint: rlhf-dist eval plays episodes in its own process; "
-            "set false (with in-process tools or an environment factory) to evaluate"
-        )
     training = stage in ("sft", "rm", "dpo", "kto", "ppo")
     if training and cfg.run.eval_every and not cfg.data.eval:
         raise ConfigError(
@@ -67,30 +99,9 @@ def validate(cfg: Config, stage: str, world_size: int = 1) -> None:
             "model.attn_implementation: flash_attention_2 needs the flash-attn package "
             "(pip install flash-attn) and a CUDA GPU; use sdpa or auto otherwise"
         )
-    if stage in ("sft", "rm", "dpo", "kto"):
-        _validate_stage_section(cfg, stage, world_size)
-    if stage in ("dpo", "kto"):
-        _validate_preference(cfg, stage)
-    if stage == "ppo":
-        _validate_ppo(cfg, world_size)
-    if stage == "iterate":
-        _validate_iterate(cfg, world_size)
-    if cfg.lora.critic and not cfg.lora.enabled:
-        raise ConfigError("lora.critic: needs lora.enabled=true")
-    if cfg.distributed.sequence_parallel_size > 1:
-        _validate_sequence_parallel(cfg, stage, world_size)
-    if cfg.run.push_to_hub:
-        _validate_hub(cfg.run)
-    if cfg.lora.load_in_4bit:
-        _validate_4bit(cfg)
-    if stage in ("ppo", "eval"):
-        _validate_generation(cfg)
-        if not cfg.model.policy:
-            raise ConfigError("model.policy: required (the SFT policy)")
-        _validate_reward(cfg, stage)
 
 
-def _validate_stage_section(cfg: Config, stage: str, world_size: int) -> None:
+def _validate_stage_section(cfg: Config, stage: str, world_size: int, inputs: bool) -> None:
     """sft, rm, dpo, kto: batch sizes that split over the ranks, data and a model."""
     section = getattr(cfg, stage)
     _divides(("world size", world_size), (f"{stage}.batch_size", section.batch_size))
@@ -99,7 +110,7 @@ def _validate_stage_section(cfg: Config, stage: str, world_size: int) -> None:
         (f"{stage}.micro_batch_size x {world_size} ranks", micro * world_size),
         (f"{stage}.batch_size", section.batch_size),
     )
-    if not cfg.data.train:
+    if inputs and not cfg.data.train:
         raise ConfigError("data.train: required (a local data file or a hub dataset name)")
     if stage == "sft" and not cfg.model.policy:
         raise ConfigError("model.policy: required (the causal LM to fine-tune)")
@@ -107,14 +118,16 @@ def _validate_stage_section(cfg: Config, stage: str, world_size: int) -> None:
         raise ConfigError("model.reward: required (the model to train as reward model)")
 
 
-def _validate_reward(cfg: Config, stage: str) -> None:
-    """An RL or eval stage's reward: some source, well-formed function specs, and what the
-    sources need (ppo.estimator=distill and a verifiers environment's rubric need none)."""
+def _validate_reward(cfg: Config, stage: str, inputs: bool) -> None:
+    """An RL or eval stage's reward: some source (with `inputs`), well-formed function
+    specs, and what the sources need (ppo.estimator=distill and a verifiers environment's
+    rubric need none)."""
     distill_alone = stage == "ppo" and cfg.ppo.estimator == "distill"  # no task reward
     # an environment scores its episodes itself (a verifiers environment's rubric always
     # does; an episode of another that returns none stops the run: rollout/collect.py)
     environment = stage == "ppo" and bool(cfg.generation.environment)
-    if not (cfg.reward.text_rewards() or cfg.model.reward or distill_alone or environment):
+    given = cfg.reward.text_rewards() or cfg.model.reward or distill_alone or environment
+    if inputs and not given:
         raise ConfigError(
             "model.reward: required unless reward.function, reward.functions, reward.url "
             "or reward.judge is set (or ppo.estimator=distill, or a generation.environment "
@@ -124,7 +137,8 @@ def _validate_reward(cfg: Config, stage: str) -> None:
         if spec and ":" not in spec:
             raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
     _validate_reward_sources(cfg.reward)
-    _validate_task_rewards(cfg.reward)
+    if inputs:
+        _validate_task_rewards(cfg.reward)
 
 
 def _validate_hub(run) -> None:
@@ -150,11 +164,12 @@ def _validate_hub(run) -> None:
         )
 
 
-def _validate_4bit(cfg: Config) -> None:
-    """lora.load_in_4bit: LoRA on, and a bitsandbytes that loads with a usable backend."""
+def _validate_4bit(cfg: Config, inputs: bool) -> None:
+    """lora.load_in_4bit: LoRA on, and (with `inputs`) a bitsandbytes that loads with a
+    usable backend here."""
     if not cfg.lora.enabled:
         raise ConfigError("lora.load_in_4bit: needs lora.enabled=true (QLoRA trains adapters)")
-    problem = bitsandbytes_problem()
+    problem = bitsandbytes_problem() if inputs else ""
     if problem:
         raise ConfigError(f"lora.load_in_4bit: {problem}")
 
@@ -534,7 +549,7 @@ def _validate_multi_turn(cfg: Config) -> None:
         )
 
 
-def _validate_ppo(cfg: Config, world_size: int) -> None:
+def _validate_ppo(cfg: Config, world_size: int, inputs: bool) -> None:
     p = cfg.ppo
     _divides(("world size", world_size), ("ppo.rollout_batch_size", p.rollout_batch_size))
     sequences = p.rollout_batch_size * p.samples_per_prompt
@@ -553,9 +568,9 @@ def _validate_ppo(cfg: Config, world_size: int) -> None:
     )
     _validate_objective(cfg)
     _validate_online_dpo(cfg, minibatch // world_size)
-    if not cfg.data.train:
+    if inputs and not cfg.data.train:
         raise ConfigError("data.train: required (a prompt file or a hub dataset name)")
-    if p.ptx_coef > 0 and not cfg.data.ptx:
+    if inputs and p.ptx_coef > 0 and not cfg.data.ptx:
         raise ConfigError(
             f"ppo.ptx_coef: {p.ptx_coef} needs data.ptx (the SFT-format rows of the ptx term)"
         )

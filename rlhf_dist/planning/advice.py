@@ -198,8 +198,10 @@ def merged(overrides: tuple[str, ...], change: tuple[str, ...]) -> tuple[str, ..
 
 
 def _valid(cfg: Config, stage: str, hw: Hardware) -> bool:
+    """Whether a trial config keeps the run's rules between keys (not its inputs, which
+    no fix changes and the plan never reads)."""
     try:
-        validate(cfg, stage, hw.gpus)
+        validate(cfg, stage, hw.gpus, inputs=False)
     except ConfigError:
         return False
     return True
@@ -301,14 +303,15 @@ def hardware(gpus: int, memory: str, zero_stage: str, offload: str, device: str)
 
 def cli_plan(cfg: Config, stage: str, gpus: int, memory: str, zero: str, offload: str, device: str) -> str:  # fmt: skip
     """`rlhf-dist plan`: the printed plan; a plan that does not fit raises ConfigError
-    with the one-line fix, after the table is printed."""
+    with the one-line fix, after the table is printed. It asks only for what it reads:
+    the config's own rules are checked, not its data, reward source or packages."""
     import sys
 
     from rlhf_dist.config import validate
     from rlhf_dist.planning.shapes import read_shapes
 
     hw = hardware(gpus, memory, zero, offload, device)
-    validate(cfg, stage, hw.gpus)  # the run's own checks first: a plan of a valid config
+    validate(cfg, stage, hw.gpus, inputs=False)  # the run's rules first: a plan of a valid config
     shapes = read_shapes(cfg, stage)
     plan = build_plan(cfg, stage, shapes, hw)
     title = f"rlhf-dist plan: {stage}, policy {cfg.model.policy or cfg.model.reward}"

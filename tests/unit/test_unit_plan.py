@@ -239,3 +239,38 @@ def test_lora_and_qlora_hold_less_than_full_training():
         for extra in ([], ["lora.enabled=true"], ["lora.enabled=true", "lora.load_in_4bit=true"])
     ]
     assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_plan_asks_only_for_what_it_reads():
+    """A 7B GRPO plan from the shipped 8-GPU file answers without data.train or a reward
+    spec (it opens neither), with the same figures as with them; the config's own rules
+    still hold (exit 2, one line naming the key)."""
+    grpo = ["--config", "launch/configs/grpo_zero3_8gpu.yaml", "--stage", "grpo", "--gpus", "8"]
+    policy = f"model.policy={SHAPES / 'llama3-8b'}"
+    without = _plan_cli(*grpo, policy, "data.train=", "reward.function=")
+    assert without.returncode == 0, without.stderr
+    assert "fits: generation binds" in without.stdout
+    assert without.stdout == _plan_cli(*grpo, policy).stdout
+    bare = _plan_cli("--stage", "grpo", "--gpus", "8", policy)  # no file, no data, no reward
+    assert bare.returncode == 0 and "fits:" in bare.stdout, bare.stderr
+    for stage in ("sft", "dpo"):  # the step-loop stages need no data file either
+        out = _plan_cli("--stage", stage, "--gpus", "8", policy)
+        assert out.returncode == 0 and "fits:" in out.stdout, out.stderr
+    bad = _plan_cli(*grpo, policy, "data.train=", "ppo.samples_per_prompt=1")
+    assert bad.returncode == 2 and bad.stderr.startswith(
+        "rlhf-dist plan: error: ppo.samples_per_prompt"
+    )
+    # the model it reads is still required
+    none = _plan_cli("--stage", "grpo", "--gpus", "8")
+    assert none.returncode == 2 and "model.policy: required" in none.stderr
+
+
+def test_validate_without_inputs_keeps_the_rules_between_keys():
+    from rlhf_dist.config import ConfigError
+
+    bare = load_config(None, [f"model.policy={SHAPES / 'llama3-8b'}"], "grpo")
+    validate(bare, "ppo", 8, inputs=False)
+    with pytest.raises(ConfigError, match="data.train: required"):
+        validate(bare, "ppo", 8)
+    with pytest.raises(ConfigError, match="ppo.rollout_batch_size"):
+        validate(with_overrides(bare, ("ppo.rollout_batch_size=12",)), "ppo", 8, inputs=False)
