@@ -1,10 +1,17 @@
-"""Sizes the config leaves to the run (torch-free: validation uses them before anything
-loads, data/batching.py builds the batch plans from them). A key set to its "auto" value
+"""Sizes the config leaves to the run, and which models a run loads and runs (torch-free:
+validation uses them before anything loads, data/batching.py builds the batch plans from
+them, the memory planner counts what they say is resident). A key set to its "auto" value
 (0 or null) means the rule here; a number given is used as given."""
 
 from __future__ import annotations
 
-from rlhf_dist.names import ESTIMATORS
+from typing import TYPE_CHECKING
+
+from rlhf_dist.names import ESTIMATORS, REFERENCE_FREE_LOSSES
+
+if TYPE_CHECKING:
+    from rlhf_dist.config.rl import PPOConfig
+    from rlhf_dist.config.schema import Config
 
 # Rows per forward/backward pass at most when micro_batch_size is auto (0): TRL's
 # per_device_train_batch_size default, a size real models fit with checkpointing.
@@ -61,7 +68,13 @@ def zero_prefetch_bucket(hidden: int, trainable: int) -> int:
     return max(int(0.9 * hidden * hidden), min(MIN_BUCKET, trainable // 8))
 
 
-def ppo_optimizer_steps(p) -> int:
+def rollout_sequences_per_rank(p: PPOConfig, world_size: int) -> int:
+    """Sequences one rank samples and scores per iteration: its share of the prompts
+    (ppo.rollout_batch_size / world size, at least one) x ppo.samples_per_prompt."""
+    return max(1, p.rollout_batch_size // world_size) * p.samples_per_prompt
+
+
+def ppo_optimizer_steps(p: PPOConfig) -> int:
     """Optimizer steps per PPO iteration (data/batching.py PPOPlan): ppo_epochs passes
     over the rollout, one step per minibatch."""
     minibatch = ppo_minibatch_size(p.minibatch_size, p.rollout_batch_size, p.samples_per_prompt)
@@ -70,7 +83,7 @@ def ppo_optimizer_steps(p) -> int:
     )
 
 
-def old_logprobs_from_update(cfg) -> bool:
+def old_logprobs_from_update(cfg: Config) -> bool:
     """Whether the rollout's scoring skips its actor pass (docs/architecture.md section 10,
     "no redundant forwards"): with ONE optimizer step per rollout (ppo_epochs = 1, one
     minibatch) pi_old is the policy of the update's forward, so its log-probs, detached,
@@ -92,3 +105,48 @@ def old_logprobs_from_update(cfg) -> bool:
         and p.overlong != "mask"
         and p.cov_control == "none"
     )
+
+
+def has_critic(cfg: Config) -> bool:
+    """A critic is built, trained and exported only for an estimator that reads values
+    (algo/catalog.py needs_critic: gae)."""
+    return ESTIMATORS[cfg.ppo.estimator].needs_critic
+
+
+def needs_reference(cfg: Config) -> bool:
+    """Whether PPO's KL term reads the reference: ppo.kl_coef > 0 (in the reward or the
+    loss; the adaptive controller moves a coefficient that starts above 0). With 0 no
+    reference is loaded or run, as TRL's GRPO with beta 0. With LoRA the reference is the
+    actor's base with the adapters off: no second copy of the weights."""
+    return cfg.ppo.kl_coef > 0
+
+
+def shares_reward_with_critic(cfg: Config) -> bool:
+    """A LoRA critic started from the reward model serves as the frozen reward model too
+    (its adapters off): no separate reward model is loaded."""
+    return (
+        has_critic(cfg)
+        and cfg.lora.critic
+        and cfg.ppo.critic_init == "reward"
+        and not cfg.reward.text_rewards()
+    )
+
+
+def reference_free(cfg: Config, stage: str) -> bool:
+    """DPO with a loss that scores the policy alone (simpo, orpo): no reference model,
+    no reference log-probs."""
+    return stage == "dpo" and cfg.dpo.loss_type in REFERENCE_FREE_LOSSES
+
+
+def precomputed_reference(cfg: Config, stage: str) -> bool:
+    """DPO/KTO reference log-probs computed in one pass before training
+    (reference_logprobs=precompute; none for a reference-free loss)."""
+    section = getattr(cfg, stage)
+    return section.reference_logprobs == "precompute" and not reference_free(cfg, stage)
+
+
+def online_reference(cfg: Config, stage: str) -> bool:
+    """DPO/KTO reference log-probs computed during training, beside each update's forward
+    (reference_logprobs=online; none for a reference-free loss)."""
+    section = getattr(cfg, stage)
+    return section.reference_logprobs == "online" and not reference_free(cfg, stage)

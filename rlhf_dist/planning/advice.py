@@ -17,7 +17,6 @@ from typing import Any
 
 from rlhf_dist.config import Config, apply_override, config_from_dict, sizes, to_dict, validate
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.names import ESTIMATORS
 from rlhf_dist.planning.memory import GIB
 from rlhf_dist.planning.plan import Hardware, Plan, Shapes, build_plan, checkpointing
 
@@ -128,7 +127,7 @@ def _lora(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, .
     """LoRA on the actor, and on a critic that starts from the reward model."""
     if stage not in ("ppo", "dpo", "kto") or cfg.lora.enabled:
         return ()
-    critic = stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic
+    critic = stage == "ppo" and sizes.has_critic(cfg)
     both = critic and cfg.ppo.critic_init == "reward" and bool(shapes.reward)
     return ("lora.enabled=true",) + (("lora.critic=true",) if both else ())
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf_dist.config import Config, sizes
-from rlhf_dist.names import ESTIMATORS
 from rlhf_dist.planning import memory as mem
 from rlhf_dist.planning.memory import GIB, ModelShape
 
@@ -136,7 +135,7 @@ def trained_params(cfg: Config, shapes: Shapes, stage: str, pr: Precision) -> tu
         frozen = lora_base_bytes(cfg, shapes.policy, pr)
     else:
         trainable, frozen = float(shapes.policy.lm_params()), 0.0
-    if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
+    if stage == "ppo" and sizes.has_critic(cfg):
         critic = critic_shape(cfg, shapes)
         if cfg.lora.enabled and cfg.lora.critic:
             trainable += critic.lora_params(cfg.lora.r, cfg.lora.target_modules) + critic.hidden
@@ -165,18 +164,19 @@ def critic_shape(cfg: Config, shapes: Shapes) -> ModelShape:
 
 
 def frozen_models(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list[tuple[str, float]]:
-    """Bytes per rank of each frozen model `stage` keeps resident: PPO's reference (kl_coef
-    > 0, not LoRA: adapters off), reward model (no text rewards; not with lora.critic,
-    where it is the critic's base) and teacher; DPO/KTO's reference when computed online
-    (not LoRA; simpo and orpo use none). Partitioned over the ranks under ZeRO-3 when
+    """Bytes per rank of each frozen model `stage` keeps resident, by the trainer's rules
+    (config/sizes.py): PPO's reference (needs_reference, not LoRA: adapters off), reward
+    model (no text rewards; not where the LoRA critic's base is it,
+    shares_reward_with_critic) and teacher; DPO/KTO's reference when computed online (not
+    LoRA; simpo and orpo use none). Partitioned over the ranks under ZeRO-3 when
     distributed.frozen_models says so (auto: when a copy exceeds a quarter of the
     device), nothing on the device when offloaded."""
     pr = precision(cfg, hw)
     models: list[tuple[str, float]] = []
     if stage == "ppo":
-        if cfg.ppo.kl_coef > 0 and not cfg.lora.enabled:
+        if sizes.needs_reference(cfg) and not cfg.lora.enabled:
             models.append(("reference", shapes.policy.lm_params()))
-        critic_base = cfg.lora.critic and ESTIMATORS[cfg.ppo.estimator].needs_critic
+        critic_base = sizes.shares_reward_with_critic(cfg)
         if not cfg.reward.text_rewards() and shapes.reward is not None and not critic_base:
             models.append(("reward model", shapes.reward.scorer_params()))
         if shapes.teacher is not None:
@@ -189,9 +189,7 @@ def frozen_models(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list
 def uses_online_reference(cfg: Config, stage: str) -> bool:
     """A full reference model resident during DPO/KTO training: online reference
     log-probs, a reference-based loss, no LoRA (whose reference is the adapters-off base)."""
-    section = getattr(cfg, stage)
-    no_reference = stage == "dpo" and cfg.dpo.loss_type in ("simpo", "orpo")
-    return section.reference_logprobs == "online" and not no_reference and not cfg.lora.enabled
+    return sizes.online_reference(cfg, stage) and not cfg.lora.enabled
 
 
 def frozen_share(cfg: Config, hw: Hardware, nbytes: float) -> float:
@@ -275,7 +273,7 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
         mask = stage == "ppo" or cfg.perf.packed_sequences
         ulysses = mem.sequence_parallel_buffers(model, batch.sequences, s, n, pr.compute, ckpt, mask)  # fmt: skip
         terms.append(("sequence-parallel exchange" + (" + row mask" if mask else ""), ulysses))
-    if stage == "ppo" and ESTIMATORS[cfg.ppo.estimator].needs_critic:
+    if stage == "ppo" and sizes.has_critic(cfg):
         critic = critic_shape(cfg, shapes)
         terms.append(("critic activations", mem.kept_activations(critic, b, s, pr.compute, attn, ckpt)))  # fmt: skip
     head = 0.0
@@ -326,7 +324,7 @@ def autocast_copies(cfg: Config, shapes: Shapes, hw: Hardware, actor: bool, crit
     count = 0
     if actor and not cfg.lora.enabled:
         count += shapes.policy.layers * shapes.policy.linear_params()
-    if critic and ESTIMATORS[cfg.ppo.estimator].needs_critic and not (cfg.lora.enabled and cfg.lora.critic):  # fmt: skip
+    if critic and sizes.has_critic(cfg) and not (cfg.lora.enabled and cfg.lora.critic):
         model = critic_shape(cfg, shapes)
         count += model.layers * model.linear_params()
     return [("bf16 weight copies (autocast)", count * pr.compute)] if count else []
@@ -445,8 +443,7 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
     """Generation, scoring and update of one PPO iteration, per rank. A vLLM engine that
     does not sleep keeps its share through scoring and the update too."""
     p, g = cfg.ppo, cfg.generation
-    per_rank = max(1, p.rollout_batch_size // hw.gpus) * p.samples_per_prompt
-    rows = min(p.rollout_micro_batch_size, per_rank)
+    rows = min(p.rollout_micro_batch_size, sizes.rollout_sequences_per_rank(p, hw.gpus))
     minibatch = sizes.ppo_minibatch_size(p.minibatch_size, p.rollout_batch_size, p.samples_per_prompt)  # fmt: skip
     length = cfg.data.max_prompt_length + g.max_new_tokens
     micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, hw.gpus)
@@ -476,11 +473,10 @@ def scores_a_model(cfg: Config, shapes: Shapes) -> bool:
     """Whether the rollout's scoring runs any forward: the actor's (unless its old
     log-probs come from the update, config/sizes.py), the reference's (a KL), the critic's,
     a reward model's or a teacher's."""
-    p = cfg.ppo
     return (
         not sizes.old_logprobs_from_update(cfg)
-        or p.kl_coef > 0
-        or ESTIMATORS[p.estimator].needs_critic
+        or sizes.needs_reference(cfg)
+        or sizes.has_critic(cfg)
         or (shapes.reward is not None and not cfg.reward.text_rewards())
         or shapes.teacher is not None
     )
@@ -518,8 +514,7 @@ def step_loop_phases(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> t
 
 
 def needs_reference_pass(cfg: Config, stage: str) -> bool:
-    """DPO/KTO reference log-probs computed in one pass before training (a full
-    reference loaded for it unless LoRA; simpo and orpo have no reference)."""
-    if stage == "dpo" and cfg.dpo.loss_type in ("simpo", "orpo"):
-        return False
-    return getattr(cfg, stage).reference_logprobs == "precompute" and not cfg.lora.enabled
+    """DPO/KTO reference log-probs computed in one pass before training
+    (sizes.precomputed_reference) with a full reference loaded for it (not LoRA, whose
+    reference is the adapters-off base)."""
+    return sizes.precomputed_reference(cfg, stage) and not cfg.lora.enabled

@@ -76,8 +76,7 @@ def auto_fit(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str
         options = [f"{stage}.micro_batch_size={d}" for d in _divisors_down(share)]
     changes: tuple[str, ...] = (_largest_fitting(cfg, stage, shapes, hw, options),)
     if stage == "ppo":
-        p = cfg.ppo
-        rollout = max(1, p.rollout_batch_size // hw.gpus) * p.samples_per_prompt
+        rollout = sizes.rollout_sequences_per_rank(cfg.ppo, hw.gpus)
         rows = [f"ppo.rollout_micro_batch_size={d}" for d in _divisors_down(rollout)]
         changes += (_largest_fitting(with_overrides(cfg, changes), stage, shapes, hw, rows),)
     return tuple(c for c in changes if c not in _current(cfg, stage, hw))

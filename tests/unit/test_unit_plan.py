@@ -274,3 +274,27 @@ def test_validate_without_inputs_keeps_the_rules_between_keys():
         validate(bare, "ppo", 8)
     with pytest.raises(ConfigError, match="ppo.rollout_batch_size"):
         validate(with_overrides(bare, ("ppo.rollout_batch_size=12",)), "ppo", 8, inputs=False)
+
+
+def test_the_planner_counts_the_models_the_trainer_loads_by_its_rules():
+    """Which frozen models are resident comes from config/sizes.py, the rules the trainer
+    follows: a LoRA critic started from the reward model is the reward model too (adapters
+    off), one started from the policy is not, so the reward model is loaded beside it."""
+    from rlhf_dist.config import sizes
+    from rlhf_dist.planning.plan import frozen_models
+
+    shapes = Shapes(
+        read_shape(str(SHAPES / "llama3-8b"), "model.policy"),
+        read_shape(str(SHAPES / "qwen2.5-7b"), "model.reward"),
+    )
+    lora = ["lora.enabled=true", "lora.critic=true", f"model.reward={SHAPES / 'qwen2.5-7b'}"]
+    hw = Hardware(8, 80 * GIB, 3)
+    shared = _cfg(*lora)
+    assert sizes.shares_reward_with_critic(shared)
+    assert [n for n, _ in frozen_models(shared, shapes, hw, "ppo")] == []  # reference: adapters off
+    separate = _cfg(*lora, "ppo.critic_init=policy")
+    assert not sizes.shares_reward_with_critic(separate)
+    assert [n for n, _ in frozen_models(separate, shapes, hw, "ppo")] == ["reward model"]
+    grpo = _cfg(f"model.reward={SHAPES / 'qwen2.5-7b'}", preset="grpo")  # kl_coef 0
+    assert not sizes.has_critic(grpo) and not sizes.needs_reference(grpo)
+    assert [n for n, _ in frozen_models(grpo, shapes, hw, "ppo")] == ["reward model"]
