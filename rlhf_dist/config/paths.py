@@ -10,8 +10,12 @@ writes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlhf_dist.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlhf_dist.config.schema import Config
 
 # Data files read by extension; anything else is a hub dataset name (or a directory).
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -72,7 +76,7 @@ def _csv_has_a_row(path: Path) -> bool:
         return next(lines, None) is not None and next(lines, None) is not None
 
 
-def stage_models(cfg, stage: str) -> list[tuple[str, str]]:
+def stage_models(cfg: Config, stage: str) -> list[tuple[str, str]]:
     """(key, path) of the models `stage` loads: the policy (the reward model's base in
     rm unless model.reward is set), PPO's reward model and teacher, the tokenizer."""
     m = cfg.model
@@ -82,7 +86,7 @@ def stage_models(cfg, stage: str) -> list[tuple[str, str]]:
     return [(k, p) for k, p in models + [("model.tokenizer", m.tokenizer)] if p]
 
 
-def check_stage_inputs(cfg, stage: str) -> None:
+def check_stage_inputs(cfg: Config, stage: str) -> None:
     """Raise the first of `stage`'s local inputs that is missing or empty (ConfigError);
     `eval` reads data.eval only."""
     problems = [missing_model(path, key) for key, path in stage_models(cfg, stage)]

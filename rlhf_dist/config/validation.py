@@ -11,7 +11,8 @@ from rlhf_dist.config import sizes
 from rlhf_dist.config.environments import INSTALL as ENV_INSTALL
 from rlhf_dist.config.environments import is_environment_spec, parse_environment_spec
 from rlhf_dist.config.loading import check_keys
-from rlhf_dist.config.rl import PPOConfig
+from rlhf_dist.config.rl import PPOConfig, RewardConfig
+from rlhf_dist.config.run import RunConfig
 from rlhf_dist.config.schema import Config
 from rlhf_dist.config.stages import DPOConfig
 from rlhf_dist.config.tasks import (
@@ -141,7 +142,7 @@ def _validate_reward(cfg: Config, stage: str, inputs: bool) -> None:
         _validate_task_rewards(cfg.reward)
 
 
-def _validate_hub(run) -> None:
+def _validate_hub(run: RunConfig) -> None:
     """run.push_to_hub: a valid repository id and a token, checked before training so that
     a long run does not end in a failed upload for want of either."""
     # huggingface_hub is imported here only: runs that do not push never load it.
@@ -192,7 +193,7 @@ def bitsandbytes_problem() -> str:
     return ""
 
 
-def _validate_reward_sources(r) -> None:
+def _validate_reward_sources(r: RewardConfig) -> None:
     """Several rewards, the remote reward model and the judge (docs/rewards.md)."""
     if r.function and r.functions:
         raise ConfigError("reward.function and reward.functions: set one of them, not both")
@@ -256,7 +257,7 @@ def _validate_task_data(cfg: Config) -> None:
             raise ConfigError(f"data.eval: {d.eval!r}: {overlap}")
 
 
-def _validate_task_rewards(r) -> None:
+def _validate_task_rewards(r: RewardConfig) -> None:
     """The shipped task rewards (rlhf_dist/rewards/tasks.py) need their package installed."""
     for key, spec in [("reward.function", r.function)] + [
         ("reward.functions", s) for s in r.functions
@@ -360,7 +361,7 @@ def _validate_staleness(cfg: Config) -> None:
             raise ConfigError(f"{name}: {value} needs ppo.max_staleness=0 (on-policy rollouts)")
 
 
-def _validate_entropy_control(p) -> None:
+def _validate_entropy_control(p: PPOConfig) -> None:
     """The adaptive entropy coefficient and Clip-Cov's bounds (docs/algorithms.md)."""
     if p.entropy_target is not None and p.entropy_coef > p.entropy_coef_max:
         raise ConfigError(
@@ -458,7 +459,7 @@ def _validate_preference(cfg: Config, stage: str) -> None:
         _validate_dpo_loss(section)
 
 
-def _validate_dpo_loss(d) -> None:
+def _validate_dpo_loss(d: DPOConfig) -> None:
     """A key that only one dpo.loss_type reads, set away from its default under another."""
     kind = d.loss_type
     if d.label_smoothing and kind not in ("sigmoid", "simpo"):

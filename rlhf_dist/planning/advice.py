@@ -206,7 +206,9 @@ def _valid(cfg: Config, stage: str, hw: Hardware) -> bool:
     return True
 
 
-def _keep_if_lower(cfg, stage, shapes, hw, fix: Fix, trial: Fix, peak: float):
+def _keep_if_lower(
+    cfg: Config, stage: str, shapes: Shapes, hw: Hardware, fix: Fix, trial: Fix, peak: float
+) -> tuple[Fix, float, bool]:
     """(the fix to keep, its binding peak, whether it fits)."""
     if trial == fix:
         return fix, peak, False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from rlhf_dist.config import Config
 from rlhf_dist.errors import ConfigError
@@ -37,7 +38,9 @@ def read_shape(path: str, key: str, trust_remote_code: bool = False) -> ModelSha
 LLAMA_STYLE_KEYS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "model_type"}  # fmt: skip
 
 
-def _shape_of(c, path: str, key: str) -> ModelShape:
+def _shape_of(c: Any, path: str, key: str) -> ModelShape:
+    """The ModelShape of a config object `c` (AutoConfig's, or config.json's keys as
+    attributes); a ConfigError naming `key` when it is not a decoder-only transformer's."""
     try:
         heads = int(c.num_attention_heads)
         hidden = int(c.hidden_size)

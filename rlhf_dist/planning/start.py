@@ -5,6 +5,8 @@ to at run time)."""
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from rlhf_dist.config import Config, sizes
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.planning.advice import global_batch, one_line, verdict, with_overrides
@@ -14,7 +16,22 @@ from rlhf_dist.planning.shapes import read_shapes
 PLANNED_STAGES = ("sft", "rm", "ppo", "dpo", "kto")
 
 
-def run_hardware(runtime) -> Hardware:
+class RunMachine(Protocol):
+    """What the planner reads of a run's distributed.Runtime (by its attributes: planning
+    imports no runtime)."""
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def zero_stage(self) -> int | None: ...
+    @property
+    def zero_offload(self) -> str: ...
+    @property
+    def device(self) -> Any: ...  # a torch.device: its .type
+    def device_memory_bytes(self) -> int: ...
+
+
+def run_hardware(runtime: RunMachine) -> Hardware:
     """The planner's view of a run's machine from its distributed.Runtime (read by its
     attributes: planning imports no runtime): ranks, one rank's memory, the launch's ZeRO
     stage and offload, the device kind."""
