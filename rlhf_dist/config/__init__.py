@@ -15,8 +15,12 @@ Modules: `keys` (declaring a key), one per group of sections (`run`: run, perf,
 distributed, debug, alerts; `model`: model, data, lora; `stages`: the keys every
 step-loop stage shares, then sft, rm, dpo, kto; `rl`: generation, reward, ppo, eval,
 iterate; `serve`: the rollout server), `schema` (the root `Config`), `loading` (YAML, overrides, renamed keys, help
-text) and `validation` (the rules between keys). Everything public is importable from
-here.
+text), `validation` (the rules between keys), `sizes` (the auto sizes and which models a
+run loads: the trainer's rules, which the planner reads too), `presets` (and the one
+grpo -> ppo mapping, `stage_and_preset`) and `views` (the keys a stage reads: a key that
+only some PPO estimators read says so in its declaration, `key(..., needs="critic")` or
+`key(..., estimators=(...))`, and `rlhf-dist config [--yaml] PRESET` leaves it out where the
+preset's estimator does not read it). Everything public is importable from here.
 """
 
 from __future__ import annotations
