@@ -21,7 +21,7 @@ from rlhf_dist.errors import ConfigError
 _ENVIRONMENTS: dict[str, Any] = {}  # spec -> the loaded environment
 
 
-def environment(spec: str, key: str):
+def environment(spec: str, key: str) -> Any:
     """The verifiers environment `spec` names, loaded once per process; a ConfigError
     naming `key` when verifiers is missing or cannot load it."""
     if spec not in _ENVIRONMENTS:
