@@ -12,7 +12,8 @@ rows (docs/architecture.md section 6). Uses only the Runtime's collectives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def strided_map(
     return [v for _, v in sorted(gathered, key=lambda pair: pair[0])]
 
 
-def _rows(out) -> list:
+def _rows(out: torch.Tensor | Iterable[Any]) -> list:
     """One plain value per row of a chunk's output (tensors moved to the CPU as lists)."""
     if isinstance(out, torch.Tensor):
         return out.detach().cpu().tolist()
