@@ -23,7 +23,7 @@ import random
 import shutil
 import signal
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -67,7 +67,8 @@ def fault_active(point: str, step: int) -> bool:
     return os.environ.get(FAULT_ENV) == f"{point}:{step}"
 
 
-def _save(obj, path: Path) -> None:
+def _save(obj: object, path: Path) -> None:
+    """torch.save, then fsync: the file is on disk before its directory is renamed."""
     torch.save(obj, path)
     fsync_file(path)
 
@@ -103,7 +104,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _as_tuple(x):
+def _as_tuple(x: Any) -> Any:
+    """`x` with every list inside it a tuple: python's RNG state in the form
+    random.setstate takes."""
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
