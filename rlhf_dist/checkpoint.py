@@ -94,6 +94,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Put back this process's generators from `rng_state()`'s dict (CUDA's only on a GPU)."""
     random.setstate(_as_tuple(state["python"]))
     n = state["numpy"]
     np.random.set_state(

@@ -52,6 +52,9 @@ def environment_rows(spec: str, key: str, which: str) -> list[dict]:
 
 
 def _row(row: dict) -> dict:
+    """`row` with None-valued keys dropped from its prompt's messages: `datasets` gives
+    every message every key any message has (tool_calls: None), which a chat template
+    would read as present."""
     prompt = row.get("prompt")
     if isinstance(prompt, list):
         row["prompt"] = [{k: v for k, v in m.items() if v is not None} for m in prompt]

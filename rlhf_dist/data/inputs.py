@@ -73,7 +73,7 @@ def import_from_cwd(module_name: str) -> ModuleType:
 
     `python -m rlhf_dist` puts the working directory first on sys.path, the `rlhf-dist`
     console script does not, so `reward.function: my_rewards:score` beside the user's config
-    was found by one and not the other. When the plain import cannot find the module's top
+    would be found by one and not the other. When the plain import cannot find the module's top
     package, the working directory goes first on sys.path for this import only (as under
     `python -m`), so the module and the siblings it imports at the top are found the way
     `python -m` finds them, packages and relative imports included (a file loader from

@@ -61,6 +61,7 @@ class SkipReport:
         self.skipped[reason] += 1
 
     def summary(self, what: str) -> str:
+        """One line for the log: `what` kept, truncated, cut and skipped (by reason)."""
         text = f"{what}: {self.kept} kept"
         if self.truncated:
             text += f", {self.truncated} prompts truncated to their last tokens"

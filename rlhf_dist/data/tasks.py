@@ -54,6 +54,8 @@ def task_dataset(source: str, key: str) -> Any:
 
 
 def _make_dataset(spec: TaskSpec, key: str) -> Any:
+    """reasoning-gym's dataset of `spec`, its task and options checked first so that a
+    mistake is one ConfigError line naming `key` (the task list, the task's options)."""
     rg = library(key)
     from reasoning_gym.factory import DATASETS
 

@@ -179,6 +179,8 @@ def fetch_whole_layers(model: torch.nn.Module) -> None:
 def _make_accelerator(
     timeout_s: int, dtype: str, trackers: tuple[str, ...], logging_dir: str | None
 ) -> Accelerator:
+    """The Accelerator of this process: gloo on CPU ranks with our timeout, bf16 mixed
+    precision when model.dtype is bfloat16, and the experiment trackers asked for."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 

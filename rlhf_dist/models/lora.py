@@ -62,8 +62,8 @@ def merged_adapters(model: nn.Module) -> Iterator[nn.Module]:
 
     Inside, every LoRA layer's base weight is W + scale * B @ A (computed in fp32, stored in
     the base's dtype) and the adapter path is off, so a forward costs what the plain model
-    costs: generation, one forward per token, no longer pays the four extra small kernels
-    per adapted layer (x @ A, @ B, scale, add) that made it launch-bound on a GPU. The
+    costs: generation, one forward per token, does not pay the four extra small kernels
+    per adapted layer (x @ A, @ B, scale, add) that make it launch-bound on a GPU. The
     original base tensors are kept and put back on exit, bitwise: nothing is merged and
     "unmerged" by subtraction (which drifts in bf16 and would move the adapters-off
     reference policy). Costs one extra copy of the adapted weights while inside.
