@@ -75,8 +75,9 @@ def _save(obj: object, path: Path) -> None:
 
 def rng_state() -> dict:
     """This process's python, numpy and torch generators; on a GPU also the current CUDA
-    device's, which samples every token there (rollout.sample_next draws on the logits'
-    device): without it a resumed GPU run would replay the random stream of its seed."""
+    device's, which samples every token there (engine.sampling.sample_next draws on the
+    logits' device): without it a resumed GPU run would replay the random stream of its
+    seed."""
     np_state = np.random.get_state(legacy=True)
     assert isinstance(np_state, tuple)  # legacy form: numpy's global generator is MT19937
     state = {

@@ -4,9 +4,9 @@ A notebook's `datasets.Dataset` or list of dicts, and a reward callable defined 
 cell, have no path or `module:callable` a config could name. The API registers each one
 under a spec `python:<config key>` (e.g. `python:data.train`) and sets that key to it, so the
 config stays frozen text, `config.yaml` says where the value came from, and the loaders
-(`data.load_rows`, `scoring.RewardFunction`) resolve the spec here. Specs live for the
-process; under `accelerate launch` every rank runs the same script and registers the same
-objects under the same names.
+(`data.rows.load_rows`, `rewards.scoring.RewardFunction`) resolve the spec here. Specs
+live for the process; under `accelerate launch` every rank runs the same script and
+registers the same objects under the same names.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def stays_whole(param: torch.nn.Parameter) -> bool:
     (read inside the engine's forward: after an optimizer step the forward pre-hook
     gathers again). Under ZeRO-3's per-module fetching a weight is whole only while its
     module runs, so code that reads it directly (the chunked log-prob head,
-    models.head_logprobs) must call the module instead."""
+    engine.forward.head_logprobs) must call the module instead."""
     return not hasattr(param, "ds_id") or id(param) in _WHOLE_IDS
 
 

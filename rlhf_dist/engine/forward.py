@@ -3,9 +3,9 @@ causal LM, the one function every stage scores tokens with (`token_logprobs`).
 
 How it runs fast, each behind a perf switch: the output head in chunks, logits
 recomputed in backward, so no (B, T, V) tensor exists (perf.logprob_chunk_tokens;
-algo.logprobs_from_hidden); padding-free packed rows (perf.packed_sequences, `packing`);
-and each distinct prompt of a rollout run once with its KV cache indexed out to the rows
-that share it (perf.shared_prompt_forward; GRPO's n samples of a prompt).
+algo.logprobs.logprobs_from_hidden); padding-free packed rows (perf.packed_sequences,
+`packing`); and each distinct prompt of a rollout run once with its KV cache indexed out
+to the rows that share it (perf.shared_prompt_forward; GRPO's n samples of a prompt).
 """
 
 from __future__ import annotations
@@ -350,8 +350,9 @@ def head_logprobs(
     logits at once, under plain autograd.
 
     A plain linear head (tied embeddings alike) whose weights stay whole through the
-    backward (no ZeRO-3, or inside `whole_weights`) goes to `algo.logprobs_from_hidden`,
-    which recomputes each chunk's logits in backward. Any other head (peft's LoRA or
+    backward (no ZeRO-3, or inside `whole_weights`) goes to algo.logprobs'
+    `logprobs_from_hidden`, which recomputes each chunk's logits in backward. Any other
+    head (peft's LoRA or
     modules_to_save wrapper, a ZeRO-3 weight fetched per module, logits post-processed by
     the model) is called as a module per chunk, under activation checkpointing when
     gradients are recorded: the same memory bound, and ZeRO-3's hooks fetch the weight
