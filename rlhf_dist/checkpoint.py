@@ -23,7 +23,7 @@ import random
 import shutil
 import signal
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -67,15 +67,17 @@ def fault_active(point: str, step: int) -> bool:
     return os.environ.get(FAULT_ENV) == f"{point}:{step}"
 
 
-def _save(obj, path: Path) -> None:
+def _save(obj: object, path: Path) -> None:
+    """torch.save, then fsync: the file is on disk before its directory is renamed."""
     torch.save(obj, path)
     fsync_file(path)
 
 
 def rng_state() -> dict:
     """This process's python, numpy and torch generators; on a GPU also the current CUDA
-    device's, which samples every token there (rollout.sample_next draws on the logits'
-    device): without it a resumed GPU run would replay the random stream of its seed."""
+    device's, which samples every token there (engine.sampling.sample_next draws on the
+    logits' device): without it a resumed GPU run would replay the random stream of its
+    seed."""
     np_state = np.random.get_state(legacy=True)
     assert isinstance(np_state, tuple)  # legacy form: numpy's global generator is MT19937
     state = {
@@ -93,6 +95,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Put back this process's generators from `rng_state()`'s dict (CUDA's only on a GPU)."""
     random.setstate(_as_tuple(state["python"]))
     n = state["numpy"]
     np.random.set_state(
@@ -103,7 +106,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _as_tuple(x):
+def _as_tuple(x: Any) -> Any:
+    """`x` with every list inside it a tuple: python's RNG state in the form
+    random.setstate takes."""
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 

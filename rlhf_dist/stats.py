@@ -41,14 +41,17 @@ class StatSums:
     """
 
     def __init__(self) -> None:
-        self.sums: dict[str, list] = defaultdict(list)
-        self.maxima: dict[str, list] = defaultdict(list)
+        self.sums: dict[str, list[float | torch.Tensor]] = defaultdict(list)
+        self.maxima: dict[str, list[float | torch.Tensor]] = defaultdict(list)
 
-    def add(self, name: str, total, count) -> None:
+    def add(self, name: str, total: float | torch.Tensor, count: float | torch.Tensor) -> None:
+        """Add `total`, a sum over `count` tokens or sequences, to statistic `name`;
+        `reduce` gives its mean: every rank's totals summed over every rank's counts summed."""
         self.sums[name + "/sum"].append(total)
         self.sums[name + "/n"].append(count)
 
-    def add_max(self, name: str, value) -> None:
+    def add_max(self, name: str, value: float | torch.Tensor) -> None:
+        """Add `value` to statistic `name`, whose reduced value is its maximum over ranks."""
         self.maxima[name].append(value)
 
     def reduce(self, runtime: Collectives) -> dict[str, float]:
@@ -65,7 +68,7 @@ class StatSums:
         return out
 
 
-def _stack(values: list, device) -> torch.Tensor:
+def _stack(values: list[float | torch.Tensor], device: torch.device) -> torch.Tensor:
     """Numbers and 0-d tensors (any device) as one float64 vector on `device`."""
     return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
 

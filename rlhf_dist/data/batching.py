@@ -7,7 +7,7 @@ written back to the config.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +150,9 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def global_batches(n: int, batch_size: int, seed: int, epochs: int):
+def global_batches(
+    n: int, batch_size: int, seed: int, epochs: int
+) -> Iterator[tuple[int, list[int]]]:
     """Yield (epoch, indices) of full global batches over `epochs` shuffled passes."""
     for epoch in range(epochs):
         order = epoch_order(n, seed, epoch)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +42,7 @@ class BadRow(Exception):
     """A data row that cannot be used; its message is the skip reason the report counts."""
 
 
-def check_messages(value, name: str) -> list[dict]:
+def check_messages(value: Any, name: str) -> list[dict]:
     """`value` as a list of {role, content} messages, or BadRow with the reason."""
     if not isinstance(value, list) or not value:
         raise BadRow(f"'{name}' not a list of messages")
@@ -62,7 +63,7 @@ def check_prompt_turns(messages: list[dict], name: str) -> list[dict]:
     return messages
 
 
-def prompt_text(prompt) -> str:
+def prompt_text(prompt: str | list[dict]) -> str:
     """A prompt for people and judges to read (samples tables, judge templates): a text as
     is, a conversation as one "role: content" line per turn."""
     if isinstance(prompt, str):
@@ -89,7 +90,7 @@ CHATML_TOOLS_TEMPLATE = (
 NAMED_TEMPLATES = {"chatml_tools": CHATML_TOOLS_TEMPLATE}
 
 
-def resolve_template(tokenizer, chat_template: str, where: str) -> str:
+def resolve_template(tokenizer: PreTrainedTokenizerBase, chat_template: str, where: str) -> str:
     """The chat template to render with: `chat_template` (data.chat_template: a name in
     NAMED_TEMPLATES, a Jinja string or a file holding one), else the tokenizer's own; none
     is a ConfigError."""
@@ -121,7 +122,7 @@ class Chat:
 
     tokenizer: PreTrainedTokenizerBase
     template: str
-    tools: tuple = ()
+    tools: tuple[dict, ...] = ()
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         """The template's text of `messages`; with `generation_prompt`, followed by the
@@ -157,7 +158,9 @@ class Chat:
         """The prompt as the model continues it: rendered, with the generation prompt."""
         return self.encode(self.render(messages, generation_prompt=True))
 
-    def conversation(self, messages: list[dict], first_trained: int = 0):
+    def conversation(
+        self, messages: list[dict], first_trained: int = 0
+    ) -> tuple[list[int], list[bool]]:
         """(ids, trained) of a whole conversation: `trained[t]` is True on the tokens of
         assistant turns at index >= `first_trained`, from the end of the generation prompt
         that opens the turn to the end of the turn's text (its end-of-turn marker
@@ -202,13 +205,15 @@ class Chat:
         return turn[-1] if turn and turn[-1] in special else None
 
 
-def chat_for(tokenizer, data_cfg: DataConfig, where: str) -> Chat:
+def chat_for(tokenizer: PreTrainedTokenizerBase, data_cfg: DataConfig, where: str) -> Chat:
     """The Chat conversational rows of `where` are rendered with (data.chat_template or the
     tokenizer's own template)."""
     return Chat(tokenizer, resolve_template(tokenizer, data_cfg.chat_template, where))
 
 
-def export_tokenizer(tokenizer, data_cfg: DataConfig):
+def export_tokenizer(
+    tokenizer: PreTrainedTokenizerBase, data_cfg: DataConfig
+) -> PreTrainedTokenizerBase:
     """The tokenizer an exported model is saved with: the run's own, as it shipped. When
     data.chat_template is set, a copy carrying it as its own template, so the next stage
     (rm or ppo after sft) renders conversations as this one did with no extra config; when
@@ -229,7 +234,12 @@ def export_tokenizer(tokenizer, data_cfg: DataConfig):
     return out
 
 
-def stop_token_ids(tokenizer, chat: Chat | None, extra=(), generation_eos=()) -> tuple[int, ...]:
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    chat: Chat | None,
+    extra: Iterable[int] = (),
+    generation_eos: int | Iterable[int] = (),
+) -> tuple[int, ...]:
     """Every id that ends a response, sorted: the tokenizer's EOS, the model's
     generation_config.eos_token_id (`generation_eos`, an int or a list), the template's
     end-of-turn token and `extra` (generation.stop_token_ids). PAD may be one of them
@@ -245,7 +255,7 @@ def stop_token_ids(tokenizer, chat: Chat | None, extra=(), generation_eos=()) ->
     return tuple(sorted(ids))
 
 
-def is_stop(ids: torch.Tensor, stop_ids) -> torch.Tensor:
+def is_stop(ids: torch.Tensor, stop_ids: int | Sequence[int]) -> torch.Tensor:
     """Bool tensor shaped like `ids`: the token is one of `stop_ids` (an id or a sequence
     of ids: EOS, the template's end-of-turn token, generation.stop_token_ids)."""
     stops = torch.as_tensor(stop_ids, dtype=ids.dtype, device=ids.device).reshape(-1)

@@ -21,7 +21,7 @@ from rlhf_dist.errors import ConfigError
 _ENVIRONMENTS: dict[str, Any] = {}  # spec -> the loaded environment
 
 
-def environment(spec: str, key: str):
+def environment(spec: str, key: str) -> Any:
     """The verifiers environment `spec` names, loaded once per process; a ConfigError
     naming `key` when verifiers is missing or cannot load it."""
     if spec not in _ENVIRONMENTS:
@@ -52,6 +52,9 @@ def environment_rows(spec: str, key: str, which: str) -> list[dict]:
 
 
 def _row(row: dict) -> dict:
+    """`row` with None-valued keys dropped from its prompt's messages: `datasets` gives
+    every message every key any message has (tool_calls: None), which a chat template
+    would read as present."""
     prompt = row.get("prompt")
     if isinstance(prompt, list):
         row["prompt"] = [{k: v for k, v in m.items() if v is not None} for m in prompt]

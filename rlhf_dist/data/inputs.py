@@ -4,9 +4,9 @@ A notebook's `datasets.Dataset` or list of dicts, and a reward callable defined 
 cell, have no path or `module:callable` a config could name. The API registers each one
 under a spec `python:<config key>` (e.g. `python:data.train`) and sets that key to it, so the
 config stays frozen text, `config.yaml` says where the value came from, and the loaders
-(`data.load_rows`, `scoring.RewardFunction`) resolve the spec here. Specs live for the
-process; under `accelerate launch` every rank runs the same script and registers the same
-objects under the same names.
+(`data.rows.load_rows`, `rewards.scoring.RewardFunction`) resolve the spec here. Specs
+live for the process; under `accelerate launch` every rank runs the same script and
+registers the same objects under the same names.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
 
 PREFIX = "python:"
 _objects: dict[str, object] = {}
@@ -37,7 +40,7 @@ def lookup(spec: str, key: str) -> object:
     return _objects[spec]
 
 
-def resolve_callable(spec: str, key: str):
+def resolve_callable(spec: str, key: str) -> Callable[..., Any]:
     """The callable a config names: `module:callable` imported, or a `python:` spec."""
     from rlhf_dist.errors import ConfigError
 
@@ -65,12 +68,12 @@ def package_spec(obj: object) -> str | None:
     return f"{module}:{name}" if found is obj else None
 
 
-def import_from_cwd(module_name: str):
+def import_from_cwd(module_name: str) -> ModuleType:
     """`module_name` imported as Python would, else from the current working directory.
 
     `python -m rlhf_dist` puts the working directory first on sys.path, the `rlhf-dist`
     console script does not, so `reward.function: my_rewards:score` beside the user's config
-    was found by one and not the other. When the plain import cannot find the module's top
+    would be found by one and not the other. When the plain import cannot find the module's top
     package, the working directory goes first on sys.path for this import only (as under
     `python -m`), so the module and the siblings it imports at the top are found the way
     `python -m` finds them, packages and relative imports included (a file loader from
@@ -91,7 +94,7 @@ def import_from_cwd(module_name: str):
 
 
 @contextlib.contextmanager
-def registered(objects: dict[str, object]):
+def registered(objects: dict[str, object]) -> Iterator[dict[str, str]]:
     """Register {config key: object} for the span of a run; yields {key: spec}."""
     specs = {k: PREFIX + k for k in objects}
     _objects.update({specs[k]: v for k, v in objects.items()})
@@ -102,7 +105,7 @@ def registered(objects: dict[str, object]):
             _objects.pop(spec, None)
 
 
-def accepted_columns(fn, columns: dict, taken: tuple[str, ...] = ()) -> dict:
+def accepted_columns(fn: Callable[..., Any], columns: dict, taken: tuple[str, ...] = ()) -> dict:
     """The entries of `columns` (a row's or a batch's other columns, by name) that `fn`
     takes: all of them when it has **kwargs, else those it names as parameters; never the
     names in `taken` (the arguments the caller passes itself). Users' functions declare
@@ -115,7 +118,7 @@ def accepted_columns(fn, columns: dict, taken: tuple[str, ...] = ()) -> dict:
     return {k: v for k, v in columns.items() if k not in taken and (any_keyword or k in names)}
 
 
-def required_parameters(fn, skip: int = 0) -> list[str]:
+def required_parameters(fn: Callable[..., Any], skip: int = 0) -> list[str]:
     """The parameters of `fn` without a default value, after its first `skip` positional
     ones (the arguments the caller always passes): the columns it cannot do without."""
     try:
@@ -129,13 +132,13 @@ def required_parameters(fn, skip: int = 0) -> list[str]:
     return [p.name for p in params if p.default is p.empty and p.name not in skipped]
 
 
-def parameter_names(fn) -> set[str]:
+def parameter_names(fn: Callable[..., Any]) -> set[str]:
     """The names `fn` takes by keyword (none when its signature cannot be read)."""
     params = _parameters(fn)
     return set() if params is None else params[0]
 
 
-def _parameters(fn) -> tuple[set[str], bool] | None:
+def _parameters(fn: Callable[..., Any]) -> tuple[set[str], bool] | None:
     """(the names `fn` takes by keyword, whether it takes **kwargs), or None when its
     signature cannot be read."""
     try:

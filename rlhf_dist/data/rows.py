@@ -5,7 +5,7 @@ tasks (`reasoning_gym:TASK?...`, data/tasks.py) or a verifiers environment's dat
 (`verifiers:ENV_ID?...`, data/environments.py). Each file is
 text or conversational, decided once per file from its rows (TRL's formats, docs/data.md):
 conversational rows hold message lists and are rendered with a chat template
-(rlhf_dist.chat). Rows a user got wrong (missing field, empty text, wrong type, unknown
+(rlhf_dist.data.chat). Rows a user got wrong (missing field, empty text, wrong type, unknown
 role, too long) are skipped and counted with a reason; the counts are reported, never
 silently dropped.
 """
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -40,6 +41,12 @@ from rlhf_dist.errors import ConfigError
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
     from transformers import PreTrainedTokenizerBase
 
+T = TypeVar("T")
+# (ids, trained) of one sequence: its token ids and, per token, whether the loss covers it.
+Seq = tuple[list[int], list[bool]]
+# A prompt or a response as a row gives it: a text, or a list of {role, content} messages.
+Text = str | list[dict]
+
 
 @dataclass
 class SkipReport:
@@ -48,12 +55,13 @@ class SkipReport:
     kept: int = 0
     truncated: int = 0  # prompts cut to data.max_prompt_length
     cut: int = 0  # sequences (SFT, pairs, KTO) cut to data.max_length by data.truncate
-    skipped: Counter = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] += 1
 
     def summary(self, what: str) -> str:
+        """One line for the log: `what` kept, truncated, cut and skipped (by reason)."""
         text = f"{what}: {self.kept} kept"
         if self.truncated:
             text += f", {self.truncated} prompts truncated to their last tokens"
@@ -78,7 +86,7 @@ def load_data(d: DataConfig, which: str) -> list[dict]:
 
 def load_rows(source: str, key: str, split: str = "train", subset: str = "") -> list[dict]:
     """Rows of a local data file (by extension), a hub dataset, a reasoning-gym task, or
-    rows a Python caller gave (`python:` specs, rlhf_dist.inputs), as a list of dicts."""
+    rows a Python caller gave (`python:` specs, rlhf_dist.data.inputs), as a list of dicts."""
     if inputs.is_python(source):
         return python_rows(inputs.lookup(source, key), key)
     if is_task_spec(source):
@@ -110,7 +118,7 @@ def load_rows(source: str, key: str, split: str = "train", subset: str = "") -> 
         raise ConfigError(f"{key}: cannot load {source!r}: {first}") from None
 
 
-def python_rows(given, key: str) -> list[dict]:
+def python_rows(given: Any, key: str) -> list[dict]:
     """A `datasets.Dataset` or a sequence of dicts given through the Python API, as rows."""
     rows = given.to_list() if hasattr(given, "to_list") else given
     if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__iter__"):
@@ -154,7 +162,9 @@ def _row_messages(row: dict, name: str) -> list[dict]:
     return check_messages(row[name], name)
 
 
-def encode_prompt(tokenizer, text: str, max_len: int, too_long: str, report: SkipReport):
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, text: str, max_len: int, too_long: str, report: SkipReport
+) -> list[int]:
     """Prompt token ids (BOS added if the tokenizer adds one); long prompts keep their end
     (counted in `report`), or are a BadRow with data.too_long=drop."""
     ids = tokenizer(text)["input_ids"]
@@ -166,12 +176,14 @@ def encode_prompt(tokenizer, text: str, max_len: int, too_long: str, report: Ski
     return ids
 
 
-def encode_response(tokenizer, text: str) -> list[int]:
+def encode_response(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Response ids followed by EOS: the reward is read at the EOS token."""
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def close_with_stop(ids: list[int], trained: list[bool], stop_ids, eos_id: int):
+def close_with_stop(
+    ids: list[int], trained: list[bool], stop_ids: Collection[int], eos_id: int
+) -> Seq:
     """A conversation that does not end with a stop token (a template that closes turns
     with plain text) gets EOS appended and trained: every sequence must end at a token
     generation can stop at, where the reward is read."""
@@ -180,11 +192,14 @@ def close_with_stop(ids: list[int], trained: list[bool], stop_ids, eos_id: int):
     return ids + [eos_id], trained + [True]
 
 
-def encode_each(rows: list[dict], encode) -> tuple[list, SkipReport]:
+def encode_each(
+    rows: list[dict], encode: Callable[[dict, SkipReport], list[T]]
+) -> tuple[list[T], SkipReport]:
     """Everything `encode(row, report)` makes of each row (a list per row). A BadRow skips
     its row, counted under its reason; `report` also counts skips within a row (one pair of
     a ranked list) and truncated prompts."""
-    report, out = SkipReport(), []
+    report = SkipReport()
+    out: list[T] = []
     for row in rows:
         try:
             out += encode(row, report)
@@ -209,14 +224,14 @@ class RowRender:
     chat: Chat | None = None
     stop_ids: tuple[int, ...] = ()
 
-    def prompt(self, row: dict):
+    def prompt(self, row: dict) -> Text:
         """The row's prompt: a text, or messages ending with the user's turn; else BadRow."""
         name = self.data_cfg.prompt_field
         if self.chat is None:
             return _row_text(row, name)
         return check_prompt_turns(_row_messages(row, name), "prompt")
 
-    def response(self, row: dict, name: str):
+    def response(self, row: dict, name: str) -> Text:
         """A response column: a text, or assistant turns only; else BadRow."""
         if self.chat is None:
             return _row_text(row, name)
@@ -225,33 +240,34 @@ class RowRender:
             raise BadRow(f"'{name}' holds turns other than the assistant's")
         return turns
 
-    def prompt_ids(self, prompt, report: SkipReport) -> list[int]:
+    def prompt_ids(self, prompt: Text, report: SkipReport) -> list[int]:
         """Ids of a prompt to generate from: a text per data.too_long; a conversation with
         its generation prompt, skipped when too long (cutting it would cut its template)."""
         cfg = self.data_cfg
-        if self.chat is None:
+        if self.chat is None:  # a text file's prompts are texts (self.prompt)
             return encode_prompt(
-                self.tokenizer, prompt, cfg.max_prompt_length, cfg.too_long, report
+                self.tokenizer, cast(str, prompt), cfg.max_prompt_length, cfg.too_long, report
             )
-        ids = self.chat.prompt_ids(prompt)
+        ids = self.chat.prompt_ids(cast("list[dict]", prompt))
         if len(ids) > cfg.max_prompt_length:
             raise BadRow("conversational prompt too long")
         return ids
 
-    def sequences(self, prompt, responses: list, report: SkipReport):
+    def sequences(self, prompt: Text, responses: Sequence[Text], report: SkipReport) -> list[Seq]:
         """(ids, trained) of prompt + each response: `trained` marks the response's tokens
         (its EOS included; for conversations its turns' tokens, chat.conversation). A text
         prompt is encoded once for all the responses."""
-        if self.chat is not None:
-            return [self.conversation(prompt + turns, len(prompt)) for turns in responses]
+        if self.chat is not None:  # a conversational file's prompt and responses are turns
+            turns = cast("list[dict]", prompt)
+            return [self.conversation(turns + cast("list[dict]", r), len(turns)) for r in responses]
         p = self.prompt_ids(prompt, report)
         out = []
         for text in responses:
-            r = encode_response(self.tokenizer, text)
+            r = encode_response(self.tokenizer, cast(str, text))
             out.append((p + r, [False] * len(p) + [True] * len(r)))
         return out
 
-    def conversation(self, messages: list[dict], first_trained: int = 0):
+    def conversation(self, messages: list[dict], first_trained: int = 0) -> Seq:
         """(ids, trained) of a whole conversation, assistant turns from `first_trained` on
         trained, closed by a stop token (close_with_stop)."""
         assert self.chat is not None, "only a conversational file has conversations"
@@ -261,7 +277,9 @@ class RowRender:
         return close_with_stop(ids, trained, self.stop_ids, self.tokenizer.eos_token_id)
 
 
-def row_render(tokenizer, data_cfg: DataConfig, conversational: bool, where: str) -> RowRender:
+def row_render(
+    tokenizer: PreTrainedTokenizerBase, data_cfg: DataConfig, conversational: bool, where: str
+) -> RowRender:
     """The RowRender of a file: text, or conversational with the chat template of
     data.chat_template or the tokenizer (`where` names the file in the error when neither)."""
     if not conversational:
@@ -277,7 +295,13 @@ class Unfit(Exception):
     """An item that data.truncate cannot bring within data.max_length; the skip reason."""
 
 
-def fit_item(render, seqs: list, report: SkipReport, turns=None, rerender=None):
+def fit_item(
+    render: RowRender,
+    seqs: list[Seq],
+    report: SkipReport,
+    turns: list[dict] | None = None,
+    rerender: Callable[[list[dict]], list[Seq]] | None = None,
+) -> list[Seq] | None:
     """One item's sequences ((ids, trained) each: an SFT or KTO sequence, or a pair) within
     data.max_length as data.truncate says, or None: a counted skip (docs/data.md). render:
     the file's RowRender.
@@ -296,6 +320,7 @@ def fit_item(render, seqs: list, report: SkipReport, turns=None, rerender=None):
         elif turns is None:
             out = cut_left(seqs, limit, render.tokenizer.bos_token_id)
         else:
+            assert rerender is not None, "a conversation's turns come with their rerender"
             out = drop_earlier_turns(turns, rerender, limit)
         if len(out) == 2 and out[0][0] == out[1][0]:
             raise Unfit("chosen == rejected after truncation")
@@ -306,7 +331,7 @@ def fit_item(render, seqs: list, report: SkipReport, turns=None, rerender=None):
     return out
 
 
-def cut_right(seq, limit: int):
+def cut_right(seq: Seq, limit: int) -> Seq:
     """(ids, trained) cut to its first `limit` tokens and back to its last trained token:
     the response keeps its start and loses its end, its EOS or end-of-turn included."""
     ids, trained = seq[0][:limit], seq[1][:limit]
@@ -316,7 +341,7 @@ def cut_right(seq, limit: int):
     return ids[:end], trained[:end]
 
 
-def cut_left(seqs: list, limit: int, bos_id):
+def cut_left(seqs: list[Seq], limit: int, bos_id: int | None) -> list[Seq]:
     """Text sequences sharing one prompt, each without the same prompt tokens after the
     BOS (kept where the prompt starts with it), so the longest has `limit` tokens. At least
     one prompt token must remain: a response that leaves no room for one is a skip."""
@@ -329,7 +354,9 @@ def cut_left(seqs: list, limit: int, bos_id):
     return [(ids[:keep] + ids[start:], tr[:keep] + tr[start:]) for ids, tr in seqs]
 
 
-def drop_earlier_turns(turns: list[dict], rerender, limit: int):
+def drop_earlier_turns(
+    turns: list[dict], rerender: Callable[[list[dict]], list[Seq]], limit: int
+) -> list[Seq]:
     """rerender(turns) with its first exchanges dropped, one at a time, until the item fits:
     cutting inside a rendered conversation would cut its template, so whole turns go
     (leading system messages stay). None left to drop: a skip."""
@@ -360,7 +387,9 @@ def drop_first_exchange(messages: list[dict]) -> list[dict] | None:
 
 @dataclass
 class PromptSet:
-    texts: list  # each prompt as the row gave it: a text, or a list of messages
+    """The usable prompts of a file, index-aligned, and the report of the rows skipped."""
+
+    texts: list[Text]  # each prompt as the row gave it: a text, or a list of messages
     ids: list[list[int]]
     report: SkipReport
     # each prompt's row without its prompt column (an answer, a solution, a task's
@@ -369,7 +398,10 @@ class PromptSet:
 
 
 def prompt_set(
-    rows: list[dict], tokenizer, data_cfg: DataConfig, where: str = "data.train"
+    rows: list[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    data_cfg: DataConfig,
+    where: str = "data.train",
 ) -> PromptSet:
     """Prompts of a file: `prompt_field` as text, or as messages rendered with the chat
     template (`where` names the file in errors)."""
@@ -377,7 +409,7 @@ def prompt_set(
     chat = chat_for(tokenizer, data_cfg, where) if conversational else None
     render = RowRender(tokenizer, data_cfg, chat)  # prompts only: no stop ids needed
 
-    def encode(row: dict, report: SkipReport) -> list:
+    def encode(row: dict, report: SkipReport) -> list[tuple[Text, list[int], dict]]:
         prompt = render.prompt(row)
         others = {k: v for k, v in row.items() if k != data_cfg.prompt_field}
         return [(prompt, render.prompt_ids(prompt, report), others)]
@@ -443,7 +475,7 @@ def sft_format(
     return form, is_conversational(rows, (data_cfg.prompt_field, form))
 
 
-def messages_sequence(render: RowRender, row: dict):
+def messages_sequence(render: RowRender, row: dict) -> Seq:
     """(ids, trained) of a `messages` row: the loss covers all its assistant turns."""
     messages = _row_messages(row, "messages")
     if not any(m["role"] == "assistant" for m in messages):
@@ -453,11 +485,11 @@ def messages_sequence(render: RowRender, row: dict):
 
 def sft_examples(
     rows: list[dict],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     data_cfg: DataConfig,
     response_field: str = "response",
-    where="data.train",
-):
+    where: str = "data.train",
+) -> tuple[list[SFTExample], SkipReport]:
     """SFT sequences of a file (docs/data.md): prompt + response(+EOS) or prompt +
     completion as text, or conversations; the loss covers response tokens only."""
     form, conversational = sft_format(rows, data_cfg, response_field)
@@ -468,14 +500,14 @@ def sft_examples(
             seq = messages_sequence(render, row)
             turns: list[dict] | None = _row_messages(row, "messages")
 
-            def rerender(messages):
+            def rerender(messages: list[dict]) -> list[Seq]:
                 return [render.conversation(messages)]
         else:
             prompt, response = render.prompt(row), render.response(row, form)
             seq = render.sequences(prompt, [response], report)[0]
-            turns = prompt if conversational else None
+            turns = cast("list[dict]", prompt) if conversational else None
 
-            def rerender(messages):
+            def rerender(messages: list[dict]) -> list[Seq]:
                 return render.sequences(messages, [response], report)
 
         fitted = fit_item(render, [seq], report, turns, rerender)
@@ -502,6 +534,9 @@ def collate_sft(batch: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]
 
 @dataclass
 class PreferencePair:
+    """Token ids of a preferred and a dispreferred sequence (prompt + response + EOS) of
+    the same prompt; `category` is the row's, for per-category accuracy."""
+
     chosen: list[int]
     rejected: list[int]
     category: str | None = None
@@ -531,7 +566,9 @@ def _text_pairs(row: dict, responses_field: str, report: SkipReport) -> list[tup
     return [(chosen, rejected)]
 
 
-def split_implicit_prompt(chosen: list[dict], rejected: list[dict]):
+def split_implicit_prompt(
+    chosen: list[dict], rejected: list[dict]
+) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt, chosen, rejected) of two whole conversations: the prompt is their shared
     leading messages (TRL's implicit prompt); what follows must be assistant turns."""
     n = 0
@@ -545,7 +582,9 @@ def split_implicit_prompt(chosen: list[dict], rejected: list[dict]):
     return chosen[:n], chosen[n:], rejected[n:]
 
 
-def chat_preference_messages(row: dict, prompt_field: str):
+def chat_preference_messages(
+    row: dict, prompt_field: str
+) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt, chosen, rejected) message lists of a conversational preference row."""
     chosen, rejected = _row_messages(row, "chosen"), _row_messages(row, "rejected")
     if row.get(prompt_field) is None:
@@ -559,7 +598,9 @@ def chat_preference_messages(row: dict, prompt_field: str):
     return prompt, chosen, rejected
 
 
-def preference_row(render: RowRender, row: dict, responses_field: str, report: SkipReport):
+def preference_row(
+    render: RowRender, row: dict, responses_field: str, report: SkipReport
+) -> tuple[Text, Sequence[tuple[Text, Text]]]:
     """(prompt, [(chosen, rejected), ...]) of one preference row, texts or message lists:
     an explicit or implicit prompt, or (text) a ranked list's C(n,2) pairs."""
     if render.chat is not None:
@@ -570,11 +611,11 @@ def preference_row(render: RowRender, row: dict, responses_field: str, report: S
 
 def preference_pairs(
     rows: list[dict],
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     data_cfg: DataConfig,
     responses_field: str = "responses",
-    where="data.train",
-):
+    where: str = "data.train",
+) -> tuple[list[PreferencePair], SkipReport]:
     """Preference pairs of a file (docs/data.md): text or conversational chosen/rejected,
     with an explicit or implicit prompt, or text ranked lists. Conversations are rendered
     whole (the reward model reads them as PPO will show them), closed by a stop token."""
@@ -584,11 +625,11 @@ def preference_pairs(
     def encode(row: dict, report: SkipReport) -> list[PreferencePair]:
         prompt, pairs = preference_row(render, row, responses_field, report)
         seqs = render.sequences(prompt, [r for pair in pairs for r in pair], report)
-        turns = prompt if render.chat is not None else None
+        turns = cast("list[dict]", prompt) if render.chat is not None else None
         out = []
         for pair, chosen, rejected in zip(pairs, seqs[::2], seqs[1::2]):
 
-            def rerender(messages, pair=pair):
+            def rerender(messages: list[dict], pair: tuple[Text, Text] = pair) -> list[Seq]:
                 return render.sequences(messages, list(pair), report)
 
             fitted = fit_item(render, [chosen, rejected], report, turns, rerender)
@@ -623,16 +664,18 @@ class KTOExample:
     kl_completion: list[int] = field(default_factory=list)
 
 
-def _unique(items: list) -> list:
+def _unique(items: list[T]) -> list[T]:
     """`items` in first-seen order without repeats (message lists are not hashable)."""
-    out = []
+    out: list[T] = []
     for item in items:
         if item not in out:
             out.append(item)
     return out
 
 
-def kto_row(render: RowRender, row: dict, kto_cfg: KTOConfig, report: SkipReport):
+def kto_row(
+    render: RowRender, row: dict, kto_cfg: KTOConfig, report: SkipReport
+) -> tuple[Text, list[tuple[Text, bool]]]:
     """(prompt, [(completion, desirable), ...]) of one row, texts or message lists:
     TRL's unpaired format (prompt, completion, label), or a preference row (chosen
     desirable, rejected undesirable)."""
@@ -651,8 +694,12 @@ def kto_row(render: RowRender, row: dict, kto_cfg: KTOConfig, report: SkipReport
 
 
 def kto_examples(
-    rows: list[dict], tokenizer, data_cfg: DataConfig, kto_cfg: KTOConfig, where="data.train"
-):
+    rows: list[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    data_cfg: DataConfig,
+    kto_cfg: KTOConfig,
+    where: str = "data.train",
+) -> tuple[list[KTOExample], SkipReport]:
     """KTO examples from unpaired rows (TRL's format: prompt, completion, label) or from
     preference rows (chosen -> desirable, rejected -> undesirable), text or conversational;
     each example's `kl_completion` is the completion of the next example with a different
@@ -663,11 +710,11 @@ def kto_examples(
     def encode(row: dict, report: SkipReport) -> list[KTOExample]:
         prompt, labelled = kto_row(render, row, kto_cfg, report)
         seqs = render.sequences(prompt, [c for c, _ in labelled], report)
-        turns = prompt if render.chat is not None else None
+        turns = cast("list[dict]", prompt) if render.chat is not None else None
         out = []
         for seq, (completion, desirable) in zip(seqs, labelled):
 
-            def rerender(messages, completion=completion):
+            def rerender(messages: list[dict], completion: Text = completion) -> list[Seq]:
                 return render.sequences(messages, [completion], report)
 
             fitted = fit_item(render, [seq], report, turns, rerender)

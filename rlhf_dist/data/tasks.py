@@ -20,6 +20,7 @@ out: different seeds can draw the same small question ("Calculate 2 - -1.").
 from __future__ import annotations
 
 import dataclasses
+from types import ModuleType
 from typing import Any
 
 from rlhf_dist.config.tasks import INSTALL, SYSTEM_PROMPT, TaskSpec, parse_task_spec
@@ -31,7 +32,7 @@ _DATASETS: dict[str, Any] = {}
 _ENTRIES: dict[str, list[dict]] = {}
 
 
-def library(key: str):
+def library(key: str) -> ModuleType:
     """The reasoning_gym module, or a ConfigError naming `key` and the extra."""
     try:
         import reasoning_gym
@@ -43,7 +44,7 @@ def library(key: str):
     return reasoning_gym
 
 
-def task_dataset(source: str, key: str):
+def task_dataset(source: str, key: str) -> Any:
     """reasoning-gym's dataset of the spec `source` (entries by index, `score_answer`),
     made once per process; a ConfigError naming `key` for an unknown task or option, or a
     configuration the task refuses."""
@@ -52,7 +53,9 @@ def task_dataset(source: str, key: str):
     return _DATASETS[source]
 
 
-def _make_dataset(spec: TaskSpec, key: str):
+def _make_dataset(spec: TaskSpec, key: str) -> Any:
+    """reasoning-gym's dataset of `spec`, its task and options checked first so that a
+    mistake is one ConfigError line naming `key` (the task list, the task's options)."""
     rg = library(key)
     from reasoning_gym.factory import DATASETS
 

@@ -10,6 +10,7 @@ import datetime
 import os
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from rlhf_dist.distributed.deepspeed_config import (
     fill_zero_buckets,
 )
 from rlhf_dist.distributed.process_exit import note_group
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 class Backend:
@@ -89,14 +93,16 @@ class Backend:
 
     def prepare(
         self,
-        model,
-        optimizer,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
         micro_batch_size: int,
         accumulation_steps: int,
         max_grad_norm: float,
         dtype: str,
-    ):
-        """Wrap a trainable model and its optimizer for this run's backend.
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Wrap a trainable model and its optimizer for this run's backend: (the model, a
+        DeepSpeed engine or DDP wrapper as the backend has it; the optimizer, in
+        Accelerate's wrapper).
 
         Under DeepSpeed the "auto" entries of its config are filled from ours (one place
         for each value); an explicit value that disagrees is a ConfigError.
@@ -170,7 +176,11 @@ def fetch_whole_layers(model: torch.nn.Module) -> None:
         set_z3_leaf_modules(model, sorted(classes, key=lambda c: c.__name__))
 
 
-def _make_accelerator(timeout_s: int, dtype: str, trackers: tuple[str, ...], logging_dir):
+def _make_accelerator(
+    timeout_s: int, dtype: str, trackers: tuple[str, ...], logging_dir: str | None
+) -> Accelerator:
+    """The Accelerator of this process: gloo on CPU ranks with our timeout, bf16 mixed
+    precision when model.dtype is bfloat16, and the experiment trackers asked for."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -191,7 +201,7 @@ def _make_accelerator(timeout_s: int, dtype: str, trackers: tuple[str, ...], log
     if not torch.cuda.is_available():
         # DeepSpeed's CPU accelerator counts its "devices" by running `numactl` in a
         # subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks on every gradient
-        # reduce-scatter: 7,000 forks (9 s) per PPO iteration of a 24-layer model.
+        # reduce-scatter: thousands of forks per PPO iteration of a deep model.
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if use_ds:
             _skip_shm_allreduce_op()
@@ -209,8 +219,8 @@ def _skip_shm_allreduce_op() -> None:
     """Keep DeepSpeed's CPU backend from building its shared-memory allreduce op.
 
     DeepSpeed's TorchBackend JIT-compiles that op (deepspeed/ops/csrc/cpu/comm/shm.cpp) in
-    every process group it builds on CPU: ~60 s of C++ on a 2-core machine's first launch,
-    then a 66 MB /dev/shm segment per rank that DeepSpeed never unlinks. Only
+    every process group it builds on CPU: a long C++ build on a machine's first launch,
+    then a /dev/shm segment per rank that DeepSpeed never unlinks. Only
     `inference_all_reduce` (DeepSpeed's tensor-parallel inference) uses it; ZeRO and our
     collectives go through torch.distributed's gloo. Marking the op incompatible is the
     switch TorchBackend itself reads (`build_shm_op`: None for an incompatible op)."""

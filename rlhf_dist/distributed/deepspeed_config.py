@@ -37,13 +37,13 @@ def fill_zero_buckets(ds: dict, model: torch.nn.Module) -> None:
     DeepSpeed's default (or an eighth of the trained parameters, if smaller) as the floor
     of the bucket sizes.
 
-    Accelerate's hidden^2 rule alone sized the gradient bucket of a hidden-64 model at 4096
-    elements: every parameter got its own reduce-scatter (438 per optimizer step, 70% of a
-    ZeRO-3 step on 2 CPU ranks). No tensor is persistent (threshold 0): with whole decoder
-    layers fetched at once (backend.fetch_whole_layers) small tensors ride along with their
-    layer's gather, while every persistent tensor costs an all-gather of its own after
-    each optimizer step (threshold 10 x hidden, the norm weights: 12.9 s per iteration of
-    the deep CPU benchmark; 0: 9.8 s; DeepSpeed's 1e5, all of that model: 13.8 s).
+    Accelerate's hidden^2 rule alone sizes the gradient bucket of a hidden-64 model at 4096
+    elements: every parameter gets its own reduce-scatter, hundreds per optimizer step.
+    No tensor is persistent (threshold 0): with whole decoder layers fetched at once
+    (backend.fetch_whole_layers) small tensors ride along with their layer's gather, while
+    every persistent tensor (with a threshold of 10 x hidden, the norm weights; with
+    DeepSpeed's 1e5, all of a small model) costs an all-gather of its own after each
+    optimizer step.
     """
     hidden = max(
         (getattr(getattr(m, "config", None), "hidden_size", 0) or 0 for m in model.modules()),
@@ -70,16 +70,18 @@ def fill_gloo_zero3(ds: dict) -> None:
 
     The all-gather path copies every weight out of the gathered buffer one by one (its
     partitions lie rank after rank); with the all-reduce every weight is a view of the
-    summed buffer already. gloo's all-reduce of 13 MB costs about its all-gather; the deep
-    CPU benchmark's ZeRO-3 iteration went 5.30 -> 4.16 s (3 alternated rounds). On NCCL an
-    all-reduce moves twice an all-gather's bytes, so GPU runs keep the all-gather.
+    summed buffer already. On gloo an all-reduce costs about what its all-gather does, so
+    the copies are saved; on NCCL an all-reduce moves twice an all-gather's bytes, so GPU
+    runs keep the all-gather.
     """
     ds.setdefault("zero_optimization", {}).setdefault(
         "stage3_use_all_reduce_for_fetch_params", True
     )
 
 
-def _fill_auto(section: dict, key: str, value, name: str) -> None:
+def _fill_auto(section: dict, key: str, value: object, name: str) -> None:
+    """Set `section[key]` to our `value` where it is absent or "auto"; a DeepSpeed value
+    that disagrees is a ConfigError naming the entry (`name`)."""
     current = section.get(key, "auto")
     if current == "auto":
         section[key] = value

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from rlhf_dist.distributed import zero3
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max
 from rlhf_dist.errors import TrainingDiverged
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 class NumericalGuard:
@@ -27,7 +31,7 @@ class NumericalGuard:
         self._poisoned, self._steps_seen = False, 0
         self.skipped_steps, self.bad_steps_in_row = 0, 0
 
-    def micro_backward(self, model, loss: torch.Tensor, last: bool) -> bool:
+    def micro_backward(self, model: torch.nn.Module, loss: torch.Tensor, last: bool) -> bool:
         """Backward of one micro-batch; gradients are reduced over ranks on the `last` one.
 
         If the loss is not finite on ANY rank (all ranks agree, before any backward
@@ -53,7 +57,7 @@ class NumericalGuard:
                 backend.accelerator.backward(loss)
         return True
 
-    def accumulating(self, model):
+    def accumulating(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context around the forward AND backward of a micro-batch that is not the step's
         last (`micro_backward(..., last=False)`), for a forward that leaves parameters
         unused: under DDP (several ranks, no DeepSpeed) `no_sync`, so that the forward does
@@ -65,7 +69,9 @@ class NumericalGuard:
             return backend.accelerator.no_sync(model)
         return contextlib.nullcontext()
 
-    def optimizer_step(self, model, optimizer, max_norms: list[float]) -> list[float] | None:
+    def optimizer_step(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norms: list[float]
+    ) -> list[float] | None:
         """Clip, step and zero gradients; returns the pre-clip gradient norm of each param
         group, or None when the guard skipped the step (see Runtime.optimizer_step)."""
         self._steps_seen += 1
@@ -92,7 +98,9 @@ class NumericalGuard:
         torch_optimizer.zero_grad(set_to_none=True)
         return norms
 
-    def _deepspeed_step(self, model, optimizer, groups: int) -> list[float] | None:
+    def _deepspeed_step(
+        self, model: DeepSpeedEngine, optimizer: torch.optim.Optimizer, groups: int
+    ) -> list[float] | None:
         """DeepSpeed clips (one global norm) and steps inside engine.step()."""
         if self._poisoned:
             self._skip(model, optimizer)
@@ -113,12 +121,12 @@ class NumericalGuard:
             )
         return [norm] * groups
 
-    def _skip(self, model, optimizer) -> None:
+    def _skip(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._discard_gradients(model, optimizer)
         self.skipped_steps += 1
         self.bad_steps_in_row += 1
 
-    def _discard_gradients(self, model, optimizer) -> None:
+    def _discard_gradients(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Drop the accumulated gradients of a skipped step (DeepSpeed: as its own fp16
         overflow handling does: zero_grad resets the micro-step so the next step's
         reduction overwrites the partitioned gradient buffers)."""
@@ -133,7 +141,7 @@ class NumericalGuard:
             optimizer.zero_grad(set_to_none=True)
 
 
-def _release_zero3_params(engine) -> None:
+def _release_zero3_params(engine: DeepSpeedEngine) -> None:
     """Wait for and re-partition every ZeRO-3 parameter a skipped step's forwards left
     gathered or in flight.
 
@@ -154,11 +162,11 @@ def _release_zero3_params(engine) -> None:
     engine.empty_partition_cache()
 
 
-def stepping_optimizer(optimizer):
+def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's wrapper, when stepping it directly is the
     same: without an fp16 loss scaler (and without XLA) the wrapper's step only adds
-    checks, two of them importlib look-ups on every call (~0.3 ms per step, 2% of a tiny
-    model's PPO update on CPU). One level only: the checkpoint code's
+    checks, two of them importlib look-ups on every call, a cost a tiny model's step
+    notices. One level only: the checkpoint code's
     `innermost_optimizer` (training_state.py) goes through every level instead."""
     if getattr(optimizer, "scaler", None) is not None:
         return optimizer
@@ -178,7 +186,7 @@ def _inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     return loss
 
 
-def _fp32_stage0_norm(engine) -> float:
+def _fp32_stage0_norm(engine: DeepSpeedEngine) -> float:
     """The global gradient norm of a DeepSpeed engine that will not report one (stage 0,
     fp32), else NaN (the engine reports its own). Grads are already reduced at the boundary."""
     if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() or engine.fp16_enabled():

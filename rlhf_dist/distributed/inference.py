@@ -12,7 +12,7 @@ import contextlib
 import functools
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ def prepare_frozen(
     placement: str = "auto",
     dtype: str = "float32",
     name: str = "frozen model",
-):
+) -> torch.nn.Module:
     """A frozen inference-only model (reference, reward model) for this backend.
 
     placement "auto": a full copy on every rank when it fits (`replicate_fits`), else,
@@ -77,7 +77,7 @@ REPLICATE_SHARE = 0.25
 def replicate_fits(backend: Backend, model: torch.nn.Module) -> bool:
     """Whether a full copy of `model` fits on every rank (REPLICATE_SHARE of its free
     memory). Partitioned, a frozen model is gathered layer by layer on every forward of
-    every rollout micro-batch: scoring cost 5-15x the replicated time under ZeRO-3. All
+    every rollout micro-batch: scoring costs several times the replicated time. All
     ranks agree (a partitioned engine needs every rank)."""
     return copy_fits(backend, _bytes(model))
 
@@ -103,8 +103,8 @@ def _free_bytes(backend: Backend) -> int:
 
 @contextlib.contextmanager
 def generation_context(
-    backend: Backend, model, submodule: str | None = None, gather: bool = True
-) -> Iterator:
+    backend: Backend, model: torch.nn.Module, submodule: str | None = None, gather: bool = True
+) -> Iterator[tuple[torch.nn.Module, Callable[[bool], bool] | None]]:
     """Yield (module, keep_in_step) for `engine.decode.generate`: `module` is the unwrapped
     model (or its `submodule`); keep_in_step is None, or (ranks in lock-step) a
     function from "this rank needs another forward" to "some rank does".
@@ -127,7 +127,9 @@ def generation_context(
             yield target, None
 
 
-def whole_weights_under_zero3(backend: Backend, model, enabled: bool = True):
+def whole_weights_under_zero3(
+    backend: Backend, model: torch.nn.Module, enabled: bool = True
+) -> contextlib.AbstractContextManager[None]:
     """Context: under ZeRO-3 (and `enabled`), every weight of trained `model` whole on
     every rank for the body, gathered in one collective, ZeRO-3's per-module hooks off
     (zero3.whole_weights); otherwise a no-op. Every rank enters together."""
@@ -137,10 +139,12 @@ def whole_weights_under_zero3(backend: Backend, model, enabled: bool = True):
 
 
 # Engine -> whether its training steps gather it whole (decided once per engine).
-_TRAINING_GATHER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TRAINING_GATHER: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
-def training_weights(backend: Backend, model, setting: str = "auto", name: str = "model"):
+def training_weights(
+    backend: Backend, model: torch.nn.Module, setting: str = "auto", name: str = "model"
+) -> contextlib.AbstractContextManager[None]:
     """Context for `model`'s training steps (forwards, backwards, optimizer steps), per
     perf.gather_for_training: under ZeRO-3, "always" gathers its weights whole
     once per optimizer step (zero3.py), "never" keeps ZeRO-3's per-layer fetching, and

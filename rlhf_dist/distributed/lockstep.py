@@ -2,8 +2,8 @@
 
 Each forward pass of a prepared model may be a collective: ZeRO-3 gathers every layer's
 weights in it, DDP broadcasts buffers. Ranks whose shares need different numbers of passes
-would leave the busiest one waiting for a pass that never comes (the hang of an SFT eval
-of 33 rows in micro-batches of 8 on 2 ranks: 3 passes on rank 0, 2 on rank 1). So every
+would leave the busiest one waiting for a pass that never comes (an SFT eval of 33 rows
+in micro-batches of 8 on 2 ranks: 3 passes on rank 0, 2 on rank 1). So every
 forward-only loop (evaluation of every stage, the reference precompute, the KTO reference
 point, scoring, `rlhf-dist eval`) goes through `lockstep_map`: every rank runs as many
 passes as the busiest one, throw-away passes on a filler chunk when it has run out of
@@ -12,7 +12,8 @@ rows (docs/architecture.md section 6). Uses only the Runtime's collectives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def strided_map(
     return [v for _, v in sorted(gathered, key=lambda pair: pair[0])]
 
 
-def _rows(out) -> list:
+def _rows(out: torch.Tensor | Iterable[Any]) -> list:
     """One plain value per row of a chunk's output (tensors moved to the CPU as lists)."""
     if isinstance(out, torch.Tensor):
         return out.detach().cpu().tolist()

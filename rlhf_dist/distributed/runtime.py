@@ -7,7 +7,8 @@ collectives.py, training_state.py, inference.py, trackers.py); the logic lives t
 from __future__ import annotations
 
 import contextlib
-from typing import TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -17,7 +18,12 @@ from rlhf_dist.distributed.backend import Backend, seed_everything
 from rlhf_dist.distributed.guard import NumericalGuard
 from rlhf_dist.distributed.sequence_parallel import sequence_group, sequence_parallel
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
 T = TypeVar("T")
+# What generation_context yields: (the module to generate with, keep_in_step or None).
+GenerationModule = tuple[torch.nn.Module, Callable[[bool], bool] | None]
 
 
 class Runtime:
@@ -44,7 +50,7 @@ class Runtime:
 
     # --------------------------------------------------------------- who and where
     @property
-    def accelerator(self):
+    def accelerator(self) -> Accelerator:
         return self.backend.accelerator
 
     @property
@@ -93,12 +99,21 @@ class Runtime:
         """Leave the process group together once the stage is done (collectives.close)."""
         collectives.close(self.backend)
 
-    def print(self, *args, **kwargs) -> None:
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on the main process only, flushed."""
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
     # ------------------------------------------------------------------- training
-    def prepare(self, model, optimizer, micro_batch_size, accumulation_steps, max_grad_norm, dtype):
+    def prepare(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro_batch_size: int,
+        accumulation_steps: int,
+        max_grad_norm: float,
+        dtype: str,
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Wrap a trainable model and its optimizer for this run's backend (Backend.prepare)."""
         return self.backend.prepare(
             model, optimizer, micro_batch_size, accumulation_steps, max_grad_norm, dtype
@@ -107,16 +122,18 @@ class Runtime:
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.backend.unwrap(model)
 
-    def micro_backward(self, model, loss: torch.Tensor, last: bool) -> bool:
+    def micro_backward(self, model: torch.nn.Module, loss: torch.Tensor, last: bool) -> bool:
         """Backward of one micro-batch, behind the numerical guard (guard.py)."""
         return self.guard.micro_backward(model, loss, last)
 
-    def accumulating(self, model):
+    def accumulating(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
         """Context for the forward and backward of a micro-batch that is not the step's
         last and may leave parameters unused (PPO-ptx's actor-only pass; guard.py)."""
         return self.guard.accumulating(model)
 
-    def optimizer_step(self, model, optimizer, max_norms: list[float]) -> list[float] | None:
+    def optimizer_step(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norms: list[float]
+    ) -> list[float] | None:
         """Clip, step and zero gradients; returns the pre-clip gradient norm of each param
         group, or None when the numerical guard skipped the step (non-finite loss on any
         rank, or without DeepSpeed a non-finite gradient): the step's gradients are discarded.
@@ -158,16 +175,22 @@ class Runtime:
         return sequence_parallel(self.sequence_group)
 
     # ------------------------------------------------- inference-only models
-    def generation_context(self, model, submodule: str | None = None, gather: bool = True):
+    def generation_context(
+        self, model: torch.nn.Module, submodule: str | None = None, gather: bool = True
+    ) -> contextlib.AbstractContextManager[GenerationModule]:
         """Yield (module, keep_in_step) for `engine.decode.generate` (inference.py)."""
         return inference.generation_context(self.backend, model, submodule, gather)
 
-    def whole_weights(self, model, enabled: bool = True):
+    def whole_weights(
+        self, model: torch.nn.Module, enabled: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
         """Context: under ZeRO-3, `model`'s weights whole on every rank (one gather, no
         per-layer fetching) for the body, e.g. a rollout's scoring (inference.py)."""
         return inference.whole_weights_under_zero3(self.backend, model, enabled)
 
-    def training_weights(self, model, setting: str = "auto", name: str = "model"):
+    def training_weights(
+        self, model: torch.nn.Module, setting: str = "auto", name: str = "model"
+    ) -> contextlib.AbstractContextManager[None]:
         """Context around `model`'s training steps: under ZeRO-3, per
         perf.gather_for_training, its weights gathered whole once per optimizer
         step instead of layer by layer in every forward and backward (inference.py)."""
@@ -179,12 +202,16 @@ class Runtime:
         return inference.local_loading()
 
     def prepare_frozen(
-        self, model: torch.nn.Module, placement="auto", dtype="float32", name="frozen model"
-    ):
+        self,
+        model: torch.nn.Module,
+        placement: str = "auto",
+        dtype: str = "float32",
+        name: str = "frozen model",
+    ) -> torch.nn.Module:
         """A frozen inference-only model (reference, reward model) for this backend."""
         return inference.prepare_frozen(self.backend, model, placement, dtype, name)
 
-    def autocast(self):
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
         """bf16 autocast when bf16 was asked for without DeepSpeed (fp32 weights, bf16
         compute; docs/distributed.md, precision); otherwise a no-op. Trainable models'
         prepared forwards run under it already; rollouts, which call the unwrapped
@@ -211,14 +238,19 @@ class Runtime:
         collectives.barrier(self.backend)
 
     # ------------------------------------------------------- full / consolidated state
-    def full_state_dict(self, model) -> dict | None:
+    def full_state_dict(self, model: torch.nn.Module) -> dict | None:
+        """The full state dict on the main process, None elsewhere (training_state.py)."""
         return training_state.full_state_dict(self.backend, model)
 
-    def gather_training_state(self, model, optimizer) -> dict | None:
+    def gather_training_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict | None:
         """World-size independent training state, on the main process (training_state.py)."""
         return training_state.gather_training_state(self.backend, model, optimizer)
 
-    def restore_optimizer_state(self, model, optimizer, state: dict) -> None:
+    def restore_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
         return training_state.restore_optimizer_state(self.backend, model, optimizer, state)
 
     # ------------------------------------------------------------------ trackers
@@ -228,7 +260,8 @@ class Runtime:
     def log_scalars(self, values: dict, step: int) -> None:
         experiment_trackers.log_scalars(self.backend, values, step)
 
-    def tracker(self, name: str):
+    def tracker(self, name: str) -> Any:
+        """The tracker object itself (a wandb run, a SummaryWriter; trackers.py)."""
         return experiment_trackers.tracker(self.backend, name)
 
     def finish_trackers(self) -> None:

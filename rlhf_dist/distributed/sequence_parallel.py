@@ -27,7 +27,7 @@ import contextvars
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ class SequenceGroup:
     rank: int
     group: object
 
-    def pool(self, items: list[T], device=None) -> list[tuple[int, T]]:
+    def pool(self, items: list[T], device: torch.device | str | None = None) -> list[tuple[int, T]]:
         """Every item of every rank of the group, as (owner's rank in the group, item),
         in rank order then each rank's own order: the same list on every rank of the
         group. Items are serialised by torch.save (any picklable structure of tensors)
@@ -60,7 +60,7 @@ class SequenceGroup:
         dist.all_gather_object(parts, buffer.getvalue(), group=self.group)
         # (a CPU rank's device may read "cpu:0", which torch.load does not take)
         where = None if device is None or torch.device(device).type == "cpu" else device
-        pooled = []
+        pooled: list[tuple[int, T]] = []
         for owner, part in enumerate(parts):
             if owner == self.rank:
                 pooled += [(owner, x) for x in items]
@@ -111,7 +111,7 @@ def active_group() -> SequenceGroup | None:
     return _ACTIVE.get()
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, group: object) -> torch.Tensor:
     """x (n, ...): block k goes to rank k of the group; returns (n, ...), block k from
     rank k."""
     x = x.contiguous()
@@ -125,12 +125,12 @@ class _AllToAll(torch.autograd.Function):
     inverse, so the gradient goes back by the same exchange."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: object) -> torch.Tensor:
         ctx.group = group
         return _all_to_all(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _all_to_all(grad, ctx.group), None
 
 
@@ -165,14 +165,14 @@ class _GatherColumns(torch.autograd.Function):
     loss is thus counted once per group, as without sequence parallelism."""
 
     @staticmethod
-    def forward(ctx, x, sg):
+    def forward(ctx: Any, x: torch.Tensor, sg: SequenceGroup) -> torch.Tensor:
         ctx.sg, ctx.width = sg, x.shape[1]
         parts = [torch.empty_like(x) for _ in range(sg.size)]
         dist.all_gather(parts, x.contiguous(), group=sg.group)
         return torch.cat(parts, dim=1)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.sg.group)
         grad /= ctx.sg.size

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rlhf_dist.distributed.backend import Backend
 
 
@@ -15,7 +17,7 @@ def log_scalars(backend: Backend, values: dict, step: int) -> None:
     backend.accelerator.log(values, step=step)
 
 
-def tracker(backend: Backend, name: str):
+def tracker(backend: Backend, name: str) -> Any:
     """The underlying tracker object (wandb run, TensorBoard SummaryWriter, trackio Run)."""
     return backend.accelerator.get_tracker(name, unwrap=True)
 

@@ -7,6 +7,7 @@ checkpoint written on N ranks resumes on M.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -14,13 +15,15 @@ import torch
 from rlhf_dist.distributed.backend import Backend
 
 
-def full_state_dict(backend: Backend, model) -> dict | None:
+def full_state_dict(backend: Backend, model: torch.nn.Module) -> dict | None:
     """The full (gathered, under ZeRO-3 16-bit) state dict on the main process."""
     state = backend.accelerator.get_state_dict(model)
     return state if backend.is_main else None
 
 
-def gather_training_state(backend: Backend, model, optimizer) -> dict | None:
+def gather_training_state(
+    backend: Backend, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict | None:
     """World-size independent training state, on the main process (None elsewhere).
 
     {"params": {name: fp32}, "exp_avg": {...}, "exp_avg_sq": {...}, "step": int} for
@@ -48,7 +51,9 @@ def gather_training_state(backend: Backend, model, optimizer) -> dict | None:
     return state if backend.is_main else None
 
 
-def restore_optimizer_state(backend: Backend, model, optimizer, state: dict) -> None:
+def restore_optimizer_state(
+    backend: Backend, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
     """Put `state` (from gather_training_state) into a prepared model's optimizer.
 
     The weights themselves must already be in the module before `prepare` (so every
@@ -74,7 +79,7 @@ def restore_optimizer_state(backend: Backend, model, optimizer, state: dict) -> 
             param_state["step"] = torch.full_like(param_state["step"], float(state["step"]))
 
 
-def innermost_optimizer(optimizer):
+def innermost_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's and DeepSpeed's wrappers (every level: under
     ZeRO, Accelerate's wrapper holds DeepSpeed's ZeRO optimizer, which holds the AdamW
     whose state the checkpoint reads and writes). guard.stepping_optimizer, for the step,
@@ -84,7 +89,7 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
-def _scatter_zero_state(backend: Backend, p, name: str, state: dict) -> None:
+def _scatter_zero_state(backend: Backend, p: torch.nn.Parameter, name: str, state: dict) -> None:
     """Set this rank's partition of a ZeRO-managed parameter's fp32 master and moments
     from the full tensors in `state` (each of p's full shape)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
@@ -95,7 +100,7 @@ def _scatter_zero_state(backend: Backend, p, name: str, state: dict) -> None:
             safe_set_full_optimizer_state(p, state[key][name].to(backend.device), key)
 
 
-def _zero_flat_partitions(optimizer) -> list:
+def _zero_flat_partitions(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """ZeRO-3's flat fp32 partitions (its torch optimizer sees them only during a step)."""
     while optimizer is not None:
         flat = getattr(optimizer, "fp32_partitioned_groups_flat", None)
@@ -105,7 +110,9 @@ def _zero_flat_partitions(optimizer) -> list:
     return []
 
 
-def _materialise_adam_state(inner, extra_params=()) -> None:
+def _materialise_adam_state(
+    inner: torch.optim.Optimizer, extra_params: Iterable[torch.Tensor] = ()
+) -> None:
     """Create zero Adam moments for every parameter (torch and ZeRO create them lazily at
     the first step), so that saved moments have somewhere to go before that step."""
     params = [p for group in inner.param_groups for p in group["params"]] + list(extra_params)
@@ -118,16 +125,18 @@ def _materialise_adam_state(inner, extra_params=()) -> None:
             }
 
 
-def _adam_step(inner) -> int:
+def _adam_step(inner: torch.optim.Optimizer) -> int:
+    """Adam's step count of `inner` (the largest of its parameters'; 0 before a step)."""
     steps = [int(s["step"]) for s in inner.state.values() if "step" in s]
     return max(steps, default=0)
 
 
-def _is_zero_partitioned(p) -> bool:
+def _is_zero_partitioned(p: torch.nn.Parameter) -> bool:
+    """Whether ZeRO manages `p` (stage 3: ds_id; stages 1-2: a high-precision mapping)."""
     return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
-def _full_zero_state(p) -> dict | None:
+def _full_zero_state(p: torch.nn.Parameter) -> dict | None:
     """Gathered fp32 weight and Adam moments of a ZeRO-managed parameter (collective)."""
     if not _is_zero_partitioned(p):
         return None

@@ -22,7 +22,7 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import TypeVar
 
@@ -82,7 +82,9 @@ class MemoryGrowth:
     its broadcast, is not. On CPU the resident set only grows where the body needs pages
     the process does not hold yet (memory freed earlier and reused does not count)."""
 
-    def __init__(self, device: torch.device, every_s: float = 0.005, read=None):
+    def __init__(
+        self, device: torch.device, every_s: float = 0.005, read: Callable[[], int] | None = None
+    ):
         self.read = read or (lambda: memory_in_use(device))
         self.every_s, self.peak_bytes = every_s, 0
         self._stop = threading.Event()
@@ -90,7 +92,7 @@ class MemoryGrowth:
     def __enter__(self) -> MemoryGrowth:
         start = self.read()
 
-        def sample():
+        def sample() -> None:
             while not self._stop.wait(self.every_s):
                 self.peak_bytes = max(self.peak_bytes, self.read() - start)
 
@@ -98,7 +100,7 @@ class MemoryGrowth:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
 

@@ -2,7 +2,7 @@
 
 Under ZeRO-3 every module all-gathers its parameters in a forward hook and releases them
 after its backward. A PPO micro-batch of a 24-layer actor and critic then runs ~60
-all-gathers and ~1,000 hook calls; on 2 CPU ranks that was 2.7 s of an 8.4 s update
+all-gathers and ~1,000 hook calls, a large share of an update on CPU ranks
 (docs/benchmarks.md). When one full copy of the weights fits, `whole_weights` gathers all
 of them in ONE coalesced collective (an all-gather; on CPU ranks an all-reduce,
 deepspeed_config.fill_gloo_zero3) and takes ZeRO-3's per-module fetch/release hooks off
@@ -28,17 +28,22 @@ import contextlib
 import itertools
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    import torch.distributed
+    from deepspeed import DeepSpeedEngine
+
 # Engines inside `whole_weights` now (nested uses of one engine are no-ops).
-_ACTIVE: weakref.WeakSet = weakref.WeakSet()
+_ACTIVE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # ids of the parameters of those engines (`stays_whole`).
 _WHOLE_IDS: set[int] = set()
 
 
-def is_whole(engine) -> bool:
+def is_whole(engine: torch.nn.Module) -> bool:
     """Whether `engine` is inside `whole_weights` (its weights whole, fetch hooks off)."""
     return engine in _ACTIVE
 
@@ -49,12 +54,12 @@ def stays_whole(param: torch.nn.Parameter) -> bool:
     (read inside the engine's forward: after an optimizer step the forward pre-hook
     gathers again). Under ZeRO-3's per-module fetching a weight is whole only while its
     module runs, so code that reads it directly (the chunked log-prob head,
-    models.head_logprobs) must call the module instead."""
+    engine.forward.head_logprobs) must call the module instead."""
     return not hasattr(param, "ds_id") or id(param) in _WHOLE_IDS
 
 
 @contextlib.contextmanager
-def whole_weights(engine) -> Iterator[None]:
+def whole_weights(engine: DeepSpeedEngine) -> Iterator[None]:
     """Run the body with every weight of ZeRO-3 `engine` whole on every rank.
 
     Entry gathers (collective: every rank enters together); after an optimizer step the
@@ -115,11 +120,11 @@ def gather(params: list[torch.nn.Parameter]) -> None:
         missing[0].all_gather_coalesced(missing).wait()
 
 
-def release(engine) -> None:
+def release(engine: DeepSpeedEngine) -> None:
     """Drop the whole copies of the weights of `engine` (inside `whole_weights`; no
     collective), as ZeRO-3's optimizer step first does itself: its release formats
-    debug strings for every parameter (~40 us each: 18 ms of every step of the deep CPU
-    benchmark). The partitions are untouched; the next forward gathers again."""
+    debug strings for every parameter, a cost paid on every step. The partitions are
+    untouched; the next forward gathers again."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 
     for p in engine.module.parameters():
@@ -127,18 +132,18 @@ def release(engine) -> None:
             free_param(p)
 
 
-def _releasable(p) -> bool:
+def _releasable(p: torch.nn.Parameter) -> bool:
     """A whole parameter whose partition is in memory (not on NVMe), in no module's use."""
     location = getattr(p.ds_tensor, "final_location", None)
     return p.ds_tensor is not None and location is None and not p.ds_active_sub_modules
 
 
-def _plain_linear():
+def _plain_linear() -> Callable[..., torch.Tensor]:
     """Put torch's own F.linear back for the body; returns what to restore afterwards.
 
     ZeRO-3 (memory_efficient_linear, on by default) replaces F.linear process-wide with
     an autograd Function that re-binds its arguments through inspect.signature on every
-    call: 34% of a rollout of the deep CPU benchmark. It exists so that weights released
+    call, a large share of a CPU rollout. It exists so that weights released
     between forward and backward can be fetched again; whole weights are never released
     mid-step, so torch's linear computes the same values without that cost.
     """
@@ -151,18 +156,18 @@ def _plain_linear():
     return current
 
 
-def whole_bytes(engine) -> int:
+def whole_bytes(engine: DeepSpeedEngine) -> int:
     """Bytes one full copy of the engine's weights takes (partitioned or not)."""
     return sum(p.ds_numel * p.element_size() for p in engine.module.parameters())
 
 
-def _parameter_offload(engine):
+def _parameter_offload(engine: DeepSpeedEngine) -> Any:
     """The object holding ZeRO-3's module hooks (DeepSpeedZeRoOffload)."""
     optimizer = engine.optimizer
     return getattr(optimizer, "parameter_offload", optimizer)
 
 
-def _remove_fetch_hooks(offload) -> None:
+def _remove_fetch_hooks(offload: Any) -> None:
     """Take off the per-module forward/backward hooks that fetch and release parameters
     (not the gradient-reduction hooks, which live on the parameters and the leaf modules,
     nor the start-of-forward trace reset)."""
@@ -178,9 +183,8 @@ def reduce_gradients_by_all_reduce() -> None:
     ZeRO-3 partitions every parameter on its own (rank r owns chunk r of each), so its
     `reduce_scatter_coalesced` copies a bucket's gradients into a rank-interleaved buffer
     before one reduce-scatter. On gloo that collective is several times slower than an
-    all-reduce of the same input (2 CPU ranks: 2.6 vs 1.0 ms at 412K fp32 elements,
-    16.7 vs 8.6 ms at 3.3M), and the interleaving copy cost another ~10 ms per step of the
-    deep CPU benchmark. An all-reduce leaves every chunk in place, so each gradient's
+    all-reduce of the same input, and the interleaving copy costs time on top of it.
+    An all-reduce leaves every chunk in place, so each gradient's
     partition is a view of the bucket. Same values: each gradient is divided by the world
     size first and then summed, as DeepSpeed does.
     """
@@ -191,7 +195,9 @@ def reduce_gradients_by_all_reduce() -> None:
         stage3.reduce_scatter_coalesced = _reduce_scatter_coalesced_by_all_reduce
 
 
-def _reduce_scatter_coalesced_by_all_reduce(tensors: list[torch.Tensor], group=None):
+def _reduce_scatter_coalesced_by_all_reduce(
+    tensors: list[torch.Tensor], group: torch.distributed.ProcessGroup | None = None
+) -> list[torch.Tensor]:
     """What DeepSpeed's `reduce_scatter_coalesced` returns: for each tensor, this rank's
     chunk (ceil(numel / world) elements; the last ranks' may be shorter or empty) of the
     mean over ranks. Tensors that tile one buffer (ZeRO-3's gradient bucket, in any order)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -18,15 +19,14 @@ from rlhf_dist.distributed.zero3 import stays_whole
 
 
 @contextlib.contextmanager
-def grouped_query_attention_on_cpu():
+def grouped_query_attention_on_cpu() -> Iterator[None]:
     """Inside: transformers' sdpa attention hands grouped-query K/V of CPU tensors to
     torch's scaled_dot_product_attention as they are (enable_gqa) instead of first copying
     every KV head num_key_value_groups times (its repeat_kv). transformers turns enable_gqa
     on only without an attention mask, because CUDA's fused kernels then fall back to the
     math one; CPU's flash kernel takes the mask and the grouped heads alike and returns the
-    same values bitwise. In a decode step the copy is of the whole KV cache, every layer:
-    SmolLM2 (3 KV heads for 9) at 16 rows spends ~1 ms a layer on it, ~3x its attention.
-    Process-wide while inside; a no-op where transformers lacks the hook."""
+    same values bitwise. In a decode step the copy is of the whole KV cache, every layer,
+    and costs more than the attention itself. Process-wide while inside; a no-op where transformers lacks the hook."""
     from transformers.integrations import sdpa_attention
 
     original = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
@@ -34,7 +34,9 @@ def grouped_query_attention_on_cpu():
         yield
         return
 
-    def use_gqa(attention_mask, key, value):
+    def use_gqa(
+        attention_mask: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor
+    ) -> bool:
         return key.device.type == "cpu" or original(attention_mask, key, value)
 
     sdpa_attention.use_gqa_in_sdpa = use_gqa
@@ -51,15 +53,13 @@ PACK_LIMIT_BYTES = 2 * 2**30
 
 
 @contextlib.contextmanager
-def packed_linears(model, rows: int):
+def packed_linears(model: torch.nn.Module, rows: int) -> Iterator[None]:
     """Inside: every plain fp32 `nn.Linear` of `model` whose weight is a whole CPU tensor
     computes its products from a copy of the weight that MKL packed once for `rows`-row
     inputs (cblas_sgemm_pack, torch.ops.mkl), instead of MKL packing the weight again in
     every call. A decode step feeds each linear the B rows of the micro-batch, so that
-    repacking streamed every weight through memory twice per token: SmolLM2 at B = 16 on
-    the 2-core AMX VM, the linears of 48 decode steps 2.7 s -> 1.9-2.1 s, a whole generate
-    4.14 s (plain) / 4.40 s (W x^T products, what this replaced) -> 3.75 s with the
-    packing, the same tokens (docs/benchmarks.md). MKL computes a packed product with the
+    repacking streamed every weight through memory twice per token (docs/benchmarks.md,
+    "Decode linears from MKL-packed weights"). MKL computes a packed product with the
     same kernels: the same bits as F.linear, for `rows` rows and for any other row count
     (which it runs unpacked). No autograd: `generate` only (no grad). Left as they are:
     other dtypes, fp32 weights under CPU autocast (mixed precision: the products run in
@@ -78,23 +78,29 @@ def packed_linears(model, rows: int):
             del m.forward
 
 
-def _packable_linears(model) -> list[torch.nn.Linear]:
+def _packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """`packed_linears`' modules: plain fp32 CPU linears with whole weights, or none."""
     if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
         return []
     if torch.is_autocast_enabled("cpu"):
         return []
     linears = [
-        m for m in model.modules()
-        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"
-        and m.weight.dtype == torch.float32 and stays_whole(m.weight)
-        and m.weight.dim() == 2 and m.weight.numel() > 0
-    ]  # fmt: skip
+        m
+        for m in model.modules()
+        if type(m) is torch.nn.Linear
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+        and stays_whole(m.weight)
+        and m.weight.dim() == 2
+        and m.weight.numel() > 0
+    ]
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     return linears if size <= PACK_LIMIT_BYTES else []
 
 
-def _packed_forward(linear: torch.nn.Linear, packed, rows: int, x: torch.Tensor):
+def _packed_forward(
+    linear: torch.nn.Linear, packed: torch.Tensor, rows: int, x: torch.Tensor
+) -> torch.Tensor:
     """linear(x) for x (..., in) from the packed weight: (..., out), contiguous."""
     if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
         # MKL's packed product is fp32 x fp32 only; autocast's is the module's own
@@ -115,11 +121,10 @@ def retain_freed_host_memory() -> bool:
     with its own mmap and unmaps it on free, and trims the heap's free top: a (C, V) logits
     chunk, an activation or a gradient of a real model then arrives as fresh pages, and
     the kernel zero-fills each 4 KiB page on its first touch. On CPU that page-fault work
-    was ~2 s of a ~7.5 s SmolLM2 GRPO update, and ~0.6 s of ~4.0 s once the head's chunks
-    shared a workspace (docs/benchmarks.md). With mmap off and the trim threshold at its
+    is a large share of an update (docs/benchmarks.md, "Retained host memory"). With mmap off and the trim threshold at its
     maximum (mallopt takes a C int: 2 GiB), blocks come from the heap and freed ones are
     reused: the resident size stays at its peak instead of falling back, and fragmentation
-    can raise that peak (measured: 1.53 -> 1.56 GiB on the 151,936-vocabulary probe).
+    can raise that peak a little.
     PyTorch's own advice for CPU is a caching allocator (jemalloc/tcmalloc preloaded);
     this needs no preload.
     Returns whether it applied (False off glibc, e.g. macOS or musl)."""
@@ -139,7 +144,7 @@ def _glibc_version() -> str:
         return ""
 
 
-def decode_context(model, rows: int, perf: PerfConfig) -> contextlib.ExitStack:
+def decode_context(model: torch.nn.Module, rows: int, perf: PerfConfig) -> contextlib.ExitStack:
     """The CPU speed paths of a decode loop over `model` with `rows`-row batches: packed
     linear weights (perf.packed_linears) and uncopied grouped KV heads
     (perf.grouped_kv_attention); each is a no-op where it does not apply (not CPU, not
@@ -151,7 +156,7 @@ def decode_context(model, rows: int, perf: PerfConfig) -> contextlib.ExitStack:
     return stack
 
 
-def scoring_context(perf: PerfConfig):
+def scoring_context(perf: PerfConfig) -> contextlib.AbstractContextManager[None]:
     """The CPU speed path of forwards without gradients (rollout scoring): uncopied
     grouped KV heads (perf.grouped_kv_attention), else nothing."""
     if perf.grouped_kv_attention:

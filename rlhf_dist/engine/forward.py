@@ -3,15 +3,16 @@ causal LM, the one function every stage scores tokens with (`token_logprobs`).
 
 How it runs fast, each behind a perf switch: the output head in chunks, logits
 recomputed in backward, so no (B, T, V) tensor exists (perf.logprob_chunk_tokens;
-algo.logprobs_from_hidden); padding-free packed rows (perf.packed_sequences, `packing`);
-and each distinct prompt of a rollout run once with its KV cache indexed out to the rows
-that share it (perf.shared_prompt_forward; GRPO's n samples of a prompt).
+algo.logprobs.logprobs_from_hidden); padding-free packed rows (perf.packed_sequences,
+`packing`); and each distinct prompt of a rollout run once with its KV cache indexed out
+to the rows that share it (perf.shared_prompt_forward; GRPO's n samples of a prompt).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,11 @@ from rlhf_dist.errors import ConfigError
 
 # The speed paths of a caller that was given no config: perf's defaults.
 DEFAULT_PERF = PerfConfig()
+# A per-token term computed from the student's final hidden states, divergence(lm, hidden
+# (N, H)) -> (N,), with lm the transformers model inside it (`token_forward`).
+Divergence = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+# What a model does to its head's output before returning logits (`_logit_postprocessing`).
+LogitPost = Callable[[torch.Tensor], torch.Tensor]
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -49,7 +55,7 @@ def causal_lm(model: nn.Module) -> nn.Module:
 
 
 def token_logprobs(
-    model,
+    model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     predict_mask: torch.Tensor,
@@ -75,17 +81,29 @@ def token_logprobs(
     same values within the tolerances tests/unit/test_unit_perf_switches.py states.
     """
     lp, entropy, _ = token_forward(
-        model, input_ids, attention_mask, predict_mask, temperature, with_entropy,
-        prompt_width, perf,
-    )  # fmt: skip
+        model,
+        input_ids,
+        attention_mask,
+        predict_mask,
+        temperature,
+        with_entropy,
+        prompt_width,
+        perf,
+    )
     return lp, entropy
 
 
 def token_forward(
-    model, input_ids, attention_mask, predict_mask, temperature: float = 1.0,
-    with_entropy: bool = False, prompt_width: int | None = None,
-    perf: PerfConfig = DEFAULT_PERF, divergence=None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predict_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    prompt_width: int | None = None,
+    perf: PerfConfig = DEFAULT_PERF,
+    divergence: Divergence | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`token_logprobs` (arguments alike), and with `divergence` a third output: a per-token
     term (B, T) computed in the same forward from the final hidden states of the scored
     positions, divergence(lm, hidden (N, H)) -> (N,) with N = predict_mask.sum() and lm the
@@ -96,21 +114,36 @@ def token_forward(
     if hasattr(model, "scoring_model"):
         with model.scoring_model() as inner:
             return token_forward(
-                inner, input_ids, attention_mask, predict_mask, temperature, with_entropy,
-                prompt_width, perf, divergence,
-            )  # fmt: skip
+                inner,
+                input_ids,
+                attention_mask,
+                predict_mask,
+                temperature,
+                with_entropy,
+                prompt_width,
+                perf,
+                divergence,
+            )
     predict_mask, lm = predict_mask.bool(), causal_lm(model)
     group = active_group()
     if group is not None:  # a pooled micro-batch, 1/n of its columns here (sequence_parallel)
         if divergence is not None:
             raise ConfigError(f"{SP_KEY}: on-policy distillation's gjsd loss is not supported")
         lp, entropy = sequence_parallel_logprobs(
-            model, lm, input_ids, attention_mask, predict_mask, temperature, with_entropy,
-            perf, group, head_logprobs,
-        )  # fmt: skip
+            model,
+            lm,
+            input_ids,
+            attention_mask,
+            predict_mask,
+            temperature,
+            with_entropy,
+            perf,
+            group,
+            head_logprobs,
+        )
         return lp, entropy, None
-    hidden, tokens = _scored_states(model, lm, input_ids, attention_mask, predict_mask.shape[1],
-                                    prompt_width, perf)  # fmt: skip
+    T = predict_mask.shape[1]
+    hidden, tokens = _scored_states(model, lm, input_ids, attention_mask, T, prompt_width, perf)
     selected = predict_mask
     if not bool(predict_mask.any()):
         # Nothing to score (e.g. a micro-batch whose rows ppo.overlong=mask left out): score
@@ -119,9 +152,8 @@ def token_forward(
         hidden, tokens = hidden[:1, -1:], tokens[:1, -1:]
         selected = torch.ones_like(tokens, dtype=torch.bool)
     lp, entropy = head_logprobs(
-        lm, hidden[selected], tokens[selected], temperature, perf.logprob_chunk_tokens,
-        with_entropy,
-    )  # fmt: skip
+        lm, hidden[selected], tokens[selected], temperature, perf.logprob_chunk_tokens, with_entropy
+    )
     zeros = torch.zeros(predict_mask.shape, dtype=lp.dtype, device=lp.device)
     if selected is not predict_mask:
         anchor = 0.0 * lp.sum()
@@ -135,7 +167,15 @@ def token_forward(
     return lp, None if entropy is None else zeros.masked_scatter(predict_mask, entropy), div
 
 
-def _scored_states(model, lm, input_ids, attention_mask, T: int, prompt_width, perf):
+def _scored_states(
+    model: nn.Module,
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    T: int,
+    prompt_width: int | None,
+    perf: PerfConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(final hidden states (B, T, H) of the positions that predict the last T tokens,
     those tokens (B, T)) from one forward of `model` (`final_hidden_states`)."""
     L = input_ids.shape[1]
@@ -152,22 +192,25 @@ class TeacherStates:
     hidden: torch.Tensor
     weight: torch.Tensor
     bias: torch.Tensor | None
-    post: Callable | None
+    post: LogitPost | None
 
 
 @torch.no_grad()
 def teacher_states(
-    teacher, input_ids, attention_mask, predict_mask, prompt_width=None,
+    teacher: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predict_mask: torch.Tensor,
+    prompt_width: int | None = None,
     perf: PerfConfig = DEFAULT_PERF,
-) -> TeacherStates:  # fmt: skip
+) -> TeacherStates:
     """The TeacherStates of frozen `teacher` at the N = predict_mask.sum() positions
     `token_logprobs` would score, in the same order; arguments as `token_logprobs`. Under
     ZeRO-3 with the teacher partitioned this is two collectives (its forward, and its head
     gathered once by zero3.whole_tensors): every rank calls it once per micro-batch, also
     one without a scored position."""
-    lm = causal_lm(teacher)
-    hidden, _ = _scored_states(teacher, lm, input_ids, attention_mask, predict_mask.shape[1],
-                               prompt_width, perf)  # fmt: skip
+    lm, T = causal_lm(teacher), predict_mask.shape[1]
+    hidden, _ = _scored_states(teacher, lm, input_ids, attention_mask, T, prompt_width, perf)
     head = lm.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise TypeError(
@@ -179,7 +222,12 @@ def teacher_states(
 
 
 def final_hidden_states(
-    model, lm, input_ids, attention_mask, prompt_width=None, perf: PerfConfig = DEFAULT_PERF
+    model: nn.Module,
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int | None = None,
+    perf: PerfConfig = DEFAULT_PERF,
 ) -> torch.Tensor:
     """The backbone's last hidden states (B, L, H) of `lm` (the transformers model inside
     `model`), from a forward of `model` itself: DeepSpeed's, DDP's and peft's forward
@@ -188,25 +236,26 @@ def final_hidden_states(
     and the states come back in the padded layout, 0 at padding. Otherwise, given a
     prompt_width and perf.shared_prompt_forward, the prompt columns run once per
     distinct prompt (`_shared_prompt_forward`)."""
-    seen = []
+    seen: list[torch.Tensor] = []
     backbone = getattr(lm, lm.base_model_prefix)
     layout = packing.packing_layout(lm, attention_mask, perf.packed_sequences)
     shared = layout is None and prompt_width is not None and shares_prompts(lm, perf)
 
-    def keep(module, args, output):
+    def keep(module: nn.Module, args: tuple, output: Any) -> None:
         seen.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
     handle = backbone.register_forward_hook(keep)
     try:
         if shared:
+            assert prompt_width is not None  # `shared` says so
             inverse = _shared_prompt_forward(model, input_ids, attention_mask, prompt_width)
             return torch.cat([seen[0].index_select(0, inverse), seen[1]], dim=1)
         model(
             **packing.backbone_inputs(input_ids, attention_mask, layout),
             logits_to_keep=1,
             # A whole-sequence forward needs no KV cache; transformers would otherwise
-            # build one on every call (use_cache defaults to True in most configs):
-            # ~5% of a tiny model's training step, and memory on large ones.
+            # build one on every call (use_cache defaults to True in most configs), which
+            # costs time on a small model and memory on a large one.
             use_cache=False,
         )
     finally:
@@ -214,7 +263,7 @@ def final_hidden_states(
     return seen[-1] if layout is None else unpack_tokens(seen[-1], layout[1])
 
 
-def shares_prompts(lm, perf: PerfConfig) -> bool:
+def shares_prompts(lm: nn.Module, perf: PerfConfig) -> bool:
     """Whether rollout forwards of transformers model `lm` run each distinct prompt once:
     perf.shared_prompt_forward, no gradient checkpointing (transformers turns the KV
     cache off under it in training) and, when gradients are recorded, no ZeRO-3
@@ -230,7 +279,9 @@ def shares_prompts(lm, perf: PerfConfig) -> bool:
     return not (torch.is_grad_enabled() and first is not None and hasattr(first, "ds_id"))
 
 
-def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Tensor:
+def _shared_prompt_forward(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, P: int
+) -> torch.Tensor:
     """Two forwards of `model` (algo/prefix.py): the U distinct prompts (U, P) with a KV
     cache, the cache indexed out to all B rows, then the B responses (B, L - P) on it.
     Always two, also when every prompt is distinct (U == B), so that the count does not
@@ -238,14 +289,19 @@ def _shared_prompt_forward(model, input_ids, attention_mask, P: int) -> torch.Te
     The backbone hook sees (U, P, H) and then (B, L - P, H)."""
     _, cache, inverse = prompt_cache(model, input_ids[:, :P], attention_mask[:, :P], True)
     model(
-        input_ids=input_ids[:, P:], attention_mask=attention_mask,
-        position_ids=packing.position_ids_from(attention_mask)[:, P:], use_cache=True,
-        logits_to_keep=1, **cache,
-    )  # fmt: skip
+        input_ids=input_ids[:, P:],
+        attention_mask=attention_mask,
+        position_ids=packing.position_ids_from(attention_mask)[:, P:],
+        use_cache=True,
+        logits_to_keep=1,
+        **cache,
+    )
     return inverse
 
 
-def prompt_cache(model, prompt_ids, prompt_mask, share: bool):
+def prompt_cache(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share: bool
+) -> tuple[Any, dict[str, Any], torch.Tensor | None]:
     """The prompt forward of left-padded prompts (B, P) with a KV cache, the model's head
     on the last position only. With `share` it runs over the distinct rows only
     (algo/prefix.py `unique_prompts`) and the cache is indexed out to the B rows
@@ -253,19 +309,25 @@ def prompt_cache(model, prompt_ids, prompt_mask, share: bool):
     Returns (the forward's output: U rows when shared, else B; the cache as `cache_of`
     gives it, B rows; inverse (B,): row b's prompt is output row inverse[b], None when
     not shared)."""
-    ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask) if share else (
-        prompt_ids, prompt_mask, None)  # fmt: skip
+    inverse: torch.Tensor | None = None
+    if share:
+        ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
+    else:
+        ids, mask = prompt_ids, prompt_mask
     out = model(
-        input_ids=ids, attention_mask=mask, position_ids=packing.position_ids_from(mask),
-        use_cache=True, logits_to_keep=1,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=packing.position_ids_from(mask),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     cache = cache_of(out)
     if inverse is not None:
         next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
     return out, cache, inverse
 
 
-def cache_of(output) -> dict:
+def cache_of(output: Mapping[str, Any]) -> dict[str, Any]:
     """The KV cache a model output carries, under the keyword the model takes it back by
     (`cache` since transformers 5.2x, `past_key_values` before)."""
     if "cache" in output:
@@ -273,7 +335,14 @@ def cache_of(output) -> dict:
     return {"past_key_values": output["past_key_values"]}
 
 
-def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, with_entropy: bool):
+def head_logprobs(
+    lm: nn.Module,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N,) of `tokens` (N,) given final hidden states (N, H), through the output
     head of transformers model `lm`, chunk by chunk; entropies (N,) or None.
 
@@ -281,8 +350,9 @@ def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, wit
     logits at once, under plain autograd.
 
     A plain linear head (tied embeddings alike) whose weights stay whole through the
-    backward (no ZeRO-3, or inside `whole_weights`) goes to `algo.logprobs_from_hidden`,
-    which recomputes each chunk's logits in backward. Any other head (peft's LoRA or
+    backward (no ZeRO-3, or inside `whole_weights`) goes to algo.logprobs'
+    `logprobs_from_hidden`, which recomputes each chunk's logits in backward. Any other
+    head (peft's LoRA or
     modules_to_save wrapper, a ZeRO-3 weight fetched per module, logits post-processed by
     the model) is called as a module per chunk, under activation checkpointing when
     gradients are recorded: the same memory bound, and ZeRO-3's hooks fetch the weight
@@ -296,7 +366,7 @@ def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, wit
             hidden, head.weight, tokens, head.bias, temperature, chunk_tokens, with_entropy
         )
 
-    def chunk(h, t):
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = head(h)
         return logprobs_and_entropy(logits if post is None else post(logits), t, temperature)
 
@@ -307,17 +377,24 @@ def head_logprobs(lm, hidden, tokens, temperature: float, chunk_tokens: int, wit
     grads = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in head.parameters())
     )
-    parts = []
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[start : start + chunk_tokens], tokens[start : start + chunk_tokens]
         parts.append(checkpoint(chunk, h, t, use_reentrant=False) if grads else chunk(h, t))
     if not parts:  # no token to score
-        parts = [(hidden.new_zeros(0, dtype=torch.float32),) * 2]
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        parts = [(empty, empty)]
     lp = torch.cat([p[0] for p in parts])
     return lp, torch.cat([p[1] for p in parts]) if with_entropy else None
 
 
-def chunked_divergence(lm, hidden, teacher: TeacherStates, divergence, chunk_tokens: int):
+def chunked_divergence(
+    lm: nn.Module,
+    hidden: torch.Tensor,
+    teacher: TeacherStates,
+    divergence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    chunk_tokens: int,
+) -> torch.Tensor:
     """A per-token divergence (N,) between the student's next-token distributions at its
     final hidden states `hidden` (N, H), with gradient, and the teacher's (`teacher_states`
     of the same positions), without: divergence(logits (C, V), teacher_logits (C, V)) ->
@@ -336,7 +413,7 @@ def chunked_divergence(lm, hidden, teacher: TeacherStates, divergence, chunk_tok
         hidden.requires_grad or any(p.requires_grad for p in head.parameters())
     )
 
-    def chunk(h, th):
+    def chunk(h: torch.Tensor, th: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             t = F.linear(th.to(teacher.weight.dtype), teacher.weight, teacher.bias)
             t = t if teacher.post is None else teacher.post(t)
@@ -345,7 +422,8 @@ def chunked_divergence(lm, hidden, teacher: TeacherStates, divergence, chunk_tok
         v = min(s.shape[-1], t.shape[-1])
         return divergence(s[:, :v], t[:, :v])
 
-    parts, step = [], chunk_tokens or max(hidden.shape[0], 1)
+    parts: list[torch.Tensor] = []
+    step = chunk_tokens or max(hidden.shape[0], 1)
     for start in range(0, hidden.shape[0], step):
         h, th = hidden[start : start + step], teacher.hidden[start : start + step]
         parts.append(checkpoint(chunk, h, th, use_reentrant=False) if grads else chunk(h, th))
@@ -354,7 +432,7 @@ def chunked_divergence(lm, hidden, teacher: TeacherStates, divergence, chunk_tok
     return torch.cat(parts)
 
 
-def _logit_postprocessing(config):
+def _logit_postprocessing(config: Any) -> LogitPost | None:
     """What a model does to its head's output before returning logits, or None: Cohere's
     `logit_scale` (a product), Gemma 2/3's `final_logit_softcapping` (cap * tanh(z / cap))."""
     scale = getattr(config, "logit_scale", None)
@@ -362,7 +440,7 @@ def _logit_postprocessing(config):
     if scale in (None, 1.0) and cap is None:
         return None
 
-    def post(logits):
+    def post(logits: torch.Tensor) -> torch.Tensor:
         logits = logits if scale in (None, 1.0) else logits * scale
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

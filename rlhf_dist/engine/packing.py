@@ -13,8 +13,11 @@ from torch import nn
 from rlhf_dist.algo.packing import pack_tokens, packed_layout
 from rlhf_dist.errors import ConfigError
 
+# (gather, scatter, position_ids) of packed rows: algo.packing.packed_layout's.
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-def packing_layout(lm, attention_mask: torch.Tensor, packed: bool):
+
+def packing_layout(lm: nn.Module, attention_mask: torch.Tensor, packed: bool) -> Layout | None:
     """`algo.packing.packed_layout` of a batch for transformers model `lm` when `packed`
     (perf.packed_sequences; `check_packable` refuses a backbone that cannot take packed
     rows), else None (also when no row has a real token).
@@ -36,7 +39,9 @@ def packing_layout(lm, attention_mask: torch.Tensor, packed: bool):
     return None if layout[0].shape[0] == 0 else layout
 
 
-def backbone_inputs(input_ids, attention_mask, layout) -> dict:
+def backbone_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: Layout | None
+) -> dict[str, torch.Tensor | None]:
     """A whole-sequence forward's inputs: padded, positions counting real tokens; or
     packed by `layout` (packing_layout's), no attention mask, positions per sequence."""
     if layout is None:

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from rlhf_dist.algo.packing import pack_tokens, unpack_tokens
 from rlhf_dist.config import PerfConfig
@@ -36,10 +39,25 @@ from rlhf_dist.planning.start import check_sequence_parallel_heads
 
 ATTENTION = "rlhf_dist_ulysses"  # the name registered in transformers' AttentionInterface
 KEY = "distributed.sequence_parallel_size"
+# engine.forward.head_logprobs(lm, hidden (N, H), tokens (N,), temperature, chunk_tokens,
+# with_entropy) -> (log-probs (N,), entropies (N,) or None), passed in: engine.forward
+# imports this module.
+HeadLogprobs = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, float, int, bool],
+    tuple[torch.Tensor, torch.Tensor | None],
+]
 
 
-def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                      **kwargs):  # fmt: skip
+def ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function (AttentionInterface) under `sequence_parallel`:
     query (B, h, S, d), key/value (B, h_kv, S, d) of this rank's S = W/n positions, already
     rotated; attention_mask (B, 1, W, W) bool, True = may attend (`_row_mask`), or None:
@@ -61,9 +79,15 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     # GQA: local query head j uses local KV head j // groups (both blocks are contiguous),
     # which sdpa's enable_gqa does without keeping expanded copies for backward.
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        is_causal=attention_mask is None, enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=attention_mask is None,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return gather_heads(out, sg).transpose(1, 2).contiguous(), None
 
 
@@ -74,7 +98,7 @@ _SWITCHED: contextvars.ContextVar[object | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def ulysses_attention_on(lm):
+def ulysses_attention_on(lm: nn.Module) -> Iterator[None]:
     """Transformers model `lm` attends through `ulysses_attention` inside; its own
     implementation again afterwards (generation never sees the exchange)."""
     from transformers import AttentionInterface
@@ -86,7 +110,9 @@ def ulysses_attention_on(lm):
 
 
 @contextlib.contextmanager
-def _attention_switched(config):
+def _attention_switched(config: Any) -> Iterator[None]:
+    """The model of `config` attends through ulysses_attention inside (its config names
+    the implementation transformers looks up on every forward)."""
     before = config._attn_implementation
     config._attn_implementation = ATTENTION
     token = _SWITCHED.set(config)
@@ -97,7 +123,9 @@ def _attention_switched(config):
         config._attn_implementation = before
 
 
-def checkpoint_contexts():
+def checkpoint_contexts() -> tuple[
+    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+]:
     """`context_fn` of torch.utils.checkpoint (non-reentrant; models/loading.py): gradient
     checkpointing recomputes a layer's forward during backward, after `sequence_parallel`
     and `ulysses_attention_on` have exited, so the recomputation would attend over this
@@ -112,12 +140,12 @@ def checkpoint_contexts():
 
 
 @contextlib.contextmanager
-def _recompute_under(group: SequenceGroup, config):
+def _recompute_under(group: SequenceGroup, config: Any) -> Iterator[None]:
     with sequence_parallel(group), _attention_switched(config):
         yield
 
 
-def check_heads(config, size: int) -> None:
+def check_heads(config: Any, size: int) -> None:
     """The loaded model's attention heads against the group size (planning's check, the
     one line naming the key). Key/value heads that it does not divide are copied per
     query head first (`ulysses_attention`)."""
@@ -142,7 +170,14 @@ class SequenceRows:
     scatter: torch.Tensor | None
 
 
-def sequence_rows(lm, input_ids, attention_mask, predict_mask, perf: PerfConfig, n: int):
+def sequence_rows(
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predict_mask: torch.Tensor,
+    perf: PerfConfig,
+    n: int,
+) -> SequenceRows:
     """`SequenceRows` of a batch (B, L) whose last T = predict_mask.shape[1] tokens are
     scored (token_forward's arguments): padded, or packed with perf.packed_sequences."""
     B, L = input_ids.shape
@@ -201,9 +236,17 @@ def _row_mask(positions: torch.Tensor, key_real: torch.Tensor | None) -> torch.T
 
 
 def sequence_parallel_logprobs(
-    model, lm, input_ids, attention_mask, predict_mask, temperature: float, with_entropy: bool,
-    perf: PerfConfig, sg: SequenceGroup, head_logprobs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    model: nn.Module,
+    lm: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predict_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    perf: PerfConfig,
+    sg: SequenceGroup,
+    head_logprobs: HeadLogprobs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_forward's (log-probs (B, T), entropies (B, T) or None) of a pooled
     micro-batch, this rank running columns [r*S, (r+1)*S) of every row; the same tensors,
     with gradient, on every rank of the group. head_logprobs: engine.forward's."""
@@ -220,9 +263,13 @@ def sequence_parallel_logprobs(
         selected = torch.zeros_like(selected)
         selected[0, 0] = True
     lp, entropy = head_logprobs(
-        lm, hidden[selected], rows.targets[:, cols][selected], temperature,
-        perf.logprob_chunk_tokens, with_entropy,
-    )  # fmt: skip
+        lm,
+        hidden[selected],
+        rows.targets[:, cols][selected],
+        temperature,
+        perf.logprob_chunk_tokens,
+        with_entropy,
+    )
     outs: list[torch.Tensor | None] = []
     for values in (lp, entropy):
         if values is None:
@@ -235,10 +282,10 @@ def sequence_parallel_logprobs(
     return outs[0], outs[1]
 
 
-def _slice_hidden(model, lm, rows: SequenceRows, cols: slice) -> torch.Tensor:
+def _slice_hidden(model: nn.Module, lm: nn.Module, rows: SequenceRows, cols: slice) -> torch.Tensor:
     """The backbone's last hidden states (R, S, H) of columns `cols` of the rows, from a
     forward of `model` itself (engine.forward.final_hidden_states' hook)."""
-    seen = []
+    seen: list[torch.Tensor] = []
     backbone = getattr(lm, lm.base_model_prefix)
     handle = backbone.register_forward_hook(
         lambda module, args, output: seen.append(
@@ -248,15 +295,20 @@ def _slice_hidden(model, lm, rows: SequenceRows, cols: slice) -> torch.Tensor:
     try:
         with ulysses_attention_on(lm):
             model(
-                input_ids=rows.ids[:, cols], attention_mask=rows.mask,
-                position_ids=rows.positions[:, cols], logits_to_keep=1, use_cache=False,
-            )  # fmt: skip
+                input_ids=rows.ids[:, cols],
+                attention_mask=rows.mask,
+                position_ids=rows.positions[:, cols],
+                logits_to_keep=1,
+                use_cache=False,
+            )
     finally:
         handle.remove()
     return seen[-1]
 
 
-def _padded_columns(whole, rows: SequenceRows, L: int, predict_mask) -> torch.Tensor:
+def _padded_columns(
+    whole: torch.Tensor, rows: SequenceRows, L: int, predict_mask: torch.Tensor
+) -> torch.Tensor:
     """Per-position values (R, W) of the rows -> (B, T) at the positions that predict the
     last T tokens of the padded batch (B, L); 0 outside predict_mask (never scored)."""
     T = predict_mask.shape[1]

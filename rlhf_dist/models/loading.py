@@ -9,6 +9,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from rlhf_dist.config.paths import missing_model
 from rlhf_dist.data.chat import chat_for, stop_token_ids
 from rlhf_dist.engine.sequence_parallel import checkpoint_contexts
 from rlhf_dist.errors import ConfigError
+
+if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -40,9 +44,9 @@ def quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def _load_kwargs(source, dtype: str) -> dict:
+def _load_kwargs(source: ModelConfig | None, dtype: str) -> dict:
     """from_pretrained arguments; `source` is the run's ModelConfig (None: safe defaults)."""
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "trust_remote_code": bool(getattr(source, "trust_remote_code", False)),
         "use_safetensors": True if getattr(source, "safetensors_only", True) else None,
         "dtype": DTYPES[dtype],
@@ -53,7 +57,7 @@ def _load_kwargs(source, dtype: str) -> dict:
     return kwargs
 
 
-def _from_pretrained(loader, path: str, key: str, **kwargs):
+def _from_pretrained(loader: Any, path: str, key: str, **kwargs: Any) -> Any:
     """`loader.from_pretrained(path)`, with a missing or unreadable model as a ConfigError."""
     if not path:
         raise ConfigError(f"{key}: no model path given")
@@ -68,7 +72,9 @@ def _from_pretrained(loader, path: str, key: str, **kwargs):
         raise ConfigError(f"{key}: cannot load {path!r}: {first}") from None
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model.tokenizer"):
+def load_tokenizer(
+    path: str, trust_remote_code: bool = False, key: str = "model.tokenizer"
+) -> PreTrainedTokenizerBase:
     """The tokenizer at `path` as it ships: PAD distinct from EOS (Qwen2.5), PAD == EOS
     (SmolLM2) and no PAD at all (Llama-3, Mistral) all load (docs/data.md, padding).
 
@@ -76,7 +82,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
     real, and no code finds EOS or a sequence's end by comparing ids with the PAD id. A
     tokenizer without PAD pads with its EOS id (already in the vocabulary: embeddings are
     never resized), said once; exports save the tokenizer without it again
-    (`chat.export_tokenizer`).
+    (`data.chat.export_tokenizer`).
     """
     from transformers import AutoTokenizer
 
@@ -85,7 +91,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, key: str = "model
         raise ConfigError(f"{key}: tokenizer at {path!r} has no EOS token")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-        tok.rlhf_dist_pad_from_eos = True  # read by chat.export_tokenizer
+        tok.rlhf_dist_pad_from_eos = True  # read by data.chat.export_tokenizer
         if path not in _SAID_NO_PAD:
             _SAID_NO_PAD.add(path)
             print(
@@ -100,8 +106,12 @@ _SAID_NO_PAD: set[str] = set()  # tokenizers already reported as padded with EOS
 
 
 def load_causal_lm(
-    path: str, key: str, dtype: str = "float32", source=None, load_in_4bit: bool = False
-):
+    path: str,
+    key: str,
+    dtype: str = "float32",
+    source: ModelConfig | None = None,
+    load_in_4bit: bool = False,
+) -> PreTrainedModel:
     """A causal LM with dropout off (dropout makes old and new log-probs disagree at ratio 1).
 
     load_in_4bit (QLoRA, lora.load_in_4bit): every linear layer but the output head in
@@ -135,9 +145,9 @@ def load_sequence_classifier(
     path: str,
     key: str,
     dtype: str = "float32",
-    source=None,
+    source: ModelConfig | None = None,
     new_head: bool = False,
-):
+) -> PreTrainedModel:
     """A num_labels=1 sequence classifier. Unless `new_head`, its head must come from `path`."""
     from transformers import AutoModelForSequenceClassification
 
@@ -204,14 +214,17 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
             # context_fn: a layer recomputed under sequence parallelism attends as it did
             target.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={
-                    "use_reentrant": False, "context_fn": checkpoint_contexts,
+                    "use_reentrant": False,
+                    "context_fn": checkpoint_contexts,
                 }
-            )  # fmt: skip
+            )
             done.append(f"{name}." if name else "")
     return model
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
+    """Every dropout of `model` off, its modules' and its config's: with dropout on, the
+    same forward twice gives different log-probs (the PPO ratio at 1 is not 1)."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -245,7 +258,7 @@ def frozen_dtype(model_cfg: ModelConfig) -> str:
     return model_cfg.frozen_dtype
 
 
-def tokenizer_for(cfg: Config, model_key: str = "policy"):
+def tokenizer_for(cfg: Config, model_key: str = "policy") -> PreTrainedTokenizerBase:
     """The run's tokenizer: model.tokenizer if set, else the named model's own."""
     m = cfg.model
     if m.tokenizer:
@@ -279,7 +292,7 @@ def generation_eos_ids(path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def policy_stop_ids(cfg: Config, tokenizer) -> tuple[int, ...]:
+def policy_stop_ids(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """Every id that ends a sampled response (docs/data.md, stop tokens): the tokenizer's
     EOS, the policy's generation_config.eos_token_id, the chat template's end-of-turn token
     (when there is a template) and generation.stop_token_ids."""

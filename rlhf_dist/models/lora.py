@@ -9,6 +9,9 @@ default), which `add_adapters` guarantees (TRL PR #4723 learned this the hard wa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +23,7 @@ from rlhf_dist.models import sub_state_dict
 
 def add_adapters(
     model: nn.Module, lora_cfg: LoRAConfig, task_type: str, trainable_head: str | None = None
-):
+) -> nn.Module:
     """Wrap `model` in a fresh peft LoRA model (dropout 0; B initialised to 0).
 
     task_type: "CAUSAL_LM" or "SEQ_CLS"; trainable_head: a module trained in full next
@@ -47,20 +50,20 @@ def add_adapters(
 
 
 @contextlib.contextmanager
-def adapters_disabled(model: nn.Module):
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Run `model` as its frozen base (the reference policy / frozen reward model)."""
     with model.disable_adapter():
         yield model
 
 
 @contextlib.contextmanager
-def merged_adapters(model: nn.Module):
+def merged_adapters(model: nn.Module) -> Iterator[nn.Module]:
     """Run a peft LoRA `model` with its adapters folded into the base weights.
 
     Inside, every LoRA layer's base weight is W + scale * B @ A (computed in fp32, stored in
     the base's dtype) and the adapter path is off, so a forward costs what the plain model
-    costs: generation, one forward per token, no longer pays the four extra small kernels
-    per adapted layer (x @ A, @ B, scale, add) that made it launch-bound on a GPU. The
+    costs: generation, one forward per token, does not pay the four extra small kernels
+    per adapted layer (x @ A, @ B, scale, add) that make it launch-bound on a GPU. The
     original base tensors are kept and put back on exit, bitwise: nothing is merged and
     "unmerged" by subtraction (which drifts in bf16 and would move the adapters-off
     reference policy). Costs one extra copy of the adapted weights while inside.
@@ -71,7 +74,7 @@ def merged_adapters(model: nn.Module):
     if any(is_4bit(m) for m in model.modules()):  # QLoRA: no whole weights to fold into
         yield model
         return
-    originals = []
+    originals: list[tuple[nn.Module, nn.Parameter]] = []
     try:
         with torch.no_grad():
             for layer in model.modules():
@@ -93,7 +96,7 @@ def merged_adapters(model: nn.Module):
             base.weight = weight
 
 
-def adapter_weights(model: nn.Module):
+def adapter_weights(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor, float]]:
     """(the adapted weight's name in the plain model, "A" or "B", the adapter's matrix,
     scale) of every LoRA layer of a peft `model`: the weight it serves is W + scale * B @ A
     (A: (r, in), B: (out, r); peft's Linear delta), which a rollout server folds into its
@@ -112,8 +115,12 @@ def adapter_weights(model: nn.Module):
         if not active:
             continue
         a = active[0]
-        if len(active) > 1 or a not in layer.lora_A or getattr(layer, "fan_in_fan_out", False) \
-                or layer.use_dora.get(a, False):  # fmt: skip
+        if (
+            len(active) > 1
+            or a not in layer.lora_A
+            or getattr(layer, "fan_in_fan_out", False)
+            or layer.use_dora.get(a, False)
+        ):
             raise ConfigError(
                 f"lora: {name}'s adapter is not one plain B @ A on a linear weight; a rollout "
                 "server takes only those (lora.target_modules: linear layers)"
@@ -166,18 +173,19 @@ class AdapterOffReference(nn.Module):
     Calls `actor_fn()` for the current (possibly ZeRO-3-hooked) actor module each time.
     """
 
-    def __init__(self, actor_fn):
+    def __init__(self, actor_fn: Callable[[], nn.Module]):
         super().__init__()
         self._actor_fn = actor_fn
 
     @torch.no_grad()
-    def forward(self, **kwargs):
+    def forward(self, **kwargs: Any) -> Any:
+        """The actor's forward (its output, whatever it returns) with adapters off."""
         actor = self._actor_fn()
         with adapters_disabled(actor):
             return actor(**kwargs)
 
     @contextlib.contextmanager
-    def scoring_model(self):
+    def scoring_model(self) -> Iterator[nn.Module]:
         """The actor with adapters off, for `engine.forward.token_logprobs`: its backbone AND its
         output head (a LoRA-adapted lm_head too) run as the base inside."""
         actor = self._actor_fn()
@@ -188,13 +196,13 @@ class AdapterOffReference(nn.Module):
 def export_lora(
     state: dict,
     prefix: str,
-    build_base,
+    build_base: Callable[[], nn.Module],
     lora_cfg: LoRAConfig,
     task_type: str,
     head: str | None,
-    directory_merged,
-    directory_adapter,
-):
+    directory_merged: Path | None,
+    directory_adapter: Path | None,
+) -> None:
     """Rebuild the trained peft model on CPU from a (gathered) state dict and export it.
 
     state: full state dict of the training module; prefix: its key prefix for this model

@@ -16,7 +16,7 @@ from torch import nn
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.engine import packing
-from rlhf_dist.engine.forward import DEFAULT_PERF, causal_lm, token_forward
+from rlhf_dist.engine.forward import DEFAULT_PERF, Divergence, causal_lm, token_forward
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.loading import HEAD_NAMES, load_sequence_classifier
 
@@ -45,7 +45,12 @@ class ValueModel(nn.Module):
         self.classifier = classifier
         self.perf = perf
 
-    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids, attention_mask: (B, L). Returns (B, L) float32 head outputs.
 
         With perf.packed_sequences the backbone and head run on the packed rows
@@ -64,7 +69,12 @@ class ValueModel(nn.Module):
         return values if layout is None else unpack_tokens(values, layout[1])
 
 
-def sequence_scores(value_model: ValueModel, input_ids, attention_mask, last_index) -> torch.Tensor:
+def sequence_scores(
+    value_model: ValueModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    last_index: torch.Tensor,
+) -> torch.Tensor:
     """Score of each sequence read at `last_index` (B,), its last real token. Returns (B,)."""
     per_token = value_model(input_ids, attention_mask)
     return per_token.gather(1, last_index.long().unsqueeze(1)).squeeze(1)
@@ -84,16 +94,16 @@ class ActorCritic(nn.Module):
 
     def forward(
         self,
-        input_ids,
-        attention_mask,
-        response_mask,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor,
         temperature: float = 1.0,
         with_entropy: bool = False,
         with_actor: bool = True,
         with_critic: bool = True,
         share_prompts: bool = True,
-        divergence=None,
-    ):
+        divergence: Divergence | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         """Log-probs, entropies and values at the positions that predict the last
         T = response_mask.shape[1] tokens.
 
@@ -111,13 +121,23 @@ class ActorCritic(nn.Module):
         (engine.forward.token_forward; on-policy distillation's GJSD to a teacher): then a
         fourth output, its per-token values (B, T), 0 outside response_mask.
         """
-        logprobs = entropy = values = div = None
+        logprobs: torch.Tensor | None = None
+        entropy: torch.Tensor | None = None
+        values: torch.Tensor | None = None
+        div: torch.Tensor | None = None
         if with_actor:
             P = input_ids.shape[1] - response_mask.shape[1]
             logprobs, entropy, div = token_forward(
-                self.actor, input_ids, attention_mask, response_mask, temperature,
-                with_entropy, P if share_prompts else None, self.perf, divergence,
-            )  # fmt: skip
+                self.actor,
+                input_ids,
+                attention_mask,
+                response_mask,
+                temperature,
+                with_entropy,
+                P if share_prompts else None,
+                self.perf,
+                divergence,
+            )
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]
             values = self.critic(input_ids, attention_mask)[:, -T - 1 : -1]
