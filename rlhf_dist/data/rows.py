@@ -5,7 +5,7 @@ tasks (`reasoning_gym:TASK?...`, data/tasks.py) or a verifiers environment's dat
 (`verifiers:ENV_ID?...`, data/environments.py). Each file is
 text or conversational, decided once per file from its rows (TRL's formats, docs/data.md):
 conversational rows hold message lists and are rendered with a chat template
-(rlhf_dist.chat). Rows a user got wrong (missing field, empty text, wrong type, unknown
+(rlhf_dist.data.chat). Rows a user got wrong (missing field, empty text, wrong type, unknown
 role, too long) are skipped and counted with a reason; the counts are reported, never
 silently dropped.
 """
@@ -78,7 +78,7 @@ def load_data(d: DataConfig, which: str) -> list[dict]:
 
 def load_rows(source: str, key: str, split: str = "train", subset: str = "") -> list[dict]:
     """Rows of a local data file (by extension), a hub dataset, a reasoning-gym task, or
-    rows a Python caller gave (`python:` specs, rlhf_dist.inputs), as a list of dicts."""
+    rows a Python caller gave (`python:` specs, rlhf_dist.data.inputs), as a list of dicts."""
     if inputs.is_python(source):
         return python_rows(inputs.lookup(source, key), key)
     if is_task_spec(source):
