@@ -455,6 +455,7 @@ MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main}
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in MODES_:
         raise SystemExit(f"usage: async_bench.py MODE [ARGS...] (MODE: {', '.join(MODES_)})")
+    sys.argv[0] = " ".join(sys.argv[:2])  # each step's --help names it
     MODES_[sys.argv[1]](sys.argv[2:])
     if sys.argv[1] == "demo":
         sys.exit(end_process())  # a rank leaves without interpreter teardown (api.end_process)

@@ -962,6 +962,7 @@ RANKS = ("plan-zero3", "sp", "sync")  # leave without interpreter teardown (api.
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in CHECKS:
         raise SystemExit(f"usage: memory.py CHECK [ARGS...] (CHECK: {', '.join(CHECKS)})")
+    sys.argv[0] = " ".join(sys.argv[:2])  # each step's --help names it
     CHECKS[sys.argv[1]](sys.argv[2:])
     if sys.argv[1] in RANKS:
         sys.exit(end_process())

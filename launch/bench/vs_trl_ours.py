@@ -1040,6 +1040,7 @@ def main() -> None:
     if len(sys.argv) < 3 or tuple(sys.argv[1:3]) not in STEPS:
         steps = ", ".join(" ".join(k) for k in STEPS)
         raise SystemExit(f"usage: vs_trl_ours.py TASK STEP ARGS... (one of: {steps})")
+    sys.argv[0] = " ".join(sys.argv[:3])  # each step's --help names it
     STEPS[(sys.argv[1], sys.argv[2])](sys.argv[3:])
 
 

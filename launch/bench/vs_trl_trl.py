@@ -425,6 +425,7 @@ TASKS = {
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in TASKS:
         raise SystemExit(f"usage: vs_trl_trl.py TASK ARGS... (TASK: {', '.join(TASKS)})")
+    sys.argv[0] = " ".join(sys.argv[:2])  # each step's --help names it
     TASKS[sys.argv[1]](sys.argv[2:])
 
 
