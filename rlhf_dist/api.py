@@ -16,7 +16,7 @@ directory as `rlhf-dist <stage>` and returns its summary (summary.json's content
 `config` is a `Config`, a YAML path, or a dict of sections and/or dotted keys
 ("ppo.kl_coef": 0.1); `overrides` are `section.key=value` strings applied last, as on the
 command line. The objects are registered for the run under `python:<key>` specs
-(rlhf_dist.inputs), so config.yaml records where each value came from. The command line
+(rlhf_dist.data.inputs), so config.yaml records where each value came from. The command line
 is a thin layer over `run` (cli.py). Under `accelerate launch`, every rank runs the script
 and calls the same functions, and the script ends with `sys.exit(end_process())`.
 """

@@ -244,7 +244,7 @@ def main() -> None:
         iteration(p, model, reference, reward, optimizer, args, device, times)
     med = {k: statistics.median(v[1:]) for k, v in times.items()}  # first = warm-up
 
-    # Counted FLOPs (same rules as vs_trl_report.py): the actor needs logits only at the
+    # Counted FLOPs (same rules as harness.py): the actor needs logits only at the
     # T response positions; critic/reward heads have one output.
     actor_fwd = forward_flops(p, L, T)
     critic_fwd = forward_flops(p, L, L, head_width=1)

@@ -8,15 +8,15 @@
 #   qlora   the lora case on an NF4 base (lora.load_in_4bit=true; needs bitsandbytes)
 #   gc      plain with model.gradient_checkpointing=true
 #   vllm    plain with generation.backend=vllm (skipped where vllm is not installed)
-#   grpo    GRPO against TRL's GRPOTrainer, bf16, on launch/bench/vs_trl_grpo.sh's `deep`
+#   grpo    GRPO against TRL's GRPOTrainer, bf16, on `launch/bench/vs_trl.sh grpo`'s `deep`
 #           model (random init, SmolLM2's tokenizer: TOKENIZER=dir of its files, carried),
 #           with the hf backend and with vLLM (TRL's colocate mode); needs trl importable
 #           (carried as a wheel); one round of ITERATIONS; its own table follows the main one
 #   async   plain against a `rlhf-dist serve` process on the same device, ppo.max_staleness 0
 #           then 1: s/iteration and the overlap of generation with training
-#           (launch/bench/async_overlap.py --suite; docs/serving.md)
+#           (launch/bench/async_bench.py overlap --suite; docs/serving.md)
 #   plan    rlhf-dist plan's estimate against torch.cuda.max_memory_allocated per phase on the
-#           CPU grid's cells (launch/bench/plan_check.py --device cuda, fp32 then bf16 autocast,
+#           CPU grid's cells (launch/bench/memory.py plan --device cuda, fp32 then bf16 autocast,
 #           ~2-3 minutes each)
 # and print one table: s/iteration, phase times, peak memory, update MFU (vs 989 TFLOP/s
 # bf16 dense, an H100/H200). Meant to fit one 15-minute GPU loan: ~6-8 minutes on an H200.
@@ -38,7 +38,7 @@ else
   DEVICE=cpu SHAPE=tiny PEAK="" Z3=accelerate_configs/cpu_zero3.yaml
 fi
 mkdir -p "$OUT"
-[ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/scale_prepare.py "$OUT" --shape "$SHAPE" --prompts 256
+[ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/suite.py prepare "$OUT" --shape "$SHAPE" --prompts 256
 runs=() grpo=0 plan=0 async=0
 for case in $CASES; do
   [ "$case" = grpo ] && { grpo=1; continue; }  # after the PPO cases, below
@@ -85,14 +85,14 @@ if [ "$grpo" = 1 ]; then
     for v in $vllm_runs; do
       echo "== grpo vs TRL ($DEVICE, $dtype, vllm=$v)"
       PYTHON=$PY TRL_PYTHON=$PY SIZE=deep DTYPE=$dtype VLLM=$v ROUNDS=1 ITERATIONS=$ITERATIONS \
-        OUT=$OUT/grpo-vllm$v bash launch/bench/vs_trl_grpo.sh | tee "$OUT/grpo-vllm$v.txt" \
+        OUT=$OUT/grpo-vllm$v bash launch/bench/vs_trl.sh grpo | tee "$OUT/grpo-vllm$v.txt" \
         | grep -E "^(==|   )" || echo "   failed: see $OUT/grpo-vllm$v/results"
     done
   fi
 fi
 if [ "$async" = 1 ]; then
   echo "== async: plain against a rollout server on the same $DEVICE, max_staleness 0 then 1"
-  "$PY" launch/bench/async_overlap.py --suite "$OUT" --iterations "$ITERATIONS" \
+  "$PY" launch/bench/async_bench.py overlap --suite "$OUT" --iterations "$ITERATIONS" \
     --out "$OUT/async" > "$OUT/async.log" 2>&1 && tail -5 "$OUT/async.log" | tee "$OUT/async.txt" \
     || { echo "   failed:"; tail -20 "$OUT/async.log"; }
 fi
@@ -103,7 +103,7 @@ if [ "$plan" = 1 ]; then
     flag=() suffix=""
     [ "$precision" = autocast ] && flag=(--autocast) suffix=_autocast
     echo "== plan vs measured ($DEVICE, $precision)"
-    "$PY" launch/bench/plan_check.py --device "$DEVICE" "${flag[@]}" \
+    "$PY" launch/bench/memory.py plan --device "$DEVICE" "${flag[@]}" \
       --out "$OUT/plan_check$suffix.json" 2>&1 | grep -v USDT | tee "$OUT/plan_check$suffix.txt" | tail -60
   done
 fi

@@ -12,7 +12,7 @@ ITERATIONS=${ITERATIONS:-4}
 OUT=${OUT:-runs/bench/lora_vs_full}
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 mkdir -p "$OUT"
-[ -f "$OUT/policy/config.json" ] || python launch/bench/scale_prepare.py "$OUT" --shape lora --prompts 256
+[ -f "$OUT/policy/config.json" ] || python launch/bench/suite.py prepare "$OUT" --shape lora --prompts 256
 common=(
   model.policy="$OUT/policy" model.reward="$OUT/reward" data.train="$OUT/prompts.jsonl"
   run.histogram_every=0 run.samples_every=0 run.progress=false

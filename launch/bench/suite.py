@@ -1,9 +1,20 @@
-"""The scale suite's inputs and its table (launch/bench/gpu_suite.sh, launch/bench/zero3.sh).
+"""The scale suite's inputs and its table (launch/bench/gpu_suite.sh, zero3.sh, lora_vs_full.sh).
 
+    python launch/bench/suite.py prepare OUT --shape deep|lora|gpu|tiny [--prompts 256]
     python launch/bench/suite.py config OUT CASE [--device cuda|cpu]   write OUT/CASE.yaml
     python launch/bench/suite.py report RUN_DIR [RUN_DIR ...]          print the table
+    python launch/bench/suite.py ratio ROOT CASE BASE                  phase ratios
 
-A case is a `rlhf-dist ppo` run config over the models scale_prepare.py built in OUT:
+`prepare` builds a random-init Llama policy and reward model of a chosen shape, with the
+demo task's tokenizer and prompts, as Hugging Face checkpoints: OUT/{policy,reward}/ and
+OUT/prompts.jsonl. The shapes are the ones the benchmarks are about, not the demo's:
+`deep` (hidden 64 x 24 layers, vocab 1000) makes ZeRO-3's per-parameter costs visible on
+a CPU; `lora` (hidden 256 x 12 layers) is the LoRA-vs-full comparison; `gpu` (~0.47B:
+hidden 1024 x 24 layers, 32k vocab) is the one-GPU suite's model. The model's vocabulary
+may be larger than the tokenizer's (token ids beyond it are never fed): what matters here
+is the size of the embedding and the output layer.
+
+A case is a `rlhf-dist ppo` run config over the models `prepare` built in OUT:
 `plain` (the asked dtype; bf16 on a GPU means fp32 master weights + bf16 autocast),
 `lora` (the shipped one-GPU LoRA config, launch/configs/ppo_lora_1gpu.yaml, with the
 suite's models, data and iteration count), `gc` (plain with gradient checkpointing).
@@ -132,9 +143,60 @@ def ratio(root: Path, case: str, base: str) -> None:
         print(f"{case} / {base} {key:<14} {medians(case, key) / medians(base, key):.2f}")
 
 
+SHAPES = {
+    # name: (hidden, layers, heads, kv heads, intermediate, vocab)
+    "tiny": (64, 2, 4, 2, 256, 1000),
+    "deep": (64, 24, 4, 4, 256, 1000),
+    "lora": (256, 12, 4, 4, 1024, 1000),
+    "gpu": (1024, 24, 16, 16, 4096, 32000),
+}
+
+
+def build(out: Path, shape: str, prompts: int, seed: int = 0) -> None:
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        LlamaForSequenceClassification,
+    )
+
+    from rlhf_dist.demo.task import write_task
+
+    files = write_task(
+        out / "task", n_sft=1, n_pref=1, n_pref_eval=1, n_prompts=prompts, n_eval_prompts=1
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(files.tokenizer_dir))
+    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
+
+    def config(**extra) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=max(vocab, len(tokenizer)), hidden_size=hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+            max_position_embeddings=512, tie_word_embeddings=False, attention_dropout=0.0,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, **extra,
+        )  # fmt: skip
+
+    torch.manual_seed(seed)
+    for name, model in (
+        ("policy", LlamaForCausalLM(config())),
+        ("reward", LlamaForSequenceClassification(config(num_labels=1))),
+    ):
+        model.save_pretrained(str(out / name), safe_serialization=True)
+        tokenizer.save_pretrained(str(out / name))
+        n = sum(p.numel() for p in model.parameters())
+        print(f"{name}: {n / 1e6:.2f}M parameters ({shape}: hidden {hidden} x {layers} layers)")
+    (out / "prompts.jsonl").write_bytes(files.prompts.read_bytes())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="build OUT/{policy,reward}/ and OUT/prompts.jsonl")
+    p.add_argument("out", type=Path)
+    p.add_argument("--shape", default="deep", choices=sorted(SHAPES))
+    p.add_argument("--prompts", type=int, default=256)
     c = sub.add_parser("config")
     c.add_argument("out", type=Path)
     c.add_argument("case", choices=("plain", "lora", "gc"))
@@ -148,7 +210,9 @@ def main() -> None:
     q.add_argument("case")
     q.add_argument("base")
     args = ap.parse_args()
-    if args.cmd == "ratio":
+    if args.cmd == "prepare":
+        build(args.out, args.shape, args.prompts)
+    elif args.cmd == "ratio":
         ratio(args.root, args.case, args.base)
     elif args.cmd == "config":
         cfg = run_config(args.out, args.case, args.device, args.iterations)

@@ -1,12 +1,12 @@
 """One GRPO update on one fixed batch, ours against TRL 1.16's GRPOTrainer (issue #36).
 
-Usage (the project's venv; TRL's side runs in TRL's venv, vs_trl_arithmetic.sh's, as a
+Usage (the project's venv; TRL's side runs in TRL's venv, `vs_trl.sh arithmetic`'s, as a
 subprocess with this checkout first on its path; ~10 minutes on 2 cores):
   .venv/bin/python launch/bench/vs_trl_loss_check.py [--work DIR] [--trl-python PY]
   (--side ours | trl | compare: one part; DIR/report.json: the comparison)
 
 The arithmetic demo's settings (demo/arithmetic_demo.py; TRL's as in
-vs_trl_arithmetic_trl.py): SmolLM2-135M-Instruct fp32, `last_number` reward, groups of 8,
+vs_trl_trl.py arithmetic): SmolLM2-135M-Instruct fp32, `last_number` reward, groups of 8,
 24 new tokens, temperature 1, lr 2e-5, no KL, token-mean ("dapo") loss, one optimizer step.
 One rollout is sampled once (HF generate, seeded) and then fed to BOTH trainers' own code
 paths, with only the sampler replaced:
@@ -135,7 +135,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- TRL
 def run_trl(policy: Path, rows, raw, eps: float, seed: int) -> dict:
-    """TRL's GRPOTrainer (vs_trl_arithmetic_trl.py's config, max_steps 1) on the fixed
+    """TRL's GRPOTrainer (vs_trl_trl.py arithmetic's config, max_steps 1) on the fixed
     samples: what it computes, captured around its own methods."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer

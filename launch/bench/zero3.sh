@@ -20,10 +20,10 @@ if [[ " $PARTS " == *" 1 "* ]]; then
       launch/bench/zero3_probe.py --out "$out" "$@" > "$out/stage${stage}.log" 2>&1 \
       || { tail -30 "$out/stage${stage}.log"; exit 1; }
   done
-  python launch/bench/zero3_report.py "$out"
+  python launch/bench/zero3_probe.py --out "$out" --report
 fi
 if [[ " $PARTS " == *" 2 "* ]]; then
-  python launch/bench/scale_prepare.py "$out/deep" --shape deep > /dev/null 2>&1
+  python launch/bench/suite.py prepare "$out/deep" --shape deep > /dev/null 2>&1
   runs=()
   for round in $(seq 1 "$ROUNDS"); do
     for stage in 0 3; do

@@ -2,7 +2,7 @@
 
 Run by launch/bench/zero3.sh under `accelerate launch` (2 CPU ranks) twice: once with the
 DeepSpeed stage-0 config (plain data parallel) and once with ZeRO-3. Writes one JSON file
-per rank. A benchmark, never a test: figures depend on the machine.
+per rank; `--out DIR --report` (one process) prints the table of both runs' files. A benchmark, never a test: figures depend on the machine.
 """
 
 from __future__ import annotations
@@ -106,7 +106,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", required=True, help="directory for one JSON file per rank")
+    parser.add_argument("--report", action="store_true", help="print the table of --out's rows")
     args = parser.parse_args()
+    if args.report:
+        return report(Path(args.out))
     quiet_transformers()
     runtime = Runtime(seed=0, dtype=args.dtype)
     model = tiny_gpt().to(DTYPES[args.dtype])
@@ -158,6 +161,32 @@ def main() -> None:
     }  # fmt: skip
     path = Path(args.out) / f"stage{runtime.zero_stage}_rank{runtime.rank}.json"
     path.write_text(json.dumps(row), encoding="utf-8")
+
+
+def report(out: Path) -> None:
+    """The table of launch/bench/zero3.sh from the per-rank JSON rows in `out`."""
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("stage*_rank*.json"))]
+    mib = 1 / 2**20
+    print(
+        f"model: {rows[0]['params'] / 1e6:.2f}M params ({rows[0]['dtype']}), {rows[0]['world_size']} ranks, {rows[0]['threads']} thread(s) each"
+    )
+    print(
+        "stage rank  params MiB  grads MiB  optim+buffers MiB  total MiB | generate s  unsharded s  ratio  per-layer-gather s"
+    )
+    base = {}
+    for r in sorted(rows, key=lambda r: (r["zero_stage"], r["rank"])):
+        m = r["model_state_bytes"]
+        ratio = r["generate_s"] / r["generate_unsharded_s"]
+        per_layer = r["generate_per_layer_gather_s"]
+        print(
+            f"{r['zero_stage']:>5} {r['rank']:>4} {m['params'] * mib:>11.2f} {m['grads'] * mib:>10.2f} "
+            f"{m['optimizer_and_buffers'] * mib:>18.2f} {m['total'] * mib:>10.2f} | {r['generate_s']:>10.3f} "
+            f"{r['generate_unsharded_s']:>12.3f} {ratio:>6.2f} {per_layer if per_layer is None else round(per_layer, 3)!s:>19}"
+        )
+        base.setdefault(r["zero_stage"], []).append(m["total"])
+    if 0 in base and 3 in base:
+        share = max(base[3]) / max(base[0])
+        print(f"ZeRO-3 per-rank model states = {share:.2f} x stage 0 (ideal with 2 ranks: 0.50)")
 
 
 class _plain:

@@ -4,7 +4,7 @@ Every mistake a user can make in a config (unknown key, wrong type, a value outs
 choices or range, an impossible combination) raises `ConfigError` with a one-line message naming
 the key, before any model is loaded. Config objects are never written to at run time;
 numbers derived from them (per-rank batch sizes, accumulation steps) live in
-`rlhf_dist.batching`.
+`rlhf_dist.data.batching`.
 
 Each key is declared once, with `key(default, help, choices=..., min=/max=/gt=/lt=)`: its
 meaning and its range live there and nowhere else (`validate` checks them, then only the

@@ -11,7 +11,7 @@ and variance, partitioned over N ranks by stage); activation memory follows the 
 of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models", section 4.1: the tensors autograd keeps per layer per token), redone for a
 Llama layer (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no dropout)
-and checked against the tensors torch saves (launch/bench/plan_check.py).
+and checked against the tensors torch saves (launch/bench/memory.py plan).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def model_states(
     master, momentum, variance) or 8 (fp32: momentum, variance); stage 1 partitions the
     optimizer states over the ranks, stage 2 also the gradients, stage 3 also the
     weights (the frozen part included). ZeRO-3 (DeepSpeed's stage3.py) holds two buffers
-    the paper leaves out, measured on 2 CPU ranks (launch/bench/plan_check_zero3.py): the
+    the paper leaves out, measured on 2 CPU ranks (launch/bench/memory.py plan-zero3): the
     fp32 gradient the optimizer steps with (4 bytes per parameter of its largest
     sub-group) and the gradient bucket backward reduces through (`bucket` elements of
     the weights' dtype, whole on every rank: config/sizes.py zero_reduce_bucket); both

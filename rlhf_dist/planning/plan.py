@@ -355,7 +355,7 @@ ZERO3_LIVE_PARAMETERS = 1e9
 def live_weights(model: ModelShape, weight_bytes: float) -> tuple[str, float]:
     """ZeRO-3 fetching layer by layer: the whole weights it keeps fetched at once, up to
     stage3_max_live_parameters (measured on 2 CPU ranks: the whole small model stays
-    fetched from the forward through the backward, launch/bench/plan_check_zero3.py)."""
+    fetched from the forward through the backward, launch/bench/memory.py plan-zero3)."""
     live = min(float(model.lm_params()), ZERO3_LIVE_PARAMETERS) * weight_bytes
     return ("fetched weights (ZeRO-3)", live)
 

@@ -1,7 +1,7 @@
 """run.auto_fit under a memory cap it did not choose (docs/distributed.md, "Planning memory").
 
 A memory cgroup caps a GRPO run of the planner grid's largest model at its longest
-response (launch/bench/plan_check.py: "L", 384 hidden x 6 layers, a 12,288-token
+response (launch/bench/memory.py plan: "L", 384 hidden x 6 layers, a 12,288-token
 vocabulary, 128 new tokens), 32 sequences per rollout. At the configured sizes (every
 sequence in one forward and one micro-batch) the run needs more than the cap and is
 killed for memory: the cap binds. With run.auto_fit=true the plan at the start reads the

@@ -1,6 +1,6 @@
 """The memory planner (rlhf_dist/planning): hand-computed terms, properties of the plan,
 and `rlhf-dist plan` on the shipped 8B and 70B shapes (exit 2 with a fix that, applied,
-fits and validates). The estimate against measured peaks: launch/bench/plan_check.py and
+fits and validates). The estimate against measured peaks: launch/bench/memory.py plan and
 tests/integration/test_integration_plan_measured.py."""
 
 import os

@@ -1,0 +1,465 @@
+"""Rollouts served one step ahead (ppo.max_staleness; docs/serving.md), one mode per
+subcommand; async.sh runs it (and installs the real SmolLM2 it needs):
+
+  overlap  s/iteration of the same GRPO work on-policy (max_staleness 0) and one step off
+           (1) against a rollout server, and how much generation and training overlap
+  demo     does one-step-off-policy training learn the offline demo as well as on-policy?
+  serve    what a weight sync and a served rollout cost against in-process generation
+
+Usage: python launch/bench/async_bench.py MODE [ARGS...]   (each MODE's --help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from harness import TOKEN_ENV, start_server
+from suite import SETTINGS, run_config
+
+from rlhf_dist.api import end_process
+from rlhf_dist.config import config_from_dict
+from rlhf_dist.data.rows import left_pad
+from rlhf_dist.demo import arithmetic_demo, pipeline, smollm2
+from rlhf_dist.distributed.weight_sync import free_port
+from rlhf_dist.engine.decode import generate
+from rlhf_dist.models import quiet_transformers
+from rlhf_dist.models.loading import load_causal_lm, load_tokenizer, policy_stop_ids
+
+# ==============================================================================================
+# overlap: seconds per iteration on- and off-policy, and the overlap
+# Bounded-staleness rollouts (ppo.max_staleness; docs/serving.md, "Asynchronous rollouts"):
+# seconds per iteration of the same GRPO work with on-policy rollouts from a rollout server
+# (max_staleness=0) and one step off-policy (1), and how much of generation and training
+# overlap.
+#
+# The work: the arithmetic demo's GRPO stage in its quick size (the real SmolLM2-135M, a
+# reasoning-gym task, PROMPTS x SAMPLES responses of up to NEW tokens, one optimizer step
+# per rollout), ITERATIONS iterations, with one `rlhf-dist serve` process of the same model
+# and one trainer process, THREADS threads each. Both runs start from the same weights and
+# seed against a freshly started server.
+#
+# Per iteration (the first dropped: start-up), medians from each run's metrics.jsonl:
+# - t_generate = the sync run's time/generate - time/weight_sync (the servers' rollout,
+#   waited for);
+# - t_train = the sync run's time/score + time/update + time/weight_sync (the trainer's
+#   own work; a weight sync cannot overlap a request);
+# - t_iteration = the async run's time/total;
+# - overlap = (t_generate + t_train - t_iteration) / min(t_generate, t_train): 1 when the
+#   shorter one is fully hidden behind the longer, 0 when the async run is no faster than
+#   the sync one, negative when it is slower (the two compete for the same cores).
+# The components come from the sync run because they are the work's own durations: in the
+# async run generation and training run at once and slow each other where they share cores.
+# The async run's own time/generate (what the trainer still waited) and
+# time/generate_request (the servers' seconds, in the background) are printed beside them.
+#
+# Both processes share the machine's cores: on a 2-core box keep THREADS at 1.
+#
+# `--environment` plays the same prompts as two-turn episodes of an environment that drives
+# the policy through the server's chat endpoint (`chat_episode` below;
+# generation.environment_endpoint): the answer, then "check it", the last number of the
+# second answer scored. One step off, the next iteration's episodes play on the trainer's
+# threads while it trains.
+#
+# `--suite OUT` runs the scale suite's PPO work instead (launch/bench/suite.py's `plain` over
+# the models `suite.py prepare` built in OUT, a critic and a reward model; the GPU case of
+# launch/bench/gpu_suite.sh, `async`): on one GPU the server and the trainer share it, so
+# the overlap measures how much of generation hides behind training on the same device.
+#
+# Usage: bash launch/bench/async.sh overlap [--iterations 6] [--threads 1] [--new 24]
+#        [--out runs/bench/async] [--environment [--window MS] | --suite OUT]
+
+
+def grpo_tree(out: Path, policy: Path, url: str, args, staleness: int) -> dict:
+    tree = arithmetic_demo.arithmetic_stage_configs(out, policy, seed=0, quick=True)["grpo"]
+    tree["run"] |= {"output_dir": str(out / f"staleness{staleness}"), "progress": False}
+    tree["generation"] |= {"backend": "server", "server_urls": [url],
+                           "server_token_env": TOKEN_ENV, "max_new_tokens": args.new}  # fmt: skip
+    tree["ppo"] |= {"iterations": args.iterations, "max_staleness": staleness}
+    tree["perf"] = {"num_threads": args.threads}
+    return tree
+
+
+def chat_episode(client, prompt) -> None:
+    """The environment of `--environment`: the task's question, then a request to check
+    the answer; None: reward.function scores the second answer."""
+    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    for follow_up in ("Check your answer, then give it again as a number.", None):
+        messages.append(client.chat(messages)["choices"][0]["message"])
+        if follow_up is None:
+            return None
+        messages.append({"role": "user", "content": follow_up})
+    return None
+
+
+def environment_tree(out: Path, policy: Path, url: str, args, staleness: int) -> dict:
+    """`--environment`: grpo_tree's work played as chat_episode's two-turn episodes."""
+    tree = grpo_tree(out, policy, url, args, staleness)
+    tree["generation"] |= {"environment": "async_bench:chat_episode",
+                           "environment_endpoint": True, "max_turns": 2}  # fmt: skip
+    return tree
+
+
+def suite_tree(out: Path, policy: Path, url: str, args, staleness: int, suite: Path) -> dict:
+    """The scale suite's `plain` PPO run (GPU settings on a GPU) against the server."""
+    tree = run_config(suite, "plain", device(), args.iterations)
+    tree["run"] |= {"output_dir": str(out / f"staleness{staleness}")}
+    tree["generation"] |= {"backend": "server", "server_urls": [url],
+                           "server_token_env": TOKEN_ENV}  # fmt: skip
+    tree["ppo"] |= {"max_staleness": staleness}
+    tree["perf"] = {"num_threads": args.threads}
+    return tree
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train(tree: dict, workdir: Path, threads: int) -> list[dict]:
+    """Run the GRPO stage in its own process -> its metrics rows."""
+    config = workdir / f"{Path(tree['run']['output_dir']).name}.yaml"
+    config.write_text(json.dumps(tree))
+    here = str(Path(__file__).resolve().parent)  # chat_episode, for --environment
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "rlhf_dist", "ppo", "--config", str(config)]
+    subprocess.run(cmd, env=env, check=True)
+    lines = (Path(tree["run"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "time/total" in r]
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    """Median seconds per iteration over rows[1:] (the first: start-up) and the mean score."""
+    steady = rows[1:] or rows
+
+    def median(key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in steady)
+
+    keys = ("time/total", "time/generate", "time/weight_sync", "time/score", "time/update",
+            "time/generate_request")  # fmt: skip
+    out = {key: median(key) for key in keys}
+    return out | {"score": statistics.mean(r["objective/score"] for r in rows)}
+
+
+def overlap(sync: dict[str, float], asynchronous: dict[str, float]) -> tuple[float, float, float]:
+    """(t_generate, t_train, overlap) of the module docstring."""
+    t_generate = sync["time/generate"] - sync["time/weight_sync"]
+    t_train = sync["time/score"] + sync["time/update"] + sync["time/weight_sync"]
+    hidden = t_generate + t_train - asynchronous["time/total"]
+    return t_generate, t_train, hidden / min(t_generate, t_train)
+
+
+def overlap_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description='Bounded-staleness rollouts (ppo.max_staleness; docs/serving.md, "Asynchronous rollouts"):'
+    )
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--new", type=int, default=24, help="max new tokens per response")
+    parser.add_argument("--out", default="runs/bench/async")
+    parser.add_argument("--suite", help="the scale suite's OUT: its PPO work instead")
+    parser.add_argument(
+        "--environment",
+        action="store_true",
+        help="two-turn episodes of an environment through the chat endpoint",
+    )
+    parser.add_argument(
+        "--window", type=float, default=0.0, help="the server's serve.batch_window_ms"
+    )
+    args = parser.parse_args(argv)
+    os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
+    out = Path(args.out).resolve()
+    if args.suite:
+        policy, work = Path(args.suite).resolve() / "policy", f"PPO on {args.suite}'s policy"
+        dtype, make = (
+            SETTINGS[device()]["dtype"],
+            functools.partial(suite_tree, suite=Path(args.suite).resolve()),
+        )
+    else:
+        policy, work = smollm2.build("shipped"), "GRPO on SmolLM2-135M"
+        dtype, make = "float32", grpo_tree
+        if args.environment:
+            work, make = f"{work}, two-turn episodes through the chat endpoint", environment_tree
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for staleness in (0, 1):
+            port = free_port()
+            server = start_server(policy, port, args.threads, Path(tmp), dtype, args.window)
+            try:
+                tree = make(out, policy=policy, url=f"http://127.0.0.1:{port}", args=args,
+                            staleness=staleness)  # fmt: skip
+                results[staleness] = medians(train(tree, Path(tmp), args.threads))
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+    print(f"{work} ({device()}), one trainer + one server process, {args.threads} thread(s) "
+          f"each, serve.batch_window_ms {args.window:g}, {args.iterations} iterations (first "
+          f"dropped), medians in seconds")  # fmt: skip
+    print(f"{'ppo.max_staleness':<18} {'s/iteration':>11} {'waited':>7} {'request':>8} "
+          f"{'sync':>6} {'score':>6} {'update':>7} {'mean score':>10}")  # fmt: skip
+    for staleness, t in results.items():
+        print(f"{staleness:<18} {t['time/total']:11.2f} {t['time/generate']:7.2f} "
+              f"{t['time/generate_request']:8.2f} {t['time/weight_sync']:6.2f} "
+              f"{t['time/score']:6.2f} {t['time/update']:7.2f} {t['score']:10.3f}")  # fmt: skip
+    t_generate, t_train, hidden = overlap(results[0], results[1])
+    speedup = results[0]["time/total"] / results[1]["time/total"]
+    print(f"t_generate {t_generate:.2f}, t_train {t_train:.2f} (sync run), t_iteration "
+          f"{results[1]['time/total']:.2f} (async run): overlap {hidden:.2f}; speed-up of "
+          f"max_staleness=1: {speedup:.2f}x")  # fmt: skip
+
+
+# ==============================================================================================
+# demo: does one-step-off-policy training learn the demo as well?
+# Does one-step-off-policy training learn the demo as well as on-policy training? The
+# offline demo's PPO stage (demo/pipeline.py stage_configs: PPO with a critic against the
+# demo's reward model) run three ways from the same SFT policy and reward model, trained
+# once: colocated generation (the demo as shipped), rollouts from a `rlhf-dist serve`
+# process on-policy (ppo.max_staleness=0) and one step off-policy (1). Each final policy is
+# evaluated as the demo evaluates it (held-out prompts, gold reward, KL to the SFT policy);
+# the off-policy run's logged staleness shows no rollout older than one update was trained
+# on (docs/serving.md, "Asynchronous rollouts").
+#
+# `--ranks 2`: the PPO stage runs as 2 CPU ranks under ZeRO-3 (`accelerate launch` with
+# accelerate_configs/cpu_zero3.yaml, gloo), each rank sampling its shard through the server.
+#
+# Usage: bash launch/bench/async.sh demo [--seeds 0 1] [--ranks 1|2] [--out runs/bench/async_demo]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+MODES = {"colocated": None, "served, max_staleness 0": 0, "served, max_staleness 1": 1}
+
+
+def ppo_tree(trees: dict, root: Path, name: str, url: str, staleness: int | None) -> dict:
+    tree = copy.deepcopy(trees["ppo"])
+    tree["run"]["output_dir"] = str(root / name)
+    if staleness is not None:
+        tree["generation"] |= {"backend": "server", "server_urls": [url],
+                               "server_token_env": TOKEN_ENV}  # fmt: skip
+        tree["ppo"]["max_staleness"] = staleness
+    return tree
+
+
+def demo_train(tree: dict, ranks: int, runtime) -> None:
+    """The PPO stage in this process, or as `ranks` ZeRO-3 CPU ranks."""
+    from rlhf_dist.trainers.ppo import train_ppo
+
+    if ranks == 1:
+        train_ppo(config_from_dict(tree), runtime)
+        return
+    p = tree["ppo"]  # each rank's micro-batches: its share of a minibatch (same loss)
+    p["micro_batch_size"] = min(p["micro_batch_size"], p["minibatch_size"] // ranks)
+    config = Path(tree["run"]["output_dir"] + ".json")
+    config.write_text(json.dumps(tree))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(REPO / "accelerate_configs" / "cpu_zero3.yaml"),
+           "--num_processes", str(ranks), "--main_process_port", str(free_port()),
+           "-m", "rlhf_dist", "ppo", "--config", str(config)]  # fmt: skip
+    subprocess.run(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"}, check=True)
+
+
+def one_seed(root: Path, seed: int, ranks: int) -> dict:
+    """SFT and RM once, then the PPO stage each way and its evaluation -> figures."""
+    from rlhf_dist.distributed import Runtime
+    from rlhf_dist.evaluate import run_eval
+    from rlhf_dist.trainers.reward import train_reward_model
+    from rlhf_dist.trainers.sft import train_sft
+
+    files, models = pipeline.task_and_models(root, seed)
+    trees = pipeline.stage_configs(root, files, models, seed, quick=False, algorithm="ppo")
+    runtime = Runtime(seed=seed)
+    train_sft(config_from_dict(trees["sft"]), runtime)
+    train_reward_model(config_from_dict(trees["rm"]), runtime)
+    evaluate = config_from_dict(trees["eval"])
+    figures = {
+        "SFT": {
+            "gold": run_eval(pipeline._with_output(evaluate, root / "eval_sft"), runtime)[
+                "gold_reward"
+            ]
+        }
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        server = start_server(root / "sft" / "final", port, 1, Path(tmp))
+        try:
+            for i, (mode, staleness) in enumerate(MODES.items()):
+                name = f"ppo_{i}"
+                start = time.perf_counter()
+                url = f"http://127.0.0.1:{port}"
+                demo_train(ppo_tree(trees, root, name, url, staleness), ranks, runtime)
+                seconds = time.perf_counter() - start
+                ev = run_eval(
+                    pipeline._with_output(
+                        evaluate, root / f"eval_{name}", str(root / name / "final")
+                    ),
+                    runtime,
+                )
+                rows = [
+                    json.loads(line)
+                    for line in (root / name / "metrics.jsonl").read_text().splitlines()
+                ]
+                stale = max((r.get("rollout/staleness_max", 0.0) for r in rows), default=0.0)
+                figures[mode] = {"gold": ev["gold_reward"], "kl": ev["kl_to_ref"],
+                                 "seconds": seconds, "staleness_max": stale}  # fmt: skip
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    return figures
+
+
+def demo_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description="Does one-step-off-policy training learn the demo as well as on-policy training? The"
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--ranks", type=int, default=1, choices=(1, 2))
+    parser.add_argument("--out", default="runs/bench/async_demo")
+    args = parser.parse_args(argv)
+    os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
+    out = Path(args.out).resolve()
+    results = {seed: one_seed(out / f"seed{seed}", seed, args.ranks) for seed in args.seeds}
+    print(f"The offline demo's PPO stage ({args.ranks} rank(s)) from the same SFT policy and "
+          "reward model; held-out gold")  # fmt: skip
+    print(f"{'seed':>4} {'way':<26} {'gold':>6} {'KL':>6} {'seconds':>8} {'staleness max':>13}")
+    for seed, figures in results.items():
+        print(f"{seed:>4} {'SFT':<26} {figures['SFT']['gold']:6.3f}")
+        for mode in MODES:
+            f = figures[mode]
+            print(f"{seed:>4} {mode:<26} {f['gold']:6.3f} {f['kl']:6.2f} {f['seconds']:8.1f} "
+                  f"{f['staleness_max']:13.0f}")  # fmt: skip
+
+
+# ==============================================================================================
+# serve: what a weight sync and a served rollout cost
+# The rollout server on the real SmolLM2-135M (docs/serving.md): what a weight sync and a
+# served rollout cost against in-process generation, on this machine.
+#
+# Starts `rlhf-dist serve` on SmolLM2-135M-Instruct (fp32, perf.num_threads threads) on a
+# free port, then in this process, as trainer rank 0 would (rollout/server.py):
+#
+# 1. the first sync (joining the weight-sync group, then every weight as version 1) and
+#    REPEATS more syncs, each with generation.server_sync_bucket_mb = BUCKET MiB, the
+#    post-sync check included: seconds each, and this process's peak RSS growth;
+# 2. PROMPTS chat prompts x NEW tokens (temperature 0.7): served (POST /generate, one server)
+#    and in-process (the same decode loop and threads here), median of REPEATS seconds.
+#
+# Both processes share the machine's cores: on a 2-core box the figures are an upper bound
+# of what a server on its own cores costs. Prints one table.
+#
+# Usage: bash launch/bench/async.sh serve [--threads 1] [--bucket 64] [--prompts 8] [--new 32]
+#        [--repeats 3]
+
+
+QUESTIONS = ["What is a good review?", "Name a fruit.", "Say hello.", "Count to three."]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def bench_syncs(engine, actor, repeats: int) -> list[tuple[str, float, float]]:
+    rows = []
+    for i in range(repeats + 1):
+        with torch.no_grad():  # a new version each time, as after an optimizer step
+            next(actor.parameters()).add_(1e-4)
+        rss, start = peak_rss_mib(), time.perf_counter()
+        engine.load_weights(actor)
+        label = "first sync (join + send + check)" if i == 0 else f"sync {i} (send + check)"
+        rows.append((label, time.perf_counter() - start, peak_rss_mib() - rss))
+    return rows
+
+
+def bench_generation(engine, actor, tokenizer, gen, stops, n_prompts: int, repeats: int):
+    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n_prompts)]
+    texts = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats
+    ]
+    seqs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids, mask = left_pad(seqs, tokenizer.pad_token_id)
+    served, local = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.generate(ids, mask, gen, stops, tokenizer.pad_token_id)
+        served.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        generate(actor, ids, mask, gen, tokenizer, None, stops)
+        local.append(time.perf_counter() - start)
+    return statistics.median(served), statistics.median(local)
+
+
+def serve_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        description="The rollout server on the real SmolLM2-135M (docs/serving.md): what a weight sync and a"
+    )
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bucket", type=float, default=64.0, help="MiB per sync bucket")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new", type=int, default=32, help="new tokens per response")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    quiet_transformers()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
+    model_dir, port = smollm2.build("shipped"), free_port()
+    cfg = config_from_dict(
+        {"model": {"policy": str(model_dir)},
+         "generation": {"backend": "server", "server_urls": [f"http://127.0.0.1:{port}"],
+                        "server_token_env": TOKEN_ENV, "server_sync_bucket_mb": args.bucket,
+                        "max_new_tokens": args.new, "min_new_tokens": args.new,
+                        "temperature": 0.7}}
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(model_dir, port, args.threads, Path(tmp))
+        try:
+            actor = load_causal_lm(str(model_dir), "model.policy").eval()
+            tokenizer = load_tokenizer(str(model_dir))
+            from rlhf_dist.rollout.server import ServerEngine
+
+            engine = ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
+            syncs = bench_syncs(engine, actor, args.repeats)
+            stops = policy_stop_ids(cfg, tokenizer)
+            served, local = bench_generation(
+                engine, actor, tokenizer, cfg.generation, stops, args.prompts, args.repeats
+            )
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    mib = sum(p.numel() * p.element_size() for p in actor.parameters()) / 2**20
+    print(f"SmolLM2-135M fp32, {mib:.0f} MiB of weights, buckets of {args.bucket:g} MiB, "
+          f"{args.threads} thread(s) per process")  # fmt: skip
+    print(f"{'what':<44} {'seconds':>8} {'peak RSS growth MiB':>20}")
+    for label, seconds, rss in syncs:
+        print(f"{label:<44} {seconds:8.2f} {rss:20.0f}")
+    what = f"{args.prompts} prompts x {args.new} tokens"
+    print(f"{'served ' + what:<44} {served:8.2f}")
+    print(f"{'in-process ' + what:<44} {local:8.2f}")
+
+
+MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in MODES_:
+        raise SystemExit(f"usage: async_bench.py MODE [ARGS...] (MODE: {', '.join(MODES_)})")
+    sys.argv[0] = " ".join(sys.argv[:2])  # each step's --help names it
+    MODES_[sys.argv[1]](sys.argv[2:])
+    if sys.argv[1] == "demo":
+        sys.exit(end_process())  # a rank leaves without interpreter teardown (api.end_process)
+
+
+if __name__ == "__main__":
+    main()
