@@ -2,7 +2,7 @@
 served rollout cost against in-process generation, on this machine.
 
 Starts `rlhf-dist serve` on SmolLM2-135M-Instruct (fp32, perf.num_threads threads) on a
-free port, then in this process, as trainer rank 0 would (rollout/server.py):
+free port, then in this process, as trainer rank 0 would (generation/server.py):
 
 1. the first sync (joining the weight-sync group, then every weight as version 1) and
    REPEATS more syncs, each with generation.server_sync_bucket_mb = BUCKET MiB, the
@@ -37,9 +37,9 @@ from rlhf_dist.data.rows import left_pad
 from rlhf_dist.demo import smollm2
 from rlhf_dist.distributed.weight_sync import free_port
 from rlhf_dist.engine.decode import generate
+from rlhf_dist.generation.server import ServerEngine, wait_healthy
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.models.loading import load_causal_lm, load_tokenizer, policy_stop_ids
-from rlhf_dist.rollout.server import ServerEngine, wait_healthy
 
 TOKEN_ENV = "RLHF_DIST_BENCH_SERVER_TOKEN"
 QUESTIONS = ["What is a good review?", "Name a fruit.", "Say hello.", "Count to three."]

@@ -1,4 +1,4 @@
-"""rollout/prefetch.py (ppo.max_staleness=1) against a stand-in for the servers: which weights
+"""generation/prefetch.py (ppo.max_staleness=1) against a stand-in for the servers: which weights
 sample which iteration, what is requested ahead and on which thread, the staleness bound,
 an evaluation between iterations, the version check, and episodes an environment plays
 through the endpoint. The real servers: the integration tests in
@@ -11,9 +11,9 @@ import torch
 
 from rlhf_dist.config import GenerationConfig
 from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.generation.prefetch import PrefetchingServer
+from rlhf_dist.generation.server import ServerEngine
 from rlhf_dist.rollout.batch import PromptBatch
-from rlhf_dist.rollout.prefetch import PrefetchingServer
-from rlhf_dist.rollout.server import ServerEngine
 
 PAD = 0
 
