@@ -510,12 +510,13 @@ def stop_on_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
     )
 
 
-def train_ppo(cfg, runtime) -> dict:
-    """Run PPO as configured; returns the summary written to summary.json."""
+def train_ppo(cfg, runtime, sampler: Sampler | None = None) -> dict:
+    """Run PPO as configured; returns the summary written to summary.json. `sampler`
+    samples the rollouts (None: generation.backend's; any generation.Sampler)."""
     ckpt, p = find_resume(cfg, runtime), cfg.ppo
     tokenizer = tokenizer_for(cfg, "policy")
     prompts = training_prompts(cfg, tokenizer)  # data mistakes before any model loads
-    run = start_ppo(cfg, runtime, ckpt, tokenizer)
+    run = start_ppo(cfg, runtime, ckpt, tokenizer, sampler)
     out, logger = open_run(cfg, runtime, "ppo", ckpt, p.iterations)
     runtime.print(prompts.report.summary("prompts"))
     start = ckpt.step if ckpt else 0
