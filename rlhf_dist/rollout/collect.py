@@ -13,7 +13,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -90,11 +90,11 @@ def collect_rollout(
     models: RolloutModels,
     prompts: PromptBatch,
     cfg: Config,
-    tokenizer,
-    timings=None,
+    tokenizer: Any,
+    timings: dict | None = None,
     micro_batch_size: int | None = None,
     old_logprobs: bool = True,
-):
+) -> tuple[RolloutBatch, list[str]]:
     """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch, and
     the response texts: generate -> truncate after EOS -> decode -> old/ref log-probs,
     values and scores (the scorer reads each row's other columns too) -> missing-EOS
@@ -138,8 +138,9 @@ def collect_rollout(
 
 
 def _single_turn(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks, tokenizer
-):
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
+    tokenizer: Any,
+) -> tuple[dict, list, list[str], None]:  # fmt: skip
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -160,8 +161,9 @@ def _single_turn(
 
 
 def _episodes(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks, tokenizer
-):
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
+    tokenizer: Any,
+) -> tuple[dict, list, list[str], torch.Tensor]:  # fmt: skip
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
     the final answers and the answers, the environment's rewards (B,), NaN where none).
@@ -197,8 +199,9 @@ def _require_rewards(episodes: list, any_rank) -> None:
 
 
 def _endpoint_episodes(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, eos, tokenizer
-) -> list:
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, eos: tuple[int, ...],
+    tokenizer: Any,
+) -> list:  # fmt: skip
     """generation.environment_endpoint: one sync, then the environment plays every episode
     against the servers' chat endpoint (rollout/endpoint.py); with ppo.max_staleness, the
     episodes played ahead by the last iteration's weights (generation/prefetch.py)."""
@@ -215,7 +218,10 @@ def _endpoint_episodes(
     return sampler.episodes(prompts, play)
 
 
-def _agent_episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer, eos):
+def _agent_episodes(
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
+    tokenizer: Any, eos: tuple[int, ...],
+) -> list:  # fmt: skip
     """Episodes of generation.tools / environment, played by this process (rollout/agent.py)."""
     pad, agent = tokenizer.pad_token_id, models.agent
     assert isinstance(agent, agent_mod.Agent)
@@ -239,8 +245,9 @@ def _agent_episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, to
 
 
 def _sample(
-    models: RolloutModels, prompt_ids, prompt_mask, gen: GenerationConfig, chunks, tokenizer
-):
+    models: RolloutModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    gen: GenerationConfig, chunks: list[slice], tokenizer: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
     backend, whose sampler is the trainer's own forward)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
