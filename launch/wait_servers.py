@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlhf_dist.rollout.server import wait_healthy
+from rlhf_dist.generation.server import wait_healthy
 
 
 def main() -> None:

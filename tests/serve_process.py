@@ -57,7 +57,7 @@ def served(
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    from rlhf_dist.rollout.server import wait_healthy
+    from rlhf_dist.generation.server import wait_healthy
 
     if not wait_healthy(url, timeout, lambda: proc.poll() is None):
         proc.kill()
@@ -69,7 +69,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -
 def client(url: str, token_env: str, timeout_s: int = 60, **generation):
     """The trainer's ServerEngine for the server at `url` (one rank), with `generation` keys."""
     from rlhf_dist.config import config_from_dict
-    from rlhf_dist.rollout.server import ServerEngine
+    from rlhf_dist.generation.server import ServerEngine
 
     cfg = config_from_dict(
         {"generation": {"backend": "server", "server_urls": [url], "server_token_env": token_env,

@@ -349,7 +349,7 @@ def demo_main(argv: list[str]) -> None:
 # served rollout cost against in-process generation, on this machine.
 #
 # Starts `rlhf-dist serve` on SmolLM2-135M-Instruct (fp32, perf.num_threads threads) on a
-# free port, then in this process, as trainer rank 0 would (rollout/server.py):
+# free port, then in this process, as trainer rank 0 would (generation/server.py):
 #
 # 1. the first sync (joining the weight-sync group, then every weight as version 1) and
 #    REPEATS more syncs, each with generation.server_sync_bucket_mb = BUCKET MiB, the
@@ -427,7 +427,7 @@ def serve_main(argv: list[str]) -> None:
         try:
             actor = load_causal_lm(str(model_dir), "model.policy").eval()
             tokenizer = load_tokenizer(str(model_dir))
-            from rlhf_dist.rollout.server import ServerEngine
+            from rlhf_dist.generation.server import ServerEngine
 
             engine = ServerEngine(cfg, is_main=True, any_rank=lambda flag: flag)
             syncs = bench_syncs(engine, actor, args.repeats)

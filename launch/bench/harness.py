@@ -240,7 +240,7 @@ def start_server(
     batch_window_ms: float = 0.0,
 ) -> subprocess.Popen:  # fmt: skip
     """`rlhf-dist serve` on `model` at `port`, returned once healthy."""
-    from rlhf_dist.rollout.server import wait_healthy
+    from rlhf_dist.generation.server import wait_healthy
 
     config = workdir / "serve.yaml"
     tree = {"model": {"policy": str(model), "dtype": dtype},

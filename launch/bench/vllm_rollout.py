@@ -78,7 +78,7 @@ def bench(size: str, root: Path, repeats: int, new_tokens: int) -> dict:
 
     from rlhf_dist.config import GenerationConfig, config_from_dict
     from rlhf_dist.engine.decode import generate
-    from rlhf_dist.rollout.vllm import VLLMEngine
+    from rlhf_dist.generation.vllm import VLLMEngine
 
     path = build(size, root)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()

@@ -330,7 +330,7 @@ def _validate_rollout_correction(cfg: Config) -> None:
 
 def _validate_staleness(cfg: Config) -> None:
     """ppo.max_staleness: rollout servers only, at most 1, with the loop's plain rollout
-    or an environment through the endpoint (rollout/prefetch.py)."""
+    or an environment through the endpoint (generation/prefetch.py)."""
     p, g = cfg.ppo, cfg.generation
     if not p.max_staleness:
         return

@@ -33,7 +33,7 @@ from pathlib import Path
 from rlhf_dist.config import config_from_dict, validate
 from rlhf_dist.demo import task, tool_task
 from rlhf_dist.demo.pipeline import _with_output, demo_model, with_overrides
-from rlhf_dist.rollout.server import wait_healthy
+from rlhf_dist.generation.server import wait_healthy
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
 REWARD = "rlhf_dist.demo.tool_task:answer_reward"

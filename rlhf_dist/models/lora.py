@@ -100,7 +100,7 @@ def adapter_weights(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor, 
     """(the adapted weight's name in the plain model, "A" or "B", the adapter's matrix,
     scale) of every LoRA layer of a peft `model`: the weight it serves is W + scale * B @ A
     (A: (r, in), B: (out, r); peft's Linear delta), which a rollout server folds into its
-    own copy of the frozen base (rollout/server.py). Nothing for a model without adapters.
+    own copy of the frozen base (generation/server.py). Nothing for a model without adapters.
     An adapter of another shape (embedding, fan_in_fan_out, DoRA, two at once) is a
     ConfigError: it is not a plain B @ A on one weight."""
     from peft.tuners.lora import LoraLayer

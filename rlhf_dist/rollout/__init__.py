@@ -1,6 +1,6 @@
 """What a rollout is: sample responses to a rank's prompts, then score them with every
-model the update needs (docs/architecture.md section 5). `collect.py` runs it over the hf
-backend (rlhf_dist.engine's decode loop), `vllm.py` over an in-process vLLM engine and
+model the update needs (docs/architecture.md section 5). `collect.py` runs it through the
+run's sampler (rlhf_dist.generation: the decode loop, vLLM or the rollout servers) and
 `agent.py` as multi-turn episodes with tools; `batch.py` holds the frozen `RolloutBatch`.
 """
 

@@ -29,7 +29,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -193,6 +193,8 @@ class Agent:
     max_episode_tokens: int
     # no reward source is set (validation.py): every episode's reward is the environment's
     reward_required: bool = False
+    # episodes played by this process (EndpointAgent: through the servers' chat endpoint)
+    through_endpoint: ClassVar[bool] = False
 
 
 def environment_rewards_only(cfg: Config) -> bool:

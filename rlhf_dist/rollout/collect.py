@@ -13,15 +13,16 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from rlhf_dist.config import Config, GenerationConfig, PerfConfig
 from rlhf_dist.engine.cpu import scoring_context
-from rlhf_dist.engine.decode import decode_responses, generate, pad_columns, truncate_after_eos
+from rlhf_dist.engine.decode import decode_responses, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
-from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.errors import UserError
+from rlhf_dist.generation import HFSampler, Sampler
 from rlhf_dist.rollout import agent as agent_mod
 from rlhf_dist.rollout import endpoint
 from rlhf_dist.rollout.batch import (
@@ -30,9 +31,6 @@ from rlhf_dist.rollout.batch import (
     scores_with_eos_penalty,
     sequence_last_index,
 )
-from rlhf_dist.rollout.prefetch import PrefetchingServer
-from rlhf_dist.rollout.server import ServerEngine
-from rlhf_dist.rollout.vllm import VLLMEngine
 
 
 class SequenceScorer(Protocol):
@@ -52,14 +50,12 @@ class RolloutModels:
     yielding (actor module, keep_in_step) for generation, the frozen reference, the scorer,
     the ids that end a response (models.policy_stop_ids; empty: the tokenizer's EOS),
     the frozen teacher of on-policy distillation (model.teacher; None without one),
-    with generation.backend=vllm this rank's engine (vllm_rollout.VLLMEngine), with
-    generation.backend=server the rollout servers' client (rollout/server.py), a
+    what samples the responses (a generation.Sampler: generation.make_sampler; None: the
+    decode loop over the actor in generation_context, generation.HFSampler), a
     context in which the actor-critic's weights are whole (under ZeRO-3: gathered once,
     not layer by layer in every forward; a no-op elsewhere), for multi-turn rollouts
     the agent (rollout/agent.py) and the per-turn lock-step collective, and the speed
-    paths of generation and scoring (perf); for the engine's weight sync a context like
-    generation_context that leaves the weights as they are (rollout servers gather them a
-    bucket at a time; None: generation_context); with sequence parallelism how scoring
+    paths of generation and scoring (perf); with sequence parallelism how scoring
     pools its chunks over the group and splits their forwards (`pool`, `split`)."""
 
     actor_critic: torch.nn.Module
@@ -67,7 +63,7 @@ class RolloutModels:
     reference: torch.nn.Module | None
     scorer: SequenceScorer
     stop_ids: tuple[int, ...] = ()
-    engine: VLLMEngine | ServerEngine | PrefetchingServer | None = None
+    sampler: Sampler = None  # type: ignore[assignment]  # None: HFSampler (__post_init__)
     whole_weights: Callable = contextlib.nullcontext
     # multi-turn rollouts (generation.tools / environment; an EndpointAgent when the
     # environment plays through the servers' endpoint)
@@ -75,7 +71,6 @@ class RolloutModels:
     any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
     perf: PerfConfig = DEFAULT_PERF
     teacher: torch.nn.Module | None = None
-    sync_context: Callable | None = None
     # distributed.sequence_parallel_size > 1: Runtime.pool_micro_batches and
     # Runtime.sequence_parallel, scoring's forwards split over the group; None: whole rows
     pool: Callable | None = None
@@ -85,17 +80,21 @@ class RolloutModels:
     # empty forward fetches the top module's weights)
     has_critic: bool = True
 
+    def __post_init__(self) -> None:
+        if self.sampler is None:
+            self.sampler = HFSampler(self.generation_context, self.perf)
+
 
 @torch.no_grad()
 def collect_rollout(
     models: RolloutModels,
     prompts: PromptBatch,
     cfg: Config,
-    tokenizer,
-    timings=None,
+    tokenizer: Any,
+    timings: dict | None = None,
     micro_batch_size: int | None = None,
     old_logprobs: bool = True,
-):
+) -> tuple[RolloutBatch, list[str]]:
     """Generate and score one rank's prompts in rollout micro-batches -> RolloutBatch, and
     the response texts: generate -> truncate after EOS -> decode -> old/ref log-probs,
     values and scores (the scorer reads each row's other columns too) -> missing-EOS
@@ -109,7 +108,7 @@ def collect_rollout(
     chunks = [slice(i, i + micro) for i in range(0, prompts.ids.shape[0], micro)]
     # hf: sampling and scoring in one span of whole weights (one gather under ZeRO-3).
     # vLLM samples from its own copy: whole weights only for its sync, then for scoring.
-    hf = models.engine is None
+    hf = models.sampler.from_actor
     with models.whole_weights() if hf else contextlib.nullcontext():
         start = time.perf_counter()
         play = _single_turn if models.agent is None else _episodes  # episodes: agent.py
@@ -139,8 +138,9 @@ def collect_rollout(
 
 
 def _single_turn(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks, tokenizer
-):
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
+    tokenizer: Any,
+) -> tuple[dict, list, list[str], None]:  # fmt: skip
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -161,8 +161,9 @@ def _single_turn(
 
 
 def _episodes(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks, tokenizer
-):
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
+    tokenizer: Any,
+) -> tuple[dict, list, list[str], torch.Tensor]:  # fmt: skip
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
     the final answers and the answers, the environment's rewards (B,), NaN where none).
@@ -171,8 +172,8 @@ def _episodes(
     environment is reset with its row's other columns where it takes them."""
     eos = models.stop_ids or (tokenizer.eos_token_id,)
     assert models.agent is not None  # collect_rollout plays episodes only with an agent
-    if isinstance(models.agent, endpoint.EndpointAgent):
-        episodes = _endpoint_episodes(models, prompts, gen, eos)
+    if models.agent.through_endpoint:
+        episodes = _endpoint_episodes(models, prompts, gen, eos, tokenizer)
     else:
         episodes = _agent_episodes(models, prompts, gen, chunks, tokenizer, eos)
     if models.agent.reward_required:  # the same on every rank: the collective is safe
@@ -197,87 +198,67 @@ def _require_rewards(episodes: list, any_rank) -> None:
         )
 
 
-def _endpoint_episodes(models: RolloutModels, prompts: PromptBatch, gen, eos) -> list:
+def _endpoint_episodes(
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, eos: tuple[int, ...],
+    tokenizer: Any,
+) -> list:  # fmt: skip
     """generation.environment_endpoint: one sync, then the environment plays every episode
     against the servers' chat endpoint (rollout/endpoint.py); with ppo.max_staleness, the
-    episodes played ahead by the last iteration's weights (rollout/prefetch.py)."""
-    engine, agent = models.engine, models.agent
-    assert isinstance(agent, endpoint.EndpointAgent)
-    assert isinstance(engine, (ServerEngine, PrefetchingServer))
-    with (models.sync_context or models.generation_context)() as (actor, _):
-        engine.load_weights(actor)  # a bucket at a time
-    server = engine.server if isinstance(engine, PrefetchingServer) else engine
+    episodes played ahead by the last iteration's weights (generation/prefetch.py)."""
+    sampler, agent = models.sampler, models.agent
+    server = sampler.servers()
+    assert server is not None and isinstance(agent, endpoint.EndpointAgent)
+    sampler.sync(prompts.ids, prompts.mask, gen, eos, tokenizer)  # a bucket at a time
 
-    def play(batch: PromptBatch):
+    def play(batch: PromptBatch) -> Callable[[], list]:
         texts, columns = batch.rows(slice(None))
         return endpoint.request(agent, server, list(texts), columns, gen, eos)
 
-    if isinstance(engine, PrefetchingServer):
-        return engine.episodes(prompts, play)
     # an environment's error or a server's on one rank stops every rank at once
-    return server.together(play(prompts), errors=(ServerError, UserError))
+    return sampler.episodes(prompts, play)
 
 
-def _agent_episodes(models: RolloutModels, prompts: PromptBatch, gen, chunks, tokenizer, eos):
+def _agent_episodes(
+    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
+    tokenizer: Any, eos: tuple[int, ...],
+) -> list:  # fmt: skip
     """Episodes of generation.tools / environment, played by this process (rollout/agent.py)."""
     pad, agent = tokenizer.pad_token_id, models.agent
     assert isinstance(agent, agent_mod.Agent)
     play = functools.partial(agent_mod.run_episodes, agent, gen=gen, tokenizer=tokenizer,
                              stop_ids=eos, any_rank=models.any_rank,
                              perf=models.perf)  # fmt: skip
-    episodes, engine = [], models.engine
-    if engine is None:
+    episodes, sampler = [], models.sampler
+    if sampler.from_actor:  # each turn decoded by the actor itself, a micro batch at a time
         with models.generation_context() as (actor, keep_in_step):
             for s in chunks:
                 texts, columns = prompts.rows(s)
                 episodes += play(actor, keep_in_step, texts, columns=columns)
     else:  # an engine schedules its own batches: the whole shard, every turn in one call
-        with (models.sync_context or models.generation_context)() as (actor, _):
-            engine.load_weights(actor)  # rollout servers: gathered a bucket at a time
-            if isinstance(engine, VLLMEngine) and engine.checks_sync:
-                engine.check_sync(actor, prompts.ids, prompts.mask, gen, tokenizer, eos)
-        sampler = functools.partial(_engine_sample, engine, pad)
+        sampler.sync(prompts.ids, prompts.mask, gen, eos, tokenizer)
         texts, columns = prompts.rows(slice(None))
         # a server's answers are awaited on every rank together: turns stay in step
-        in_step = not isinstance(engine, VLLMEngine)
-        episodes = play(None, None, list(texts), sampler=sampler, columns=columns,
-                        sampler_in_step=in_step)  # fmt: skip
-        engine.sleep()  # GPU: free its memory for scoring and the update
+        episodes = play(None, None, list(texts), sampler=functools.partial(_turn, sampler, pad),
+                        columns=columns, sampler_in_step=sampler.in_step)  # fmt: skip
+        sampler.sleep()  # GPU: free its memory for scoring and the update
     return episodes
 
 
 def _sample(
-    models: RolloutModels, prompt_ids, prompt_mask, gen: GenerationConfig, chunks, tokenizer
-):
+    models: RolloutModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    gen: GenerationConfig, chunks: list[slice], tokenizer: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
     backend, whose sampler is the trainer's own forward)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
-    if models.engine is not None:
-        # whole weights, once per rollout; rollout servers: gathered a bucket at a time
-        with (models.sync_context or models.generation_context)() as (actor, _):
-            models.engine.load_weights(actor)
-            if isinstance(models.engine, VLLMEngine) and models.engine.checks_sync:
-                models.engine.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, eos)
-        # vLLM schedules its own batches: the whole shard goes in at once.
-        out = models.engine.generate(prompt_ids, prompt_mask, gen, eos, pad)
-        models.engine.sleep()  # GPU: free its memory for scoring and the update
-        return out
-    with models.generation_context() as (actor, keep_in_step):
-        responses = [
-            generate(
-                actor,
-                prompt_ids[s],
-                prompt_mask[s],
-                gen,
-                tokenizer,
-                keep_in_step,
-                eos,
-                models.perf,
-            )  # fmt: skip
-            for s in chunks
-        ]
-    width = max(r.shape[1] for r in responses)
-    return torch.cat([pad_columns(r, width, pad) for r in responses]), None
+    sampler = models.sampler
+    # the actor's weights, once per rollout (vLLM: whole; rollout servers: a bucket at a time)
+    sampler.sync(prompt_ids, prompt_mask, gen, eos, tokenizer)
+    # the decode loop samples a micro batch at a time; vLLM and the servers the whole shard
+    micro = chunks[0].stop - chunks[0].start
+    samples = sampler.sample(prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro)
+    sampler.sleep()  # GPU: free its memory for scoring and the update
+    return samples.response_ids, samples.logprobs
 
 
 def _chunk_inputs(sampled: dict, s: slice) -> tuple:
@@ -357,14 +338,11 @@ def _score_chunk(models, sampled: dict, s: slice, read, forwards: dict) -> dict:
     return forwards | {"raw_scores": raw_scores.float()}
 
 
-def _engine_sample(
-    engine: VLLMEngine | ServerEngine | PrefetchingServer,
-    pad: int,
-    ids,
-    mask,
-    gen: GenerationConfig,
-    stop_ids,
-):
-    """One turn sampled by the vLLM engine or the rollout servers: (ids (B, T), sampler
-    log-probs (B, T))."""
-    return engine.generate(ids, mask, gen, stop_ids, pad)
+def _turn(
+    sampler: Sampler, pad: int, ids: torch.Tensor, mask: torch.Tensor, gen: GenerationConfig,
+    stop_ids: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """One turn of every active episode (rollout/agent.py's `sampler`), sampled by the vLLM
+    engine or the rollout servers: (ids (B, T), sampler log-probs (B, T))."""
+    samples = sampler.sample(ids, mask, gen, stop_ids, pad)
+    return samples.response_ids, samples.logprobs

@@ -26,13 +26,14 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlhf_dist.config import GenerationConfig
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.generation.vllm import sampling_seeds
 from rlhf_dist.rollout.agent import Episode, environment_rewards_only
 from rlhf_dist.rollout.environments import environment_episode
-from rlhf_dist.rollout.vllm import sampling_seeds
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EndpointAgent:
     episode: Callable
     at_once: int
     reward_required: bool = False  # as agent.Agent's
+    through_endpoint: ClassVar[bool] = True  # the environment plays through the servers
 
 
 def endpoint_agent(cfg) -> EndpointAgent | None:
@@ -105,7 +107,7 @@ def play(
     agent: EndpointAgent, server, prompts: list, columns: list[dict], gen: GenerationConfig,
     stop_ids,
 ) -> list[Episode]:  # fmt: skip
-    """One episode per prompt against `server` (rollout/server.py ServerEngine, synced)
+    """One episode per prompt against `server` (generation/server.py ServerEngine, synced)
     -> the episodes as the in-process multi-turn rollout returns them."""
     return request(agent, server, prompts, columns, gen, stop_ids)()
 
@@ -116,7 +118,7 @@ def request(
 ) -> Callable[[], list[Episode]]:  # fmt: skip
     """The episodes of `play`, named now (their ids drawn on this thread from the
     checkpointed RNG, so a resumed run names and seeds them as the unbroken one did) and
-    played when the returned work runs (with ppo.max_staleness, on rollout/prefetch.py's
+    played when the returned work runs (with ppo.max_staleness, on generation/prefetch.py's
     background thread while the trainer trains). Their records must carry the servers'
     version of now: nothing syncs while they play."""
     tag = f"{os.environ.get('RANK', '0')}-{int(sampling_seeds(1)[0])}"

@@ -145,7 +145,7 @@ def build_app(
 
 
 def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) -> None:
-    """/init_weight_sync and /update_weights: the trainer's side is rollout/server.py."""
+    """/init_weight_sync and /update_weights: the trainer's side is generation/server.py."""
 
     @app.post("/init_weight_sync", dependencies=[Depends(authorized)])
     def init_weight_sync(body: JoinBody) -> dict:

@@ -11,8 +11,8 @@ import torch
 from rlhf_dist.config import Config
 from rlhf_dist.data.chat import chat_for
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.generation.vllm import VLLMEngine
 from rlhf_dist.models.loading import load_causal_lm, policy_stop_ids, tokenizer_for, train_dtype
-from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.serving.app import build_app
 from rlhf_dist.serving.policy import ServedPolicy
 

@@ -7,7 +7,7 @@ the sampled tokens at the sampling temperature: log softmax(logits / T) of the f
 vocabulary, the distribution the hf sampler draws from when top_k and top_p are off (with
 them on, the untruncated one; EOS suppression by min_new_tokens is not reflected).
 
-With `serve.engine=vllm` a vLLM engine generates instead (`engine`, rollout/vllm.py
+With `serve.engine=vllm` a vLLM engine generates instead (`engine`, generation/vllm.py
 VLLMEngine: per-request seeds drawn from the request's seed, the log-probs vLLM sampled
 with, after temperature and top-k / top-p) and scores (its prompt log-probs, so the
 post-sync check reads the engine's own weights). The model then stays on the CPU as the
@@ -39,7 +39,7 @@ from rlhf_dist.data.rows import left_pad, right_pad
 from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup
 from rlhf_dist.engine.decode import generate, truncate_after_eos
 from rlhf_dist.engine.forward import token_logprobs
-from rlhf_dist.rollout.vllm import sampling_seeds
+from rlhf_dist.generation.vllm import sampling_seeds
 
 
 @dataclass(frozen=True)

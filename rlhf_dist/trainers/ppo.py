@@ -43,6 +43,7 @@ from rlhf_dist.data.batching import (
 from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError, RewardFunctionError, ServerError
+from rlhf_dist.generation import Sampler, make_sampler
 from rlhf_dist.models import policy_stop_ids, tokenizer_for
 from rlhf_dist.models.lora import merged_adapters
 from rlhf_dist.observability.alerts import AlertMonitor
@@ -53,9 +54,6 @@ from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.rollout.agent import Agent, build_agent
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
 from rlhf_dist.rollout.endpoint import EndpointAgent, endpoint_agent
-from rlhf_dist.rollout.prefetch import PrefetchingServer
-from rlhf_dist.rollout.server import ServerEngine
-from rlhf_dist.rollout.vllm import VLLMEngine
 from rlhf_dist.stats import global_mean_var, global_moments
 from rlhf_dist.trainers.common import (
     PreemptionFlag,
@@ -232,7 +230,7 @@ def ppo_iteration(
     stats = rollout_stats(runtime, batch, kl, advantages, returns, kl_coef) | sampling
     stats |= overlong | cov_stats | run.scorer.component_stats(runtime) | update.stats
     stats |= distill_stats(runtime, batch)  # {} without model.teacher
-    stats |= server_stats(runtime, run.rollout_models.engine)  # {} without rollout servers
+    stats |= server_stats(runtime, run.rollout_models.sampler)  # {} without rollout servers
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, advantages, kl)
@@ -360,23 +358,6 @@ def whitens(ppo_cfg) -> bool:
     return ppo_cfg.whiten_advantages
 
 
-def rollout_engine(
-    cfg: Config, runtime: Runtime
-) -> VLLMEngine | ServerEngine | PrefetchingServer | None:
-    """What samples rollouts besides the actor itself: vLLM in this process, rollout
-    servers (docs/serving.md; with ppo.max_staleness one rollout requested ahead,
-    rollout/prefetch.py), or nothing (the hf backend)."""
-    backend = cfg.generation.backend
-    if backend == "vllm":
-        return VLLMEngine(cfg, runtime.device)
-    if backend == "server":
-        server = ServerEngine(cfg, runtime.is_main, runtime.all_max)
-        if cfg.ppo.max_staleness:
-            return PrefetchingServer(server, cfg.ppo.max_staleness)
-        return server
-    return None
-
-
 def with_next(stream):
     """(this item, the next one or None) for each item of `stream`."""
     current = next(stream, None)
@@ -387,19 +368,19 @@ def with_next(stream):
 
 
 def expect_next(cfg: Config, run: PPORun, it: int, upcoming) -> None:
-    """ppo.max_staleness (rollout/prefetch.py): tell the servers' client which prompts to
+    """ppo.max_staleness (generation/prefetch.py): tell the servers' client which prompts to
     request while iteration `it` trains: none at the last iteration or one that writes a
     scheduled checkpoint, so the iteration after a checkpoint samples on-policy and a
     resumed run samples what the unbroken run did."""
-    engine = run.rollout_models.engine
-    if not isinstance(engine, PrefetchingServer):
-        return
     ahead = upcoming is not None and not checkpoint_due(cfg, it, cfg.ppo.iterations, False)
-    engine.expect(it, upcoming if ahead else None)
+    run.rollout_models.sampler.expect_next(it, upcoming if ahead else None)
 
 
-def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
-    """Load data and models (from a checkpoint if resuming) into a PPORun."""
+def start_ppo(
+    cfg: Config, runtime: Runtime, ckpt, tokenizer, sampler: Sampler | None = None
+) -> PPORun:
+    """Load data and models (from a checkpoint if resuming) into a PPORun; `sampler`
+    samples the rollouts (None: generation.backend's, generation.make_sampler)."""
     p = cfg.ppo
     plan = ppo_plan(p, runtime.world_size)
     # PPO-ptx rows, before any model loads (a data mistake is found first); one global
@@ -414,7 +395,7 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
     built = build_models(cfg, runtime, plan, total_steps, ckpt)
     model = built.model
 
-    rollout_models = make_rollout_models(cfg, runtime, built, tokenizer, agent)
+    rollout_models = make_rollout_models(cfg, runtime, built, tokenizer, agent, sampler)
     kl_ctl, moments, entropy_ctl = restored_controllers(p, ckpt, built.scheduler)
     return PPORun(
         model,
@@ -434,10 +415,12 @@ def start_ppo(cfg: Config, runtime: Runtime, ckpt, tokenizer) -> PPORun:
 
 
 def make_rollout_models(
-    cfg: Config, runtime: Runtime, built, tokenizer, agent: Agent | EndpointAgent | None
-) -> RolloutModels:
+    cfg: Config, runtime: Runtime, built, tokenizer, agent: Agent | EndpointAgent | None,
+    sampler: Sampler | None = None,
+) -> RolloutModels:  # fmt: skip
     """What a rollout reads: the actor (generated from through `generation_context`), the
-    frozen models, the stop ids, the engine, the agent and the scoring split."""
+    frozen models, the stop ids, the sampler (None: generation.backend's), the agent and
+    the scoring split."""
     model = built.model
     gather = cfg.perf.gather_for_generation
     # LoRA: generate with the adapters folded into the base (whole tensors only: not
@@ -453,25 +436,20 @@ def make_rollout_models(
             yield (stack.enter_context(merged_adapters(actor)) if merge else actor), keep_in_step
 
     stops = policy_stop_ids(cfg, tokenizer)
-    engine = rollout_engine(cfg, runtime)
-    # Rollout servers read the actor a bucket at a time (under ZeRO-3 each bucket gathered
-    # on its own; with LoRA only the adapters, which the servers fold in: rollout/server.py)
-    bucketed = cfg.generation.backend == "server"
+    if sampler is None:  # generation.backend's (generation/factory.py)
+        sampler = make_sampler(cfg, runtime, model, generation_context)
     return RolloutModels(
         model,
         generation_context,
         built.reference,
         built.scorer,
         stops,
-        engine,
+        sampler,
         whole_weights=lambda: runtime.whole_weights(model, gather),
         agent=agent,
         any_rank=runtime.any_rank if runtime.world_size > 1 else None,
         perf=cfg.perf,
         teacher=built.teacher,  # model.teacher: scores the rollout (docs/distill.md)
-        sync_context=(
-            (lambda: runtime.generation_context(model, "actor", gather=False)) if bucketed else None
-        ),
         # distributed.sequence_parallel_size: scoring's forwards split over the group
         pool=runtime.pool_micro_batches if runtime.sequence_parallel_size > 1 else None,
         has_critic=ESTIMATORS[cfg.ppo.estimator].traits.needs_critic,
@@ -509,7 +487,7 @@ def trainer_state(run: PPORun, first_score: float | None, alerts: AlertMonitor) 
 def stop_on_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
     """The error to end the run with after the reward failed (RewardFunctionError, retries
     spent) or a rollout server did (ServerError) in the iteration after `done`; raised on
-    every rank together (retry.py; rollout/server.py agrees over the ranks).
+    every rank together (retry.py; generation/server.py agrees over the ranks).
 
     run_files: (output dir, MetricsLogger); done: (last completed iteration, the RNG
     states at its end); state: trainer_state. The failed iteration's rollout changed no
@@ -532,12 +510,13 @@ def stop_on_failure(cfg, runtime, run_files, run: PPORun, done, state, error):
     )
 
 
-def train_ppo(cfg, runtime) -> dict:
-    """Run PPO as configured; returns the summary written to summary.json."""
+def train_ppo(cfg, runtime, sampler: Sampler | None = None) -> dict:
+    """Run PPO as configured; returns the summary written to summary.json. `sampler`
+    samples the rollouts (None: generation.backend's; any generation.Sampler)."""
     ckpt, p = find_resume(cfg, runtime), cfg.ppo
     tokenizer = tokenizer_for(cfg, "policy")
     prompts = training_prompts(cfg, tokenizer)  # data mistakes before any model loads
-    run = start_ppo(cfg, runtime, ckpt, tokenizer)
+    run = start_ppo(cfg, runtime, ckpt, tokenizer, sampler)
     out, logger = open_run(cfg, runtime, "ppo", ckpt, p.iterations)
     runtime.print(prompts.report.summary("prompts"))
     start = ckpt.step if ckpt else 0
@@ -560,8 +539,7 @@ def train_ppo(cfg, runtime) -> dict:
         try:
             result = ppo_iteration(runtime, run, prompt_batch, cfg, it, more, planned)
         except (RewardFunctionError, ServerError) as e:
-            if isinstance(run.rollout_models.engine, PrefetchingServer):
-                run.rollout_models.engine.close()  # a rollout in flight is not waited for
+            run.rollout_models.sampler.close()  # a rollout in flight is not waited for
             state = trainer_state(run, first_score, alerts)
             failure = stop_on_failure(cfg, runtime, (out, logger), run, (it - 1, rng), state, e)
             raise failure from e.__cause__

@@ -16,10 +16,9 @@ from rlhf_dist.algo.objectives import (
 )
 from rlhf_dist.algo.rewards import token_kl
 from rlhf_dist.data.chat import prompt_text
+from rlhf_dist.generation import Sampler
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.rollout.agent import episode_stats
-from rlhf_dist.rollout.prefetch import PrefetchingServer
-from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.stats import StatSums, global_moments
 from rlhf_dist.trainers.common import (
     padding_cells,
@@ -168,39 +167,16 @@ def memory_plan_stats(runtime, planned: dict[str, float], measured: dict) -> dic
     return stats
 
 
-def server_stats(runtime, engine) -> dict:
+def server_stats(runtime, sampler: Sampler) -> dict:
     """generation.backend=server (docs/serving.md): the last post-sync check's mean
     per-token log-prob gap (the largest over the servers), the policy version the rollout
     was sampled with, the sync's seconds and its memory growth on the rank that grew most
     (sampled: GPU tensor memory, else the resident set; the gathered buckets and rank 0's
     host copies of one); {} with another backend. With ppo.max_staleness
-    (rollout/prefetch.py) also the rollout's staleness over the ranks, the rollouts dropped
+    (generation/prefetch.py) also the rollout's staleness over the ranks, the rollouts dropped
     as too stale so far and the seconds the servers took for it (on a background thread,
-    beside the previous iteration's update). A collective."""
-    prefetch = engine if isinstance(engine, PrefetchingServer) else None
-    server = prefetch.server if prefetch is not None else engine
-    if not isinstance(server, ServerEngine):
-        return {}
-    gap = float(runtime.all_max(torch.tensor(server.sync_gap)))
-    grown = float(runtime.all_max(torch.tensor(float(server.sync_peak_bytes)))) / 2**20
-    out = {
-        "rollout/server_sync_gap": gap,
-        "memory/sync_peak_mib": grown,
-        "rollout/policy_version": float(server.version),
-        "time/weight_sync": server.sync_seconds,
-    }
-    if prefetch is None:
-        return out
-    staleness = torch.tensor(float(prefetch.staleness), dtype=torch.float64)
-    return out | {
-        "rollout/policy_version": float(prefetch.version),  # the version that sampled it
-        "rollout/staleness_mean": float(runtime.all_sum(staleness)) / runtime.world_size,
-        "rollout/staleness_max": float(runtime.all_max(staleness)),
-        "rollout/stale_dropped": float(prefetch.dropped),
-        "time/generate_request": float(
-            runtime.all_max(torch.tensor(prefetch.request_seconds, dtype=torch.float64))
-        ),
-    }
+    beside the previous iteration's update). A collective: the sampler's `stats`."""
+    return sampler.stats(runtime)
 
 
 CONSOLE_KEYS = (

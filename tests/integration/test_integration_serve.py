@@ -32,8 +32,8 @@ from rlhf_dist.data.rows import left_pad
 from rlhf_dist.engine.decode import generate, truncate_after_eos
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.errors import ServerError
+from rlhf_dist.generation.server import ServerEngine
 from rlhf_dist.models.loading import load_causal_lm, load_tokenizer
-from rlhf_dist.rollout.server import ServerEngine
 
 TOKEN = "test-token-7c1e"  # the shared secret of this module's server
 ENV = "RLHF_DIST_TEST_SERVER_TOKEN"

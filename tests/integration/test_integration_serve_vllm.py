@@ -31,8 +31,8 @@ from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.data.rows import left_pad  # noqa: E402
 from rlhf_dist.engine.decode import truncate_after_eos  # noqa: E402
 from rlhf_dist.engine.forward import token_logprobs  # noqa: E402
+from rlhf_dist.generation.server import ServerEngine  # noqa: E402
 from rlhf_dist.models.loading import load_causal_lm  # noqa: E402
-from rlhf_dist.rollout.server import ServerEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow  # vLLM's start and first generate: ~30-40 s on 2 cores
 

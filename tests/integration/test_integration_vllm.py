@@ -24,8 +24,8 @@ pytest.importorskip("vllm")
 from rlhf_dist.config import config_from_dict  # noqa: E402
 from rlhf_dist.engine.decode import generate, truncate_after_eos  # noqa: E402
 from rlhf_dist.engine.forward import token_logprobs  # noqa: E402
+from rlhf_dist.generation.vllm import SyncError, VLLMEngine  # noqa: E402
 from rlhf_dist.models.lora import merged_adapters  # noqa: E402
-from rlhf_dist.rollout.vllm import SyncError, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,19 +1,21 @@
-"""rollout/prefetch.py (ppo.max_staleness=1) against a stand-in for the servers: which weights
+"""generation/prefetch.py (ppo.max_staleness=1) against a stand-in for the servers: which weights
 sample which iteration, what is requested ahead and on which thread, the staleness bound,
 an evaluation between iterations, the version check, and episodes an environment plays
 through the endpoint. The real servers: the integration tests in
 tests/integration/test_integration_serve.py and test_integration_agent.py."""
 
+import contextlib
 import threading
+import types
 
 import pytest
 import torch
 
 from rlhf_dist.config import GenerationConfig
 from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.generation.prefetch import PrefetchingServer
+from rlhf_dist.generation.server import ServerEngine
 from rlhf_dist.rollout.batch import PromptBatch
-from rlhf_dist.rollout.prefetch import PrefetchingServer
-from rlhf_dist.rollout.server import ServerEngine
 
 PAD = 0
 
@@ -185,3 +187,26 @@ def test_episodes_are_played_one_step_ahead_like_a_rollout():
     engine.load_weights(torch.nn.Linear(1, 1))
     with pytest.raises(UserError, match="episode 0 raised ValueError"):
         engine.episodes(prompts(40), failing)
+
+
+def test_through_the_sampler_protocol_rows_carry_the_version_that_sampled_them():
+    """sync / expect_next / sample / stats / servers: the Sampler face of the prefetcher
+    (generation/base.py), as collect.py and the trainer call it."""
+    servers = FakeServers()
+    servers.weights = lambda: contextlib.nullcontext((torch.nn.Linear(1, 1), None))
+    engine = PrefetchingServer(servers, max_staleness=1)
+    assert not engine.from_actor and engine.in_step and engine.servers() is servers
+    batches, gen = [prompts(10), prompts(20)], GenerationConfig()
+    versions = []
+    for it, batch in enumerate(batches, start=1):
+        engine.expect_next(it, batches[it] if it < len(batches) else None)
+        engine.sync(batch.ids, batch.mask, gen, (1,), None)
+        samples = engine.sample(batch.ids, batch.mask, gen, (1,), PAD)
+        assert samples.logprobs is not None and samples.logprobs.shape == (2, 2)
+        versions.append(samples.versions.tolist())
+    # iteration 2 was sampled ahead by version 1, while version 2 trained
+    assert versions == [[1, 1], [1, 1]] and servers.version == 2
+    runtime = types.SimpleNamespace(all_max=lambda x: x, all_sum=lambda x: x, world_size=1)
+    servers.sync_gap, servers.sync_peak_bytes, servers.sync_seconds = 0.0, 0, 0.0
+    stats = engine.stats(runtime)
+    assert stats["rollout/policy_version"] == 1.0 and stats["rollout/staleness_max"] == 1.0

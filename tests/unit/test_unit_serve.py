@@ -12,7 +12,7 @@ from rlhf_dist import cli
 from rlhf_dist.config import ConfigError, load_config, validate
 from rlhf_dist.distributed.weight_sync import SyncGroup, dtype_name, free_port, weight_buckets
 from rlhf_dist.errors import ServerError
-from rlhf_dist.rollout.server import _padded
+from rlhf_dist.generation.server import _padded
 
 PPO = ["model.policy=p", "data.train=t.jsonl", "reward.function=m:f"]
 
@@ -117,7 +117,7 @@ def test_a_server_failure_ends_the_command_with_one_line_and_exit_4(capsys, monk
 
 
 def test_the_client_without_its_token_is_a_config_error_naming_the_key(monkeypatch):
-    from rlhf_dist.rollout.server import ServerEngine
+    from rlhf_dist.generation.server import ServerEngine
 
     monkeypatch.delenv("RLHF_DIST_UNSET_TOKEN", raising=False)
     cfg = load_config(
@@ -137,7 +137,7 @@ def test_the_sync_walk_gathers_one_bounded_bucket_at_a_time_under_zero3(monkeypa
 
     import deepspeed
 
-    from rlhf_dist.rollout.server import ServerEngine
+    from rlhf_dist.generation.server import ServerEngine
 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])  # 6 x 16.6 KB
     for i, p in enumerate(model.parameters()):
@@ -189,7 +189,7 @@ def test_memory_growth_keeps_the_largest_rise_over_the_start_while_the_body_runs
 
 
 def test_a_lora_sync_sends_the_base_once_then_only_adapters_that_the_server_folds_in():
-    """rollout/server.py sync_entries + serving/policy.py ServedPolicy._apply: a served
+    """generation/server.py sync_entries + serving/policy.py ServedPolicy._apply: a served
     model holding other weights gets the frozen base whole and the adapters on the first
     sync, only A and B after; each time it then computes what the peft actor computes
     (fp32, 1e-5), the fold never accumulating over syncs. A matrix that does not fit its
@@ -201,8 +201,8 @@ def test_a_lora_sync_sends_the_base_once_then_only_adapters_that_the_server_fold
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf_dist.config import LoRAConfig
+    from rlhf_dist.generation.server import sync_entries
     from rlhf_dist.models.lora import add_adapters
-    from rlhf_dist.rollout.server import sync_entries
     from rlhf_dist.serving.policy import BadRequest, ServedPolicy, TensorSpec, _check_adapter
 
     torch.manual_seed(0)

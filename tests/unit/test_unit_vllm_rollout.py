@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_dist.config import ConfigError, GenerationConfig, config_from_dict, validate
-from rlhf_dist.rollout.vllm import (
+from rlhf_dist.generation.vllm import (
     hf_weights,
     import_vllm,
     prompts_for_engine,
@@ -191,6 +191,6 @@ def test_demo_overrides_reach_every_stage_and_owned_keys_are_refused():
 
 def test_importing_the_backend_does_not_import_vllm():
     # hf-backend users need not install vllm: the module imports it only when asked.
-    code = "import rlhf_dist.rollout.vllm, sys; print('vllm' in sys.modules)"
+    code = "import rlhf_dist.generation.vllm, sys; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

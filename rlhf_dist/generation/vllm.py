@@ -18,7 +18,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +27,12 @@ from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.distributed import before_destroy
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, StopIds
 from rlhf_dist.models.loading import context_length, train_dtype
+
+if TYPE_CHECKING:
+    from rlhf_dist.distributed import Runtime
+    from rlhf_dist.generation.server import ServerEngine
 
 _MISSING = (
     "generation.backend=vllm: the vllm package is not installed "
@@ -38,7 +44,7 @@ class SyncError(RuntimeError):
     """vLLM's engine does not sample from the actor's current weights."""
 
 
-def import_vllm():
+def import_vllm() -> Any:
     """The vllm module, or a one-line ConfigError naming the key when it is missing."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO lines every rollout
     try:
@@ -82,7 +88,9 @@ def _release_vllm_groups() -> None:
     parallel_state.destroy_distributed_environment()
 
 
-def sampling_seeds(n: int, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
+def sampling_seeds(
+    n: int, device: torch.device | str | None = None, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """(n,) int64 seeds, one per request, from torch's global RNG (checkpointed, so a
     resumed run draws the same seeds) or from `generator`. Each request needs its own:
     vLLM seeds a request's sampler with its seed alone, so equal seeds give equal samples
@@ -90,7 +98,7 @@ def sampling_seeds(n: int, device=None, generator: torch.Generator | None = None
     return torch.randint(0, 2**31 - 1, (n,), dtype=torch.long, device=device, generator=generator)
 
 
-def sampling_params(vllm, gen_cfg: GenerationConfig, stop_ids, seed: int):
+def sampling_params(vllm: Any, gen_cfg: GenerationConfig, stop_ids: StopIds, seed: int) -> Any:
     """vLLM's SamplingParams with the hf backend's meaning of every generation key.
 
     temperature, top_k (0 = off in both), top_p, max_new_tokens -> max_tokens,
@@ -117,7 +125,9 @@ def prompts_for_engine(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> l
     return [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(prompt_ids, prompt_mask)]
 
 
-def responses_from_outputs(outputs, pad_id: int, device=None):
+def responses_from_outputs(
+    outputs: list[Any], pad_id: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM outputs of B requests -> (response_ids (B, T) int64 right-padded with pad_id,
     sampler_logprobs (B, T) float32, 0 on padding). T = the longest response (>= 1).
 
@@ -166,9 +176,20 @@ def _rollout_length(cfg: Config) -> int:
 
 
 class VLLMEngine:
-    """One rank's in-process vLLM engine: load the actor's weights, sample a rollout."""
+    """One rank's in-process vLLM engine: load the actor's weights, sample a rollout. A
+    Sampler (generation/base.py) without versions: `sync` loads the actor's current
+    weights before every rollout."""
 
-    def __init__(self, cfg: Config, device: torch.device):
+    from_actor = False
+    in_step = False  # no collective: each rank's engine samples its own shard
+    version = 0
+
+    def __init__(
+        self, cfg: Config, device: torch.device, weights: GenerationContext | None = None
+    ) -> None:
+        """weights: () -> context yielding (actor, _) with the actor's whole weights, read
+        by `sync` (None: an engine that only serves, rlhf-dist serve)."""
+        self.weights = weights
         vllm = import_vllm()
         g, self.vllm, self.perf = cfg.generation, vllm, cfg.perf
         self.on_gpu = device.type == "cuda"
@@ -221,9 +242,9 @@ class VLLMEngine:
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks came from old weights
 
     def generate(
-        self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int,
-        seeds: list[int] | None = None,
-    ):  # fmt: skip
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        stop_ids: StopIds, pad_id: int, seeds: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sample one response per left-padded prompt (B, P) -> (response_ids (B, T),
         sampler_logprobs (B, T)); rows are in prompt order, PAD after each response.
         seeds: each row's vLLM seed (None: drawn from the global RNG)."""
@@ -252,8 +273,9 @@ class VLLMEngine:
 
     @torch.no_grad()
     def check_sync(
-        self, actor, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, tokenizer, stop_ids
-    ) -> None:
+        self, actor: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+        gen_cfg: GenerationConfig, tokenizer: Any, stop_ids: StopIds,
+    ) -> None:  # fmt: skip
         """Greedy tokens of the engine and of `actor` (whole weights) on the first rows of
         a rollout's prompts must agree; raise SyncError naming the first row that differs.
 
@@ -293,6 +315,42 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+    def sync(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, tokenizer: Any,
+    ) -> None:  # fmt: skip
+        """Load the actor's whole weights (once per rollout, inside `weights`); with
+        debug.check_vllm_sync compare greedy tokens on the first prompt rows."""
+        assert self.weights is not None, "VLLMEngine.sync without the actor's weights"
+        with self.weights() as (actor, _):
+            self.load_weights(actor)
+            if self.checks_sync:
+                self.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, stop_ids)
+
+    def sample(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+    ) -> Samples:  # fmt: skip
+        """`generate` of the whole shard at once (vLLM schedules its own batches), each
+        row's seed from the global RNG."""
+        ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
+        return Samples(ids, logprobs)
+
+    def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
+        """Nothing: it samples on-policy, when asked."""
+
+    def stats(self, runtime: Runtime) -> dict[str, float]:
+        return {}
+
+    def servers(self) -> ServerEngine | None:
+        return None
+
+    def episodes(self, prompts: Prompts, play: Callable[[Any], Callable[[], list]]) -> list:
+        raise NotImplementedError("an in-process vLLM engine plays no endpoint episodes")
+
+    def close(self) -> None:
+        """Nothing in flight (vLLM's teardown runs before the process group's)."""
 
 
 @contextlib.contextmanager

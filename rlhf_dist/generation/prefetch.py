@@ -1,8 +1,7 @@
 """One-step-off-policy rollouts from the rollout servers (ppo.max_staleness=1;
 docs/serving.md, "Asynchronous rollouts").
 
-`PrefetchingServer` has the face collect.py samples through (load_weights, generate,
-sleep) and wraps the `ServerEngine`. At iteration k, load_weights(): wait for the
+`PrefetchingServer` is a Sampler (generation/base.py) that wraps the `ServerEngine`. At iteration k, load_weights(): wait for the
 rollout requested during iteration k-1 (sampled by the weights the trainer started k-1
 with), then sync the trainer's current weights to the servers (they are idle now: a sync
 never changes weights under a running request); generate(): request iteration k+1's
@@ -34,13 +33,19 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf_dist.config import GenerationConfig
 from rlhf_dist.errors import ServerError, UserError
-from rlhf_dist.rollout.batch import PromptBatch
-from rlhf_dist.rollout.server import ServerEngine
+from rlhf_dist.generation.base import Prompts, Samples, StopIds
+from rlhf_dist.generation.server import ServerEngine, _versions
+
+if TYPE_CHECKING:
+    from rlhf_dist.distributed import Runtime
+
+PromptBatch = Prompts  # rollout.batch.PromptBatch, as the samplers read it
 
 
 @dataclass
@@ -70,6 +75,9 @@ def _timed(ask: Callable[[], list]) -> tuple[list, float]:
 
 class PrefetchingServer:
     """The rollout servers' client with one rollout requested ahead (module docstring)."""
+
+    from_actor = False
+    in_step = True  # the ranks wait for every answer together
 
     def __init__(self, server: ServerEngine, max_staleness: int):
         self.server, self.max_staleness = server, max_staleness
@@ -105,14 +113,58 @@ class PrefetchingServer:
         """Stop waiting for a request in flight (the run ends); HTTP timeouts bound it."""
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
+    def sync(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, tokenizer: Any,
+    ) -> None:  # fmt: skip
+        """`load_weights` of the actor inside the servers' client's `weights` context."""
+        assert self.server.weights is not None, "PrefetchingServer.sync without the actor's weights"
+        with self.server.weights() as (actor, _):
+            self.load_weights(actor)
+
+    def sample(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+    ) -> Samples:  # fmt: skip
+        """`generate`: each row stamped with the version that sampled it (maybe one sync old)."""
+        ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
+        return Samples(ids, logprobs, _versions(ids, self.version))
+
+    def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
+        """`expect`: the prompts requested once this iteration's weights are synced."""
+        self.expect(iteration, upcoming)
+
+    def stats(self, runtime: Runtime) -> dict[str, float]:
+        """The servers' client's statistics (the version: the one that sampled the rollout),
+        the rollout's staleness over the ranks, the rollouts dropped as too stale so far and
+        the seconds the servers took for it (on a background thread, beside the previous
+        iteration's update). A collective."""
+        staleness = torch.tensor(float(self.staleness), dtype=torch.float64)
+        return self.server.stats(runtime) | {
+            "rollout/policy_version": float(self.version),
+            "rollout/staleness_mean": float(runtime.all_sum(staleness)) / runtime.world_size,
+            "rollout/staleness_max": float(runtime.all_max(staleness)),
+            "rollout/stale_dropped": float(self.dropped),
+            "time/generate_request": float(
+                runtime.all_max(torch.tensor(self.request_seconds, dtype=torch.float64))
+            ),
+        }
+
+    def servers(self) -> ServerEngine | None:
+        """The client behind this one (the endpoint's episodes talk to its servers)."""
+        return self.server
+
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        stop_ids: StopIds, pad_id: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """This iteration's rollout of the prompts (B, P) -> (response_ids (B, T),
         sampler_logprobs (B, T)), as ServerEngine.generate; after `load_weights`. Requests
         the next iteration's prompts before it returns. Another call (held-out
         evaluation) samples its prompts with the synced weights and leaves the rollout in
         flight for its iteration."""
 
-        def ask(ids, mask):  # the seeds are drawn now, on this thread
+        def ask(ids: torch.Tensor, mask: torch.Tensor) -> Callable[[], list]:  # seeds drawn now
             return self.server.request(ids, mask, gen_cfg, stop_ids)
 
         ready = self._ready(prompt_ids, prompt_mask, ask)
@@ -120,7 +172,9 @@ class PrefetchingServer:
         self._ask_ahead(lambda batch: ask(batch.ids, batch.mask))
         return out
 
-    def episodes(self, prompts: PromptBatch, play: Callable[[PromptBatch], Callable[[], list]]):
+    def episodes(
+        self, prompts: PromptBatch, play: Callable[[PromptBatch], Callable[[], list]]
+    ) -> list:
         """This iteration's episodes of `prompts` (generation.environment_endpoint), as
         `generate` does a plain rollout: the ones played ahead by the weights of the last
         iteration, else played now; then the next iteration's are started. `play(batch)`
@@ -135,7 +189,9 @@ class PrefetchingServer:
         self._ask_ahead(play)
         return episodes
 
-    def _ready(self, prompt_ids, prompt_mask, ask: Callable) -> InFlight:
+    def _ready(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ask: Callable
+    ) -> InFlight:
         """The request in flight for these prompts when it is recent enough, else a new one
         (`ask(ids, mask)` -> its work), sampled by the weights of the last sync."""
         ready, held = None, self.in_flight
@@ -153,12 +209,16 @@ class PrefetchingServer:
             batch, self.upcoming = self.upcoming, None
             self.in_flight = self._submit(batch.ids, batch.mask, ask(batch))
 
-    def _submit(self, prompt_ids, prompt_mask, work: Callable[[], list]) -> InFlight:
+    def _submit(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, work: Callable[[], list]
+    ) -> InFlight:
         """Run `work` on the background thread (HTTP, and an environment's own work)."""
         future = self.pool.submit(_timed, work)
         return InFlight(prompt_ids, prompt_mask, future, *self.synced)
 
-    def _responses(self, ready: InFlight, pad_id: int, device):
+    def _responses(
+        self, ready: InFlight, pad_id: int, device: torch.device | str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for `ready` on every rank together -> its padded tensors; records its
         staleness, version and request seconds for the statistics."""
         answers, seconds = self.server.together(ready.answers.result)

@@ -1,7 +1,7 @@
 """Rollouts from `rlhf-dist serve` processes (generation.backend=server; docs/serving.md).
 
-`ServerEngine` has the in-process vLLM engine's face (rollout/vllm.py: load_weights,
-generate, sleep), so collect.py samples through it unchanged. Before every rollout
+`ServerEngine` is a Sampler (generation/base.py) like the in-process vLLM engine
+(generation/vllm.py), with the servers' policy versions. Before every rollout
 trainer rank 0 sends the actor's weights to every server a bucket at a time (under ZeRO-3
 each bucket gathered on its own by every rank, never the whole model; with LoRA only the
 adapters, which each server folds into its frozen base): each bucket's (name, shape, dtype) list
@@ -15,7 +15,7 @@ Each rank cuts its prompts into one contiguous shard per server (data-parallel s
 and asks them concurrently, each shard with its own seed from torch's global RNG (so a
 resumed run draws the same seeds). Every answer carries the policy version it was
 sampled with; one that is not the version synced before the request is an error.
-With ppo.max_staleness=1 (rollout/prefetch.py) the requests run on a thread of their
+With ppo.max_staleness=1 (generation/prefetch.py) the requests run on a thread of their
 own while the trainer trains. Standard library HTTP (urllib); every call times
 out after distributed.timeout_s.
 """
@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -43,10 +44,15 @@ from rlhf_dist.distributed.weight_sync import (
     whole_bucket,
 )
 from rlhf_dist.engine.forward import token_logprobs
-from rlhf_dist.errors import ConfigError, ServerError
+from rlhf_dist.errors import ConfigError, ServerError, UserError
+from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, StopIds
+from rlhf_dist.generation.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 from rlhf_dist.models.lora import adapter_weights
-from rlhf_dist.rollout.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 
+if TYPE_CHECKING:
+    from rlhf_dist.distributed import Runtime
+
+T = TypeVar("T")
 CHECK_ROWS, CHECK_TOKENS = 2, 16  # the post-sync check's fixed sequences
 
 
@@ -65,12 +71,20 @@ def sync_entries(
 
 
 class ServerEngine:
-    """The trainer's side of one or more rollout servers."""
+    """The trainer's side of one or more rollout servers (a Sampler)."""
 
-    def __init__(self, cfg: Config, is_main: bool, all_max: Callable[[torch.Tensor], torch.Tensor]):
+    from_actor = False
+    in_step = True  # the ranks agree on every answer's failure (`together`)
+
+    def __init__(
+        self, cfg: Config, is_main: bool, all_max: Callable[[torch.Tensor], torch.Tensor],
+        weights: GenerationContext | None = None,
+    ) -> None:  # fmt: skip
         """is_main: this is trainer rank 0 (it syncs the weights); all_max(x): the elementwise
         maximum of x over the trainer ranks (Runtime.all_max; a collective, every rank
-        calls it)."""
+        calls it); weights: () -> context yielding (actor, _) whose weights `sync` sends
+        (under ZeRO-3 partitioned: gathered a bucket at a time; None: load_weights only)."""
+        self.weights = weights
         g = cfg.generation
         self.urls = [u.rstrip("/") for u in g.server_urls]
         self.timeout_s = float(cfg.distributed.timeout_s)
@@ -118,18 +132,21 @@ class ServerEngine:
         """Whether any trainer rank passed True (a collective)."""
         return bool(self.all_max(torch.tensor(float(flag))) > 0)
 
-    def together(self, work: Callable[[], object], errors: tuple = (ServerError,)):
+    def together(
+        self, work: Callable[[], T], errors: tuple[type[Exception], ...] = (ServerError,)
+    ) -> T:
         """work()'s result; when it raised one of `errors` on any trainer rank, that error
         there and ServerError on every other rank, at once (so they stop, and checkpoint,
         together; no rank is left waiting in a collective)."""
-        error, result = None, None
+        error: Exception | None = None
+        result = None
         try:
             result = work()
         except errors as e:
             error = e
         if self.any_rank(error is not None):
             raise error or ServerError("rollout server: another trainer rank's call failed")
-        return result
+        return cast(T, result)
 
     def load_weights(self, actor: torch.nn.Module) -> None:
         """Send `actor`'s weights to every server as a new version and check them. Every
@@ -242,14 +259,20 @@ class ServerEngine:
                     "trained weights"
                 )
 
-    def generate(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids, pad_id: int):
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        stop_ids: StopIds, pad_id: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sample one response per left-padded prompt (B, P) on the servers -> (response_ids
         (B, T) PAD after each response, sampler_logprobs (B, T) float32, 0 on padding)."""
         ask, version = self.request(prompt_ids, prompt_mask, gen_cfg, stop_ids), self.version
         # on every rank together: a failed call or a wrong version stops them all at once
         return self.together(lambda: self.responses(ask(), version, pad_id, prompt_ids.device))
 
-    def request(self, prompt_ids, prompt_mask, gen_cfg: GenerationConfig, stop_ids):
+    def request(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        stop_ids: StopIds,
+    ) -> Callable[[], list[tuple[str, dict]]]:  # fmt: skip
         """The HTTP work of one rollout, not yet done: a callable that asks every server
         for its shard concurrently and returns [(url, answer)], raising ServerError. Only
         HTTP, no collective: it may run on another thread (ppo.max_staleness, prefetch.py).
@@ -275,7 +298,9 @@ class ServerEngine:
 
         return ask_all
 
-    def responses(self, answers: list, version: int, pad_id: int, device):
+    def responses(
+        self, answers: list, version: int, pad_id: int, device: torch.device | str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The servers' answers [(url, answer)] of one rollout -> (response_ids (B, T),
         sampler_logprobs (B, T)) as `generate` returns them; ServerError when a server
         sampled with another policy version than `version`, the one synced before the
@@ -294,8 +319,62 @@ class ServerEngine:
     def sleep(self) -> None:
         """Nothing to free in this process: the engine lives in the servers."""
 
+    def sync(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, tokenizer: Any,
+    ) -> None:  # fmt: skip
+        """`load_weights` of the actor inside `weights` (a bucket at a time)."""
+        assert self.weights is not None, "ServerEngine.sync without the actor's weights"
+        with self.weights() as (actor, _):
+            self.load_weights(actor)
 
-def _padded(responses: list[list[int]], logprobs: list[list[float]], pad_id: int, device):
+    def sample(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+    ) -> Samples:  # fmt: skip
+        """`generate` (every rank together), each row stamped with the synced version."""
+        version = self.version
+        ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
+        return Samples(ids, logprobs, _versions(ids, version))
+
+    def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
+        """Nothing: it samples on-policy (ppo.max_staleness: prefetch.py)."""
+
+    def stats(self, runtime: Runtime) -> dict[str, float]:
+        """The last post-sync check's mean per-token log-prob gap (the largest over the
+        servers), the policy version the rollout was sampled with, the sync's seconds and
+        its memory growth on the rank that grew most (sampled: GPU tensor memory, else the
+        resident set; the gathered buckets and rank 0's host copies of one). A collective."""
+        gap = float(runtime.all_max(torch.tensor(self.sync_gap)))
+        grown = float(runtime.all_max(torch.tensor(float(self.sync_peak_bytes)))) / 2**20
+        return {
+            "rollout/server_sync_gap": gap,
+            "memory/sync_peak_mib": grown,
+            "rollout/policy_version": float(self.version),
+            "time/weight_sync": self.sync_seconds,
+        }
+
+    def servers(self) -> ServerEngine | None:
+        return self
+
+    def episodes(self, prompts: Prompts, play: Callable[[Any], Callable[[], list]]) -> list:
+        """The episodes played now by the synced weights; an environment's error or a
+        server's on one rank stops every rank at once."""
+        return self.together(play(prompts), errors=(ServerError, UserError))
+
+    def close(self) -> None:
+        """Nothing in flight: every request is awaited where it is made."""
+
+
+def _versions(ids: torch.Tensor, version: int) -> torch.Tensor:
+    """(B,) int64: `version` for each of the B rows of `ids` (B, T)."""
+    return torch.full((ids.shape[0],), version, dtype=torch.long, device=ids.device)
+
+
+def _padded(
+    responses: list[list[int]], logprobs: list[list[float]], pad_id: int,
+    device: torch.device | str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Right-padded (B, T) ids (pad_id) and float32 log-probs (0), T >= 1."""
     T = max(1, max(len(r) for r in responses))
     ids = torch.full((len(responses), T), pad_id, dtype=torch.long)

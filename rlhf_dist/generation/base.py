@@ -1,0 +1,136 @@
+"""The one interface of every rollout sampler (`Sampler`) and what it returns (`Samples`).
+
+A sampler turns left-padded prompts into responses. Four implement it: the trainer's own
+KV-cache decode loop (hf.py, generation.backend=hf), an in-process vLLM engine (vllm.py,
+backend=vllm), the rollout servers' client (server.py, backend=server) and that client
+with one rollout requested ahead (prefetch.py, ppo.max_staleness). The rollout
+(rollout/collect.py) and the trainer read a sampler only through this protocol: its
+capability flags say what differs between them, never its type.
+
+A rollout calls, in order: `sync` (bring the sampler to the actor's current weights),
+`sample` (or, for the episodes an environment plays through the servers' chat endpoint,
+`servers` and `episodes`), then `sleep` (free what the sampler holds for scoring and the
+update). The trainer calls `expect_next` before each iteration, `stats` after it and
+`close` when the run stops on a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from rlhf_dist.config import GenerationConfig
+
+if TYPE_CHECKING:
+    from rlhf_dist.distributed import Runtime
+    from rlhf_dist.generation.server import ServerEngine
+
+StopIds = Sequence[int]  # the token ids that end a response
+# () -> a context yielding (actor module, keep_in_step or None): the actor's weights as a
+# sampler reads them (rollout models' generation_context: Runtime.generation_context, with
+# LoRA merged; the rollout servers' sync: the partitions, gathered a bucket at a time)
+GenerationContext = Callable[[], AbstractContextManager[tuple[Any, Any]]]
+
+
+class Prompts(Protocol):
+    """A batch of prompts as the samplers read it (rollout.batch.PromptBatch): ids and
+    attention mask (B, P), left-padded."""
+
+    @property
+    def ids(self) -> torch.Tensor: ...
+
+    @property
+    def mask(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One sampled response per prompt row, rows in prompt order.
+
+    response_ids: (B, T) int64, PAD after each response (T >= 1: the longest response;
+    a response is cut after its first stop token by the rollout, not here).
+    logprobs: (B, T) float32, the sampler's own log-prob of each sampled token (0 on
+    padding), the behaviour policy of ppo.rollout_correction; None where the sampler is the
+    trainer's own forward (hf), whose log-probs the rollout computes anyway.
+    versions: (B,) int64, the policy version each row was sampled under (the rollout
+    servers' weight version); None where the sampler has no versions (it samples the
+    actor's current weights: hf, in-process vLLM)."""
+
+    response_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
+
+
+class Sampler(Protocol):
+    """What samples a rollout's responses (module docstring for the call order).
+
+    from_actor: the sampler decodes with the trainer's actor itself (hf): the rollout
+    samples and scores in one span of whole weights (one gather under ZeRO-3), and a
+    multi-turn rollout decodes its turns with the actor directly (rollout/agent.py).
+    in_step: `sample` must be called by every rank together, as many times (the servers'
+    client agrees on failures over the ranks; the decode loop keeps ZeRO-3's per-layer
+    gathers matched): a multi-turn rollout then has a rank without episodes left sample
+    a throw-away token while the others play.
+    version: the policy version of the weights the last `sample` used (0: none synced, or
+    a sampler without versions)."""
+
+    from_actor: bool
+    in_step: bool
+
+    @property
+    def version(self) -> int: ...
+
+    def sync(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, tokenizer: Any,
+    ) -> None:  # fmt: skip
+        """Before a rollout of the prompts (B, P): give the sampler the actor's current
+        weights (every rank together: under ZeRO-3 they are gathered), and check them
+        where asked (debug.check_vllm_sync samples the first prompt rows). Nothing for a
+        sampler that decodes with the actor itself."""
+        ...
+
+    def sample(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+    ) -> Samples:  # fmt: skip
+        """One response per left-padded prompt (B, P) with the sampling keys `gen`,
+        stopping at any of `stop_ids`, PAD (`pad_id`) after it. rows_per_pass: the most
+        rows one decode pass holds (the rollout's micro batch; None: all); a sampler that
+        schedules its own batches ignores it."""
+        ...
+
+    def sleep(self) -> None:
+        """After the rollout's sampling: free the memory the sampler holds in this process
+        (vLLM's KV cache and weights on the GPU) for scoring and the update."""
+        ...
+
+    def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
+        """Before iteration `iteration`: the prompts of the next one, which a sampler one
+        step off-policy requests while this one trains (None: none ahead)."""
+        ...
+
+    def stats(self, runtime: Runtime) -> dict[str, float]:
+        """The sampler's own metrics of the last rollout (weight sync, policy version,
+        staleness); {} where it has none. A collective: every rank calls it."""
+        ...
+
+    def servers(self) -> ServerEngine | None:
+        """The rollout servers' client this sampler samples through (the one behind a
+        prefetcher), whose chat endpoint an environment plays against; None: no servers."""
+        ...
+
+    def episodes(self, prompts: Prompts, play: Callable[[Any], Callable[[], list]]) -> list:
+        """The episodes of `prompts` an environment plays through the servers' endpoint
+        (generation.environment_endpoint), after `sync`: `play(prompts)` names them and
+        returns the work that plays them (rollout/endpoint.py `request`). Only samplers
+        with `servers()` play episodes."""
+        ...
+
+    def close(self) -> None:
+        """The run stops (a failure): wait for nothing in flight."""
+        ...
