@@ -7,8 +7,7 @@ is right about 1/2 + 1/12 of the time. summary.json: `sft.gold_reward`,
 `grpo.gold_reward` (exact-answer rate on the held-out keys' prompts) and
 `*.tool_calls_per_response`.
 
-Measured (docs/agents.md, "The tool-use demo"): gold 0.59 -> 0.83, tool calls per
-response 0.45 -> 0.78, about a minute on a quiet 2-core CPU.
+The figures it reaches: docs/agents.md, "The tool-use demo".
 
 `endpoint="function"` (`--through-endpoint`): the GRPO stage's environment drives the
 policy itself through the OpenAI-compatible chat endpoint of a `rlhf-dist serve` process

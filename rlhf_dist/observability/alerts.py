@@ -114,12 +114,16 @@ class AlertMonitor:
         return (self.window[-1][1] - self.window[0][1]) / max(len(self.window) - 1, 1)
 
     def _relative_change(self, key: str, s: dict) -> float | None:
+        """s[key] relative to its first logged value (0.1: 10% up); None when either is
+        missing or the first is 0."""
         start = self.first.get(key)
         if key not in s or not start:
             return None
         return s[key] / start - 1.0
 
     def _score_and_kl_rising(self) -> bool:
+        """Over a full window: the score went up while KL grew faster than
+        alerts.kl_rise_per_iteration (the pattern of reward hacking)."""
         if len(self.window) < self.window_size:
             return False
         return (

@@ -125,12 +125,15 @@ class LocalJudge:
         )
 
     def encode(self, text: str) -> list[int]:
+        """A judge prompt's ids: one user turn with the generation prompt, or the bare text
+        without a chat template."""
         if self.chat is None:
             return self.tokenizer(text)["input_ids"]
         return self.chat.prompt_ids([{"role": "user", "content": text}])
 
     @torch.no_grad()
     def replies(self, texts: list[str]) -> list[str]:
+        """The judge's greedy reply to each text, batch_size prompts per generate call."""
         tok, eos, out = self.tokenizer, self.stop_ids, []
         for i in range(0, len(texts), self.batch_size):
             ids, mask = left_pad(

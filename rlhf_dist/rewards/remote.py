@@ -129,6 +129,7 @@ class ChatJudgeClient:
         self.client = HTTPClient(reward_cfg, "reward.judge_url")
 
     def replies(self, texts: list[str]) -> list[str]:
+        """One reply per text, in order; the requests run on remote_batch_size threads."""
         with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(texts)))) as pool:
             return list(pool.map(self._reply, texts))
 

@@ -70,6 +70,7 @@ class PreemptionFlag:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGTERM handler: only note it; the loop checkpoints at its next safe point."""
         self.received = True
 
     def any_rank(self, runtime: Runtime) -> bool:

@@ -93,6 +93,7 @@ def publish(cfg: Config, runtime: Runtime, out: Path, stage: str, summary: dict)
 
 
 def _publish_main(cfg: Config, runtime: Runtime, out: Path, stage: str, summary: dict) -> None:
+    """`publish` on the main process: the cards, then the upload (a UserError if it fails)."""
     found = exports(cfg, stage, out)
     for kind, where in found.items():
         text = card_text(card_facts(cfg, stage, kind, where, summary))

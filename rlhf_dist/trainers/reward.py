@@ -117,6 +117,7 @@ class PairEval:
 
     @property
     def diff(self) -> torch.Tensor:
+        """(N,) score(chosen) - score(rejected): > 0 where a pair is ranked correctly."""
         return self.chosen - self.rejected
 
 
