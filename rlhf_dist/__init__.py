@@ -8,6 +8,8 @@ so `import rlhf_dist.algo` stays torch-only and `rlhf-dist --help` stays instant
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __version__ = "0.1.0"
 
 # Named so no submodule shadows them: `import rlhf_dist.evaluate` rebinds that attribute
@@ -15,7 +17,8 @@ __version__ = "0.1.0"
 API = ("sft", "reward_model", "ppo", "grpo", "online_dpo", "dpo", "kto", "eval", "iterate")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Callable[..., dict]:
+    """A stage function of rlhf_dist.api, imported on first use (PEP 562)."""
     if name in API:
         from rlhf_dist import api
 

@@ -28,9 +28,10 @@ import numbers
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,6 +59,7 @@ from rlhf_dist.models import (
     tokenizer_for,
     train_dtype,
 )
+from rlhf_dist.rewards.judge import Prompt
 from rlhf_dist.rewards.scoring import Scorer
 from rlhf_dist.rollout import PromptBatch, collect_rollout
 from rlhf_dist.trainers.ppo import train_ppo
@@ -86,7 +88,7 @@ class Labeller:
 
     name = "labeller"
 
-    def preferences(self, prompts: list, a: list[str], b: list[str]) -> list[float]:
+    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float]:
         raise NotImplementedError
 
 
@@ -94,10 +96,10 @@ class FunctionLabeller(Labeller):
     """A user's `fn(prompt, a, b)` per pair: True / 1 = a preferred, False / 0 = b
     preferred, or a float in [0, 1] = P(a preferred)."""
 
-    def __init__(self, fn: Callable, name: str):
+    def __init__(self, fn: Callable[[Prompt, str, str], object], name: str) -> None:
         self.fn, self.name = fn, name
 
-    def preferences(self, prompts, a, b) -> list[float]:
+    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float]:
         out = []
         for prompt, x, y in zip(prompts, a, b, strict=True):
             try:
@@ -116,11 +118,11 @@ class GoldLabeller(Labeller):
     (demo/task.py `bt_label`): P(a preferred) = sigmoid(beta * (gold(a) - gold(b))).
     gold_fn: `(prompts, responses, finished) -> list[float]` (eval.gold_function)."""
 
-    gold_fn: Callable
+    gold_fn: Callable[[list[Prompt], list[str], list[bool]], Sequence[float]]
     beta: float
     name: str = "gold"
 
-    def preferences(self, prompts, a, b) -> list[float]:
+    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float]:
         done = [True] * len(a)
         gold_a, gold_b = self.gold_fn(prompts, a, done), self.gold_fn(prompts, b, done)
         return [_sigmoid(self.beta * (x - y)) for x, y in zip(gold_a, gold_b, strict=True)]
@@ -130,7 +132,7 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
-def preference_value(value, name: str) -> float:
+def preference_value(value: object, name: str) -> float:
     """A labeller's answer as P(a preferred): a bool is a hard label, a real number must be
     in [0, 1]; anything else is a LabellerError naming the labeller."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -169,12 +171,14 @@ def draw_labels(probs: list[float], rng: random.Random) -> list[bool]:
 class AnswerPairs:
     """Two sampled answers per prompt, in pair order; prompts as their rows gave them."""
 
-    prompts: list
+    prompts: list[Prompt]
     a: list[str]
     b: list[str]
 
 
-def pair_rows(pairs: AnswerPairs, probs: list[float], labels: list[bool], round_: int):
+def pair_rows(
+    pairs: AnswerPairs, probs: list[float], labels: list[bool], round_: int
+) -> tuple[list[dict], int]:
     """Preference rows {prompt, chosen, rejected, round, p_chosen} (docs/data.md) of the
     labelled pairs, and how many were dropped: pairs of two identical answers tell a
     reward model nothing (docs/data.md refuses them)."""
@@ -190,9 +194,14 @@ def pair_rows(pairs: AnswerPairs, probs: list[float], labels: list[bool], round_
             chosen, rejected = _assistant(chosen), _assistant(rejected)
         p_chosen = p if a_wins else 1.0 - p
         rows.append(
-            {"prompt": prompt, "chosen": chosen, "rejected": rejected, "round": round_,
-             "p_chosen": p_chosen}
-        )  # fmt: skip
+            {
+                "prompt": prompt,
+                "chosen": chosen,
+                "rejected": rejected,
+                "round": round_,
+                "p_chosen": p_chosen,
+            }
+        )
     return rows, dropped
 
 
@@ -207,6 +216,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (blank lines skipped)."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
@@ -218,7 +228,7 @@ class IterateState:
     "entry": {...}}}}, the finished stages of each round and its summary entry, rewritten
     atomically after every stage (a kill leaves the old state or the new one)."""
 
-    def __init__(self, path: Path, data: dict | None = None):
+    def __init__(self, path: Path, data: dict | None = None) -> None:
         self.path = path
         self.data = data or {"format": STATE_FORMAT, "rounds": {}}
 
@@ -318,7 +328,7 @@ def stage_config(cfg: Config, layout: Layout, k: int, stage: str) -> Config:
 
 
 @contextlib.contextmanager
-def fault_armed(k: int):
+def fault_armed(k: int) -> Iterator[None]:
     """RLHF_DIST_FAULT as set, unless RLHF_DIST_FAULT_ROUND names another round than k:
     then hidden for the span of round k."""
     wanted = os.environ.get(FAULT_ROUND_ENV)
@@ -336,13 +346,17 @@ def fault_armed(k: int):
 # ---------------------------------------------------------------------------- sampling
 
 
-def _no_scores(prompts, responses, columns=None) -> torch.Tensor:
+def _no_scores(
+    prompts: Sequence[Prompt], responses: Sequence[str], columns: list[dict] | None = None
+) -> torch.Tensor:
     """The rollout path scores every response; pairs are judged by the labeller instead."""
     return torch.zeros(len(responses))
 
 
 @torch.no_grad()
-def sample_pairs(cfg: Config, runtime: Runtime, policy_path: str, which: str, n: int, seed: int):
+def sample_pairs(
+    cfg: Config, runtime: Runtime, policy_path: str, which: str, n: int, seed: int
+) -> tuple[AnswerPairs, int]:
     """n answer pairs from the policy at policy_path, two samples per prompt at
     generation.temperature, on the prompts of data.<which> (pair i takes prompt i mod count),
     through `rlhf-dist eval`'s generation path (evaluate.eval_models ->
@@ -362,7 +376,7 @@ def sample_pairs(cfg: Config, runtime: Runtime, policy_path: str, which: str, n:
     models = eval_models(policy, None, Scorer(reward_fn=_no_scores), stops, perf=cfg.perf)
     count = len(prompts.ids)
 
-    def forward(chunk):
+    def forward(chunk: list[int]) -> list[tuple[int, str, str, bool]]:
         rows = [j % count for j in chunk for _ in (0, 1)]  # the two samples side by side
         pair = PromptBatch.of(prompts, rows, tokenizer.pad_token_id, runtime.device)
         batch, answers = collect_rollout(models, pair, cfg, tokenizer, micro_batch_size=len(rows))
@@ -386,11 +400,11 @@ def sample_pairs(cfg: Config, runtime: Runtime, policy_path: str, which: str, n:
 
 
 def label_and_write(
-    runtime: Runtime, labeller: Labeller, pairs: AnswerPairs, path: Path, k: int, seed
-):
+    runtime: Runtime, labeller: Labeller, pairs: AnswerPairs, path: Path, k: int, seed: int
+) -> dict:
     """Label the pairs and write them as a preference file at `path` (main process only;
     every rank waits for the file). Returns {"pairs", "dropped_identical", "p_chosen_mean"}."""
-    info = {}
+    info: dict[str, Any] = {}
     if runtime.is_main:
         probs = labeller.preferences(pairs.prompts, pairs.a, pairs.b)
         if len(probs) != len(pairs.a):

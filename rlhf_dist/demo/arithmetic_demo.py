@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, validate
@@ -52,7 +53,7 @@ def arithmetic_stage_configs(root: Path, policy: Path, seed: int, quick: bool) -
     gen = {"max_new_tokens": 24, "temperature": 1.0}
     model = demo_model(policy=str(policy))
 
-    def run(name):
+    def run(name: str) -> dict:
         return {"output_dir": str(root / name), "seed": seed, "log_every": 1}
 
     return {
@@ -99,7 +100,11 @@ def real_policy() -> Path:
 
 
 def run_arithmetic_demo(
-    output_dir: str, seed: int = 0, quick: bool = False, overrides=(), policy=None
+    output_dir: str,
+    seed: int = 0,
+    quick: bool = False,
+    overrides: Sequence[str] = (),
+    policy: str | Path | None = None,
 ) -> dict:
     """Evaluate the policy (default: the real SmolLM2), GRPO, evaluate the trained policy;
     returns (and writes) DIR/summary.json. `policy`: another model directory (the tests'

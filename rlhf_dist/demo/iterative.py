@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_dist.config import config_from_dict, validate
@@ -48,7 +49,9 @@ def iterate_tree(root: Path, trees: dict, files: task.TaskFiles, seed: int, quic
     }
 
 
-def run_iterative_demo(output_dir: str, seed: int = 0, quick: bool = False, overrides=()) -> dict:
+def run_iterative_demo(
+    output_dir: str, seed: int = 0, quick: bool = False, overrides: Sequence[str] = ()
+) -> dict:
     """SFT -> iterate (2 rounds); returns (and writes) DIR/iterate/summary.json with the
     demo's wall time added."""
     from rlhf_dist.distributed import Runtime

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,9 +62,8 @@ assert tuple(OBJECTIVE_PRESETS) == DEMO_OBJECTIVES  # one list of the presets' n
 # Online DPO labelled by the reward model (docs/online_dpo.md, "On the demo"): 32 prompts x
 # 4 samples (32 pairs, the best against the worst), beta (kl_coef) 0.1 as TRL's default,
 # ONE optimizer step per iteration on all pairs (TRL's one step per generation batch) at
-# lr 3e-4. DPO has no clip to bound a step: PPO's 4 epochs x 4 minibatches of 4 pairs moved
-# the policy to a KL of 33 nats in 4 iterations. Seed 0's held-out gold: 0.938 here; 16
-# prompts x 4 in one step gave 0.908 at lr 4e-4 and 0.836 at 2e-4.
+# lr 3e-4: DPO has no clip to bound a step, so PPO's several epochs and minibatches per
+# iteration move the policy far from the reference (the figures: docs/online_dpo.md).
 ONLINE_DPO = {
     "estimator": "online_dpo",
     "rollout_batch_size": 32,
@@ -118,7 +118,7 @@ def stage_configs(
     """The config tree of every stage. Numbers tuned for a 2-core CPU (see README)."""
 
     # RL logs every 2nd iteration (smooth report curves, a readable console), SFT/RM every 10th.
-    def run(name):
+    def run(name: str) -> dict:
         return {
             "output_dir": str(root / name),
             "seed": seed,
@@ -173,7 +173,7 @@ DEMO_OWNED = (
 )
 
 
-def with_overrides(trees: dict, overrides=()) -> dict:
+def with_overrides(trees: dict, overrides: Sequence[str] = ()) -> dict:
     """Every stage's config tree with the user's `section.key=value` overrides applied.
 
     All stages share one config schema and each reads only the keys that concern it, so
@@ -192,7 +192,11 @@ def with_overrides(trees: dict, overrides=()) -> dict:
 
 
 def run_demo(
-    output_dir: str, seed: int = 0, quick: bool = False, algorithm: str = "ppo", overrides=()
+    output_dir: str,
+    seed: int = 0,
+    quick: bool = False,
+    algorithm: str = "ppo",
+    overrides: Sequence[str] = (),
 ) -> dict:
     """Run the whole demo under output_dir with `algorithm` (one of ALGORITHMS) as the
     alignment stage and `overrides` applied to every stage; returns (and writes)
@@ -256,7 +260,8 @@ def finish(runtime: Runtime, root: Path, summary: dict, text: str) -> None:
     runtime.print(f"   report: {build_report(root)}")
 
 
-def _with_output(cfg: Config, output_dir: Path, policy: str | None = None):
+def _with_output(cfg: Config, output_dir: Path, policy: str | None = None) -> Config:
+    """cfg with run.output_dir (and model.policy, if given) replaced."""
     from rlhf_dist.config import to_dict
 
     tree = to_dict(cfg)
@@ -266,7 +271,9 @@ def _with_output(cfg: Config, output_dir: Path, policy: str | None = None):
     return config_from_dict(tree)
 
 
-def demo_summary(files, rm: dict, sft_eval: dict, aligned: dict, wall: float) -> dict:
+def demo_summary(
+    files: task.TaskFiles, rm: dict, sft_eval: dict, aligned: dict, wall: float
+) -> dict:
     """summary.json: sft.*, rm.* and NAME.* for each aligned policy in `aligned` (name ->
     its evaluation)."""
     meta = json.loads((files.root / "task.json").read_text())
@@ -275,7 +282,7 @@ def demo_summary(files, rm: dict, sft_eval: dict, aligned: dict, wall: float) ->
         [r["chosen_gold"] for r in rows], [r["rejected_gold"] for r in rows], meta["beta"]
     )
 
-    def pick(ev):
+    def pick(ev: dict) -> dict:
         return {k: ev[k] for k in ("gold_reward", "score", "kl_to_ref", "length", "eos_rate")}
 
     return {
@@ -331,13 +338,20 @@ def offline_stage_config(root: Path, files: task.TaskFiles, seed: int, algorithm
         "model": demo_model(policy=str(root / "sft" / "final")),
         "data": {"max_prompt_length": 16, "max_length": 48, "train": str(files.prefs_train)},
         OFFLINE_STAGES[algorithm]: {
-            "epochs": 1, "batch_size": 32, "micro_batch_size": 32, **section,
+            "epochs": 1,
+            "batch_size": 32,
+            "micro_batch_size": 32,
+            **section,
         },
-    }  # fmt: skip
+    }
 
 
 def run_offline_demo(
-    output_dir: str, algorithm: str, seed: int = 0, quick: bool = False, overrides=()
+    output_dir: str,
+    algorithm: str,
+    seed: int = 0,
+    quick: bool = False,
+    overrides: Sequence[str] = (),
 ) -> dict:
     """SFT -> dpo, kto, simpo or orpo -> eval of both policies; writes DIR/summary.json with
     `sft.*` and `<algorithm>.*` (gold reward, KL to the SFT policy, ...). No reward model: the
@@ -370,7 +384,9 @@ def run_offline_demo(
     return summary
 
 
-def offline_demo_configs(root: Path, algorithm: str, seed: int, quick: bool, overrides=()):
+def offline_demo_configs(
+    root: Path, algorithm: str, seed: int, quick: bool, overrides: Sequence[str] = ()
+) -> tuple[task.TaskFiles, dict[str, Config]]:
     """The task files (written under root/task, tiny models under root/models) and the
     validated configs of the offline demo's sft, `algorithm` and eval stages."""
     files, models = task_and_models(root, seed)

@@ -152,8 +152,8 @@ def write_chat_files(root: Path, n: int = 32, seed: int = 0) -> dict[str, Path]:
         rows["sft"].append({"messages": [*user, good]})
         rows["prefs"].append({"chosen": [*user, good], "rejected": [*user, bad]})
         desirable = i % 2 == 0
-        rows["kto"].append({"prompt": user, "completion": [good if desirable else bad],
-                            "label": desirable})  # fmt: skip
+        completion = [good if desirable else bad]
+        rows["kto"].append({"prompt": user, "completion": completion, "label": desirable})
         rows["prompts" if i < n - n // 4 else "eval"].append({"prompt": user})
     paths = {}
     for name, items in rows.items():
@@ -162,7 +162,8 @@ def write_chat_files(root: Path, n: int = 32, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """`python -m rlhf_dist.demo.smollm2 OUT_DIR`: copy the built model directory to OUT_DIR."""
     p = argparse.ArgumentParser(description="Write SmolLM2-135M-Instruct as a HF directory.")
     p.add_argument("out_dir", type=Path, help="where to write it (a new directory)")
     p.add_argument("--pad", choices=CONVENTIONS, default="shipped", help="tokenizer convention")

@@ -7,8 +7,7 @@ is right about 1/2 + 1/12 of the time. summary.json: `sft.gold_reward`,
 `grpo.gold_reward` (exact-answer rate on the held-out keys' prompts) and
 `*.tool_calls_per_response`.
 
-Measured (docs/agents.md, "The tool-use demo"): gold 0.59 -> 0.83, tool calls per
-response 0.45 -> 0.78, about a minute on a quiet 2-core CPU.
+The figures it reaches: docs/agents.md, "The tool-use demo".
 
 `endpoint="function"` (`--through-endpoint`): the GRPO stage's environment drives the
 policy itself through the OpenAI-compatible chat endpoint of a `rlhf-dist serve` process
@@ -28,12 +27,17 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlhf_dist.config import config_from_dict, validate
+from rlhf_dist.config import Config, config_from_dict, validate
 from rlhf_dist.demo import task, tool_task
 from rlhf_dist.demo.pipeline import _with_output, demo_model, with_overrides
 from rlhf_dist.generation.server import wait_healthy
+
+if TYPE_CHECKING:  # torch loads when a stage runs
+    from rlhf_dist.distributed import Runtime
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
 REWARD = "rlhf_dist.demo.tool_task:answer_reward"
@@ -46,7 +50,7 @@ def tool_stage_configs(root: Path, files: dict, policy: Path, seed: int, quick: 
     gen = {"max_new_tokens": 16, "temperature": 0.7, "tools": TOOLS, "max_turns": 3}
     sft_policy = str(root / "sft" / "final")
 
-    def run(name, every=10):
+    def run(name: str, every: int = 10) -> dict:
         return {"output_dir": str(root / name), "seed": seed, "log_every": every}
 
     return {
@@ -95,13 +99,16 @@ TOKEN_ENV = "RLHF_DIST_DEMO_SERVER_TOKEN"
 
 
 @contextlib.contextmanager
-def served(policy: Path, root: Path, port: int):
+def served(policy: Path, root: Path, port: int) -> Iterator[str]:
     """A `rlhf-dist serve` process of `policy` on 127.0.0.1:`port` with a fresh token in
     TOKEN_ENV (this process's environment too); its URL once /health answers."""
     os.environ[TOKEN_ENV] = secrets.token_hex(16)
     config = root / "serve.json"
-    tree = {"model": {"policy": str(policy)}, "perf": {"num_threads": 1},
-            "serve": {"port": port, "token_env": TOKEN_ENV, "batch_window_ms": 20}}  # fmt: skip
+    tree = {
+        "model": {"policy": str(policy)},
+        "perf": {"num_threads": 1},
+        "serve": {"port": port, "token_env": TOKEN_ENV, "batch_window_ms": 20},
+    }
     config.write_text(json.dumps(tree), encoding="utf-8")
     log = (root / "serve.log").open("w")
     cmd = [sys.executable, "-m", "rlhf_dist", "serve", "--config", str(config)]
@@ -129,8 +136,13 @@ def through_endpoint(tree: dict, url: str, environment: str = "function") -> dic
     keys as the task's prompts file, at the run's seed)."""
     spec = ENVIRONMENTS[environment]
     gen = {k: v for k, v in tree["generation"].items() if k != "tools"}
-    gen |= {"backend": "server", "server_urls": [url], "server_token_env": TOKEN_ENV,
-            "environment": spec, "environment_endpoint": True}  # fmt: skip
+    gen |= {
+        "backend": "server",
+        "server_urls": [url],
+        "server_token_env": TOKEN_ENV,
+        "environment": spec,
+        "environment_endpoint": True,
+    }
     data = tree["data"]
     if environment == "verifiers":
         data = data | {"train": f"{spec}?seed={tree['run']['seed']}"}
@@ -139,7 +151,11 @@ def through_endpoint(tree: dict, url: str, environment: str = "function") -> dic
 
 
 def run_tool_demo(
-    output_dir: str, seed: int = 0, quick: bool = False, overrides=(), endpoint: str = ""
+    output_dir: str,
+    seed: int = 0,
+    quick: bool = False,
+    overrides: Sequence[str] = (),
+    endpoint: str = "",
 ) -> dict:
     """SFT -> GRPO with the tool -> eval of both; returns (and writes) DIR/summary.json.
     endpoint ("function" or "verifiers"): GRPO's environment talks to a rollout server's
@@ -196,7 +212,7 @@ def validated_configs(trees: dict, endpoint: str) -> dict:
     return configs
 
 
-def evaluated(eval_cfg, root: Path, runtime) -> dict:
+def evaluated(eval_cfg: Config, root: Path, runtime: Runtime) -> dict:
     """Gold reward, tool calls and turns per response of the SFT and GRPO policies on the
     held-out prompts."""
     from rlhf_dist.evaluate import run_eval

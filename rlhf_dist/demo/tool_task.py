@@ -21,6 +21,12 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhf_dist.rollout.endpoint import EndpointClient
 
 NOUNS: tuple[str, ...] = (
     "river", "stone", "apple", "cloud", "tiger", "piano", "lemon", "candle",
@@ -60,7 +66,7 @@ def lookup(key: str) -> str:
     return TABLE[key.strip()]
 
 
-def endpoint_episode(client, prompt, max_turns: int = 3) -> None:
+def endpoint_episode(client: EndpointClient, prompt: str | list[dict], max_turns: int = 3) -> None:
     """The task as an environment that drives the policy through the rollout servers'
     chat endpoint (generation.environment_endpoint; rollout/endpoint.py): the in-process
     rollouts' ToolEnvironment with `lookup`, answering the call each reply makes (OpenAI
@@ -98,7 +104,7 @@ def words() -> list[str]:
     return sorted({*text.split(), *NOUNS, *ADJECTIVES, *CODES})
 
 
-def key_of(prompt) -> str | None:
+def key_of(prompt: str | list[dict]) -> str | None:
     """The key a prompt (a text or a message list) asks about."""
     if not isinstance(prompt, str):
         prompt = " ".join(m["content"] for m in prompt if m["role"] == "user")
@@ -172,7 +178,7 @@ def split_keys(rng: random.Random, train_keys: int = 96) -> tuple[list[str], lis
     return keys[:train_keys], keys[train_keys:]
 
 
-def build_tool_tokenizer(save_dir: str | Path):
+def build_tool_tokenizer(save_dir: str | Path) -> PreTrainedTokenizerFast:
     """The task's word-level tokenizer with TEMPLATE as its chat template, saved to save_dir."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -182,9 +188,13 @@ def build_tool_tokenizer(save_dir: str | Path):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens(list(SPECIALS))
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-        clean_up_tokenization_spaces=False, model_max_length=128,
-    )  # fmt: skip
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=128,
+    )
     tokenizer.chat_template = TEMPLATE
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(save_dir))

@@ -15,35 +15,44 @@ policy's tool calls from OpenAI `tool_calls`, which the rollout server parses fr
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from rlhf_dist.demo.tool_task import QUESTION, TABLE, lookup, split_keys
 
+if TYPE_CHECKING:
+    import verifiers as vf
+    from datasets import Dataset
 
-def exact_answer(completion, answer: str) -> float:
+
+def exact_answer(completion: Sequence[Any], answer: str) -> float:
     """1.0 when the last assistant turn is exactly "the code is ANSWER"."""
     said = [m for m in completion if _field(m, "role") == "assistant"]
     text = (_field(said[-1], "content") or "") if said else ""
     return float(str(text).split() == f"the code is {answer}".split())
 
 
-def load_environment(seed: int = 0, train_keys: int = 96, max_turns: int = 3):
+def load_environment(seed: int = 0, train_keys: int = 96, max_turns: int = 3) -> vf.ToolEnv:
     """The task as a vf.ToolEnv (verifiers.load_environment calls this)."""
     import verifiers as vf
     from datasets import Dataset
 
     train, held_out = split_keys(random.Random(seed), train_keys)
 
-    def rows(keys):
+    def rows(keys: list[str]) -> Dataset:
         return Dataset.from_list(
             [{"question": QUESTION.format(k), "answer": TABLE[k]} for k in keys]
         )
 
     return vf.ToolEnv(
-        tools=[lookup], max_turns=max_turns, dataset=rows(train), eval_dataset=rows(held_out),
+        tools=[lookup],
+        max_turns=max_turns,
+        dataset=rows(train),
+        eval_dataset=rows(held_out),
         rubric=vf.Rubric(funcs=[exact_answer]),
-    )  # fmt: skip
+    )
 
 
-def _field(message, name: str):
+def _field(message: Any, name: str) -> Any:
     """A message field, whether verifiers hands a dict or its pydantic message."""
     return message.get(name) if isinstance(message, dict) else getattr(message, name, None)

@@ -71,14 +71,42 @@ class AlertMonitor:
         spread = self._relative_change("objective/score_std", s)
         entropy = self._relative_change("objective/entropy", s)
         checks = [
-            ("kl_high", kl > c.kl_max, f"KL to the reference {kl:.2f} nats > {c.kl_max} (alerts.kl_max)"),
-            ("length_drift", length is not None and abs(length) > c.length_drift, f"mean response length changed by {length or 0:+.0%} since the start (alerts.length_drift)"),
-            ("score_up_kl_fast", self._score_and_kl_rising(), f"score rising while KL grows {self._kl_rate():.2f} nats/iteration (alerts.kl_rise_per_iteration): possible reward hacking"),
-            ("score_spread_collapse", spread is not None and spread < -c.score_std_collapse, f"score std fell {-(spread or 0):.0%} since the start (alerts.score_std_collapse): responses converging on one pattern"),
-            ("clipfrac_high", clipfrac > c.clipfrac_max, f"clipfrac {clipfrac:.2f} > {c.clipfrac_max} (alerts.clipfrac_max): updates too large"),
-            ("approx_kl_high", approx_kl > c.approx_kl_max, f"approx_kl {approx_kl:.3f} > {c.approx_kl_max} (alerts.approx_kl_max): policy moves too far per iteration"),
-            ("entropy_collapse", entropy is not None and entropy < -c.entropy_collapse, f"entropy fell {-(entropy or 0):.0%} since the start (alerts.entropy_collapse)"),
-        ]  # fmt: skip
+            (
+                "kl_high",
+                kl > c.kl_max,
+                f"KL to the reference {kl:.2f} nats > {c.kl_max} (alerts.kl_max)",
+            ),
+            (
+                "length_drift",
+                length is not None and abs(length) > c.length_drift,
+                f"mean response length changed by {length or 0:+.0%} since the start (alerts.length_drift)",
+            ),
+            (
+                "score_up_kl_fast",
+                self._score_and_kl_rising(),
+                f"score rising while KL grows {self._kl_rate():.2f} nats/iteration (alerts.kl_rise_per_iteration): possible reward hacking",
+            ),
+            (
+                "score_spread_collapse",
+                spread is not None and spread < -c.score_std_collapse,
+                f"score std fell {-(spread or 0):.0%} since the start (alerts.score_std_collapse): responses converging on one pattern",
+            ),
+            (
+                "clipfrac_high",
+                clipfrac > c.clipfrac_max,
+                f"clipfrac {clipfrac:.2f} > {c.clipfrac_max} (alerts.clipfrac_max): updates too large",
+            ),
+            (
+                "approx_kl_high",
+                approx_kl > c.approx_kl_max,
+                f"approx_kl {approx_kl:.3f} > {c.approx_kl_max} (alerts.approx_kl_max): policy moves too far per iteration",
+            ),
+            (
+                "entropy_collapse",
+                entropy is not None and entropy < -c.entropy_collapse,
+                f"entropy fell {-(entropy or 0):.0%} since the start (alerts.entropy_collapse)",
+            ),
+        ]
         return [(name, message) for name, fired, message in checks if fired]
 
     def _kl_rate(self) -> float:
@@ -86,12 +114,16 @@ class AlertMonitor:
         return (self.window[-1][1] - self.window[0][1]) / max(len(self.window) - 1, 1)
 
     def _relative_change(self, key: str, s: dict) -> float | None:
+        """s[key] relative to its first logged value (0.1: 10% up); None when either is
+        missing or the first is 0."""
         start = self.first.get(key)
         if key not in s or not start:
             return None
         return s[key] / start - 1.0
 
     def _score_and_kl_rising(self) -> bool:
+        """Over a full window: the score went up while KL grew faster than
+        alerts.kl_rise_per_iteration (the pattern of reward hacking)."""
         if len(self.window) < self.window_size:
             return False
         return (

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# A 1-D run of numbers: an (N,) tensor or a list of floats/ints.
+Numbers: TypeAlias = torch.Tensor | Sequence[float]
 
 # The warning thresholds (docs/rm_diagnostics.md). A content-driven reward model can still
 # correlate with length when its data does, but beyond 0.5 length explains more than a
@@ -37,12 +43,14 @@ LONGER_DELTA_MIN_STD = 0.1
 NEUTRAL_FILLERS: tuple[str, ...] = (" That is all.", " . that is all")
 
 
-def _floats(values) -> torch.Tensor:
+def _floats(values: Numbers) -> torch.Tensor:
     """(N,) float64 tensor of a tensor or a list of numbers."""
     return torch.as_tensor(values, dtype=torch.float64).reshape(-1)
 
 
-def accuracy_by_category(diffs, categories: Sequence | None = None) -> dict[str, dict]:
+def accuracy_by_category(
+    diffs: Numbers, categories: Sequence[object] | None = None
+) -> dict[str, dict]:
     """Share of pairs ranked correctly, overall ("all") and per prompt category.
 
     diffs: (N,) chosen minus rejected score; categories: N labels or None. Returns
@@ -66,7 +74,7 @@ def accuracy_by_category(diffs, categories: Sequence | None = None) -> dict[str,
     return out
 
 
-def reliability_bins(prob_chosen, n_bins: int = 10) -> list[dict]:
+def reliability_bins(prob_chosen: Numbers, n_bins: int = 10) -> list[dict]:
     """The reliability diagram of P(chosen preferred): predicted vs observed per bin.
 
     prob_chosen: (N,) sigmoid(diff). Each pair is folded to its predicted winner, as
@@ -103,7 +111,7 @@ def ece_from_bins(bins: list[dict]) -> float:
     return float(sum(gaps))
 
 
-def length_correlation(scores, lengths) -> float:
+def length_correlation(scores: Numbers, lengths: Numbers) -> float:
     """Pearson correlation of scores (N,) with lengths (N,) in tokens.
 
     0.0 when it is undefined (fewer than 2 values, or either input constant): "no linear
@@ -120,7 +128,7 @@ def length_correlation(scores, lengths) -> float:
     return max(-1.0, min(1.0, corr)) if math.isfinite(corr) else 0.0
 
 
-def longer_preferred(diffs, chosen_lengths, rejected_lengths) -> dict:
+def longer_preferred(diffs: Numbers, chosen_lengths: Numbers, rejected_lengths: Numbers) -> dict:
     """How often the longer response of a pair wins, by the model and by the labels.
 
     diffs, chosen_lengths, rejected_lengths: (N,). Over the pairs of unequal lengths:
@@ -162,7 +170,9 @@ class Response(NamedTuple):
         return [*self.prompt, *(self.body if body is None else body), *self.end]
 
 
-def encode_filler(tokenizer, candidates: Sequence[str] = NEUTRAL_FILLERS) -> tuple[str, list[int]]:
+def encode_filler(
+    tokenizer: PreTrainedTokenizerBase, candidates: Sequence[str] = NEUTRAL_FILLERS
+) -> tuple[str, list[int]]:
     """(text, ids) of the first candidate the tokenizer encodes without an unknown token.
 
     An unknown token would make the probe measure the model's reaction to <unk>, not to
@@ -197,7 +207,9 @@ def rephrasings(
     return longer, shorter
 
 
-def rephrase_summary(original, longer, shorter_original, shorter) -> dict:
+def rephrase_summary(
+    original: Numbers, longer: Numbers, shorter_original: Numbers, shorter: Numbers
+) -> dict:
     """Score changes of the rephrasings; every argument is (N,) or (M,) scores.
 
     original/longer: scores of the N responses and of their longer versions;

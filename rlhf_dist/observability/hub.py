@@ -16,15 +16,16 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
+from rlhf_dist.config import RunConfig
 from rlhf_dist.errors import UserError
 
 
-def hub_token(run) -> str | None:
+def hub_token(run: RunConfig) -> str | None:
     """The token in $run.hub_token_env; None: huggingface_hub's own (HF_TOKEN, saved login)."""
     return os.environ.get(run.hub_token_env) or None
 
 
-def push_folders(run, folders: list[tuple[Path, str]], message: str) -> str:
+def push_folders(run: RunConfig, folders: list[tuple[Path, str]], message: str) -> str:
     """Create run.hub_model_id if needed and upload each (local folder, path in the repo);
     returns the repository's URL. Any failure is one UserError line naming the folder (the
     files stay on disk), with the token masked should the server echo it."""

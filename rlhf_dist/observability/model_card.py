@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import yaml
 
@@ -18,9 +19,12 @@ import yaml
 KINDS = {
     "policy": ("The policy (a causal LM)", "AutoModelForCausalLM"),
     "reward": ("A reward model (one score per sequence)", "AutoModelForSequenceClassification"),
-    "critic": ("The critic (value model) trained beside the actor", "AutoModelForSequenceClassification"),
+    "critic": (
+        "The critic (value model) trained beside the actor",
+        "AutoModelForSequenceClassification",
+    ),
     "adapter": ("The LoRA adapter of the policy", "PeftModel"),
-}  # fmt: skip
+}
 
 ALGORITHMS = {
     "sft": ("supervised fine-tuning (SFT)", "sft"),
@@ -50,20 +54,40 @@ STAGE_KEYS = {
     "sft": ("sft.epochs", "sft.batch_size", "sft.optim.lr", "sft.optim.schedule"),
     "rm": ("rm.epochs", "rm.batch_size", "rm.optim.lr", "rm.optim.schedule"),
     "dpo": (
-        "dpo.loss_type", "dpo.beta", "dpo.label_smoothing", "dpo.epochs", "dpo.batch_size",
+        "dpo.loss_type",
+        "dpo.beta",
+        "dpo.label_smoothing",
+        "dpo.epochs",
+        "dpo.batch_size",
         "dpo.optim.lr",
     ),
     "kto": (
-        "kto.beta", "kto.desirable_weight", "kto.undesirable_weight", "kto.epochs",
-        "kto.batch_size", "kto.optim.lr",
+        "kto.beta",
+        "kto.desirable_weight",
+        "kto.undesirable_weight",
+        "kto.epochs",
+        "kto.batch_size",
+        "kto.optim.lr",
     ),
     "ppo": (
-        "ppo.estimator", "ppo.policy_loss", "ppo.iterations", "ppo.rollout_batch_size",
-        "ppo.samples_per_prompt", "ppo.kl_coef", "ppo.kl_placement", "ppo.optim.lr",
-        "generation.max_new_tokens", "generation.temperature", "reward.function",
-        "reward.functions", "reward.url", "reward.judge", "model.reward", "model.teacher",
+        "ppo.estimator",
+        "ppo.policy_loss",
+        "ppo.iterations",
+        "ppo.rollout_batch_size",
+        "ppo.samples_per_prompt",
+        "ppo.kl_coef",
+        "ppo.kl_placement",
+        "ppo.optim.lr",
+        "generation.max_new_tokens",
+        "generation.temperature",
+        "reward.function",
+        "reward.functions",
+        "reward.url",
+        "reward.judge",
+        "model.reward",
+        "model.teacher",
     ),
-}  # fmt: skip
+}
 COMMON_KEYS = ("data.max_length", "model.dtype", "lora.enabled", "run.seed")
 LORA_KEYS = ("lora.r", "lora.alpha", "lora.export")
 
@@ -88,7 +112,7 @@ class CardFacts:
     subfolder: str = ""
 
 
-def lookup(tree: dict, dotted: str):
+def lookup(tree: dict, dotted: str) -> Any:
     """The value of a dotted key in a config tree (KeyError if it is not there)."""
     value = tree
     for part in dotted.split("."):
@@ -127,7 +151,7 @@ def front_matter(facts: CardFacts) -> str:
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def _cell(value) -> str:
+def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
     if isinstance(value, (list, tuple)):

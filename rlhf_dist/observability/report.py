@@ -16,11 +16,16 @@ import html
 import json
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf_dist.errors import ConfigError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 # (file stem, title, panels): each panel is one axes with the series named; a group is
 # drawn when any of its series has a value. Known names: docs/metrics.md.
@@ -142,8 +147,8 @@ KIND_TITLE = {
 class Series:
     """One metric over steps; non-finite values are counted, not drawn."""
 
-    steps: list = field(default_factory=list)
-    values: list = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
     nonfinite: int = 0
 
 
@@ -155,10 +160,10 @@ class Stage:
     label: str  # path relative to the report's PATH, e.g. "eval/ppo"
     slug: str  # prefix of its PNG file names
     kind: str
-    series: dict
-    distributions: list
-    samples: list
-    alerts: list
+    series: dict[str, Series]
+    distributions: list[dict]
+    samples: list[dict]
+    alerts: list[dict]
     summary: dict | None
 
 
@@ -196,7 +201,7 @@ def read_json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def as_number(value) -> float | None:
+def as_number(value: Any) -> float | None:
     """A finite float, math.nan for a non-finite one (the logger writes "nan"/"inf" as
     text), None for anything that is not a number (bools included)."""
     if isinstance(value, bool):
@@ -208,7 +213,7 @@ def as_number(value) -> float | None:
     return None
 
 
-def finite(value) -> float | None:
+def finite(value: Any) -> float | None:
     """A finite float, else None."""
     x = as_number(value)
     return x if x is not None and math.isfinite(x) else None
@@ -234,7 +239,7 @@ def metric_series(rows: list[dict]) -> dict[str, Series]:
     return series
 
 
-def stage_kind(names) -> str:
+def stage_kind(names: Iterable[str]) -> str:
     """sft / rm / ppo / dpo / kto / eval from the metric names' prefixes; "run" when none match."""
     prefixes = {name.split("/", 1)[0] for name in names}
     for kind, marks in (
@@ -273,7 +278,7 @@ def find_run_dirs(root: Path) -> list[Path]:
     return found
 
 
-def load_stage(path: Path, root: Path, used_slugs: set) -> Stage:
+def load_stage(path: Path, root: Path, used_slugs: set[str]) -> Stage:
     """Read one run directory; its slug is unique among the report's stages."""
     label = path.relative_to(root).as_posix() if path != root else path.resolve().name
     slug = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") or "run"
@@ -297,7 +302,7 @@ def load_stage(path: Path, root: Path, used_slugs: set) -> Stage:
 
 def load_stages(root: Path) -> list[Stage]:
     """Every stage under root, in pipeline order (SFT, RM, PPO, eval), then by path."""
-    used: set = set()
+    used: set[str] = set()
     stages = [load_stage(p, root, used) for p in find_run_dirs(root)]
     return sorted(stages, key=lambda s: (KIND_ORDER[s.kind], s.label))
 
@@ -305,7 +310,7 @@ def load_stages(root: Path) -> list[Stage]:
 # ---------------------------------------------------------------- plotting
 
 
-def new_figure(panels: int, width: float = 4.2, height: float = 3.0):
+def new_figure(panels: int, width: float = 4.2, height: float = 3.0) -> tuple[Figure, list[Axes]]:
     """A Figure on an Agg canvas with `panels` axes, at most three per row."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -318,7 +323,7 @@ def new_figure(panels: int, width: float = 4.2, height: float = 3.0):
     return fig, axes
 
 
-def draw_series(ax, named: list[tuple[str, Series]]) -> None:
+def draw_series(ax: Axes, named: list[tuple[str, Series]]) -> None:
     """One axes: each series as a line, with markers when sparse (a final eval row is a
     single point and would be invisible as a line)."""
     for name, s in named:
@@ -335,7 +340,9 @@ def draw_series(ax, named: list[tuple[str, Series]]) -> None:
         ax.legend(fontsize=7)
 
 
-def plot_panels(stage: Stage, stem: str, title: str, panels, out: Path) -> Plot | None:
+def plot_panels(
+    stage: Stage, stem: str, title: str, panels: Sequence[Sequence[str]], out: Path
+) -> Plot | None:
     """One PNG of the given panels (lists of metric names); None when none has data."""
     kept = []
     for panel in panels:
@@ -353,7 +360,7 @@ def plot_panels(stage: Stage, stem: str, title: str, panels, out: Path) -> Plot 
     return Plot(file, title)
 
 
-def other_panels(stage: Stage, grouped: set) -> list[tuple[str]]:
+def other_panels(stage: Stage, grouped: set[str]) -> list[tuple[str]]:
     """Metrics no group shows, one panel each, when they change over the steps or were
     ever non-finite (a single eval row or a constant counter is clearer in the summary
     table; a metric gone NaN is exactly what a user looks for)."""
@@ -506,7 +513,7 @@ figure img { max-width: 100%; border: 1px solid #eee; }
 """
 
 
-def esc(value) -> str:
+def esc(value: Any) -> str:
     """Escaped text of any value; floats to 4 significant digits."""
     if isinstance(value, float):
         return html.escape(f"{value:.4g}")
@@ -556,7 +563,7 @@ def samples_html(samples: list[dict]) -> str:
     if not samples:
         return ""
 
-    def step(row):
+    def step(row: dict) -> float:
         s = finite(row.get("step"))
         return -s if s is not None else math.inf
 

@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -36,7 +37,7 @@ FILES = ("metrics.jsonl", "distributions.jsonl", "samples.jsonl", "alerts.jsonl"
 WANDB_LIKE = ("wandb", "trackio")
 
 
-def _media_types(tracker: str):
+def _media_types(tracker: str) -> ModuleType:
     """The package of a WANDB_LIKE tracker (imported when used: both are optional here)."""
     if tracker == "wandb":
         import wandb
@@ -61,7 +62,15 @@ class MainProcess(Protocol):
     def finish_trackers(self) -> None: ...
 
 
-def _plain(value):
+class Resumed(Protocol):
+    """The part of checkpoint.Checkpoint open_run reads (a sibling layer: not importable)."""
+
+    path: Path
+    step: int
+
+
+def _plain(value: Any) -> Any:
+    """A metric value as JSON takes it: a tensor's number, non-finite floats as text."""
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
@@ -118,16 +127,21 @@ def flat_config(tree: dict, prefix: str = "") -> dict:
 
 
 class MetricsLogger:
+    """One stage's metrics sink under output_dir (main process only; other ranks' calls
+    return at once). resume_step: the checkpoint's step, whose later rows are dropped
+    from the files since they will be logged again; total_steps: for the ETA and the
+    progress bar (0: unknown)."""
+
     def __init__(
         self,
         runtime: MainProcess,
-        output_dir,
+        output_dir: str | Path,
         run_cfg: RunConfig,
         config_dict: dict,
         stage: str,
         resume_step: int = 0,
         total_steps: int = 0,
-    ):
+    ) -> None:
         self.runtime, self.stage = runtime, stage
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
@@ -268,7 +282,11 @@ class MetricsLogger:
 
 
 def open_run(
-    cfg: Config, runtime: MainProcess, stage: str, ckpt=None, total_steps: int = 0
+    cfg: Config,
+    runtime: MainProcess,
+    stage: str,
+    ckpt: Resumed | None = None,
+    total_steps: int = 0,
 ) -> tuple[Path, MetricsLogger]:
     """Write config.yaml and open metrics.jsonl (keeping rows up to the checkpoint).
 

@@ -11,7 +11,9 @@ a reward failure.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
@@ -22,6 +24,13 @@ from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_e
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import RewardFunctionError
 
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+# A prompt as its data row gave it: a text, or a list of {"role", "content"} messages.
+Prompt: TypeAlias = str | list[dict]
+
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 
@@ -29,6 +38,12 @@ def parse_score(reply: str) -> float | None:
     """The first number in `reply` ("Score: 7/10" -> 7.0), or None if it has none."""
     found = _NUMBER.search(reply)
     return float(found.group()) if found else None
+
+
+class Judge(Protocol):
+    """What JudgeReward asks: one reply per judge prompt (LocalJudge, remote.ChatJudgeClient)."""
+
+    def replies(self, texts: list[str]) -> list[str]: ...
 
 
 class JudgeReward:
@@ -41,12 +56,14 @@ class JudgeReward:
     those replies since the last `take_counts`.
     """
 
-    def __init__(self, judge, template: str, fallback: float | None):
+    def __init__(self, judge: Judge, template: str, fallback: float | None) -> None:
         self.judge, self.template, self.fallback = judge, template, fallback
         self.parse_failures = 0
         self.__name__ = "judge"
 
-    def __call__(self, prompts, responses, **columns) -> list[float]:
+    def __call__(
+        self, prompts: Sequence[Prompt], responses: Sequence[str], **columns: Sequence[Any]
+    ) -> list[float]:
         """Scores of B responses; columns: name -> B values (the rows' other columns)."""
         texts = [
             self.fill(prompt_text(p), r, {name: v[i] for name, v in columns.items()})
@@ -90,9 +107,14 @@ class LocalJudge:
     """
 
     def __init__(
-        self, model, tokenizer, max_new_tokens: int, batch_size: int, device,
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        max_new_tokens: int,
+        batch_size: int,
+        device: torch.device,
         perf: PerfConfig = DEFAULT_PERF,
-    ):  # fmt: skip
+    ) -> None:
         self.model, self.tokenizer, self.device, self.perf = model, tokenizer, device, perf
         self.batch_size = batch_size
         self.chat = Chat(tokenizer, tokenizer.chat_template) if tokenizer.chat_template else None
@@ -103,12 +125,15 @@ class LocalJudge:
         )
 
     def encode(self, text: str) -> list[int]:
+        """A judge prompt's ids: one user turn with the generation prompt, or the bare text
+        without a chat template."""
         if self.chat is None:
             return self.tokenizer(text)["input_ids"]
         return self.chat.prompt_ids([{"role": "user", "content": text}])
 
     @torch.no_grad()
     def replies(self, texts: list[str]) -> list[str]:
+        """The judge's greedy reply to each text, batch_size prompts per generate call."""
         tok, eos, out = self.tokenizer, self.stop_ids, []
         for i in range(0, len(texts), self.batch_size):
             ids, mask = left_pad(

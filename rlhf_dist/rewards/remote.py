@@ -16,12 +16,16 @@ import json
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf_dist.config import RewardConfig
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.rewards.retry import call_with_retries
+
+if TYPE_CHECKING:  # judge imports torch; this module is the standard library only
+    from rlhf_dist.rewards.judge import Prompt
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -94,7 +98,9 @@ class RemoteReward:
         self.client = HTTPClient(reward_cfg, "reward.url")
         self.__name__ = "remote"
 
-    def __call__(self, prompts, responses, **columns) -> list:
+    def __call__(
+        self, prompts: Sequence[Prompt], responses: Sequence[str], **columns: Sequence[Any]
+    ) -> list:
         scores = []
         for i in range(0, len(responses), self.batch_size):
             part = slice(i, i + self.batch_size)
@@ -123,6 +129,7 @@ class ChatJudgeClient:
         self.client = HTTPClient(reward_cfg, "reward.judge_url")
 
     def replies(self, texts: list[str]) -> list[str]:
+        """One reply per text, in order; the requests run on remote_batch_size threads."""
         with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(texts)))) as pool:
             return list(pool.map(self._reply, texts))
 

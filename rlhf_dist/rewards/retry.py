@@ -13,8 +13,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rlhf_dist.errors import RewardFunctionError
+
+T = TypeVar("T")
 
 
 class CallTimeout(Exception):
@@ -22,12 +25,12 @@ class CallTimeout(Exception):
 
 
 def call_with_retries(
-    call: Callable[[], object],
+    call: Callable[[], T],
     label: str,
     retries: int = 0,
     retry_delay_s: float = 1.0,
     timeout_s: float | None = None,
-):
+) -> T:
     """`call()`'s result, trying again after an exception or a timeout.
 
     label: what the messages call it ("reward.function mod:fn", "reward.url"); it must not
@@ -55,12 +58,12 @@ def call_with_retries(
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _call_once(call, label: str, timeout_s: float | None):
+def _call_once(call: Callable[[], T], label: str, timeout_s: float | None) -> T:
     if timeout_s is None:
         return call()
-    box: dict = {}
+    box: dict[str, Any] = {}
 
-    def work():
+    def work() -> None:
         try:
             box["out"] = call()
         except BaseException as e:  # handed to the caller's thread

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from rlhf_dist.models import (
     tokenizer_for,
 )
 from rlhf_dist.observability import diagnostics as diag
-from rlhf_dist.rewards.judge import JudgeReward, LocalJudge
+from rlhf_dist.rewards.judge import JudgeReward, LocalJudge, Prompt
 from rlhf_dist.rewards.remote import ChatJudgeClient, RemoteReward
 from rlhf_dist.rewards.retry import call_with_retries
 from rlhf_dist.stats import StatSums
@@ -77,31 +77,32 @@ class RewardFunction:
 
     def __init__(
         self,
-        fn,
+        fn: str | Callable[..., Any],
         retries: int = 0,
         retry_delay_s: float = 1.0,
-        timeout_s=None,
-        key="reward.function",
-    ):
+        timeout_s: float | None = None,
+        key: str = "reward.function",
+    ) -> None:
         if isinstance(fn, str):
             self.name, fn = fn, resolve_callable(fn, key)
         else:
             self.name = getattr(fn, "__qualname__", type(fn).__qualname__)
         if not callable(fn):
             raise ConfigError(f"{key}: {self.name!r} is not callable")
-        self.fn, self.key, self.retries, self.retry_delay_s, self.timeout_s = (
-            fn, key, retries, retry_delay_s, timeout_s,
-        )  # fmt: skip
+        self.fn, self.key, self.retries = fn, key, retries
+        self.retry_delay_s, self.timeout_s = retry_delay_s, timeout_s
         # TRL's convention when fn names a parameter `completions` (not just **kwargs)
         self.trl_style = "completions" in parameter_names(fn)
 
-    def missing_columns(self, available) -> list[str]:
+    def missing_columns(self, available: Collection[str]) -> list[str]:
         """The parameters fn requires that name none of the `available` columns."""
         given = ("prompts", "completions") if self.trl_style else ()
         need = required_parameters(self.fn, skip=0 if self.trl_style else 2)
         return [n for n in need if n not in given and n not in set(available)]
 
-    def _call(self, prompts: list, responses: list[str], columns: dict) -> list:
+    def _call(
+        self, prompts: Sequence[Prompt], responses: Sequence[str], columns: dict[str, list]
+    ) -> list:
         if self.trl_style:
             completions = [
                 [{"role": "assistant", "content": r}] if isinstance(p, list) else r
@@ -113,7 +114,10 @@ class RewardFunction:
         return list(self.fn(prompts, responses, **extra))
 
     def __call__(
-        self, prompts: list, responses: list[str], columns: list[dict] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        columns: list[dict] | None = None,
     ) -> torch.Tensor:
         """Scores (B,) of B responses; columns: each row's other columns (None: none)."""
         by_name = column_lists(columns or [{} for _ in responses])
@@ -142,7 +146,7 @@ class RewardFunction:
         return torch.tensor([float(v) for v in out], dtype=torch.float32)
 
 
-def _is_finite_number(v) -> bool:
+def _is_finite_number(v: object) -> bool:
     """A real, finite number (python, numpy or 0-dim torch), never a bool or a string."""
     if isinstance(v, (bool, str, bytes)) or not isinstance(v, numbers.Real | torch.Tensor):
         return False
@@ -163,14 +167,22 @@ class WeightedReward:
     (its parse failures are counted), or None.
     """
 
-    def __init__(self, components: list[tuple[str, float, Callable]], judge=None):
+    def __init__(
+        self,
+        components: list[tuple[str, float, Callable[..., torch.Tensor]]],
+        judge: JudgeReward | None = None,
+    ) -> None:
         self.components, self.judge = components, judge
         self.sums: dict[str, tuple[float, int]] = {name: (0.0, 0) for name, _, _ in components}
         self.__qualname__ = "+".join(name for name, _, _ in components)
 
     def __call__(
-        self, prompts: list, responses: list[str], columns: list[dict] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        columns: list[dict] | None = None,
     ) -> torch.Tensor:
+        """The weighted sum of the components' scores (B,); each one's sum is kept."""
         parts = [
             (name, weight, fn(prompts, responses, columns)) for name, weight, fn in self.components
         ]
@@ -189,7 +201,7 @@ class WeightedReward:
         return out
 
 
-def check_reward_columns(reward_cfg: RewardConfig, available, where: str) -> None:
+def check_reward_columns(reward_cfg: RewardConfig, available: Collection[str], where: str) -> None:
     """Before any model loads: a ConfigError naming the reward key whose function requires
     a column (a parameter without default) that the rows of `where` (e.g. data.train) do
     not have; `available`: their column names besides the prompt."""
@@ -222,12 +234,12 @@ def unique_names(names: list[str]) -> list[str]:
     return out
 
 
-def component_name(fn) -> str:
+def component_name(fn: object) -> str:
     """A reward callable's __name__ (an object's class name where it has none)."""
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def same_tokenizer(a, b) -> bool:
+def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
     """Whether two tokenizers turn a conversation into the same ids: same vocabulary,
     special tokens, chat template and special tokens added on encoding."""
     specials = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -257,7 +269,8 @@ class RewardInputs:
     stop_ids: tuple[int, ...]  # the reward model tokenizer's (chat.stop_token_ids)
     policy_stop_ids: tuple[int, ...]  # what ended a policy response
 
-    def sequence(self, prompt, response: str, finished: bool) -> list[int]:
+    def sequence(self, prompt: Prompt, response: str, finished: bool) -> list[int]:
+        """The RM's token ids of prompt + response, closed (stop, EOS) iff `finished`."""
         tok = self.tokenizer
         if isinstance(prompt, str):
             if finished:
@@ -277,7 +290,7 @@ class RewardInputs:
             raise ConfigError(f"model.reward: its chat template: {e}") from None
         return close_with_stop(ids, trained, self.stop_ids, tok.eos_token_id)[0]
 
-    def probe_response(self, prompt, response: str) -> diag.Response | None:
+    def probe_response(self, prompt: Prompt, response: str) -> diag.Response | None:
         """The finished sequence of (prompt, response) split for the rephrasing probe
         (docs/rm_diagnostics.md): prompt part, the response's own encoding as the body,
         then what closes it (end-of-turn, EOS). None where the rendering does not hold
@@ -294,7 +307,13 @@ class RewardInputs:
             return None
         return diag.Response(head, body, ids[cut:])
 
-    def batch(self, prompts, responses, input_ids, last_index):
+    def batch(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        input_ids: torch.Tensor,
+        last_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids, attention mask, last index) of the RM's own tokens, right-padded; a
         response finished iff its last real token in `input_ids` (B, P+T) is a stop id."""
         ends = input_ids.gather(1, last_index.long().unsqueeze(1)).squeeze(1)
@@ -322,7 +341,13 @@ class Scorer:
 
     @torch.no_grad()
     def __call__(
-        self, prompts, responses, input_ids, attention_mask, last_index, columns=None
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        last_index: torch.Tensor,
+        columns: list[dict] | None = None,
     ) -> torch.Tensor:
         """prompts: B prompts as given (texts or message lists); responses: B texts;
         input_ids/attention_mask (B, P+T) the policy's tokens; last_index (B,); columns:
@@ -336,7 +361,12 @@ class Scorer:
         assert self.reward_model is not None, "a Scorer holds a reward model or a function"
         return sequence_scores(self.reward_model, input_ids, attention_mask, last_index).float()
 
-    def _function_scores(self, prompts, responses, columns=None) -> torch.Tensor:
+    def _function_scores(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        columns: list[dict] | None = None,
+    ) -> torch.Tensor:
         assert self.reward_fn is not None, "scores of texts need a reward function"
         if self.failure is None:
             try:
@@ -345,12 +375,17 @@ class Scorer:
                 self.failure = e
         return torch.full((len(responses),), float("nan"))
 
-    def score_texts(self, prompts, responses, columns=None) -> torch.Tensor:
+    def score_texts(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        columns: list[dict] | None = None,
+    ) -> torch.Tensor:
         """The reward function's scores (B,) of texts alone, NaN once it failed (no raise:
         see the class docstring); for eval's judge win rate."""
         return self._function_scores(prompts, responses, columns)
 
-    def missing_columns(self, available) -> list[str]:
+    def missing_columns(self, available: Collection[str]) -> list[str]:
         """The data columns a reward function requires that `available` lacks (a reward
         model reads none); checked when a run starts, before any rollout."""
         fns = [self.reward_fn] if isinstance(self.reward_fn, RewardFunction) else []
@@ -405,7 +440,7 @@ def reward_inputs_for(cfg: Config) -> RewardInputs | None:
 
 def build_scorer(
     runtime: Runtime,
-    reward_function,
+    reward_function: str | Callable[..., Any] | None,
     model_cfg: ModelConfig,
     placement: str,
     inputs: RewardInputs | None = None,
@@ -437,7 +472,7 @@ def weighted_reward(
     runtime: Runtime,
     reward_cfg: RewardConfig,
     model_cfg: ModelConfig,
-    reward_function="",
+    reward_function: str | Callable[..., Any] | None = "",
     perf: PerfConfig = DEFAULT_PERF,
 ) -> WeightedReward:
     """The components of reward.function or reward.functions (weights reward.weights, 1
@@ -445,7 +480,8 @@ def weighted_reward(
     each a RewardFunction with the run's retries and timeout (an HTTP component retries
     each request itself: remote.HTTPClient)."""
     r, retry = reward_cfg, retry_settings(reward_cfg)
-    specs = list(r.functions) or ([reward_function] if reward_function else [])
+    specs: list[str | Callable[..., Any]] = list(r.functions)
+    specs = specs or ([reward_function] if reward_function else [])
     weights = list(r.weights) or [1.0] * len(specs)
     fns = [RewardFunction(spec, **retry) for spec in specs]
     names = [component_name(f.fn) for f in fns]
@@ -467,7 +503,7 @@ def build_judge_reward(
     reward_cfg: RewardConfig,
     model_cfg: ModelConfig,
     perf: PerfConfig = DEFAULT_PERF,
-):
+) -> JudgeReward:
     """judge.JudgeReward over a local causal LM (reward.judge=model: loaded whole and
     replicated on every rank in model.dtype, frozen) or an OpenAI-compatible endpoint."""
     r = reward_cfg
@@ -497,15 +533,15 @@ def retry_settings(reward_cfg: RewardConfig | None) -> dict:
 
 @torch.no_grad()
 def score_sequences(
-    runtime: Runtime, value_model, seqs: list[list[int]], batch_size: int, pad_id: int
-):
+    runtime: Runtime, value_model: ValueModel, seqs: list[list[int]], batch_size: int, pad_id: int
+) -> torch.Tensor:
     """Scores (len(seqs),) on CPU of whole token sequences, each read at its last token.
 
     Every rank must call this, each with its own seqs (lock-step passes:
     distributed/lockstep.py).
     """
 
-    def forward(chunk) -> torch.Tensor:
+    def forward(chunk: list[list[int]]) -> torch.Tensor:
         ids, mask = right_pad(chunk, pad_id)
         ids, mask = ids.to(runtime.device), mask.to(runtime.device)
         return sequence_scores(value_model, ids, mask, last_token_index(mask)).float().cpu()
@@ -515,7 +551,13 @@ def score_sequences(
 
 
 def probe_rephrasings(
-    runtime: Runtime, value_model, responses, scores, filler, batch_size, pad_id
+    runtime: Runtime,
+    value_model: ValueModel,
+    responses: Sequence[diag.Response],
+    scores: diag.Numbers,
+    filler: list[int],
+    batch_size: int,
+    pad_id: int,
 ) -> dict:
     """The rephrasing probe over every rank's `responses` (diagnostics.Response, this rank's
     share) with their known `scores` (N,); `filler` is also the droppable tail. Returns

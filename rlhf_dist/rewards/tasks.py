@@ -22,10 +22,15 @@ import logging
 import re
 import sys
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
+from typing import TYPE_CHECKING, Any
 
 from rlhf_dist.config.tasks import INSTALL
 from rlhf_dist.data.tasks import task_dataset
+
+if TYPE_CHECKING:
+    from rlhf_dist.rewards.judge import Prompt
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 BOXED = "\\boxed"
@@ -38,7 +43,14 @@ MATH_VERIFY_TIMEOUT_S = 5
 _said: set[str] = set()  # warnings already printed by this process, said once each
 
 
-def reasoning_gym(prompts, responses, task, answer, metadata, question=None) -> list[float]:
+def reasoning_gym(
+    prompts: Sequence[Prompt],
+    responses: Sequence[str],
+    task: Sequence[str],
+    answer: Sequence[Any],
+    metadata: Sequence[Any],
+    question: Sequence[Any] | None = None,
+) -> list[float]:
     """reasoning-gym's score of each response: its task's `score_answer(answer, entry)` on
     the text inside the response's last <answer></answer> (reasoning-gym's prompts ask for
     them; stripped of surrounding whitespace, as reasoning-gym's extract_answer does), 0.0
@@ -68,7 +80,12 @@ def reasoning_gym(prompts, responses, task, answer, metadata, question=None) -> 
     return scores
 
 
-def math_verify(prompts, responses, answer=None, solution=None) -> list[float]:
+def math_verify(
+    prompts: Sequence[Prompt],
+    responses: Sequence[str],
+    answer: Sequence[Any] | None = None,
+    solution: Sequence[Any] | None = None,
+) -> list[float]:
     """1.0 where the response's final answer (`final_answer`) equals the row's gold as
     mathematics, else 0.0 (no final answer: 0.0). The gold is the row's `answer` (a final
     answer: "72", "0.5", "\\frac{1}{2}", "x = 3"), else its `solution` (TRL's accuracy
@@ -96,7 +113,7 @@ def math_verify(prompts, responses, answer=None, solution=None) -> list[float]:
     return scores
 
 
-def answer_format(prompts, responses) -> list[float]:
+def answer_format(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
     """1.0 where the response gives exactly one final answer: one <answer></answer> with
     non-blank text (reasoning-gym's form), or, without tags, one complete \\boxed{...}
     that is not blank; else 0.0. Two answers are 0.0, so hedging does not pay."""
@@ -112,7 +129,9 @@ def answer_format(prompts, responses) -> list[float]:
     return scores
 
 
-def last_number(prompts, responses, answer) -> list[float]:
+def last_number(
+    prompts: Sequence[Prompt], responses: Sequence[str], answer: Sequence[Any]
+) -> list[float]:
     """1.0 where the response's last number equals the row's `answer` as a number
     (exact rationals: "-4" = "-4.0", "0.5" = "1/2"), else 0.0. The number is read from the
     response's final answer (`final_answer`: its last <answer></answer> or \\boxed{}) when it
@@ -192,7 +211,9 @@ def _closing_brace(text: str, opening: int) -> int | None:
     return None
 
 
-def _pairs(answer, solution, n: int):
+def _pairs(
+    answer: Sequence[Any] | None, solution: Sequence[Any] | None, n: int
+) -> Iterator[tuple[Any, Any]]:
     if answer is None and solution is None:
         raise ValueError(
             "the math_verify reward reads the rows' `answer` (or `solution`) column, and the "
@@ -201,7 +222,7 @@ def _pairs(answer, solution, n: int):
     return zip(answer or [None] * n, solution or [None] * n)
 
 
-def _math_verify():
+def _math_verify() -> tuple[Callable[..., list], Callable[..., bool], int | None]:
     """(parse, verify, timeout) of math-verify. Its timeouts are SIGALRM alarms, which
     Python allows in the main thread only: with reward.timeout_s set the reward runs in a
     worker thread, where math-verify raises unless its timeouts are off (None); there

@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 import signal
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from torch import nn
 
 from rlhf_dist.checkpoint import (
     Checkpoint,
@@ -40,6 +43,20 @@ from rlhf_dist.models import (
     uses_checkpointing,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlhf_dist.data.batching import BatchPlan
+    from rlhf_dist.observability.tracking import MetricsLogger
+
+# What a step loop trains: the prepared model, its optimizer and its LambdaLR schedule.
+Trained: TypeAlias = tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]
+# An optimizer step's examples: (epoch, global indices into the stage's examples).
+GlobalBatch: TypeAlias = tuple[int, list[int]]
+# A stage's held-out evaluation: {name: number}, every rank calling it (its forwards are
+# in lock-step); None where the stage has no held-out data.
+Evaluate: TypeAlias = Callable[[], dict[str, float]] | None
+
 # The section of a step-loop stage: the shared StageConfig keys and the stage's own `optim`.
 StepSection = SFTConfig | RMConfig | DPOConfig | KTOConfig
 
@@ -47,12 +64,13 @@ StepSection = SFTConfig | RMConfig | DPOConfig | KTOConfig
 class PreemptionFlag:
     """Remembers a SIGTERM (cluster preemption) until the loop reaches a safe point."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._handle)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGTERM handler: only note it; the loop checkpoints at its next safe point."""
         self.received = True
 
     def any_rank(self, runtime: Runtime) -> bool:
@@ -99,12 +117,20 @@ def safe_point(
 
 
 def checkpoint_due(cfg: Config, step: int, last_step: int, preempted: bool) -> bool:
+    """Whether to checkpoint after `step`: on preemption or divergence, every
+    run.checkpoint_every steps, and at the last step (with checkpoints on)."""
     every = cfg.run.checkpoint_every
     return preempted or (every > 0 and (step % every == 0 or step == last_step))
 
 
 def write_checkpoint(
-    cfg: Config, runtime: Runtime, out: Path, step: int, model, optimizer, trainer_state: dict
+    cfg: Config,
+    runtime: Runtime,
+    out: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict,
 ) -> None:
     """Gather the world-size independent training state and write an atomic checkpoint."""
     state = runtime.gather_training_state(model, optimizer)
@@ -115,7 +141,9 @@ def write_checkpoint(
     )
 
 
-def make_optimizer(groups) -> torch.optim.Optimizer:
+def make_optimizer(
+    groups: Sequence[tuple[Iterable[nn.Parameter], OptimConfig]],
+) -> torch.optim.Optimizer:
     """AdamW with one param group per (parameters, OptimConfig) pair, each its own lr/eps."""
     param_groups = [
         {
@@ -126,15 +154,17 @@ def make_optimizer(groups) -> torch.optim.Optimizer:
         }
         for params, optim in groups
     ]
-    # fused: one kernel per step instead of ~10 per parameter tensor (the step was 12% of a
-    # tiny model's PPO iteration on CPU); supported on CPU and CUDA tensors alike.
+    # fused: one kernel per step instead of ~10 per parameter tensor (the optimizer step
+    # is a visible share of a small model's iteration); supported on CPU and CUDA alike.
     return torch.optim.AdamW(param_groups, betas=(0.9, 0.999), fused=True)
 
 
-def make_scheduler(optimizer, optim_cfgs: list[OptimConfig], total_steps: int):
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, optim_cfgs: list[OptimConfig], total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR per param group: linear warmup, then constant, linear or cosine decay to 0."""
 
-    def factor(cfg: OptimConfig):
+    def factor(cfg: OptimConfig) -> Callable[[int], float]:
         def f(step: int) -> float:
             if step < cfg.warmup_steps:
                 return (step + 1) / cfg.warmup_steps
@@ -151,7 +181,12 @@ def make_scheduler(optimizer, optim_cfgs: list[OptimConfig], total_steps: int):
 
 
 def save_pretrained(
-    runtime: Runtime, model, tokenizer, directory: Path, submodule: str = "", dtype: str = "float32"
+    runtime: Runtime,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: Path,
+    submodule: str = "",
+    dtype: str = "float32",
 ) -> None:
     """Write an HF-format model + tokenizer (safetensors) that from_pretrained loads.
 
@@ -177,7 +212,14 @@ def save_pretrained(
     runtime.barrier()
 
 
-def resume_into(runtime: Runtime, ckpt, model, optimizer, scheduler, seed: int) -> None:
+def resume_into(
+    runtime: Runtime,
+    ckpt: Checkpoint,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    seed: int,
+) -> None:
     """After `prepare`: restore optimizer moments, the schedule and this rank's RNG.
 
     (The weights were copied in before `prepare` with ckpt.load_weights_into.)
@@ -191,7 +233,13 @@ DISTRIBUTIONS = "_distributions"  # key of a step's per-example values in step_f
 EVAL_CONSOLE = ("eval/loss", "eval/accuracy", "eval/score", "eval/kl_to_ref")
 
 
-def evaluate_if_due(cfg, runtime, logger, steps: tuple[int, int], evaluate) -> dict:
+def evaluate_if_due(
+    cfg: Config,
+    runtime: Runtime,
+    logger: MetricsLogger,
+    steps: tuple[int, int],
+    evaluate: Evaluate,
+) -> dict:
     """run.eval_every: every N optimizer steps (SFT/RM/DPO/KTO) or iterations (PPO), and at
     the last one, run the stage's held-out evaluation and log it as eval/<name> with the
     step (docs/metrics.md); returns what was logged ({} when not due).
@@ -214,15 +262,15 @@ def evaluate_if_due(cfg, runtime, logger, steps: tuple[int, int], evaluate) -> d
 def step_loop(
     cfg: Config,
     runtime: Runtime,
-    out,
-    logger,
-    ckpt,
-    trained,
-    batches,
-    step_fn,
+    out: Path,
+    logger: MetricsLogger,
+    ckpt: Checkpoint | None,
+    trained: Trained,
+    batches: Sequence[GlobalBatch],
+    step_fn: Callable[[list[int]], dict[str, Any]],
     stage: str,
-    console: tuple,
-    evaluate=None,
+    console: tuple[str, ...],
+    evaluate: Evaluate = None,
 ) -> dict:
     """The SFT/RM/DPO/KTO loop: skip to the checkpoint, step, log, checkpoint, stop on
     SIGTERM, evaluate when due (`evaluate_if_due`; evaluate: the stage's held-out evaluation
@@ -235,7 +283,8 @@ def step_loop(
     """
     model, optimizer, scheduler = trained
     start, total = (ckpt.step if ckpt else 0), len(batches)
-    preemption, metrics = PreemptionFlag(), {}
+    preemption = PreemptionFlag()
+    metrics: dict[str, Any] = {}
     for step, (epoch, idx) in enumerate(batches, 1):
         if step <= start:
             continue  # done before the checkpoint; the order is a function of the seed
@@ -276,8 +325,13 @@ def finish_trainable(
 
 
 def prepare_single_model(
-    cfg: Config, runtime: Runtime, net, section: StepSection, n_examples: int, ckpt
-):
+    cfg: Config,
+    runtime: Runtime,
+    net: nn.Module,
+    section: StepSection,
+    n_examples: int,
+    ckpt: Checkpoint | None,
+) -> tuple[Trained, BatchPlan, list[GlobalBatch]]:
     """Plan, global batches and the prepared (model, optimizer, scheduler) of an SFT or RM
     run whose config section is `section`; resumed from `ckpt` if given."""
     finish_trainable(net, cfg.model, deepspeed=runtime.zero_stage is not None)
@@ -297,7 +351,9 @@ def prepare_single_model(
     return (model, optimizer, scheduler), plan, batches
 
 
-def step_and_schedule(runtime: Runtime, trained, max_grad_norms: list[float]) -> list[float] | None:
+def step_and_schedule(
+    runtime: Runtime, trained: Trained, max_grad_norms: list[float]
+) -> list[float] | None:
     """Clip, step the optimizer and the schedule; returns the pre-clip gradient norm of
     each param group (one max norm each, e.g. [actor, critic]), or None if the numerical
     guard skipped the step (the schedule advances either way).
@@ -310,7 +366,9 @@ def step_and_schedule(runtime: Runtime, trained, max_grad_norms: list[float]) ->
     return norms
 
 
-def share_of_global_mean(runtime: Runtime, loss_sum: torch.Tensor, global_count) -> torch.Tensor:
+def share_of_global_mean(
+    runtime: Runtime, loss_sum: torch.Tensor, global_count: int | torch.Tensor
+) -> torch.Tensor:
     """The loss to backward for one micro-batch: loss_sum x world_size / global_count.
 
     loss_sum: 0-dim SUM of this micro-batch's per-token (or per-pair) losses on this rank;

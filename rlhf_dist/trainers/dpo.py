@@ -14,7 +14,12 @@ whole global batch, so a step's gradient does not depend on how the batch is spl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import torch
+from torch import nn
 
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.algo.preference import (
@@ -28,7 +33,7 @@ from rlhf_dist.algo.preference import (
 )
 from rlhf_dist.config import Config, DPOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
-from rlhf_dist.data.rows import SFTExample, load_data, preference_pairs
+from rlhf_dist.data.rows import PreferencePair, SFTExample, load_data, preference_pairs
 from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
@@ -56,10 +61,13 @@ from rlhf_dist.trainers.preference import (
 )
 from rlhf_dist.trainers.publish import publish
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 CONSOLE = ("dpo/loss", "rewards/accuracy", "rewards/margins")
 
 
-def pair_sequences(pairs) -> list[SFTExample]:
+def pair_sequences(pairs: Sequence[PreferencePair]) -> list[SFTExample]:
     """All chosen sequences, then all rejected ones: the (2B,) layout of one forward."""
     return [SFTExample(p.chosen, p.prompt_len) for p in pairs] + [
         SFTExample(p.rejected, p.prompt_len) for p in pairs
@@ -82,7 +90,7 @@ def add_pair_stats(stats: StatSums, terms: dict, logprobs: torch.Tensor) -> None
         stats.add("dpo/log_odds_ratio", terms["log_odds_ratio"].sum(), n)
 
 
-def nll_mask(batch: dict, dc: DPOConfig) -> torch.Tensor:
+def nll_mask(batch: dict[str, torch.Tensor], dc: DPOConfig) -> torch.Tensor:
     """(2m, L-1) bool: the tokens of ORPO's NLL term, on the m chosen rows (the first half).
 
     Their response tokens, and with dpo.orpo_prompt_nll their prompt tokens too: every real
@@ -96,7 +104,7 @@ def nll_mask(batch: dict, dc: DPOConfig) -> torch.Tensor:
     return out
 
 
-def nll_tokens(pairs, dc: DPOConfig) -> int:
+def nll_tokens(pairs: Sequence[PreferencePair], dc: DPOConfig) -> int:
     """How many tokens ORPO's NLL term covers over `pairs` (`nll_mask`'s count; 0 for SimPO)."""
     if dc.loss_type != "orpo":
         return 0
@@ -105,7 +113,9 @@ def nll_tokens(pairs, dc: DPOConfig) -> int:
     return sum(sum(SFTExample(p.chosen, p.prompt_len).targets()[1:]) for p in pairs)
 
 
-def reference_free_terms(model, batch: dict, dc: DPOConfig, perf: PerfConfig):
+def reference_free_terms(
+    model: nn.Module, batch: dict[str, torch.Tensor], dc: DPOConfig, perf: PerfConfig
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """SimPO or ORPO per-pair terms of one micro-batch of m pairs (2m rows, chosen first) from
     ONE forward of the policy alone; returns (terms, response log-prob sums (2m,)). ORPO's
     terms add `nll_sum` (0-dim, over `nll_mask`) and `nll_tokens`."""
@@ -116,16 +126,29 @@ def reference_free_terms(model, batch: dict, dc: DPOConfig, perf: PerfConfig):
     chosen, rejected = (sums[:half], lengths[:half]), (sums[half:], lengths[half:])
     if dc.loss_type == "simpo":
         terms = simpo_terms(
-            chosen[0], rejected[0], chosen[1], rejected[1], dc.beta, dc.simpo_gamma,
+            chosen[0],
+            rejected[0],
+            chosen[1],
+            rejected[1],
+            dc.beta,
+            dc.simpo_gamma,
             dc.label_smoothing,
-        )  # fmt: skip
+        )
         return terms, sums
     terms = orpo_terms(chosen[0], rejected[0], chosen[1], rejected[1], dc.beta)
     terms |= {"nll_sum": masked_sum(-logprobs, nll), "nll_tokens": nll.sum()}
     return terms, sums
 
 
-def micro_terms(runtime: Runtime, model, reference, batch: dict, ref, dc: DPOConfig, perf):
+def micro_terms(
+    runtime: Runtime,
+    model: nn.Module,
+    reference: nn.Module | None,
+    batch: dict[str, torch.Tensor],
+    ref: torch.Tensor | None,
+    dc: DPOConfig,
+    perf: PerfConfig,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One micro-batch's per-pair terms and its policy log-prob sums (2m,): reference-free,
     or DPO/IPO against `ref` (the table's rows, chosen then rejected) or the reference run
     now (ref None)."""
@@ -136,16 +159,28 @@ def micro_terms(runtime: Runtime, model, reference, batch: dict, ref, dc: DPOCon
         ref = reference_logprobs(runtime, reference, batch, perf)
     half = logprobs.shape[0] // 2
     terms = dpo_terms(
-        logprobs[:half], logprobs[half:], ref[:half], ref[half:], dc.beta, dc.loss_type,
+        logprobs[:half],
+        logprobs[half:],
+        ref[:half],
+        ref[half:],
+        dc.beta,
+        dc.loss_type,
         dc.label_smoothing,
-    )  # fmt: skip
+    )
     return terms, logprobs
 
 
 def dpo_step(
-    runtime: Runtime, model, reference, pairs, ref_rows, plan: BatchPlan, dc: DPOConfig,
-    pad_id: int, perf: PerfConfig = DEFAULT_PERF,
-):  # fmt: skip
+    runtime: Runtime,
+    model: nn.Module,
+    reference: nn.Module | None,
+    pairs: Sequence[PreferencePair],
+    ref_rows: torch.Tensor | None,
+    plan: BatchPlan,
+    dc: DPOConfig,
+    pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Backward over this rank's micro-batches of one global batch.
 
     pairs: the global batch's PreferencePairs; ref_rows: (len(pairs), 2) reference log-probs
@@ -186,7 +221,9 @@ def dpo_step(
     return metrics, {"reward_margin": torch.cat(margins)}
 
 
-def load_dpo_pairs(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list]:
+def load_dpo_pairs(
+    cfg: Config, runtime: Runtime, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """Training and held-out pairs (the `rm` formats: chosen/rejected or ranked responses)."""
     rows = load_data(cfg.data, "train")
     d, field = cfg.data, cfg.dpo.responses_field
@@ -196,7 +233,7 @@ def load_dpo_pairs(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list
         raise ConfigError(
             f"dpo.batch_size: {cfg.dpo.batch_size} is more than the {len(train)} usable pairs ({report.summary('preference pairs')})"
         )
-    evals = []
+    evals: list[PreferencePair] = []
     if cfg.data.eval:
         rows = load_data(cfg.data, "eval")
         evals = preference_pairs(rows, tokenizer, d, field, f"data.eval {d.eval!r}")[0]
@@ -205,10 +242,10 @@ def load_dpo_pairs(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list
 
 def evaluate_dpo(
     runtime: Runtime,
-    model,
-    reference,
-    evals,
-    ref_table,
+    model: nn.Module,
+    reference: nn.Module | None,
+    evals: Sequence[PreferencePair],
+    ref_table: torch.Tensor | None,
     dc: DPOConfig,
     pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
@@ -238,16 +275,26 @@ def evaluate_dpo(
 
 
 @torch.no_grad()
-def reference_free_eval(runtime: Runtime, model, seqs, size: int, dc: DPOConfig, pad_id, perf):
+def reference_free_eval(
+    runtime: Runtime,
+    model: nn.Module,
+    seqs: list[SFTExample],
+    size: int,
+    dc: DPOConfig,
+    pad_id: int,
+    perf: PerfConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SimPO or ORPO (loss, stats) of the held-out pairs `seqs` ([all chosen, all rejected]),
     all of them as one batch; each rank scores a share in lock-step passes."""
 
-    def forward(chunk) -> torch.Tensor:  # (rows, 2): over the response, over every token
+    def forward(
+        chunk: list[SFTExample],
+    ) -> torch.Tensor:  # (rows, 2): over the response, over every token
         batch = response_batch(chunk, pad_id, runtime.device)
         every = batch["attention_mask"][:, 1:].bool()
         with runtime.autocast():
-            logprobs, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                         every, perf=perf)  # fmt: skip
+            ids, attention = batch["input_ids"], batch["attention_mask"]
+            logprobs, _ = token_logprobs(model, ids, attention, every, perf=perf)
         sums = [
             sequence_logprobs(logprobs, batch["response_mask"]),
             sequence_logprobs(logprobs, every),
@@ -261,9 +308,14 @@ def reference_free_eval(runtime: Runtime, model, seqs, size: int, dc: DPOConfig,
     chosen, rejected = (sums[:n], lengths[:n]), (sums[n:], lengths[n:])
     if dc.loss_type == "simpo":
         return simpo_loss(
-            chosen[0], rejected[0], chosen[1], rejected[1], dc.beta, dc.simpo_gamma,
+            chosen[0],
+            rejected[0],
+            chosen[1],
+            rejected[1],
+            dc.beta,
+            dc.simpo_gamma,
             dc.label_smoothing,
-        )  # fmt: skip
+        )
     if dc.orpo_prompt_nll:  # every token after the first, as `nll_mask`
         nll_sum, count = -scores[:n, 1].sum(), sum(len(s.ids) - 1 for s in seqs[:n])
     else:
@@ -271,7 +323,14 @@ def reference_free_eval(runtime: Runtime, model, seqs, size: int, dc: DPOConfig,
     return orpo_loss(chosen[0], rejected[0], chosen[1], rejected[1], dc.beta, nll_sum, count)
 
 
-def precomputed_tables(cfg: Config, runtime: Runtime, reference, pairs, pad: int, out):
+def precomputed_tables(
+    cfg: Config,
+    runtime: Runtime,
+    reference: nn.Module,
+    pairs: tuple[list[PreferencePair], list[PreferencePair]],
+    pad: int,
+    out: Path,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """dpo.reference_logprobs=precompute: the reference's sequence log-probs of the training
     pairs (N, 2: chosen, rejected) and of the held-out pairs' sequences, in one pass."""
     train, evals = pairs
@@ -299,7 +358,7 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
         if not cfg.lora.enabled:
             reference = None  # every reference log-prob is in the table: free the copy
 
-    def step(idx) -> dict:
+    def step(idx: list[int]) -> dict:
         rows = None if table is None else table[idx]
         metrics, values = dpo_step(
             runtime, model, reference, [train[i] for i in idx], rows, plan, dc, pad, cfg.perf
@@ -312,9 +371,18 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
         return {k.removeprefix("eval_"): v for k, v in numbers.items() if k != "eval_pairs"}
 
     last = step_loop(
-        cfg, runtime, out, logger, ckpt, trained, batches, step, "dpo", CONSOLE,
+        cfg,
+        runtime,
+        out,
+        logger,
+        ckpt,
+        trained,
+        batches,
+        step,
+        "dpo",
+        CONSOLE,
         evaluate if evals else None,
-    )  # fmt: skip
+    )
     summary = {
         "steps": len(batches),
         "train_pairs": len(train),

@@ -12,12 +12,16 @@ loss is its example-loss SUM over the global example count (architecture.md sect
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
+from torch import nn
 
 from rlhf_dist.algo.preference import kto_reference_point, kto_terms
 from rlhf_dist.config import Config, KTOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
-from rlhf_dist.data.rows import SFTExample, kto_examples, load_data
+from rlhf_dist.data.rows import KTOExample, SFTExample, kto_examples, load_data
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
@@ -44,22 +48,33 @@ from rlhf_dist.trainers.preference import (
 )
 from rlhf_dist.trainers.publish import publish
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 CONSOLE = ("kto/loss", "kto/kl", "rewards/margins")
 
 
-def completion_sequences(examples) -> list[SFTExample]:
+def completion_sequences(examples: Sequence[KTOExample]) -> list[SFTExample]:
+    """Each example's prompt with its own completion (the loss is on the completion)."""
     return [SFTExample(ex.prompt + ex.completion, len(ex.prompt)) for ex in examples]
 
 
-def mismatched_sequences(examples) -> list[SFTExample]:
+def mismatched_sequences(examples: Sequence[KTOExample]) -> list[SFTExample]:
     """Each example's prompt with another example's completion (KTO's KL estimate)."""
     return [SFTExample(ex.prompt + ex.kl_completion, len(ex.prompt)) for ex in examples]
 
 
 @torch.no_grad()
 def global_reference_point(
-    runtime: Runtime, model, reference, share, kl_ref, plan: BatchPlan, pad_id, perf: PerfConfig
-):
+    runtime: Runtime,
+    model: nn.Module,
+    reference: nn.Module | None,
+    share: Sequence[KTOExample],
+    kl_ref: torch.Tensor | None,
+    plan: BatchPlan,
+    pad_id: int,
+    perf: PerfConfig,
+) -> torch.Tensor:
     """z0 of one global batch: mean log-ratio of its mismatched pairs over all ranks.
 
     share: this rank's examples; kl_ref: their mismatched pairs' reference log-probs (m,)
@@ -67,7 +82,7 @@ def global_reference_point(
     in lock-step passes (distributed/lockstep.py), though BatchPlan gives equal shares.
     """
 
-    def forward(chunk) -> torch.Tensor:
+    def forward(chunk: list[tuple[SFTExample, torch.Tensor | None]]) -> torch.Tensor:
         seqs, refs = zip(*chunk)
         batch = response_batch(list(seqs), pad_id, runtime.device)
         policy = response_logprobs(model, batch, perf)
@@ -85,7 +100,9 @@ def global_reference_point(
     return kto_reference_point(runtime.all_sum(total), plan.global_size).float()
 
 
-def add_kto_stats(stats: StatSums, terms: dict, desirable: torch.Tensor, right) -> None:
+def add_kto_stats(
+    stats: StatSums, terms: dict[str, torch.Tensor], desirable: torch.Tensor, right: torch.Tensor
+) -> None:
     """Sums of the logged KTO statistics over one micro-batch (docs/metrics.md)."""
     rewards, n = terms["rewards"], desirable.numel()
     stats.add("kto/loss", terms["loss"].detach().sum(), n)
@@ -95,9 +112,16 @@ def add_kto_stats(stats: StatSums, terms: dict, desirable: torch.Tensor, right) 
 
 
 def kto_step(
-    runtime: Runtime, model, reference, examples, ref_rows, plan: BatchPlan, kc: KTOConfig,
-    pad_id: int, perf: PerfConfig = DEFAULT_PERF,
-):  # fmt: skip
+    runtime: Runtime,
+    model: nn.Module,
+    reference: nn.Module | None,
+    examples: Sequence[KTOExample],
+    ref_rows: torch.Tensor | None,
+    plan: BatchPlan,
+    kc: KTOConfig,
+    pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """z0, then backward over this rank's micro-batches of one global batch.
 
     ref_rows: (len(examples), 2) reference log-probs [completion, mismatched] from the table,
@@ -135,7 +159,9 @@ def kto_step(
     return metrics | {"kto/kl": float(z0)}, {"reward": torch.cat(rewards)}
 
 
-def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, list]:
+def load_kto_examples(
+    cfg: Config, runtime: Runtime, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[KTOExample], list[KTOExample]]:
     """Training and held-out examples (data.eval, same formats; [] without it)."""
     rows = load_data(cfg.data, "train")
     where = f"data.train {cfg.data.train!r}"
@@ -148,7 +174,7 @@ def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, l
         raise ConfigError(
             f"kto.batch_size: {cfg.kto.batch_size} is more than the {len(train)} usable examples ({report.summary('kto examples')})"
         )
-    evals = []
+    evals: list[KTOExample] = []
     if cfg.data.eval:
         rows = load_data(cfg.data, "eval")
         where = f"data.eval {cfg.data.eval!r}"
@@ -157,7 +183,14 @@ def load_kto_examples(cfg: Config, runtime: Runtime, tokenizer) -> tuple[list, l
 
 
 def evaluate_kto(
-    runtime, model, reference, evals, ref_table, kc, pad_id: int, perf: PerfConfig = DEFAULT_PERF
+    runtime: Runtime,
+    model: nn.Module,
+    reference: nn.Module | None,
+    evals: Sequence[KTOExample],
+    ref_table: torch.Tensor | None,
+    kc: KTOConfig,
+    pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
 ) -> dict:
     """Held-out KTO loss, reference point z0 (`kl`), share of examples on the right side of
     it (`accuracy`) and reward margin over `evals`, the whole held-out set as one batch
@@ -204,7 +237,7 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
         if not cfg.lora.enabled:
             reference = None  # every reference log-prob is in the table: free the copy
 
-    def step(idx) -> dict:
+    def step(idx: list[int]) -> dict:
         rows = None if table is None else table[idx]
         metrics, values = kto_step(
             runtime, model, reference, [train[i] for i in idx], rows, plan, kc, pad, cfg.perf
@@ -216,9 +249,18 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
         return evaluate_kto(runtime, model, reference, evals, eval_table, kc, pad, cfg.perf)
 
     last = step_loop(
-        cfg, runtime, out, logger, ckpt, trained, batches, step, "kto", CONSOLE,
+        cfg,
+        runtime,
+        out,
+        logger,
+        ckpt,
+        trained,
+        batches,
+        step,
+        "kto",
+        CONSOLE,
         evaluate if evals else None,
-    )  # fmt: skip
+    )
     desirable = sum(ex.desirable for ex in train)
     summary = {
         "steps": len(batches),

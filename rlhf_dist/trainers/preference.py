@@ -14,10 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from rlhf_dist.algo.preference import sequence_logprobs
+from rlhf_dist.checkpoint import Checkpoint
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.data.rows import SFTExample, collate_sft
@@ -26,12 +29,25 @@ from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.files import atomic_write_text
 from rlhf_dist.models import frozen_dtype, load_causal_lm, train_dtype, trained_load_dtype
 from rlhf_dist.models.lora import AdapterOffReference, add_adapters, export_lora
-from rlhf_dist.trainers.common import StepSection, prepare_single_model, save_pretrained
+from rlhf_dist.trainers.common import (
+    GlobalBatch,
+    StepSection,
+    Trained,
+    prepare_single_model,
+    save_pretrained,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlhf_dist.data.batching import BatchPlan
 
 REFERENCE_FILE = "reference_logprobs.json"
 
 
-def response_batch(seqs: list[SFTExample], pad_id: int, device) -> dict[str, torch.Tensor]:
+def response_batch(
+    seqs: list[SFTExample], pad_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response sequences: input_ids, attention_mask (B, L) and
     response_mask (B, L-1), True where token t+1 is a response token (collate_sft's mask of
     the shifted positions, the one polarity: True on real response tokens)."""
@@ -43,7 +59,9 @@ def response_batch(seqs: list[SFTExample], pad_id: int, device) -> dict[str, tor
     }
 
 
-def response_logprobs(model, batch: dict, perf: PerfConfig = DEFAULT_PERF) -> torch.Tensor:
+def response_logprobs(
+    model: nn.Module, batch: dict[str, torch.Tensor], perf: PerfConfig = DEFAULT_PERF
+) -> torch.Tensor:
     """log pi(response | prompt) of each sequence of a `response_batch` under a causal LM;
     (B,) float32 (gradients flow when called with grad enabled)."""
     mask = batch["response_mask"]
@@ -55,14 +73,23 @@ def response_logprobs(model, batch: dict, perf: PerfConfig = DEFAULT_PERF) -> to
 
 @torch.no_grad()
 def reference_logprobs(
-    runtime: Runtime, reference, batch: dict, perf: PerfConfig = DEFAULT_PERF
+    runtime: Runtime,
+    reference: nn.Module,
+    batch: dict[str, torch.Tensor],
+    perf: PerfConfig = DEFAULT_PERF,
 ) -> torch.Tensor:
     """`response_logprobs` under the frozen reference, in the training forward's precision."""
     with runtime.autocast():
         return response_logprobs(reference, batch, perf).float()
 
 
-def build_policy(cfg: Config, runtime: Runtime, section: StepSection, n_examples: int, ckpt):
+def build_policy(
+    cfg: Config,
+    runtime: Runtime,
+    section: StepSection,
+    n_examples: int,
+    ckpt: Checkpoint | None,
+) -> tuple[Trained, BatchPlan, list[GlobalBatch]]:
     """The trained policy (LoRA adapters on it with lora.enabled), prepared with its optimizer
     and schedule as SFT/RM models are; returns (trained, plan, batches) of prepare_single_model."""
     m, lora = cfg.model, cfg.lora
@@ -75,7 +102,7 @@ def build_policy(cfg: Config, runtime: Runtime, section: StepSection, n_examples
     return prepare_single_model(cfg, runtime, net, section, n_examples, ckpt)
 
 
-def build_reference(cfg: Config, runtime: Runtime, model):
+def build_reference(cfg: Config, runtime: Runtime, model: nn.Module) -> nn.Module:
     """The frozen reference policy: the adapters-off base under LoRA, else a frozen copy."""
     if cfg.lora.enabled:
         return AdapterOffReference(lambda: runtime.unwrap(model))
@@ -96,14 +123,18 @@ def _fingerprint(cfg: Config, seqs: list[SFTExample]) -> str:
 
 @torch.no_grad()
 def all_response_logprobs(
-    runtime: Runtime, reference, seqs: list[SFTExample], size: int, pad_id: int,
+    runtime: Runtime,
+    reference: nn.Module,
+    seqs: list[SFTExample],
+    size: int,
+    pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
-):  # fmt: skip
+) -> torch.Tensor:
     """Reference log-probs of every sequence, (N,) on every rank: each rank scores every
     world_size-th one, in lock-step passes (a partitioned reference gathers per forward;
     distributed/lockstep.py)."""
 
-    def forward(chunk) -> torch.Tensor:
+    def forward(chunk: list[SFTExample]) -> torch.Tensor:
         batch = response_batch(chunk, pad_id, runtime.device)
         return reference_logprobs(runtime, reference, batch, perf)
 
@@ -112,8 +143,14 @@ def all_response_logprobs(
 
 
 def reference_table(
-    cfg: Config, runtime: Runtime, reference, seqs, size: int, pad_id: int, out: Path
-):
+    cfg: Config,
+    runtime: Runtime,
+    reference: nn.Module,
+    seqs: list[SFTExample],
+    size: int,
+    pad_id: int,
+    out: Path,
+) -> torch.Tensor:
     """log pi_ref of every sequence, (N,) float32, computed once before training.
 
     Kept in <output_dir>/reference_logprobs.json. A resumed run (run.resume set) reads it
@@ -136,7 +173,13 @@ def reference_table(
     return table
 
 
-def export_policy(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) -> None:
+def export_policy(
+    cfg: Config,
+    runtime: Runtime,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    out: Path,
+) -> None:
     """final/ = the trained policy (merged with lora.export merged/both), final_adapter/ =
     the LoRA adapter (adapter/both). Every rank must call this."""
     m, lora, tokenizer = cfg.model, cfg.lora, export_tokenizer(tokenizer, cfg.data)
@@ -149,7 +192,7 @@ def export_policy(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) ->
         merged = out / "final" if lora.export in ("merged", "both") else None
         adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
 
-        def base():
+        def base() -> nn.Module:
             return load_causal_lm(m.policy, "model.policy", train_dtype(m), m)
 
         with runtime.local_loading():

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlhf_dist.config import to_dict
+from rlhf_dist.config import Config, to_dict
 from rlhf_dist.config.tasks import is_task_spec
 from rlhf_dist.data import inputs
 from rlhf_dist.errors import UserError
@@ -16,14 +17,17 @@ from rlhf_dist.names import ESTIMATORS
 from rlhf_dist.observability.hub import push_folders
 from rlhf_dist.observability.model_card import CardFacts, card_text
 
+if TYPE_CHECKING:
+    from rlhf_dist.distributed import Runtime
 
-def exports(cfg, stage: str, out: Path) -> dict[str, tuple[Path, str]]:
+
+def exports(cfg: Config, stage: str, out: Path) -> dict[str, tuple[Path, str]]:
     """{card kind: (directory, path in the hub repository)} of what `stage` exported with this
     config (decided from the config, not from what lies in `out`: a directory left by an
     earlier run is not this run's model)."""
     lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")  # SFT and RM train all weights
     merged = not lora or cfg.lora.export in ("merged", "both")
-    found = {}
+    found: dict[str, tuple[Path, str]] = {}
     if merged:
         found["reward" if stage == "rm" else "policy"] = (out / "final", "")
     if lora and cfg.lora.export in ("adapter", "both"):
@@ -33,7 +37,7 @@ def exports(cfg, stage: str, out: Path) -> dict[str, tuple[Path, str]]:
     return found
 
 
-def base_model(cfg, stage: str, kind: str) -> str:
+def base_model(cfg: Config, stage: str, kind: str) -> str:
     """The model the export started from."""
     m = cfg.model
     if kind == "reward" or (kind == "critic" and cfg.ppo.critic_init == "reward"):
@@ -49,7 +53,9 @@ def on_hub(name: str) -> bool:
     return not Path(name).expanduser().exists()
 
 
-def card_facts(cfg, stage: str, kind: str, where: tuple[Path, str], summary: dict) -> CardFacts:
+def card_facts(
+    cfg: Config, stage: str, kind: str, where: tuple[Path, str], summary: dict
+) -> CardFacts:
     """What the card of `kind` exported to `where` (directory, path in the hub repository)
     says; it names where to load the model from: the hub repository when the run pushes,
     else the local directory."""
@@ -69,7 +75,7 @@ def card_facts(cfg, stage: str, kind: str, where: tuple[Path, str], summary: dic
     )
 
 
-def publish(cfg, runtime, out: Path, stage: str, summary: dict) -> None:
+def publish(cfg: Config, runtime: Runtime, out: Path, stage: str, summary: dict) -> None:
     """README.md in every export of `stage`, then the upload with run.push_to_hub, on the
     main process. Every rank must call this: a failed upload is one UserError line (exit 2)
     raised on all ranks together, after everything is on disk (a rank that went on alone to
@@ -86,7 +92,8 @@ def publish(cfg, runtime, out: Path, stage: str, summary: dict) -> None:
         raise UserError(error)
 
 
-def _publish_main(cfg, runtime, out: Path, stage: str, summary: dict) -> None:
+def _publish_main(cfg: Config, runtime: Runtime, out: Path, stage: str, summary: dict) -> None:
+    """`publish` on the main process: the cards, then the upload (a UserError if it fails)."""
     found = exports(cfg, stage, out)
     for kind, where in found.items():
         text = card_text(card_facts(cfg, stage, kind, where, summary))

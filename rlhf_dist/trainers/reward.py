@@ -7,9 +7,13 @@ into 2B rows), so both are scored by the same weights with the same padding.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from rlhf_dist.algo.losses import pairwise_reward_loss, pairwise_reward_terms
 from rlhf_dist.config import Config
@@ -43,8 +47,15 @@ from rlhf_dist.trainers.common import (
 )
 from rlhf_dist.trainers.publish import publish
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    from rlhf_dist.observability.tracking import MetricsLogger
+
+
+def pair_scores(
+    value_model: ValueModel, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen_scores, rejected_scores), each (B,), of a collate_pairs batch."""
     scores = sequence_scores(
         value_model, batch["input_ids"], batch["attention_mask"], batch["last_index"]
@@ -53,7 +64,13 @@ def pair_scores(value_model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return scores[:half], scores[half:]
 
 
-def rm_step(runtime: Runtime, model, pairs, plan: BatchPlan, pad_id: int) -> tuple[dict, dict]:
+def rm_step(
+    runtime: Runtime,
+    model: nn.Module,
+    pairs: Sequence[PreferencePair],
+    plan: BatchPlan,
+    pad_id: int,
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Backward over this rank's micro-batches; returns the global mean loss, accuracy and
     padding share (`rm/loss`, `rm/accuracy`, `rm/pad_fraction`) and this rank's per-pair
     values for the histograms (margin, chosen and rejected scores)."""
@@ -94,24 +111,30 @@ class PairEval:
 
     chosen: torch.Tensor
     rejected: torch.Tensor
-    categories: list
+    categories: list[str | None]
     chosen_length: torch.Tensor  # response tokens, EOS included (whole sequence if unknown)
     rejected_length: torch.Tensor
 
     @property
     def diff(self) -> torch.Tensor:
+        """(N,) score(chosen) - score(rejected): > 0 where a pair is ranked correctly."""
         return self.chosen - self.rejected
 
 
 @torch.no_grad()
 def evaluate_pairs(
-    runtime: Runtime, value_model, pairs, micro_batch_size: int, pad_id: int, prompt_lengths=None
+    runtime: Runtime,
+    value_model: nn.Module,
+    pairs: Sequence[PreferencePair],
+    micro_batch_size: int,
+    pad_id: int,
+    prompt_lengths: list[int] | None = None,
 ) -> tuple[dict, PairEval]:
     """Held-out loss, accuracy and calibration over all ranks' shares of `pairs`, and the
     per-pair scores, lengths and categories the diagnostics read (scored once, every rank
     its strided share in lock-step: distributed/lockstep.py)."""
 
-    def forward(chunk) -> list[tuple[float, float]]:
+    def forward(chunk: list[PreferencePair]) -> list[tuple[float, float]]:
         batch = {k: v.to(runtime.device) for k, v in collate_pairs(chunk, pad_id).items()}
         chosen, rejected = pair_scores(value_model, batch)
         return list(zip(chosen.float().tolist(), rejected.float().tolist()))
@@ -136,7 +159,9 @@ def evaluate_pairs(
     return metrics, ev
 
 
-def distinct_responses(evals, ev: PairEval) -> tuple[list, list[float]]:
+def distinct_responses(
+    evals: Sequence[PreferencePair], ev: PairEval
+) -> tuple[list[diag.Response], list[float]]:
     """Each distinct held-out response once (a ranked list repeats them across pairs), as
     diagnostics.Response split at its prompt and its EOS, with its score."""
     seqs = [p.chosen for p in evals] + [p.rejected for p in evals]
@@ -150,8 +175,14 @@ def distinct_responses(evals, ev: PairEval) -> tuple[list, list[float]]:
 
 
 def rm_diagnostics(
-    runtime: Runtime, model, evals, metrics: dict, ev: PairEval, batch_size, tokenizer
-):
+    runtime: Runtime,
+    model: nn.Module,
+    evals: Sequence[PreferencePair],
+    metrics: dict,
+    ev: PairEval,
+    batch_size: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> dict:
     """Everything rm_diagnostics.json holds (docs/rm_diagnostics.md), for non-empty `evals`
     scored as `ev`. Every rank must call this."""
     scores = torch.cat([ev.chosen, ev.rejected])
@@ -203,7 +234,15 @@ def headline(report: dict) -> dict:
 
 
 def report_eval(
-    cfg: Config, runtime: Runtime, model, tokenizer, evals, prompt_lengths, out, logger, step
+    cfg: Config,
+    runtime: Runtime,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    evals: Sequence[PreferencePair],
+    prompt_lengths: list[int],
+    out: Path,
+    logger: MetricsLogger,
+    step: int,
 ) -> dict:
     """Score the held-out pairs once; write rm_diagnostics.json, log rm/eval_*, print one
     warning line if the model looks like a length counter. Returns the eval_* summary."""
@@ -223,20 +262,25 @@ def report_eval(
     return {f"eval_{k}": v for k, v in numbers.items()}
 
 
-def eval_pairs(rows: list[dict], tokenizer, cfg: Config, where: str = "data.eval"):
+def eval_pairs(
+    rows: list[dict], tokenizer: PreTrainedTokenizerBase, cfg: Config, where: str = "data.eval"
+) -> tuple[list[PreferencePair], list[int]]:
     """Held-out pairs and each one's prompt length in tokens: the diagnostics measure
     RESPONSE length, and prompt lengths vary across pairs."""
     pairs = preference_pairs(rows, tokenizer, cfg.data, cfg.rm.responses_field, where)[0]
     return pairs, [p.prompt_len for p in pairs]
 
 
-def load_pairs(cfg: Config, runtime: Runtime, tokenizer):
+def load_pairs(
+    cfg: Config, runtime: Runtime, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[PreferencePair], list[PreferencePair], list[int]]:
     """Training pairs, held-out pairs and the held-out pairs' prompt lengths."""
     d, field = cfg.data, cfg.rm.responses_field
     rows = load_data(d, "train")
     train, report = preference_pairs(rows, tokenizer, d, field, f"data.train {d.train!r}")
     runtime.print(report.summary("preference pairs"))
-    evals, prompt_lengths = [], []
+    evals: list[PreferencePair] = []
+    prompt_lengths: list[int] = []
     if d.eval:
         rows = load_data(d, "eval")
         evals, prompt_lengths = eval_pairs(rows, tokenizer, cfg, f"data.eval {d.eval!r}")
@@ -261,7 +305,7 @@ def train_reward_model(cfg: Config, runtime: Runtime) -> dict:
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "rm", ckpt)
 
-    def step(idx) -> dict:
+    def step(idx: list[int]) -> dict:
         metrics, values = rm_step(runtime, model, [train[i] for i in idx], plan, pad)
         norms = step_and_schedule(runtime, trained, [rc.optim.max_grad_norm])
         norm = norms[0] if norms else None
@@ -273,9 +317,18 @@ def train_reward_model(cfg: Config, runtime: Runtime) -> dict:
 
     console = ("rm/loss", "rm/accuracy")
     last = step_loop(
-        cfg, runtime, out, logger, ckpt, trained, batches, step, "rm", console,
+        cfg,
+        runtime,
+        out,
+        logger,
+        ckpt,
+        trained,
+        batches,
+        step,
+        "rm",
+        console,
         evaluate if evals else None,
-    )  # fmt: skip
+    )
     summary = {
         "steps": len(batches),
         "train_loss": last.get("rm/loss"),

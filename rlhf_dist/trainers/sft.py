@@ -8,8 +8,11 @@ the batch is split into ranks and micro-batches.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from torch import nn
 
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.config import Config, PerfConfig
@@ -34,8 +37,18 @@ from rlhf_dist.trainers.common import (
 )
 from rlhf_dist.trainers.publish import publish
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def sequence_nll(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor]:
+# logprobs_fn(model, input_ids, attention_mask, predict_mask) -> (log-probs (B, L-1), _)
+LogprobsFn: TypeAlias = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]
+]
+
+
+def sequence_nll(
+    model: nn.Module, batch: dict[str, torch.Tensor], logprobs_fn: LogprobsFn
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence (sum of response-token NLL, response-token count), each (B,).
 
     loss_mask (B, L-1) marks the shifted positions scored; only those reach the output
@@ -47,20 +60,27 @@ def sequence_nll(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.T
     return masked_sum(-logprobs, mask, dim=1), mask.sum(1)
 
 
-def causal_lm_logprobs(perf: PerfConfig):
+def causal_lm_logprobs(perf: PerfConfig) -> LogprobsFn:
     """sequence_nll's logprobs_fn for a causal LM: token_logprobs with the run's speed paths."""
     return functools.partial(token_logprobs, perf=perf)
 
 
-def token_nll_sum(model, batch: dict, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor]:
+def token_nll_sum(
+    model: nn.Module, batch: dict[str, torch.Tensor], logprobs_fn: LogprobsFn
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of NLL over loss_mask, token count) of one micro-batch (`sequence_nll`)."""
     nll, count = sequence_nll(model, batch, logprobs_fn)
     return nll.sum(), count.sum()
 
 
 def sft_step(
-    runtime: Runtime, model, examples, plan: BatchPlan, pad_id: int, perf: PerfConfig = DEFAULT_PERF
-) -> tuple[dict, dict]:
+    runtime: Runtime,
+    model: nn.Module,
+    examples: Sequence[SFTExample],
+    plan: BatchPlan,
+    pad_id: int,
+    perf: PerfConfig = DEFAULT_PERF,
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Forward/backward every micro-batch of this rank's share; returns the global mean NLL
     (`sft/loss`) and padding share (`sft/pad_fraction`), and this rank's per-sequence
     values for the histograms (mean NLL, response length)."""
@@ -89,13 +109,17 @@ def sft_step(
 
 @torch.no_grad()
 def eval_nll(
-    runtime: Runtime, model, examples, micro_batch_size: int, pad_id: int,
+    runtime: Runtime,
+    model: nn.Module,
+    examples: Sequence[SFTExample],
+    micro_batch_size: int,
+    pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
-) -> float:  # fmt: skip
+) -> float:
     """Mean response-token NLL over `examples` (each rank takes every world_size-th), in
     lock-step passes (distributed/lockstep.py: under ZeRO-3 each forward is a collective)."""
 
-    def forward(chunk) -> torch.Tensor:
+    def forward(chunk: list[SFTExample]) -> torch.Tensor:
         batch = {k: v.to(runtime.device) for k, v in collate_sft(chunk, pad_id).items()}
         nll_sum, count = token_nll_sum(model, batch, causal_lm_logprobs(perf))
         return torch.stack([nll_sum, count.float()])
@@ -109,12 +133,16 @@ def eval_nll(
     return float(totals[0] / totals[1])
 
 
-def load_sft_data(cfg: Config, runtime: Runtime, tokenizer):
+def load_sft_data(
+    cfg: Config, runtime: Runtime, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[SFTExample], list[SFTExample]]:
+    """(train, eval) examples of data.train and data.eval (eval: [] without it); a
+    ConfigError when fewer usable train examples than sft.batch_size remain."""
     d = cfg.data
     rows = load_data(d, "train")
     train, report = sft_examples(rows, tokenizer, d, where=f"data.train {d.train!r}")
     runtime.print(report.summary("sft data"))
-    evals = []
+    evals: list[SFTExample] = []
     if d.eval:
         rows = load_data(d, "eval")
         evals = sft_examples(rows, tokenizer, d, where=f"data.eval {d.eval!r}")[0]
@@ -137,7 +165,7 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
 
-    def step(idx) -> dict:
+    def step(idx: list[int]) -> dict:
         metrics, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad, cfg.perf)
         norms = step_and_schedule(runtime, trained, [sc.optim.max_grad_norm])
         norm = norms[0] if norms else None
