@@ -22,7 +22,8 @@ from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.rows import load_rows, sft_examples
 from rlhf_dist.demo import task
 from rlhf_dist.models import load_causal_lm
-from rlhf_dist.trainers import ppo, ppo_update
+from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import update as ppo_update
 from rlhf_dist.trainers.sft import eval_nll
 
 GOLD = "rlhf_dist.demo.task:gold_reward_fn"

@@ -21,7 +21,7 @@ from rlhf_dist.algo.entropy import selection_count, token_covariance
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import global_top_k
-from rlhf_dist.trainers.ppo_entropy import cov_choice
+from rlhf_dist.trainers.ppo.entropy import cov_choice
 
 
 class ThreadWorld:

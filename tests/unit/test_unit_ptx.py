@@ -13,7 +13,7 @@ import torch
 
 from rlhf_dist.data.batching import BatchPlan, global_batches
 from rlhf_dist.data.rows import SFTExample
-from rlhf_dist.trainers.ptx import PtxStream
+from rlhf_dist.trainers.ppo.ptx import PtxStream
 
 PAD = 0
 

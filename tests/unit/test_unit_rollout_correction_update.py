@@ -13,7 +13,7 @@ from test_unit_distill import TEMPERATURE, OneRank, rollout, tiny_lm
 
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward
+from rlhf_dist.trainers.ppo.update import UpdateKnobs, minibatch_backward
 
 
 class Rank(OneRank):

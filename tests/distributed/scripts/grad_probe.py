@@ -65,9 +65,9 @@ from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo_entropy import cov_choice
-from rlhf_dist.trainers.ppo_setup import build_models
-from rlhf_dist.trainers.ppo_update import (
+from rlhf_dist.trainers.ppo.entropy import cov_choice
+from rlhf_dist.trainers.ppo.setup import build_models
+from rlhf_dist.trainers.ppo.update import (
     Teacher,
     UpdateKnobs,
     minibatch_backward,

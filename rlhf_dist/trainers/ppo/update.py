@@ -35,8 +35,8 @@ from rlhf_dist.engine.forward import chunked_divergence, teacher_states
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
-from rlhf_dist.trainers.ppo_setup import PPORun
-from rlhf_dist.trainers.ptx import PtxStream
+from rlhf_dist.trainers.ppo.ptx import PtxStream
+from rlhf_dist.trainers.ppo.setup import PPORun
 
 # (micro-batch rows, as an index into the minibatch; log-probs and entropies (b, T') of
 # the update's forward, detached) for a micro-batch whose rollout had no old log-probs

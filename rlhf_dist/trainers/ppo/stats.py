@@ -6,6 +6,7 @@ and divided once (stats.StatSums), never a mean of per-rank means."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,16 +16,23 @@ from rlhf_dist.algo.objectives import (
     overlong_penalty,
 )
 from rlhf_dist.algo.rewards import token_kl
+from rlhf_dist.config import Config
 from rlhf_dist.data.chat import prompt_text
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.rollout.agent import episode_stats
+from rlhf_dist.rollout.batch import RolloutBatch
 from rlhf_dist.rollout.prefetch import PrefetchingServer
 from rlhf_dist.rollout.server import ServerEngine
 from rlhf_dist.stats import StatSums, global_moments
 from rlhf_dist.trainers.common import (
     padding_cells,
 )
-from rlhf_dist.trainers.ppo_setup import PPORun
+from rlhf_dist.trainers.ppo.setup import PPORun
+
+if TYPE_CHECKING:  # the rollout step's and the update's results, read here only
+    from rlhf_dist.trainers.ppo.rollout import Rollout
+    from rlhf_dist.trainers.ppo.update import UpdateResult
 
 
 def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> dict:
@@ -232,3 +240,47 @@ class IterationResult:
     stats: dict
     distributions: dict | None  # name -> values gathered from all ranks (when due)
     samples: list  # this rank's first few (prompt, response, score, kl) rows
+
+
+@dataclass(frozen=True)
+class PPOStats:
+    """What one PPO iteration's steps hand its statistics: the rollout (step 2, with its
+    dynamic-sampling statistics and seconds), the batch after the update (old log-probs
+    known), the per-token KL, advantages and returns (B, T; returns None without a
+    critic), the update's view's statistics (overlong, cov_control) and the update's
+    result. Turned into the metrics row by `iteration_result`."""
+
+    rollout: Rollout
+    batch: RolloutBatch
+    kl: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+    view_stats: dict[str, float]
+    update: UpdateResult
+
+
+def iteration_result(
+    runtime: Runtime,
+    run: PPORun,
+    cfg: Config,
+    it: int,
+    phases: PPOStats,
+    times: tuple[float, float, float],
+    planned: dict[str, float] | None,
+    measured: dict,
+) -> IterationResult:
+    """The metrics row (docs/metrics.md), histograms when due and samples of one PPO
+    iteration. Collectives, in the same order on every rank."""
+    batch, kl, rollout = phases.batch, phases.kl, phases.rollout
+    stats = rollout_stats(runtime, batch, kl, phases.advantages, phases.returns, run.kl_ctl.coef)
+    stats |= rollout.sampling_stats | phases.view_stats
+    stats |= run.scorer.component_stats(runtime) | phases.update.stats
+    stats |= distill_stats(runtime, batch)  # {} without model.teacher
+    stats |= server_stats(runtime, run.rollout_models.engine)  # {} without rollout servers
+    distributions = None
+    if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
+        distributions = gather_distributions(runtime, batch, phases.advantages, kl)
+    stats |= iteration_costs(runtime, run, times, rollout.seconds, batch.response_mask, cfg)
+    stats |= memory_plan_stats(runtime, planned or {}, measured)
+    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
+    return IterationResult(stats, distributions, samples)
