@@ -22,18 +22,25 @@ class EstimatorTraits(NamedTuple):
     whitens: bool  # the default of ppo.whiten_advantages
 
 
-ESTIMATORS: dict[str, EstimatorTraits] = {
+# The advantage estimators of the PPO iteration (estimators.ESTIMATORS)
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorTraits] = {
     "gae": EstimatorTraits(needs_critic=True, needs_groups=False, whitens=True),
     "grpo": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=False),
     "rloo": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=False),
     "reinforce_pp": EstimatorTraits(needs_critic=False, needs_groups=False, whitens=True),
     "reinforce_pp_baseline": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=True),
+}
+# Objectives of their own on the same rollout (trainers/ppo/), chosen by the same key,
+# ppo.estimator: no advantage estimator of the registry.
+OBJECTIVES: dict[str, EstimatorTraits] = {
     # on-policy distillation alone: no task advantage, the teacher's signal is the update's
     "distill": EstimatorTraits(needs_critic=False, needs_groups=False, whitens=False),
-    # online DPO: the best and worst sample of each prompt form a pair for the DPO loss;
-    # its "advantages" are the pair labels (+1 chosen, -1 rejected), the update reads pairs
+    # online DPO: the best and worst sample of each prompt form a pair for the DPO loss
+    # (preference.best_worst_pairs; the pair labels, preference.pair_labels, are logged)
     "online_dpo": EstimatorTraits(needs_critic=False, needs_groups=True, whitens=False),
 }
+# ppo.estimator's choices and what each needs (config validation, the memory planner)
+ESTIMATORS: dict[str, EstimatorTraits] = {**ADVANTAGE_ESTIMATORS, **OBJECTIVES}
 # ppo.policy_loss: PPO's clipped surrogate, or CISPO's clipped stop-gradient weight
 POLICY_LOSSES = ("clip", "cispo")
 KL_KINDS = ("k1", "k2", "k3")  # kl.kl_estimate

@@ -23,7 +23,6 @@ import torch
 from rlhf_dist.algo import catalog
 from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.masking import last_token_index, pack_masked, unpack_masked
-from rlhf_dist.algo.preference import best_worst_pairs
 
 
 @dataclass(frozen=True)
@@ -63,11 +62,13 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # One signature: f(AdvantageInputs) -> (advantages, returns or None). The names and each
-# one's traits (needs_critic, needs_groups, whitens) are declared in catalog.ESTIMATORS;
+# one's traits (needs_critic, needs_groups, whitens) are declared in
+# catalog.ADVANTAGE_ESTIMATORS (on-policy distillation alone and online DPO are objectives
+# of their own, catalog.OBJECTIVES, not estimators);
 # each function joins the registry where it is defined, by its decorator.
 Advantages = tuple[torch.Tensor, torch.Tensor | None]  # (advantages (B, T), returns or None)
 Estimator = Callable[[AdvantageInputs], Advantages]
-ESTIMATORS = catalog.Registry(catalog.ESTIMATORS)
+ESTIMATORS = catalog.Registry(catalog.ADVANTAGE_ESTIMATORS)
 
 
 @ESTIMATORS.register("gae")
@@ -122,30 +123,6 @@ def reinforce_pp_baseline_estimator(x: AdvantageInputs) -> Advantages:
     at_last[rows, last_token_index(mask)] = torch.where(mask.any(1), baseline, 0.0)
     shifted = AdvantageInputs(x.rewards - at_last, x.scores, mask, gamma=x.gamma)
     return reinforce_pp_estimator(shifted)
-
-
-@ESTIMATORS.register("distill")
-def distill_estimator(x: AdvantageInputs) -> Advantages:
-    """On-policy distillation alone (ppo.estimator=distill, docs/distill.md): the task
-    reward gives no advantage, 0 on every token (B, T). The learning signal is the
-    teacher's per-token log-ratio (distill.distill_advantages) or GJSD, which the update
-    adds to every estimator's advantages (or loss) when model.teacher is set; the scores
-    are still computed and logged, for monitoring."""
-    return torch.zeros_like(x.rewards), None
-
-
-@ESTIMATORS.register("online_dpo")
-def online_dpo_estimator(x: AdvantageInputs) -> Advantages:
-    """Online DPO (ppo.estimator=online_dpo, docs/online_dpo.md): no advantage in the
-    policy-gradient sense; each response's pair label, +1 on every token of its group's
-    chosen (best) row, -1 on the rejected (worst) row's, 0 on the other rows and on tied
-    groups (preference.best_worst_pairs), (B, T). The update trains the DPO loss on the
-    pairs themselves; these labels are what the rollout statistics and histograms show."""
-    chosen, rejected, valid = best_worst_pairs(x.scores, x.group_size)
-    label = torch.zeros(x.scores.shape[0], dtype=x.rewards.dtype, device=x.rewards.device)
-    label[chosen[valid]] = 1.0
-    label[rejected[valid]] = -1.0
-    return torch.where(x.response_mask.bool(), label[:, None], 0.0), None
 
 
 ESTIMATORS.complete()

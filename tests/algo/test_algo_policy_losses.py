@@ -68,7 +68,7 @@ def test_no_clip_eps_means_no_clipping():
 
 def test_registries_hold_exactly_the_catalogs_names():
     assert tuple(POLICY_LOSSES) == catalog.POLICY_LOSSES
-    assert tuple(ESTIMATORS) == tuple(catalog.ESTIMATORS)
+    assert tuple(ESTIMATORS) == tuple(catalog.ADVANTAGE_ESTIMATORS)
     for name, entry in ESTIMATORS.items():
         assert entry.traits == catalog.ESTIMATORS[name]
     with pytest.raises(ValueError, match="policy loss must be one of"):

@@ -1,6 +1,6 @@
 """Steps 4 to 6 of a PPO iteration (docs/architecture.md section 5): per-token rewards
 from the scores (and the KL penalty), the advantages of the registered estimator
-(algo/estimators.py), and the rollout as the update sees it (DAPO's overlong mask,
+(algo/estimators.py) or none (on-policy distillation alone), and the rollout as the update sees it (DAPO's overlong mask,
 whitening over all ranks). Each takes the frozen batch and returns new tensors.
 
 Shapes: B rows (prompts x n), T response tokens.
@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
+from rlhf_dist.algo import catalog
 from rlhf_dist.algo.estimators import (
-    ESTIMATORS,
     AdvantageInputs,
     estimate_advantages,
     estimate_on_masked_tokens,
@@ -60,6 +60,16 @@ def estimate(
     return estimate_on_masked_tokens(name, inputs)
 
 
+def no_task_advantages(
+    name: str, batch: RolloutBatch, rewards: torch.Tensor, group_size: int, p: PPOConfig
+) -> Advantages:
+    """Step 5 of on-policy distillation alone (ppo.estimator=distill, docs/distill.md): the
+    task reward gives no advantage, 0 on every token (B, T), and no returns. The learning
+    signal is the teacher's per-token log-ratio (or GJSD) that the update adds
+    (update.with_teacher_advantages); the scores are still computed and logged."""
+    return torch.zeros_like(rewards), None
+
+
 def advantage_inputs(
     rewards: torch.Tensor, batch: RolloutBatch, group_size: int, ppo_cfg: PPOConfig
 ) -> AdvantageInputs:
@@ -95,7 +105,7 @@ def trained_view(
 def whitens(ppo_cfg: PPOConfig) -> bool:
     """ppo.whiten_advantages, or the estimator's own rule where it is null."""
     if ppo_cfg.whiten_advantages is None:
-        return ESTIMATORS[ppo_cfg.estimator].traits.whitens
+        return catalog.ESTIMATORS[ppo_cfg.estimator].whitens
     return ppo_cfg.whiten_advantages
 
 

@@ -27,15 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_dist.algo.preference import best_worst_pairs, dpo_terms, sequence_logprobs
-from rlhf_dist.algo.rewards import score_rewards, token_kl
+from rlhf_dist.algo.preference import best_worst_pairs, dpo_terms, pair_labels, sequence_logprobs
+from rlhf_dist.algo.rewards import token_kl
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import Config
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.rollout import PromptBatch, RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
-from rlhf_dist.trainers.ppo.advantages import estimate
 from rlhf_dist.trainers.ppo.rollout import normalized, print_first_batch, sample_rollout
 from rlhf_dist.trainers.ppo.setup import PPORun
 from rlhf_dist.trainers.ppo.stats import (
@@ -196,7 +195,7 @@ def online_dpo_iteration(
     batch = normalized(runtime, run, rollout.batch, cfg)
     # 4. Pairs: each group's best and worst sample (tied groups skipped), and their labels
     n, mask = run.plan.samples_per_prompt, batch.response_mask
-    labels, _ = estimate("online_dpo", batch, score_rewards(batch.scores, mask), n, cfg.ppo)
+    labels = pair_labels(batch.scores, n, mask)  # (B, T): +1 chosen, -1 rejected, 0 else
     pairs = Pairs.of(batch.scores, n)
     # 5. Update: the DPO loss on the pairs against the rollout's reference log-probs
     run.model.train()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from rlhf_dist.config import Config
 from rlhf_dist.data.batching import PPOPlan, extra_batch, global_batches
@@ -17,10 +17,13 @@ from rlhf_dist.errors import ConfigError
 from rlhf_dist.rewards.scoring import check_reward_columns
 from rlhf_dist.rollout import PromptBatch
 
+if TYPE_CHECKING:  # transformers loads only where a tokenizer does
+    from transformers import PreTrainedTokenizerBase
+
 Item = TypeVar("Item")
 
 
-def training_prompts(cfg: Config, tokenizer) -> PromptSet:
+def training_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> PromptSet:
     """data.train's usable prompts (`data.prompt_set`), at least one rollout batch of them,
     whose columns every reward function that names one finds (check_reward_columns)."""
     d, p = cfg.data, cfg.ppo

@@ -1,9 +1,10 @@
 """The PPO recipe (docs/architecture.md section 5): prompts -> rollout -> scores ->
 rewards -> advantages -> the update's view -> clipped updates -> statistics, one call per
 step into this package and rlhf_dist/algo. The advantage estimator (ppo.estimator) makes
-it PPO with GAE, GRPO, RLOO, REINFORCE++ or on-policy distillation alone: the same
-iteration, with or without a critic. Online DPO is an objective of its own on the same
-rollout (online_dpo.py); `OBJECTIVES` maps ppo.estimator to the iteration it runs.
+it PPO with GAE, GRPO, RLOO or REINFORCE++: the same iteration, with or without a
+critic. On-policy distillation alone (`distill_iteration`: no task advantage) and online
+DPO (online_dpo.py: pairs and the DPO loss) are objectives of their own on the same
+rollout; `OBJECTIVES` maps their ppo.estimator values to the iteration each runs.
 
 Up to four models: actor and critic (trained, one module, one optimizer with a param
 group each; no critic for a critic-free estimator), reference (frozen SFT policy) and a
@@ -31,7 +32,9 @@ from rlhf_dist.rollout import PromptBatch
 from rlhf_dist.rollout.prefetch import PrefetchingServer
 from rlhf_dist.trainers.common import PreemptionFlag, evaluate_if_due, find_resume, safe_point
 from rlhf_dist.trainers.ppo.advantages import (
+    Advantages,
     estimate,
+    no_task_advantages,
     rollout_rewards,
     trained_view,
     with_update_logprobs,
@@ -126,11 +129,13 @@ def ppo_iteration(
     it: int,
     more_prompts: Callable[[int], PromptBatch] | None = None,
     planned: dict[str, float] | None = None,
+    advantages_of: Callable[..., Advantages] = estimate,
 ) -> IterationResult:
     """One PPO iteration, steps 2-8 of docs/architecture.md section 5, on this rank's
     prompts (B rows: prompts x n). The rollout batch is frozen: each step makes a new one.
     more_prompts: round -> prompt batch (dynamic sampling); planned: the memory plan's
-    per-phase peaks, bytes."""
+    per-phase peaks, bytes; advantages_of: step 5 (advantages.estimate: the registered
+    estimator ppo.estimator)."""
     p, kl_coef = cfg.ppo, run.kl_ctl.coef
     t0 = time.time()
     # 2. Rollout: sample and score (old/ref log-probs, values; none of the actor's when
@@ -151,7 +156,7 @@ def ppo_iteration(
     # 4. Rewards (B, T); kl (B, T) is None while the old log-probs are unknown
     rewards, kl = rollout_rewards(batch, kl_coef, p)
     # 5. Advantages (B, T) of the registered estimator; returns (B, T) with a critic
-    advantages, returns = estimate(p.estimator, batch, rewards, run.plan.samples_per_prompt, p)
+    advantages, returns = advantages_of(p.estimator, batch, rewards, run.plan.samples_per_prompt, p)
     # 6. The update's view: overlong mask, whitening, the tokens cov_control acts on
     trained, trained_adv, overlong = trained_view(runtime, batch, advantages, cfg)
     chosen, cov_stats = cov_choice(runtime, trained, trained_adv, p, cfg.run.seed, it)
@@ -185,6 +190,25 @@ def run_summary(cfg: Config, progress: Progress) -> dict:
     }
 
 
-# ppo.estimator -> the iteration of its objective; every other estimator is PPO's
-# (ppo.estimator=distill included: PPO with no task advantage and the teacher's signal).
-OBJECTIVES: dict[str, Iteration] = {"online_dpo": online_dpo_iteration}
+def distill_iteration(
+    runtime: Runtime,
+    run: PPORun,
+    prompt_batch: PromptBatch,
+    cfg: Config,
+    it: int,
+    more_prompts: Callable[[int], PromptBatch] | None = None,
+    planned: dict[str, float] | None = None,
+) -> IterationResult:
+    """One iteration of on-policy distillation alone (ppo.estimator=distill,
+    docs/distill.md): PPO's iteration with no task advantage (step 5), the teacher's
+    per-token signal joining the advantages or the loss in the update (step 7)."""
+    no_task = no_task_advantages
+    return ppo_iteration(runtime, run, prompt_batch, cfg, it, more_prompts, planned, no_task)
+
+
+# The objectives of their own, by their ppo.estimator value (catalog.OBJECTIVES); every
+# other value names an advantage estimator of PPO's iteration (catalog.ADVANTAGE_ESTIMATORS).
+OBJECTIVES: dict[str, Iteration] = {
+    "distill": distill_iteration,
+    "online_dpo": online_dpo_iteration,
+}

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from rlhf_dist.algo import catalog
 from rlhf_dist.algo.entropy import EntropyController
-from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf_dist.algo.masking import RunningMoments
 from rlhf_dist.checkpoint import Checkpoint
@@ -141,7 +141,7 @@ def environment_reward(prompts, responses, columns=None) -> torch.Tensor:
 
 def has_critic(cfg: Config) -> bool:
     """A critic is built, trained and exported only for an estimator that reads values."""
-    return ESTIMATORS[cfg.ppo.estimator].traits.needs_critic
+    return catalog.ESTIMATORS[cfg.ppo.estimator].needs_critic
 
 
 class AdapterOffValue(nn.Module):
@@ -408,7 +408,7 @@ def make_rollout_models(
         ),
         # distributed.sequence_parallel_size: scoring's forwards split over the group
         pool=runtime.pool_micro_batches if runtime.sequence_parallel_size > 1 else None,
-        has_critic=ESTIMATORS[cfg.ppo.estimator].traits.needs_critic,
+        has_critic=has_critic(cfg),
         split=runtime.sequence_parallel,
     )
 
