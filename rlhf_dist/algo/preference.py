@@ -266,7 +266,7 @@ def orpo_loss(
     rejected_lengths: torch.Tensor,
     or_weight: float,
     nll_sum: torch.Tensor,
-    nll_tokens,
+    nll_tokens: torch.Tensor | int,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ORPO's loss of one batch of B pairs: NLL + or_weight * mean L_OR (Hong et al. 2024, eq. 6).
 
@@ -283,7 +283,7 @@ def orpo_loss(
     return nll + terms["loss"].mean(), stats
 
 
-def kto_reference_point(logratio_sum: torch.Tensor, count) -> torch.Tensor:
+def kto_reference_point(logratio_sum: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
     """KTO's reference point z0 (Ethayarajh et al. 2024, section 4.1), 0-dim.
 
     z0 estimates KL(pi || pi_ref) as the mean of log pi(y'|x) - log pi_ref(y'|x) over

@@ -62,7 +62,8 @@ class Pairs:
         """The best against the worst sample of each group of the rollout's scores (B,)."""
         return cls(*best_worst_pairs(scores, group_size))
 
-    def select(self, index) -> Pairs:
+    def select(self, index: slice | torch.Tensor) -> Pairs:
+        """The pairs at `index` (a slice or (m,) indices), a new Pairs."""
         return Pairs(self.chosen[index], self.rejected[index], self.valid[index])
 
 
@@ -96,7 +97,9 @@ def pair_statistics(runtime: Runtime, batch: RolloutBatch, pairs: Pairs) -> dict
     return s.reduce(runtime) | {"online_dpo/pairs": float(runtime.all_sum(n.double()))}
 
 
-def pair_loss(model, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs, stats: StatSums):
+def pair_loss(
+    model: torch.nn.Module, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs, stats: StatSums
+) -> torch.Tensor:
     """The weighted SUM of the DPO losses of m pairs (tied ones weigh 0), from ONE forward
     of their 2m responses (chosen rows, then rejected rows); adds the pair statistics to
     `stats` (sums over the untied pairs). The reference log-probs are the rollout's."""
@@ -123,7 +126,7 @@ def pair_loss(model, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs, stats:
 
 
 def pair_step(
-    runtime: Runtime, model, batch: RolloutBatch, pairs: Pairs, per_micro: int,
+    runtime: Runtime, model: torch.nn.Module, batch: RolloutBatch, pairs: Pairs, per_micro: int,
     knobs: PairKnobs, stats: StatSums,
 ) -> bool:  # fmt: skip
     """Accumulate one optimizer step's gradient over this rank's `pairs` (its share of the

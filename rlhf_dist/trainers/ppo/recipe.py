@@ -78,11 +78,8 @@ def train_ppo(cfg: Config, runtime: Runtime) -> dict:
     runtime.seed_per_rank(seed)
     if ckpt:
         ckpt.restore_rng(seed)
-    progress, preemption, alerts = (
-        Progress.resumed(ckpt),
-        PreemptionFlag(),
-        AlertMonitor(cfg.alerts),
-    )
+    progress, preemption = Progress.resumed(ckpt), PreemptionFlag()
+    alerts = AlertMonitor(cfg.alerts)  # ppo's alerts, their state resumed too
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
     evaluate = held_out_eval(cfg, runtime, run)  # run.eval_every; None: no evaluation

@@ -25,7 +25,7 @@ from rlhf_dist.algo.losses import (
 )
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.algo.objectives import sequence_log_ratio
-from rlhf_dist.algo.policy_losses import PolicyLossInputs, policy_loss_terms
+from rlhf_dist.algo.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from rlhf_dist.algo.rollout_correction import rollout_correction_weights
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import Config, PerfConfig
@@ -129,7 +129,7 @@ def policy_terms(
         logprobs, old_logprobs, advantages, log_ratio, knobs.clip_eps_low, knobs.clip_eps_high,
         knobs.dual_clip,
     )  # fmt: skip
-    return policy_loss_terms(knobs.policy_loss, inputs)
+    return POLICY_LOSSES[knobs.policy_loss].fn(inputs)  # ppo.policy_loss, validated by config
 
 
 def micro_batch_loss(
