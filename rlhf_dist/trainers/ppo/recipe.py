@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from rlhf_dist.algo.rewards import token_kl
 from rlhf_dist.checkpoint import maybe_fault, rng_state
@@ -60,8 +61,21 @@ from rlhf_dist.trainers.ppo.stats import (
 from rlhf_dist.trainers.ppo.update import UpdateKnobs, ppo_update
 from rlhf_dist.trainers.publish import publish
 
-# One iteration: (runtime, run, prompt batch, cfg, iteration, more prompts, planned peaks)
-Iteration = Callable[..., IterationResult]
+
+class Iteration(Protocol):
+    """One iteration of an objective (ppo_iteration and OBJECTIVES' entries): steps 2-8 on
+    this rank's prompts, the statistics reduced over all ranks."""
+
+    def __call__(
+        self,
+        runtime: Runtime,
+        run: PPORun,
+        prompt_batch: PromptBatch,
+        cfg: Config,
+        it: int,
+        more_prompts: Callable[[int], PromptBatch] | None = None,
+        planned: dict[str, float] | None = None,
+    ) -> IterationResult: ...
 
 
 def train_ppo(cfg: Config, runtime: Runtime) -> dict:
@@ -84,7 +98,7 @@ def train_ppo(cfg: Config, runtime: Runtime) -> dict:
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
     evaluate = held_out_eval(cfg, runtime, run)  # run.eval_every; None: no evaluation
     planned = planned_phases(cfg, "ppo", run_hardware(runtime))  # memory/planned_* metrics
-    iteration = OBJECTIVES.get(p.estimator, ppo_iteration)
+    iteration: Iteration = OBJECTIVES.get(p.estimator, ppo_iteration)
     # 1. Prompts: this rank's share of each global batch, in a seed-determined order
     pad = run.tokenizer.pad_token_id
     overfit = cfg.debug.overfit_one_batch
