@@ -5,7 +5,7 @@ Usage: python launch/bench/gpu.py [--preset auto|gpu|cpu] [--batch 32] [--prompt
 
 Times the three phases of `rlhf-dist ppo` with the project's own pieces
 (rlhf_dist.engine.decode.generate, rlhf_dist.engine.forward.token_logprobs / ActorCritic / ValueModel /
-sequence_scores, rlhf_dist.trainers.ppo_update.micro_batch_loss, rlhf_dist.algo rewards and GAE):
+sequence_scores, rlhf_dist.trainers.ppo.update.micro_batch_loss, rlhf_dist.algo rewards and GAE):
   generation  sampling `response-len` tokens for `batch` prompts (KV cache);
   scoring     actor+critic (old log-probs, values), reference, reward model forwards;
   update      4 epochs x 4 minibatches: forward + backward of actor and critic, AdamW step;
@@ -39,7 +39,7 @@ from rlhf_dist.models import ActorCritic, ValueModel, sequence_scores
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.rollout.batch import sequence_last_index
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo_update import UpdateKnobs, micro_batch_loss
+from rlhf_dist.trainers.ppo.update import UpdateKnobs, micro_batch_loss
 
 PPO_EPOCHS = 4
 MINIBATCHES = 4

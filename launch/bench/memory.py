@@ -441,7 +441,8 @@ def cell_main(args) -> None:
     from rlhf_dist import api
     from rlhf_dist.models import loading
     from rlhf_dist.rollout import collect
-    from rlhf_dist.trainers import ppo
+    from rlhf_dist.trainers.ppo import recipe as ppo
+    from rlhf_dist.trainers.ppo import stats as ppo_stats
 
     # On CPU transformers maps a checkpoint's weights from its safetensors file (page
     # cache, not torch's allocator): the frozen reference would go uncounted. Copied into
@@ -461,13 +462,13 @@ def cell_main(args) -> None:
     bracket(collect, "_scoring_forwards", "scoring", record)
     bracket(ppo, "ppo_update", "update", record)
     planned = {}
-    stats = ppo.memory_plan_stats
+    stats = ppo_stats.memory_plan_stats
 
     def keep_plan(runtime, plan, measured):  # the run's own plan, as its metrics log it
         planned.update(plan)
         return stats(runtime, plan, measured)
 
-    ppo.memory_plan_stats = keep_plan
+    ppo_stats.memory_plan_stats = keep_plan
     api.grpo(reward_fn=zero3_reward, zero3_overrides=json.loads(args.cell))
     api.close()
     second = {phase: calls[1] for phase, calls in record.items()}

@@ -238,7 +238,9 @@ def run_ours(policy: Path, indices, raw, eps: float, seed: int, sampler_check: b
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.models import tokenizer_for
     from rlhf_dist.rollout import collect
-    from rlhf_dist.trainers import ppo
+    from rlhf_dist.trainers.ppo import prompts as ppo_prompts
+    from rlhf_dist.trainers.ppo import recipe as ppo
+    from rlhf_dist.trainers.ppo import setup as ppo_setup
 
     tmp = Path(tempfile.mkdtemp(prefix="ours_loss_check_"))
     prompts = len(indices)
@@ -253,10 +255,12 @@ def run_ours(policy: Path, indices, raw, eps: float, seed: int, sampler_check: b
     validate(cfg, "ppo")
     runtime = Runtime(seed=seed, num_threads=2)
     tokenizer = tokenizer_for(cfg, "policy")
-    prompt_set = ppo.training_prompts(cfg, tokenizer)
-    run = ppo.start_ppo(cfg, runtime, None, tokenizer)
+    prompt_set = ppo_prompts.training_prompts(cfg, tokenizer)
+    run = ppo_setup.start_ppo(cfg, runtime, None, tokenizer)
     runtime.seed_per_rank(seed)
-    batch = ppo.rank_prompts(prompt_set, run.plan, runtime, list(indices), tokenizer.pad_token_id)
+    batch = ppo_prompts.rank_prompts(
+        prompt_set, run.plan, runtime, list(indices), tokenizer.pad_token_id
+    )
     net = runtime.unwrap(run.model)
     actor = net.actor
     got: dict = {"prompt_ids": [r[m.bool()].tolist() for r, m in zip(batch.ids, batch.mask)]}

@@ -386,7 +386,7 @@ MATMUL_OPS = {
 
 def profile_last_iteration(prepared: Path, iterations: int) -> tuple[list, float, list[float]]:
     """(profiler events of the last iteration, its wall seconds, plain iteration times)."""
-    import rlhf_dist.trainers.ppo as ppo
+    import rlhf_dist.trainers.ppo.recipe as ppo
     from rlhf_dist.cli import main
 
     original, calls, captured = ppo.ppo_iteration, [0], {}

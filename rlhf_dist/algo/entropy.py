@@ -11,7 +11,7 @@ bounds; KL-Cov adds a penalty |log pi - log pi_old| to the tokens with the large
 
 The trainer computes the choice ONCE per rollout, from the rollout's old log-probs and
 the advantages the update trains on, with means over ALL ranks' trained tokens and a
-count over all of them (trainers/ppo_entropy.py). Here are the pieces that involve no
+count over all of them (trainers/ppo/entropy.py). Here are the pieces that involve no
 collective; each is elementwise given those global numbers, so a micro-batch's loss
 depends only on its own rows and the split-invariance rule (docs/algorithms.md) holds.
 Shapes: B rows, T response tokens.

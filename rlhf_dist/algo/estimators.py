@@ -23,7 +23,6 @@ import torch
 from rlhf_dist.algo import catalog
 from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.masking import last_token_index, pack_masked, unpack_masked
-from rlhf_dist.algo.preference import best_worst_pairs
 
 
 @dataclass(frozen=True)
@@ -62,12 +61,24 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _zero_outside(per_seq[:, None].expand(mask.shape).to(per_seq.dtype), mask)
 
 
-def gae_estimator(x: AdvantageInputs):
+# One signature: f(AdvantageInputs) -> (advantages, returns or None). The names and each
+# one's traits (needs_critic, needs_groups, whitens) are declared in
+# catalog.ADVANTAGE_ESTIMATORS (on-policy distillation alone and online DPO are objectives
+# of their own, catalog.OBJECTIVES, not estimators);
+# each function joins the registry where it is defined, by its decorator.
+Advantages = tuple[torch.Tensor, torch.Tensor | None]  # (advantages (B, T), returns or None)
+Estimator = Callable[[AdvantageInputs], Advantages]
+ESTIMATORS = catalog.Registry(catalog.ADVANTAGE_ESTIMATORS)
+
+
+@ESTIMATORS.register("gae")
+def gae_estimator(x: AdvantageInputs) -> Advantages:
     """GAE (Schulman et al. 2016) with a critic: returns = A + V are the value targets."""
     return gae(x.rewards, x.values, x.response_mask, x.gamma, x.lam)
 
 
-def grpo_estimator(x: AdvantageInputs, eps: float = 1e-6):
+@ESTIMATORS.register("grpo")
+def grpo_estimator(x: AdvantageInputs, eps: float = 1e-6) -> Advantages:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath section 4.1.2):
     A_i = (R_i - mean_group R) / (std_group R + eps) on every token of sample i, with
     R_i the sequence's total shaped reward and std the unbiased (n-1) group std.
@@ -80,7 +91,8 @@ def grpo_estimator(x: AdvantageInputs, eps: float = 1e-6):
     return _broadcast(A.reshape(-1), x.response_mask), None
 
 
-def rloo_estimator(x: AdvantageInputs):
+@ESTIMATORS.register("rloo")
+def rloo_estimator(x: AdvantageInputs) -> Advantages:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each sample's baseline is the mean
     return of the OTHER n-1 samples of its prompt, A_i = R_i - (sum_j R_j - R_i)/(n-1)."""
     n = x.group_size
@@ -89,7 +101,8 @@ def rloo_estimator(x: AdvantageInputs):
     return _broadcast(A.reshape(-1), x.response_mask), None
 
 
-def reinforce_pp_estimator(x: AdvantageInputs):
+@ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_estimator(x: AdvantageInputs) -> Advantages:
     """REINFORCE++ (Hu 2025): the discounted return-to-go G_t = sum_{s>=t} gamma^(s-t) r_s
     of the shaped rewards (KL penalty on every token), no critic; the trainer whitens it
     over the global batch. G is GAE with V = 0 and lambda = 1."""
@@ -98,7 +111,8 @@ def reinforce_pp_estimator(x: AdvantageInputs):
     return G, None
 
 
-def reinforce_pp_baseline_estimator(x: AdvantageInputs):
+@ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_estimator(x: AdvantageInputs) -> Advantages:
     """REINFORCE++-baseline: the group's mean score subtracted from each sample's score
     (at its last response token, where the score sits in `rewards`), then REINFORCE++."""
     baseline = group_view(x.scores, x.group_size).mean(dim=1, keepdim=True)
@@ -111,51 +125,15 @@ def reinforce_pp_baseline_estimator(x: AdvantageInputs):
     return reinforce_pp_estimator(shifted)
 
 
-def distill_estimator(x: AdvantageInputs):
-    """On-policy distillation alone (ppo.estimator=distill, docs/distill.md): the task
-    reward gives no advantage, 0 on every token (B, T). The learning signal is the
-    teacher's per-token log-ratio (distill.distill_advantages) or GJSD, which the update
-    adds to every estimator's advantages (or loss) when model.teacher is set; the scores
-    are still computed and logged, for monitoring."""
-    return torch.zeros_like(x.rewards), None
+ESTIMATORS.complete()
 
 
-def online_dpo_estimator(x: AdvantageInputs):
-    """Online DPO (ppo.estimator=online_dpo, docs/online_dpo.md): no advantage in the
-    policy-gradient sense; each response's pair label, +1 on every token of its group's
-    chosen (best) row, -1 on the rejected (worst) row's, 0 on the other rows and on tied
-    groups (preference.best_worst_pairs), (B, T). The update trains the DPO loss on the
-    pairs themselves; these labels are what the rollout statistics and histograms show."""
-    chosen, rejected, valid = best_worst_pairs(x.scores, x.group_size)
-    label = torch.zeros(x.scores.shape[0], dtype=x.rewards.dtype, device=x.rewards.device)
-    label[chosen[valid]] = 1.0
-    label[rejected[valid]] = -1.0
-    return torch.where(x.response_mask.bool(), label[:, None], 0.0), None
-
-
-# One signature: f(AdvantageInputs) -> (advantages, returns or None). The names and each
-# one's traits (needs_critic, needs_groups, whitens) are declared in catalog.ESTIMATORS.
-Estimator = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
-ESTIMATORS = catalog.registry(
-    catalog.ESTIMATORS,
-    {
-        "gae": gae_estimator,
-        "grpo": grpo_estimator,
-        "rloo": rloo_estimator,
-        "reinforce_pp": reinforce_pp_estimator,
-        "reinforce_pp_baseline": reinforce_pp_baseline_estimator,
-        "distill": distill_estimator,
-        "online_dpo": online_dpo_estimator,
-    },
-)
-
-
-def estimate_advantages(name: str, inputs: AdvantageInputs):
+def estimate_advantages(name: str, inputs: AdvantageInputs) -> Advantages:
     """(advantages (B, T), returns (B, T) or None) of the registered estimator `name`."""
     return ESTIMATORS[name].fn(inputs)
 
 
-def estimate_on_masked_tokens(name: str, inputs: AdvantageInputs):
+def estimate_on_masked_tokens(name: str, inputs: AdvantageInputs) -> Advantages:
     """`estimate_advantages` with each row's masked tokens packed to a prefix first
     (masking.pack_masked), and the results put back at their positions (0 elsewhere).
 

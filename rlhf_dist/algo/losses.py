@@ -1,4 +1,5 @@
-"""PPO policy and value losses and the Bradley-Terry reward-model loss.
+"""PPO policy and value losses and the Bradley-Terry reward-model loss (the per-token policy
+losses themselves are the registered ones of algo/policy_losses.py).
 
 The masked means here are the per-call reference definitions. Trainers that split a
 minibatch into micro-batches use the `*_terms` functions, which return per-token losses,
@@ -14,46 +15,8 @@ import torch.nn.functional as F
 from rlhf_dist.algo import catalog
 from rlhf_dist.algo.masking import masked_mean, masked_sum
 
-
-def ppo_policy_terms(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-    log_ratio: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-token clipped surrogate (Schulman et al. 2017, eq. 7), negated for minimisation.
-
-    logprobs, old_logprobs, advantages: (B, T). The ratio is clipped to
-    [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high None: clip_eps; a larger upper bound
-    is DAPO's "clip-higher", Yu et al. 2025). dual_clip c > 1 (Ye et al. 2020, eq. 5) also
-    bounds the loss of a negative-advantage token by -c*A, so one huge ratio cannot
-    dominate the step. Returns per-token (B, T) tensors: `loss`, `clipped` (1.0 where a
-    clip cut the gradient), `approx_kl` = 0.5*(logprobs-old)^2 (k2 estimate of
-    KL(old || new), per token whatever ratio is clipped), and `ratio`. log_ratio: the
-    log-ratio to clip, (B, T) (None: logprobs - old_logprobs, PPO's per-token ratio;
-    `objectives.sequence_log_ratio` for GSPO's sequence ratio).
-    """
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    token_log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(token_log_ratio if log_ratio is None else log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    loss = torch.maximum(unclipped, clipped)
-    cut = clipped > unclipped
-    if dual_clip is not None:
-        bound = -dual_clip * advantages
-        dual = (advantages < 0) & (loss > bound)
-        loss = torch.where(dual, bound, loss)
-        cut = cut | dual
-    return {
-        "loss": loss,
-        "clipped": cut.to(logprobs.dtype),
-        "approx_kl": 0.5 * token_log_ratio.detach() ** 2,
-        "ratio": ratio.detach(),
-    }
+# PPO's per-token clipped surrogate is the registered policy loss "clip"
+from rlhf_dist.algo.policy_losses import ppo_policy_terms
 
 
 def ppo_policy_loss(

@@ -94,7 +94,7 @@ class RunningMoments:
     batch's (mean, var, count) over ranks first so every rank holds the same moments.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.mean, self.var, self.count = 0.0, 1.0, 0.0
 
     def update(self, batch_mean: float, batch_var: float, batch_count: float) -> None:

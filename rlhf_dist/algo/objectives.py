@@ -1,6 +1,7 @@
-"""The pieces of the 2025 verifiable-reward objectives: GSPO's sequence-level ratio, CISPO's
-clipped stop-gradient weight, and DAPO's overlong handling and dynamic-sampling filter
-(docs/algorithms.md, "objectives"; docs/agents.md, "Objectives").
+"""The pieces of the 2025 verifiable-reward objectives: GSPO's sequence-level ratio and
+DAPO's overlong handling and dynamic-sampling filter
+(docs/algorithms.md, "objectives"; docs/agents.md, "Objectives"). CISPO's clipped
+stop-gradient weight is the registered policy loss "cispo" (policy_losses.py).
 
 Every per-token function is row-local (a row's values depend on that row alone), so the
 trainer's split-invariant aggregation (`losses.aggregation_weights`, one global count per
@@ -24,7 +25,7 @@ def sequence_log_ratio(
     the mean over row i's response tokens. GSPO-token writes it per token as
     s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]: every token's VALUE is s_i, and its
     GRADIENT is s_i times the token's own log-prob gradient. This returns log s_i,t =
-    sg[log s_i] + logprobs - sg[logprobs], for `losses.ppo_policy_terms(log_ratio=...)`.
+    sg[log s_i] + logprobs - sg[logprobs], for the policy losses' `log_ratio`.
     With one advantage per row and per-row token means (seq_mean_token_mean) the gradient
     is GSPO's sequence-level one. A row without response tokens gets 0. Positions outside
     the mask hold the row's value and carry no gradient of other tokens.
@@ -35,37 +36,6 @@ def sequence_log_ratio(
     count = mask.sum(dim=1, keepdim=True).clamp(min=1).to(logprobs.dtype)
     per_row = (diff.sum(dim=1, keepdim=True) / count).detach()
     return per_row + logprobs - logprobs.detach()
-
-
-def cispo_terms(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    log_ratio: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-token CISPO loss (MiniMax-M1 technical report, 2025, eq. 4), negated for
-    minimisation: loss = -sg[clip(r, 1 - clip_eps_low, 1 + clip_eps_high)] * A * logprobs.
-
-    A REINFORCE loss whose importance weight r = pi/pi_old is clipped and carries no
-    gradient: every token keeps a gradient (PPO's clip drops the tokens it clips), only its
-    weight is bounded. clip_eps_low >= 1 means no lower bound (MiniMax-M1 used the upper
-    bound only); inf bounds mean no clip. log_ratio: the log r to weight with (None:
-    logprobs - old_logprobs per token; `sequence_log_ratio` for GSPO's sequence weight).
-    The loss VALUE is not PPO's (it is -w*A*logprobs); its gradient at r = 1 is.
-    logprobs, old_logprobs, advantages: (B, T). Returns (B, T) `loss`, `clipped` (1.0
-    where the weight was cut), `approx_kl` = 0.5 * (logprobs - old)^2 and `ratio` (r).
-    """
-    token_log_ratio = logprobs - old_logprobs
-    r = torch.exp((token_log_ratio if log_ratio is None else log_ratio).detach())
-    weight = r.clamp(min=max(1.0 - clip_eps_low, 0.0), max=1.0 + clip_eps_high)
-    return {
-        "loss": -weight * advantages * logprobs,
-        "clipped": (weight != r).to(logprobs.dtype),
-        "approx_kl": 0.5 * token_log_ratio.detach() ** 2,
-        "ratio": r,
-    }
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:

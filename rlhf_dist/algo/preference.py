@@ -116,6 +116,19 @@ def best_worst_pairs(
     return chosen, rejected, valid
 
 
+def pair_labels(scores: torch.Tensor, group_size: int, response_mask: torch.Tensor) -> torch.Tensor:
+    """Online DPO's per-token pair labels (B, T) in the scores' dtype: +1 on every token of
+    each group's chosen (best) row, -1 on the rejected (worst) row's, 0 on the other rows,
+    on tied groups and off the mask (best_worst_pairs). Not an advantage: the DPO update
+    trains on the pairs themselves; these are what the rollout statistics and histograms
+    show. scores: (B,); response_mask: (B, T) bool."""
+    chosen, rejected, valid = best_worst_pairs(scores, group_size)
+    label = torch.zeros(scores.shape[0], dtype=scores.dtype, device=scores.device)
+    label[chosen[valid]] = 1.0
+    label[rejected[valid]] = -1.0
+    return torch.where(response_mask.bool(), label[:, None], 0.0)
+
+
 def dpo_loss(
     policy_chosen: torch.Tensor,
     policy_rejected: torch.Tensor,
@@ -253,7 +266,7 @@ def orpo_loss(
     rejected_lengths: torch.Tensor,
     or_weight: float,
     nll_sum: torch.Tensor,
-    nll_tokens,
+    nll_tokens: torch.Tensor | int,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ORPO's loss of one batch of B pairs: NLL + or_weight * mean L_OR (Hong et al. 2024, eq. 6).
 
@@ -270,7 +283,7 @@ def orpo_loss(
     return nll + terms["loss"].mean(), stats
 
 
-def kto_reference_point(logratio_sum: torch.Tensor, count) -> torch.Tensor:
+def kto_reference_point(logratio_sum: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
     """KTO's reference point z0 (Ethayarajh et al. 2024, section 4.1), 0-dim.
 
     z0 estimates KL(pi || pi_ref) as the mean of log pi(y'|x) - log pi_ref(y'|x) over

@@ -113,7 +113,7 @@ class ActorCritic(nn.Module):
         (B, T) or None (`with_entropy`), and values (B, T): position P-1+t predicts token
         P+t, and its value is V(prompt + response[:t]); values is None without a critic,
         logprobs and entropies None with with_actor=False (a critic-only pass), values None
-        with with_critic=False (an actor-only pass: PPO-ptx's SFT rows, trainers/ptx.py).
+        with with_critic=False (an actor-only pass: PPO-ptx's SFT rows, trainers/ppo/ptx.py).
         share_prompts: the first P columns are a prompt that rows may share
         (perf.shared_prompt_forward); False for rows that are not prompt + response
         (PPO-ptx's SFT rows, where every column but the first is scored).

@@ -54,7 +54,7 @@ def sequence_nll(
     loss_mask (B, L-1) marks the shifted positions scored; only those reach the output
     head (engine.forward.token_logprobs). logprobs_fn(model, input_ids, attention_mask,
     predict_mask) -> (log-probs (B, L-1), _): `causal_lm_logprobs` of a causal LM, or
-    PPO-ptx's actor pass of an ActorCritic (trainers/ptx.py)."""
+    PPO-ptx's actor pass of an ActorCritic (trainers/ppo/ptx.py)."""
     mask = batch["loss_mask"]
     logprobs, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"], mask)
     return masked_sum(-logprobs, mask, dim=1), mask.sum(1)

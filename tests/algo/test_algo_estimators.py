@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from rlhf_dist.algo import catalog
 from rlhf_dist.algo.advantages import gae
 from rlhf_dist.algo.estimators import (
     ESTIMATORS,
@@ -22,10 +23,11 @@ from rlhf_dist.algo.estimators import (
     reinforce_pp_estimator,
     rloo_estimator,
 )
+from rlhf_dist.algo.preference import pair_labels
 from rlhf_dist.algo.rewards import shape_rewards
 
 GRPO_EPS = 1e-6  # grpo_estimator's default eps, added to the group std
-NAMES = ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill", "online_dpo"]
+NAMES = ["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 SEEDS = [0, 1, 2]
 GROUP_SIZES = [2, 3, 5]
 GAMMAS = [1.0, 0.99, 0.5]
@@ -228,10 +230,6 @@ def ref_advantages(name, x):
         "rloo": ref_rloo,
         "reinforce_pp": ref_reinforce_pp,
         "reinforce_pp_baseline": ref_reinforce_pp_baseline,
-        # distillation alone: the task gives no advantage (the teacher's signal is the
-        # update's, tests/algo/test_algo_distill.py)
-        "distill": lambda x: torch.zeros(x.rewards.shape, dtype=torch.float64),
-        "online_dpo": ref_online_dpo,
     }[name](x)
 
 
@@ -311,9 +309,18 @@ def test_online_dpo_labels_hand_computed():
     scores = torch.tensor([0.2, 0.9, -1.0, 5.0, 5.0, 5.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]).bool()
     x = AdvantageInputs(torch.zeros(6, 3, dtype=torch.float64), scores, mask, group_size=3)
-    adv, ret = estimate_advantages("online_dpo", x)
+    labels = pair_labels(x.scores, 3, mask)
     want = [[0, 0, 0], [1, 1, 1], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
-    assert ret is None and adv.tolist() == want
+    assert labels.dtype == torch.float64 and labels.tolist() == want
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_online_dpo_labels_match_the_reference(seed, n):
+    # online DPO is an objective of its own (catalog.OBJECTIVES): its labels are preference's
+    x = _inputs(4, n, 7, seed)
+    labels = pair_labels(x.scores, n, x.response_mask)
+    _close(labels, ref_online_dpo(x), atol=0)
 
 
 def test_reinforce_pp_hand_computed():
@@ -467,8 +474,7 @@ def test_zero_outside_mask_and_nan_padding_does_not_leak(name, seed):
     torch.testing.assert_close(adv_nan, adv, atol=0, rtol=0)
     for out in (adv, adv_nan):
         assert torch.all(out[~mask] == 0)
-    if name != "distill":  # distill gives the task no advantage (its signal is the teacher's)
-        assert adv[mask].abs().sum() > 0  # the estimator produced something on the real tokens
+    assert adv[mask].abs().sum() > 0  # the estimator produced something on the real tokens
     if ret is not None:
         assert torch.isfinite(ret_nan).all()
         torch.testing.assert_close(ret_nan, ret, atol=0, rtol=0)
@@ -586,9 +592,9 @@ def test_registry_flags():
         "rloo": (False, True, False),
         "reinforce_pp": (False, False, True),
         "reinforce_pp_baseline": (False, True, True),
-        "distill": (False, False, False),
-        "online_dpo": (False, True, False),
     }
+    assert set(catalog.OBJECTIVES) == {"distill", "online_dpo"}  # objectives, not estimators
+    assert catalog.ESTIMATORS == {**catalog.ADVANTAGE_ESTIMATORS, **catalog.OBJECTIVES}
 
 
 @pytest.mark.parametrize("name", NAMES)

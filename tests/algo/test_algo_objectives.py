@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from rlhf_dist.algo.estimators import AdvantageInputs, grpo_estimator, rloo_estimator
-from rlhf_dist.algo.losses import aggregate_loss, ppo_policy_terms
+from rlhf_dist.algo.losses import aggregate_loss
 from rlhf_dist.algo.objectives import (
-    cispo_terms,
     drop_truncated,
     dynamic_sampling_selection,
     overlong_penalty,
     sequence_log_ratio,
     tied_groups,
 )
+from rlhf_dist.algo.policy_losses import cispo_terms, ppo_policy_terms
 
 SEEDS = [0, 1, 2]
 LN = math.log

@@ -6,9 +6,14 @@ import torch
 
 from rlhf_dist.algo import catalog
 from rlhf_dist.algo.estimators import ESTIMATORS
-from rlhf_dist.algo.losses import ppo_policy_terms
-from rlhf_dist.algo.objectives import cispo_terms, sequence_log_ratio
-from rlhf_dist.algo.policy_losses import POLICY_LOSSES, PolicyLossInputs, policy_loss_terms
+from rlhf_dist.algo.objectives import sequence_log_ratio
+from rlhf_dist.algo.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossInputs,
+    cispo_terms,
+    policy_loss_terms,
+    ppo_policy_terms,
+)
 
 
 def inputs(seed: int = 0, **knobs) -> PolicyLossInputs:
@@ -63,7 +68,7 @@ def test_no_clip_eps_means_no_clipping():
 
 def test_registries_hold_exactly_the_catalogs_names():
     assert tuple(POLICY_LOSSES) == catalog.POLICY_LOSSES
-    assert tuple(ESTIMATORS) == tuple(catalog.ESTIMATORS)
+    assert tuple(ESTIMATORS) == tuple(catalog.ADVANTAGE_ESTIMATORS)
     for name, entry in ESTIMATORS.items():
         assert entry.traits == catalog.ESTIMATORS[name]
     with pytest.raises(ValueError, match="policy loss must be one of"):
@@ -71,9 +76,15 @@ def test_registries_hold_exactly_the_catalogs_names():
 
 
 def test_a_registry_refuses_a_name_without_a_function_and_the_reverse():
+    declared = catalog.Registry(("a", "b"))
+    declared.register("a")(print)
     with pytest.raises(ValueError, match=r"no function for \['b'\]"):
-        catalog.registry(("a", "b"), {"a": print})
-    with pytest.raises(ValueError, match=r"undeclared \['c'\]"):
-        catalog.registry(("a",), {"a": print, "c": print})
-    entries = catalog.registry({"a": 1}, {"a": print})
-    assert entries["a"] == (print, 1)
+        declared.complete()
+    with pytest.raises(ValueError, match=r"'c' is undeclared or registered twice"):
+        declared.register("c")(print)
+    with pytest.raises(ValueError, match=r"'a' is undeclared or registered twice"):
+        declared.register("a")(len)
+    entries = catalog.Registry({"b": 2, "a": 1})
+    assert entries.register("a")(print) is print  # the function itself, undecorated
+    entries.register("b")(len)
+    assert list(entries.complete().items()) == [("b", (len, 2)), ("a", (print, 1))]

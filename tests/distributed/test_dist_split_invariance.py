@@ -38,7 +38,7 @@ AGGREGATIONS = {
 }
 
 
-# ppo.cov_control (trainers/ppo_entropy.py) on top of every critic-free term (the entropy
+# ppo.cov_control (trainers/ppo/entropy.py) on top of every critic-free term (the entropy
 # bonus included): the tokens are chosen over all ranks before the backward.
 COV_CONTROLS = {
     method: ("--critic-free", f"--cov-control={method}") for method in ("clip_cov", "kl_cov")

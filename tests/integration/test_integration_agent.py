@@ -26,7 +26,10 @@ from rlhf_dist.demo import tool_task
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.errors import UserError
 from rlhf_dist.rollout.agent import TOOL_CALL, tool_schema
-from rlhf_dist.trainers import ppo, ppo_update
+from rlhf_dist.trainers.ppo import recipe as ppo
+from rlhf_dist.trainers.ppo import rollout as ppo_rollout
+from rlhf_dist.trainers.ppo import setup as ppo_setup
+from rlhf_dist.trainers.ppo import update as ppo_update
 
 TOOLS = ["rlhf_dist.demo.tool_task:lookup"]
 REWARD = "rlhf_dist.demo.tool_task:answer_reward"
@@ -95,14 +98,14 @@ def grpo_tree(out, policy, files, checkpoint_every: int = 0, **generation) -> di
 
 def record_rollouts(mp) -> list:
     """(batch, texts, RolloutModels) of every rollout PPO collects while `mp` is active."""
-    rollouts, original = [], ppo.collect_rollout
+    rollouts, original = [], ppo_rollout.collect_rollout
 
     def spy(*args, **kwargs):
         batch, texts = original(*args, **kwargs)
         rollouts.append((batch, texts, args[0]))
         return batch, texts
 
-    mp.setattr(ppo, "collect_rollout", spy)
+    mp.setattr(ppo_rollout, "collect_rollout", spy)
     return rollouts
 
 
@@ -211,8 +214,10 @@ def test_grpo_with_a_tool_under_lora_trains_adapters_against_the_adapters_off_ba
     tree = grpo_tree(out, policy, files)
     tree["lora"] = {"enabled": True, "r": 4}
     built = []
-    original = ppo.build_models
-    monkeypatch.setattr(ppo, "build_models", lambda *a: built.append(original(*a)) or built[-1])
+    original = ppo_setup.build_models
+    monkeypatch.setattr(
+        ppo_setup, "build_models", lambda *a: built.append(original(*a)) or built[-1]
+    )
     rollouts = record_rollouts(monkeypatch)
     ppo.train_ppo(config_from_dict(tree), runtime)
     (first, first_texts, models), (second, _, _) = rollouts
@@ -330,7 +335,7 @@ def one_step_off_resumes(tmp_path, url, env, files, policy, runtime, environment
     checkpoint of iteration 2); killed in iteration 3 with iteration 4's episodes in
     flight and resumed, the run logs what the unbroken one logs (the servers' version
     counter aside): the episodes are named from the checkpointed RNG."""
-    from rlhf_dist.trainers import ppo as ppo_module
+    from rlhf_dist.trainers.ppo import recipe as ppo_module
 
     def run(name: str, **keys):
         tree = grpo_tree(tmp_path / name, policy, files, checkpoint_every=2, backend="server",

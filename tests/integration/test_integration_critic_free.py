@@ -21,6 +21,10 @@ from spies import capture_calls
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import advantages as ppo_advantages
+from rlhf_dist.trainers.ppo import prompts as ppo_prompts
+from rlhf_dist.trainers.ppo import rollout as ppo_rollout
+from rlhf_dist.trainers.ppo import setup as ppo_setup
 
 POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"
 
@@ -61,9 +65,9 @@ def test_grpo_builds_no_critic_trains_the_actor_and_keeps_groups_on_one_rank(
     read_jsonl,
 ):
     policy, reward = sft_run.out / "final", rm_run.out / "final"
-    built = capture_calls(monkeypatch, ppo, "build_models")
-    estimates = capture_calls(monkeypatch, ppo, "estimate_advantages")
-    rollouts = capture_calls(monkeypatch, ppo, "collect_rollout")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
+    estimates = capture_calls(monkeypatch, ppo_advantages, "estimate_advantages")
+    rollouts = capture_calls(monkeypatch, ppo_rollout, "collect_rollout")
     out = tmp_path / "grpo"
     tree = tree_for(out, policy, data_cfg(train=str(task_env.files.prompts)), "grpo")
     tree["model"]["reward"] = str(reward)
@@ -123,7 +127,7 @@ def test_prompt_stream_repeats_each_prompt_n_times_in_a_row(runtime, task_env):
         texts=[f"p{i}" for i in range(8)],
         report=None,
     )
-    batch = next(ppo.prompt_stream(prompts, plan, runtime, seed=0, pad_id=0))
+    batch = next(ppo_prompts.prompt_stream(prompts, plan, runtime, seed=0, pad_id=0))
     ids, texts = batch.ids, batch.texts
     assert ids.shape[0] == 12 and len(texts) == 12
     for g in range(4):
@@ -182,7 +186,7 @@ def test_objective_knobs_run_and_log_their_statistics(
 def test_grpo_with_lora_trains_only_the_adapters_and_exports_no_critic(
     sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict, read_jsonl
 ):
-    built = capture_calls(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
     out = tmp_path / "grpo_lora"
     tree = tree_for(out, sft_run.out / "final", data_cfg(train=str(task_env.prompts)), "grpo")
     tree["lora"] = {"enabled": True, "r": 4}

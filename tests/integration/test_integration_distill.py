@@ -16,7 +16,8 @@ import pytest
 from spies import capture_calls
 
 from rlhf_dist.config import ConfigError, config_from_dict
-from rlhf_dist.trainers import ppo, ppo_setup
+from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import setup as ppo_setup
 
 POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"
 
@@ -46,7 +47,7 @@ def test_distillation_alone_trains_the_student_towards_a_frozen_teacher(
     changed_tensors, read_jsonl,
 ):  # fmt: skip
     student, teacher = sft_run.out / "final", task_env.policy
-    built = capture_calls(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
     out = tmp_path / "distill"
     tree = tree_for(out, student, teacher, data_cfg(train=str(task_env.files.prompts)))
     ppo.train_ppo(config_from_dict(tree), runtime)

@@ -25,7 +25,8 @@ from faults import Killed, kill_at, untimed
 
 from rlhf_dist.config import config_from_dict, validate
 from rlhf_dist.data.batching import ppo_plan
-from rlhf_dist.trainers import ppo, ppo_update
+from rlhf_dist.trainers.ppo import recipe as ppo
+from rlhf_dist.trainers.ppo import update as ppo_update
 
 REPETITION = "collapse_rewards:repetition"
 TARGET = 3.5  # nats per token: the random policy starts at 4.6

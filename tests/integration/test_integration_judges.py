@@ -28,6 +28,7 @@ from rlhf_dist.demo import task
 from rlhf_dist.evaluate import run_eval
 from rlhf_dist.rewards import scoring as models_module  # where the judge is loaded
 from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import setup as ppo_setup
 
 KEY = "sk-judge-7c2e91-never-write-me"
 TEMPLATE = "P: {prompt} R: {response}"  # the stubs read the response back from it
@@ -104,7 +105,7 @@ def test_grpo_with_weighted_functions_a_remote_rm_and_a_local_judge(
         return model
 
     monkeypatch.setattr(models_module, "load_causal_lm", spy_load)
-    built = capture_calls(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
 
     def words(path, body, headers):  # the remote reward model: words per response
         return 200, {"scores": [float(len(r.split())) for r in body["responses"]]}

@@ -5,7 +5,7 @@ from torch import nn
 
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.batching import ppo_plan
-from rlhf_dist.trainers.ppo_setup import build_models
+from rlhf_dist.trainers.ppo.setup import build_models
 
 
 def unique_parameter_bytes(*modules: nn.Module) -> int:

@@ -20,7 +20,9 @@ from spies import capture_calls
 from rlhf_dist.algo.objectives import tied_groups
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.models import ActorCritic
-from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import recipe as ppo
+from rlhf_dist.trainers.ppo import rollout as ppo_rollout
+from rlhf_dist.trainers.ppo import setup as ppo_setup
 
 UNIT_TESTS = Path(__file__).resolve().parents[1] / "unit"
 TIES = "reward_fns_for_tests:ties_on_some_prompts"  # tests/unit/reward_fns_for_tests.py
@@ -73,7 +75,7 @@ def test_objective_trains_the_actor_and_nothing_frozen(
     read_jsonl,
 ):
     policy, reward = sft_run.out / "final", rm_run.out / "final"
-    built = capture_calls(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
     out = tmp_path / objective
     data = data_cfg(train=str(task_env.files.prompts))
     cfg = config_from_dict(tree_for(out, policy, reward, data, **OBJECTIVES[objective]))
@@ -104,7 +106,7 @@ def test_dynamic_sampling_drops_tied_groups_and_overlong_mask_trains_no_truncate
 ):
     """A reward under which the groups of some prompts tie (reward_fns_for_tests)."""
     monkeypatch.setattr(sys, "path", [str(UNIT_TESTS), *sys.path])
-    rollouts = capture_calls(monkeypatch, ppo, "collect_rollout")
+    rollouts = capture_calls(monkeypatch, ppo_rollout, "collect_rollout")
     # The mask the update trains on (the trainer hands it a view of the rollout; the
     # rollout keeps its own mask for its statistics).
     updates, update = [], ppo.ppo_update

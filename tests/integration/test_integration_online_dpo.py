@@ -22,6 +22,7 @@ import rlhf_dist
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.models.lora import AdapterOffReference
 from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import setup as ppo_setup
 
 PAIR_METRICS = (
     "dpo/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy",
@@ -36,7 +37,7 @@ def test_online_dpo_with_the_reward_model_trains_the_actor_only(
     changed_tensors, read_jsonl,
 ):  # fmt: skip
     policy, reward = sft_run.out / "final", rm_run.out / "final"
-    built = capture_calls(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
     out = tmp_path / "odpo"
     tree = {
         "run": {"output_dir": str(out), "seed": 0, "log_every": 1},
@@ -137,7 +138,7 @@ def test_with_lora_the_reference_is_the_base_with_adapters_off(
     sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict, read_jsonl
 ):
     policy = sft_run.out / "final"
-    built = capture_calls(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
     out = tmp_path / "odpo_lora"
     tree = {
         "run": {"output_dir": str(out), "seed": 0, "log_every": 1},

@@ -26,9 +26,12 @@ from rlhf_dist.data.rows import collate_sft
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.rewards.scoring import Scorer
-from rlhf_dist.trainers import ppo
-from rlhf_dist.trainers.ppo_update import update_micro_batches
-from rlhf_dist.trainers.ptx import ptx_stream
+from rlhf_dist.trainers.ppo import advantages as ppo_advantages
+from rlhf_dist.trainers.ppo import recipe as ppo
+from rlhf_dist.trainers.ppo import rollout as ppo_rollout
+from rlhf_dist.trainers.ppo import setup as ppo_setup
+from rlhf_dist.trainers.ppo.ptx import ptx_stream
+from rlhf_dist.trainers.ppo.update import update_micro_batches
 
 POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"
 
@@ -72,7 +75,7 @@ def _parts(result, runtime):
 def _keep_built_models(monkeypatch, on_build=None) -> list:
     """Wrap ppo.build_models: keep what it returns (and call on_build on it) per run."""
     built = []
-    original = ppo.build_models
+    original = ppo_setup.build_models
 
     def keep(*args, **kwargs):
         built.append(original(*args, **kwargs))
@@ -80,7 +83,7 @@ def _keep_built_models(monkeypatch, on_build=None) -> list:
             on_build(built[-1])
         return built[-1]
 
-    monkeypatch.setattr(ppo, "build_models", keep)
+    monkeypatch.setattr(ppo_setup, "build_models", keep)
     return built
 
 
@@ -215,7 +218,7 @@ def test_ppo_iteration_runs_epochs_x_minibatches_of_micro_batches(
         # A bound method, as torch's LR scheduler expects to find one there.
         optimizer.step = types.MethodType(counted_step, optimizer)
 
-    collect_rollout = ppo.collect_rollout
+    collect_rollout = ppo_rollout.collect_rollout
 
     def keep_rollout(*args, **kwargs):
         batch, texts = collect_rollout(*args, **kwargs)
@@ -224,7 +227,7 @@ def test_ppo_iteration_runs_epochs_x_minibatches_of_micro_batches(
 
     monkeypatch.setattr(ActorCritic, "forward", counting_forward)
     _keep_built_models(monkeypatch, on_build=count_steps)
-    monkeypatch.setattr(ppo, "collect_rollout", keep_rollout)
+    monkeypatch.setattr(ppo_rollout, "collect_rollout", keep_rollout)
     out = tmp_path / "ppo_math"
     tree = ppo_tree(
         out,
@@ -412,7 +415,7 @@ def test_ppo_step_gradient_does_not_depend_on_the_micro_batch_split(
 def test_ppo_ptx_term_is_the_global_token_mean_nll_whatever_the_split(
     sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, read_jsonl
 ):
-    """PPO-ptx (trainers/ptx.py): one optimizer step's gradient with ppo.ptx_coef is the
+    """PPO-ptx (trainers/ppo/ptx.py): one optimizer step's gradient with ppo.ptx_coef is the
     same for 1 x 16, 2 x 8 and 4 x 4 micro-batches, and it exceeds the step without ptx
     by exactly ptx_coef x the gradient of the token-mean NLL of the step's 16 ptx rows
     (the first batch of their seed-determined stream), computed here on its own."""
@@ -492,7 +495,7 @@ def _scores_given_to_shape_rewards(monkeypatch, runtime, tree) -> list:
     """Run PPO; return [(raw scores of the rollout, scores passed to shape_rewards)] per
     iteration."""
     seen, raw = [], []
-    shape, collect = ppo.shape_rewards, ppo.collect_rollout
+    shape, collect = ppo_advantages.shape_rewards, ppo_rollout.collect_rollout
 
     def keep_scores(scores, *args, **kwargs):
         seen.append(scores.detach().clone())
@@ -503,8 +506,8 @@ def _scores_given_to_shape_rewards(monkeypatch, runtime, tree) -> list:
         raw.append(batch.raw_scores.clone())
         return batch, texts
 
-    monkeypatch.setattr(ppo, "shape_rewards", keep_scores)
-    monkeypatch.setattr(ppo, "collect_rollout", keep_raw)
+    monkeypatch.setattr(ppo_advantages, "shape_rewards", keep_scores)
+    monkeypatch.setattr(ppo_rollout, "collect_rollout", keep_raw)
     ppo.train_ppo(config_from_dict(tree), runtime)
     return list(zip(raw, seen, strict=True))
 

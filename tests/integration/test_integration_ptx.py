@@ -1,4 +1,4 @@
-"""PPO-ptx on the demo task (rlhf_dist/trainers/ptx.py; docs/agents.md, "PPO-ptx").
+"""PPO-ptx on the demo task (rlhf_dist/trainers/ppo/ptx.py; docs/agents.md, "PPO-ptx").
 
 - A run stopped half-way through an iteration and resumed logs exactly what the unbroken
   run logged, `policy/ptx_loss` included: the ptx stream's position is in the checkpoint.
@@ -22,7 +22,8 @@ from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.rows import load_rows, sft_examples
 from rlhf_dist.demo import task
 from rlhf_dist.models import load_causal_lm
-from rlhf_dist.trainers import ppo, ppo_update
+from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import update as ppo_update
 from rlhf_dist.trainers.sft import eval_nll
 
 GOLD = "rlhf_dist.demo.task:gold_reward_fn"

@@ -12,6 +12,7 @@ from spies import capture_calls
 from rlhf_dist.config import ConfigError, config_from_dict, load_config, validate
 from rlhf_dist.config import validation as config_module
 from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import setup as ppo_setup
 
 
 def test_4bit_without_bitsandbytes_is_one_config_error(monkeypatch):
@@ -39,7 +40,7 @@ def test_qlora_ppo_trains_the_adapters_and_exports_dequantized_base_plus_adapter
 
     from rlhf_dist.models.lora import nf4_round_trip
 
-    built = capture_calls(monkeypatch, ppo, "build_models")
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
     out = tmp_path / "run"
     tree = {
         "run": {"output_dir": str(out), "seed": 0, "log_every": 1},

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.engine.decode import generate
 from rlhf_dist.models import load_causal_lm
-from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import recipe as ppo
+from rlhf_dist.trainers.ppo import rollout as ppo_rollout
 
 
 def test_sampling_with_top_k_0_draws_from_the_full_distribution(task_env):
@@ -41,14 +42,14 @@ def test_rollout_logprobs_values_and_scores_match_each_sequence_alone(
     sft_run, rm_run, task_env, runtime, tmp_path, monkeypatch, data_cfg
 ):
     rollouts = []
-    collect = ppo.collect_rollout
+    collect = ppo_rollout.collect_rollout
 
     def keep_batch(*args, **kwargs):
         batch, texts = collect(*args, **kwargs)
         rollouts.append(batch)
         return batch, texts
 
-    monkeypatch.setattr(ppo, "collect_rollout", keep_batch)
+    monkeypatch.setattr(ppo_rollout, "collect_rollout", keep_batch)
     policy, reward = sft_run.out / "final", rm_run.out / "final"
     tree = {
         "run": {"output_dir": str(tmp_path / "ppo"), "seed": 0},

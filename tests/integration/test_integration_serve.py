@@ -369,7 +369,7 @@ def test_one_step_off_policy_killed_with_a_rollout_in_flight_resumes_to_the_same
     # Killed (tests/faults.py: where RLHF_DIST_FAULT would SIGKILL) in iteration 3, with
     # iteration 4's rollout in flight; resumed from the checkpoint of iteration 2, the run
     # logs what an unbroken run logs (the servers' version counter aside).
-    from rlhf_dist.trainers import ppo as ppo_module
+    from rlhf_dist.trainers.ppo import recipe as ppo_module
 
     monkeypatch.setenv(ENV, TOKEN)
 

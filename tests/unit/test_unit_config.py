@@ -417,10 +417,10 @@ def test_ptx_is_off_by_default_and_accepted_with_its_rows():
 
 
 def test_estimator_choices_come_from_the_registry():
-    from rlhf_dist.algo.estimators import ESTIMATORS
+    from rlhf_dist.names import ESTIMATORS  # the estimators and the objectives of their own
 
     for name in ESTIMATORS:
-        samples = "2" if ESTIMATORS[name].traits.needs_groups else "1"
+        samples = "2" if ESTIMATORS[name].needs_groups else "1"
         overrides = [f"ppo.estimator={name}", f"ppo.samples_per_prompt={samples}"]
         if name == "distill":  # distillation alone needs the model it distills from
             overrides.append("model.teacher=/t")

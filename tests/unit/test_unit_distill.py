@@ -23,7 +23,7 @@ from rlhf_dist.engine.packing import position_ids_from
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo_update import Teacher, UpdateKnobs, minibatch_backward
+from rlhf_dist.trainers.ppo.update import Teacher, UpdateKnobs, minibatch_backward
 
 V, TEMPERATURE, P, T = 50, 0.7, 6, 5
 

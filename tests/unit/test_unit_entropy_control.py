@@ -1,4 +1,4 @@
-"""Entropy control's choice of tokens (trainers/ppo_entropy.py, stats.global_top_k) on a
+"""Entropy control's choice of tokens (trainers/ppo/entropy.py, stats.global_top_k) on a
 simulated world of 1, 2 and 4 ranks in one process.
 
 `ThreadWorld` runs each rank in a thread; its all_sum / all_max stack every rank's tensor
@@ -21,7 +21,7 @@ from rlhf_dist.algo.entropy import selection_count, token_covariance
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import global_top_k
-from rlhf_dist.trainers.ppo_entropy import cov_choice
+from rlhf_dist.trainers.ppo.entropy import cov_choice
 
 
 class ThreadWorld:

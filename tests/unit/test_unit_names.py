@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_dist import names
+from rlhf_dist.algo import catalog
 from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.algo.kl import KL_KINDS
 from rlhf_dist.algo.losses import LOSS_AGGREGATIONS
@@ -36,9 +37,10 @@ print(json.dumps({"rc": rc, "heavy": heavy, "stderr": err.getvalue()}))
 
 def test_names_are_the_algo_registries_own():
     """names re-exports algo.catalog, from which the registries are built (no mirror)."""
-    assert tuple(names.ESTIMATORS) == tuple(ESTIMATORS)
-    for name, traits in names.ESTIMATORS.items():
-        assert ESTIMATORS[name].traits is traits, name
+    assert names.ESTIMATORS is catalog.ESTIMATORS  # ppo.estimator's choices
+    assert tuple(names.ESTIMATORS) == (*ESTIMATORS, *catalog.OBJECTIVES)
+    for name, entry in ESTIMATORS.items():
+        assert entry.traits is names.ESTIMATORS[name], name
     assert tuple(POLICY_LOSSES) == names.POLICY_LOSSES
 
 

@@ -20,7 +20,7 @@ from rlhf_dist.config import ConfigError, config_from_dict, validate
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.online_dpo import PairKnobs, Pairs, pair_statistics, pair_step
+from rlhf_dist.trainers.ppo.online_dpo import PairKnobs, Pairs, pair_statistics, pair_step
 
 V, TEMPERATURE, P, T, N = 50, 0.7, 5, 6, 2
 

@@ -1,4 +1,4 @@
-"""PPO-ptx's row stream (rlhf_dist/trainers/ptx.py), on one process without a model.
+"""PPO-ptx's row stream (rlhf_dist/trainers/ppo/ptx.py), on one process without a model.
 
 `FakeRuntime` stands in for rlhf_dist.distributed.Runtime: a rank of a world whose
 all_sum returns the local value (the count of several ranks is the distributed code's
@@ -13,7 +13,7 @@ import torch
 
 from rlhf_dist.data.batching import BatchPlan, global_batches
 from rlhf_dist.data.rows import SFTExample
-from rlhf_dist.trainers.ptx import PtxStream
+from rlhf_dist.trainers.ppo.ptx import PtxStream
 
 PAD = 0
 

@@ -11,7 +11,7 @@ from rlhf_dist.data.chat import Chat, prompt_text, stop_token_ids
 from rlhf_dist.demo.task import build_tokenizer
 from rlhf_dist.models import generation_eos_ids
 from rlhf_dist.rewards.scoring import RewardFunction, RewardInputs, Scorer, same_tokenizer
-from rlhf_dist.trainers.ppo_setup import check_critic_tokenizer
+from rlhf_dist.trainers.ppo.setup import check_critic_tokenizer
 
 PROMPT = [{"role": "user", "content": "review of the food :"}]
 

@@ -29,7 +29,7 @@ the share cut by that token budget as ppo_update does (`update_micro_batches`: s
 length, as many passes on every rank as the busiest needs); the variant then also records
 {"micro_counts": {NAME: {"greedy": [passes each rank's budget alone needs],
 "passes": [passes each rank ran]}}}. --cov-control=clip_cov|kl_cov: ppo.cov_control on 10%
-of the tokens, chosen as ppo_iteration does (trainers/ppo_entropy.py: each rank from its
+of the tokens, chosen as ppo_iteration does (trainers/ppo/entropy.py: each rank from its
 share, with global means, counts and top-k), passed to the backward; the variant also
 records {"cov_chosen": {NAME: [(global row, column) of every chosen token, all ranks]}}.)
 Run plainly (1 rank) or under `accelerate launch` (2 ranks): every rank builds the same
@@ -65,9 +65,9 @@ from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
-from rlhf_dist.trainers.ppo_entropy import cov_choice
-from rlhf_dist.trainers.ppo_setup import build_models
-from rlhf_dist.trainers.ppo_update import (
+from rlhf_dist.trainers.ppo.entropy import cov_choice
+from rlhf_dist.trainers.ppo.setup import build_models
+from rlhf_dist.trainers.ppo.update import (
     Teacher,
     UpdateKnobs,
     minibatch_backward,

@@ -35,7 +35,7 @@ from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import make_optimizer
 from rlhf_dist.trainers.dpo import dpo_step
 from rlhf_dist.trainers.kto import kto_step
-from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward
+from rlhf_dist.trainers.ppo.update import UpdateKnobs, minibatch_backward
 from rlhf_dist.trainers.sft import sft_step
 
 V, PAD, GLOBAL = 64, 0, 4

@@ -21,8 +21,8 @@ from rlhf_dist.models import load_tokenizer, quiet_transformers
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import step_and_schedule
-from rlhf_dist.trainers.ppo_setup import build_models
-from rlhf_dist.trainers.ppo_update import UpdateKnobs, minibatch_backward
+from rlhf_dist.trainers.ppo.setup import build_models
+from rlhf_dist.trainers.ppo.update import UpdateKnobs, minibatch_backward
 
 
 def main():

@@ -6,6 +6,7 @@ and divided once (stats.StatSums), never a mean of per-rank means."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,18 +16,33 @@ from rlhf_dist.algo.objectives import (
     overlong_penalty,
 )
 from rlhf_dist.algo.rewards import token_kl
+from rlhf_dist.config import Config
 from rlhf_dist.data.chat import prompt_text
+from rlhf_dist.distributed import Runtime
 from rlhf_dist.generation import Sampler
 from rlhf_dist.observability.alerts import AlertMonitor
+from rlhf_dist.observability.tracking import MetricsLogger
 from rlhf_dist.rollout.agent import episode_stats
+from rlhf_dist.rollout.batch import RolloutBatch
 from rlhf_dist.stats import StatSums, global_moments
 from rlhf_dist.trainers.common import (
     padding_cells,
 )
-from rlhf_dist.trainers.ppo_setup import PPORun
+from rlhf_dist.trainers.ppo.setup import PPORun
+
+if TYPE_CHECKING:  # the rollout step's and the update's results, read here only
+    from rlhf_dist.trainers.ppo.rollout import Rollout
+    from rlhf_dist.trainers.ppo.update import UpdateResult
 
 
-def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> dict:
+def rollout_stats(
+    runtime: Runtime,
+    batch: RolloutBatch,
+    kl: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor | None,
+    kl_coef: float,
+) -> dict[str, float]:
     """Objective, rollout-shape and value statistics over all ranks' sequences."""
     s = StatSums()
     mask = batch.response_mask
@@ -74,7 +90,7 @@ def rollout_stats(runtime, batch, kl, advantages, returns, kl_coef: float) -> di
     return out
 
 
-def distill_stats(runtime, batch) -> dict:
+def distill_stats(runtime: Runtime, batch: RolloutBatch) -> dict[str, float]:
     """On-policy distillation (docs/distill.md): the student's reverse KL to the teacher,
     KL(pi_old || pi_teacher), estimated on the sampled tokens (k1: log pi_old - log
     pi_teacher), as distill/reverse_kl (nats per response, a sequence mean like
@@ -89,17 +105,20 @@ def distill_stats(runtime, batch) -> dict:
     return s.reduce(runtime)
 
 
-def _population_var(runtime, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+def _population_var(runtime: Runtime, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     """Variance over all ranks, divided by n (stats.global_moments)."""
     count, _, sq_dev = global_moments(runtime, x, mask)
     return float(sq_dev / count.clamp(min=1))
 
 
 def due(every: int, it: int) -> bool:
+    """Whether a thing done every `every` iterations (0: never) is due at iteration it."""
     return every > 0 and it % every == 0
 
 
-def overlong_stats(runtime, batch, trained_mask, cfg) -> dict:
+def overlong_stats(
+    runtime: Runtime, batch: RolloutBatch, trained_mask: torch.Tensor, cfg: Config
+) -> dict[str, float]:
     """Share of sequences left out of the loss (ppo.overlong=mask) and the mean soft
     penalty (ppo.overlong=soft) over all ranks; trained_mask (B, T): the response_mask
     the update sees."""
@@ -114,7 +133,9 @@ def overlong_stats(runtime, batch, trained_mask, cfg) -> dict:
     return s.reduce(runtime) if p.overlong != "none" else {}
 
 
-def sample_rows(prompt_texts, texts, batch, kl) -> list[dict]:
+def sample_rows(
+    prompt_texts: list, texts: list[str], batch: RolloutBatch, kl: torch.Tensor
+) -> list[dict]:
     """The samples table's rows: prompt (conversations as readable text), response, score,
     the response's summed KL (kl: (B, T) per-token)."""
     prompts = [prompt_text(p) for p in prompt_texts]
@@ -122,7 +143,9 @@ def sample_rows(prompt_texts, texts, batch, kl) -> list[dict]:
     return [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
 
 
-def gather_distributions(runtime, batch, advantages, kl) -> dict:
+def gather_distributions(
+    runtime: Runtime, batch: RolloutBatch, advantages: torch.Tensor, kl: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Every rank's advantages, KL, scores and lengths, for histograms (a collective)."""
     mask = batch.response_mask
     named = {
@@ -134,7 +157,14 @@ def gather_distributions(runtime, batch, advantages, kl) -> dict:
     return {k: torch.tensor(runtime.gather_objects(v.float().tolist())) for k, v in named.items()}
 
 
-def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> dict:
+def iteration_costs(
+    runtime: Runtime,
+    run: PPORun,
+    times: tuple[float, float, float],
+    timings: dict[str, float],
+    mask: torch.Tensor,
+    cfg: Config,
+) -> dict[str, float]:
     """Time, throughput and peak memory of an iteration (throughput over all ranks)."""
     t0, t1, t2 = times
     tokens = float(runtime.all_sum(mask.sum().double()))
@@ -155,7 +185,9 @@ def iteration_costs(runtime, run: PPORun, times, timings: dict, mask, cfg) -> di
     }
 
 
-def memory_plan_stats(runtime, planned: dict[str, float], measured: dict) -> dict:
+def memory_plan_stats(
+    runtime: Runtime, planned: dict[str, float], measured: dict[str, int | None]
+) -> dict[str, float]:
     """The memory plan's per-rank peak of each phase (rlhf-dist plan; constant over the
     run) and, on a GPU, the measured peak of the most loaded rank: the rollout
     (generation and scoring together: one measurement) and the update."""
@@ -189,7 +221,9 @@ CONSOLE_KEYS = (
 )
 
 
-def report_iteration(logger, cfg, it: int, result: IterationResult, alerts: AlertMonitor) -> None:
+def report_iteration(
+    logger: MetricsLogger, cfg: Config, it: int, result: IterationResult, alerts: AlertMonitor
+) -> None:
     """Distributions, samples, alerts and the metrics row of one iteration (main process)."""
     stats = dict(result.stats)
     if result.distributions is not None:
@@ -208,3 +242,47 @@ class IterationResult:
     stats: dict
     distributions: dict | None  # name -> values gathered from all ranks (when due)
     samples: list  # this rank's first few (prompt, response, score, kl) rows
+
+
+@dataclass(frozen=True)
+class PPOStats:
+    """What one PPO iteration's steps hand its statistics: the rollout (step 2, with its
+    dynamic-sampling statistics and seconds), the batch after the update (old log-probs
+    known), the per-token KL, advantages and returns (B, T; returns None without a
+    critic), the update's view's statistics (overlong, cov_control) and the update's
+    result. Turned into the metrics row by `iteration_result`."""
+
+    rollout: Rollout
+    batch: RolloutBatch
+    kl: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+    view_stats: dict[str, float]
+    update: UpdateResult
+
+
+def iteration_result(
+    runtime: Runtime,
+    run: PPORun,
+    cfg: Config,
+    it: int,
+    phases: PPOStats,
+    times: tuple[float, float, float],
+    planned: dict[str, float] | None,
+    measured: dict[str, int | None],
+) -> IterationResult:
+    """The metrics row (docs/metrics.md), histograms when due and samples of one PPO
+    iteration. Collectives, in the same order on every rank."""
+    batch, kl, rollout = phases.batch, phases.kl, phases.rollout
+    stats = rollout_stats(runtime, batch, kl, phases.advantages, phases.returns, run.kl_ctl.coef)
+    stats |= rollout.sampling_stats | phases.view_stats
+    stats |= run.scorer.component_stats(runtime) | phases.update.stats
+    stats |= distill_stats(runtime, batch)  # {} without model.teacher
+    stats |= server_stats(runtime, run.rollout_models.sampler)  # {} without rollout servers
+    distributions = None
+    if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
+        distributions = gather_distributions(runtime, batch, phases.advantages, kl)
+    stats |= iteration_costs(runtime, run, times, rollout.seconds, batch.response_mask, cfg)
+    stats |= memory_plan_stats(runtime, planned or {}, measured)
+    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
+    return IterationResult(stats, distributions, samples)

@@ -2,7 +2,7 @@
 
 Guo et al. 2024 ("Direct Language Model Alignment from Online AI Feedback"): every
 iteration the CURRENT policy samples n >= 2 responses per prompt (the rollout of
-trainers/ppo.py, groups of n adjacent rows on one rank), the labeller scores them (the
+rollout.py, groups of n adjacent rows on one rank), the labeller scores them (the
 run's scorer: reward model, reward functions or judge), the best and the worst form a
 (chosen, rejected) pair (algo.preference.best_worst_pairs; a tied group has none and is
 skipped), and the DPO loss (sigmoid or IPO, algo.preference.dpo_terms) with beta =
@@ -21,18 +21,31 @@ ranks and micro-batches, and every rank runs the same number of forwards (ZeRO-3
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from rlhf_dist.algo.preference import best_worst_pairs, dpo_terms, sequence_logprobs
+from rlhf_dist.algo.preference import best_worst_pairs, dpo_terms, pair_labels, sequence_logprobs
+from rlhf_dist.algo.rewards import token_kl
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import Config
 from rlhf_dist.distributed import Runtime
-from rlhf_dist.rollout import RolloutBatch
+from rlhf_dist.rollout import PromptBatch, RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
-from rlhf_dist.trainers.ppo_setup import PPORun
+from rlhf_dist.trainers.ppo.rollout import normalized, print_first_batch, sample_rollout
+from rlhf_dist.trainers.ppo.setup import PPORun
+from rlhf_dist.trainers.ppo.stats import (
+    IterationResult,
+    due,
+    gather_distributions,
+    iteration_costs,
+    overlong_stats,
+    rollout_stats,
+    sample_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,8 @@ class Pairs:
         """The best against the worst sample of each group of the rollout's scores (B,)."""
         return cls(*best_worst_pairs(scores, group_size))
 
-    def select(self, index) -> Pairs:
+    def select(self, index: slice | torch.Tensor) -> Pairs:
+        """The pairs at `index` (a slice or (m,) indices), a new Pairs."""
         return Pairs(self.chosen[index], self.rejected[index], self.valid[index])
 
 
@@ -83,7 +97,9 @@ def pair_statistics(runtime: Runtime, batch: RolloutBatch, pairs: Pairs) -> dict
     return s.reduce(runtime) | {"online_dpo/pairs": float(runtime.all_sum(n.double()))}
 
 
-def pair_loss(model, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs, stats: StatSums):
+def pair_loss(
+    model: torch.nn.Module, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs, stats: StatSums
+) -> torch.Tensor:
     """The weighted SUM of the DPO losses of m pairs (tied ones weigh 0), from ONE forward
     of their 2m responses (chosen rows, then rejected rows); adds the pair statistics to
     `stats` (sums over the untied pairs). The reference log-probs are the rollout's."""
@@ -110,7 +126,7 @@ def pair_loss(model, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs, stats:
 
 
 def pair_step(
-    runtime: Runtime, model, batch: RolloutBatch, pairs: Pairs, per_micro: int,
+    runtime: Runtime, model: torch.nn.Module, batch: RolloutBatch, pairs: Pairs, per_micro: int,
     knobs: PairKnobs, stats: StatSums,
 ) -> bool:  # fmt: skip
     """Accumulate one optimizer step's gradient over this rank's `pairs` (its share of the
@@ -155,3 +171,47 @@ def online_dpo_update(
                     stats.add("optim/grad_norm_actor", norm, 1)
                 maybe_fault("update", it)
     return stats.reduce(runtime) | {"online_dpo/empty_steps": float(empty)}
+
+
+def online_dpo_iteration(
+    runtime: Runtime,
+    run: PPORun,
+    prompt_batch: PromptBatch,
+    cfg: Config,
+    it: int,
+    more_prompts: Callable[[int], PromptBatch] | None = None,
+    planned: dict[str, float] | None = None,
+) -> IterationResult:
+    """One iteration of online DPO (docs/online_dpo.md) on PPO's rollout: steps 2-3 and 8
+    of docs/architecture.md section 5, pairs and the DPO update in place of 4-7. The
+    per-token "advantages" logged are the pair labels (+1 / -1 / 0), (B, T). planned: not
+    read (online DPO reports no memory plan)."""
+    t0 = time.time()
+    # 2. Rollout: n samples per prompt by the current policy, old and reference log-probs
+    run.model.eval()
+    rollout = sample_rollout(runtime, run, prompt_batch, cfg, more_prompts)
+    maybe_fault("rollout", it)
+    run.scorer.raise_failure(runtime)  # all ranks together, weights untouched
+    print_first_batch(runtime, run, cfg, rollout, it)
+    t1 = time.time()
+    # 3. Scores: running normalisation and clipping, (B,)
+    batch = normalized(runtime, run, rollout.batch, cfg)
+    # 4. Pairs: each group's best and worst sample (tied groups skipped), and their labels
+    n, mask = run.plan.samples_per_prompt, batch.response_mask
+    labels = pair_labels(batch.scores, n, mask)  # (B, T): +1 chosen, -1 rejected, 0 else
+    pairs = Pairs.of(batch.scores, n)
+    # 5. Update: the DPO loss on the pairs against the rollout's reference log-probs
+    run.model.train()
+    update = online_dpo_update(runtime, run, batch, pairs, PairKnobs.from_config(cfg), it)
+    # 6. Statistics over all ranks: the rollout's, the labeller's, the update's
+    kl = token_kl(batch.old_logprobs, batch.ref_logprobs, mask, cfg.ppo.kl_kind)
+    stats = rollout_stats(runtime, batch, kl, labels, None, run.kl_ctl.coef)
+    stats |= rollout.sampling_stats | update
+    stats |= pair_statistics(runtime, batch, pairs) | run.scorer.component_stats(runtime)
+    stats |= overlong_stats(runtime, batch, mask, cfg)  # the soft penalty, in the scores
+    distributions = None
+    if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
+        distributions = gather_distributions(runtime, batch, labels, kl)
+    stats |= iteration_costs(runtime, run, (t0, t1, time.time()), rollout.seconds, mask, cfg)
+    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
+    return IterationResult(stats, distributions, samples)

@@ -7,7 +7,7 @@ from rlhf_dist.config import Config
 from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.evaluate import evaluate_policy, load_gold_function
-from rlhf_dist.trainers.ppo_setup import PPORun
+from rlhf_dist.trainers.ppo.setup import PPORun
 
 
 def held_out_eval(cfg: Config, runtime: Runtime, run: PPORun):

@@ -25,7 +25,7 @@ from rlhf_dist.algo.losses import (
 )
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.algo.objectives import sequence_log_ratio
-from rlhf_dist.algo.policy_losses import PolicyLossInputs, policy_loss_terms
+from rlhf_dist.algo.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from rlhf_dist.algo.rollout_correction import rollout_correction_weights
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import Config, PerfConfig
@@ -35,8 +35,8 @@ from rlhf_dist.engine.forward import chunked_divergence, teacher_states
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
-from rlhf_dist.trainers.ppo_setup import PPORun
-from rlhf_dist.trainers.ptx import PtxStream
+from rlhf_dist.trainers.ppo.ptx import PtxStream
+from rlhf_dist.trainers.ppo.setup import PPORun
 
 # (micro-batch rows, as an index into the minibatch; log-probs and entropies (b, T') of
 # the update's forward, detached) for a micro-batch whose rollout had no old log-probs
@@ -65,7 +65,7 @@ class UpdateKnobs:
     rollout_correction: tuple[str, str, float, float] = ("none", "token", 0.5, 2.0)
     ratio_level: str = "token"  # token (PPO) or sequence (GSPO)
     policy_loss: str = "clip"  # clip (PPO) or cispo
-    cov_control: str = "none"  # ppo.cov_control: what the chosen tokens get (ppo_entropy.py)
+    cov_control: str = "none"  # ppo.cov_control: what the chosen tokens get (entropy.py)
     cov_kl_coef: float = 1.0  # kl_cov: weight of |log pi - log pi_old| on the chosen tokens
     distill_coef: float = 0.0  # weight of the teacher's signal; 0: no model.teacher
     distill_loss: str = "reverse_kl"  # ppo.distill_loss: reverse_kl (an advantage) or gjsd
@@ -112,7 +112,13 @@ class UpdateResult:
     entropy: torch.Tensor | None = None
 
 
-def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: UpdateKnobs) -> dict:
+def policy_terms(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    knobs: UpdateKnobs,
+) -> dict[str, torch.Tensor]:
     """Per-token policy terms (B, T) of the registered knobs.policy_loss
     (algo/policy_losses.py) with knobs.ratio_level's ratio (token; sequence: GSPO's, from
     each row's own tokens, which a micro-batch always holds whole)."""
@@ -123,11 +129,12 @@ def policy_terms(logprobs, old_logprobs, response_mask, advantages, knobs: Updat
         logprobs, old_logprobs, advantages, log_ratio, knobs.clip_eps_low, knobs.clip_eps_high,
         knobs.dual_clip,
     )  # fmt: skip
-    return policy_loss_terms(knobs.policy_loss, inputs)
+    return POLICY_LOSSES[knobs.policy_loss].fn(inputs)  # ppo.policy_loss, validated by config
 
 
 def micro_batch_loss(
-    model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs, stats: StatSums,
+    model: torch.nn.Module, mb: RolloutBatch, advantages: torch.Tensor,
+    returns: torch.Tensor | None, knobs: UpdateKnobs, stats: StatSums,
     chosen: torch.Tensor | None = None,
     teacher: Teacher | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
@@ -180,12 +187,18 @@ def micro_batch_loss(
     return masked_sum(weights * per_token, mask), fresh
 
 
-def corrected_terms(per_token, old_logprobs, mb: RolloutBatch, knobs: UpdateKnobs, stats):
+def corrected_terms(
+    per_token: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mb: RolloutBatch,
+    knobs: UpdateKnobs,
+    stats: StatSums,
+) -> torch.Tensor:
     """The per-token policy loss (B, T) weighted by ppo.rollout_correction's bounded ratio
     pi_old / pi_rollout (algo/rollout_correction.py; the sampler's log-probs are the
     rollout's `sampler_logprobs`), with the share of tokens whose weight was capped or
     masked added to `stats` as a token mean (the train-vs-rollout KL is the rollout's
-    rollout/sampler_kl, ppo_stats.py)."""
+    rollout/sampler_kl, stats.py)."""
     method, level, low, high = knobs.rollout_correction
     mask, n = mb.response_mask, mb.response_mask.sum()
     weights, corrected = rollout_correction_weights(
@@ -199,7 +212,7 @@ def cov_control_terms(
     per_token, logprobs, old_logprobs, chosen, knobs: UpdateKnobs, stats: StatSums, mask
 ) -> torch.Tensor:
     """The per-token policy loss (B, T) with ppo.cov_control applied to the `chosen` tokens
-    (B, T) bool, picked once per rollout (trainers/ppo_entropy.py): clip_cov stops their
+    (B, T) bool, picked once per rollout (entropy.py): clip_cov stops their
     gradient; kl_cov adds cov_kl_coef x |log pi - log pi_old| to them (its token sum is
     logged as entropy/kl_cov_loss, a mean over all trained tokens like policy/kl_loss)."""
     if knobs.cov_control == "clip_cov":
@@ -209,7 +222,9 @@ def cov_control_terms(
     return per_token + penalty
 
 
-def with_teacher_advantages(advantages, old_logprobs, mb: RolloutBatch, knobs: UpdateKnobs):
+def with_teacher_advantages(
+    advantages: torch.Tensor, old_logprobs: torch.Tensor, mb: RolloutBatch, knobs: UpdateKnobs
+) -> torch.Tensor:
     """The advantages (B, T) + distill_coef x the teacher's per-token log-ratio of the
     sampled tokens (distill.distill_advantages; distill_loss=reverse_kl), else as given.
     Added here, after the trainer's whitening, with the old log-probs of this forward
@@ -276,7 +291,7 @@ def minibatch_backward(
     micro-batch's loss SUM is divided by the count (response tokens or sequences, per
     knobs.loss_aggregation) of the WHOLE global minibatch (share_of_global_mean).
     ptx: the PtxStream with PPO-ptx on (InstructGPT eq. 2): the step's ptx batch, in as
-    many micro-batches, adds ptx_coef x its global token-mean NLL (trainers/ptx.py), each
+    many micro-batches, adds ptx_coef x its global token-mean NLL (ptx.py), each
     ptx micro-batch with its own forward and backward before PPO micro-batch i's, so the
     step's last backward is PPO's (every parameter gets its gradient there) and each
     forward is followed by its backward, as DeepSpeed's ZeRO-3 hooks require.
@@ -340,7 +355,7 @@ def ppo_update(
     """ppo_epochs passes over this rank's rollout in minibatches, one optimizer step each;
     returns the reduced statistics and, for a rollout without old log-probs (one step
     per rollout only), those the update's forward computed. chosen: (B, T) bool, the
-    tokens ppo.cov_control acts on (trainers/ppo_entropy.py; None: off)."""
+    tokens ppo.cov_control acts on (entropy.py; None: off)."""
     stats, plan = StatSums(), run.plan
     if batch.old_logprobs is None and plan.optimizer_steps_per_iteration != 1:
         raise ValueError("a rollout without old log-probs gets exactly one optimizer step")

@@ -8,6 +8,7 @@ reward model, the frozen reward model is the critic's base with adapters off.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,15 +16,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from rlhf_dist.algo import catalog
 from rlhf_dist.algo.entropy import EntropyController
-from rlhf_dist.algo.estimators import ESTIMATORS
 from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
 from rlhf_dist.algo.masking import RunningMoments
-from rlhf_dist.config import Config
-from rlhf_dist.data.batching import PPOPlan
+from rlhf_dist.checkpoint import Checkpoint
+from rlhf_dist.config import Config, PPOConfig
+from rlhf_dist.data.batching import PPOPlan, ppo_plan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.generation import Sampler, make_sampler
 from rlhf_dist.models import (
     ActorCritic,
     ValueModel,
@@ -31,22 +34,32 @@ from rlhf_dist.models import (
     frozen_dtype,
     load_causal_lm,
     load_tokenizer,
+    policy_stop_ids,
     split_classifier,
     sub_state_dict,
     tokenizer_for,
     train_dtype,
     trained_load_dtype,
 )
-from rlhf_dist.models.lora import AdapterOffReference, adapters_disabled, add_adapters, export_lora
+from rlhf_dist.models.lora import (
+    AdapterOffReference,
+    adapters_disabled,
+    add_adapters,
+    export_lora,
+    merged_adapters,
+)
 from rlhf_dist.rewards.scoring import Scorer, build_scorer, reward_inputs_for
 from rlhf_dist.rollout import RolloutModels
+from rlhf_dist.rollout.agent import Agent, build_agent
+from rlhf_dist.rollout.endpoint import EndpointAgent, endpoint_agent
 from rlhf_dist.trainers.common import (
     finish_trainable,
     make_optimizer,
     make_scheduler,
     save_pretrained,
 )
-from rlhf_dist.trainers.ptx import PtxStream
+from rlhf_dist.trainers.ppo.entropy import make_entropy_controller
+from rlhf_dist.trainers.ppo.ptx import PtxStream, ptx_stream
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
     from transformers import PreTrainedTokenizerBase
@@ -126,7 +139,7 @@ def environment_reward(prompts, responses, columns=None) -> torch.Tensor:
 
 def has_critic(cfg: Config) -> bool:
     """A critic is built, trained and exported only for an estimator that reads values."""
-    return ESTIMATORS[cfg.ppo.estimator].traits.needs_critic
+    return catalog.ESTIMATORS[cfg.ppo.estimator].needs_critic
 
 
 class AdapterOffValue(nn.Module):
@@ -307,9 +320,125 @@ def _export_lora_models(
         tokenizer.save_pretrained(directory)
 
 
-@dataclass
+def make_kl_controller(ppo_cfg: PPOConfig) -> FixedKLController | AdaptiveKLController:
+    """ppo.kl_controller: the adaptive controller (Ziegler et al. 2019) or a fixed coefficient."""
+    if ppo_cfg.kl_controller == "adaptive":
+        return AdaptiveKLController(ppo_cfg.kl_coef, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
+    return FixedKLController(ppo_cfg.kl_coef)
+
+
+def start_ppo(
+    cfg: Config,
+    runtime: Runtime,
+    ckpt: Checkpoint | None,
+    tokenizer: PreTrainedTokenizerBase,
+    sampler: Sampler | None = None,
+) -> PPORun:
+    """Load data and models (from a checkpoint if resuming) into a PPORun; `sampler`
+    (None: generation.backend's) is what samples its rollouts."""
+    p = cfg.ppo
+    plan = ppo_plan(p, runtime.world_size)
+    # PPO-ptx rows, before any model loads (a data mistake is found first); one global
+    # batch of ppo.minibatch_size rows per optimizer step, from where the checkpoint was.
+    position = ckpt.trainer.get("ptx_position", 0) if ckpt else 0
+    ptx = ptx_stream(cfg, runtime, tokenizer, plan.update, position)
+    # The multi-turn agent too (tools resolved, the template checked to show them): None
+    # without generation.tools / environment; played through the endpoint with
+    # generation.environment_endpoint.
+    agent = endpoint_agent(cfg) or build_agent(cfg, tokenizer)
+    total_steps = p.iterations * plan.optimizer_steps_per_iteration
+    built = build_models(cfg, runtime, plan, total_steps, ckpt)
+    model = built.model
+
+    rollout_models = make_rollout_models(cfg, runtime, built, tokenizer, agent, sampler)
+    kl_ctl, moments, entropy_ctl = restored_controllers(p, ckpt, built.scheduler)
+    return PPORun(
+        model,
+        built.optimizer,
+        built.scheduler,
+        rollout_models,
+        tokenizer,
+        kl_ctl,
+        plan,
+        moments,
+        built.group_names,
+        built.scorer,
+        cfg.perf.gather_for_training,
+        ptx=ptx,
+        entropy_ctl=entropy_ctl,
+        first_iteration=(ckpt.step if ckpt else 0) + 1,
+    )
+
+
+def make_rollout_models(
+    cfg: Config,
+    runtime: Runtime,
+    built,
+    tokenizer,
+    agent: Agent | EndpointAgent | None,
+    sampler: Sampler | None = None,
+) -> RolloutModels:
+    """What a rollout reads: the actor (generated from through `generation_context`), the
+    frozen models, the stop ids, the sampler (None: generation.backend's), the agent and
+    the scoring split."""
+    model = built.model
+    gather = cfg.perf.gather_for_generation
+    # LoRA: generate with the adapters folded into the base (whole tensors only: not
+    # through ZeRO-3's per-layer gathers).
+    merge = cfg.lora.enabled and (runtime.zero_stage != 3 or gather)
+
+    @contextlib.contextmanager
+    def generation_context():
+        with contextlib.ExitStack() as stack:
+            actor, keep_in_step = stack.enter_context(
+                runtime.generation_context(model, "actor", gather)
+            )
+            yield (stack.enter_context(merged_adapters(actor)) if merge else actor), keep_in_step
+
+    stops = policy_stop_ids(cfg, tokenizer)
+    if sampler is None:  # generation.backend's (generation/factory.py)
+        sampler = make_sampler(cfg, runtime, model, generation_context)
+    return RolloutModels(
+        model,
+        generation_context,
+        built.reference,
+        built.scorer,
+        stops,
+        sampler,
+        whole_weights=lambda: runtime.whole_weights(model, gather),
+        agent=agent,
+        any_rank=runtime.any_rank if runtime.world_size > 1 else None,
+        perf=cfg.perf,
+        teacher=built.teacher,  # model.teacher: scores the rollout (docs/distill.md)
+        # distributed.sequence_parallel_size: scoring's forwards split over the group
+        pool=runtime.pool_micro_batches if runtime.sequence_parallel_size > 1 else None,
+        has_critic=has_critic(cfg),
+        split=runtime.sequence_parallel,
+    )
+
+
+def restored_controllers(
+    p: PPOConfig, ckpt: Checkpoint | None, scheduler: torch.optim.lr_scheduler.LRScheduler
+) -> tuple[FixedKLController | AdaptiveKLController, RunningMoments, EntropyController]:
+    """(KL controller, score moments, entropy controller), restored from the checkpoint
+    (the scheduler's position too) when resuming."""
+    kl_ctl, moments = make_kl_controller(p), RunningMoments()
+    entropy_ctl = make_entropy_controller(p)
+    if ckpt:
+        kl_ctl.load_state_dict(ckpt.trainer["kl_controller"])
+        if "entropy_controller" in ckpt.trainer:  # absent from checkpoints written before it
+            entropy_ctl.load_state_dict(ckpt.trainer["entropy_controller"])
+        moments.load_state_dict(ckpt.trainer["score_moments"])
+        scheduler.load_state_dict(ckpt.trainer["scheduler"])
+    return kl_ctl, moments, entropy_ctl
+
+
+@dataclass(frozen=True)
 class PPORun:
-    """The live objects of a PPO run (what one iteration reads and updates)."""
+    """The live objects of a PPO run (what one iteration reads and updates). Frozen: no
+    field is reassigned; the objects that do change over a run are the trained model, its
+    optimizer and scheduler, and the controllers (KL, entropy, score moments), each with
+    a state_dict that the checkpoint holds (state.trainer_state)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -322,7 +451,7 @@ class PPORun:
     group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
     scorer: Scorer  # rollout_models' scorer: its failures and per-component statistics
     gather_for_training: str = "auto"  # perf.gather_for_training
-    printed_first_batch: bool = False
-    ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), trainers/ptx.py
-    # the entropy bonus's coefficient, fixed or steered to ppo.entropy_target (ppo_entropy.py)
+    ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), ptx.py
+    # the entropy bonus's coefficient, fixed or steered to ppo.entropy_target (entropy.py)
     entropy_ctl: EntropyController = field(default_factory=lambda: EntropyController(0.0))
+    first_iteration: int = 1  # this process's first iteration (after a resume: step + 1)

@@ -1,0 +1,114 @@
+"""Steps 2 and 3 of a PPO iteration (docs/architecture.md section 5): the rollout, sampled
+by the current policy and scored (rollout.collect_rollout), with DAPO's soft overlong
+penalty and, with ppo.dynamic_sampling, tied groups refilled; then the scores' running
+normalisation. Every step returns a new, frozen batch. Shared by every objective: PPO and
+its estimators, online DPO and on-policy distillation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_dist.algo.masking import RunningMoments
+from rlhf_dist.algo.objectives import overlong_penalty
+from rlhf_dist.config import Config, RewardConfig
+from rlhf_dist.distributed import Runtime
+from rlhf_dist.rollout import PromptBatch, collect_rollout
+from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
+from rlhf_dist.stats import global_moments
+from rlhf_dist.trainers.common import checkpoint_due
+from rlhf_dist.trainers.ppo.dynamic_sampling import rollout_until_full
+from rlhf_dist.trainers.ppo.setup import PPORun
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What step 2 gives: this rank's rollout batch (B rows), its response and prompt
+    texts, dynamic sampling's statistics ({} without it) and the seconds spent per
+    phase ("generate", "score")."""
+
+    batch: RolloutBatch
+    texts: list[str]
+    prompt_texts: list
+    sampling_stats: dict[str, float]
+    seconds: dict[str, float]
+
+
+def sample_rollout(
+    runtime: Runtime,
+    run: PPORun,
+    prompt_batch: PromptBatch,
+    cfg: Config,
+    more_prompts: Callable[[int], PromptBatch] | None = None,
+    old_logprobs: bool = True,
+) -> Rollout:
+    """This rank's rollout, with the soft overlong penalty added to the scores
+    (ppo.overlong=soft) and, with ppo.dynamic_sampling, tied groups replaced by groups of
+    more prompts (more_prompts: round -> prompt batch; dynamic_sampling.py).
+    old_logprobs=False: scoring skips the actor pass (old_logprobs_from_update)."""
+    p, seconds = cfg.ppo, dict[str, float]()
+
+    def rollout(prompts: PromptBatch) -> tuple[RolloutBatch, list[str]]:
+        spent: dict[str, float] = {}
+        with runtime.autocast():  # bf16 compute over fp32 weights, where that is the precision
+            batch, texts = collect_rollout(
+                run.rollout_models, prompts, cfg, run.tokenizer, spent, old_logprobs=old_logprobs
+            )
+        for name, spent_seconds in spent.items():
+            seconds[name] = seconds.get(name, 0.0) + spent_seconds
+        if p.overlong == "soft":  # DAPO eq. 13 on |y|, the response's token count
+            penalty = overlong_penalty(
+                batch.response_mask.sum(1), cfg.generation.max_new_tokens, p.overlong_buffer
+            )
+            batch = dataclasses.replace(batch, scores=batch.scores + penalty.to(batch.scores.dtype))
+        return batch, texts
+
+    if not p.dynamic_sampling:
+        batch, texts = rollout(prompt_batch)
+        return Rollout(batch, texts, prompt_batch.texts, {}, seconds)
+    assert more_prompts is not None, "dynamic sampling draws more prompts"
+    n, pad = run.plan.samples_per_prompt, run.tokenizer.pad_token_id
+    rounds = p.dynamic_sampling_max_rounds
+    filled = rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
+    return Rollout(*filled, seconds)
+
+
+def normalize_scores(
+    runtime: Runtime, scores: torch.Tensor, moments: RunningMoments, reward_cfg: RewardConfig
+) -> torch.Tensor:
+    """Running normalisation (statistics over all ranks) and clipping of the scores, (B,)."""
+    if reward_cfg.normalize:  # RunningMoments folds in population variances
+        count, mean, sq_dev = global_moments(runtime, scores)
+        moments.update(float(mean), float(sq_dev / count), float(count))
+        scores = (scores - moments.mean) / (moments.var + 1e-8) ** 0.5
+    if reward_cfg.clip is not None:
+        scores = scores.clamp(-reward_cfg.clip, reward_cfg.clip)
+    return scores
+
+
+def normalized(runtime: Runtime, run: PPORun, batch: RolloutBatch, cfg: Config) -> RolloutBatch:
+    """Step 3: the rollout with its scores normalised and clipped (normalize_scores; the
+    run's running moments move)."""
+    scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
+    return dataclasses.replace(batch, scores=scores)
+
+
+def print_first_batch(
+    runtime: Runtime, run: PPORun, cfg: Config, rollout: Rollout, it: int
+) -> None:
+    """debug.print_first_batch: the first rollout's rows token by token, once (main): at
+    the run's first iteration in this process (run.first_iteration)."""
+    if cfg.debug.print_first_batch and it == run.first_iteration and runtime.is_main:
+        print(describe_batch(run.tokenizer, rollout.batch, rollout.texts), flush=True)
+
+
+def expect_next(cfg: Config, run: PPORun, it: int, upcoming) -> None:
+    """ppo.max_staleness (generation/prefetch.py): tell the servers' client which prompts to
+    request while iteration `it` trains: none at the last iteration or one that writes a
+    scheduled checkpoint, so the iteration after a checkpoint samples on-policy and a
+    resumed run samples what the unbroken run did."""
+    ahead = upcoming is not None and not checkpoint_due(cfg, it, cfg.ppo.iterations, False)
+    run.rollout_models.sampler.expect_next(it, upcoming if ahead else None)
