@@ -49,7 +49,8 @@ def token_covariance(
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 x in [0, 2^32). The
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 x in [0, 2^32), any
+    shape, elementwise (same shape). The
     multipliers are odd and below 2^31, so every product stays below 2^63: exact int64
     arithmetic, the same bits on every device."""
     x = x ^ (x >> 16)

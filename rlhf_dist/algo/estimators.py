@@ -38,6 +38,7 @@ class AdvantageInputs:
 
 
 def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x (B, T) with 0 where mask (B, T) is False: padding adds nothing to a sum."""
     return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 

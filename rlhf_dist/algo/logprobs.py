@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -10,8 +12,8 @@ def scale_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor
     """logits / temperature in float32 (float64 stays float64); same shape (..., V).
 
     The ONE place the project applies the sampling temperature: the old, new AND
-    reference log-probs must all see it, or the ratio and the KL are off from step 0
-    (N+ study). Upcast before dividing: a bf16 quotient would be rounded to ~3
+    reference log-probs must all see it, or the ratio and the KL are off from step 0.
+    Upcast before dividing: a bf16 quotient would be rounded to ~3
     significant digits again, and log_softmax's normaliser needs float32 anyway. At
     temperature 1 float32 logits come back as they are (no copy of a (B, T, V) tensor),
     so do not edit the result in place.
@@ -66,6 +68,7 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 unless it is float32 or float64 already; same shape."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
@@ -87,8 +90,8 @@ def logprobs_from_hidden(
     temperature); float32 (float64 for float64 weights). The head runs over chunks of
     `chunk_tokens` rows inside one autograd Function that recomputes each chunk's logits in
     backward, so the extra memory is a few (chunk_tokens, V) tensors in both directions
-    (the whole-logits path kept ~6 (N, V) fp32 copies: logits, log_softmax, softmax and
-    their gradients). Gradients flow to hidden, weight and bias from both outputs. The
+    (the whole-logits path keeps several (N, V) fp32 tensors: logits, log_softmax,
+    softmax and their gradients). Gradients flow to hidden, weight and bias from both outputs. The
     head is computed in the autocast dtype when autocast is on for hidden's device, else
     in weight's dtype (as the model's own head would), then upcast as `scale_logits` does.
     """
@@ -98,16 +101,28 @@ def logprobs_from_hidden(
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
     logprobs, entropy = _ChunkedHeadLogprobs.apply(
-        hidden, weight, bias, tokens.long(), float(temperature), int(chunk_tokens),
-        bool(with_entropy), dtype,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias,
+        tokens.long(),
+        float(temperature),
+        int(chunk_tokens),
+        bool(with_entropy),
+        dtype,
+    )
     return logprobs, (entropy if with_entropy else None)
 
 
-def _chunk_logp(hidden, weight, bias, temperature: float, work: torch.Tensor) -> torch.Tensor:
+def _chunk_logp(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    work: torch.Tensor,
+) -> torch.Tensor:
     """log_softmax(scale_logits(hidden @ weight.T + bias)) of one chunk, (C, H) -> (C, V),
     written into work[1] (work: (2, >= C, V), the call's workspace; work[0] is scratch);
-    weight and bias already in the compute dtype. The same kernels as F.linear and
+    weight (V, H) and bias (V,) already in the compute dtype. The same kernels as F.linear and
     F.log_softmax (mm, or addmm with a bias), so the same bits."""
     rows = hidden.shape[0]
     logits, logp = work[0, :rows], work[1, :rows]
@@ -123,12 +138,11 @@ def _chunk_logp(hidden, weight, bias, temperature: float, work: torch.Tensor) ->
     return torch.log_softmax(logits, dim=-1, out=logp)
 
 
-def _workspace(rows: int, chunk: int, weight: torch.Tensor, dtype) -> torch.Tensor:
+def _workspace(rows: int, chunk: int, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(2, min(rows, chunk), V) float32 (float64 for float64) buffers that every chunk of
-    one forward or backward reuses. Fresh (C, V) tensors per op (~5 a chunk) are each a
-    large allocation that glibc maps and unmaps (page faults, TLB shootdowns): reusing
-    one took the 151,936-vocabulary probe's update from 19.2 to 10.3 s and its peak from
-    2.05 to 1.45 GiB on the 2-core CPU (docs/benchmarks.md)."""
+    one forward or backward reuses; weight: (V, H). Fresh (C, V) tensors per op are each
+    a large allocation that the allocator maps and unmaps (page faults, TLB shootdowns):
+    one reused workspace is both faster and a lower peak (docs/benchmarks.md)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     return torch.empty((2, min(rows, chunk), weight.shape[0]), dtype=acc, device=weight.device)
 
@@ -143,13 +157,16 @@ def _entropy_into(logp: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 def _finite_(logp: torch.Tensor) -> torch.Tensor:
-    """logp clamped in place to its dtype's lowest finite value: -inf (a masked entry)
+    """logp (C, V) clamped in place to its dtype's lowest finite value: -inf (a masked entry)
     becomes finite, so p * logp is 0 where p == 0; every entry with p > 0 is unchanged."""
     return logp.clamp_(min=torch.finfo(logp.dtype).min)
 
 
-def _cast(weight, bias, dtype):
-    """The head in the compute dtype, cast once per pass (not once per chunk)."""
+def _cast(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head, weight (V, H) and bias (V,) or None, in the compute dtype, cast once per
+    pass (not once per chunk)."""
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
@@ -162,7 +179,19 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     then dL/dhidden = dL/dlogits @ W, dL/dW = sum_chunks dL/dlogits^T @ hidden (fp32)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk, with_entropy, dtype):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        tokens: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (N, H), weight (V, H), bias (V,) or None, tokens (N,) -> logprobs (N,)
+        and entropy (N,) (zeros without `with_entropy`)."""
         n = hidden.shape[0]
         out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         logprobs = torch.empty(n, dtype=out_dtype, device=hidden.device)
@@ -182,7 +211,11 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(
+        ctx: Any, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The (N,) output gradients (None where not materialised) -> gradients of hidden
+        (N, H), weight (V, H) and bias (V,), None for the other inputs."""
         hidden, weight, bias, tokens, entropy = ctx.saved_tensors
         temperature, chunk, with_entropy, dtype = ctx.config
         if not with_entropy:
@@ -202,23 +235,38 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 grad_logits = _chunk_grad_logits(
-                    hidden[rows], w, b, tokens[rows], entropy[rows],
-                    _part(grad_logprobs, rows), _part(grad_entropy, rows), temperature, work,
-                )  # fmt: skip
-                if needs_hidden:
+                    hidden[rows],
+                    w,
+                    b,
+                    tokens[rows],
+                    entropy[rows],
+                    _part(grad_logprobs, rows),
+                    _part(grad_entropy, rows),
+                    temperature,
+                    work,
+                )
+                if grad_hidden is not None:  # needs_hidden
                     grad_hidden[rows] = (grad_logits.to(dtype) @ w).to(hidden.dtype)
-                if needs_weight:
+                if grad_weight is not None:  # needs_weight
                     grad_weight.addmm_(grad_logits.t(), hidden[rows].to(acc))
-                if needs_bias:
+                if grad_bias is not None:  # needs_bias
                     grad_bias += grad_logits.sum(0)
         return grad_hidden, _as(grad_weight, weight), _as(grad_bias, bias), *(None,) * 5
 
 
 def _chunk_grad_logits(
-    hidden, weight, bias, tokens, entropy, grad_lp, grad_h, temperature: float, work
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tokens: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_lp: torch.Tensor | None,
+    grad_h: torch.Tensor | None,
+    temperature: float,
+    work: torch.Tensor,
 ) -> torch.Tensor:
-    """dL/dlogits (C, V) of one chunk from the (C,) output gradients (either may be None;
-    not both), a view of the workspace `work` (2, >= C, V), valid until the next chunk.
+    """dL/dlogits (C, V) of one chunk, hidden (C, H), tokens and entropy (C,), from the
+    (C,) output gradients (either may be None; not both), a view of the workspace `work` (2, >= C, V), valid until the next chunk.
     The 1/temperature of dz/dlogits is folded into the (C,) gradients."""
     logp = _chunk_logp(hidden, weight, bias, temperature, work)  # work[1]
     p = torch.exp(logp, out=work[0, : logp.shape[0]])
@@ -237,10 +285,12 @@ def _chunk_grad_logits(
 
 
 def _part(grad: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """The rows of an (N,) gradient, None where the gradient is."""
     return None if grad is None else grad[rows]
 
 
 def _as(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    """A float32/float64 accumulated gradient in its input's dtype, same shape."""
     if grad is None:
         return None
     assert like is not None, "a gradient is computed only for a tensor that was given"

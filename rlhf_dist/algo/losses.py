@@ -139,7 +139,7 @@ def aggregation_weights(
 
 def aggregation_count(response_mask: torch.Tensor, mode: str) -> torch.Tensor:
     """This batch's share of the denominator D of `aggregation_weights`: its number of
-    response tokens (token_mean) or of sequences; 0-dim float."""
+    response tokens (token_mean) or of sequences; response_mask (B, T) -> 0-dim float."""
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
     if mode == "token_mean":

@@ -207,9 +207,14 @@ def simpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean of `simpo_terms` over the B pairs; inputs (B,). Returns (loss, `pair_stats`)."""
     terms = simpo_terms(
-        policy_chosen, policy_rejected, chosen_lengths, rejected_lengths, beta, margin,
+        policy_chosen,
+        policy_rejected,
+        chosen_lengths,
+        rejected_lengths,
+        beta,
+        margin,
         label_smoothing,
-    )  # fmt: skip
+    )
     return terms["loss"].mean(), pair_stats(terms["chosen_rewards"], terms["rejected_rewards"])
 
 
