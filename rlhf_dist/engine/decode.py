@@ -9,7 +9,11 @@ are kept so by a `keep_in_step` collective instead of transformers' synced_gpus.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
+from torch import nn
 
 from rlhf_dist.config import PerfConfig
 from rlhf_dist.data.chat import is_stop
@@ -22,12 +26,22 @@ from rlhf_dist.engine.forward import (
     shares_prompts,
 )
 from rlhf_dist.engine.packing import position_ids_from
-from rlhf_dist.engine.sampling import Sampling, sample_next
+from rlhf_dist.engine.sampling import Sampling, Streams, sample_next
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# called once per decode step with whether this rank needs another forward; returns
+# whether any rank does (ZeRO-3 without gathered weights: ranks forward in step)
+KeepInStep = Callable[[bool], bool]
 
 
-def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):
-    """(ids, response_mask, finished): mask True up to and including the first stop token
-    (any of `stop_ids`, an id or a sequence; "EOS" below).
+def truncate_after_eos(
+    response_ids: torch.Tensor, stop_ids: int | Sequence[int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, response_mask, finished): ids and mask (B, T), finished (B,) bool; mask True
+    up to and including the first stop token (any of `stop_ids`, an id or a sequence;
+    "EOS" below).
 
     response_ids: (B, T). Tokens after the first EOS become PAD (generate may already
     pad them); rows without EOS keep all T tokens and have finished=False.
@@ -42,17 +56,24 @@ def truncate_after_eos(response_ids: torch.Tensor, stop_ids, pad_id: int):
 
 @torch.no_grad()
 def generate(
-    model, prompt_ids, prompt_mask, gen_cfg: Sampling, tokenizer, keep_in_step=None,
-    stop_ids=None, perf: PerfConfig = DEFAULT_PERF, streams=None,
-) -> torch.Tensor:  # fmt: skip
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    gen_cfg: Sampling,
+    tokenizer: PreTrainedTokenizerBase,
+    keep_in_step: KeepInStep | None = None,
+    stop_ids: int | Sequence[int] | None = None,
+    perf: PerfConfig = DEFAULT_PERF,
+    streams: Streams | None = None,
+) -> torch.Tensor:
     """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
     PAD after a row's first stop token (any of `stop_ids`; None: the tokenizer's EOS);
     T is shorter only when every row has finished.
 
-    A plain KV-cache decode loop: one prefill forward, then one forward per token. It
-    does what transformers' `generate` did for us with ~20% less time outside the model
-    on a small policy (no logits-processor, stopping-criteria and input-preparation
-    layers per token). Positions count real tokens only, as in scoring, so a left-padded
+    A plain KV-cache decode loop: one prefill forward, then one forward per token, without
+    transformers' `generate` layers per token (logits processors, stopping criteria,
+    input preparation), which cost a small policy much of its time outside the model.
+    Positions count real tokens only, as in scoring, so a left-padded
     prompt is continued exactly as it would be on its own.
     keep_in_step (ZeRO-3 without gathered weights, where every forward gathers layers
     with collectives): called once per step with whether this rank needs another
@@ -73,10 +94,18 @@ def generate(
 
 
 def _decode(
-    model, logits, cache, mask, gen_cfg: Sampling, keep_in_step, eos, pad: int, streams=None
+    model: nn.Module,
+    logits: torch.Tensor,
+    cache: dict[str, Any],
+    mask: torch.Tensor,
+    gen_cfg: Sampling,
+    keep_in_step: KeepInStep | None,
+    eos: torch.Tensor,
+    pad: int,
+    streams: Streams | None = None,
 ) -> torch.Tensor:
     """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt mask
-    (B, P): (B, T) sampled ids, PAD after a row's stop token."""
+    (B, P): (B, T) sampled ids, PAD after a row's stop token; eos: (S,) stop ids."""
     position = position_ids_from(mask)[:, -1:]
     finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     steps, more = gen_cfg.max_new_tokens, True  # more: this rank still samples
@@ -94,13 +123,18 @@ def _decode(
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = position + 1
         out = model(
-            input_ids=feed[:, None], attention_mask=mask, position_ids=position, use_cache=True,
+            input_ids=feed[:, None],
+            attention_mask=mask,
+            position_ids=position,
+            use_cache=True,
             **cache,
-        )  # fmt: skip
+        )
         logits, cache = out.logits[:, -1], cache_of(out)
 
 
-def _prefill(model, prompt_ids, mask, share: bool):
+def _prefill(
+    model: nn.Module, prompt_ids: torch.Tensor, mask: torch.Tensor, share: bool
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """The prefill forward of left-padded prompts (B, P): the last position's logits
     (B, V) and the KV cache (`cache_of`). With `share` each distinct prompt runs once
     and its cache and logits are indexed out to its rows (algo/prefix.py): GRPO's n
@@ -110,7 +144,7 @@ def _prefill(model, prompt_ids, mask, share: bool):
     return (logits, cache) if inverse is None else (logits.index_select(0, inverse), cache)
 
 
-def _shares_prompts(model, perf: PerfConfig) -> bool:
+def _shares_prompts(model: nn.Module, perf: PerfConfig) -> bool:
     """forward.shares_prompts of the transformers model inside `model`; a model that is
     not a transformers one never shares."""
     try:
@@ -119,7 +153,7 @@ def _shares_prompts(model, perf: PerfConfig) -> bool:
         return False
 
 
-def pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
+def pad_columns(x: torch.Tensor, width: int, value: float) -> torch.Tensor:
     """Right-pad (B, T) to (B, width) with `value`."""
     if x.shape[1] >= width:
         return x
@@ -127,8 +161,14 @@ def pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([x, pad], dim=1)
 
 
-def decode_responses(tokenizer, response_ids, response_mask, stop_ids) -> list[str]:
-    """Response texts without PAD and stop tokens (an id or a sequence of ids)."""
+def decode_responses(
+    tokenizer: PreTrainedTokenizerBase,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    stop_ids: int | Sequence[int],
+) -> list[str]:
+    """Response texts, one per row of response_ids and response_mask (B, T), without PAD
+    and stop tokens (an id or a sequence of ids)."""
     keep = response_mask & ~is_stop(response_ids, stop_ids)
     return [
         tokenizer.decode(row[m].tolist(), skip_special_tokens=True)

@@ -6,11 +6,16 @@ per vocabulary entry).
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias
 
 import torch
 
 from rlhf_dist.algo.logprobs import scale_logits
+
+# [(generator, n)] over a batch's rows in order: each generator draws its n rows' random
+# numbers (`sample_categorical`); None where the global RNG draws them all.
+Streams: TypeAlias = Sequence[tuple[torch.Generator, int]]
 
 
 class Sampling(Protocol):
@@ -29,7 +34,13 @@ class Sampling(Protocol):
     def top_p(self) -> float: ...
 
 
-def sample_next(logits, gen_cfg: Sampling, eos_id, allow_eos: bool, streams=None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    gen_cfg: Sampling,
+    eos_id: int | torch.Tensor,
+    allow_eos: bool,
+    streams: Streams | None = None,
+) -> torch.Tensor:
     """One token per row, (B,), drawn from softmax(logits / temperature) after EOS
     suppression (min_new_tokens) and top-k / top-p truncation; logits (B, V). eos_id: one
     id or a (S,) tensor of stop ids, all suppressed alike. streams: the rows' random draws
@@ -49,13 +60,15 @@ def sample_next(logits, gen_cfg: Sampling, eos_id, allow_eos: bool, streams=None
     return sample_categorical(torch.softmax(logits, dim=-1), streams=streams)
 
 
-def sample_categorical(probs: torch.Tensor, block: int = 256, streams=None) -> torch.Tensor:
+def sample_categorical(
+    probs: torch.Tensor, block: int = 256, streams: Streams | None = None
+) -> torch.Tensor:
     """One index per row of probs (B, V) -> (B,), drawn by inverting the CDF: one uniform
     per row, located first among the float64 cumulative masses of blocks of `block`
     entries, then inside its block. torch.multinomial draws one exponential per
-    vocabulary entry instead (B x V random numbers a token: 13.6 of ~100 ms per decode
-    step of SmolLM2 at batch 16 on the 2-core CPU), and one float64 cumsum over all V
-    would write 2x the rows' bytes: the blocks read them once (~0.4 ms). Exact: an entry
+    vocabulary entry instead (B x V random numbers a token, a large share of a small
+    model's decode step on CPU), and one float64 cumsum over all V would write twice the
+    rows' bytes: the blocks read them once. Exact: an entry
     of probability 0 spans no interval of either CDF, so it is never drawn (each uniform
     stays below its CDF's total). Rows need not sum to 1; a row that is not finite or
     has no mass is an error, as with torch.multinomial. streams: [(torch.Generator, n)]
@@ -78,7 +91,9 @@ def sample_categorical(probs: torch.Tensor, block: int = 256, streams=None) -> t
     return idx.gather(1, j).squeeze(1)
 
 
-def _uniforms(shape, dtype, device, streams) -> torch.Tensor:
+def _uniforms(
+    shape: torch.Size, dtype: torch.dtype, device: torch.device, streams: Streams | None
+) -> torch.Tensor:
     """(B, 1) uniforms in [0, 1): from the global RNG, or each stream's n from its own."""
     if streams is None:
         return torch.rand(shape, dtype=dtype, device=device)
