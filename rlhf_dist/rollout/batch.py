@@ -5,11 +5,18 @@ it: the missing-EOS penalty, the last real token's position and the debug print.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from rlhf_dist.algo.masking import last_token_index
-from rlhf_dist.data.rows import PromptSet, left_pad
+from rlhf_dist.data.rows import PromptSet, Text, left_pad
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# rows of a batch: (k,) int64 indices or a boolean (B,) mask, or a slice
+Rows: TypeAlias = torch.Tensor | slice
 
 
 @dataclass(frozen=True)
@@ -23,15 +30,17 @@ class PromptBatch:
 
     ids: torch.Tensor
     mask: torch.Tensor
-    texts: list
+    texts: list[Text]
     columns: list[dict] = field(default_factory=list)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.columns and len(self.columns) != len(self.texts):
             raise ValueError(f"{len(self.columns)} column rows for {len(self.texts)} prompts")
 
     @classmethod
-    def of(cls, prompts: PromptSet, rows: list[int], pad_id: int, device) -> PromptBatch:
+    def of(
+        cls, prompts: PromptSet, rows: list[int], pad_id: int, device: torch.device | str
+    ) -> PromptBatch:
         """The prompts `rows` (indices into `prompts`, repeats allowed) left-padded on
         `device`, with their texts and columns."""
         ids, mask = left_pad([prompts.ids[i] for i in rows], pad_id)
@@ -39,7 +48,7 @@ class PromptBatch:
         texts = [prompts.texts[i] for i in rows]
         return cls(ids.to(device), mask.to(device), texts, columns)
 
-    def rows(self, s: slice) -> tuple[list, list[dict]]:
+    def rows(self, s: slice) -> tuple[list[Text], list[dict]]:
         """(texts, columns) of the rows `s` (no columns: an empty dict per row)."""
         columns = self.columns[s] if self.columns else [{} for _ in self.texts[s]]
         return self.texts[s], columns
@@ -81,10 +90,12 @@ class RolloutBatch:
 
     @property
     def input_ids(self) -> torch.Tensor:
+        """(B, P + T) prompt and response ids."""
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     @property
     def attention_mask(self) -> torch.Tensor:
+        """(B, P + T) the positions attended to: real prompt tokens and the response's."""
         return torch.cat([self.prompt_mask, self.response_attention_mask], dim=1)
 
     @property
@@ -94,7 +105,8 @@ class RolloutBatch:
             return self.response_attention
         return self.response_mask.long()
 
-    def select(self, index) -> RolloutBatch:
+    def select(self, index: Rows) -> RolloutBatch:
+        """The rows `index` of every tensor field (B -> the rows selected)."""
         return RolloutBatch(**{f.name: _index(getattr(self, f.name), index) for f in fields(self)})
 
     def trimmed(self) -> tuple[RolloutBatch, int]:
@@ -128,12 +140,16 @@ class RolloutBatch:
         return RolloutBatch(**cut), keep
 
 
-def _index(x: torch.Tensor | None, index):
+def _index(x: torch.Tensor | None, index: Rows) -> torch.Tensor | None:
     return None if x is None else x[index]
 
 
-def scores_with_eos_penalty(raw_scores, finished, penalty: float | None) -> torch.Tensor:
-    """Replace the score of responses that never emitted EOS by `penalty` (N+ study)."""
+def scores_with_eos_penalty(
+    raw_scores: torch.Tensor, finished: torch.Tensor, penalty: float | None
+) -> torch.Tensor:
+    """raw_scores (B,) with the score of each response that never emitted EOS (finished
+    (B,) False) replaced by `penalty`: a response cut at max_new_tokens is not rewarded
+    for text it never finished."""
     if penalty is None:
         return raw_scores
     return torch.where(finished, raw_scores, torch.full_like(raw_scores, penalty))
@@ -144,7 +160,9 @@ def sequence_last_index(prompt_width: int, response_mask: torch.Tensor) -> torch
     return prompt_width + last_token_index(response_mask)
 
 
-def describe_batch(tokenizer, batch: RolloutBatch, texts: list[str], rows: int = 2) -> str:
+def describe_batch(
+    tokenizer: PreTrainedTokenizerBase, batch: RolloutBatch, texts: list[str], rows: int = 2
+) -> str:
     """The first rows of a rollout, token by token with masks (debug.print_first_batch):
     what the model saw (prompt, attention) and what the losses use (response_mask)."""
     lines = [

@@ -12,12 +12,14 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
 from rlhf_dist.config import Config, GenerationConfig, PerfConfig
+from rlhf_dist.data.rows import Text
 from rlhf_dist.engine.cpu import scoring_context
 from rlhf_dist.engine.decode import decode_responses, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
@@ -32,6 +34,12 @@ from rlhf_dist.rollout.batch import (
     sequence_last_index,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# (input_ids, attention_mask (B, P + T), response_mask (B, T), P) of a scoring chunk
+ChunkInputs: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+
 
 class SequenceScorer(Protocol):
     """What scores a rollout's sequences (rewards.scoring.Scorer): (B,) raw scores from
@@ -39,9 +47,14 @@ class SequenceScorer(Protocol):
     token (a reward model)."""
 
     def __call__(
-        self, prompts: list, texts: list[str], input_ids: torch.Tensor,
-        attention_mask: torch.Tensor, last_index: torch.Tensor, columns: list[dict],
-    ) -> torch.Tensor: ...  # fmt: skip
+        self,
+        prompts: list,
+        texts: list[str],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        last_index: torch.Tensor,
+        columns: list[dict],
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -68,13 +81,14 @@ class RolloutModels:
     # multi-turn rollouts (generation.tools / environment; an EndpointAgent when the
     # environment plays through the servers' endpoint)
     agent: agent_mod.Agent | endpoint.EndpointAgent | None = None
-    any_rank: Callable | None = None  # Runtime.any_rank with several ranks: turns in lock-step
+    # Runtime.any_rank with several ranks: turns in lock-step
+    any_rank: Callable[[bool], bool] | None = None
     perf: PerfConfig = DEFAULT_PERF
     teacher: torch.nn.Module | None = None
     # distributed.sequence_parallel_size > 1: Runtime.pool_micro_batches and
     # Runtime.sequence_parallel, scoring's forwards split over the group; None: whole rows
-    pool: Callable | None = None
-    split: Callable = contextlib.nullcontext
+    pool: Callable[[list[ChunkInputs]], list[tuple[bool, ChunkInputs]]] | None = None
+    split: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
     # whether actor_critic holds a critic: without one, scoring without the actor's pass
     # (old_logprobs=False) calls no actor_critic forward at all (under ZeRO-3 even an
     # empty forward fetches the top module's weights)
@@ -90,8 +104,8 @@ def collect_rollout(
     models: RolloutModels,
     prompts: PromptBatch,
     cfg: Config,
-    tokenizer: Any,
-    timings: dict | None = None,
+    tokenizer: PreTrainedTokenizerBase,
+    timings: dict[str, float] | None = None,
     micro_batch_size: int | None = None,
     old_logprobs: bool = True,
 ) -> tuple[RolloutBatch, list[str]]:
@@ -121,7 +135,7 @@ def collect_rollout(
             parts = [
                 _score_chunk(
                     models, sampled, s, (score_prompts[s], texts[s], prompts.rows(s)[1]), f
-                )  # fmt: skip
+                )
                 for s, f in zip(chunks, forwards)
             ]
     merged = {
@@ -138,9 +152,12 @@ def collect_rollout(
 
 
 def _single_turn(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
-    tokenizer: Any,
-) -> tuple[dict, list, list[str], None]:  # fmt: skip
+    models: RolloutModels,
+    prompts: PromptBatch,
+    gen: GenerationConfig,
+    chunks: list[slice],
+    tokenizer: PreTrainedTokenizerBase,
+) -> tuple[dict[str, Any], list[Text], list[str], None]:
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -161,9 +178,12 @@ def _single_turn(
 
 
 def _episodes(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
-    tokenizer: Any,
-) -> tuple[dict, list, list[str], torch.Tensor]:  # fmt: skip
+    models: RolloutModels,
+    prompts: PromptBatch,
+    gen: GenerationConfig,
+    chunks: list[slice],
+    tokenizer: PreTrainedTokenizerBase,
+) -> tuple[dict[str, Any], list[Text], list[str], torch.Tensor]:
     """Multi-turn episodes of every prompt, in rollout micro-batches -> (the rollout
     tensors of agent.episode_batch, what reward.function reads: the conversations before
     the final answers and the answers, the environment's rewards (B,), NaN where none).
@@ -185,7 +205,9 @@ def _episodes(
     return sampled, score_prompts, texts, env_scores
 
 
-def _require_rewards(episodes: list, any_rank) -> None:
+def _require_rewards(
+    episodes: list[agent_mod.Episode], any_rank: Callable[[bool], bool] | None
+) -> None:
     """With the environment as the run's only reward source, an episode that returned none
     stops every rank at once (any_rank: the ranks' agreement, None alone)."""
     unscored = [i for i, e in enumerate(episodes) if e.reward is None]
@@ -199,9 +221,12 @@ def _require_rewards(episodes: list, any_rank) -> None:
 
 
 def _endpoint_episodes(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, eos: tuple[int, ...],
-    tokenizer: Any,
-) -> list:  # fmt: skip
+    models: RolloutModels,
+    prompts: PromptBatch,
+    gen: GenerationConfig,
+    eos: tuple[int, ...],
+    tokenizer: PreTrainedTokenizerBase,
+) -> list[agent_mod.Episode]:
     """generation.environment_endpoint: one sync, then the environment plays every episode
     against the servers' chat endpoint (rollout/endpoint.py); with ppo.max_staleness, the
     episodes played ahead by the last iteration's weights (generation/prefetch.py)."""
@@ -210,7 +235,7 @@ def _endpoint_episodes(
     assert server is not None and isinstance(agent, endpoint.EndpointAgent)
     sampler.sync(prompts.ids, prompts.mask, gen, eos, tokenizer)  # a bucket at a time
 
-    def play(batch: PromptBatch) -> Callable[[], list]:
+    def play(batch: PromptBatch) -> Callable[[], list[agent_mod.Episode]]:
         texts, columns = batch.rows(slice(None))
         return endpoint.request(agent, server, list(texts), columns, gen, eos)
 
@@ -219,15 +244,25 @@ def _endpoint_episodes(
 
 
 def _agent_episodes(
-    models: RolloutModels, prompts: PromptBatch, gen: GenerationConfig, chunks: list[slice],
-    tokenizer: Any, eos: tuple[int, ...],
-) -> list:  # fmt: skip
+    models: RolloutModels,
+    prompts: PromptBatch,
+    gen: GenerationConfig,
+    chunks: list[slice],
+    tokenizer: PreTrainedTokenizerBase,
+    eos: tuple[int, ...],
+) -> list[agent_mod.Episode]:
     """Episodes of generation.tools / environment, played by this process (rollout/agent.py)."""
     pad, agent = tokenizer.pad_token_id, models.agent
     assert isinstance(agent, agent_mod.Agent)
-    play = functools.partial(agent_mod.run_episodes, agent, gen=gen, tokenizer=tokenizer,
-                             stop_ids=eos, any_rank=models.any_rank,
-                             perf=models.perf)  # fmt: skip
+    play = functools.partial(
+        agent_mod.run_episodes,
+        agent,
+        gen=gen,
+        tokenizer=tokenizer,
+        stop_ids=eos,
+        any_rank=models.any_rank,
+        perf=models.perf,
+    )
     episodes, sampler = [], models.sampler
     if sampler.from_actor:  # each turn decoded by the actor itself, a micro batch at a time
         with models.generation_context() as (actor, keep_in_step):
@@ -238,16 +273,26 @@ def _agent_episodes(
         sampler.sync(prompts.ids, prompts.mask, gen, eos, tokenizer)
         texts, columns = prompts.rows(slice(None))
         # a server's answers are awaited on every rank together: turns stay in step
-        episodes = play(None, None, list(texts), sampler=functools.partial(_turn, sampler, pad),
-                        columns=columns, sampler_in_step=sampler.in_step)  # fmt: skip
+        episodes = play(
+            None,
+            None,
+            list(texts),
+            sampler=functools.partial(_turn, sampler, pad),
+            columns=columns,
+            sampler_in_step=sampler.in_step,
+        )
         sampler.sleep()  # GPU: free its memory for scoring and the update
     return episodes
 
 
 def _sample(
-    models: RolloutModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-    gen: GenerationConfig, chunks: list[slice], tokenizer: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    models: RolloutModels,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    gen: GenerationConfig,
+    chunks: list[slice],
+    tokenizer: PreTrainedTokenizerBase,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
     backend, whose sampler is the trainer's own forward)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
@@ -261,7 +306,7 @@ def _sample(
     return samples.response_ids, samples.logprobs
 
 
-def _chunk_inputs(sampled: dict, s: slice) -> tuple:
+def _chunk_inputs(sampled: dict[str, Any], s: slice) -> ChunkInputs:
     """(input_ids, attention_mask (B, P + T), response_mask (B, T), P) of the rows `s` of
     the rollout tensors `sampled`. Attention covers response_attention where a multi-turn
     rollout has it (tool tokens are context); log-probs, values and the score use
@@ -275,14 +320,20 @@ def _chunk_inputs(sampled: dict, s: slice) -> tuple:
     return input_ids, attention_mask, response_mask, prompt_ids.shape[1]
 
 
-def _scoring_forwards(models, sampled: dict, chunks: list[slice], temperature, with_actor):
+def _scoring_forwards(
+    models: RolloutModels,
+    sampled: dict[str, Any],
+    chunks: list[slice],
+    temperature: float,
+    with_actor: bool,
+) -> list[dict[str, torch.Tensor | None]]:
     """`_chunk_forwards` of every chunk of this rank's rollout, in order. With sequence
     parallelism (models.pool set) the ranks of a group pool their chunks and run each
     split by columns (distributed.sequence_parallel_size); each keeps its own chunks'."""
     inputs = [_chunk_inputs(sampled, s) for s in chunks]
     if models.pool is None:
         return [_chunk_forwards(models, x, temperature, with_actor) for x in inputs]
-    mine = []
+    mine: list[dict[str, torch.Tensor | None]] = []
     for own, x in models.pool(inputs):
         with models.split():
             forwards = _chunk_forwards(models, x, temperature, with_actor)
@@ -291,16 +342,23 @@ def _scoring_forwards(models, sampled: dict, chunks: list[slice], temperature, w
     return mine
 
 
-def _chunk_forwards(models, inputs: tuple, temperature, with_actor=True) -> dict:
+def _chunk_forwards(
+    models: RolloutModels, inputs: ChunkInputs, temperature: float, with_actor: bool = True
+) -> dict[str, torch.Tensor | None]:
     """Old log-probs, entropies and values, reference and teacher log-probs of one chunk's
-    `_chunk_inputs`; with_actor=False leaves old log-probs and entropies None."""
+    `_chunk_inputs`, each (B, T) float32 (None: not computed); with_actor=False leaves old
+    log-probs and entropies None."""
     input_ids, attention_mask, response_mask, P = inputs
     old_logprobs = entropy = values = None
     if with_actor or models.has_critic:
         old_logprobs, entropy, values = models.actor_critic(
-            input_ids, attention_mask, response_mask, temperature, with_entropy=True,
+            input_ids,
+            attention_mask,
+            response_mask,
+            temperature,
+            with_entropy=True,
             with_actor=with_actor,
-        )  # fmt: skip
+        )
     if models.reference is not None:
         ref_logprobs, _ = token_logprobs(
             models.reference,
@@ -316,9 +374,14 @@ def _chunk_forwards(models, inputs: tuple, temperature, with_actor=True) -> dict
     teacher_logprobs = None
     if models.teacher is not None:  # scored like the reference, at the sampling temperature
         teacher_logprobs, _ = token_logprobs(
-            models.teacher, input_ids, attention_mask, response_mask, temperature,
-            prompt_width=P, perf=models.perf,
-        )  # fmt: skip
+            models.teacher,
+            input_ids,
+            attention_mask,
+            response_mask,
+            temperature,
+            prompt_width=P,
+            perf=models.perf,
+        )
     return {
         "old_logprobs": old_logprobs,
         "ref_logprobs": None if ref_logprobs is None else ref_logprobs.float(),
@@ -328,9 +391,15 @@ def _chunk_forwards(models, inputs: tuple, temperature, with_actor=True) -> dict
     }
 
 
-def _score_chunk(models, sampled: dict, s: slice, read, forwards: dict) -> dict:
+def _score_chunk(
+    models: RolloutModels,
+    sampled: dict[str, Any],
+    s: slice,
+    read: tuple[list[Text], list[str], list[dict]],
+    forwards: dict[str, torch.Tensor | None],
+) -> dict[str, torch.Tensor | None]:
     """The rows `s`' `_chunk_forwards` (given) and their scores; read: (prompts, response
-    texts, other columns) of those rows, what the scorer reads."""
+    texts, other columns) of those rows, what the scorer reads; raw_scores (B,) float32."""
     input_ids, attention_mask, response_mask, P = _chunk_inputs(sampled, s)
     last = sequence_last_index(P, response_mask)
     prompts, texts, columns = read
@@ -339,9 +408,13 @@ def _score_chunk(models, sampled: dict, s: slice, read, forwards: dict) -> dict:
 
 
 def _turn(
-    sampler: Sampler, pad: int, ids: torch.Tensor, mask: torch.Tensor, gen: GenerationConfig,
+    sampler: Sampler,
+    pad: int,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    gen: GenerationConfig,
     stop_ids: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One turn of every active episode (rollout/agent.py's `sampler`), sampled by the vLLM
     engine or the rollout servers: (ids (B, T), sampler log-probs (B, T))."""
     samples = sampler.sample(ids, mask, gen, stop_ids, pad)
