@@ -27,17 +27,33 @@ import functools
 import json
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias, TypeVar
 
 import torch
+from torch import nn
 
 from rlhf_dist.config import Config, ConfigError, GenerationConfig, PerfConfig
 from rlhf_dist.data.chat import Chat, resolve_template
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
-from rlhf_dist.engine.decode import generate
+from rlhf_dist.data.rows import Text
+from rlhf_dist.engine.decode import KeepInStep, generate
 from rlhf_dist.engine.forward import DEFAULT_PERF
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlhf_dist.rollout.batch import RolloutBatch
+
+V = TypeVar("V")
+ToolCall: TypeAlias = tuple[str, dict[str, Any]]  # (tool name, keyword arguments)
+# sample(ids, mask (B, L) left-padded, gen, stop_ids) -> (ids (B, T), the sampler's
+# log-probs (B, T) or None): one turn of every active episode
+TurnSampler: TypeAlias = Callable[
+    [torch.Tensor, torch.Tensor, GenerationConfig, Sequence[int]],
+    tuple[torch.Tensor, torch.Tensor | None],
+]
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -46,7 +62,7 @@ class ToolCallError(Exception):
     """A tool call that cannot be run; its message goes back to the model."""
 
 
-def parse_tool_call(text: str):
+def parse_tool_call(text: str) -> ToolCall | None:
     """(name, arguments) of the first `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
     in a turn's text (the Hermes / Qwen format); None when the turn calls no tool. A
     malformed call raises ToolCallError."""
@@ -54,7 +70,7 @@ def parse_tool_call(text: str):
     return None if found is None else _checked_call(_json(found.group(1)))
 
 
-def requested_call(message: dict):
+def requested_call(message: dict[str, Any]) -> ToolCall | None:
     """(name, arguments) of the tool a turn calls: its first OpenAI `tool_calls` entry (as
     the rollout servers' endpoint answers, serve.tool_call_parser), else the first
     `<tool_call>` block of its text; None when it calls none. A malformed call raises
@@ -69,14 +85,17 @@ def requested_call(message: dict):
     return _checked_call({"name": function.get("name"), "arguments": arguments})
 
 
-def _json(text: str):
+def _json(text: str) -> Any:
+    """The JSON value of a tool call's text; invalid JSON is a ToolCallError."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ToolCallError(f"the tool call is not valid JSON ({e.msg})") from None
 
 
-def _checked_call(call) -> tuple[str, dict]:
+def _checked_call(call: Any) -> ToolCall:
+    """(name, arguments) of a decoded tool call, which must be {"name": str,
+    "arguments": dict}; anything else is a ToolCallError."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise ToolCallError('a tool call needs {"name": ..., "arguments": {...}}')
     arguments = call.get("arguments", {})
@@ -91,7 +110,7 @@ def run_tool(fn: Callable, arguments: dict, timeout_s: float) -> tuple[str, bool
     never a crash (a timed-out call is abandoned, still running in its thread)."""
     result: dict = {}
 
-    def call():
+    def call() -> None:
         try:
             result["value"] = fn(**arguments)
         except Exception as e:  # the tool's own failure: the model reads it
@@ -137,16 +156,19 @@ class ToolEnvironment:
     """The environment of plain tools: a turn with a tool call gets the tool's result as a
     tool message; a turn without one ends the episode (reward: reward.function / model)."""
 
-    def __init__(self, tools: dict[str, Callable], timeout_s: float):
+    def __init__(self, tools: dict[str, Callable[..., Any]], timeout_s: float) -> None:
         self.tools, self.timeout_s = tools, timeout_s
         self.tool_errors = 0
 
-    def reset(self, prompt) -> list[dict]:
+    def reset(self, prompt: Text) -> list[dict]:
+        """The prompt as the episode's first messages (a text: one user message)."""
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
         return [dict(m) for m in prompt]
 
-    def step(self, messages: list[dict]):
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool, float | None]:
+        """The called tool's answer as a tool message; a turn without a call ends the
+        episode. No reward: the run's reward function scores the episode."""
         try:
             call = requested_call(messages[-1])
             if call is None:
@@ -204,7 +226,7 @@ def environment_rewards_only(cfg: Config) -> bool:
     return bool(cfg.generation.environment) and not (r.text_rewards() or cfg.model.reward)
 
 
-def build_agent(cfg: Config, tokenizer) -> Agent | None:
+def build_agent(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Agent | None:
     """The Agent generation.tools / generation.environment ask for; None when neither,
     or when the environment plays through the endpoint (rollout/endpoint.py)."""
     g = cfg.generation
@@ -222,7 +244,7 @@ def build_agent(cfg: Config, tokenizer) -> Agent | None:
             tools[getattr(fn, "__name__", spec.rpartition(":")[2])] = fn
         schemas = tuple(tool_schema(fn) for fn in tools.values())
 
-        def factory():
+        def factory() -> ToolEnvironment:
             return ToolEnvironment(tools, g.tool_timeout_s)
 
     renderer = Renderer(tokenizer, template, schemas)
@@ -254,7 +276,7 @@ class Episode:
     sampler_logprobs: list[float] = field(default_factory=list)  # vLLM: per token, 0 on context
 
 
-def start_episode(agent: Agent, prompt, columns: dict | None = None) -> Episode:
+def start_episode(agent: Agent, prompt: Text, columns: dict | None = None) -> Episode:
     """A fresh environment reset with the prompt, and with those of the row's other
     columns that its `reset` names (or all, with **kwargs): an answer to check against,
     a task's state."""
@@ -264,10 +286,19 @@ def start_episode(agent: Agent, prompt, columns: dict | None = None) -> Episode:
 
 
 def run_episodes(
-    agent: Agent, actor, keep_in_step, prompts, gen: GenerationConfig, tokenizer, stop_ids,
-    any_rank=None, sampler=None, perf: PerfConfig = DEFAULT_PERF, columns: list[dict] | None = None,
+    agent: Agent,
+    actor: nn.Module | None,
+    keep_in_step: KeepInStep | None,
+    prompts: Sequence[Text],
+    gen: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: Sequence[int],
+    any_rank: Callable[[bool], bool] | None = None,
+    sampler: TurnSampler | None = None,
+    perf: PerfConfig = DEFAULT_PERF,
+    columns: list[dict] | None = None,
     sampler_in_step: bool = False,
-) -> list[Episode]:  # fmt: skip
+) -> list[Episode]:
     """Play one episode per prompt, all rows of a turn in one `engine.decode.generate` call over
     `actor` (or one `sampler(ids, mask, gen) -> (ids, logprobs)` call: the vLLM engine, the
     rollout servers).
@@ -293,8 +324,10 @@ def run_episodes(
             sampler(filler, torch.ones_like(filler), _throw_away(gen), stop_ids)
         elif keep_in_step is not None:
             filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
-            generate(actor, filler, torch.ones_like(filler), _throw_away(gen), tokenizer,
-                     keep_in_step, stop_ids, perf)  # fmt: skip
+            generate(
+                actor, filler, torch.ones_like(filler), _throw_away(gen), tokenizer,
+                keep_in_step, stop_ids, perf,
+            )  # fmt: skip
     return episodes
 
 
@@ -304,21 +337,34 @@ def _throw_away(gen: GenerationConfig) -> GenerationConfig:
 
 
 def _hf_sample(
-    actor, keep_in_step, tokenizer, perf: PerfConfig, ids, mask, gen: GenerationConfig, stop_ids
-):
+    actor: nn.Module,
+    keep_in_step: KeepInStep | None,
+    tokenizer: PreTrainedTokenizerBase,
+    perf: PerfConfig,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    gen: GenerationConfig,
+    stop_ids: Sequence[int],
+) -> tuple[torch.Tensor, None]:
     """(ids (B, T), None) of engine.decode.generate over `actor` (the trainer's own sampler)."""
     ids, mask = ids.to(_device(actor)), mask.to(_device(actor))
     out = generate(actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf)
     return out, None
 
 
-def _device(model) -> torch.device:
+def _device(model: nn.Module) -> torch.device:
+    """Where `model`'s first parameter lives (CPU for a model without parameters)."""
     return next(iter(model.parameters()), torch.empty(0)).device
 
 
 def sample_turn(
-    agent: Agent, sample, active: list[Episode], gen: GenerationConfig, tokenizer, stop_ids
-):
+    agent: Agent,
+    sample: TurnSampler,
+    active: list[Episode],
+    gen: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: Sequence[int],
+) -> None:
     """One turn of every active episode: its context (prompt + all ids so far, exactly as
     sampled) left-padded into one batch, sampled until a stop token, then `advance`d. The
     turn is capped at generation.max_new_tokens and at what is left of the episode's
@@ -335,7 +381,14 @@ def sample_turn(
         advance(agent, e, row[:r], tokenizer, stop_ids, lp)
 
 
-def advance(agent: Agent, e: Episode, row: list[int], tokenizer, stop_ids, logprobs=None) -> None:
+def advance(
+    agent: Agent,
+    e: Episode,
+    row: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: Sequence[int],
+    logprobs: list[float] | None = None,
+) -> None:
     """Append a sampled turn (up to and including its first stop token) to the episode,
     let the environment answer it, and append the tokens of the answer (context: not in
     response_mask). A turn without a stop token (cut by a limit), max_turns reached or
@@ -378,7 +431,9 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def episode_batch(episodes: list[Episode], pad_id: int, device) -> dict:
+def episode_batch(
+    episodes: list[Episode], pad_id: int, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """The episodes as rollout tensors: prompt_ids/prompt_mask (B, P) left-padded;
     response_ids (B, T) (PAD after the end), response_mask (B, T) bool True on sampled
     tokens only, response_attention (B, T) long 1 on every token of the episode;
@@ -387,7 +442,7 @@ def episode_batch(episodes: list[Episode], pad_id: int, device) -> dict:
     prompt_ids, prompt_mask = left_pad([e.prompt for e in episodes], pad_id)
     T = max(1, max(len(e.tokens) for e in episodes))
 
-    def right(values, fill):
+    def right(values: list[list[V]], fill: V) -> list[list[V]]:
         return [v + [fill] * (T - len(v)) for v in values]
 
     out = {
@@ -412,14 +467,17 @@ def episode_batch(episodes: list[Episode], pad_id: int, device) -> dict:
     return {k: v.to(device) for k, v in out.items()}
 
 
-def scoring_inputs(episodes: list[Episode]) -> tuple[list, list[str]]:
+def scoring_inputs(episodes: list[Episode]) -> tuple[list[Text], list[str]]:
     """What reward.function reads of each episode: (the conversation before the final
     answer, as a message list; the final assistant turn's text)."""
     return [e.messages[:-1] for e in episodes], [e.answer for e in episodes]
 
 
-def episode_stats(batch) -> dict[str, tuple[torch.Tensor, int]]:
-    """name -> (sum over this rank's episodes, count) of the multi-turn rollout metrics."""
+def episode_stats(batch: RolloutBatch) -> dict[str, tuple[torch.Tensor, int]]:
+    """name -> (sum over this rank's episodes, count) of the multi-turn rollout metrics,
+    from a multi-turn batch's (B,) turns, tool_calls, tool_errors and finished."""
+    assert batch.turns is not None and batch.tool_calls is not None  # a multi-turn batch
+    assert batch.tool_errors is not None
     B = batch.turns.shape[0]
     return {
         "rollout/turns": (batch.turns.sum().float(), B),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
@@ -413,7 +413,7 @@ def _turn(
     ids: torch.Tensor,
     mask: torch.Tensor,
     gen: GenerationConfig,
-    stop_ids: tuple[int, ...],
+    stop_ids: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One turn of every active episode (rollout/agent.py's `sampler`), sampled by the vLLM
     engine or the rollout servers: (ids (B, T), sampler log-probs (B, T))."""

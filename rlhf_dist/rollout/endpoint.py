@@ -23,30 +23,34 @@ import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from rlhf_dist.config import GenerationConfig
+from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
+from rlhf_dist.data.rows import Text
 from rlhf_dist.errors import ServerError, UserError
 from rlhf_dist.generation.vllm import sampling_seeds
 from rlhf_dist.rollout.agent import Episode, environment_rewards_only
-from rlhf_dist.rollout.environments import environment_episode
+from rlhf_dist.rollout.environments import EpisodeFunction, environment_episode
+
+if TYPE_CHECKING:
+    from rlhf_dist.generation.server import ServerEngine
 
 
 @dataclass(frozen=True)
 class EndpointAgent:
     """generation.environment as an episode function over the endpoint."""
 
-    episode: Callable
+    episode: EpisodeFunction
     at_once: int
     reward_required: bool = False  # as agent.Agent's
     through_endpoint: ClassVar[bool] = True  # the environment plays through the servers
 
 
-def endpoint_agent(cfg) -> EndpointAgent | None:
+def endpoint_agent(cfg: Config) -> EndpointAgent | None:
     """The EndpointAgent generation.environment_endpoint asks for, or None."""
     g = cfg.generation
     if not g.environment_endpoint:
@@ -64,11 +68,11 @@ class EndpointClient:
     base_url: str  # http://host:port/v1
     api_key: str
     model: str  # "<policy>#<episode id>": the server records the episode under this id
-    sampling: dict  # the run's generation keys as OpenAI request fields
+    sampling: dict[str, Any]  # the run's generation keys as OpenAI request fields
     timeout_s: float = 600.0  # one request at most (distributed.timeout_s)
 
     @property
-    def openai_fields(self) -> dict:
+    def openai_fields(self) -> dict[str, Any]:
         """`sampling` as an `openai` client's create() takes it: the server's own fields
         (top_k, min_tokens, stop_token_ids) in extra_body."""
         extra = ("top_k", "min_tokens", "stop_token_ids")
@@ -81,10 +85,9 @@ class EndpointClient:
         body = {"model": self.model, "messages": messages, **self.sampling}
         if tools:
             body["tools"] = tools
-        request = urllib.request.Request(
-            self.base_url + "/chat/completions", json.dumps(body).encode(),
-            {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
-        )  # fmt: skip
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"}
+        url = self.base_url + "/chat/completions"
+        request = urllib.request.Request(url, json.dumps(body).encode(), headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
                 return json.loads(answer.read())
@@ -93,29 +96,40 @@ class EndpointClient:
             raise ServerError(f"{self.base_url}/chat/completions: HTTP {e.code} {detail}") from None
 
 
-def request_fields(gen: GenerationConfig, stop_ids) -> dict:
+def request_fields(gen: GenerationConfig, stop_ids: Sequence[int]) -> dict[str, Any]:
     """The run's sampling keys as chat request fields (top_k, min_tokens and
     stop_token_ids are the server's extensions of OpenAI's)."""
     return {
-        "max_tokens": gen.max_new_tokens, "min_tokens": gen.min_new_tokens,
-        "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
+        "max_tokens": gen.max_new_tokens,
+        "min_tokens": gen.min_new_tokens,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "top_k": gen.top_k,
         "stop_token_ids": [int(i) for i in stop_ids],
-    }  # fmt: skip
+    }
 
 
 def play(
-    agent: EndpointAgent, server, prompts: list, columns: list[dict], gen: GenerationConfig,
-    stop_ids,
-) -> list[Episode]:  # fmt: skip
+    agent: EndpointAgent,
+    server: ServerEngine,
+    prompts: list[Text],
+    columns: list[dict],
+    gen: GenerationConfig,
+    stop_ids: Sequence[int],
+) -> list[Episode]:
     """One episode per prompt against `server` (generation/server.py ServerEngine, synced)
     -> the episodes as the in-process multi-turn rollout returns them."""
     return request(agent, server, prompts, columns, gen, stop_ids)()
 
 
 def request(
-    agent: EndpointAgent, server, prompts: list, columns: list[dict], gen: GenerationConfig,
-    stop_ids,
-) -> Callable[[], list[Episode]]:  # fmt: skip
+    agent: EndpointAgent,
+    server: ServerEngine,
+    prompts: list[Text],
+    columns: list[dict],
+    gen: GenerationConfig,
+    stop_ids: Sequence[int],
+) -> Callable[[], list[Episode]]:
     """The episodes of `play`, named now (their ids drawn on this thread from the
     checkpointed RNG, so a resumed run names and seeds them as the unbroken one did) and
     played when the returned work runs (with ppo.max_staleness, on generation/prefetch.py's
@@ -126,7 +140,7 @@ def request(
     urls = [server.urls[i % len(server.urls)] for i in range(len(prompts))]
     fields, version = request_fields(gen, stop_ids), server.version
 
-    def run(i: int):
+    def run(i: int) -> float | None:
         client = EndpointClient(
             f"{urls[i]}/v1", server.token, f"policy#{ids[i]}", fields, server.timeout_s
         )
@@ -149,7 +163,7 @@ def request(
     return work
 
 
-def _collect(server, urls: list[str], ids: list[str]) -> list[dict]:
+def _collect(server: ServerEngine, urls: list[str], ids: list[str]) -> list[dict]:
     """Every episode's record, asked of the server that played it, in prompt order."""
     records: dict[str, dict] = {}
     for url in dict.fromkeys(urls):
@@ -161,7 +175,7 @@ def _collect(server, urls: list[str], ids: list[str]) -> list[dict]:
     return [records[e] for e in ids]
 
 
-def _episode(record: dict | None, reward, version: int, i: int) -> Episode:
+def _episode(record: dict | None, reward: float | None, version: int, i: int) -> Episode:
     """A collected record as an Episode (finished: the environment ended it)."""
     if record is None or not any(record["sampled"]):
         raise UserError(

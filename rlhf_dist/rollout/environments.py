@@ -22,11 +22,20 @@ on the thread rollout/endpoint.py `play` gives it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rlhf_dist.config.environments import is_environment_spec
 from rlhf_dist.data.environments import environment
+from rlhf_dist.data.rows import Text
+
+if TYPE_CHECKING:
+    from rlhf_dist.rollout.endpoint import EndpointClient
+
+# episode(client, prompt, **columns) -> the episode's reward (None: reward.function scores
+# the final answer); rollout/endpoint.py calls it once per prompt row
+EpisodeFunction: TypeAlias = Callable[..., float | None]
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,9 @@ class VerifiersEpisode:
 
     env: Any  # a verifiers Environment
 
-    def __call__(self, client, prompt, **columns) -> float:
+    def __call__(self, client: EndpointClient, prompt: Text, **columns: Any) -> float:
+        """One verifiers rollout of `prompt` (a text: one user message) through `client`,
+        the row's other columns beside it -> the rubric's reward."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         # the row as verifiers' own evaluations pass a dataset row (prompt, example_id and
         # whatever else it holds: answer, info, task)
@@ -45,20 +56,20 @@ class VerifiersEpisode:
             raise RuntimeError(f"the verifiers rollout failed: {output.get('error_chain')}")
         return float(output["reward"])
 
-    async def _rollout(self, client, row: dict):
+    async def _rollout(self, client: EndpointClient, row: dict[str, Any]) -> dict[str, Any]:
         import openai
         import verifiers
 
         # no retries: a refused request is a bug to report, and a timeout is the server's
         http = openai.AsyncOpenAI(
-            base_url=client.base_url, api_key=client.api_key, timeout=client.timeout_s,
+            base_url=client.base_url,
+            api_key=client.api_key,
+            timeout=client.timeout_s,
             max_retries=0,
-        )  # fmt: skip
+        )
         try:
-            return await self.env.run_rollout(
-                row, verifiers.OpenAIChatCompletionsClient(http), client.model,
-                client.openai_fields,
-            )  # fmt: skip
+            chat = verifiers.OpenAIChatCompletionsClient(http)
+            return await self.env.run_rollout(row, chat, client.model, client.openai_fields)
         finally:
             await http.close()
 
@@ -74,7 +85,7 @@ def _policys_own(error: str) -> bool:
     return isinstance(kind, type) and issubclass(kind, policys)
 
 
-def environment_episode(spec: str):
+def environment_episode(spec: str) -> EpisodeFunction | None:
     """The episode function generation.environment names: a verifiers environment's, or
     None for a `module:function` spec."""
     if not is_environment_spec(spec):

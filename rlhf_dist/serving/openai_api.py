@@ -188,9 +188,11 @@ def _with_tool_calls(text: str) -> dict:
     calls = []
     for found in TOOL_CALL.finditer(text):
         try:
-            name, arguments = parse_tool_call(found.group(0))
+            call = parse_tool_call(found.group(0))
         except ToolCallError:
             return {"role": "assistant", "content": text}
+        assert call is not None  # the block TOOL_CALL matched is a call
+        name, arguments = call
         function = {"name": name, "arguments": json.dumps(arguments)}
         calls.append(
             {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
