@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from torch import nn
 
 from rlhf_dist.algo.kl import kl_estimate
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data import inputs
 from rlhf_dist.data.chat import prompt_text
-from rlhf_dist.data.rows import load_data, prompt_set
+from rlhf_dist.data.rows import PromptSet, Text, load_data, prompt_set
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.decode import decode_responses, generate, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF
@@ -36,6 +39,7 @@ from rlhf_dist.observability import diagnostics as diag
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.rewards.scoring import (
     RewardFunction,
+    RewardInputs,
     Scorer,
     WeightedReward,
     build_judge_reward,
@@ -45,18 +49,36 @@ from rlhf_dist.rewards.scoring import (
     reward_inputs_for,
 )
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
-from rlhf_dist.rollout.agent import build_agent
+from rlhf_dist.rollout.agent import Agent, build_agent
+from rlhf_dist.rollout.endpoint import EndpointAgent
 from rlhf_dist.stats import StatSums
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def load_gold_function(spec: str):
+    from rlhf_dist.models import ValueModel
+
+# gold(prompts, responses, finished) -> one oracle reward per response (eval.gold_function)
+GoldFunction: TypeAlias = Callable[[list[Text], list[str], list[bool]], list[float]]
+# (the response split for the rephrasing probe, its score, its length in tokens)
+ProbeItem: TypeAlias = tuple[diag.Response, float, float]
+# per-sequence measurements of a chunk: name -> (B,) tensor
+Measured: TypeAlias = dict[str, torch.Tensor]
+
+
+def load_gold_function(spec: str) -> GoldFunction:
     """`module:callable(prompts, responses, finished) -> list[float]` (an oracle reward),
     or a callable given through the Python API."""
     return inputs.resolve_callable(spec, "eval.gold_function")
 
 
 def eval_models(
-    policy, reference, scorer: Scorer, stops, agent=None, perf: PerfConfig = DEFAULT_PERF
+    policy: nn.Module,
+    reference: nn.Module | None,
+    scorer: Scorer,
+    stops: tuple[int, ...],
+    agent: Agent | EndpointAgent | None = None,
+    perf: PerfConfig = DEFAULT_PERF,
 ) -> RolloutModels:
     """What the rollout reads, for evaluation: the policy without a critic (its log-probs
     give the KL), the reference (None: no KL), the scorer, the stop ids and the agent of
@@ -65,28 +87,29 @@ def eval_models(
     turns no lock-step. perf: the speed paths of generation and scoring."""
 
     @contextlib.contextmanager
-    def generation_context():
+    def generation_context() -> Iterator[tuple[nn.Module, None]]:
         yield policy, None
 
+    actor = ActorCritic(policy, None, perf)
     return RolloutModels(
-        ActorCritic(policy, None, perf), generation_context, reference, scorer, stops,
-        agent=agent, perf=perf,
-    )  # fmt: skip
+        actor, generation_context, reference, scorer, stops, agent=agent, perf=perf
+    )
 
 
 @torch.no_grad()
 def evaluate_chunk(
     models: RolloutModels,
-    gold_fn,
+    gold_fn: GoldFunction | None,
     prompts: PromptBatch,
     cfg: Config,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     win_scorer: Scorer | None = None,
-):
+) -> tuple[Measured, list[str], list[ProbeItem]]:
     """Generate for one chunk of prompts and measure it, through the rollout's own
     generate -> truncate -> decode -> score -> missing-EOS penalty path
     (rollout.collect_rollout); returns per-sequence tensors, the response texts and the
-    rephrasing-probe items."""
+    rephrasing-probe items. The tensors are (B,) each: score, length, eos_rate and, where
+    measured, turns, tool_calls, kl_to_ref, gold_reward, judge_win_rate."""
     batch, responses = collect_rollout(
         models, prompts, cfg, tokenizer, micro_batch_size=prompts.ids.shape[0]
     )
@@ -106,12 +129,13 @@ def evaluate_chunk(
         )
     if win_scorer is not None:
         out["judge_win_rate"] = judge_wins(models, win_scorer, prompts, responses, cfg, tokenizer)
-    scorer, probe = _scorer(models), []
+    scorer = _scorer(models)
+    probe: list[ProbeItem] = []
     if scorer.reward_model is not None and scorer.inputs is None:
         probe = probe_items(
             batch.prompt_ids, batch.prompt_mask, batch.response_ids, mask, finished, out
         )
-    elif scorer.reward_model is not None:
+    elif scorer.reward_model is not None and scorer.inputs is not None:
         probe = own_token_probe_items(scorer.inputs, texts, responses, finished, out)
     return out, responses, probe
 
@@ -123,17 +147,23 @@ def _scorer(models: RolloutModels) -> Scorer:
 
 
 def judge_wins(
-    models: RolloutModels, win_scorer, prompts: PromptBatch, responses, cfg: Config, tokenizer
-):
+    models: RolloutModels,
+    win_scorer: Scorer,
+    prompts: PromptBatch,
+    responses: list[str],
+    cfg: Config,
+    tokenizer: PreTrainedTokenizerBase,
+) -> torch.Tensor:
     """(B,) 1 where the judge scores the policy's response above the reference's to the
     same prompt, 0.5 on a tie, 0 below: the reference samples its own responses with the
     same generation settings (docs/rewards.md, eval win rate). NaN once the judge failed
     (Scorer.score_texts; raised on every rank after the loop)."""
     stops = models.stop_ids or (tokenizer.eos_token_id,)
+    reference = models.reference
+    assert reference is not None  # a win rate is asked for only with eval.reference
     ref_ids = generate(
-        models.reference, prompts.ids, prompts.mask, cfg.generation, tokenizer, None, stops,
-        cfg.perf,
-    )  # fmt: skip
+        reference, prompts.ids, prompts.mask, cfg.generation, tokenizer, None, stops, cfg.perf
+    )
     ref_ids, ref_mask, _ = truncate_after_eos(ref_ids, stops, tokenizer.pad_token_id)
     ref_texts = decode_responses(tokenizer, ref_ids, ref_mask, stops)
     texts, columns = prompts.rows(slice(None))
@@ -147,9 +177,17 @@ def win_share(policy_scores: torch.Tensor, reference_scores: torch.Tensor) -> to
     return wins + 0.5 * (policy_scores == reference_scores).float()
 
 
-def probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, out):
+def probe_items(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    finished: torch.Tensor,
+    out: Measured,
+) -> list[ProbeItem]:
     """(diagnostics.Response, score, length) of each FINISHED response of a chunk, split
-    before the stop token it ended with.
+    before the stop token it ended with; prompts (B, P), responses (B, T), finished (B,)
+    and the chunk's (B,) measurements `out` (score, length).
 
     Only those: the reward model was trained to read its score at an EOS, and an unfinished
     response's score is replaced by reward.missing_eos_penalty when that is set.
@@ -163,7 +201,13 @@ def probe_items(prompt_ids, prompt_mask, response_ids, response_mask, finished, 
     return items
 
 
-def own_token_probe_items(inputs, texts, responses, finished, out):
+def own_token_probe_items(
+    inputs: RewardInputs,
+    texts: list[Text],
+    responses: list[str],
+    finished: torch.Tensor,
+    out: Measured,
+) -> list[ProbeItem]:
     """probe_items for a reward model with its own tokenizer (scoring.RewardInputs): each
     finished response in the reward model's tokens, by the same text round-trip that
     scored it. A response without a clean split (RewardInputs.probe_response) is left out."""
@@ -175,7 +219,13 @@ def own_token_probe_items(inputs, texts, responses, finished, out):
     return items
 
 
-def length_bias(runtime: Runtime, reward_model, items, batch_size: int, tokenizer) -> dict:
+def length_bias(
+    runtime: Runtime,
+    reward_model: ValueModel,
+    items: list[ProbeItem],
+    batch_size: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> dict[str, float]:
     """Length correlation and rephrasing probe of the reward model on sampled responses.
 
     items: this rank's probe_items. Returns {"length_corr", "rephrase_*"} over all ranks
@@ -195,20 +245,22 @@ def length_bias(runtime: Runtime, reward_model, items, batch_size: int, tokenize
 def evaluate_policy(
     runtime: Runtime,
     models: RolloutModels,
-    prompts,
+    prompts: PromptSet,
     cfg: Config,
-    tokenizer,
-    gold_fn=None,
+    tokenizer: PreTrainedTokenizerBase,
+    gold_fn: GoldFunction | None = None,
     win_scorer: Scorer | None = None,
-):
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Mean figures over `prompts` and some samples. Each rank takes every world_size-th
     prompt, in chunks of eval.batch_size run in lock-step (distributed/lockstep.py; a
     throw-away chunk is one prompt, scored and dropped). win_scorer: the judge (a Scorer
     of JudgeReward) for judge_win_rate against models.reference, or None."""
-    stats, samples, probe = StatSums(), [], []
+    stats = StatSums()
+    samples: list[dict[str, Any]] = []
+    probe: list[ProbeItem] = []
     n = min(cfg.eval.num_prompts, len(prompts.ids))
 
-    def forward(chunk):
+    def forward(chunk: list[int]) -> tuple[list[Text], Measured, list[str], list[ProbeItem]]:
         batch = PromptBatch.of(prompts, chunk, tokenizer.pad_token_id, runtime.device)
         return batch.texts, *evaluate_chunk(models, gold_fn, batch, cfg, tokenizer, win_scorer)
 
@@ -249,7 +301,7 @@ def win_rate_judge(runtime: Runtime, cfg: Config, scorer: Scorer) -> Scorer | No
     return Scorer(reward_fn=RewardFunction(judge, key="reward.judge", **retry))
 
 
-def run_eval(cfg: Config, runtime: Runtime) -> dict:
+def run_eval(cfg: Config, runtime: Runtime) -> dict[str, float]:
     """`rlhf-dist eval`: writes summary.json and samples.jsonl under run.output_dir."""
     m = cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
@@ -272,10 +324,10 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict:
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     out, logger = open_run(cfg, runtime, "eval", None)
     runtime.seed_per_rank(cfg.run.seed)
+    rm_inputs = reward_inputs_for(cfg)
     scorer = build_scorer(
-        runtime, cfg.reward.function, m, "replicate", reward_inputs_for(cfg), cfg.reward,
-        cfg.perf,
-    )  # fmt: skip
+        runtime, cfg.reward.function, m, "replicate", rm_inputs, cfg.reward, cfg.perf
+    )
     models = eval_models(
         policy, reference, scorer, policy_stop_ids(cfg, tokenizer), agent, cfg.perf
     )
