@@ -325,9 +325,15 @@ def run_episodes(
         elif keep_in_step is not None:
             filler = torch.full((1, 1), tokenizer.pad_token_id, device=_device(actor))
             generate(
-                actor, filler, torch.ones_like(filler), _throw_away(gen), tokenizer,
-                keep_in_step, stop_ids, perf,
-            )  # fmt: skip
+                actor,
+                filler,
+                torch.ones_like(filler),
+                _throw_away(gen),
+                tokenizer,
+                keep_in_step,
+                stop_ids,
+                perf,
+            )
     return episodes
 
 

@@ -190,9 +190,16 @@ def _episode(record: dict | None, reward: float | None, version: int, i: int) ->
     messages = record["messages"]
     answers = [m for m in messages if m["role"] == "assistant"]
     return Episode(
-        env=None, messages=messages, prompt=record["prompt_ids"], tokens=record["token_ids"],
-        sampled=record["sampled"], turns=len(answers),
-        tool_calls=sum(m["role"] == "tool" for m in messages), done=True, finished=True,
-        reward=None if reward is None else float(reward), answer=answers[-1]["content"],
+        env=None,
+        messages=messages,
+        prompt=record["prompt_ids"],
+        tokens=record["token_ids"],
+        sampled=record["sampled"],
+        turns=len(answers),
+        tool_calls=sum(m["role"] == "tool" for m in messages),
+        done=True,
+        finished=True,
+        reward=None if reward is None else float(reward),
+        answer=answers[-1]["content"],
         sampler_logprobs=record["logprobs"],
-    )  # fmt: skip
+    )
