@@ -17,7 +17,8 @@ the model, which keeps serving.
 from __future__ import annotations
 
 import hmac
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
@@ -34,6 +35,16 @@ from rlhf_dist.serving.policy import (
 )
 
 TokenIds = list[int]
+T = TypeVar("T")
+# the token check every endpoint but /health depends on (FastAPI reads its Header)
+Authorized = Callable[[str], None]
+
+
+class Refusing(Protocol):
+    """refused(call, *args): call(*args), with the policy's BadRequest answered as a 400
+    and Unavailable as a 503."""
+
+    def __call__(self, call: Callable[..., T], *args: Any) -> T: ...
 
 
 class Sampling(BaseModel):
@@ -82,9 +93,13 @@ class UpdateBody(BaseModel):
 
 
 def build_app(
-    policy: ServedPolicy, token: str, max_batch: int, max_new_tokens: int,
-    tool_call_parser: str = "hermes", batch_window_ms: float = 0.0,
-) -> FastAPI:  # fmt: skip
+    policy: ServedPolicy,
+    token: str,
+    max_batch: int,
+    max_new_tokens: int,
+    tool_call_parser: str = "hermes",
+    batch_window_ms: float = 0.0,
+) -> FastAPI:
     """The FastAPI app serving `policy`; `token` guards everything but /health; the
     serve.* keys: max_batch, max_new_tokens, tool_call_parser, batch_window_ms."""
     app = FastAPI(title="rlhf-dist serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -98,7 +113,7 @@ def build_app(
         if scheme != "Bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise HTTPException(401, "missing or wrong token (Authorization: Bearer ...)")
 
-    def refused(call, *args):
+    def refused(call: Callable[..., T], *args: Any) -> T:
         try:
             return call(*args)
         except BadRequest as e:
@@ -117,9 +132,13 @@ def build_app(
             if batcher is None
             else {"batched": {"requests": batcher.requests, "batches": batcher.batches}}
         )  # serve.batch_window_ms: how many requests each generate call took
-        return {"model": policy.name, "version": policy.version,
-                "sync_group": policy.group is not None, "last_error": policy.last_error,
-                "torn_update": policy.torn} | batched  # fmt: skip
+        return {
+            "model": policy.name,
+            "version": policy.version,
+            "sync_group": policy.group is not None,
+            "last_error": policy.last_error,
+            "torn_update": policy.torn,
+        } | batched
 
     @app.post("/generate", dependencies=[Depends(authorized)])
     def generate(body: GenerateBody) -> dict:
@@ -144,7 +163,9 @@ def build_app(
     return app
 
 
-def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) -> None:
+def _add_weight_sync(
+    app: FastAPI, policy: ServedPolicy, authorized: Authorized, refused: Refusing
+) -> None:
     """/init_weight_sync and /update_weights: the trainer's side is generation/server.py."""
 
     @app.post("/init_weight_sync", dependencies=[Depends(authorized)])
@@ -165,9 +186,14 @@ def _add_weight_sync(app: FastAPI, policy: ServedPolicy, authorized, refused) ->
 
 
 def _add_openai(
-    app: FastAPI, policy: ServedPolicy, authorized, refused, max_new: int, tool_calls: bool,
+    app: FastAPI,
+    policy: ServedPolicy,
+    authorized: Authorized,
+    refused: Refusing,
+    max_new: int,
+    tool_calls: bool,
     batcher: RequestBatcher | None,
-) -> None:  # fmt: skip
+) -> None:
     """/v1/completions and /v1/chat/completions (serving/openai.py); a request without
     max_tokens gets serve.max_new_tokens; `tool_calls`: parse them (serve.tool_call_parser)."""
 

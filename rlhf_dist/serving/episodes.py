@@ -26,6 +26,7 @@ import json
 import threading
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlhf_dist.data.chat import BadRow, Chat
 from rlhf_dist.rollout.agent import Renderer
@@ -50,9 +51,13 @@ class Record:
 
     def answer(self) -> dict:
         return {
-            "messages": self.messages, "prompt_ids": self.prompt, "token_ids": self.tokens,
-            "sampled": self.sampled, "logprobs": self.logprobs, "versions": sorted(self.versions),
-        }  # fmt: skip
+            "messages": self.messages,
+            "prompt_ids": self.prompt,
+            "token_ids": self.tokens,
+            "sampled": self.sampled,
+            "logprobs": self.logprobs,
+            "versions": sorted(self.versions),
+        }
 
 
 def canonical(message: dict) -> tuple:
@@ -112,9 +117,14 @@ class EpisodeLog:
             return record.prompt + record.tokens, sum(m["role"] == "assistant" for m in messages)
 
     def answered(
-        self, episode: str, ids: list[int], logprobs: list[float], text: str, version: int,
-        reply: dict,
-    ):  # fmt: skip
+        self,
+        episode: str,
+        ids: list[int],
+        logprobs: list[float],
+        text: str,
+        version: int,
+        reply: dict[str, Any],
+    ) -> None:
         """Append a sampled turn (stop token included), its text as an assistant message and
         the `reply` it was answered as (with tool calls, if parsed)."""
         with self.lock:

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import time
 import uuid
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -111,16 +112,22 @@ def sampling_of(body: OpenAISampling, default_max: int) -> SamplingRequest:
         raise BadRequest("stop: stop strings are not supported; use stop_token_ids")
     max_new = body.max_completion_tokens or body.max_tokens or default_max
     return SamplingRequest(
-        max_new_tokens=max_new, min_new_tokens=body.min_tokens, temperature=body.temperature,
-        top_k=body.top_k, top_p=body.top_p, seed=body.seed,
+        max_new_tokens=max_new,
+        min_new_tokens=body.min_tokens,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        seed=body.seed,
         stop_token_ids=tuple(body.stop_token_ids),
-    )  # fmt: skip
+    )
 
 
 def completion(
-    policy: ServedPolicy, body: CompletionBody, default_max: int,
+    policy: ServedPolicy,
+    body: CompletionBody,
+    default_max: int,
     batcher: RequestBatcher | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """The text_completion answer to one /v1/completions request (`batcher`: sampled with
     concurrent ones, serve.batch_window_ms)."""
     s = sampling_of(body, default_max)
@@ -135,9 +142,13 @@ def completion(
 
 
 def chat_completion(
-    policy: ServedPolicy, body: ChatBody, default_max: int, episodes: EpisodeLog | None = None,
-    tool_calls: bool = True, batcher: RequestBatcher | None = None,
-) -> dict:  # fmt: skip
+    policy: ServedPolicy,
+    body: ChatBody,
+    default_max: int,
+    episodes: EpisodeLog | None = None,
+    tool_calls: bool = True,
+    batcher: RequestBatcher | None = None,
+) -> dict:
     """The chat.completion answer to one /v1/chat/completions request; a turn of an episode
     (`model` names one) continues and extends its record in `episodes`; `tool_calls`:
     tool-call blocks come back as OpenAI tool_calls (serve.tool_call_parser=hermes);
@@ -205,7 +216,7 @@ def _with_tool_calls(text: str) -> dict:
 
 def _sample(
     policy: ServedPolicy, prompt: list[int], s: SamplingRequest, batcher: RequestBatcher | None
-):
+) -> tuple[dict[str, Any], str]:
     """One response to `prompt` -> (its ids, per-token strings and log-probs, finish reason,
     version; the text without the stop token)."""
     got = (policy if batcher is None else batcher).generate([prompt], s)
