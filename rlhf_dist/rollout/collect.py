@@ -25,6 +25,7 @@ from rlhf_dist.engine.decode import decode_responses, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import UserError
 from rlhf_dist.generation import HFSampler, Sampler
+from rlhf_dist.generation.base import GenerationContext
 from rlhf_dist.rollout import agent as agent_mod
 from rlhf_dist.rollout import endpoint
 from rlhf_dist.rollout.batch import (
@@ -48,7 +49,7 @@ class SequenceScorer(Protocol):
 
     def __call__(
         self,
-        prompts: list,
+        prompts: list[Text],
         texts: list[str],
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
@@ -72,12 +73,12 @@ class RolloutModels:
     pools its chunks over the group and splits their forwards (`pool`, `split`)."""
 
     actor_critic: torch.nn.Module
-    generation_context: Callable
+    generation_context: GenerationContext
     reference: torch.nn.Module | None
     scorer: SequenceScorer
     stop_ids: tuple[int, ...] = ()
     sampler: Sampler = None  # type: ignore[assignment]  # None: HFSampler (__post_init__)
-    whole_weights: Callable = contextlib.nullcontext
+    whole_weights: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
     # multi-turn rollouts (generation.tools / environment; an EndpointAgent when the
     # environment plays through the servers' endpoint)
     agent: agent_mod.Agent | endpoint.EndpointAgent | None = None
