@@ -24,12 +24,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlhf_dist.config import GenerationConfig
+from rlhf_dist.engine.sampling import Sampling
 
 if TYPE_CHECKING:
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.generation.server import ServerEngine
 
 StopIds = Sequence[int]  # the token ids that end a response
+# [(seed, n)] covering a batch's rows in order: each n rows sample what a batch of those n
+# prompts samples alone seeded with `seed` (the rollout server's requests, merged or not)
+Seeds = Sequence[tuple[int, int]]
 # () -> a context yielding (actor module, keep_in_step or None): the actor's weights as a
 # sampler reads them (rollout models' generation_context: Runtime.generation_context, with
 # LoRA merged; the rollout servers' sync: the partitions, gathered a bucket at a time)
@@ -55,7 +59,8 @@ class Samples:
     a response is cut after its first stop token by the rollout, not here).
     logprobs: (B, T) float32, the sampler's own log-prob of each sampled token (0 on
     padding), the behaviour policy of ppo.rollout_correction; None where the sampler is the
-    trainer's own forward (hf), whose log-probs the rollout computes anyway.
+    trainer's own forward (hf), whose log-probs the rollout computes anyway, unless
+    `sample` was asked for them (`logprobs`: the rollout server).
     versions: (B,) int64, the policy version each row was sampled under (the rollout
     servers' weight version); None where the sampler has no versions (it samples the
     actor's current weights: hf, in-process vLLM)."""
@@ -95,13 +100,29 @@ class Sampler(Protocol):
         ...
 
     def sample(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+        seeds: Seeds | None = None, logprobs: bool = False,
     ) -> Samples:  # fmt: skip
-        """One response per left-padded prompt (B, P) with the sampling keys `gen`,
-        stopping at any of `stop_ids`, PAD (`pad_id`) after it. rows_per_pass: the most
-        rows one decode pass holds (the rollout's micro batch; None: all); a sampler that
-        schedules its own batches ignores it."""
+        """One response per left-padded prompt (B, P) with the sampling keys `gen` (a
+        GenerationConfig, or a served request's keys), stopping at any of `stop_ids`, PAD
+        (`pad_id`) after it. rows_per_pass: the most rows one decode pass holds (the
+        rollout's micro batch; None: all); a sampler that schedules its own batches
+        ignores it.
+
+        seeds (the rollout server, serving/policy.py; None for the trainer): [(seed, n)]
+        covering the rows in order, each n rows drawing from randomness of their own seeded
+        with `seed`, so they sample what a batch of those n prompts samples alone with that
+        seed, whatever else is in the batch (up to a forward's float rounding at another
+        batch shape), and the process's global RNG is left alone. The decode loop gives
+        each group a torch.Generator seeded with `seed` (engine/sampling.py
+        sample_categorical `streams`; one pass over all rows: ValueError with a
+        rows_per_pass below B); vLLM gives each row of a group the seed the global RNG
+        seeded with `seed` would draw for it (vllm.py `group_seeds`). None: the global RNG,
+        as always. The servers' client draws its shards' seeds itself: ValueError.
+        logprobs: Samples.logprobs is wanted even from a sampler whose log-probs the
+        rollout computes (hf): it scores its responses, cut after the first stop token, by
+        the actor's own forward at gen.temperature (engine/forward.py token_logprobs)."""
         ...
 
     def sleep(self) -> None:

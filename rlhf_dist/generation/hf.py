@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_dist.config import GenerationConfig, PerfConfig
-from rlhf_dist.engine.decode import generate, pad_columns
-from rlhf_dist.engine.forward import DEFAULT_PERF
-from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, StopIds
+from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
+from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
+from rlhf_dist.engine.sampling import Sampling
+from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
 
 if TYPE_CHECKING:
     from rlhf_dist.distributed import Runtime
@@ -51,33 +52,42 @@ class HFSampler:
         """Nothing: the decode loop reads the actor's weights themselves."""
 
     def sample(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+        seeds: Seeds | None = None, logprobs: bool = False,
     ) -> Samples:  # fmt: skip
         """`generate` on each pass of `rows_per_pass` rows in order (the global RNG draws
-        as one call per pass), all inside one generation context; the passes' responses
-        right-padded to the longest. No sampler log-probs: the rollout's forward gives
-        them."""
+        as one call per pass; with `seeds`, one pass whose groups draw from generators of
+        their own), all inside one generation context; the passes' responses right-padded
+        to the longest. No sampler log-probs unless asked (`logprobs`): the rollout's
+        forward gives them."""
         assert self.generation_context is not None, "HFSampler without a generation context"
         n = prompt_ids.shape[0]
         step = rows_per_pass or n
+        if seeds is not None and step < n:
+            raise ValueError(
+                f"seeds: the decode loop samples seeded rows in one pass, not {step} of {n} "
+                "rows at a time"
+            )
         tokenizer = _PadOnly(pad_id)
         with self.generation_context() as (actor, keep_in_step):
-            responses = [
-                generate(
-                    actor,
-                    prompt_ids[s],
-                    prompt_mask[s],
-                    gen,
-                    tokenizer,
-                    keep_in_step,
-                    stop_ids,
-                    self.perf,
-                )  # fmt: skip
-                for s in _passes(n, step)
-            ]
+            responses: list[torch.Tensor] = []
+            scored: list[torch.Tensor] = []
+            for s in _passes(n, step):
+                ids, mask = prompt_ids[s], prompt_mask[s]
+                streams = _streams(seeds, ids.device)
+                out = generate(
+                    actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, self.perf, streams
+                )
+                if logprobs:
+                    out, lp = _scored(actor, ids, mask, out, gen, stop_ids, pad_id, self.perf)
+                    scored.append(lp)
+                responses.append(out)
         width = max(r.shape[1] for r in responses)
-        return Samples(torch.cat([pad_columns(r, width, pad_id) for r in responses]))
+        ids = torch.cat([pad_columns(r, width, pad_id) for r in responses])
+        if not logprobs:
+            return Samples(ids)
+        return Samples(ids, torch.cat([pad_columns(lp, width, 0.0) for lp in scored]))
 
     def sleep(self) -> None:
         """Nothing held besides the actor."""
@@ -96,6 +106,29 @@ class HFSampler:
 
     def close(self) -> None:
         """Nothing in flight."""
+
+
+def _streams(seeds: Seeds | None, device: torch.device) -> list[tuple[torch.Generator, int]] | None:
+    """The decode loop's random streams of `seeds`: a generator per group on `device`,
+    seeded as torch.manual_seed(seed) seeds the global one (None: the global RNG)."""
+    if seeds is None:
+        return None
+    return [(torch.Generator(device=device).manual_seed(seed), n) for seed, n in seeds]
+
+
+@torch.no_grad()
+def _scored(
+    actor: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: torch.Tensor,
+    gen: Sampling, stop_ids: StopIds, pad_id: int, perf: PerfConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(responses cut after their first stop token, their float32 log-probs under `actor`
+    at gen.temperature, 0 on padding): token_logprobs of the prompts followed by them."""
+    out, response_mask, _ = truncate_after_eos(out, stop_ids, pad_id)
+    logprobs, _ = token_logprobs(
+        actor, torch.cat([prompt_ids, out], 1), torch.cat([prompt_mask, response_mask.long()], 1),
+        response_mask, gen.temperature, prompt_width=prompt_ids.shape[1], perf=perf,
+    )  # fmt: skip
+    return out, logprobs.float()
 
 
 def _passes(n: int, step: int) -> Iterator[slice]:

@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_dist.config import GenerationConfig
+from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ServerError, UserError
-from rlhf_dist.generation.base import Prompts, Samples, StopIds
-from rlhf_dist.generation.server import ServerEngine, _versions
+from rlhf_dist.generation.base import Prompts, Samples, Seeds, StopIds
+from rlhf_dist.generation.server import ServerEngine, _no_seeds, _versions
 
 if TYPE_CHECKING:
     from rlhf_dist.distributed import Runtime
@@ -123,10 +124,13 @@ class PrefetchingServer:
             self.load_weights(actor)
 
     def sample(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+        seeds: Seeds | None = None, logprobs: bool = False,
     ) -> Samples:  # fmt: skip
-        """`generate`: each row stamped with the version that sampled it (maybe one sync old)."""
+        """`generate`: each row stamped with the version that sampled it (maybe one sync
+        old). No `seeds`, as ServerEngine.sample."""
+        _no_seeds(seeds)
         ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
         return Samples(ids, logprobs, _versions(ids, self.version))
 
@@ -155,7 +159,7 @@ class PrefetchingServer:
         return self.server
 
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
         stop_ids: StopIds, pad_id: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """This iteration's rollout of the prompts (B, P) -> (response_ids (B, T),

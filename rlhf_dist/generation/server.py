@@ -44,8 +44,9 @@ from rlhf_dist.distributed.weight_sync import (
     whole_bucket,
 )
 from rlhf_dist.engine.forward import token_logprobs
+from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ConfigError, ServerError, UserError
-from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, StopIds
+from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
 from rlhf_dist.generation.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 from rlhf_dist.models.lora import adapter_weights
 
@@ -260,7 +261,7 @@ class ServerEngine:
                 )
 
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
         stop_ids: StopIds, pad_id: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sample one response per left-padded prompt (B, P) on the servers -> (response_ids
@@ -270,7 +271,7 @@ class ServerEngine:
         return self.together(lambda: self.responses(ask(), version, pad_id, prompt_ids.device))
 
     def request(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
         stop_ids: StopIds,
     ) -> Callable[[], list[tuple[str, dict]]]:  # fmt: skip
         """The HTTP work of one rollout, not yet done: a callable that asks every server
@@ -329,10 +330,14 @@ class ServerEngine:
             self.load_weights(actor)
 
     def sample(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+        seeds: Seeds | None = None, logprobs: bool = False,
     ) -> Samples:  # fmt: skip
-        """`generate` (every rank together), each row stamped with the synced version."""
+        """`generate` (every rank together), each row stamped with the synced version; the
+        servers' log-probs always come with the tokens. No `seeds`: the shards' seeds are
+        drawn from the global RNG (`request`)."""
+        _no_seeds(seeds)
         version = self.version
         ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
         return Samples(ids, logprobs, _versions(ids, version))
@@ -364,6 +369,12 @@ class ServerEngine:
 
     def close(self) -> None:
         """Nothing in flight: every request is awaited where it is made."""
+
+
+def _no_seeds(seeds: Seeds | None) -> None:
+    """The servers' client draws its shards' seeds itself: `seeds` must be None."""
+    if seeds is not None:
+        raise ValueError("seeds: the rollout servers' client draws each shard's seed itself")
 
 
 def _versions(ids: torch.Tensor, version: int) -> torch.Tensor:

@@ -26,8 +26,9 @@ import torch
 from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.distributed import before_destroy
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
+from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, StopIds
+from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
 from rlhf_dist.models.loading import context_length, train_dtype
 
 if TYPE_CHECKING:
@@ -98,7 +99,18 @@ def sampling_seeds(
     return torch.randint(0, 2**31 - 1, (n,), dtype=torch.long, device=device, generator=generator)
 
 
-def sampling_params(vllm: Any, gen_cfg: GenerationConfig, stop_ids: StopIds, seed: int) -> Any:
+def group_seeds(seeds: Seeds) -> list[int]:
+    """Each row's vLLM seed of `seeds` ([(seed, n)], generation/base.py Sampler.sample): a
+    group of n rows gets the n seeds `sampling_seeds` draws from the global RNG seeded with
+    `seed`, from a CPU generator of its own (the global RNG is left alone)."""
+    return [
+        row
+        for seed, n in seeds
+        for row in sampling_seeds(n, generator=torch.Generator("cpu").manual_seed(seed)).tolist()
+    ]
+
+
+def sampling_params(vllm: Any, gen_cfg: Sampling, stop_ids: StopIds, seed: int) -> Any:
     """vLLM's SamplingParams with the hf backend's meaning of every generation key.
 
     temperature, top_k (0 = off in both), top_p, max_new_tokens -> max_tokens,
@@ -242,7 +254,7 @@ class VLLMEngine:
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks came from old weights
 
     def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
         stop_ids: StopIds, pad_id: int, seeds: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sample one response per left-padded prompt (B, P) -> (response_ids (B, T),
@@ -329,13 +341,16 @@ class VLLMEngine:
                 self.check_sync(actor, prompt_ids, prompt_mask, gen, tokenizer, stop_ids)
 
     def sample(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
+        seeds: Seeds | None = None, logprobs: bool = False,
     ) -> Samples:  # fmt: skip
         """`generate` of the whole shard at once (vLLM schedules its own batches), each
-        row's seed from the global RNG."""
-        ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
-        return Samples(ids, logprobs)
+        row's seed from the global RNG, or from its group's seed (`group_seeds`); vLLM's
+        log-probs always come with the tokens."""
+        rows = None if seeds is None else group_seeds(seeds)
+        ids, sampled = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id, rows)
+        return Samples(ids, sampled)
 
     def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
         """Nothing: it samples on-policy, when asked."""

@@ -1,16 +1,20 @@
 """The served policy: the model behind `rlhf-dist serve`, what its endpoints call.
 
-Generation is the hf decode loop the trainer runs in-process (engine/decode.py), so a
-served rollout is the in-process one: same seed, same left-padded prompts, same tokens.
-Log-probs are the trainer's own sequence forward (engine/forward.py token_logprobs) over
-the sampled tokens at the sampling temperature: log softmax(logits / T) of the full
-vocabulary, the distribution the hf sampler draws from when top_k and top_p are off (with
-them on, the untruncated one; EOS suppression by min_new_tokens is not reflected).
+Generation goes through one Sampler (generation/base.py), the trainer's own: `sample`
+with each request's seed for its rows (`seeds`) and the sampler's log-probs (`logprobs`).
+By default the sampler is the hf decode loop the trainer runs in-process (generation/hf.py
+HFSampler over the served model), so a served rollout is the in-process one: same seed,
+same left-padded prompts, same tokens. Its log-probs are the trainer's own sequence
+forward (engine/forward.py token_logprobs) over the sampled tokens at the sampling
+temperature: log softmax(logits / T) of the full vocabulary, the distribution the hf
+sampler draws from when top_k and top_p are off (with them on, the untruncated one; EOS
+suppression by min_new_tokens is not reflected).
 
-With `serve.engine=vllm` a vLLM engine generates instead (`engine`, generation/vllm.py
-VLLMEngine: per-request seeds drawn from the request's seed, the log-probs vLLM sampled
-with, after temperature and top-k / top-p) and scores (its prompt log-probs, so the
-post-sync check reads the engine's own weights). The model then stays on the CPU as the
+With `serve.engine=vllm` the sampler is a vLLM engine (`engine`, generation/vllm.py
+VLLMEngine: per-row seeds drawn from the request's seed, the log-probs vLLM sampled with,
+after temperature and top-k / top-p). It also scores (its prompt log-probs, so the
+post-sync check reads the engine's own weights: scoring is no Sampler's work, so `_score`
+still picks the engine or the model's forward). The model then stays on the CPU as the
 staging copy an update's buckets land in; the engine reloads from it when the update's
 last bucket is in, and resets its prefix cache (KV blocks of the old weights).
 
@@ -27,8 +31,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,9 +43,11 @@ from rlhf_dist.config import PerfConfig
 from rlhf_dist.data.chat import Chat
 from rlhf_dist.data.rows import left_pad, right_pad
 from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup
-from rlhf_dist.engine.decode import generate, truncate_after_eos
+from rlhf_dist.engine.decode import truncate_after_eos
 from rlhf_dist.engine.forward import token_logprobs
-from rlhf_dist.generation.vllm import sampling_seeds
+from rlhf_dist.generation.base import Sampler
+from rlhf_dist.generation.hf import HFSampler
+from rlhf_dist.generation.vllm import VLLMEngine
 
 
 @dataclass(frozen=True)
@@ -93,13 +101,15 @@ class Unavailable(RuntimeError):
 
 class ServedPolicy:
     def __init__(
-        self, model, tokenizer, stop_ids, perf: PerfConfig, name: str, timeout_s: float,
-        chat: Chat | None = None, engine=None,
+        self, model: torch.nn.Module, tokenizer: Any, stop_ids: Iterable[int], perf: PerfConfig,
+        name: str, timeout_s: float, chat: Chat | None = None, engine: VLLMEngine | None = None,
     ):  # fmt: skip
         """chat: how the OpenAI-compatible chat endpoint renders messages (None: it refuses);
-        engine: a VLLMEngine that generates and scores (None: our decode loop on `model`)."""
+        engine: a VLLMEngine that samples and scores (None: the decode loop on `model`)."""
         self.model, self.tokenizer, self.stop_ids = model.eval(), tokenizer, tuple(stop_ids)
         self.chat, self.engine = chat, engine
+        # what generates: the engine, or the trainer's decode loop over the served model
+        self.sampler: Sampler = engine or HFSampler(self._served, perf)
         self.perf, self.name, self.timeout_s = perf, name, timeout_s
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
         self.device = next(model.parameters()).device
@@ -162,30 +172,20 @@ class ServedPolicy:
         [(seed, n)] covering the prompts in order, each n rows sampling what a request of
         those n prompts with that seed samples alone (the merged requests of
         serving/batching.py; the forward's float rounding at another batch shape aside);
-        None: every row from s.seed, as one request. One request alone draws from a
-        generator seeded with s.seed, as the in-process rollout draws from the global RNG
-        seeded the same: one sampling path, merged or not."""
+        None: every row from s.seed, as one request. Either way the sampler's `seeds`
+        (generation/base.py): a request alone draws from a generator seeded with s.seed, as
+        the in-process rollout draws from the global RNG seeded the same; one sampling
+        path, merged or not. The log-probs are the sampler's own (`logprobs`)."""
         stops = self.checked_stops(prompts, s)
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         seeds = seeds or [(s.seed, len(prompts))]
         with self._current():
-            if self.engine is not None:  # the sampler's own log-probs come with the tokens
-                rows = [x for seed, n in seeds for x in _engine_seeds(seed, n)]
-                out, logprobs = self.engine.generate(ids, mask, s, stops, pad, rows)
-            else:
-                streams = [(_generator(seed, self.device), n) for seed, n in seeds]
-                out = generate(
-                    self.model, ids, mask, s, self.tokenizer, None, stops, self.perf, streams
-                )
-            out, response_mask, finished = truncate_after_eos(out, stops, pad)
-            if self.engine is None:  # the trainer's forward scores the sampled tokens
-                logprobs, _ = token_logprobs(
-                    self.model, torch.cat([ids, out], 1), torch.cat([mask, response_mask.long()], 1),
-                    response_mask, s.temperature, prompt_width=ids.shape[1], perf=self.perf,
-                )  # fmt: skip
+            got = self.sampler.sample(ids, mask, s, stops, pad, seeds=seeds, logprobs=True)
+            assert got.logprobs is not None, "Sampler.sample(logprobs=True) without log-probs"
+            out, response_mask, finished = truncate_after_eos(got.response_ids, stops, pad)
             version = self.version
-        out, logprobs, n = out.cpu(), logprobs.float().cpu(), response_mask.sum(1).tolist()
+        out, logprobs, n = out.cpu(), got.logprobs.float().cpu(), response_mask.sum(1).tolist()
         return {
             "responses": [row[:k].tolist() for row, k in zip(out, n)],
             "logprobs": [row[:k].tolist() for row, k in zip(logprobs, n)],
@@ -218,7 +218,13 @@ class ServedPolicy:
         }
 
     @contextlib.contextmanager
-    def _current(self):
+    def _served(self) -> Iterator[tuple[torch.nn.Module, None]]:
+        """The HFSampler's generation context: the served model, no ranks to keep in step
+        (called under `_current`'s lock)."""
+        yield self.model, None
+
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
         """Hold the model lock, taken after every update announced so far is applied;
         Unavailable while an update that stopped half-way left the weights torn."""
         with self.pending_lock:
@@ -238,7 +244,7 @@ class ServedPolicy:
                 )
             yield
 
-    def _queue(self, work) -> None:
+    def _queue(self, work: Callable[[], None]) -> None:
         """Run `work` on the update thread, after the updates queued before it."""
         with self.pending_lock:
             self.pending.append(self.updates.submit(self._logged, work))
@@ -247,7 +253,7 @@ class ServedPolicy:
         """Join trainer rank 0's weight-sync group in the background (its rank 0 blocks
         until every server joined); a later join replaces the group (a restarted trainer)."""
 
-        def connect():
+        def connect() -> None:
             self.group = SyncGroup(address, port, rank, world_size, self.timeout_s)
 
         self.group = None
@@ -275,7 +281,7 @@ class ServedPolicy:
     def receive_bucket(self, version: int, specs: list[TensorSpec], final: bool) -> None:
         """Queue the broadcast of one checked bucket; applied in order, under the lock."""
 
-        def receive():
+        def receive() -> None:
             if self.group is None:
                 raise RuntimeError("no weight-sync group: the trainer must call /init_weight_sync")
             received = [
@@ -321,23 +327,10 @@ class ServedPolicy:
         a, b = (parts[k].to(param.device, torch.float32) for k in ("A", "B"))
         param.copy_((base.float() + spec.scale * (b @ a)).to(param.dtype))
 
-    def _logged(self, work) -> None:
+    def _logged(self, work: Callable[[], None]) -> None:
         try:
             work()
             self.last_error = ""
         except Exception as e:  # the server keeps serving; /health says what failed
             self.last_error = f"{type(e).__name__}: {e}"
             raise
-
-
-def _generator(seed: int, device) -> torch.Generator:
-    """A request's own RNG, seeded as torch.manual_seed(seed) seeds the global one: its
-    draws are the ones the request takes alone."""
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def _engine_seeds(seed: int, n: int) -> list[int]:
-    """The vLLM seeds a request of n prompts with `seed` gives its rows alone: the draws
-    of the global RNG seeded with it, from a generator of its own (the server's global
-    RNG is left alone)."""
-    return sampling_seeds(n, generator=_generator(seed, "cpu")).tolist()
