@@ -105,7 +105,7 @@ def print_first_batch(
         print(describe_batch(run.tokenizer, rollout.batch, rollout.texts), flush=True)
 
 
-def expect_next(cfg: Config, run: PPORun, it: int, upcoming) -> None:
+def expect_next(cfg: Config, run: PPORun, it: int, upcoming: PromptBatch | None) -> None:
     """ppo.max_staleness (generation/prefetch.py): tell the servers' client which prompts to
     request while iteration `it` trains: none at the last iteration or one that writes a
     scheduled checkpoint, so the iteration after a checkpoint samples on-policy and a

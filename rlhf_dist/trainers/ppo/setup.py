@@ -9,9 +9,10 @@ reward model, the frozen reward model is the critic's base with adapters off.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from rlhf_dist.config import Config, PPOConfig
 from rlhf_dist.data.batching import PPOPlan, ppo_plan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.distributed import Runtime
+from rlhf_dist.distributed.runtime import GenerationModule
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.generation import Sampler, make_sampler
 from rlhf_dist.models import (
@@ -48,7 +50,7 @@ from rlhf_dist.models.lora import (
     export_lora,
     merged_adapters,
 )
-from rlhf_dist.rewards.scoring import Scorer, build_scorer, reward_inputs_for
+from rlhf_dist.rewards.scoring import RewardInputs, Scorer, build_scorer, reward_inputs_for
 from rlhf_dist.rollout import RolloutModels
 from rlhf_dist.rollout.agent import Agent, build_agent
 from rlhf_dist.rollout.endpoint import EndpointAgent, endpoint_agent
@@ -83,7 +85,7 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.ppo.kl_coef > 0
 
 
-def check_teacher_tokenizer(cfg: Config, policy_tokenizer) -> None:
+def check_teacher_tokenizer(cfg: Config, policy_tokenizer: Any) -> None:
     """The teacher scores the policy's own token ids (docs/distill.md), so it must read
     them as the same tokens: the same vocabulary and BOS/EOS ids. Compared on the
     tokenizers alone, before any weights load; one line naming model.teacher."""
@@ -108,7 +110,9 @@ def _load_teacher(cfg: Config, runtime: Runtime) -> nn.Module:
     return runtime.prepare_frozen(teacher, cfg.distributed.frozen_models, dtype, "teacher")
 
 
-def _frozen_scorer(cfg: Config, runtime: Runtime, reward_inputs) -> Scorer | None:
+def _frozen_scorer(
+    cfg: Config, runtime: Runtime, reward_inputs: RewardInputs | None
+) -> Scorer | None:
     """The reward of the run (rewards.scoring.build_scorer); None where the LoRA critic's
     adapters-off base is the reward model (built after prepare); without a reward source,
     the environment's rewards alone, or zeros for distillation alone
@@ -124,13 +128,17 @@ def _frozen_scorer(cfg: Config, runtime: Runtime, reward_inputs) -> Scorer | Non
     )
 
 
-def no_task_reward(prompts, responses, columns=None) -> torch.Tensor:
+def no_task_reward(
+    prompts: list[str], responses: list[str], columns: dict[str, list[Any]] | None = None
+) -> torch.Tensor:
     """The scores of ppo.estimator=distill without a reward source: 0 for every response
     (B,); the teacher's signal is all that trains."""
     return torch.zeros(len(responses))
 
 
-def environment_reward(prompts, responses, columns=None) -> torch.Tensor:
+def environment_reward(
+    prompts: list[str], responses: list[str], columns: dict[str, list[Any]] | None = None
+) -> torch.Tensor:
     """The scores of an environment without another reward source: NaN for every response
     (B,), each replaced by the reward the environment gave its episode (rollout/collect.py,
     which stops the run when an episode gave none; a verifiers rubric always gives one)."""
@@ -145,11 +153,16 @@ def has_critic(cfg: Config) -> bool:
 class AdapterOffValue(nn.Module):
     """The frozen reward model as the LoRA critic's base with adapters off."""
 
-    def __init__(self, critic_fn):
+    def __init__(self, critic_fn: Callable[[], nn.Module]) -> None:
         super().__init__()
         self._critic_fn = critic_fn
 
-    def forward(self, input_ids, attention_mask, position_ids=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         critic = self._critic_fn()
         with adapters_disabled(critic.classifier):
             return critic(input_ids, attention_mask, position_ids)
@@ -192,7 +205,7 @@ def shares_reward_with_critic(cfg: Config) -> bool:
     )
 
 
-def check_critic_tokenizer(cfg: Config, reward_inputs) -> None:
+def check_critic_tokenizer(cfg: Config, reward_inputs: RewardInputs | None) -> None:
     """A critic reads the policy's tokens in the same forward as the actor, so it cannot
     start from a reward model with another tokenizer or template (docs/data.md)."""
     if reward_inputs is not None and cfg.ppo.critic_init == "reward":
@@ -203,7 +216,9 @@ def check_critic_tokenizer(cfg: Config, reward_inputs) -> None:
         )
 
 
-def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
+def build_models(
+    cfg: Config, runtime: Runtime, plan: PPOPlan, total_steps: int, ckpt: Checkpoint | None = None
+) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
     if m.teacher:  # a tokenizer mismatch is found before any weights load
@@ -264,7 +279,9 @@ def _load_reference(cfg: Config) -> nn.Module:
     return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg.model), m)
 
 
-def export_models(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) -> None:
+def export_models(
+    cfg: Config, runtime: Runtime, model: nn.Module, tokenizer: Any, out: Path
+) -> None:
     """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
     lora, tokenizer = cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
@@ -288,14 +305,14 @@ def export_models(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) ->
 
 
 def _export_lora_models(
-    cfg: Config, runtime: Runtime, model, tokenizer, out: Path, state: dict
+    cfg: Config, runtime: Runtime, model: nn.Module, tokenizer: Any, out: Path, state: dict
 ) -> None:
     """On the main process: rebuild the LoRA actor (and critic) on CPU from `state`, export."""
     m, lora = cfg.model, cfg.lora
     merged = out / "final" if lora.export in ("merged", "both") else None
     adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
 
-    def policy_base():
+    def policy_base() -> nn.Module:
         return load_causal_lm(m.policy, "model.policy", train_dtype(m), m)
 
     export_lora(state, "actor.", policy_base, lora, "CAUSAL_LM", None, merged, adapter)
@@ -373,8 +390,8 @@ def start_ppo(
 def make_rollout_models(
     cfg: Config,
     runtime: Runtime,
-    built,
-    tokenizer,
+    built: PPOModels,
+    tokenizer: Any,
     agent: Agent | EndpointAgent | None,
     sampler: Sampler | None = None,
 ) -> RolloutModels:
@@ -388,7 +405,7 @@ def make_rollout_models(
     merge = cfg.lora.enabled and (runtime.zero_stage != 3 or gather)
 
     @contextlib.contextmanager
-    def generation_context():
+    def generation_context() -> Iterator[GenerationModule]:
         with contextlib.ExitStack() as stack:
             actor, keep_in_step = stack.enter_context(
                 runtime.generation_context(model, "actor", gather)

@@ -199,7 +199,7 @@ def memory_plan_stats(
     return stats
 
 
-def server_stats(runtime, sampler: Sampler) -> dict:
+def server_stats(runtime: Runtime, sampler: Sampler) -> dict[str, float]:
     """generation.backend=server (docs/serving.md): the last post-sync check's mean
     per-token log-prob gap (the largest over the servers), the policy version the rollout
     was sampled with, the sync's seconds and its memory growth on the rank that grew most

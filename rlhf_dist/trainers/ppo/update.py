@@ -11,7 +11,9 @@ and `ppo_update` returns them with the statistics; the batch is never written to
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
@@ -41,6 +43,12 @@ from rlhf_dist.trainers.ppo.setup import PPORun
 # (micro-batch rows, as an index into the minibatch; log-probs and entropies (b, T') of
 # the update's forward, detached) for a micro-batch whose rollout had no old log-probs
 FirstForward = tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]
+# A micro-batch of a minibatch share: rows as a slice, or an index tensor (b,) with
+# ppo.micro_batch_tokens (update_micro_batches)
+MicroSlice: TypeAlias = slice | torch.Tensor
+# The per-token divergence the actor's forward applies to its final hidden states:
+# (LM head, hidden (N, H)) -> (N,) (ActorCritic.forward's `divergence`)
+Divergence: TypeAlias = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class UpdateKnobs:
         cls,
         cfg: Config,
         kl_coef: float | None = None,
-        group_names=("actor", "critic"),
+        group_names: tuple[str, ...] = ("actor", "critic"),
         entropy_coef: float | None = None,
     ) -> UpdateKnobs:
         """kl_coef, entropy_coef: the controllers' current values (None: ppo.kl_coef,
@@ -209,7 +217,13 @@ def corrected_terms(
 
 
 def cov_control_terms(
-    per_token, logprobs, old_logprobs, chosen, knobs: UpdateKnobs, stats: StatSums, mask
+    per_token: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    chosen: torch.Tensor,
+    knobs: UpdateKnobs,
+    stats: StatSums,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
     """The per-token policy loss (B, T) with ppo.cov_control applied to the `chosen` tokens
     (B, T) bool, picked once per rollout (entropy.py): clip_cov stops their
@@ -245,7 +259,9 @@ class Teacher:
     perf: PerfConfig
 
 
-def gjsd_of_teacher(teacher: Teacher | None, mb: RolloutBatch, knobs: UpdateKnobs):
+def gjsd_of_teacher(
+    teacher: Teacher | None, mb: RolloutBatch, knobs: UpdateKnobs
+) -> Divergence | None:
     """With distill_loss=gjsd: the divergence function the actor's forward applies to its
     final hidden states (ActorCritic.forward's `divergence`): per-token GJSD(distill_beta)
     to the teacher at the sampling temperature, over the whole vocabulary, chunked
@@ -261,13 +277,18 @@ def gjsd_of_teacher(teacher: Teacher | None, mb: RolloutBatch, knobs: UpdateKnob
     jsd = functools.partial(generalized_jsd, beta=knobs.distill_beta, temperature=knobs.temperature)
     chunk = teacher.perf.logprob_chunk_tokens
 
-    def divergence(lm, hidden):  # (N, H) -> (N,)
+    def divergence(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N,)
         return chunked_divergence(lm, hidden, states, jsd, chunk)
 
     return divergence
 
 
-def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -> None:
+def add_loss_stats(
+    stats: StatSums,
+    named: list[tuple[str, torch.Tensor, torch.Tensor]],
+    pg: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+) -> None:
     """Token sums of the policy (and value) loss and clip fractions, the approx KL and the
     ratio of one micro-batch; named: (prefix, per-token loss, clipped) (B, T) each."""
     n = mask.sum()
@@ -280,8 +301,9 @@ def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -
 
 
 def minibatch_backward(
-    runtime: Runtime, model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs,
-    slices: list, stats: StatSums, ptx: PtxStream | None = None,
+    runtime: Runtime, model: torch.nn.Module, mb: RolloutBatch, advantages: torch.Tensor,
+    returns: torch.Tensor | None, knobs: UpdateKnobs, slices: list[MicroSlice],
+    stats: StatSums, ptx: PtxStream | None = None,
     chosen: torch.Tensor | None = None, teacher: Teacher | None = None,
 ) -> list[FirstForward]:  # fmt: skip
     """Accumulate the gradient of one optimizer step over this rank's micro-batches;
@@ -321,7 +343,13 @@ def minibatch_backward(
     return first_forwards
 
 
-def _micro_inputs(mb: RolloutBatch, s, advantages, returns, chosen):
+def _micro_inputs(
+    mb: RolloutBatch,
+    s: MicroSlice,
+    advantages: torch.Tensor,
+    returns: torch.Tensor | None,
+    chosen: torch.Tensor | None,
+) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Micro-batch `s` of minibatch share `mb`, trimmed to the columns some row uses
     (padding in every row costs nothing), with its advantages, returns and cov_control
     tokens (each (b, T) or None)."""
@@ -331,7 +359,7 @@ def _micro_inputs(mb: RolloutBatch, s, advantages, returns, chosen):
     return micro, advantages[s][:, :T], ret, cho
 
 
-def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:
+def update_micro_batches(runtime: Runtime, mb: RolloutBatch, plan: BatchPlan) -> list[MicroSlice]:
     """The micro-batches of this rank's share `mb` of a minibatch: `plan.micro_slices()`,
     or with ppo.micro_batch_tokens index tensors from `batching.token_budget_split` of
     each row's (prompt, response) length, the widths `RolloutBatch.trimmed` keeps, into
@@ -349,8 +377,8 @@ def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:
 
 
 def ppo_update(
-    runtime: Runtime, run: PPORun, batch: RolloutBatch, advantages, returns,
-    knobs: UpdateKnobs, it: int = 0, chosen: torch.Tensor | None = None,
+    runtime: Runtime, run: PPORun, batch: RolloutBatch, advantages: torch.Tensor,
+    returns: torch.Tensor | None, knobs: UpdateKnobs, it: int = 0, chosen: torch.Tensor | None = None,
 ) -> UpdateResult:  # fmt: skip
     """ppo_epochs passes over this rank's rollout in minibatches, one optimizer step each;
     returns the reduced statistics and, for a rollout without old log-probs (one step
@@ -388,7 +416,7 @@ def ppo_update(
     return UpdateResult(stats.reduce(runtime), lp, ent)
 
 
-def rollout_rows(shape, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def rollout_rows(shape: torch.Size, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """A new (B, T) float32 tensor holding, for each (rows (b,), values (b, T')) of
     `parts`, the values at those rows' first T' columns (the update's micro-batches come
     in shuffled order with trimmed columns); 0 elsewhere."""
