@@ -35,6 +35,7 @@ from rlhf_dist.distributed import Runtime
 from rlhf_dist.rollout import PromptBatch, RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
+from rlhf_dist.trainers.ppo.controllers import Controllers
 from rlhf_dist.trainers.ppo.rollout import normalized, print_first_batch, sample_rollout
 from rlhf_dist.trainers.ppo.setup import PPORun
 from rlhf_dist.trainers.ppo.stats import (
@@ -176,6 +177,7 @@ def online_dpo_update(
 def online_dpo_iteration(
     runtime: Runtime,
     run: PPORun,
+    ctl: Controllers,
     prompt_batch: PromptBatch,
     cfg: Config,
     it: int,
@@ -184,8 +186,9 @@ def online_dpo_iteration(
 ) -> IterationResult:
     """One iteration of online DPO (docs/online_dpo.md) on PPO's rollout: steps 2-3 and 8
     of docs/architecture.md section 5, pairs and the DPO update in place of 4-7. The
-    per-token "advantages" logged are the pair labels (+1 / -1 / 0), (B, T). planned: not
-    read (online DPO reports no memory plan)."""
+    per-token "advantages" logged are the pair labels (+1 / -1 / 0), (B, T). ctl: the
+    controllers, of which only the score moments move here; planned: not read (online DPO
+    reports no memory plan)."""
     t0 = time.time()
     # 2. Rollout: n samples per prompt by the current policy, old and reference log-probs
     run.model.eval()
@@ -195,7 +198,7 @@ def online_dpo_iteration(
     print_first_batch(runtime, run, cfg, rollout, it)
     t1 = time.time()
     # 3. Scores: running normalisation and clipping, (B,)
-    batch = normalized(runtime, run, rollout.batch, cfg)
+    batch, ctl = normalized(runtime, ctl, rollout.batch, cfg)
     # 4. Pairs: each group's best and worst sample (tied groups skipped), and their labels
     n, mask = run.plan.samples_per_prompt, batch.response_mask
     labels = pair_labels(batch.scores, n, mask)  # (B, T): +1 chosen, -1 rejected, 0 else
@@ -205,13 +208,13 @@ def online_dpo_iteration(
     update = online_dpo_update(runtime, run, batch, pairs, PairKnobs.from_config(cfg), it)
     # 6. Statistics over all ranks: the rollout's, the labeller's, the update's
     kl = token_kl(batch.old_logprobs, batch.ref_logprobs, mask, cfg.ppo.kl_kind)
-    stats = rollout_stats(runtime, batch, kl, labels, None, run.kl_ctl.coef)
+    stats = rollout_stats(runtime, batch, kl, labels, None, ctl.kl.coef)
     stats |= rollout.sampling_stats | update
     stats |= pair_statistics(runtime, batch, pairs) | run.scorer.component_stats(runtime)
     stats |= overlong_stats(runtime, batch, mask, cfg)  # the soft penalty, in the scores
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, labels, kl)
-    stats |= iteration_costs(runtime, run, (t0, t1, time.time()), rollout.seconds, mask, cfg)
+    stats |= iteration_costs(runtime, run, ctl, (t0, t1, time.time()), rollout.seconds, mask, cfg)
     samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
-    return IterationResult(stats, distributions, samples)
+    return IterationResult(stats, distributions, samples, ctl)  # no controller moves

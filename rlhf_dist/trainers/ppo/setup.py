@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,11 +18,8 @@ import torch
 from torch import nn
 
 from rlhf_dist.algo import catalog
-from rlhf_dist.algo.entropy import EntropyController
-from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
-from rlhf_dist.algo.masking import RunningMoments
 from rlhf_dist.checkpoint import Checkpoint
-from rlhf_dist.config import Config, PPOConfig
+from rlhf_dist.config import Config
 from rlhf_dist.data.batching import PPOPlan, ppo_plan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.distributed import Runtime
@@ -60,7 +57,6 @@ from rlhf_dist.trainers.common import (
     make_scheduler,
     save_pretrained,
 )
-from rlhf_dist.trainers.ppo.entropy import make_entropy_controller
 from rlhf_dist.trainers.ppo.ptx import PtxStream, ptx_stream
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
@@ -337,13 +333,6 @@ def _export_lora_models(
         tokenizer.save_pretrained(directory)
 
 
-def make_kl_controller(ppo_cfg: PPOConfig) -> FixedKLController | AdaptiveKLController:
-    """ppo.kl_controller: the adaptive controller (Ziegler et al. 2019) or a fixed coefficient."""
-    if ppo_cfg.kl_controller == "adaptive":
-        return AdaptiveKLController(ppo_cfg.kl_coef, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
-    return FixedKLController(ppo_cfg.kl_coef)
-
-
 def start_ppo(
     cfg: Config,
     runtime: Runtime,
@@ -368,21 +357,19 @@ def start_ppo(
     model = built.model
 
     rollout_models = make_rollout_models(cfg, runtime, built, tokenizer, agent, sampler)
-    kl_ctl, moments, entropy_ctl = restored_controllers(p, ckpt, built.scheduler)
+    if ckpt:  # the learning rate's schedule continues where the checkpoint was
+        built.scheduler.load_state_dict(ckpt.trainer["scheduler"])
     return PPORun(
         model,
         built.optimizer,
         built.scheduler,
         rollout_models,
         tokenizer,
-        kl_ctl,
         plan,
-        moments,
         built.group_names,
         built.scorer,
         cfg.perf.gather_for_training,
         ptx=ptx,
-        entropy_ctl=entropy_ctl,
         first_iteration=(ckpt.step if ckpt else 0) + 1,
     )
 
@@ -434,41 +421,22 @@ def make_rollout_models(
     )
 
 
-def restored_controllers(
-    p: PPOConfig, ckpt: Checkpoint | None, scheduler: torch.optim.lr_scheduler.LRScheduler
-) -> tuple[FixedKLController | AdaptiveKLController, RunningMoments, EntropyController]:
-    """(KL controller, score moments, entropy controller), restored from the checkpoint
-    (the scheduler's position too) when resuming."""
-    kl_ctl, moments = make_kl_controller(p), RunningMoments()
-    entropy_ctl = make_entropy_controller(p)
-    if ckpt:
-        kl_ctl.load_state_dict(ckpt.trainer["kl_controller"])
-        if "entropy_controller" in ckpt.trainer:  # absent from checkpoints written before it
-            entropy_ctl.load_state_dict(ckpt.trainer["entropy_controller"])
-        moments.load_state_dict(ckpt.trainer["score_moments"])
-        scheduler.load_state_dict(ckpt.trainer["scheduler"])
-    return kl_ctl, moments, entropy_ctl
-
-
 @dataclass(frozen=True)
 class PPORun:
-    """The live objects of a PPO run (what one iteration reads and updates). Frozen: no
+    """The live objects of a PPO run (what one iteration reads and trains). Frozen: no
     field is reassigned; the objects that do change over a run are the trained model, its
-    optimizer and scheduler, and the controllers (KL, entropy, score moments), each with
-    a state_dict that the checkpoint holds (state.trainer_state)."""
+    optimizer and scheduler and the ptx stream's position, each in the checkpoint
+    (state.trainer_state). The controllers are the iteration's state, not the run's
+    (controllers.Controllers: each iteration takes them and returns new ones)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     rollout_models: RolloutModels
     tokenizer: PreTrainedTokenizerBase
-    kl_ctl: FixedKLController | AdaptiveKLController
     plan: PPOPlan
-    score_moments: RunningMoments
     group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
     scorer: Scorer  # rollout_models' scorer: its failures and per-component statistics
     gather_for_training: str = "auto"  # perf.gather_for_training
     ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), ptx.py
-    # the entropy bonus's coefficient, fixed or steered to ppo.entropy_target (entropy.py)
-    entropy_ctl: EntropyController = field(default_factory=lambda: EntropyController(0.0))
     first_iteration: int = 1  # this process's first iteration (after a resume: step + 1)
