@@ -94,12 +94,13 @@ class PtxStep:
     def __init__(self, micro: list[dict[str, torch.Tensor]], count: torch.Tensor, coef: float):
         self.micro, self.count, self.coef = micro, count, coef
 
-    def loss(self, runtime: Runtime, model: nn.Module, i: int, stats: StatSums) -> torch.Tensor:
-        """coef x micro-batch i's share of the global token-mean NLL, the loss to backward
-        (it adds to the step's gradient); `policy/ptx_loss` (the token mean) goes to `stats`."""
+    def loss(self, runtime: Runtime, model: nn.Module, i: int) -> tuple[torch.Tensor, StatSums]:
+        """(coef x micro-batch i's share of the global token-mean NLL, the loss to backward
+        (it adds to the step's gradient); its `policy/ptx_loss` sums, a token mean)."""
         nll_sum, tokens = token_nll_sum(model, self.micro[i], actor_logprobs)
+        stats = StatSums()
         stats.add("policy/ptx_loss", nll_sum.detach(), tokens)
-        return self.coef * share_of_global_mean(runtime, nll_sum, self.count)
+        return self.coef * share_of_global_mean(runtime, nll_sum, self.count), stats
 
 
 def ptx_stream(

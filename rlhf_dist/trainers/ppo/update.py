@@ -115,9 +115,27 @@ class UpdateResult:
     rollout came without old log-probs, the old log-probs and entropies (B, T) its first
     forward computed (0 outside the rows' response tokens)."""
 
-    stats: dict
+    stats: dict[str, float]
     old_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MicroLoss:
+    """One micro-batch's loss and what it gives back (micro_batch_loss)."""
+
+    loss_sum: torch.Tensor  # weighted token SUM, 0-d; divided by the global count later
+    fresh: tuple[torch.Tensor, torch.Tensor] | None  # (log-probs, entropies) (b, T'), or None
+    stats: StatSums  # the loss terms' token sums with their counts
+
+
+@dataclass(frozen=True)
+class Backward:
+    """One optimizer step's accumulated backward (minibatch_backward): the old log-probs
+    and entropies of micro-batches that had none, and the step's statistics."""
+
+    first_forwards: list[FirstForward]
+    stats: StatSums
 
 
 def policy_terms(
@@ -142,12 +160,13 @@ def policy_terms(
 
 def micro_batch_loss(
     model: torch.nn.Module, mb: RolloutBatch, advantages: torch.Tensor,
-    returns: torch.Tensor | None, knobs: UpdateKnobs, stats: StatSums,
+    returns: torch.Tensor | None, knobs: UpdateKnobs,
     chosen: torch.Tensor | None = None,
     teacher: Teacher | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
-    """(weighted token SUM of one micro-batch's loss, this forward's detached (log-probs,
-    entropies) when mb has no old log-probs, else None). The caller divides the sum by the
+) -> MicroLoss:  # fmt: skip
+    """One micro-batch's MicroLoss: the weighted token SUM of its loss, this forward's
+    detached (log-probs, entropies) when mb has no old log-probs, and the loss terms'
+    statistics (token sums with their counts). The caller divides the sum by the
     global count of tokens or sequences (knobs.loss_aggregation). The loss: the policy
     loss, + vf_coef x the value loss with a critic, + kl_loss_coef x the KL to the
     reference when KL is a loss term, - entropy_coef x the entropy. On-policy distillation
@@ -156,10 +175,10 @@ def micro_batch_loss(
     the teacher (`teacher`, run on this micro-batch) joins the loss (gjsd).
 
     mb: a RolloutBatch (B rows, T response columns); advantages: (B, T); returns: (B, T)
-    or None without a critic; stats: the loss statistics are added to it; chosen: (B, T)
+    or None without a critic; chosen: (B, T)
     bool, the tokens ppo.cov_control acts on (None: off). Without old log-probs
     (`old_logprobs_from_update`) this forward's, detached, are the old ones."""
-    first = mb.old_logprobs is None
+    first, stats = mb.old_logprobs is None, StatSums()  # this micro-batch's statistics
     gjsd = gjsd_of_teacher(teacher, mb, knobs) if knobs.distill_coef else None
     logprobs, entropy, values, *divergence = model(
         mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
@@ -192,7 +211,7 @@ def micro_batch_loss(
     add_loss_stats(stats, named, pg, mask)
     weights = aggregation_weights(mask, knobs.loss_aggregation, per_token.dtype)
     fresh = (old_logprobs, entropy.detach()) if first else None
-    return masked_sum(weights * per_token, mask), fresh
+    return MicroLoss(masked_sum(weights * per_token, mask), fresh, stats)
 
 
 def corrected_terms(
@@ -303,11 +322,12 @@ def add_loss_stats(
 def minibatch_backward(
     runtime: Runtime, model: torch.nn.Module, mb: RolloutBatch, advantages: torch.Tensor,
     returns: torch.Tensor | None, knobs: UpdateKnobs, slices: list[MicroSlice],
-    stats: StatSums, ptx: PtxStream | None = None,
+    ptx: PtxStream | None = None,
     chosen: torch.Tensor | None = None, teacher: Teacher | None = None,
-) -> list[FirstForward]:  # fmt: skip
+) -> Backward:  # fmt: skip
     """Accumulate the gradient of one optimizer step over this rank's micro-batches;
-    returns the old log-probs and entropies of the micro-batches that had none.
+    returns the old log-probs and entropies of the micro-batches that had none and the
+    step's statistics, the micro-batches' sums joined in order (Backward).
 
     mb: this rank's share of the global minibatch; slices: its micro-batches. Each
     micro-batch's loss SUM is divided by the count (response tokens or sequences, per
@@ -323,7 +343,7 @@ def minibatch_backward(
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
     ptx_step = None if ptx is None else ptx.next_step(runtime, len(slices))
-    first_forwards = []
+    first_forwards, parts = [], []  # parts: each micro-batch's StatSums, in order
     # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
     # (validation refuses it with PPO-ptx, so ptx_step is None then)
     pooled = runtime.pool_micro_batches(
@@ -332,15 +352,19 @@ def minibatch_backward(
     for i, (own, (s, micro, adv, ret, cho)) in enumerate(pooled):
         if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
             with runtime.accumulating(model):  # its forward leaves the critic unused
-                runtime.micro_backward(model, ptx_step.loss(runtime, model, i, stats), last=False)
-        stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
+                ptx_loss, ptx_stats = ptx_step.loss(runtime, model, i)
+                runtime.micro_backward(model, ptx_loss, last=False)
+            parts.append(ptx_stats)
+        padding = StatSums()
+        padding.add("update/pad_fraction", *padding_cells(micro.attention_mask))
         with runtime.sequence_parallel():
-            loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats, cho, teacher)
-        loss = share_of_global_mean(runtime, loss_sum, count)
+            micro_loss = micro_batch_loss(model, micro, adv, ret, knobs, cho, teacher)
+        parts += [padding, micro_loss.stats]
+        loss = share_of_global_mean(runtime, micro_loss.loss_sum, count)
         runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
-        if fresh is not None and own:
-            first_forwards.append((s, *fresh))
-    return first_forwards
+        if micro_loss.fresh is not None and own:
+            first_forwards.append((s, *micro_loss.fresh))
+    return Backward(first_forwards, StatSums.joined(parts))
 
 
 def _micro_inputs(
@@ -384,7 +408,7 @@ def ppo_update(
     returns the reduced statistics and, for a rollout without old log-probs (one step
     per rollout only), those the update's forward computed. chosen: (B, T) bool, the
     tokens ppo.cov_control acts on (entropy.py; None: off)."""
-    stats, plan = StatSums(), run.plan
+    parts, plan = [], run.plan  # parts: the steps' StatSums, in order
     if batch.old_logprobs is None and plan.optimizer_steps_per_iteration != 1:
         raise ValueError("a rollout without old log-probs gets exactly one optimizer step")
     per_rank, trained = plan.update.per_rank, (run.model, run.optimizer, run.scheduler)
@@ -400,20 +424,23 @@ def ppo_update(
                 mb, ret = batch.select(idx), None if returns is None else returns[idx]
                 cho = None if chosen is None else chosen[idx]
                 slices = update_micro_batches(runtime, mb, plan.update)
-                fresh = minibatch_backward(
-                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, run.ptx,
+                step = minibatch_backward(
+                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, run.ptx,
                     cho, teacher,
                 )  # fmt: skip
-                first_forwards += [(idx[s], lp, ent) for s, lp, ent in fresh]
+                first_forwards += [(idx[s], lp, ent) for s, lp, ent in step.first_forwards]
                 norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
+                grad_norms = StatSums()
                 for name, norm in zip(run.group_names, norms or ()):
-                    stats.add(f"optim/grad_norm_{name}", norm, 1)
+                    grad_norms.add(f"optim/grad_norm_{name}", norm, 1)
+                parts += [step.stats, grad_norms]
                 maybe_fault("update", it)  # killed with the weights half-way through an iteration
+    stats = StatSums.joined(parts).reduce(runtime)
     if not first_forwards:
-        return UpdateResult(stats.reduce(runtime))
+        return UpdateResult(stats)
     shape = batch.response_mask.shape
     lp, ent = (rollout_rows(shape, [(r, x[k]) for r, *x in first_forwards]) for k in (0, 1))
-    return UpdateResult(stats.reduce(runtime), lp, ent)
+    return UpdateResult(stats, lp, ent)
 
 
 def rollout_rows(shape: torch.Size, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
