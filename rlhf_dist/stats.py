@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -53,6 +54,18 @@ class StatSums:
     def add_max(self, name: str, value: float | torch.Tensor) -> None:
         """Add `value` to statistic `name`, whose reduced value is its maximum over ranks."""
         self.maxima[name].append(value)
+
+    @classmethod
+    def joined(cls, parts: Iterable[StatSums]) -> StatSums:
+        """A new accumulator holding every part's values, in the parts' order (each
+        statistic's float64 sum then adds them in the order one accumulator would have)."""
+        out = cls()
+        for part in parts:
+            for name, values in part.sums.items():
+                out.sums[name].extend(values)
+            for name, values in part.maxima.items():
+                out.maxima[name].extend(values)
+        return out
 
     def reduce(self, runtime: Collectives) -> dict[str, float]:
         """Global means (sum over ranks / count over ranks) and global maxima."""

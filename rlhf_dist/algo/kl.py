@@ -37,6 +37,10 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing to adapt; present so both controllers are used the same way."""
 
+    def updated(self, current_kl: float, n_steps: int) -> FixedKLController:
+        """The controller after `update`, a new one (this one unchanged): the same."""
+        return FixedKLController(self.coef)
+
     def state_dict(self) -> dict:
         return {"coef": self.coef}
 
@@ -58,8 +62,14 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        """One step from the KL measured over `n_steps` sequences (in place)."""
+        self.coef = self.updated(current_kl, n_steps).coef
+
+    def updated(self, current_kl: float, n_steps: int) -> AdaptiveKLController:
+        """The controller after one step (eq. 2), a new one; this one is unchanged."""
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.coef *= 1.0 + error * n_steps / self.horizon
+        coef = self.coef * (1.0 + error * n_steps / self.horizon)
+        return AdaptiveKLController(coef, self.target, self.horizon)
 
     def state_dict(self) -> dict:
         return {"coef": self.coef}

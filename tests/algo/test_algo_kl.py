@@ -203,3 +203,13 @@ def test_adaptive_controller_clips_error_at_plus_minus_point_two():
     d.update(1.6, 10)
     assert float(c.coef) == pytest.approx(float(d.coef), rel=1e-12)
     assert float(c.coef) == pytest.approx(0.98, rel=1e-12)  # 1 * (1 - 0.2*10/100)
+
+
+def test_updated_returns_a_new_controller_equal_to_an_in_place_update():
+    for make in (lambda: AdaptiveKLController(0.2, 6.0, 100), lambda: FixedKLController(0.2)):
+        ctl, moved = make(), make()
+        new = ctl.updated(9.0, 32)
+        moved.update(9.0, 32)
+        assert new is not ctl and ctl.coef == 0.2  # the original is left as it was
+        assert new.coef == moved.coef  # bit for bit the in-place step
+        assert type(new) is type(ctl)

@@ -22,7 +22,6 @@ from rlhf_dist.engine.forward import chunked_divergence, teacher_states
 from rlhf_dist.engine.packing import position_ids_from
 from rlhf_dist.models import ActorCritic
 from rlhf_dist.rollout import RolloutBatch
-from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.ppo.update import Teacher, UpdateKnobs, minibatch_backward
 
 V, TEMPERATURE, P, T = 50, 0.7, 6, 5
@@ -126,8 +125,7 @@ def step_gradient(batch, slices, knobs, teacher) -> dict[str, torch.Tensor]:
     """The gradient one optimizer step accumulates over `slices` of `batch`."""
     model = ActorCritic(tiny_lm(0), None).train()
     advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(5))
-    minibatch_backward(OneRank(), model, batch, advantages, None, knobs, slices, StatSums(),
-                       teacher=teacher)  # fmt: skip
+    minibatch_backward(OneRank(), model, batch, advantages, None, knobs, slices, teacher=teacher)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

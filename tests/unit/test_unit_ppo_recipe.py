@@ -34,3 +34,23 @@ def test_the_run_and_the_progress_are_frozen():
         Progress().first_score = 1.0  # type: ignore[misc]
     assert PPORun.__dataclass_params__.frozen  # type: ignore[attr-defined]
     assert "printed_first_batch" not in {f.name for f in dataclasses.fields(PPORun)}
+
+
+def test_controllers_are_returned_new_and_checkpoint_as_before():
+    from rlhf_dist.config import config_from_dict
+    from rlhf_dist.trainers.ppo.controllers import Controllers
+
+    tree = {"model": {"policy": "p"}, "data": {"train": "t.jsonl"}}
+    tree["ppo"] = {"kl_controller": "adaptive", "kl_target": 1.0, "entropy_coef": 0.01}
+    tree["ppo"] |= {"entropy_target": 2.0, "entropy_coef_lr": 0.01}
+    start = Controllers.restored(config_from_dict(tree).ppo, None)
+    before = start.state_dict()
+    scored = start.with_scores(1.0, 4.0, 8.0)
+    after = scored.after(3.0, 1.5, 16)
+    assert start.state_dict() == before  # nothing changed in place
+    assert scored.score_moments.state_dict() == {"mean": 1.0, "var": 4.0, "count": 8.0}
+    assert after.kl.coef == start.kl.updated(3.0, 16).coef
+    assert after.entropy.coef == pytest.approx(0.01 + 0.01 * (2.0 - 1.5))
+    assert list(after.state_dict()) == ["kl_controller", "entropy_controller", "score_moments"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.kl = start.kl  # type: ignore[misc]

@@ -12,7 +12,6 @@ import torch
 from test_unit_distill import TEMPERATURE, OneRank, rollout, tiny_lm
 
 from rlhf_dist.models import ActorCritic
-from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.ppo.update import UpdateKnobs, minibatch_backward
 
 
@@ -36,10 +35,9 @@ def gradient(batch, k: UpdateKnobs, advantages=None) -> tuple[dict, dict]:
     if advantages is None:
         g = torch.Generator().manual_seed(5)
         advantages = torch.randn(batch.response_mask.shape, generator=g)
-    stats = StatSums()
-    minibatch_backward(Rank(), model, batch, advantages, None, k, [slice(0, 4)], stats)
+    step = minibatch_backward(Rank(), model, batch, advantages, None, k, [slice(0, 4)])
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return grads, stats.reduce(Rank())
+    return grads, step.stats.reduce(Rank())
 
 
 def with_sampler(shift: torch.Tensor):

@@ -82,3 +82,19 @@ def test_global_moments_hand_computed_and_population_variance():
     # No mask: every element (the scores of a rollout).
     count, mean, _ = global_moments(FakeRuntime(), torch.tensor([2.0, 4.0]))
     assert (float(count), float(mean)) == (2.0, 3.0)
+
+
+def test_joined_parts_reduce_bit_for_bit_like_one_accumulator():
+    values = [0.1, 1e16, -1e16, 0.3, 2.5]  # float64 sums whose result depends on order
+    one, parts = StatSums(), []
+    for i, v in enumerate(values):
+        one.add("x", v, 1)
+        one.add_max("m", v)
+        part = StatSums()
+        part.add("x", v, 1)
+        part.add_max("m", v)
+        parts.append(part)
+        if i == 2:
+            parts.append(StatSums())  # an empty part changes nothing
+    assert StatSums.joined(parts).reduce(FakeRuntime()) == one.reduce(FakeRuntime())
+    assert parts[0].sums["x/sum"] == [0.1]  # the parts are left as they were

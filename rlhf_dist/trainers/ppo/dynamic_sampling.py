@@ -98,7 +98,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     return RolloutBatch(**out)
 
 
-def _pad(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+def _pad(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
     """(B, W) padded with `value` to (B, width) on the left or the right."""
     pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype, device=x.device)
     return torch.cat([pad, x] if left else [x, pad], dim=1)

@@ -3,6 +3,8 @@ actor measured on held-out prompts the way `rlhf-dist eval` measures a policy.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rlhf_dist.config import Config
 from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
@@ -10,7 +12,9 @@ from rlhf_dist.evaluate import evaluate_policy, load_gold_function
 from rlhf_dist.trainers.ppo.setup import PPORun
 
 
-def held_out_eval(cfg: Config, runtime: Runtime, run: PPORun):
+def held_out_eval(
+    cfg: Config, runtime: Runtime, run: PPORun
+) -> Callable[[], dict[str, float]] | None:
     """evaluate() -> {name: number} of the actor of `run` (the PPORun) on data.eval's
     prompts, or None without run.eval_every or data.eval.
 
@@ -31,7 +35,7 @@ def held_out_eval(cfg: Config, runtime: Runtime, run: PPORun):
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     models = run.rollout_models
 
-    def evaluate() -> dict:
+    def evaluate() -> dict[str, float]:
         run.model.eval()  # as for a rollout; the next iteration sets the modes it needs
         with runtime.autocast():
             summary, _ = evaluate_policy(runtime, models, prompts, cfg, run.tokenizer, gold_fn)

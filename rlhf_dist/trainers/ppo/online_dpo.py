@@ -35,6 +35,7 @@ from rlhf_dist.distributed import Runtime
 from rlhf_dist.rollout import PromptBatch, RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
+from rlhf_dist.trainers.ppo.controllers import Controllers
 from rlhf_dist.trainers.ppo.rollout import normalized, print_first_batch, sample_rollout
 from rlhf_dist.trainers.ppo.setup import PPORun
 from rlhf_dist.trainers.ppo.stats import (
@@ -83,7 +84,7 @@ class PairKnobs:
         return cls(p.kl_coef, p.dpo_loss, cfg.generation.temperature, p.optim.max_grad_norm)
 
 
-def pair_statistics(runtime: Runtime, batch: RolloutBatch, pairs: Pairs) -> dict:
+def pair_statistics(runtime: Runtime, batch: RolloutBatch, pairs: Pairs) -> dict[str, float]:
     """What the labeller decided, over all ranks: online_dpo/pairs (untied pairs),
     online_dpo/tie_fraction (share of groups skipped as ties), and the labeller's mean score
     of the chosen and rejected responses and their margin, over the untied pairs."""
@@ -98,12 +99,12 @@ def pair_statistics(runtime: Runtime, batch: RolloutBatch, pairs: Pairs) -> dict
 
 
 def pair_loss(
-    model: torch.nn.Module, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs, stats: StatSums
-) -> torch.Tensor:
-    """The weighted SUM of the DPO losses of m pairs (tied ones weigh 0), from ONE forward
-    of their 2m responses (chosen rows, then rejected rows); adds the pair statistics to
-    `stats` (sums over the untied pairs). The reference log-probs are the rollout's."""
-    rows = torch.cat([pairs.chosen, pairs.rejected])
+    model: torch.nn.Module, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs
+) -> tuple[torch.Tensor, StatSums]:
+    """(the weighted SUM of the DPO losses of m pairs (tied ones weigh 0), from ONE forward
+    of their 2m responses (chosen rows, then rejected rows); the pair statistics, sums
+    over the untied pairs). The reference log-probs are the rollout's."""
+    stats, rows = StatSums(), torch.cat([pairs.chosen, pairs.rejected])
     mb, _ = batch.select(rows).trimmed()  # columns that are padding in every row cost nothing
     stats.add("update/pad_fraction", *padding_cells(mb.attention_mask))
     logprobs, *_ = model(mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature)
@@ -122,38 +123,41 @@ def pair_loss(
     stats.add("rewards/accuracy", (w * (chosen > rejected).to(w.dtype)).sum(), n)
     stats.add("logprobs/chosen", (w * policy[:m].detach()).sum(), n)
     stats.add("logprobs/rejected", (w * policy[m:].detach()).sum(), n)
-    return (w * terms["loss"]).sum()
+    return (w * terms["loss"]).sum(), stats
 
 
 def pair_step(
     runtime: Runtime, model: torch.nn.Module, batch: RolloutBatch, pairs: Pairs, per_micro: int,
-    knobs: PairKnobs, stats: StatSums,
-) -> bool:  # fmt: skip
+    knobs: PairKnobs,
+) -> StatSums | None:  # fmt: skip
     """Accumulate one optimizer step's gradient over this rank's `pairs` (its share of the
-    global minibatch) in micro-batches of `per_micro` pairs. Returns False, with no
-    backward, when the whole global minibatch has no untied pair (every rank agrees)."""
+    global minibatch) in micro-batches of `per_micro` pairs; returns the micro-batches'
+    statistics joined in order. None, with no backward, when the whole global minibatch
+    has no untied pair (every rank agrees)."""
     count = runtime.all_sum(pairs.valid.sum().to(torch.float32))
     if float(count) == 0:
-        return False
-    starts = range(0, pairs.valid.numel(), per_micro)
+        return None
+    starts, parts = range(0, pairs.valid.numel(), per_micro), []
     for i, start in enumerate(starts):
         part = pairs.select(slice(start, start + per_micro))
-        loss = share_of_global_mean(runtime, pair_loss(model, batch, part, knobs, stats), count)
+        loss_sum, stats = pair_loss(model, batch, part, knobs)
+        loss = share_of_global_mean(runtime, loss_sum, count)
         runtime.micro_backward(model, loss, last=i == len(starts) - 1)
-    return True
+        parts.append(stats)
+    return StatSums.joined(parts)
 
 
 def online_dpo_update(
     runtime: Runtime, run: PPORun, batch: RolloutBatch, pairs: Pairs, knobs: PairKnobs,
     it: int = 0,
-) -> dict:  # fmt: skip
+) -> dict[str, float]:  # fmt: skip
     """ppo_epochs passes over this rank's G pairs in a fresh order each, one optimizer step
     per minibatch of ppo.minibatch_size / n pairs over all ranks (a group of n sequences is
     one pair), micro-batches of ppo.micro_batch_size / 2 pairs (2 responses each) per
     forward. A minibatch whose pairs all tie takes no optimizer or schedule step (a zero
     gradient would still move Adam's weights through its moments); they are counted as
     online_dpo/empty_steps. Returns the reduced statistics."""
-    plan, stats = run.plan, StatSums()
+    plan, parts = run.plan, []  # parts: each step's StatSums, in order
     per_step = plan.update.per_rank // plan.samples_per_prompt  # pairs per rank per step
     per_micro = max(1, plan.update.micro_batch_size // 2)
     trained, G = (run.model, run.optimizer, run.scheduler), pairs.valid.numel()
@@ -163,19 +167,23 @@ def online_dpo_update(
             order = torch.randperm(G, device=pairs.valid.device)
             for start in range(0, G, per_step):
                 part = pairs.select(order[start : start + per_step])
-                if not pair_step(runtime, run.model, batch, part, per_micro, knobs, stats):
+                stats = pair_step(runtime, run.model, batch, part, per_micro, knobs)
+                if stats is None:
                     empty += 1
                     continue
                 norms = step_and_schedule(runtime, trained, [knobs.max_grad_norm])
                 for norm in norms or ():
                     stats.add("optim/grad_norm_actor", norm, 1)
+                parts.append(stats)
                 maybe_fault("update", it)
-    return stats.reduce(runtime) | {"online_dpo/empty_steps": float(empty)}
+    reduced = StatSums.joined(parts).reduce(runtime)
+    return reduced | {"online_dpo/empty_steps": float(empty)}
 
 
 def online_dpo_iteration(
     runtime: Runtime,
     run: PPORun,
+    ctl: Controllers,
     prompt_batch: PromptBatch,
     cfg: Config,
     it: int,
@@ -184,8 +192,9 @@ def online_dpo_iteration(
 ) -> IterationResult:
     """One iteration of online DPO (docs/online_dpo.md) on PPO's rollout: steps 2-3 and 8
     of docs/architecture.md section 5, pairs and the DPO update in place of 4-7. The
-    per-token "advantages" logged are the pair labels (+1 / -1 / 0), (B, T). planned: not
-    read (online DPO reports no memory plan)."""
+    per-token "advantages" logged are the pair labels (+1 / -1 / 0), (B, T). ctl: the
+    controllers, of which only the score moments move here; planned: not read (online DPO
+    reports no memory plan)."""
     t0 = time.time()
     # 2. Rollout: n samples per prompt by the current policy, old and reference log-probs
     run.model.eval()
@@ -195,7 +204,7 @@ def online_dpo_iteration(
     print_first_batch(runtime, run, cfg, rollout, it)
     t1 = time.time()
     # 3. Scores: running normalisation and clipping, (B,)
-    batch = normalized(runtime, run, rollout.batch, cfg)
+    batch, ctl = normalized(runtime, ctl, rollout.batch, cfg)
     # 4. Pairs: each group's best and worst sample (tied groups skipped), and their labels
     n, mask = run.plan.samples_per_prompt, batch.response_mask
     labels = pair_labels(batch.scores, n, mask)  # (B, T): +1 chosen, -1 rejected, 0 else
@@ -205,13 +214,13 @@ def online_dpo_iteration(
     update = online_dpo_update(runtime, run, batch, pairs, PairKnobs.from_config(cfg), it)
     # 6. Statistics over all ranks: the rollout's, the labeller's, the update's
     kl = token_kl(batch.old_logprobs, batch.ref_logprobs, mask, cfg.ppo.kl_kind)
-    stats = rollout_stats(runtime, batch, kl, labels, None, run.kl_ctl.coef)
+    stats = rollout_stats(runtime, batch, kl, labels, None, ctl.kl.coef)
     stats |= rollout.sampling_stats | update
     stats |= pair_statistics(runtime, batch, pairs) | run.scorer.component_stats(runtime)
     stats |= overlong_stats(runtime, batch, mask, cfg)  # the soft penalty, in the scores
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, labels, kl)
-    stats |= iteration_costs(runtime, run, (t0, t1, time.time()), rollout.seconds, mask, cfg)
+    stats |= iteration_costs(runtime, run, ctl, (t0, t1, time.time()), rollout.seconds, mask, cfg)
     samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
-    return IterationResult(stats, distributions, samples)
+    return IterationResult(stats, distributions, samples, ctl)  # no controller moves

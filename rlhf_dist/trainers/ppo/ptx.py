@@ -19,19 +19,27 @@ checkpointed with the trainer state.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
+from torch import nn
 
 from rlhf_dist.config import Config
 from rlhf_dist.data.batching import BatchPlan, global_batches
-from rlhf_dist.data.rows import collate_sft, load_rows, sft_examples
+from rlhf_dist.data.rows import SFTExample, collate_sft, load_rows, sft_examples
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import share_of_global_mean
 from rlhf_dist.trainers.sft import token_nll_sum
 
 
-def actor_logprobs(model, input_ids, attention_mask, predict_mask):
+def actor_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predict_mask: torch.Tensor,
+) -> tuple[torch.Tensor, None]:
     """(log-probs (B, L-1), None) of the actor inside the prepared ActorCritic `model`,
     through its own forward (engine and DDP logic run), critic skipped, at temperature 1:
     the likelihood SFT trains, not the sampling distribution. `sft.sequence_nll`'s
@@ -48,7 +56,15 @@ class PtxStream:
     examples: SFTExample rows of data.ptx; plan: the global ptx batch (ppo.minibatch_size
     rows) over the world; position: global batches drawn so far (0, or a checkpoint's)."""
 
-    def __init__(self, examples, plan: BatchPlan, coef: float, seed: int, pad_id: int, position=0):
+    def __init__(
+        self,
+        examples: list[SFTExample],
+        plan: BatchPlan,
+        coef: float,
+        seed: int,
+        pad_id: int,
+        position: int = 0,
+    ) -> None:
         self.examples, self.plan, self.coef, self.pad_id = examples, plan, coef, pad_id
         self.position = position
         batches = global_batches(len(examples), plan.global_size, seed, epochs=10**9)
@@ -75,19 +91,20 @@ class PtxStream:
 class PtxStep:
     """One optimizer step's ptx micro-batches and the global token count they share."""
 
-    def __init__(self, micro: list[dict], count: torch.Tensor, coef: float):
+    def __init__(self, micro: list[dict[str, torch.Tensor]], count: torch.Tensor, coef: float):
         self.micro, self.count, self.coef = micro, count, coef
 
-    def loss(self, runtime: Runtime, model, i: int, stats) -> torch.Tensor:
-        """coef x micro-batch i's share of the global token-mean NLL, the loss to backward
-        (it adds to the step's gradient); `policy/ptx_loss` (the token mean) goes to `stats`."""
+    def loss(self, runtime: Runtime, model: nn.Module, i: int) -> tuple[torch.Tensor, StatSums]:
+        """(coef x micro-batch i's share of the global token-mean NLL, the loss to backward
+        (it adds to the step's gradient); its `policy/ptx_loss` sums, a token mean)."""
         nll_sum, tokens = token_nll_sum(model, self.micro[i], actor_logprobs)
+        stats = StatSums()
         stats.add("policy/ptx_loss", nll_sum.detach(), tokens)
-        return self.coef * share_of_global_mean(runtime, nll_sum, self.count)
+        return self.coef * share_of_global_mean(runtime, nll_sum, self.count), stats
 
 
 def ptx_stream(
-    cfg: Config, runtime: Runtime, tokenizer, plan: BatchPlan, position: int = 0
+    cfg: Config, runtime: Runtime, tokenizer: Any, plan: BatchPlan, position: int = 0
 ) -> PtxStream | None:
     """The run's PtxStream (None with ppo.ptx_coef 0): data.ptx's SFT rows, at least one
     global batch of them, drawn from `position` on."""

@@ -15,6 +15,7 @@ so logged means and the loss do not depend on how batches are split.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -40,6 +41,7 @@ from rlhf_dist.trainers.ppo.advantages import (
     trained_view,
     with_update_logprobs,
 )
+from rlhf_dist.trainers.ppo.controllers import Controllers
 from rlhf_dist.trainers.ppo.entropy import cov_choice
 from rlhf_dist.trainers.ppo.evaluation import held_out_eval
 from rlhf_dist.trainers.ppo.online_dpo import online_dpo_iteration
@@ -64,12 +66,14 @@ from rlhf_dist.trainers.publish import publish
 
 class Iteration(Protocol):
     """One iteration of an objective (ppo_iteration and OBJECTIVES' entries): steps 2-8 on
-    this rank's prompts, the statistics reduced over all ranks."""
+    this rank's prompts with the controllers `ctl`, the statistics reduced over all ranks
+    and the controllers of the next iteration (IterationResult.controllers)."""
 
     def __call__(
         self,
         runtime: Runtime,
         run: PPORun,
+        ctl: Controllers,
         prompt_batch: PromptBatch,
         cfg: Config,
         it: int,
@@ -94,6 +98,7 @@ def train_ppo(cfg: Config, runtime: Runtime, sampler: Sampler | None = None) -> 
     if ckpt:
         ckpt.restore_rng(seed)
     progress, preemption = Progress.resumed(ckpt), PreemptionFlag()
+    ctl = Controllers.restored(p, ckpt)  # the iteration's state: KL, entropy, score moments
     alerts = AlertMonitor(cfg.alerts)  # ppo's alerts, their state resumed too
     if ckpt:  # alerts judge "since the start" of the run, not of this process
         alerts.load_state_dict(ckpt.trainer.get("alerts"))
@@ -110,17 +115,17 @@ def train_ppo(cfg: Config, runtime: Runtime, sampler: Sampler | None = None) -> 
         more = extra_prompts(prompts, run.plan, runtime, seed, pad, it)
         # 2.-7. Rollout, scores, rewards, advantages, the update's view, the update
         try:
-            result = iteration(runtime, run, prompt_batch, cfg, it, more, planned)
+            result = iteration(runtime, run, ctl, prompt_batch, cfg, it, more, planned)
         except (RewardFunctionError, ServerError) as e:
             run.rollout_models.sampler.close()  # a rollout in flight is not waited for
-            state = trainer_state(run, progress.first_score, alerts)
+            state = trainer_state(run, ctl, progress.first_score, alerts)
             failure = stop_on_failure(cfg, runtime, (out, logger), run, (it - 1, rng), state, e)
             raise failure from e.__cause__
-        # 8. Statistics (the controllers moved in the iteration), then the safe point
-        progress = progress.after(result.stats)
+        # 8. Statistics and the next iteration's controllers, then the safe point
+        progress, ctl = progress.after(result.stats), result.controllers
         report_iteration(logger, cfg, it, result, alerts)
         steps, trained = (it, p.iterations), (run.model, run.optimizer)
-        state = trainer_state(run, progress.first_score, alerts)
+        state = trainer_state(run, ctl, progress.first_score, alerts)
         safe_point(cfg, runtime, out, steps, preemption, trained, state)
         evaluate_if_due(cfg, runtime, logger, steps, evaluate)
     # 9. Export the trained models, the summary and the model card
@@ -135,6 +140,7 @@ def train_ppo(cfg: Config, runtime: Runtime, sampler: Sampler | None = None) -> 
 def ppo_iteration(
     runtime: Runtime,
     run: PPORun,
+    ctl: Controllers,
     prompt_batch: PromptBatch,
     cfg: Config,
     it: int,
@@ -147,7 +153,7 @@ def ppo_iteration(
     more_prompts: round -> prompt batch (dynamic sampling); planned: the memory plan's
     per-phase peaks, bytes; advantages_of: step 5 (advantages.estimate: the registered
     estimator ppo.estimator)."""
-    p, kl_coef = cfg.ppo, run.kl_ctl.coef
+    p, kl_coef = cfg.ppo, ctl.kl.coef
     t0 = time.time()
     # 2. Rollout: sample and score (old/ref log-probs, values; none of the actor's when
     #    the update's forward gives them), refilled with ppo.dynamic_sampling
@@ -163,7 +169,7 @@ def ppo_iteration(
     print_first_batch(runtime, run, cfg, rollout, it)
     t1 = time.time()
     # 3. Scores: running normalisation and clipping, (B,)
-    batch = normalized(runtime, run, rollout.batch, cfg)
+    batch, ctl = normalized(runtime, ctl, rollout.batch, cfg)
     # 4. Rewards (B, T); kl (B, T) is None while the old log-probs are unknown
     rewards, kl = rollout_rewards(batch, kl_coef, p)
     # 5. Advantages (B, T) of the registered estimator; returns (B, T) with a critic
@@ -173,20 +179,20 @@ def ppo_iteration(
     chosen, cov_stats = cov_choice(runtime, trained, trained_adv, p, cfg.run.seed, it)
     # 7. Update: ppo_epochs x minibatches of the registered policy loss and its terms
     run.model.train()
-    knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names, run.entropy_ctl.coef)
+    knobs = UpdateKnobs.from_config(cfg, kl_coef, run.group_names, ctl.entropy.coef)
     update = ppo_update(runtime, run, trained, trained_adv, returns, knobs, it, chosen)
     measured["update"] = runtime.phase_peak_bytes()
     batch = with_update_logprobs(batch, update)
     if kl is None:  # the update's forward gave the old log-probs: the rollout's KL now
         kl = token_kl(batch.old_logprobs, batch.ref_logprobs, batch.response_mask, p.kl_kind)
-    # 8. Statistics over all ranks, then the KL and entropy controllers move
+    # 8. Statistics over all ranks, then the next iteration's KL and entropy coefficients
     phases = PPOStats(rollout, batch, kl, advantages, returns, overlong | cov_stats, update)
     result = iteration_result(
-        runtime, run, cfg, it, phases, (t0, t1, time.time()), planned, measured
+        runtime, run, ctl, cfg, it, phases, (t0, t1, time.time()), planned, measured
     )
-    run.kl_ctl.update(result.stats["objective/kl"], run.plan.sequences)
-    run.entropy_ctl.update(result.stats["objective/entropy"])  # next iteration's coefficient
-    return result
+    stats = result.stats
+    ctl = ctl.after(stats["objective/kl"], stats["objective/entropy"], run.plan.sequences)
+    return dataclasses.replace(result, controllers=ctl)
 
 
 def run_summary(cfg: Config, progress: Progress) -> dict:
@@ -204,6 +210,7 @@ def run_summary(cfg: Config, progress: Progress) -> dict:
 def distill_iteration(
     runtime: Runtime,
     run: PPORun,
+    ctl: Controllers,
     prompt_batch: PromptBatch,
     cfg: Config,
     it: int,
@@ -214,7 +221,8 @@ def distill_iteration(
     docs/distill.md): PPO's iteration with no task advantage (step 5), the teacher's
     per-token signal joining the advantages or the loss in the update (step 7)."""
     no_task = no_task_advantages
-    return ppo_iteration(runtime, run, prompt_batch, cfg, it, more_prompts, planned, no_task)
+    args = (prompt_batch, cfg, it, more_prompts, planned)
+    return ppo_iteration(runtime, run, ctl, *args, no_task)
 
 
 # The objectives of their own, by their ppo.estimator value (catalog.OBJECTIVES); every

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_dist.algo.masking import RunningMoments
 from rlhf_dist.algo.objectives import overlong_penalty
 from rlhf_dist.config import Config, RewardConfig
 from rlhf_dist.distributed import Runtime
@@ -20,6 +19,7 @@ from rlhf_dist.rollout import PromptBatch, collect_rollout
 from rlhf_dist.rollout.batch import RolloutBatch, describe_batch
 from rlhf_dist.stats import global_moments
 from rlhf_dist.trainers.common import checkpoint_due
+from rlhf_dist.trainers.ppo.controllers import Controllers
 from rlhf_dist.trainers.ppo.dynamic_sampling import rollout_until_full
 from rlhf_dist.trainers.ppo.setup import PPORun
 
@@ -77,23 +77,27 @@ def sample_rollout(
 
 
 def normalize_scores(
-    runtime: Runtime, scores: torch.Tensor, moments: RunningMoments, reward_cfg: RewardConfig
-) -> torch.Tensor:
-    """Running normalisation (statistics over all ranks) and clipping of the scores, (B,)."""
+    runtime: Runtime, scores: torch.Tensor, ctl: Controllers, reward_cfg: RewardConfig
+) -> tuple[torch.Tensor, Controllers]:
+    """(the scores (B,) normalised by the running moments with this batch's joined
+    (statistics over all ranks) and clipped, the controllers with those moments)."""
     if reward_cfg.normalize:  # RunningMoments folds in population variances
         count, mean, sq_dev = global_moments(runtime, scores)
-        moments.update(float(mean), float(sq_dev / count), float(count))
+        ctl = ctl.with_scores(float(mean), float(sq_dev / count), float(count))
+        moments = ctl.score_moments
         scores = (scores - moments.mean) / (moments.var + 1e-8) ** 0.5
     if reward_cfg.clip is not None:
         scores = scores.clamp(-reward_cfg.clip, reward_cfg.clip)
-    return scores
+    return scores, ctl
 
 
-def normalized(runtime: Runtime, run: PPORun, batch: RolloutBatch, cfg: Config) -> RolloutBatch:
-    """Step 3: the rollout with its scores normalised and clipped (normalize_scores; the
-    run's running moments move)."""
-    scores = normalize_scores(runtime, batch.scores, run.score_moments, cfg.reward)
-    return dataclasses.replace(batch, scores=scores)
+def normalized(
+    runtime: Runtime, ctl: Controllers, batch: RolloutBatch, cfg: Config
+) -> tuple[RolloutBatch, Controllers]:
+    """Step 3: (the rollout with its scores normalised and clipped, the controllers with
+    the running moments moved; normalize_scores)."""
+    scores, ctl = normalize_scores(runtime, batch.scores, ctl, cfg.reward)
+    return dataclasses.replace(batch, scores=scores), ctl
 
 
 def print_first_batch(
@@ -105,7 +109,7 @@ def print_first_batch(
         print(describe_batch(run.tokenizer, rollout.batch, rollout.texts), flush=True)
 
 
-def expect_next(cfg: Config, run: PPORun, it: int, upcoming) -> None:
+def expect_next(cfg: Config, run: PPORun, it: int, upcoming: PromptBatch | None) -> None:
     """ppo.max_staleness (generation/prefetch.py): tell the servers' client which prompts to
     request while iteration `it` trains: none at the last iteration or one that writes a
     scheduled checkpoint, so the iteration after a checkpoint samples on-policy and a

@@ -9,22 +9,21 @@ reward model, the frozen reward model is the critic's base with adapters off.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from rlhf_dist.algo import catalog
-from rlhf_dist.algo.entropy import EntropyController
-from rlhf_dist.algo.kl import AdaptiveKLController, FixedKLController
-from rlhf_dist.algo.masking import RunningMoments
 from rlhf_dist.checkpoint import Checkpoint
-from rlhf_dist.config import Config, PPOConfig
+from rlhf_dist.config import Config
 from rlhf_dist.data.batching import PPOPlan, ppo_plan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.distributed import Runtime
+from rlhf_dist.distributed.runtime import GenerationModule
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.generation import Sampler, make_sampler
 from rlhf_dist.models import (
@@ -48,7 +47,7 @@ from rlhf_dist.models.lora import (
     export_lora,
     merged_adapters,
 )
-from rlhf_dist.rewards.scoring import Scorer, build_scorer, reward_inputs_for
+from rlhf_dist.rewards.scoring import RewardInputs, Scorer, build_scorer, reward_inputs_for
 from rlhf_dist.rollout import RolloutModels
 from rlhf_dist.rollout.agent import Agent, build_agent
 from rlhf_dist.rollout.endpoint import EndpointAgent, endpoint_agent
@@ -58,7 +57,6 @@ from rlhf_dist.trainers.common import (
     make_scheduler,
     save_pretrained,
 )
-from rlhf_dist.trainers.ppo.entropy import make_entropy_controller
 from rlhf_dist.trainers.ppo.ptx import PtxStream, ptx_stream
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
@@ -83,7 +81,7 @@ def needs_reference(cfg: Config) -> bool:
     return cfg.ppo.kl_coef > 0
 
 
-def check_teacher_tokenizer(cfg: Config, policy_tokenizer) -> None:
+def check_teacher_tokenizer(cfg: Config, policy_tokenizer: Any) -> None:
     """The teacher scores the policy's own token ids (docs/distill.md), so it must read
     them as the same tokens: the same vocabulary and BOS/EOS ids. Compared on the
     tokenizers alone, before any weights load; one line naming model.teacher."""
@@ -108,7 +106,9 @@ def _load_teacher(cfg: Config, runtime: Runtime) -> nn.Module:
     return runtime.prepare_frozen(teacher, cfg.distributed.frozen_models, dtype, "teacher")
 
 
-def _frozen_scorer(cfg: Config, runtime: Runtime, reward_inputs) -> Scorer | None:
+def _frozen_scorer(
+    cfg: Config, runtime: Runtime, reward_inputs: RewardInputs | None
+) -> Scorer | None:
     """The reward of the run (rewards.scoring.build_scorer); None where the LoRA critic's
     adapters-off base is the reward model (built after prepare); without a reward source,
     the environment's rewards alone, or zeros for distillation alone
@@ -124,13 +124,17 @@ def _frozen_scorer(cfg: Config, runtime: Runtime, reward_inputs) -> Scorer | Non
     )
 
 
-def no_task_reward(prompts, responses, columns=None) -> torch.Tensor:
+def no_task_reward(
+    prompts: list[str], responses: list[str], columns: dict[str, list[Any]] | None = None
+) -> torch.Tensor:
     """The scores of ppo.estimator=distill without a reward source: 0 for every response
     (B,); the teacher's signal is all that trains."""
     return torch.zeros(len(responses))
 
 
-def environment_reward(prompts, responses, columns=None) -> torch.Tensor:
+def environment_reward(
+    prompts: list[str], responses: list[str], columns: dict[str, list[Any]] | None = None
+) -> torch.Tensor:
     """The scores of an environment without another reward source: NaN for every response
     (B,), each replaced by the reward the environment gave its episode (rollout/collect.py,
     which stops the run when an episode gave none; a verifiers rubric always gives one)."""
@@ -145,11 +149,16 @@ def has_critic(cfg: Config) -> bool:
 class AdapterOffValue(nn.Module):
     """The frozen reward model as the LoRA critic's base with adapters off."""
 
-    def __init__(self, critic_fn):
+    def __init__(self, critic_fn: Callable[[], nn.Module]) -> None:
         super().__init__()
         self._critic_fn = critic_fn
 
-    def forward(self, input_ids, attention_mask, position_ids=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         critic = self._critic_fn()
         with adapters_disabled(critic.classifier):
             return critic(input_ids, attention_mask, position_ids)
@@ -192,7 +201,7 @@ def shares_reward_with_critic(cfg: Config) -> bool:
     )
 
 
-def check_critic_tokenizer(cfg: Config, reward_inputs) -> None:
+def check_critic_tokenizer(cfg: Config, reward_inputs: RewardInputs | None) -> None:
     """A critic reads the policy's tokens in the same forward as the actor, so it cannot
     start from a reward model with another tokenizer or template (docs/data.md)."""
     if reward_inputs is not None and cfg.ppo.critic_init == "reward":
@@ -203,7 +212,9 @@ def check_critic_tokenizer(cfg: Config, reward_inputs) -> None:
         )
 
 
-def build_models(cfg: Config, runtime: Runtime, plan, total_steps: int, ckpt=None) -> PPOModels:
+def build_models(
+    cfg: Config, runtime: Runtime, plan: PPOPlan, total_steps: int, ckpt: Checkpoint | None = None
+) -> PPOModels:
     """Load, wrap and prepare the four models of a PPO run."""
     m, p = cfg.model, cfg.ppo
     if m.teacher:  # a tokenizer mismatch is found before any weights load
@@ -264,7 +275,9 @@ def _load_reference(cfg: Config) -> nn.Module:
     return load_causal_lm(m.policy, "model.policy", frozen_dtype(cfg.model), m)
 
 
-def export_models(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) -> None:
+def export_models(
+    cfg: Config, runtime: Runtime, model: nn.Module, tokenizer: Any, out: Path
+) -> None:
     """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
     lora, tokenizer = cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
@@ -288,14 +301,14 @@ def export_models(cfg: Config, runtime: Runtime, model, tokenizer, out: Path) ->
 
 
 def _export_lora_models(
-    cfg: Config, runtime: Runtime, model, tokenizer, out: Path, state: dict
+    cfg: Config, runtime: Runtime, model: nn.Module, tokenizer: Any, out: Path, state: dict
 ) -> None:
     """On the main process: rebuild the LoRA actor (and critic) on CPU from `state`, export."""
     m, lora = cfg.model, cfg.lora
     merged = out / "final" if lora.export in ("merged", "both") else None
     adapter = out / "final_adapter" if lora.export in ("adapter", "both") else None
 
-    def policy_base():
+    def policy_base() -> nn.Module:
         return load_causal_lm(m.policy, "model.policy", train_dtype(m), m)
 
     export_lora(state, "actor.", policy_base, lora, "CAUSAL_LM", None, merged, adapter)
@@ -318,13 +331,6 @@ def _export_lora_models(
         critic.save_pretrained(out / "critic", state_dict=own, safe_serialization=True)
     for directory in filter(None, (merged, adapter, out / "critic" if has_critic(cfg) else None)):
         tokenizer.save_pretrained(directory)
-
-
-def make_kl_controller(ppo_cfg: PPOConfig) -> FixedKLController | AdaptiveKLController:
-    """ppo.kl_controller: the adaptive controller (Ziegler et al. 2019) or a fixed coefficient."""
-    if ppo_cfg.kl_controller == "adaptive":
-        return AdaptiveKLController(ppo_cfg.kl_coef, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
-    return FixedKLController(ppo_cfg.kl_coef)
 
 
 def start_ppo(
@@ -351,21 +357,19 @@ def start_ppo(
     model = built.model
 
     rollout_models = make_rollout_models(cfg, runtime, built, tokenizer, agent, sampler)
-    kl_ctl, moments, entropy_ctl = restored_controllers(p, ckpt, built.scheduler)
+    if ckpt:  # the learning rate's schedule continues where the checkpoint was
+        built.scheduler.load_state_dict(ckpt.trainer["scheduler"])
     return PPORun(
         model,
         built.optimizer,
         built.scheduler,
         rollout_models,
         tokenizer,
-        kl_ctl,
         plan,
-        moments,
         built.group_names,
         built.scorer,
         cfg.perf.gather_for_training,
         ptx=ptx,
-        entropy_ctl=entropy_ctl,
         first_iteration=(ckpt.step if ckpt else 0) + 1,
     )
 
@@ -373,8 +377,8 @@ def start_ppo(
 def make_rollout_models(
     cfg: Config,
     runtime: Runtime,
-    built,
-    tokenizer,
+    built: PPOModels,
+    tokenizer: Any,
     agent: Agent | EndpointAgent | None,
     sampler: Sampler | None = None,
 ) -> RolloutModels:
@@ -388,7 +392,7 @@ def make_rollout_models(
     merge = cfg.lora.enabled and (runtime.zero_stage != 3 or gather)
 
     @contextlib.contextmanager
-    def generation_context():
+    def generation_context() -> Iterator[GenerationModule]:
         with contextlib.ExitStack() as stack:
             actor, keep_in_step = stack.enter_context(
                 runtime.generation_context(model, "actor", gather)
@@ -417,41 +421,22 @@ def make_rollout_models(
     )
 
 
-def restored_controllers(
-    p: PPOConfig, ckpt: Checkpoint | None, scheduler: torch.optim.lr_scheduler.LRScheduler
-) -> tuple[FixedKLController | AdaptiveKLController, RunningMoments, EntropyController]:
-    """(KL controller, score moments, entropy controller), restored from the checkpoint
-    (the scheduler's position too) when resuming."""
-    kl_ctl, moments = make_kl_controller(p), RunningMoments()
-    entropy_ctl = make_entropy_controller(p)
-    if ckpt:
-        kl_ctl.load_state_dict(ckpt.trainer["kl_controller"])
-        if "entropy_controller" in ckpt.trainer:  # absent from checkpoints written before it
-            entropy_ctl.load_state_dict(ckpt.trainer["entropy_controller"])
-        moments.load_state_dict(ckpt.trainer["score_moments"])
-        scheduler.load_state_dict(ckpt.trainer["scheduler"])
-    return kl_ctl, moments, entropy_ctl
-
-
 @dataclass(frozen=True)
 class PPORun:
-    """The live objects of a PPO run (what one iteration reads and updates). Frozen: no
+    """The live objects of a PPO run (what one iteration reads and trains). Frozen: no
     field is reassigned; the objects that do change over a run are the trained model, its
-    optimizer and scheduler, and the controllers (KL, entropy, score moments), each with
-    a state_dict that the checkpoint holds (state.trainer_state)."""
+    optimizer and scheduler and the ptx stream's position, each in the checkpoint
+    (state.trainer_state). The controllers are the iteration's state, not the run's
+    (controllers.Controllers: each iteration takes them and returns new ones)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     rollout_models: RolloutModels
     tokenizer: PreTrainedTokenizerBase
-    kl_ctl: FixedKLController | AdaptiveKLController
     plan: PPOPlan
-    score_moments: RunningMoments
     group_names: tuple[str, ...]  # the optimizer's param groups, e.g. ("actor", "critic")
     scorer: Scorer  # rollout_models' scorer: its failures and per-component statistics
     gather_for_training: str = "auto"  # perf.gather_for_training
     ptx: PtxStream | None = None  # PPO-ptx's SFT rows (ppo.ptx_coef > 0), ptx.py
-    # the entropy bonus's coefficient, fixed or steered to ppo.entropy_target (entropy.py)
-    entropy_ctl: EntropyController = field(default_factory=lambda: EntropyController(0.0))
     first_iteration: int = 1  # this process's first iteration (after a resume: step + 1)

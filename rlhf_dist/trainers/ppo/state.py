@@ -1,6 +1,7 @@
 """What a PPO run carries from one iteration to the next, and what a checkpoint keeps of
 it (docs/architecture.md section 7). The run's objects (setup.PPORun) are frozen; the
-loop's own progress is a frozen `Progress`, a new one after every iteration."""
+loop's own progress is a frozen `Progress`, a new one after every iteration, and the
+iteration's state a frozen `controllers.Controllers`, returned new by every iteration."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rlhf_dist.errors import RewardFunctionError, ServerError
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.observability.tracking import MetricsLogger
 from rlhf_dist.trainers.common import write_checkpoint
+from rlhf_dist.trainers.ppo.controllers import Controllers
 from rlhf_dist.trainers.ppo.setup import PPORun
 
 
@@ -36,12 +38,12 @@ class Progress:
         return Progress(first, stats)
 
 
-def trainer_state(run: PPORun, first_score: float | None, alerts: AlertMonitor) -> dict:
-    """Everything besides weights and optimizer that a resumed run must continue from."""
-    return {
-        "kl_controller": run.kl_ctl.state_dict(),
-        "entropy_controller": run.entropy_ctl.state_dict(),
-        "score_moments": run.score_moments.state_dict(),
+def trainer_state(
+    run: PPORun, ctl: Controllers, first_score: float | None, alerts: AlertMonitor
+) -> dict:
+    """Everything besides weights and optimizer that a resumed run must continue from:
+    the controllers after the last completed iteration, the schedule, the alerts, ..."""
+    return ctl.state_dict() | {
         "scheduler": run.scheduler.state_dict(),
         "first_score": first_score,
         "alerts": alerts.state_dict(),

@@ -28,6 +28,7 @@ from rlhf_dist.stats import StatSums, global_moments
 from rlhf_dist.trainers.common import (
     padding_cells,
 )
+from rlhf_dist.trainers.ppo.controllers import Controllers
 from rlhf_dist.trainers.ppo.setup import PPORun
 
 if TYPE_CHECKING:  # the rollout step's and the update's results, read here only
@@ -160,6 +161,7 @@ def gather_distributions(
 def iteration_costs(
     runtime: Runtime,
     run: PPORun,
+    ctl: Controllers,
     times: tuple[float, float, float],
     timings: dict[str, float],
     mask: torch.Tensor,
@@ -170,8 +172,8 @@ def iteration_costs(
     tokens = float(runtime.all_sum(mask.sum().double()))
     peak = float(runtime.all_max(torch.tensor(float(runtime.peak_memory_bytes()))))
     return {
-        "optim/kl_coef": run.kl_ctl.coef,
-        "entropy/coef": run.entropy_ctl.coef,  # this iteration's; the controller moves after
+        "optim/kl_coef": ctl.kl.coef,
+        "entropy/coef": ctl.entropy.coef,  # this iteration's; the controller moves after
         "optim/lr_actor": run.scheduler.get_last_lr()[0],
         "time/generate": timings.get("generate", 0.0),
         "time/score": timings.get("score", 0.0),
@@ -199,7 +201,7 @@ def memory_plan_stats(
     return stats
 
 
-def server_stats(runtime, sampler: Sampler) -> dict:
+def server_stats(runtime: Runtime, sampler: Sampler) -> dict[str, float]:
     """generation.backend=server (docs/serving.md): the last post-sync check's mean
     per-token log-prob gap (the largest over the servers), the policy version the rollout
     was sampled with, the sync's seconds and its memory growth on the rank that grew most
@@ -237,11 +239,15 @@ def report_iteration(
         logger.log(it, stats, CONSOLE_KEYS)
 
 
-@dataclass
+@dataclass(frozen=True)
 class IterationResult:
-    stats: dict
-    distributions: dict | None  # name -> values gathered from all ranks (when due)
-    samples: list  # this rank's first few (prompt, response, score, kl) rows
+    """What an iteration returns: its metrics row, histograms, samples, and the
+    controllers the next iteration runs with (controllers.py)."""
+
+    stats: dict[str, float]
+    distributions: dict[str, torch.Tensor] | None  # name -> values from all ranks (when due)
+    samples: list[dict]  # this rank's first few (prompt, response, score, kl) rows
+    controllers: Controllers
 
 
 @dataclass(frozen=True)
@@ -264,6 +270,7 @@ class PPOStats:
 def iteration_result(
     runtime: Runtime,
     run: PPORun,
+    ctl: Controllers,
     cfg: Config,
     it: int,
     phases: PPOStats,
@@ -272,9 +279,10 @@ def iteration_result(
     measured: dict[str, int | None],
 ) -> IterationResult:
     """The metrics row (docs/metrics.md), histograms when due and samples of one PPO
-    iteration. Collectives, in the same order on every rank."""
+    iteration, with the controllers `ctl` it ran with. Collectives, in the same order on
+    every rank."""
     batch, kl, rollout = phases.batch, phases.kl, phases.rollout
-    stats = rollout_stats(runtime, batch, kl, phases.advantages, phases.returns, run.kl_ctl.coef)
+    stats = rollout_stats(runtime, batch, kl, phases.advantages, phases.returns, ctl.kl.coef)
     stats |= rollout.sampling_stats | phases.view_stats
     stats |= run.scorer.component_stats(runtime) | phases.update.stats
     stats |= distill_stats(runtime, batch)  # {} without model.teacher
@@ -282,7 +290,7 @@ def iteration_result(
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, phases.advantages, kl)
-    stats |= iteration_costs(runtime, run, times, rollout.seconds, batch.response_mask, cfg)
+    stats |= iteration_costs(runtime, run, ctl, times, rollout.seconds, batch.response_mask, cfg)
     stats |= memory_plan_stats(runtime, planned or {}, measured)
     samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
-    return IterationResult(stats, distributions, samples)
+    return IterationResult(stats, distributions, samples, ctl)

@@ -11,7 +11,9 @@ and `ppo_update` returns them with the statistics; the batch is never written to
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
@@ -41,6 +43,12 @@ from rlhf_dist.trainers.ppo.setup import PPORun
 # (micro-batch rows, as an index into the minibatch; log-probs and entropies (b, T') of
 # the update's forward, detached) for a micro-batch whose rollout had no old log-probs
 FirstForward = tuple[slice | torch.Tensor, torch.Tensor, torch.Tensor]
+# A micro-batch of a minibatch share: rows as a slice, or an index tensor (b,) with
+# ppo.micro_batch_tokens (update_micro_batches)
+MicroSlice: TypeAlias = slice | torch.Tensor
+# The per-token divergence the actor's forward applies to its final hidden states:
+# (LM head, hidden (N, H)) -> (N,) (ActorCritic.forward's `divergence`)
+Divergence: TypeAlias = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class UpdateKnobs:
         cls,
         cfg: Config,
         kl_coef: float | None = None,
-        group_names=("actor", "critic"),
+        group_names: tuple[str, ...] = ("actor", "critic"),
         entropy_coef: float | None = None,
     ) -> UpdateKnobs:
         """kl_coef, entropy_coef: the controllers' current values (None: ppo.kl_coef,
@@ -107,9 +115,27 @@ class UpdateResult:
     rollout came without old log-probs, the old log-probs and entropies (B, T) its first
     forward computed (0 outside the rows' response tokens)."""
 
-    stats: dict
+    stats: dict[str, float]
     old_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MicroLoss:
+    """One micro-batch's loss and what it gives back (micro_batch_loss)."""
+
+    loss_sum: torch.Tensor  # weighted token SUM, 0-d; divided by the global count later
+    fresh: tuple[torch.Tensor, torch.Tensor] | None  # (log-probs, entropies) (b, T'), or None
+    stats: StatSums  # the loss terms' token sums with their counts
+
+
+@dataclass(frozen=True)
+class Backward:
+    """One optimizer step's accumulated backward (minibatch_backward): the old log-probs
+    and entropies of micro-batches that had none, and the step's statistics."""
+
+    first_forwards: list[FirstForward]
+    stats: StatSums
 
 
 def policy_terms(
@@ -134,12 +160,13 @@ def policy_terms(
 
 def micro_batch_loss(
     model: torch.nn.Module, mb: RolloutBatch, advantages: torch.Tensor,
-    returns: torch.Tensor | None, knobs: UpdateKnobs, stats: StatSums,
+    returns: torch.Tensor | None, knobs: UpdateKnobs,
     chosen: torch.Tensor | None = None,
     teacher: Teacher | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # fmt: skip
-    """(weighted token SUM of one micro-batch's loss, this forward's detached (log-probs,
-    entropies) when mb has no old log-probs, else None). The caller divides the sum by the
+) -> MicroLoss:  # fmt: skip
+    """One micro-batch's MicroLoss: the weighted token SUM of its loss, this forward's
+    detached (log-probs, entropies) when mb has no old log-probs, and the loss terms'
+    statistics (token sums with their counts). The caller divides the sum by the
     global count of tokens or sequences (knobs.loss_aggregation). The loss: the policy
     loss, + vf_coef x the value loss with a critic, + kl_loss_coef x the KL to the
     reference when KL is a loss term, - entropy_coef x the entropy. On-policy distillation
@@ -148,10 +175,10 @@ def micro_batch_loss(
     the teacher (`teacher`, run on this micro-batch) joins the loss (gjsd).
 
     mb: a RolloutBatch (B rows, T response columns); advantages: (B, T); returns: (B, T)
-    or None without a critic; stats: the loss statistics are added to it; chosen: (B, T)
+    or None without a critic; chosen: (B, T)
     bool, the tokens ppo.cov_control acts on (None: off). Without old log-probs
     (`old_logprobs_from_update`) this forward's, detached, are the old ones."""
-    first = mb.old_logprobs is None
+    first, stats = mb.old_logprobs is None, StatSums()  # this micro-batch's statistics
     gjsd = gjsd_of_teacher(teacher, mb, knobs) if knobs.distill_coef else None
     logprobs, entropy, values, *divergence = model(
         mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
@@ -184,7 +211,7 @@ def micro_batch_loss(
     add_loss_stats(stats, named, pg, mask)
     weights = aggregation_weights(mask, knobs.loss_aggregation, per_token.dtype)
     fresh = (old_logprobs, entropy.detach()) if first else None
-    return masked_sum(weights * per_token, mask), fresh
+    return MicroLoss(masked_sum(weights * per_token, mask), fresh, stats)
 
 
 def corrected_terms(
@@ -209,7 +236,13 @@ def corrected_terms(
 
 
 def cov_control_terms(
-    per_token, logprobs, old_logprobs, chosen, knobs: UpdateKnobs, stats: StatSums, mask
+    per_token: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    chosen: torch.Tensor,
+    knobs: UpdateKnobs,
+    stats: StatSums,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
     """The per-token policy loss (B, T) with ppo.cov_control applied to the `chosen` tokens
     (B, T) bool, picked once per rollout (entropy.py): clip_cov stops their
@@ -245,7 +278,9 @@ class Teacher:
     perf: PerfConfig
 
 
-def gjsd_of_teacher(teacher: Teacher | None, mb: RolloutBatch, knobs: UpdateKnobs):
+def gjsd_of_teacher(
+    teacher: Teacher | None, mb: RolloutBatch, knobs: UpdateKnobs
+) -> Divergence | None:
     """With distill_loss=gjsd: the divergence function the actor's forward applies to its
     final hidden states (ActorCritic.forward's `divergence`): per-token GJSD(distill_beta)
     to the teacher at the sampling temperature, over the whole vocabulary, chunked
@@ -261,13 +296,18 @@ def gjsd_of_teacher(teacher: Teacher | None, mb: RolloutBatch, knobs: UpdateKnob
     jsd = functools.partial(generalized_jsd, beta=knobs.distill_beta, temperature=knobs.temperature)
     chunk = teacher.perf.logprob_chunk_tokens
 
-    def divergence(lm, hidden):  # (N, H) -> (N,)
+    def divergence(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # (N, H) -> (N,)
         return chunked_divergence(lm, hidden, states, jsd, chunk)
 
     return divergence
 
 
-def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -> None:
+def add_loss_stats(
+    stats: StatSums,
+    named: list[tuple[str, torch.Tensor, torch.Tensor]],
+    pg: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+) -> None:
     """Token sums of the policy (and value) loss and clip fractions, the approx KL and the
     ratio of one micro-batch; named: (prefix, per-token loss, clipped) (B, T) each."""
     n = mask.sum()
@@ -280,12 +320,14 @@ def add_loss_stats(stats: StatSums, named: list, pg: dict, mask: torch.Tensor) -
 
 
 def minibatch_backward(
-    runtime: Runtime, model, mb: RolloutBatch, advantages, returns, knobs: UpdateKnobs,
-    slices: list, stats: StatSums, ptx: PtxStream | None = None,
+    runtime: Runtime, model: torch.nn.Module, mb: RolloutBatch, advantages: torch.Tensor,
+    returns: torch.Tensor | None, knobs: UpdateKnobs, slices: list[MicroSlice],
+    ptx: PtxStream | None = None,
     chosen: torch.Tensor | None = None, teacher: Teacher | None = None,
-) -> list[FirstForward]:  # fmt: skip
+) -> Backward:  # fmt: skip
     """Accumulate the gradient of one optimizer step over this rank's micro-batches;
-    returns the old log-probs and entropies of the micro-batches that had none.
+    returns the old log-probs and entropies of the micro-batches that had none and the
+    step's statistics, the micro-batches' sums joined in order (Backward).
 
     mb: this rank's share of the global minibatch; slices: its micro-batches. Each
     micro-batch's loss SUM is divided by the count (response tokens or sequences, per
@@ -301,7 +343,7 @@ def minibatch_backward(
     count = runtime.all_sum(aggregation_count(mb.response_mask, knobs.loss_aggregation))
     count = count.clamp(min=1.0)  # ppo.overlong=mask can leave a minibatch without tokens
     ptx_step = None if ptx is None else ptx.next_step(runtime, len(slices))
-    first_forwards = []
+    first_forwards, parts = [], []  # parts: each micro-batch's StatSums, in order
     # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
     # (validation refuses it with PPO-ptx, so ptx_step is None then)
     pooled = runtime.pool_micro_batches(
@@ -310,18 +352,28 @@ def minibatch_backward(
     for i, (own, (s, micro, adv, ret, cho)) in enumerate(pooled):
         if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
             with runtime.accumulating(model):  # its forward leaves the critic unused
-                runtime.micro_backward(model, ptx_step.loss(runtime, model, i, stats), last=False)
-        stats.add("update/pad_fraction", *padding_cells(micro.attention_mask))
+                ptx_loss, ptx_stats = ptx_step.loss(runtime, model, i)
+                runtime.micro_backward(model, ptx_loss, last=False)
+            parts.append(ptx_stats)
+        padding = StatSums()
+        padding.add("update/pad_fraction", *padding_cells(micro.attention_mask))
         with runtime.sequence_parallel():
-            loss_sum, fresh = micro_batch_loss(model, micro, adv, ret, knobs, stats, cho, teacher)
-        loss = share_of_global_mean(runtime, loss_sum, count)
+            micro_loss = micro_batch_loss(model, micro, adv, ret, knobs, cho, teacher)
+        parts += [padding, micro_loss.stats]
+        loss = share_of_global_mean(runtime, micro_loss.loss_sum, count)
         runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
-        if fresh is not None and own:
-            first_forwards.append((s, *fresh))
-    return first_forwards
+        if micro_loss.fresh is not None and own:
+            first_forwards.append((s, *micro_loss.fresh))
+    return Backward(first_forwards, StatSums.joined(parts))
 
 
-def _micro_inputs(mb: RolloutBatch, s, advantages, returns, chosen):
+def _micro_inputs(
+    mb: RolloutBatch,
+    s: MicroSlice,
+    advantages: torch.Tensor,
+    returns: torch.Tensor | None,
+    chosen: torch.Tensor | None,
+) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Micro-batch `s` of minibatch share `mb`, trimmed to the columns some row uses
     (padding in every row costs nothing), with its advantages, returns and cov_control
     tokens (each (b, T) or None)."""
@@ -331,7 +383,7 @@ def _micro_inputs(mb: RolloutBatch, s, advantages, returns, chosen):
     return micro, advantages[s][:, :T], ret, cho
 
 
-def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:
+def update_micro_batches(runtime: Runtime, mb: RolloutBatch, plan: BatchPlan) -> list[MicroSlice]:
     """The micro-batches of this rank's share `mb` of a minibatch: `plan.micro_slices()`,
     or with ppo.micro_batch_tokens index tensors from `batching.token_budget_split` of
     each row's (prompt, response) length, the widths `RolloutBatch.trimmed` keeps, into
@@ -349,14 +401,14 @@ def update_micro_batches(runtime, mb, plan: BatchPlan) -> list:
 
 
 def ppo_update(
-    runtime: Runtime, run: PPORun, batch: RolloutBatch, advantages, returns,
-    knobs: UpdateKnobs, it: int = 0, chosen: torch.Tensor | None = None,
+    runtime: Runtime, run: PPORun, batch: RolloutBatch, advantages: torch.Tensor,
+    returns: torch.Tensor | None, knobs: UpdateKnobs, it: int = 0, chosen: torch.Tensor | None = None,
 ) -> UpdateResult:  # fmt: skip
     """ppo_epochs passes over this rank's rollout in minibatches, one optimizer step each;
     returns the reduced statistics and, for a rollout without old log-probs (one step
     per rollout only), those the update's forward computed. chosen: (B, T) bool, the
     tokens ppo.cov_control acts on (entropy.py; None: off)."""
-    stats, plan = StatSums(), run.plan
+    parts, plan = [], run.plan  # parts: the steps' StatSums, in order
     if batch.old_logprobs is None and plan.optimizer_steps_per_iteration != 1:
         raise ValueError("a rollout without old log-probs gets exactly one optimizer step")
     per_rank, trained = plan.update.per_rank, (run.model, run.optimizer, run.scheduler)
@@ -372,23 +424,26 @@ def ppo_update(
                 mb, ret = batch.select(idx), None if returns is None else returns[idx]
                 cho = None if chosen is None else chosen[idx]
                 slices = update_micro_batches(runtime, mb, plan.update)
-                fresh = minibatch_backward(
-                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, stats, run.ptx,
+                step = minibatch_backward(
+                    runtime, run.model, mb, advantages[idx], ret, knobs, slices, run.ptx,
                     cho, teacher,
                 )  # fmt: skip
-                first_forwards += [(idx[s], lp, ent) for s, lp, ent in fresh]
+                first_forwards += [(idx[s], lp, ent) for s, lp, ent in step.first_forwards]
                 norms = step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
+                grad_norms = StatSums()
                 for name, norm in zip(run.group_names, norms or ()):
-                    stats.add(f"optim/grad_norm_{name}", norm, 1)
+                    grad_norms.add(f"optim/grad_norm_{name}", norm, 1)
+                parts += [step.stats, grad_norms]
                 maybe_fault("update", it)  # killed with the weights half-way through an iteration
+    stats = StatSums.joined(parts).reduce(runtime)
     if not first_forwards:
-        return UpdateResult(stats.reduce(runtime))
+        return UpdateResult(stats)
     shape = batch.response_mask.shape
     lp, ent = (rollout_rows(shape, [(r, x[k]) for r, *x in first_forwards]) for k in (0, 1))
-    return UpdateResult(stats.reduce(runtime), lp, ent)
+    return UpdateResult(stats, lp, ent)
 
 
-def rollout_rows(shape, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def rollout_rows(shape: torch.Size, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """A new (B, T) float32 tensor holding, for each (rows (b,), values (b, T')) of
     `parts`, the values at those rows' first T' columns (the update's micro-batches come
     in shuffled order with trimmed columns); 0 elsewhere."""

@@ -64,7 +64,6 @@ from rlhf_dist.distributed.training_state import innermost_optimizer
 from rlhf_dist.engine import packing as engine_packing
 from rlhf_dist.models import quiet_transformers
 from rlhf_dist.rollout import RolloutBatch
-from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.ppo.entropy import cov_choice
 from rlhf_dist.trainers.ppo.setup import build_models
 from rlhf_dist.trainers.ppo.update import (
@@ -219,7 +218,6 @@ def probe(runtime, cfg, whole: bool, overlong_mask: bool = False) -> tuple[dict,
             returns[share],
             knobs,
             slices,
-            StatSums(),
             chosen=chosen,
             teacher=teacher,
         )

@@ -31,7 +31,6 @@ from rlhf_dist.models import quiet_transformers
 from rlhf_dist.models.value import ActorCritic
 from rlhf_dist.rollout.batch import RolloutBatch
 from rlhf_dist.rollout.collect import RolloutModels, _scoring_forwards
-from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import make_optimizer
 from rlhf_dist.trainers.dpo import dpo_step
 from rlhf_dist.trainers.kto import kto_step
@@ -144,12 +143,14 @@ def grpo_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
     knobs = UpdateKnobs(
         0.7, 0.2, 0.28, None, None, 0.0, 0.01, 0.05, "k3", "token_mean", (1.0,)
     )  # GRPO's critic-free terms: clip-higher, k3 KL as a loss term, an entropy bonus
-    stats = StatSums()
     slices = [slice(i, i + 1) for i in range(per_rank)]
-    minibatch_backward(
-        runtime, model, batch.select(mine), advantages[mine], None, knobs, slices, stats
+    step = minibatch_backward(
+        runtime, model, batch.select(mine), advantages[mine], None, knobs, slices
     )
-    return {"loss": stats.reduce(runtime)["policy/loss"], "tensors": full_grads(runtime, model)}
+    return {
+        "loss": step.stats.reduce(runtime)["policy/loss"],
+        "tensors": full_grads(runtime, model),
+    }
 
 
 def score_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:

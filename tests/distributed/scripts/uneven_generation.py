@@ -19,7 +19,6 @@ from rlhf_dist.distributed import Runtime
 from rlhf_dist.distributed.process_exit import end_process
 from rlhf_dist.models import load_tokenizer, quiet_transformers
 from rlhf_dist.rollout import PromptBatch, RolloutModels, collect_rollout
-from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import step_and_schedule
 from rlhf_dist.trainers.ppo.setup import build_models
 from rlhf_dist.trainers.ppo.update import UpdateKnobs, minibatch_backward
@@ -70,11 +69,8 @@ def uneven_rollout_and_step(runtime, policy, reward, prompts_path, gather: bool)
     width = batch.response_ids.shape[1]
     widths = runtime.gather_objects([width])
     adv = torch.randn_like(batch.old_values)
-    stats = StatSums()
     knobs = UpdateKnobs.from_config(cfg)
-    minibatch_backward(
-        runtime, built.model, batch, adv, adv, knobs, plan.update.micro_slices(), stats
-    )
+    minibatch_backward(runtime, built.model, batch, adv, adv, knobs, plan.update.micro_slices())
     trained = (built.model, built.optimizer, built.scheduler)
     step_and_schedule(runtime, trained, list(knobs.max_grad_norms))
     return widths
