@@ -155,3 +155,28 @@ class Sampler(Protocol):
     def close(self) -> None:
         """The run stops (a failure): wait for nothing in flight."""
         ...
+
+
+class OnPolicyInProcess:
+    """What a sampler in this process that samples the weights it was just synced to has
+    nothing to do for (the decode loop, vLLM): no rollout requested ahead, no statistics
+    of its own, no servers behind it, nothing in flight to close."""
+
+    version = 0  # no versions: every rollout samples the current weights
+
+    def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
+        """Nothing: it samples on-policy, when asked."""
+
+    def stats(self, runtime: Runtime) -> dict[str, float]:
+        return {}
+
+    def servers(self) -> ServerEngine | None:
+        return None
+
+    def episodes(self, prompts: Prompts, play: Callable[[Any], Callable[[], list]]) -> list:
+        raise NotImplementedError(
+            f"{type(self).__name__} plays no endpoint episodes: rollout servers do"
+        )
+
+    def close(self) -> None:
+        """Nothing in flight."""

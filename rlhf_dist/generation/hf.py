@@ -4,7 +4,7 @@ or the per-layer gathers kept in step; with LoRA the adapters merged)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,11 +14,16 @@ from rlhf_dist.config import GenerationConfig, PerfConfig
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.engine.sampling import Sampling
-from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
+from rlhf_dist.generation.base import (
+    GenerationContext,
+    OnPolicyInProcess,
+    Samples,
+    Seeds,
+    StopIds,
+)
 
 if TYPE_CHECKING:
-    from rlhf_dist.distributed import Runtime
-    from rlhf_dist.generation.server import ServerEngine
+    pass
 
 
 @dataclass(frozen=True)
@@ -29,13 +34,12 @@ class _PadOnly:
     eos_token_id: int | None = None
 
 
-class HFSampler:
+class HFSampler(OnPolicyInProcess):
     """The decode loop over the actor (Sampler; no versions, no weight sync: it samples
     the actor's current weights)."""
 
     from_actor = True
     in_step = True  # ZeRO-3 without gathered weights: every forward is a collective
-    version = 0
 
     def __init__(
         self, generation_context: GenerationContext | None, perf: PerfConfig = DEFAULT_PERF
@@ -91,21 +95,6 @@ class HFSampler:
 
     def sleep(self) -> None:
         """Nothing held besides the actor."""
-
-    def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
-        """Nothing: it samples on-policy, when asked."""
-
-    def stats(self, runtime: Runtime) -> dict[str, float]:
-        return {}
-
-    def servers(self) -> ServerEngine | None:
-        return None
-
-    def episodes(self, prompts: Prompts, play: Callable[[Any], Callable[[], list]]) -> list:
-        raise NotImplementedError("the decode loop plays no endpoint episodes: rollout servers do")
-
-    def close(self) -> None:
-        """Nothing in flight."""
 
 
 def _streams(seeds: Seeds | None, device: torch.device) -> list[tuple[torch.Generator, int]] | None:

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,12 +28,17 @@ from rlhf_dist.distributed import before_destroy
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
+from rlhf_dist.generation.base import (
+    GenerationContext,
+    OnPolicyInProcess,
+    Samples,
+    Seeds,
+    StopIds,
+)
 from rlhf_dist.models.loading import context_length, train_dtype
 
 if TYPE_CHECKING:
-    from rlhf_dist.distributed import Runtime
-    from rlhf_dist.generation.server import ServerEngine
+    pass
 
 _MISSING = (
     "generation.backend=vllm: the vllm package is not installed "
@@ -187,14 +192,13 @@ def _rollout_length(cfg: Config) -> int:
     return min(longest, context) if context else longest
 
 
-class VLLMEngine:
+class VLLMEngine(OnPolicyInProcess):
     """One rank's in-process vLLM engine: load the actor's weights, sample a rollout. A
     Sampler (generation/base.py) without versions: `sync` loads the actor's current
     weights before every rollout."""
 
     from_actor = False
     in_step = False  # no collective: each rank's engine samples its own shard
-    version = 0
 
     def __init__(
         self, cfg: Config, device: torch.device, weights: GenerationContext | None = None
@@ -351,21 +355,6 @@ class VLLMEngine:
         rows = None if seeds is None else group_seeds(seeds)
         ids, sampled = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id, rows)
         return Samples(ids, sampled)
-
-    def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
-        """Nothing: it samples on-policy, when asked."""
-
-    def stats(self, runtime: Runtime) -> dict[str, float]:
-        return {}
-
-    def servers(self) -> ServerEngine | None:
-        return None
-
-    def episodes(self, prompts: Prompts, play: Callable[[Any], Callable[[], list]]) -> list:
-        raise NotImplementedError("an in-process vLLM engine plays no endpoint episodes")
-
-    def close(self) -> None:
-        """Nothing in flight (vLLM's teardown runs before the process group's)."""
 
 
 @contextlib.contextmanager
