@@ -7,6 +7,7 @@ Shared by PPO (rollout scores), reward-model training (held-out diagnostics) and
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Collection, Sequence
@@ -21,7 +22,7 @@ from rlhf_dist.data.chat import BadRow, Chat, is_stop, stop_token_ids
 from rlhf_dist.data.inputs import (
     accepted_columns,
     column_lists,
-    parameter_names,
+    is_python,
     required_parameters,
     resolve_callable,
 )
@@ -53,17 +54,20 @@ class RewardFunction:
     """A user's reward -> list[float], one score per response, checked on every call.
 
     fn: a `module:callable` spec (reward.function) or the callable itself (the Python API);
-    messages name it by its spec or its `__qualname__`. Two calling conventions, told
-    apart by fn's signature (docs/rewards.md):
-    - TRL's, when fn has a parameter `completions`: fn(prompts=..., completions=...,
-      **columns), completions as TRL gives them: texts, or for a conversational prompt a
-      one-message list [{"role": "assistant", "content": text}];
+    messages name it by its spec, or by its `__qualname__` for a callable (a `python:`
+    spec of the API included). Two calling conventions, told apart by fn's signature
+    (`trl_convention`, docs/rewards.md):
+    - TRL's: fn(prompts=..., completions=..., completion_ids=..., **columns), completions
+      as TRL gives them: texts, or for a conversational prompt a one-message list
+      [{"role": "assistant", "content": text}]; completion_ids the sampled token ids of
+      each response, up to and including its stop token;
     - ours otherwise: fn(prompts, responses, **columns), responses the sampled texts.
     prompts: each prompt as its data row gave it, a text or a list of {role, content}
     messages; stop tokens are removed from the responses. columns: the rows' other columns
     (data.train's `answer`, `solution`, ...), one list per column, those fn names as
-    parameters, or all with **kwargs. A parameter without default that names no column is
-    a RewardFunctionError naming it (`missing_columns` checks it before a run).
+    parameters, or all with **kwargs. A parameter without default that nobody provides is
+    a RewardFunctionError naming it (`missing_columns` checks it before a run), raised at
+    once: a signature mismatch is a bug in the function, not a transient failure.
 
     An exception or a timeout (`timeout_s`, None: wait for ever) is retried `retries` times,
     after retry_delay_s, 2 x retry_delay_s, ... (exponential backoff): remote rewards,
@@ -84,66 +88,128 @@ class RewardFunction:
         key: str = "reward.function",
     ) -> None:
         if isinstance(fn, str):
-            self.name, fn = fn, resolve_callable(fn, key)
+            spec, fn = fn, resolve_callable(fn, key)
+            self.name = component_name(fn) if is_python(spec) else spec
         else:
             self.name = getattr(fn, "__qualname__", type(fn).__qualname__)
         if not callable(fn):
             raise ConfigError(f"{key}: {self.name!r} is not callable")
         self.fn, self.key, self.retries = fn, key, retries
         self.retry_delay_s, self.timeout_s = retry_delay_s, timeout_s
-        # TRL's convention when fn names a parameter `completions` (not just **kwargs)
-        self.trl_style = "completions" in parameter_names(fn)
+        self.trl_style = trl_convention(fn)
+
+    @property
+    def label(self) -> str:
+        """What messages call it: the config key and the function's name."""
+        return f"{self.key} {self.name}"
 
     def missing_columns(self, available: Collection[str]) -> list[str]:
         """The parameters fn requires that name none of the `available` columns."""
-        given = ("prompts", "completions") if self.trl_style else ()
+        given = TRL_ARGUMENTS if self.trl_style else ()
         need = required_parameters(self.fn, skip=0 if self.trl_style else 2)
         return [n for n in need if n not in given and n not in set(available)]
 
-    def _call(
-        self, prompts: Sequence[Prompt], responses: Sequence[str], columns: dict[str, list]
-    ) -> list:
+    def arguments(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        columns: dict[str, list],
+        completion_ids: list[list[int]] | None = None,
+    ) -> tuple[tuple, dict[str, Any]]:
+        """(positional, keyword) arguments of fn's call in its convention; a
+        RewardFunctionError naming the parameter nobody provides if they do not bind."""
         if self.trl_style:
             completions = [
                 [{"role": "assistant", "content": r}] if isinstance(p, list) else r
                 for p, r in zip(prompts, responses)
             ]
-            extra = accepted_columns(self.fn, columns, ("prompts", "completions"))
-            return list(self.fn(prompts=prompts, completions=completions, **extra))
-        extra = accepted_columns(self.fn, columns, ("prompts", "responses"))
-        return list(self.fn(prompts, responses, **extra))
+            given: dict[str, Any] = {"prompts": prompts, "completions": completions}
+            if completion_ids is not None:
+                given["completion_ids"] = completion_ids
+            extra = accepted_columns(self.fn, columns, TRL_ARGUMENTS)
+            args: tuple = ()
+            kwargs = accepted_columns(self.fn, given) | extra
+        else:
+            args = (prompts, responses)
+            kwargs = accepted_columns(self.fn, columns, ("prompts", "responses"))
+        self._check_binds(args, kwargs)
+        return args, kwargs
+
+    def _check_binds(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """A RewardFunctionError at once when fn's signature does not take (args, kwargs):
+        calling it would raise a TypeError that no retry can mend."""
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # no signature to read: the call will tell
+            return
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            given = ", ".join(kwargs) if not args else "prompts, responses (positional)"
+            missing = [n for n in required_parameters(self.fn, len(args)) if n not in kwargs]
+            what = f"the argument {missing[0]}, which nobody provides" if missing else str(e)
+            raise RewardFunctionError(
+                f"{self.label} wants {what} (it is given: {given or 'nothing'}); "
+                "see docs/rewards.md for what a reward receives"
+            ) from None
 
     def __call__(
         self,
         prompts: Sequence[Prompt],
         responses: Sequence[str],
         columns: list[dict] | None = None,
+        completion_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
-        """Scores (B,) of B responses; columns: each row's other columns (None: none)."""
+        """Scores (B,) of B responses; columns: each row's other columns (None: none);
+        completion_ids: each response's sampled token ids (None: not known here)."""
         by_name = column_lists(columns or [{} for _ in responses])
         missing = self.missing_columns(by_name)
         if missing:
             raise RewardFunctionError(
-                f"{self.key} {self.name} needs the column(s) {', '.join(missing)}, which "
+                f"{self.label} needs the column(s) {', '.join(missing)}, which "
                 f"the data rows do not have (they have: {', '.join(by_name) or 'no other'})"
             )
+        args, kwargs = self.arguments(prompts, responses, by_name, completion_ids)
         out = call_with_retries(
-            lambda: self._call(prompts, responses, by_name),
-            f"{self.key} {self.name}",
+            lambda: list(self.fn(*args, **kwargs)),
+            self.label,
             self.retries,
             self.retry_delay_s,
             self.timeout_s,
         )
         if len(out) != len(responses):
             raise RewardFunctionError(
-                f"{self.key} {self.name} returned {len(out)} scores for {len(responses)} responses"
+                f"{self.label} returned {len(out)} scores for {len(responses)} responses"
             )
         bad = [v for v in out if not _is_finite_number(v)]
         if bad:
             raise RewardFunctionError(
-                f"{self.key} {self.name} returned a non-finite or non-number: {bad[0]!r}"
+                f"{self.label} returned a non-finite or non-number: {bad[0]!r}"
             )
         return torch.tensor([float(v) for v in out], dtype=torch.float32)
+
+
+# what TRL's GRPOTrainer passes every reward function by keyword besides the row's columns
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def trl_convention(fn: Callable[..., Any]) -> bool:
+    """Whether fn is called in TRL's convention (all by keyword) rather than ours
+    (prompts, responses positional): TRL's rule, so that functions written for TRL run
+    unchanged. TRL's when every parameter can be passed by keyword (no positional-only
+    ones, no *args) and fn names `completions` or `completion_ids`, or takes keyword-only
+    parameters or **kwargs alone; ours otherwise, and when the signature cannot be read."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    kinds = {p.kind for p in params}
+    if kinds & {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL}:
+        return False
+    names = {p.name for p in params if p.kind != inspect.Parameter.VAR_KEYWORD}
+    if names & {"completions", "completion_ids"}:
+        return True
+    return bool(kinds) and inspect.Parameter.POSITIONAL_OR_KEYWORD not in kinds
 
 
 def _is_finite_number(v: object) -> bool:
@@ -181,10 +247,12 @@ class WeightedReward:
         prompts: Sequence[Prompt],
         responses: Sequence[str],
         columns: list[dict] | None = None,
+        completion_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """The weighted sum of the components' scores (B,); each one's sum is kept."""
         parts = [
-            (name, weight, fn(prompts, responses, columns)) for name, weight, fn in self.components
+            (name, weight, fn(prompts, responses, columns, completion_ids))
+            for name, weight, fn in self.components
         ]
         for name, _, scores in parts:
             total, count = self.sums[name]
@@ -348,12 +416,15 @@ class Scorer:
         attention_mask: torch.Tensor,
         last_index: torch.Tensor,
         columns: list[dict] | None = None,
+        completion_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """prompts: B prompts as given (texts or message lists); responses: B texts;
         input_ids/attention_mask (B, P+T) the policy's tokens; last_index (B,); columns:
-        each row's other columns (reward functions read them, a reward model does not)."""
+        each row's other columns and completion_ids each response's sampled ids (reward
+        functions read them, a reward model does not)."""
         if self.reward_fn is not None:
-            return self._function_scores(prompts, responses, columns).to(input_ids.device)
+            scores = self._function_scores(prompts, responses, columns, completion_ids)
+            return scores.to(input_ids.device)
         if self.inputs is not None:
             input_ids, attention_mask, last_index = self.inputs.batch(
                 prompts, responses, input_ids, last_index
@@ -366,11 +437,14 @@ class Scorer:
         prompts: Sequence[Prompt],
         responses: Sequence[str],
         columns: list[dict] | None = None,
+        completion_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
         assert self.reward_fn is not None, "scores of texts need a reward function"
         if self.failure is None:
             try:
-                return self.reward_fn(prompts, responses, columns)
+                if isinstance(self.reward_fn, RewardFunction | WeightedReward):
+                    return self.reward_fn(prompts, responses, columns, completion_ids)
+                return self.reward_fn(prompts, responses, columns)  # the trainers' own
             except RewardFunctionError as e:
                 self.failure = e
         return torch.full((len(responses),), float("nan"))

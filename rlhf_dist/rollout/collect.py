@@ -55,6 +55,7 @@ class SequenceScorer(Protocol):
         attention_mask: torch.Tensor,
         last_index: torch.Tensor,
         columns: list[dict],
+        completion_ids: list[list[int]] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -400,11 +401,14 @@ def _score_chunk(
     forwards: dict[str, torch.Tensor | None],
 ) -> dict[str, torch.Tensor | None]:
     """The rows `s`' `_chunk_forwards` (given) and their scores; read: (prompts, response
-    texts, other columns) of those rows, what the scorer reads; raw_scores (B,) float32."""
+    texts, other columns) of those rows, what the scorer reads, with each response's
+    sampled ids (completion_ids: its response_mask's tokens, up to and including the stop
+    token; a multi-turn episode's tool tokens are not sampled); raw_scores (B,) float32."""
     input_ids, attention_mask, response_mask, P = _chunk_inputs(sampled, s)
     last = sequence_last_index(P, response_mask)
     prompts, texts, columns = read
-    raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last, columns)
+    ids = [r[m.bool()].tolist() for r, m in zip(input_ids[:, P:], response_mask)]
+    raw_scores = models.scorer(prompts, texts, input_ids, attention_mask, last, columns, ids)
     return forwards | {"raw_scores": raw_scores.float()}
 
 

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import rlhf_dist
+from rlhf_dist.rewards.scoring import TRL_ARGUMENTS
 
 REPO = Path(__file__).resolve().parents[2]
 # Distinct answers, so an answer names the row it came from.
@@ -125,7 +126,9 @@ def check_calls(calls: list[dict], rows: list[dict], metrics: list[dict]) -> Non
     assert len(calls) == ITERATIONS * per_iteration
     for call in calls:
         row = by_prompt[key(call["prompt"])]
-        assert (call["answer"], call["extra"]) == (row["answer"], {"level": row["level"]})
+        # **kwargs also receive what TRL passes every reward (completion_ids, ...)
+        columns = {k: v for k, v in call["extra"].items() if k not in TRL_ARGUMENTS}
+        assert (call["answer"], columns) == (row["answer"], {"level": row["level"]})
     assert [m["step"] for m in metrics] == list(range(1, ITERATIONS + 1))
     for it, m in enumerate(metrics):
         chunk = calls[it * per_iteration : (it + 1) * per_iteration]

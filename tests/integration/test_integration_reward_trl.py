@@ -1,0 +1,53 @@
+"""TRL's reward interface end to end (issue 49): reward functions written exactly as
+TRL's docs write them, through `rlhf_dist.grpo(..., reward_fn=...)` for one iteration on
+the demo's tiny random policy (seconds on a CPU)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+import rlhf_dist
+
+PROMPTS, SAMPLES, MAX_NEW = 2, 4, 8
+
+
+def config(task_env, out) -> dict:
+    return {
+        "model.policy": str(task_env.policy),
+        "run.output_dir": str(out),
+        "run.log_every": 1,
+        "run.progress": False,
+        "perf.num_threads": 1,
+        "data.max_prompt_length": 16,
+        "data.max_length": 48,
+        "generation.max_new_tokens": MAX_NEW,
+        "ppo.iterations": 1,
+        "ppo.rollout_batch_size": PROMPTS,
+        "ppo.samples_per_prompt": SAMPLES,
+    }
+
+
+ROWS = [{"prompt": "the movie was"}, {"prompt": "this film is"}, {"prompt": "i think it"}]
+
+
+def test_length_in_tokens_reads_the_sampled_completion_ids(task_env, read_jsonl, tmp_path):
+    seen: list[tuple[str, list[int]]] = []
+
+    def length_in_tokens(completion_ids, **kwargs):  # TRL's docs, verbatim but the record
+        seen.extend(zip(kwargs["completions"], completion_ids))
+        return [len(ids) for ids in completion_ids]
+
+    out = tmp_path / "run"
+    rlhf_dist.grpo(config(task_env, out), dataset=ROWS, reward_fn=length_in_tokens)
+    assert len(seen) == PROMPTS * SAMPLES
+    tok = AutoTokenizer.from_pretrained(str(task_env.policy))
+    for text, ids in seen:
+        assert 1 <= len(ids) <= MAX_NEW and all(isinstance(i, int) for i in ids)
+        if len(ids) < MAX_NEW:  # finished early: the stop token is the last sampled id
+            assert ids[-1] == tok.eos_token_id
+        words = tok.decode(ids, skip_special_tokens=True)
+        assert words.replace(" ", "") == text.replace(" ", "")
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    mean = sum(len(ids) for _, ids in seen) / len(seen)
+    assert metrics["objective/raw_score"] == pytest.approx(mean)

@@ -1,0 +1,95 @@
+"""TRL's reward interface (issue 49, docs/rewards.md): reward functions written exactly as
+TRL's docs write them are called by TRL's rule, by keyword, with `completion_ids`; a
+signature mismatch is one line at once naming the function and the missing parameter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_dist.config import RewardFunctionError
+from rlhf_dist.data.inputs import registered
+from rlhf_dist.rewards.scoring import RewardFunction, Scorer, WeightedReward, trl_convention
+
+PROMPTS = ["Say hi", [{"role": "user", "content": "Say bye"}]]
+RESPONSES = ["hi there", "bye"]
+IDS = [[5, 6, 2], [7, 2]]  # each up to and including its stop token
+
+
+def reward_len(completions, **kwargs):  # TRL's docs, verbatim
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def length_in_tokens(completion_ids, **kwargs):  # TRL's docs, verbatim
+    return [len(ids) for ids in completion_ids]
+
+
+def only_kwargs(**kwargs):
+    return [float(len(kwargs["completion_ids"][i])) for i in range(len(kwargs["prompts"]))]
+
+
+def ours(prompts, responses):
+    return [float(len(r)) for r in responses]
+
+
+def test_trl_rule_tells_the_conventions_apart():
+    def keyword_only(*, prompts, answer):
+        return []
+
+    def positional_only(prompts, completions, /):
+        return []
+
+    def star_args(*args, **kwargs):
+        return []
+
+    assert trl_convention(reward_len) and trl_convention(length_in_tokens)
+    assert trl_convention(only_kwargs) and trl_convention(keyword_only)
+    assert not trl_convention(ours) and not trl_convention(positional_only)
+    assert not trl_convention(star_args) and not trl_convention(len)
+
+
+def test_length_in_tokens_gets_the_completion_ids_by_keyword():
+    fn = RewardFunction(length_in_tokens, retries=3, retry_delay_s=0.0)
+    assert fn(PROMPTS, RESPONSES, None, IDS).tolist() == [3.0, 2.0]
+    assert RewardFunction(only_kwargs)(PROMPTS, RESPONSES, None, IDS).tolist() == [3.0, 2.0]
+
+
+def test_reward_len_and_ours_still_score_as_before():
+    assert RewardFunction(reward_len)(PROMPTS, RESPONSES, None, IDS).tolist() == [-12.0, -19.0]
+    assert RewardFunction(ours)(PROMPTS, RESPONSES, None, IDS).tolist() == [8.0, 3.0]
+
+
+def test_a_signature_mismatch_is_one_line_at_once_naming_function_and_parameter():
+    calls = []
+
+    def wants_ref(completions, reference):
+        calls.append(1)
+        return [0.0] * len(completions)
+
+    fn = RewardFunction(wants_ref, retries=3, retry_delay_s=10.0)
+    with pytest.raises(RewardFunctionError) as e:
+        fn(PROMPTS, RESPONSES, None, IDS)
+    assert "wants_ref" in str(e.value) and "reference" in str(e.value)
+    assert "\n" not in str(e.value) and not calls  # never called, never retried
+
+
+def test_completion_ids_nobody_provides_names_them():
+    with pytest.raises(RewardFunctionError, match="length_in_tokens wants the argument "):
+        RewardFunction(length_in_tokens)(PROMPTS, RESPONSES)
+
+
+def test_a_python_spec_is_named_by_its_function_not_its_key():
+    with registered({"reward.function": length_in_tokens}) as specs:
+        fn = RewardFunction(specs["reward.function"])
+    assert fn.name == "length_in_tokens"
+    with pytest.raises(RewardFunctionError) as e:
+        fn(PROMPTS, RESPONSES)
+    assert "python:" not in str(e.value) and "length_in_tokens" in str(e.value)
+
+
+def test_the_scorer_and_a_weighted_reward_pass_the_ids_on():
+    parts = [("a", 1.0, RewardFunction(length_in_tokens)), ("b", 0.5, RewardFunction(ours))]
+    scorer = Scorer(reward_fn=WeightedReward(parts))
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    out = scorer(PROMPTS, RESPONSES, ids, ids, torch.tensor([3, 3]), [{}, {}], IDS)
+    assert out.tolist() == [3.0 + 4.0, 2.0 + 1.5] and scorer.failure is None
