@@ -67,7 +67,8 @@ class RewardFunction:
     (data.train's `answer`, `solution`, ...), one list per column, those fn names as
     parameters, or all with **kwargs. A parameter without default that nobody provides is
     a RewardFunctionError naming it (`missing_columns` checks it before a run), raised at
-    once: a signature mismatch is a bug in the function, not a transient failure.
+    once: a signature mismatch is a bug in the function, not a transient failure. A score
+    of None means "does not apply to this row" (TRL's rule): NaN in the returned scores.
 
     An exception or a timeout (`timeout_s`, None: wait for ever) is retried `retries` times,
     after retry_delay_s, 2 x retry_delay_s, ... (exponential backoff): remote rewards,
@@ -181,13 +182,18 @@ class RewardFunction:
             raise RewardFunctionError(
                 f"{self.label} returned {len(out)} scores for {len(responses)} responses"
             )
-        bad = [v for v in out if not _is_finite_number(v)]
+        bad = [v for v in out if v is not None and not _is_finite_number(v)]
         if bad:
             raise RewardFunctionError(
                 f"{self.label} returned a non-finite or non-number: {bad[0]!r}"
             )
-        return torch.tensor([float(v) for v in out], dtype=torch.float32)
+        return torch.tensor([NOT_APPLICABLE if v is None else float(v) for v in out])
 
+
+# A score of None ("this reward does not apply to this row", TRL's rule) as a RewardFunction
+# returns it: NaN, which WeightedReward leaves out of the row's sum and the Scorer counts as
+# a skipped row where no component applies (trainers/ppo/rollout.py masks it out).
+NOT_APPLICABLE = float("nan")
 
 # what TRL's GRPOTrainer passes every reward function by keyword besides the row's columns
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
@@ -249,15 +255,22 @@ class WeightedReward:
         columns: list[dict] | None = None,
         completion_ids: list[list[int]] | None = None,
     ) -> torch.Tensor:
-        """The weighted sum of the components' scores (B,); each one's sum is kept."""
+        """The weighted sum of the components' scores (B,), each component's sum kept.
+        A component's None (NaN) leaves it out of that row's sum, TRL's rule; a row no
+        component applies to is NaN (the Scorer counts it as skipped)."""
         parts = [
             (name, weight, fn(prompts, responses, columns, completion_ids))
             for name, weight, fn in self.components
         ]
-        for name, _, scores in parts:
+        applies = torch.zeros(len(responses), dtype=torch.bool)
+        total_scores = torch.zeros(len(responses))
+        for name, weight, scores in parts:
+            given = ~torch.isnan(scores)
             total, count = self.sums[name]
-            self.sums[name] = (total + float(scores.sum()), count + scores.numel())
-        return sum(weight * scores for _, weight, scores in parts)
+            self.sums[name] = (total + float(scores[given].sum()), count + int(given.sum()))
+            total_scores = total_scores + torch.where(given, weight * scores, 0.0)
+            applies |= given
+        return torch.where(applies, total_scores, NOT_APPLICABLE)
 
     def take_sums(self) -> dict[str, tuple[float, int]]:
         """{name: (sum of its scores, count)} since the last call (then reset), plus
@@ -406,6 +419,7 @@ class Scorer:
     reward_fn: Callable | None = None
     inputs: RewardInputs | None = None  # set: the RM reads its own tokens, not the policy's
     failure: RewardFunctionError | None = None
+    skipped: int = 0  # rows no reward function applied to (all None) since component_stats
 
     @torch.no_grad()
     def __call__(
@@ -442,9 +456,11 @@ class Scorer:
         assert self.reward_fn is not None, "scores of texts need a reward function"
         if self.failure is None:
             try:
-                if isinstance(self.reward_fn, RewardFunction | WeightedReward):
-                    return self.reward_fn(prompts, responses, columns, completion_ids)
-                return self.reward_fn(prompts, responses, columns)  # the trainers' own
+                if not isinstance(self.reward_fn, RewardFunction | WeightedReward):
+                    return self.reward_fn(prompts, responses, columns)  # the trainers' own
+                scores = self.reward_fn(prompts, responses, columns, completion_ids)
+                self.skipped += int(torch.isnan(scores).sum())  # None: does not apply
+                return scores
             except RewardFunctionError as e:
                 self.failure = e
         return torch.full((len(responses),), float("nan"))
@@ -470,20 +486,24 @@ class Scorer:
     def component_stats(self, runtime: Runtime) -> dict[str, float]:
         """objective/score_<name> (mean over all ranks' sequences since the last call) of
         each reward component, and objective/judge_parse_failures (the count, summed over
-        ranks); {} unless several rewards score (WeightedReward). Every rank must call
-        this (a collective: the components are the same on every rank)."""
-        if not isinstance(self.reward_fn, WeightedReward):
+        ranks); with reward functions reward/skipped_rows, the rows no function applied to
+        (every one returned None; summed over ranks); {} for a reward model. Every rank
+        must call this (a collective: the rewards are the same on every rank)."""
+        if not isinstance(self.reward_fn, RewardFunction | WeightedReward):
             return {}
-        sums = self.reward_fn.take_sums()
         s = StatSums()
-        for name, (total, count) in sums.items():
-            s.add(name, total, count)
+        s.add("skipped_rows", float(self.skipped), 0.0)  # count 0: reduce sums, not averages
+        self.skipped = 0
+        if isinstance(self.reward_fn, WeightedReward):
+            for name, (total, count) in self.reward_fn.take_sums().items():
+                s.add(name, total, count)
         out = s.reduce(runtime)
         if "judge_parse_failures" in out:
             out["judge_parse_failures"] *= runtime.world_size  # a count: summed, not averaged
-        return {
-            f"objective/{name if name == 'judge_parse_failures' else 'score_' + name}": v
-            for name, v in out.items()
+        plain = ("judge_parse_failures",)
+        skipped = {"reward/skipped_rows": out.pop("skipped_rows")}
+        return skipped | {
+            f"objective/{name if name in plain else 'score_' + name}": v for name, v in out.items()
         }
 
     def raise_failure(self, runtime: Runtime) -> None:

@@ -51,3 +51,19 @@ def test_length_in_tokens_reads_the_sampled_completion_ids(task_env, read_jsonl,
     (metrics,) = read_jsonl(out / "metrics.jsonl")
     mean = sum(len(ids) for _, ids in seen) / len(seen)
     assert metrics["objective/raw_score"] == pytest.approx(mean)
+
+
+def test_a_reward_returning_none_skips_and_counts_its_rows(task_env, read_jsonl, tmp_path):
+    skipped: list[int] = []
+
+    def movie_only(prompts, completions, **kwargs):  # does not apply to the other prompts
+        scores = [len(c) / 10 if "movie" in p else None for p, c in zip(prompts, completions)]
+        skipped.append(sum(s is None for s in scores))
+        return scores
+
+    out = tmp_path / "run"
+    rlhf_dist.grpo(config(task_env, out), dataset=ROWS, reward_fn=movie_only)
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert sum(skipped) >= SAMPLES  # 2 of the 3 prompts: one is not about a movie
+    assert metrics["reward/skipped_rows"] == sum(skipped)
+    assert all(v == v for v in metrics.values() if isinstance(v, float)), "a NaN was logged"

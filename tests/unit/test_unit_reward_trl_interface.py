@@ -4,6 +4,8 @@ signature mismatch is one line at once naming the function and the missing param
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -93,3 +95,59 @@ def test_the_scorer_and_a_weighted_reward_pass_the_ids_on():
     ids = torch.zeros(2, 4, dtype=torch.long)
     out = scorer(PROMPTS, RESPONSES, ids, ids, torch.tensor([3, 3]), [{}, {}], IDS)
     assert out.tolist() == [3.0 + 4.0, 2.0 + 1.5] and scorer.failure is None
+
+
+def only_short(completions, **kwargs):  # TRL's "does not apply": None for long ones
+    return [1.0 if len(c) < 5 else None for c in completions]
+
+
+def never(completions, **kwargs):
+    return [None] * len(completions)
+
+
+class OneRank:
+    world_size, device = 1, torch.device("cpu")
+
+    def all_sum(self, t):
+        return t
+
+
+def test_none_leaves_a_function_out_of_the_rows_weighted_sum():
+    parts = [("short", 2.0, RewardFunction(only_short)), ("len", 0.5, RewardFunction(ours))]
+    out = WeightedReward(parts)(PROMPTS, RESPONSES, None, IDS)
+    # "hi there" (8 chars): only `len` applies; "bye": both
+    assert out.tolist() == [0.5 * 8, 2.0 * 1 + 0.5 * 3]
+
+
+def test_a_row_no_function_applies_to_is_a_counted_skip():
+    parts = [("short", 1.0, RewardFunction(only_short)), ("never", 1.0, RewardFunction(never))]
+    scorer = Scorer(reward_fn=WeightedReward(parts))
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    out = scorer(PROMPTS, RESPONSES, ids, ids, torch.tensor([3, 3]), [{}, {}], IDS)
+    assert torch.isnan(out[0]) and out[1] == 1.0 and scorer.failure is None
+    stats = scorer.component_stats(OneRank())
+    assert stats["reward/skipped_rows"] == 1.0
+    assert stats["objective/score_short"] == 1.0  # its mean over the rows it applied to
+    assert scorer.component_stats(OneRank())["reward/skipped_rows"] == 0.0  # reset
+
+
+def test_a_skipped_row_leaves_the_loss_and_takes_its_groups_mean():
+    from rlhf_dist.rollout.batch import RolloutBatch
+    from rlhf_dist.trainers.ppo.rollout import without_unscored_rows
+
+    B, T = 4, 3
+    nan = float("nan")
+    fields = {f.name: None for f in dataclasses.fields(RolloutBatch)}
+    fields |= {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "response_ids": torch.ones(B, T, dtype=torch.long),
+        "response_mask": torch.ones(B, T, dtype=torch.bool),
+        "finished": torch.ones(B, dtype=torch.bool),
+        "scores": torch.tensor([1.0, nan, 3.0, nan]),
+        "raw_scores": torch.tensor([1.0, nan, 3.0, nan]),
+    }
+    batch = without_unscored_rows(RolloutBatch(**fields), group_size=2)
+    assert batch.scores.tolist() == [1.0, 1.0, 3.0, 3.0]
+    assert batch.raw_scores.tolist() == [1.0, 1.0, 3.0, 3.0]
+    assert batch.response_mask.sum(1).tolist() == [T, 0, T, 0]

@@ -76,8 +76,9 @@ def test_weighted_reward_is_linear_in_weights():
 def test_component_stats_logged_per_name_and_cleared():
     scorer = Scorer(reward_fn=WeightedReward([("words", 1.0, RewardFunction(words))]))
     scorer._function_scores(["p"] * 2, ["a b c", "d"])
-    assert scorer.component_stats(OneRank()) == {"objective/score_words": 2.0}
-    assert Scorer(reward_fn=RewardFunction(words)).component_stats(OneRank()) == {}
+    skipped = {"reward/skipped_rows": 0.0}  # rows no function applied to (None)
+    assert scorer.component_stats(OneRank()) == {"objective/score_words": 2.0} | skipped
+    assert Scorer(reward_fn=RewardFunction(words)).component_stats(OneRank()) == skipped
 
 
 def test_one_failing_component_fails_the_call_and_scorer_keeps_it():

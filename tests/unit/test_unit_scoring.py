@@ -62,7 +62,6 @@ def test_reward_function_empty_module_name():
         ("nan_score", "nan"),
         ("inf_score", "inf"),
         ("text_score", "'0.5'"),
-        ("none_score", "None"),
     ],
 )
 def test_reward_function_misbehaving_user_code(name, needle, helpers_on_path):
@@ -72,6 +71,12 @@ def test_reward_function_misbehaving_user_code(name, needle, helpers_on_path):
     message = str(info.value)
     # The user must see which function failed and why.
     assert f"{HELPERS}:{name}" in message and needle in message, message
+
+
+def test_reward_function_none_means_does_not_apply(helpers_on_path):
+    # TRL's rule: None is "this reward does not apply to this row", NaN in the scores
+    scores = RewardFunction(f"{HELPERS}:none_score")(["p", "q"], ["a", "b"])
+    assert torch.isnan(scores).all()
 
 
 def test_reward_function_numpy_float32_scores(helpers_on_path):

@@ -59,6 +59,7 @@ def sample_rollout(
             )
         for name, spent_seconds in spent.items():
             seconds[name] = seconds.get(name, 0.0) + spent_seconds
+        batch = without_unscored_rows(batch, run.plan.samples_per_prompt)
         if p.overlong == "soft":  # DAPO eq. 13 on |y|, the response's token count
             penalty = overlong_penalty(
                 batch.response_mask.sum(1), cfg.generation.max_new_tokens, p.overlong_buffer
@@ -74,6 +75,37 @@ def sample_rollout(
     rounds = p.dynamic_sampling_max_rounds
     filled = rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
     return Rollout(*filled, seconds)
+
+
+def without_unscored_rows(batch: RolloutBatch, group_size: int) -> RolloutBatch:
+    """The rollout with each row no reward applied to (a NaN score: every reward function
+    returned None, TRL's "does not apply") kept but out of the loss: its response_mask
+    zeroed, as DAPO's overlong filter leaves a row, so no token of it is trained on, and
+    its score (raw and penalised) the mean of its group's scored rows (0 where none is
+    scored), so it moves neither its group's baseline nor, under a group estimator, has
+    an advantage. Kept rather than dropped: every rank's batch keeps its shape, which the
+    lock-step update and the groups (`group_size` consecutive rows) rely on. The Scorer
+    counts these rows (reward/skipped_rows); a NaN never reaches the loss."""
+    unscored = torch.isnan(batch.scores) | torch.isnan(batch.raw_scores)
+    if not bool(unscored.any()):
+        return batch
+    n = group_size if unscored.numel() % group_size == 0 else 1
+    mask = batch.response_mask.bool() & ~unscored[:, None].to(batch.response_mask.device)
+    return dataclasses.replace(
+        batch,
+        scores=_group_fill(batch.scores, unscored, n),
+        raw_scores=_group_fill(batch.raw_scores, unscored, n),
+        response_mask=mask,
+    )
+
+
+def _group_fill(values: torch.Tensor, unscored: torch.Tensor, n: int) -> torch.Tensor:
+    """values (B,) with each `unscored` row the mean of the scored rows of its group of
+    `n` consecutive rows (0 where none of them is scored)."""
+    skip = unscored.to(values.device).view(-1, n)
+    known = torch.where(skip, torch.zeros_like(values.view(-1, n)), values.view(-1, n))
+    fill = known.sum(1) / (~skip).sum(1).clamp(min=1).to(values.dtype)
+    return torch.where(skip.reshape(-1), fill.repeat_interleave(n), values)
 
 
 def normalize_scores(
