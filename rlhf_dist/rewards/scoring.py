@@ -11,7 +11,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -116,8 +116,10 @@ class RewardFunction:
         responses: Sequence[str],
         columns: dict[str, list],
         completion_ids: list[list[int]] | None = None,
+        extras: dict[str, Any] | None = None,
     ) -> tuple[tuple, dict[str, Any]]:
-        """(positional, keyword) arguments of fn's call in its convention; a
+        """(positional, keyword) arguments of fn's call in its convention; extras: the
+        run's keywords (trainer_state, log_metric) TRL passes every reward; a
         RewardFunctionError naming the parameter nobody provides if they do not bind."""
         if self.trl_style:
             completions = [
@@ -127,6 +129,7 @@ class RewardFunction:
             given: dict[str, Any] = {"prompts": prompts, "completions": completions}
             if completion_ids is not None:
                 given["completion_ids"] = completion_ids
+            given |= extras or {}
             extra = accepted_columns(self.fn, columns, TRL_ARGUMENTS)
             args: tuple = ()
             kwargs = accepted_columns(self.fn, given) | extra
@@ -160,9 +163,11 @@ class RewardFunction:
         responses: Sequence[str],
         columns: list[dict] | None = None,
         completion_ids: list[list[int]] | None = None,
+        extras: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Scores (B,) of B responses; columns: each row's other columns (None: none);
-        completion_ids: each response's sampled token ids (None: not known here)."""
+        completion_ids: each response's sampled token ids (None: not known here);
+        extras: trainer_state and log_metric for a function in TRL's convention."""
         by_name = column_lists(columns or [{} for _ in responses])
         missing = self.missing_columns(by_name)
         if missing:
@@ -170,7 +175,7 @@ class RewardFunction:
                 f"{self.label} needs the column(s) {', '.join(missing)}, which "
                 f"the data rows do not have (they have: {', '.join(by_name) or 'no other'})"
             )
-        args, kwargs = self.arguments(prompts, responses, by_name, completion_ids)
+        args, kwargs = self.arguments(prompts, responses, by_name, completion_ids, extras)
         out = call_with_retries(
             lambda: list(self.fn(*args, **kwargs)),
             self.label,
@@ -196,7 +201,19 @@ class RewardFunction:
 NOT_APPLICABLE = float("nan")
 
 # what TRL's GRPOTrainer passes every reward function by keyword besides the row's columns
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+# (log_extra, TRL's samples-table hook, is not offered yet: docs/rewards.md)
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
+
+
+@dataclass(frozen=True)
+class RewardTrainerState:
+    """TRL's `trainer_state` as a reward reads it, for curricula: global_step, the
+    optimizer steps done before this rollout; epoch, the passes over data.train's prompts
+    done (a float, as TRL's); max_steps, the run's optimizer steps in all."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
 
 
 def trl_convention(fn: Callable[..., Any]) -> bool:
@@ -254,12 +271,13 @@ class WeightedReward:
         responses: Sequence[str],
         columns: list[dict] | None = None,
         completion_ids: list[list[int]] | None = None,
+        extras: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """The weighted sum of the components' scores (B,), each component's sum kept.
         A component's None (NaN) leaves it out of that row's sum, TRL's rule; a row no
         component applies to is NaN (the Scorer counts it as skipped)."""
         parts = [
-            (name, weight, fn(prompts, responses, columns, completion_ids))
+            (name, weight, fn(prompts, responses, columns, completion_ids, extras))
             for name, weight, fn in self.components
         ]
         applies = torch.zeros(len(responses), dtype=torch.bool)
@@ -420,6 +438,14 @@ class Scorer:
     inputs: RewardInputs | None = None  # set: the RM reads its own tokens, not the policy's
     failure: RewardFunctionError | None = None
     skipped: int = 0  # rows no reward function applied to (all None) since component_stats
+    # what a reward in TRL's convention reads as `trainer_state` (the trainer sets it)
+    trainer_state: RewardTrainerState = RewardTrainerState()
+    logged: dict[str, list[float]] = field(default_factory=dict)  # log_metric's values
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric`: `value` into metrics.jsonl as reward/<name>, the mean of
+        every value logged under that name this iteration, over all ranks."""
+        self.logged.setdefault(str(name), []).append(float(value))
 
     @torch.no_grad()
     def __call__(
@@ -458,7 +484,8 @@ class Scorer:
             try:
                 if not isinstance(self.reward_fn, RewardFunction | WeightedReward):
                     return self.reward_fn(prompts, responses, columns)  # the trainers' own
-                scores = self.reward_fn(prompts, responses, columns, completion_ids)
+                extras = {"trainer_state": self.trainer_state, "log_metric": self.log_metric}
+                scores = self.reward_fn(prompts, responses, columns, completion_ids, extras)
                 self.skipped += int(torch.isnan(scores).sum())  # None: does not apply
                 return scores
             except RewardFunctionError as e:
@@ -494,17 +521,39 @@ class Scorer:
         s = StatSums()
         s.add("skipped_rows", float(self.skipped), 0.0)  # count 0: reduce sums, not averages
         self.skipped = 0
+        logged = self._logged_sums(runtime)
         if isinstance(self.reward_fn, WeightedReward):
             for name, (total, count) in self.reward_fn.take_sums().items():
                 s.add(name, total, count)
+        for name, (total, count) in logged.items():
+            s.add("logged/" + name, total, count)
         out = s.reduce(runtime)
         if "judge_parse_failures" in out:
             out["judge_parse_failures"] *= runtime.world_size  # a count: summed, not averaged
         plain = ("judge_parse_failures",)
-        skipped = {"reward/skipped_rows": out.pop("skipped_rows")}
-        return skipped | {
-            f"objective/{name if name in plain else 'score_' + name}": v for name, v in out.items()
+        own = {
+            "reward/" + k[len("logged/") :]: out.pop(k)
+            for k in list(out)
+            if k.startswith("logged/")
         }
+        skipped = {"reward/skipped_rows": out.pop("skipped_rows")}
+        return (
+            own
+            | skipped
+            | {
+                f"objective/{name if name in plain else 'score_' + name}": v
+                for name, v in out.items()
+            }
+        )
+
+    def _logged_sums(self, runtime: Runtime) -> dict[str, tuple[float, int]]:
+        """{name: (sum, count)} of log_metric's values since the last call (then cleared),
+        with every name any rank logged (0, 0 where this one did not): the ranks reduce
+        the same statistics in the same order. A collective."""
+        names = sorted(set(runtime.gather_objects(sorted(self.logged))))
+        sums = {n: (sum(self.logged.get(n, [])), len(self.logged.get(n, []))) for n in names}
+        self.logged = {}
+        return sums
 
     def raise_failure(self, runtime: Runtime) -> None:
         """Raise the reward failure of any rank on every rank (the first rank's message);

@@ -58,7 +58,8 @@ def accuracy(prompts, completions, answer, **kwargs):
     scores = [float(t.strip() == a) - 0.01 * len(t) for t, a in zip(texts, answer)]
     with open("calls.jsonl", "a", encoding="utf-8") as f:
         for i, (p, c, a, s) in enumerate(zip(prompts, completions, answer, scores)):
-            extra = {k: v[i] for k, v in kwargs.items()}
+            # **kwargs receive TRL's run keywords too (trainer_state, ...): not columns
+            extra = {k: v[i] for k, v in kwargs.items() if isinstance(v, list)}
             f.write(json.dumps({"prompt": p, "completion": c, "answer": a, "extra": extra,
                                 "score": s}) + "\\n")
     return scores

@@ -67,3 +67,26 @@ def test_a_reward_returning_none_skips_and_counts_its_rows(task_env, read_jsonl,
     assert sum(skipped) >= SAMPLES  # 2 of the 3 prompts: one is not about a movie
     assert metrics["reward/skipped_rows"] == sum(skipped)
     assert all(v == v for v in metrics.values() if isinstance(v, float)), "a NaN was logged"
+
+
+def test_step_aware_and_logs_a_metric(task_env, read_jsonl, tmp_path):
+    seen: list[tuple[int, int]] = []
+
+    def step_aware(completions, trainer_state, **kwargs):  # TRL's docs, and a record
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
+        return [min(1.0, trainer_state.global_step / 10)] * len(completions)
+
+    def logs_a_metric(completions, log_metric, **kwargs):  # TRL's docs
+        lengths = [len(c) for c in completions]
+        log_metric("mean_len", sum(lengths) / len(lengths))
+        return [float(n) / 10 for n in lengths]
+
+    cfg = config(task_env, tmp_path / "run") | {"ppo.iterations": 2}
+    rlhf_dist.grpo(cfg, dataset=ROWS, reward_fn=step_aware)
+    (max_steps,) = {m for _, m in seen}
+    # the optimizer steps done before each iteration's rollout: 0, then one iteration's
+    assert max_steps > 0 and sorted({s for s, _ in seen}) == [0, max_steps // 2]
+    out = tmp_path / "run2"
+    rlhf_dist.grpo(config(task_env, out), dataset=ROWS, reward_fn=logs_a_metric)
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert metrics["reward/mean_len"] > 0

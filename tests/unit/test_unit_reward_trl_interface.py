@@ -111,6 +111,9 @@ class OneRank:
     def all_sum(self, t):
         return t
 
+    def gather_objects(self, items):
+        return list(items)
+
 
 def test_none_leaves_a_function_out_of_the_rows_weighted_sum():
     parts = [("short", 2.0, RewardFunction(only_short)), ("len", 0.5, RewardFunction(ours))]
@@ -151,3 +154,31 @@ def test_a_skipped_row_leaves_the_loss_and_takes_its_groups_mean():
     assert batch.scores.tolist() == [1.0, 1.0, 3.0, 3.0]
     assert batch.raw_scores.tolist() == [1.0, 1.0, 3.0, 3.0]
     assert batch.response_mask.sum(1).tolist() == [T, 0, T, 0]
+
+
+def step_aware(completions, trainer_state, **kwargs):  # TRL's docs: a curriculum
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+def logs_a_metric(completions, log_metric, **kwargs):  # TRL's docs
+    lengths = [len(c) for c in completions]
+    log_metric("mean_len", sum(lengths) / len(lengths))
+    return [float(n) for n in lengths]
+
+
+def test_trainer_state_and_log_metric_reach_the_function_and_the_metrics():
+    from rlhf_dist.rewards.scoring import RewardTrainerState
+
+    parts = [("s", 1.0, RewardFunction(step_aware)), ("m", 1.0, RewardFunction(logs_a_metric))]
+    scorer = Scorer(reward_fn=WeightedReward(parts))
+    scorer.trainer_state = RewardTrainerState(global_step=6, epoch=0.5, max_steps=12)
+    out = scorer.score_texts(["p", "q"], RESPONSES)  # text prompts: text completions
+    assert out.tolist() == [6.0 + 8, 6.0 + 3] and scorer.failure is None
+    stats = scorer.component_stats(OneRank())
+    assert stats["reward/mean_len"] == 5.5
+    assert "reward/mean_len" not in scorer.component_stats(OneRank())  # cleared
+
+
+def test_trainer_state_and_log_metric_are_named_no_column():
+    for fn in (step_aware, logs_a_metric):
+        assert RewardFunction(fn).missing_columns([]) == []

@@ -40,6 +40,9 @@ class OneRank:
     def all_max(self, x):
         return x
 
+    def gather_objects(self, items):
+        return list(items)
+
 
 def reward_cfg(*overrides):
     return load_config(None, ["model.policy=p", "data.train=t", *overrides])

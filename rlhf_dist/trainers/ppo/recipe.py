@@ -24,6 +24,7 @@ from rlhf_dist.algo.rewards import token_kl
 from rlhf_dist.checkpoint import maybe_fault, rng_state
 from rlhf_dist.config import Config
 from rlhf_dist.config.sizes import old_logprobs_from_update
+from rlhf_dist.data.batching import PPOPlan
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import RewardFunctionError, ServerError
 from rlhf_dist.generation import Sampler
@@ -31,6 +32,7 @@ from rlhf_dist.models import tokenizer_for
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.planning.start import planned_phases, run_hardware
+from rlhf_dist.rewards.scoring import RewardTrainerState
 from rlhf_dist.rollout import PromptBatch
 from rlhf_dist.trainers.common import PreemptionFlag, evaluate_if_due, find_resume, safe_point
 from rlhf_dist.trainers.ppo.advantages import (
@@ -114,6 +116,9 @@ def train_ppo(cfg: Config, runtime: Runtime, sampler: Sampler | None = None) -> 
         expect_next(cfg, run, it, upcoming)  # ppo.max_staleness: what to request ahead
         more = extra_prompts(prompts, run.plan, runtime, seed, pad, it)
         # 2.-7. Rollout, scores, rewards, advantages, the update's view, the update
+        run.scorer.trainer_state = reward_trainer_state(
+            run.plan, it, len(prompts.ids), p.iterations
+        )
         try:
             result = iteration(runtime, run, ctl, prompt_batch, cfg, it, more, planned)
         except (RewardFunctionError, ServerError) as e:
@@ -193,6 +198,17 @@ def ppo_iteration(
     stats = result.stats
     ctl = ctl.after(stats["objective/kl"], stats["objective/entropy"], run.plan.sequences)
     return dataclasses.replace(result, controllers=ctl)
+
+
+def reward_trainer_state(
+    plan: PPOPlan, it: int, num_prompts: int, iterations: int
+) -> RewardTrainerState:
+    """What a reward reads as TRL's `trainer_state` during iteration `it` (1-based): the
+    optimizer steps and the passes over the `num_prompts` training prompts done before
+    it, and the run's optimizer steps in all (`iterations` of the plan's steps each)."""
+    steps = plan.optimizer_steps_per_iteration
+    done = (it - 1) * plan.rollout.global_size / num_prompts
+    return RewardTrainerState((it - 1) * steps, done, iterations * steps)
 
 
 def run_summary(cfg: Config, progress: Progress) -> dict:
