@@ -102,9 +102,9 @@ def explicit_keys(tree: dict[str, Any], defaults: dict[str, Any]) -> dict[str, A
     return out
 
 
-def _with_keys(cfg: Config, values: dict[str, str]) -> Config:
+def _with_keys(cfg: Config, values: dict[str, str | tuple[str, ...]]) -> Config:
     """`cfg` with dotted keys set (the `python:` specs of the objects given)."""
-    sections: dict[str, dict[str, str]] = {}
+    sections: dict[str, dict[str, str | tuple[str, ...]]] = {}
     for dotted, value in values.items():
         section, name = dotted.split(".")
         sections.setdefault(section, {})[name] = value
@@ -179,7 +179,7 @@ def run(stage: str, cfg: Config, objects: dict[str, object] | None = None) -> di
     named = {k: spec for k, v in given.items() if (spec := inputs.package_spec(v))}
     given = {k: v for k, v in given.items() if k not in named}
     with inputs.registered(given) as specs:
-        cfg = _with_keys(cfg, specs | named)
+        cfg = _with_keys(cfg, {**specs, **named})
         # Checked before anything heavy: world size comes from the launcher's environment.
         validate(cfg, stage, int(os.environ.get("WORLD_SIZE", "1")))
         return run_validated(stage, cfg)
@@ -215,6 +215,8 @@ def _planned(cfg: Config, stage: str, runtime: Runtime) -> Config:
 # (datasets.Dataset or a list of dicts, typed loosely: datasets loads with the stage).
 ConfigLike = Config | str | Path | dict[str, Any] | None
 Overrides = Sequence[str]
+# reward_fn of the API: one function, or TRL's list of them (reward.functions)
+RewardFns = Callable[..., Any] | Sequence[Callable[..., Any]] | None
 
 
 def sft(
@@ -246,28 +248,50 @@ def ppo(
     config: ConfigLike = None,
     *,
     dataset: object = None,
-    reward_fn: Callable[..., Any] | None = None,
+    reward_fn: RewardFns = None,
     overrides: Overrides = (),
     preset: str | None = None,
+    reward_weights: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """PPO or a critic-free estimator (ppo.estimator, or a `preset`: grpo, dr_grpo, dapo,
     gspo, rloo, reinforce_pp) on `dataset`'s prompts, scored by `reward_fn` (TRL's
     `(prompts, completions, **columns)` or `(prompts, responses)`, docs/rewards.md) or by
-    model.reward."""
-    objects = {"data.train": dataset, "reward.function": reward_fn}
-    return run("ppo", config_of(config, overrides, preset), objects)
+    model.reward. A list of functions is TRL's `reward_funcs`: reward.functions, weighted
+    by `reward_weights` (reward.weights; None: 1 each), each logged under its name."""
+    cfg = config_of(config, overrides, preset)
+    if reward_weights is not None:
+        weights = tuple(float(w) for w in reward_weights)
+        cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, weights=weights))
+    return run("ppo", cfg, {"data.train": dataset} | reward_objects(reward_fn))
+
+
+def reward_objects(reward_fn: RewardFns) -> dict[str, object]:
+    """The config key a `reward_fn` of the API stands for: reward.function for one
+    callable, reward.functions for a list or tuple of them (TRL's reward_funcs)."""
+    if isinstance(reward_fn, list | tuple):
+        return {"reward.functions": list(reward_fn)}
+    return {"reward.function": reward_fn}
 
 
 def grpo(
     config: ConfigLike = None,
     *,
     dataset: object = None,
-    reward_fn: Callable[..., Any] | None = None,
+    reward_fn: RewardFns = None,
     overrides: Overrides = (),
+    reward_weights: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """GRPO: `ppo` with the grpo preset (docs/grpo.md), every key of `config` over it."""
+    """GRPO: `ppo` with the grpo preset (docs/grpo.md), every key of `config` over it;
+    `reward_fn` one function or a list of them, weighted by `reward_weights` (TRL's)."""
     _, preset = stage_and_preset("grpo")
-    return ppo(config, dataset=dataset, reward_fn=reward_fn, overrides=overrides, preset=preset)
+    return ppo(
+        config,
+        dataset=dataset,
+        reward_fn=reward_fn,
+        overrides=overrides,
+        preset=preset,
+        reward_weights=reward_weights,
+    )
 
 
 def online_dpo(

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 PREFIX = "python:"
+LIST_KEYS = ("reward.functions",)  # config keys holding a list of specs
 _objects: dict[str, object] = {}
 
 
@@ -94,15 +95,25 @@ def import_from_cwd(module_name: str) -> ModuleType:
 
 
 @contextlib.contextmanager
-def registered(objects: dict[str, object]) -> Iterator[dict[str, str]]:
-    """Register {config key: object} for the span of a run; yields {key: spec}."""
-    specs = {k: PREFIX + k for k in objects}
-    _objects.update({specs[k]: v for k, v in objects.items()})
+def registered(objects: dict[str, object]) -> Iterator[dict[str, str | tuple[str, ...]]]:
+    """Register {config key: object} for the span of a run; yields {key: spec}. For a
+    key whose value is a list of objects (LIST_KEYS: reward.functions) each item is
+    registered under `python:<key>[i]` and the key's value is the tuple of those specs;
+    any other object (a dataset's list of rows included) is one spec."""
+    specs: dict[str, str | tuple[str, ...]] = {}
+    for k, v in objects.items():
+        if k in LIST_KEYS and isinstance(v, list):
+            specs[k] = tuple(f"{PREFIX}{k}[{i}]" for i in range(len(v)))
+            _objects.update(zip(specs[k], v))
+        else:
+            specs[k] = PREFIX + k
+            _objects[PREFIX + k] = v
     try:
         yield specs
     finally:
         for spec in specs.values():
-            _objects.pop(spec, None)
+            for one in (spec,) if isinstance(spec, str) else spec:
+                _objects.pop(one, None)
 
 
 def accepted_columns(fn: Callable[..., Any], columns: dict, taken: tuple[str, ...] = ()) -> dict:

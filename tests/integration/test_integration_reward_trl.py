@@ -90,3 +90,22 @@ def test_step_aware_and_logs_a_metric(task_env, read_jsonl, tmp_path):
     rlhf_dist.grpo(config(task_env, out), dataset=ROWS, reward_fn=logs_a_metric)
     (metrics,) = read_jsonl(out / "metrics.jsonl")
     assert metrics["reward/mean_len"] > 0
+
+
+def test_a_list_of_rewards_with_weights_logs_each_by_name(task_env, read_jsonl, tmp_path):
+    def format_reward(completions, **kwargs):  # TRL's docs style: 1 for a non-empty answer
+        return [1.0 if c.strip() else 0.0 for c in completions]
+
+    def reward_len(completions, **kwargs):  # TRL's docs, verbatim
+        return [-abs(20 - len(completion)) for completion in completions]
+
+    out = tmp_path / "run"
+    rlhf_dist.grpo(
+        config(task_env, out),
+        dataset=ROWS,
+        reward_fn=[format_reward, reward_len],
+        reward_weights=[2.0, 0.5],
+    )
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    fmt, length = metrics["objective/score_format_reward"], metrics["objective/score_reward_len"]
+    assert metrics["objective/raw_score"] == pytest.approx(2.0 * fmt + 0.5 * length)

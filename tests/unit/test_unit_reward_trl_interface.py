@@ -182,3 +182,17 @@ def test_trainer_state_and_log_metric_reach_the_function_and_the_metrics():
 def test_trainer_state_and_log_metric_are_named_no_column():
     for fn in (step_aware, logs_a_metric):
         assert RewardFunction(fn).missing_columns([]) == []
+
+
+def test_a_list_of_rewards_is_registered_item_by_item_and_rows_stay_one_object():
+    from rlhf_dist.api import reward_objects
+    from rlhf_dist.data.inputs import resolve_callable
+
+    rows = [{"prompt": "a"}]
+    objects = reward_objects([reward_len, length_in_tokens]) | {"data.train": rows}
+    with registered(objects) as specs:
+        assert specs["data.train"] == "python:data.train"
+        first, second = specs["reward.functions"]
+        assert resolve_callable(first, "reward.functions") is reward_len
+        assert RewardFunction(second, key="reward.functions").name == "length_in_tokens"
+    assert reward_objects(reward_len) == {"reward.function": reward_len}
