@@ -7,10 +7,12 @@ Shared by PPO (rollout scores), reward-model training (held-out diagnostics) and
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -177,7 +179,7 @@ class RewardFunction:
             )
         args, kwargs = self.arguments(prompts, responses, by_name, completion_ids, extras)
         out = call_with_retries(
-            lambda: list(self.fn(*args, **kwargs)),
+            lambda: list(awaited(self.fn(*args, **kwargs))),
             self.label,
             self.retries,
             self.retry_delay_s,
@@ -216,6 +218,13 @@ class RewardTrainerState:
     max_steps: int = 0
 
 
+def is_async(fn: object) -> bool:
+    """Whether `fn` (a RewardFunction or a callable) is an `async def` reward."""
+    inner = getattr(fn, "fn", fn)  # a RewardFunction's callable
+    method = type(inner).__call__ if not inspect.isroutine(inner) else None
+    return inspect.iscoroutinefunction(inner) or inspect.iscoroutinefunction(method)
+
+
 def trl_convention(fn: Callable[..., Any]) -> bool:
     """Whether fn is called in TRL's convention (all by keyword) rather than ours
     (prompts, responses positional): TRL's rule, so that functions written for TRL run
@@ -233,6 +242,24 @@ def trl_convention(fn: Callable[..., Any]) -> bool:
     if names & {"completions", "completion_ids"}:
         return True
     return bool(kinds) and inspect.Parameter.POSITIONAL_OR_KEYWORD not in kinds
+
+
+def awaited(result: Any) -> Any:
+    """`result`, or what it gives when awaited (an `async def` reward's coroutine), run to
+    completion on an event loop of its own: in this thread, or in a new one where this
+    thread already runs a loop (a notebook's)."""
+    if not inspect.isawaitable(result):
+        return result
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
+        return asyncio.run(_wrapped(result))
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _wrapped(result)).result()
+
+
+async def _wrapped(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
 
 
 def _is_finite_number(v: object) -> bool:
@@ -276,9 +303,10 @@ class WeightedReward:
         """The weighted sum of the components' scores (B,), each component's sum kept.
         A component's None (NaN) leaves it out of that row's sum, TRL's rule; a row no
         component applies to is NaN (the Scorer counts it as skipped)."""
+        call = (prompts, responses, columns, completion_ids, extras)
         parts = [
-            (name, weight, fn(prompts, responses, columns, completion_ids, extras))
-            for name, weight, fn in self.components
+            (name, weight, scores)
+            for (name, weight, _), scores in zip(self.components, self._scores(call))
         ]
         applies = torch.zeros(len(responses), dtype=torch.bool)
         total_scores = torch.zeros(len(responses))
@@ -289,6 +317,21 @@ class WeightedReward:
             total_scores = total_scores + torch.where(given, weight * scores, 0.0)
             applies |= given
         return torch.where(applies, total_scores, NOT_APPLICABLE)
+
+    def _scores(self, call: tuple) -> list[torch.Tensor]:
+        """Each component's scores of `call`, in order. The `async def` components run
+        concurrently, as TRL gathers them: each in a thread of its own, with its own
+        event loop, retries and timeout; the others one after the other in this thread
+        (a reward using signals, math-verify's timeout, needs the main thread)."""
+        concurrent = [i for i, (_, _, f) in enumerate(self.components) if is_async(f)]
+        out: dict[int, torch.Tensor] = {}
+        with ThreadPoolExecutor(max(1, len(concurrent))) as pool:
+            futures = {i: pool.submit(self.components[i][2], *call) for i in concurrent}
+            for i, (_, _, fn) in enumerate(self.components):
+                if i not in futures:
+                    out[i] = fn(*call)
+            out |= {i: f.result() for i, f in futures.items()}
+        return [out[i] for i in range(len(self.components))]
 
     def take_sums(self) -> dict[str, tuple[float, int]]:
         """{name: (sum of its scores, count)} since the last call (then reset), plus
@@ -514,7 +557,8 @@ class Scorer:
         """objective/score_<name> (mean over all ranks' sequences since the last call) of
         each reward component, and objective/judge_parse_failures (the count, summed over
         ranks); with reward functions reward/skipped_rows, the rows no function applied to
-        (every one returned None; summed over ranks); {} for a reward model. Every rank
+        (every one returned None; summed over ranks) and reward/<name> of each metric a
+        reward logged (log_metric: the mean over ranks); {} for a reward model. Every rank
         must call this (a collective: the rewards are the same on every rank)."""
         if not isinstance(self.reward_fn, RewardFunction | WeightedReward):
             return {}

@@ -4,6 +4,9 @@ the demo's tiny random policy (seconds on a CPU)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -109,3 +112,25 @@ def test_a_list_of_rewards_with_weights_logs_each_by_name(task_env, read_jsonl, 
     (metrics,) = read_jsonl(out / "metrics.jsonl")
     fmt, length = metrics["objective/score_format_reward"], metrics["objective/score_reward_len"]
     assert metrics["objective/raw_score"] == pytest.approx(2.0 * fmt + 0.5 * length)
+
+
+def test_two_async_rewards_overlap_through_grpo(task_env, read_jsonl, tmp_path):
+    spans: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+
+    def timed(name: str):
+        async def reward(prompts, completions, **kwargs):
+            start = time.perf_counter()
+            await asyncio.sleep(0.3)
+            spans[name].append((start, time.perf_counter()))
+            return [float(len(c)) for c in completions]
+
+        reward.__name__ = f"async_{name}"
+        return reward
+
+    out = tmp_path / "run"
+    rlhf_dist.grpo(config(task_env, out), dataset=ROWS, reward_fn=[timed("a"), timed("b")])
+    assert len(spans["a"]) == len(spans["b"]) >= 1
+    for (a0, a1), (b0, b1) in zip(spans["a"], spans["b"]):
+        assert a0 < b1 and b0 < a1, "the two sleeps did not overlap"
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert "objective/score_async_a" in metrics and "objective/score_async_b" in metrics

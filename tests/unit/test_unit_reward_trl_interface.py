@@ -4,7 +4,9 @@ signature mismatch is one line at once naming the function and the missing param
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -196,3 +198,49 @@ def test_a_list_of_rewards_is_registered_item_by_item_and_rows_stay_one_object()
         assert resolve_callable(first, "reward.functions") is reward_len
         assert RewardFunction(second, key="reward.functions").name == "length_in_tokens"
     assert reward_objects(reward_len) == {"reward.function": reward_len}
+
+
+async def async_reward(prompts, completions, **kwargs):  # TRL's docs, with a sleep
+    await asyncio.sleep(0.5)
+    return [float(len(c)) for c in completions]
+
+
+async def other_async_reward(prompts, completions, **kwargs):
+    await asyncio.sleep(0.5)
+    return [1.0] * len(completions)
+
+
+def test_an_async_reward_is_awaited():
+    assert RewardFunction(async_reward)(["p", "q"], RESPONSES).tolist() == [8.0, 3.0]
+
+
+def test_two_async_rewards_run_concurrently():
+    parts = [
+        ("a", 1.0, RewardFunction(async_reward)),
+        ("b", 1.0, RewardFunction(other_async_reward)),
+        ("c", 1.0, RewardFunction(ours)),
+    ]
+    start = time.perf_counter()
+    out = WeightedReward(parts)(["p", "q"], RESPONSES)
+    assert time.perf_counter() - start < 0.9  # the two 0.5 s sleeps overlapped
+    assert out.tolist() == [8.0 + 1 + 8, 3.0 + 1 + 3]
+
+
+def test_an_async_reward_has_the_retry_rules():
+    calls = []
+
+    async def flaky(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("transient")
+        return [0.5] * len(completions)
+
+    fn = RewardFunction(flaky, retries=1, retry_delay_s=0.0, timeout_s=5.0)
+    assert fn(["p", "q"], RESPONSES).tolist() == [0.5, 0.5] and len(calls) == 2
+
+
+def test_an_async_reward_inside_a_running_event_loop():
+    async def main():
+        return RewardFunction(async_reward)(["p", "q"], RESPONSES).tolist()
+
+    assert asyncio.run(main()) == [8.0, 3.0]
