@@ -5,13 +5,20 @@ the demo's tiny random policy (seconds on a CPU)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 import rlhf_dist
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS, SAMPLES, MAX_NEW = 2, 4, 8
 
 
@@ -134,3 +141,60 @@ def test_two_async_rewards_overlap_through_grpo(task_env, read_jsonl, tmp_path):
         assert a0 < b1 and b0 < a1, "the two sleeps did not overlap"
     (metrics,) = read_jsonl(out / "metrics.jsonl")
     assert "objective/score_async_a" in metrics and "objective/score_async_b" in metrics
+
+
+# The same functions as a TRL user's module beside the data, named on the command line.
+MODULE = """
+import asyncio
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def length_in_tokens(completion_ids, **kwargs):
+    return [len(ids) for ids in completion_ids]
+
+
+def step_aware(completions, trainer_state, **kwargs):
+    return [min(1.0, trainer_state.global_step / 10)] * len(completions)
+
+
+def logs_a_metric(completions, log_metric, **kwargs):
+    log_metric("mean_len", sum(len(c) for c in completions) / len(completions))
+    return [0.0] * len(completions)
+
+
+async def async_reward(prompts, completions, **kwargs):
+    await asyncio.sleep(0.01)
+    return [1.0 if "movie" in p else None for p in prompts]
+"""
+
+
+def test_the_trl_functions_through_the_command_line(task_env, read_jsonl, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_rewards.py").write_text(MODULE)
+    (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    names = ["reward_len", "length_in_tokens", "step_aware", "logs_a_metric", "async_reward"]
+    functions = "[" + ",".join(f"my_rewards:{n}" for n in names) + "]"
+    sizes = [f"{k}={v}" for k, v in config(task_env, tmp_path / "run").items()]
+    proc = run_cli(
+        work, "grpo", "data.train=prompts.jsonl", f"reward.functions={functions}", *sizes
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (metrics,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert metrics["reward/mean_len"] > 0 and metrics["reward/skipped_rows"] == 0
+    assert all(f"objective/score_{n}" in metrics for n in names)
+
+
+def run_cli(work: Path, *args: str) -> subprocess.CompletedProcess:
+    """`rlhf-dist ARGS` in `work` (the installed console script beside this interpreter,
+    else on PATH), with this checkout on PYTHONPATH."""
+    beside = Path(sys.executable).parent / "rlhf-dist"
+    script = str(beside) if beside.is_file() else shutil.which("rlhf-dist") or "rlhf-dist"
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = base | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [script, *args], cwd=work, env=env, capture_output=True, text=True, timeout=240
+    )
