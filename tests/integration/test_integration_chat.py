@@ -187,10 +187,12 @@ def test_ppo_with_a_reward_model_of_another_tokenizer(
     calls, rm_inputs = [], []
     original_call, original_scores = scoring.Scorer.__call__, scoring.sequence_scores
 
-    def scorer_call(self, prompts, responses, input_ids, attention_mask, last_index, columns=None):
+    def scorer_call(
+        self, prompts, responses, input_ids, attention_mask, last_index, columns=None, ids=None
+    ):
         calls.append((prompts, responses, input_ids.clone(), last_index.clone()))
         return original_call(
-            self, prompts, responses, input_ids, attention_mask, last_index, columns
+            self, prompts, responses, input_ids, attention_mask, last_index, columns, ids
         )
 
     def sequence_scores(model, input_ids, attention_mask, last_index):
