@@ -113,35 +113,15 @@ def token_forward(
     (engine/sequence_parallel.py), giving the same tensors on every rank of the group."""
     if hasattr(model, "scoring_model"):
         with model.scoring_model() as inner:
-            return token_forward(
-                inner,
-                input_ids,
-                attention_mask,
-                predict_mask,
-                temperature,
-                with_entropy,
-                prompt_width,
-                perf,
-                divergence,
-            )
+            args = (input_ids, attention_mask, predict_mask, temperature, with_entropy)
+            return token_forward(inner, *args, prompt_width, perf, divergence)
     predict_mask, lm = predict_mask.bool(), causal_lm(model)
     group = active_group()
     if group is not None:  # a pooled micro-batch, 1/n of its columns here (sequence_parallel)
         if divergence is not None:
             raise ConfigError(f"{SP_KEY}: on-policy distillation's gjsd loss is not supported")
-        lp, entropy = sequence_parallel_logprobs(
-            model,
-            lm,
-            input_ids,
-            attention_mask,
-            predict_mask,
-            temperature,
-            with_entropy,
-            perf,
-            group,
-            head_logprobs,
-        )
-        return lp, entropy, None
+        split = (input_ids, attention_mask, predict_mask, temperature, with_entropy, perf, group)
+        return (*sequence_parallel_logprobs(model, lm, *split, head_logprobs), None)
     T = predict_mask.shape[1]
     hidden, tokens = _scored_states(model, lm, input_ids, attention_mask, T, prompt_width, perf)
     selected = predict_mask
