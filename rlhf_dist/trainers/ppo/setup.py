@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from rlhf_dist.algo import catalog
 from rlhf_dist.checkpoint import Checkpoint
 from rlhf_dist.config import Config
+from rlhf_dist.config.sizes import has_critic, needs_reference
 from rlhf_dist.data.batching import PPOPlan, ppo_plan
 from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.distributed import Runtime
@@ -72,13 +72,6 @@ class PPOModels:
     scorer: Scorer
     group_names: tuple[str, ...]  # the optimizer's param groups: ("actor", "critic") or ("actor",)
     teacher: nn.Module | None = None  # on-policy distillation's frozen teacher (model.teacher)
-
-
-def needs_reference(cfg: Config) -> bool:
-    """Whether a KL term reads the reference: ppo.kl_coef > 0 (in the reward or the loss;
-    the adaptive controller moves a coefficient that starts above 0). With 0 no reference
-    is loaded or run, as TRL's GRPO with beta 0."""
-    return cfg.ppo.kl_coef > 0
 
 
 def check_teacher_tokenizer(cfg: Config, policy_tokenizer: Any) -> None:
@@ -139,11 +132,6 @@ def environment_reward(
     (B,), each replaced by the reward the environment gave its episode (rollout/collect.py,
     which stops the run when an episode gave none; a verifiers rubric always gives one)."""
     return torch.full((len(responses),), float("nan"))
-
-
-def has_critic(cfg: Config) -> bool:
-    """A critic is built, trained and exported only for an estimator that reads values."""
-    return catalog.ESTIMATORS[cfg.ppo.estimator].needs_critic
 
 
 class AdapterOffValue(nn.Module):
