@@ -20,7 +20,7 @@ import torch
 
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.config import Config, ModelConfig, PerfConfig, RewardConfig
-from rlhf_dist.data.chat import BadRow, Chat, is_stop, stop_token_ids
+from rlhf_dist.data.chat import BadRow, Chat, is_stop, prompt_text, stop_token_ids
 from rlhf_dist.data.inputs import (
     accepted_columns,
     column_lists,
@@ -121,7 +121,7 @@ class RewardFunction:
         extras: dict[str, Any] | None = None,
     ) -> tuple[tuple, dict[str, Any]]:
         """(positional, keyword) arguments of fn's call in its convention; extras: the
-        run's keywords (trainer_state, log_metric) TRL passes every reward; a
+        run's keywords (trainer_state, log_extra, log_metric) TRL passes every reward; a
         RewardFunctionError naming the parameter nobody provides if they do not bind."""
         if self.trl_style:
             completions = [
@@ -169,7 +169,7 @@ class RewardFunction:
     ) -> torch.Tensor:
         """Scores (B,) of B responses; columns: each row's other columns (None: none);
         completion_ids: each response's sampled token ids (None: not known here);
-        extras: trainer_state and log_metric for a function in TRL's convention."""
+        extras: trainer_state, log_extra and log_metric for a function in TRL's convention."""
         by_name = column_lists(columns or [{} for _ in responses])
         missing = self.missing_columns(by_name)
         if missing:
@@ -203,8 +203,17 @@ class RewardFunction:
 NOT_APPLICABLE = float("nan")
 
 # what TRL's GRPOTrainer passes every reward function by keyword besides the row's columns
-# (log_extra, TRL's samples-table hook, is not offered yet: docs/rewards.md)
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
+TRL_ARGUMENTS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+)
+# the samples table's own columns (trainers/ppo/stats.py sample_rows), which log_extra
+# cannot overwrite
+SAMPLE_COLUMNS = ("step", "prompt", "response", "score", "kl")
 
 
 @dataclass(frozen=True)
@@ -484,11 +493,43 @@ class Scorer:
     # what a reward in TRL's convention reads as `trainer_state` (the trainer sets it)
     trainer_state: RewardTrainerState = RewardTrainerState()
     logged: dict[str, list[float]] = field(default_factory=dict)  # log_metric's values
+    # log_extra's columns of each scored row, by (prompt as the samples table prints it,
+    # response): each key's rows in the order they were scored (take_extra_columns)
+    extra_columns: dict[tuple[str, str], list[dict]] = field(default_factory=dict)
 
     def log_metric(self, name: str, value: float) -> None:
         """TRL's `log_metric`: `value` into metrics.jsonl as reward/<name>, the mean of
         every value logged under that name this iteration, over all ranks."""
         self.logged.setdefault(str(name), []).append(float(value))
+
+    def _keep_extra(
+        self, prompts: Sequence[Prompt], responses: Sequence[str], pending: dict[str, list]
+    ) -> None:
+        """Each row's share of the columns a reward logged through TRL's `log_extra(column,
+        values)` in one call (pending: column -> values, one per response), kept for the
+        samples table; a column without one value per response, or named as one of the
+        table's own, is a RewardFunctionError naming it."""
+        for column, values in pending.items():
+            if column in SAMPLE_COLUMNS or len(values) != len(responses):
+                raise RewardFunctionError(
+                    f"reward: log_extra({column!r}, values) was given {len(values)} values "
+                    f"for {len(responses)} responses (one per response, and not a column "
+                    f"of the samples table: {', '.join(SAMPLE_COLUMNS)})"
+                )
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            row = {column: values[i] for column, values in pending.items()}
+            self.extra_columns.setdefault((prompt_text(p), r), []).append(row)
+
+    def take_extra_columns(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[dict]:
+        """log_extra's columns of each (prompt, response) row ({} where no reward logged
+        one), the first scored row of the same texts for each; then forgets every row
+        kept, so rows scored and dropped (dynamic sampling's tied groups) go too."""
+        out = []
+        for p, r in zip(prompts, responses):
+            kept = self.extra_columns.get((prompt_text(p), r))
+            out.append(kept.pop(0) if kept else {})
+        self.extra_columns = {}
+        return out
 
     @torch.no_grad()
     def __call__(
@@ -527,8 +568,18 @@ class Scorer:
             try:
                 if not isinstance(self.reward_fn, RewardFunction | WeightedReward):
                     return self.reward_fn(prompts, responses, columns)  # the trainers' own
-                extras = {"trainer_state": self.trainer_state, "log_metric": self.log_metric}
+                pending: dict[str, list] = {}
+
+                def log_extra(column: str, values: Sequence[Any]) -> None:
+                    pending.setdefault(str(column), []).extend(values)
+
+                extras = {
+                    "trainer_state": self.trainer_state,
+                    "log_extra": log_extra,
+                    "log_metric": self.log_metric,
+                }
                 scores = self.reward_fn(prompts, responses, columns, completion_ids, extras)
+                self._keep_extra(prompts, responses, pending)
                 self.skipped += int(torch.isnan(scores).sum())  # None: does not apply
                 return scores
             except RewardFunctionError as e:

@@ -27,6 +27,7 @@ def config(task_env, out) -> dict:
         "model.policy": str(task_env.policy),
         "run.output_dir": str(out),
         "run.log_every": 1,
+        "run.samples_every": 1,
         "run.progress": False,
         "perf.num_threads": 1,
         "data.max_prompt_length": 16,
@@ -141,6 +142,37 @@ def test_two_async_rewards_overlap_through_grpo(task_env, read_jsonl, tmp_path):
         assert a0 < b1 and b0 < a1, "the two sleeps did not overlap"
     (metrics,) = read_jsonl(out / "metrics.jsonl")
     assert "objective/score_async_a" in metrics and "objective/score_async_b" in metrics
+
+
+def test_log_extra_columns_reach_the_samples_table(task_env, read_jsonl, tmp_path):
+    import re
+
+    def reward_func(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):
+        # TRL's docs, example 6, verbatim
+        extracted = [re.search(r"\\boxed\{(.*?)\}", c) for c in completions]
+        extracted = [m.group(1) if m else None for m in extracted]
+        rewards = [1.0 if e == gt else 0.0 for e, gt in zip(extracted, ground_truth)]
+
+        if log_extra:
+            log_extra("golden_answer", list(ground_truth))
+            log_extra("extracted_answer", [e or "[none]" for e in extracted])
+
+        if log_metric:
+            log_metric("accuracy", sum(rewards) / len(rewards))
+
+        return rewards
+
+    rows = [r | {"ground_truth": f"answer {i}"} for i, r in enumerate(ROWS)]
+    out = tmp_path / "run"
+    rlhf_dist.grpo(config(task_env, out), dataset=rows, reward_fn=reward_func)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert samples and len(samples) == min(8, PROMPTS * SAMPLES)
+    truth = {r["prompt"]: r["ground_truth"] for r in rows}
+    for row in samples:  # each row's own columns, beside its prompt and completion
+        assert row["golden_answer"] == truth[row["prompt"]]
+        assert row["extracted_answer"] == "[none]" and row["score"] == 0.0
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert metrics["reward/accuracy"] == 0.0
 
 
 # The same functions as a TRL user's module beside the data, named on the command line.

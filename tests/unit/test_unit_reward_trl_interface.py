@@ -244,3 +244,37 @@ def test_an_async_reward_inside_a_running_event_loop():
         return RewardFunction(async_reward)(["p", "q"], RESPONSES).tolist()
 
     assert asyncio.run(main()) == [8.0, 3.0]
+
+
+def logs_extra(completions, log_extra=None, **kwargs):  # TRL's docs, example 6's pattern
+    if log_extra:
+        log_extra("chars", [len(c) for c in completions])
+    return [1.0] * len(completions)
+
+
+def test_log_extra_columns_go_to_each_rows_sample():
+    parts = [("x", 1.0, RewardFunction(logs_extra)), ("len", 1.0, RewardFunction(ours))]
+    scorer = Scorer(reward_fn=WeightedReward(parts))
+    scorer.score_texts(["p", "q"], RESPONSES)
+    scorer.score_texts(["p"], ["hello"])  # the same prompt again, another response
+    # rows asked for in another order than scored, one row never scored
+    extra = scorer.take_extra_columns(["p", "q", "p", "r"], ["hello", "bye", "hi there", "x"])
+    assert extra == [{"chars": 5}, {"chars": 3}, {"chars": 8}, {}]
+    assert scorer.take_extra_columns(["p"], ["hello"]) == [{}]  # forgotten once taken
+
+
+def test_log_extra_with_a_value_per_row_missing_is_one_line_naming_the_column():
+    def short(completions, log_extra, **kwargs):
+        log_extra("answer", ["only one"])
+        return [1.0] * len(completions)
+
+    def clashes(completions, log_extra, **kwargs):
+        log_extra("score", [0] * len(completions))
+        return [1.0] * len(completions)
+
+    for fn in (short, clashes):
+        scorer = Scorer(reward_fn=RewardFunction(fn))
+        assert torch.isnan(scorer.score_texts(["p", "q"], RESPONSES)).all()
+        message = str(scorer.failure)
+        assert "log_extra(" in message and "\n" not in message
+    assert RewardFunction(short).missing_columns([]) == []
