@@ -324,13 +324,11 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict[str, float]:
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     out, logger = open_run(cfg, runtime, "eval", None)
     runtime.seed_per_rank(cfg.run.seed)
-    rm_inputs = reward_inputs_for(cfg)
+    rm_inputs, stops = reward_inputs_for(cfg), policy_stop_ids(cfg, tokenizer)
     scorer = build_scorer(
-        runtime, cfg.reward.function, m, "replicate", rm_inputs, cfg.reward, cfg.perf
+        runtime, cfg.reward.function, m, "replicate", rm_inputs, cfg.reward, cfg.perf, stops
     )
-    models = eval_models(
-        policy, reference, scorer, policy_stop_ids(cfg, tokenizer), agent, cfg.perf
-    )
+    models = eval_models(policy, reference, scorer, stops, agent, cfg.perf)
     win_scorer = win_rate_judge(runtime, cfg, scorer) if reference is not None else None
     try:
         summary, samples = evaluate_policy(

@@ -24,6 +24,7 @@ from rlhf_dist.data.chat import BadRow, Chat, is_stop, prompt_text, stop_token_i
 from rlhf_dist.data.inputs import (
     accepted_columns,
     column_lists,
+    is_model_name,
     is_python,
     required_parameters,
     resolve_callable,
@@ -352,6 +353,64 @@ class WeightedReward:
         return out
 
 
+class ModelReward:
+    """A reward model named in reward.functions (TRL's model id or path in reward_funcs), as
+    one component of a WeightedReward: each (prompt, response) in the model's own tokens,
+    by the text round-trip `rlhf-dist rm` trains on (RewardInputs: closed with its stop
+    tokens iff the response finished, i.e. its last sampled id is a policy stop id), scored
+    by its head at the last token, as model.reward scores (sequence_scores)."""
+
+    def __init__(self, model: ValueModel, inputs: RewardInputs, device: torch.device) -> None:
+        self.model, self.inputs, self.device = model, inputs, device
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        columns: list[dict] | None = None,
+        completion_ids: list[list[int]] | None = None,
+        extras: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """Scores (B,) float32 on CPU; completion_ids (None: every response finished)."""
+        stops = set(self.inputs.policy_stop_ids)
+        finished = [True] * len(responses)
+        if completion_ids is not None:
+            finished = [bool(ids) and ids[-1] in stops for ids in completion_ids]
+        seqs = [self.inputs.sequence(p, r, f) for p, r, f in zip(prompts, responses, finished)]
+        pad = self.inputs.tokenizer.pad_token_id
+        ids, mask = right_pad(seqs, pad if pad is not None else 0)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return sequence_scores(self.model, ids, mask, last_token_index(mask)).float().cpu()
+
+
+def model_reward(
+    runtime: Runtime,
+    path: str,
+    model_cfg: ModelConfig,
+    policy_stops: tuple[int, ...],
+    perf: PerfConfig = DEFAULT_PERF,
+) -> ModelReward:
+    """The reward model at `path` (a reward.functions entry) loaded as model.reward is (a
+    sequence classifier in model.frozen_dtype, with its own tokenizer), replicated on every
+    rank: it runs inside the reward functions' call, which a failing function can cut short
+    on one rank, so its forwards must not be collectives (as a local judge's)."""
+    key = "reward.functions"
+    tok = load_tokenizer(path, model_cfg.trust_remote_code, key)
+    chat = Chat(tok, tok.chat_template) if tok.chat_template else None
+    inputs = RewardInputs(tok, chat, stop_token_ids(tok, chat), policy_stops)
+    dtype = frozen_dtype(model_cfg)
+    with runtime.local_loading():
+        rm = load_sequence_classifier(path, key, dtype, model_cfg)
+    rm = runtime.prepare_frozen(ValueModel(rm, perf), "replicate", dtype, "reward model")
+    return ModelReward(rm, inputs, runtime.device)
+
+
+def model_name(path: str) -> str:
+    """A reward model's component name: the last part of its path or hub id (TRL's)."""
+    return path.rstrip("/").rsplit("/", 1)[-1] or path
+
+
 def check_reward_columns(reward_cfg: RewardConfig, available: Collection[str], where: str) -> None:
     """Before any model loads: a ConfigError naming the reward key whose function requires
     a column (a parameter without default) that the rows of `where` (e.g. data.train) do
@@ -359,8 +418,8 @@ def check_reward_columns(reward_cfg: RewardConfig, available: Collection[str], w
     r = reward_cfg
     specs = [("reward.function", r.function)] + [("reward.functions", s) for s in r.functions]
     for key, spec in specs:
-        if not spec:
-            continue
+        if not spec or (key == "reward.functions" and is_model_name(spec)):
+            continue  # a reward model reads no column
         fn = RewardFunction(spec, key=key)
         missing = fn.missing_columns(available)
         if missing:
@@ -660,6 +719,14 @@ class Scorer:
         raise RewardFunctionError(messages[0]) from cause
 
 
+def policy_stops_for(cfg: Config) -> tuple[int, ...]:
+    """The ids that end a policy response where a reward model in reward.functions reads
+    them (ModelReward), else () without loading the policy's tokenizer."""
+    if not any(is_model_name(spec) for spec in cfg.reward.functions):
+        return ()
+    return policy_stop_ids(cfg, tokenizer_for(cfg, "policy"))
+
+
 def reward_inputs_for(cfg: Config) -> RewardInputs | None:
     """RewardInputs when model.reward's tokenizer differs from the policy's (vocabulary,
     specials or template); None when they agree, model.tokenizer is shared by all models,
@@ -684,6 +751,7 @@ def build_scorer(
     inputs: RewardInputs | None = None,
     reward_cfg: RewardConfig | None = None,
     perf: PerfConfig = DEFAULT_PERF,
+    policy_stops: tuple[int, ...] = (),
 ) -> Scorer:
     """The frozen reward: `reward_function` if set ("module:callable" or a callable; its
     retries and timeout from `reward_cfg`, the reward section), else model_cfg.reward
@@ -691,11 +759,13 @@ def build_scorer(
     (distributed.frozen_models, or "replicate"), reading `inputs` (its own tokens,
     reward_inputs_for) if given. A reward model's forward is not retried: it is local
     computation, and under ZeRO-3 a collective that one rank cannot repeat alone. perf:
-    the speed paths of the reward model's and a local judge's forwards."""
+    the speed paths of the reward model's and a local judge's forwards; policy_stops: the
+    ids that end a policy response (policy_stops_for), for a reward model in
+    reward.functions."""
     if reward_cfg is not None and (
         reward_cfg.functions or reward_cfg.url or reward_cfg.judge != "none"
     ):
-        fn = weighted_reward(runtime, reward_cfg, model_cfg, reward_function, perf)
+        fn = weighted_reward(runtime, reward_cfg, model_cfg, reward_function, perf, policy_stops)
         return Scorer(reward_fn=fn)
     if reward_function:
         return Scorer(reward_fn=RewardFunction(reward_function, **retry_settings(reward_cfg)))
@@ -712,17 +782,27 @@ def weighted_reward(
     model_cfg: ModelConfig,
     reward_function: str | Callable[..., Any] | None = "",
     perf: PerfConfig = DEFAULT_PERF,
+    policy_stops: tuple[int, ...] = (),
 ) -> WeightedReward:
     """The components of reward.function or reward.functions (weights reward.weights, 1
     each by default), reward.url (reward.url_weight) and reward.judge (reward.judge_weight),
     each a RewardFunction with the run's retries and timeout (an HTTP component retries
-    each request itself: remote.HTTPClient)."""
+    each request itself: remote.HTTPClient), or for a reward.functions entry naming a
+    reward model a ModelReward (policy_stops: the ids that end a policy response)."""
     r, retry = reward_cfg, retry_settings(reward_cfg)
     specs: list[str | Callable[..., Any]] = list(r.functions)
     specs = specs or ([reward_function] if reward_function else [])
     weights = list(r.weights) or [1.0] * len(specs)
-    fns = [RewardFunction(spec, **retry) for spec in specs]
-    names = [component_name(f.fn) for f in fns]
+    fns: list[Callable[..., Any]] = []
+    names: list[str] = []
+    for spec in specs:
+        if r.functions and isinstance(spec, str) and is_model_name(spec):
+            fns.append(model_reward(runtime, spec, model_cfg, policy_stops, perf))
+            names.append(model_name(spec))
+        else:
+            fn = RewardFunction(spec, **retry)
+            fns.append(fn)
+            names.append(component_name(fn.fn))
     no_retry: dict[str, Any] = {"retries": 0, "timeout_s": None}
     judge = None
     if r.url:

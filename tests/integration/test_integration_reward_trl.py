@@ -175,6 +175,39 @@ def test_log_extra_columns_reach_the_samples_table(task_env, read_jsonl, tmp_pat
     assert metrics["reward/accuracy"] == 0.0
 
 
+def test_a_reward_model_path_in_the_list_scores_with_its_head(task_env, read_jsonl, tmp_path):
+    import torch
+    import yaml
+    from transformers import AutoModelForSequenceClassification
+
+    seen: list[tuple[str, list[int]]] = []
+
+    def recorder(prompts, completion_ids, **kwargs):  # weight 0: only records the rows
+        seen.extend(zip(prompts, completion_ids))
+        return [0.0] * len(prompts)
+
+    out, rm = tmp_path / "run", str(task_env.reward)
+    cfg = config(task_env, out) | {"reward.normalize": False}
+    rlhf_dist.grpo(cfg, dataset=ROWS, reward_fn=[recorder, rm], reward_weights=[0.0, 1.0])
+    # the head's output read at the last token of prompt + sampled ids (the RM shares the
+    # policy's tokenizer, so the text round-trip gives back these very ids)
+    tok = AutoTokenizer.from_pretrained(rm)
+    head = AutoModelForSequenceClassification.from_pretrained(rm).eval()
+    with torch.no_grad():
+        expected = [
+            float(head(torch.tensor([tok(p)["input_ids"] + ids])).logits[0, 0]) for p, ids in seen
+        ]
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    name = Path(rm).name
+    assert len(expected) == PROMPTS * SAMPLES
+    assert metrics[f"objective/score_{name}"] == pytest.approx(
+        sum(expected) / len(expected), abs=1e-5
+    )
+    assert metrics["objective/raw_score"] == pytest.approx(metrics[f"objective/score_{name}"])
+    saved = yaml.safe_load((out / "config.yaml").read_text())["reward"]["functions"]
+    assert saved == ["python:recorder", rm]  # each item by its name, the model by its path
+
+
 # The same functions as a TRL user's module beside the data, named on the command line.
 MODULE = """
 import asyncio

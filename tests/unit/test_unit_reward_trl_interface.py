@@ -195,6 +195,7 @@ def test_a_list_of_rewards_is_registered_item_by_item_and_rows_stay_one_object()
     with registered(objects) as specs:
         assert specs["data.train"] == "python:data.train"
         first, second = specs["reward.functions"]
+        assert (first, second) == ("python:reward_len", "python:length_in_tokens")
         assert resolve_callable(first, "reward.functions") is reward_len
         assert RewardFunction(second, key="reward.functions").name == "length_in_tokens"
     assert reward_objects(reward_len) == {"reward.function": reward_len}
@@ -278,3 +279,32 @@ def test_log_extra_with_a_value_per_row_missing_is_one_line_naming_the_column():
         message = str(scorer.failure)
         assert "log_extra(" in message and "\n" not in message
     assert RewardFunction(short).missing_columns([]) == []
+
+
+def test_list_items_are_named_by_function_and_a_string_stays_as_given():
+    from rlhf_dist.data.inputs import is_model_name, list_specs
+    from rlhf_dist.rewards.tasks import answer_format
+
+    def reward_len(completions, **kwargs):  # a second function of the same name
+        return [0.0] * len(completions)
+
+    items = [globals()["reward_len"], reward_len, "org/tiny-rm", "mod:f", answer_format]
+    assert list_specs(items) == (
+        "python:reward_len",
+        "python:reward_len_2",
+        "org/tiny-rm",
+        "mod:f",
+        "rlhf_dist.rewards.tasks:answer_format",
+    )
+    assert is_model_name("org/tiny-rm") and is_model_name("/tmp/rm") and is_model_name("rm")
+    assert not is_model_name("mod:f") and not is_model_name("python:f") and not is_model_name("")
+
+
+def test_a_reward_model_goes_in_reward_functions_not_reward_function():
+    from rlhf_dist.config import ConfigError, config_from_dict
+    from rlhf_dist.config.validation import validate
+
+    good = {"model": {"policy": "p"}, "data": {"train": "t.jsonl"}}
+    validate(config_from_dict(good | {"reward": {"functions": ["org/tiny-rm"]}}), "ppo")
+    with pytest.raises(ConfigError, match=r"reward\.function: expected 'module:callable'"):
+        validate(config_from_dict(good | {"reward": {"function": "org/tiny-rm"}}), "ppo")
