@@ -208,6 +208,34 @@ def test_a_reward_model_path_in_the_list_scores_with_its_head(task_env, read_jso
     assert saved == ["python:recorder", rm]  # each item by its name, the model by its path
 
 
+def movie_only(prompts, completions, log_extra=None, **kwargs):
+    """Applies to the prompts about a movie only (None elsewhere), logging a column."""
+    if log_extra:
+        log_extra("about", ["movie" if "movie" in p else "other" for p in prompts])
+    return [len(c) / 10 if "movie" in p else None for p, c in zip(prompts, completions)]
+
+
+def test_eval_leaves_rows_no_reward_applies_to_out_and_counts_them(task_env, read_jsonl, tmp_path):
+    out = tmp_path / "eval"
+    cfg = config(task_env, out) | {"eval.num_prompts": 3, "eval.batch_size": 2}
+    summary = rlhf_dist.eval(cfg, dataset=ROWS, reward_fn=[movie_only])
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 3 and summary["skipped_rows"] == 2  # the two other prompts
+    scored = [s for s in samples if s["prompt"] == "the movie was"]
+    assert [s["about"] for s in samples if s["score"] is None] == ["other", "other"]
+    assert summary["score"] == pytest.approx(scored[0]["score"])  # the mean of scored rows
+
+
+def test_online_dpo_skips_rows_no_reward_applies_to(task_env, read_jsonl, tmp_path):
+    out = tmp_path / "run"
+    rlhf_dist.online_dpo(config(task_env, out), dataset=ROWS, reward_fn=[movie_only])
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert metrics["reward/skipped_rows"] >= SAMPLES  # at least one group of another prompt
+    assert all(v == v for v in metrics.values() if isinstance(v, float)), "a NaN was logged"
+    # the skipped rows took their group's mean: a group of one prompt but a movie is tied
+    assert metrics["online_dpo/pairs"] <= PROMPTS * SAMPLES / SAMPLES
+
+
 # The same functions as a TRL user's module beside the data, named on the command line.
 MODULE = """
 import asyncio
