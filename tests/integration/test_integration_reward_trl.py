@@ -236,49 +236,38 @@ def test_online_dpo_skips_rows_no_reward_applies_to(task_env, read_jsonl, tmp_pa
     assert metrics["online_dpo/pairs"] <= PROMPTS * SAMPLES / SAMPLES
 
 
-# The same functions as a TRL user's module beside the data, named on the command line.
-MODULE = """
-import asyncio
-
-
-def reward_len(completions, **kwargs):
-    return [-abs(20 - len(completion)) for completion in completions]
-
-
-def length_in_tokens(completion_ids, **kwargs):
-    return [len(ids) for ids in completion_ids]
-
-
-def step_aware(completions, trainer_state, **kwargs):
-    return [min(1.0, trainer_state.global_step / 10)] * len(completions)
-
-
-def logs_a_metric(completions, log_metric, **kwargs):
-    log_metric("mean_len", sum(len(c) for c in completions) / len(completions))
-    return [0.0] * len(completions)
-
-
-async def async_reward(prompts, completions, **kwargs):
-    await asyncio.sleep(0.01)
-    return [1.0 if "movie" in p else None for p in prompts]
-"""
+# The seven functions of the issue as a TRL user's module beside the data
+# (tests/data/trl_docs_rewards.py), named on the command line.
+MODULE = REPO / "tests" / "data" / "trl_docs_rewards.py"
+NAMES = [
+    "reward_len",
+    "format_reward",
+    "movie_only",
+    "length_in_tokens",
+    "step_aware",
+    "logs_a_metric",
+    "async_reward",
+]
 
 
 def test_the_trl_functions_through_the_command_line(task_env, read_jsonl, tmp_path):
+    import yaml
+
     work = tmp_path / "work"
     work.mkdir()
-    (work / "my_rewards.py").write_text(MODULE)
+    (work / "my_rewards.py").write_text(MODULE.read_text())
     (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    names = ["reward_len", "length_in_tokens", "step_aware", "logs_a_metric", "async_reward"]
-    functions = "[" + ",".join(f"my_rewards:{n}" for n in names) + "]"
+    specs = [f"my_rewards:{n}" for n in NAMES]
     sizes = [f"{k}={v}" for k, v in config(task_env, tmp_path / "run").items()]
     proc = run_cli(
-        work, "grpo", "data.train=prompts.jsonl", f"reward.functions={functions}", *sizes
+        work, "grpo", "data.train=prompts.jsonl", f"reward.functions=[{','.join(specs)}]", *sizes
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (metrics,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert metrics["reward/mean_len"] > 0 and metrics["reward/skipped_rows"] == 0
-    assert all(f"objective/score_{n}" in metrics for n in names)
+    assert all(f"objective/score_{n}" in metrics for n in NAMES)
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["reward"]
+    assert saved["functions"] == specs
 
 
 def run_cli(work: Path, *args: str) -> subprocess.CompletedProcess:
