@@ -1,8 +1,8 @@
 """TRL's reward interface under 2-rank ZeRO-3 (gloo, issue 49): the seven reward functions
 of tests/data/trl_docs_rewards.py, written as TRL's docs write them (completion_ids,
 trainer_state, log_metric, an async one, None for rows they do not apply to), under
-`rlhf-dist grpo reward.functions=[...]` for 2 iterations give the 1-rank run's reward
-metrics. Decoding is greedy (generation.top_k=1), so each response is a function of its
+`rlhf-dist grpo reward.functions=[...]` for 2 iterations, with a tiny reward model's path
+in the list too (replicated on every rank), give the 1-rank run's reward metrics. Decoding is greedy (generation.top_k=1), so each response is a function of its
 prompt and the weights alone, not of a rank's sampling seed; each rank's rollout is one
 scoring pass of the prompts the 1-rank run scores in its matching pass, so the means of
 log_metric's per-call values agree too. One launch of each, shared by the asserts."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, free_port, launch_args, run_all
@@ -38,7 +39,7 @@ def runs(assets, tmp_path_factory) -> dict[str, list[dict]]:
     work = tmp_path_factory.mktemp("trl_rewards")
     (work / "trl_docs_rewards.py").write_text(MODULE.read_text())
     (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    specs = ",".join(f"trl_docs_rewards:{n}" for n in NAMES)
+    specs = ",".join([f"trl_docs_rewards:{n}" for n in NAMES] + [assets["reward"]])
 
     def grpo(out) -> list[str]:
         return [
@@ -70,13 +71,14 @@ def runs(assets, tmp_path_factory) -> dict[str, list[dict]]:
     return {"one": _rows(one), "two": _rows(two)}
 
 
-def test_two_ranks_give_the_one_rank_runs_reward_metrics(runs):
+def test_two_ranks_give_the_one_rank_runs_reward_metrics(assets, runs):
     one, two = runs["one"], runs["two"]
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
     for a, b in zip(one, two):
         keys = [k for k in a if k.startswith(("objective/score", "reward/"))]
         keys += ["objective/raw_score", "rollout/length"]
-        assert {f"objective/score_{n}" for n in NAMES} <= set(keys)
+        rm = Path(assets["reward"]).name
+        assert {f"objective/score_{n}" for n in [*NAMES, rm]} <= set(keys)
         for k in keys:
             assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), k
 

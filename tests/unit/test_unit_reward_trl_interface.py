@@ -308,3 +308,18 @@ def test_a_reward_model_goes_in_reward_functions_not_reward_function():
     validate(config_from_dict(good | {"reward": {"functions": ["org/tiny-rm"]}}), "ppo")
     with pytest.raises(ConfigError, match=r"reward\.function: expected 'module:callable'"):
         validate(config_from_dict(good | {"reward": {"function": "org/tiny-rm"}}), "ppo")
+
+
+def test_a_missing_reward_model_path_in_the_list_is_one_line_before_torch(tmp_path):
+    from rlhf_dist.config import ConfigError, config_from_dict
+    from rlhf_dist.config.paths import check_stage_inputs
+
+    (tmp_path / "policy").mkdir()
+    rows = tmp_path / "p.jsonl"
+    rows.write_text('{"prompt": "a"}\n')
+    functions = ["mod:f", str(tmp_path / "no_rm")]
+    cfg = {"model": {"policy": str(tmp_path / "policy")}, "data": {"train": str(rows)}}
+    cfg = config_from_dict(cfg | {"reward": {"functions": functions}})
+    with pytest.raises(ConfigError, match=r"^reward\.functions: model path '.*no_rm' does not"):
+        check_stage_inputs(cfg, "ppo")
+    check_stage_inputs(cfg, "sft")  # a stage that reads no reward
