@@ -343,7 +343,8 @@ def eval(
     overrides: Overrides = (),
 ) -> dict[str, Any]:
     # Named like the `rlhf-dist eval` stage: `rlhf_dist.evaluate` is the module that runs it.
-    """Score model.policy on held-out prompts (`dataset`, else data.eval / data.train);
+    """Score model.policy on held-out prompts (`dataset`, else data.eval / data.train) with
+    `reward_fn` (one function, or TRL's list of them: reward.functions) or model.reward;
     `gold_fn(prompts, responses, finished)` is an optional oracle (eval.gold_function)."""
     objects = {"data.eval": dataset, "eval.gold_function": gold_fn} | reward_objects(reward_fn)
     return run("eval", config_of(config, overrides), objects)

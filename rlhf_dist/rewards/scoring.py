@@ -580,15 +580,17 @@ class Scorer:
             self.extra_columns.setdefault((prompt_text(p), r), []).append(row)
 
     def take_extra_columns(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[dict]:
-        """log_extra's columns of each (prompt, response) row ({} where no reward logged
-        one), the first scored row of the same texts for each; then forgets every row
+        """log_extra's columns of each (prompt, response) row, the first scored row of the
+        same texts for each, every row with every column any of them has (None where its
+        call logged none: a table's rows share their columns); then forgets every row
         kept, so rows scored and dropped (dynamic sampling's tied groups) go too."""
-        out = []
+        found = []
         for p, r in zip(prompts, responses):
             kept = self.extra_columns.get((prompt_text(p), r))
-            out.append(kept.pop(0) if kept else {})
+            found.append(kept.pop(0) if kept else {})
         self.extra_columns = {}
-        return out
+        columns = list(dict.fromkeys(c for row in found for c in row))
+        return [{c: row.get(c) for c in columns} for row in found]
 
     @torch.no_grad()
     def __call__(

@@ -260,8 +260,9 @@ def test_log_extra_columns_go_to_each_rows_sample():
     scorer.score_texts(["p"], ["hello"])  # the same prompt again, another response
     # rows asked for in another order than scored, one row never scored
     extra = scorer.take_extra_columns(["p", "q", "p", "r"], ["hello", "bye", "hi there", "x"])
-    assert extra == [{"chars": 5}, {"chars": 3}, {"chars": 8}, {}]
+    assert extra == [{"chars": 5}, {"chars": 3}, {"chars": 8}, {"chars": None}]
     assert scorer.take_extra_columns(["p"], ["hello"]) == [{}]  # forgotten once taken
+    assert Scorer().take_extra_columns(["p", "q"], RESPONSES) == [{}, {}]  # none logged
 
 
 def test_log_extra_with_a_value_per_row_missing_is_one_line_naming_the_column():
