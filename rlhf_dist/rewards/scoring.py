@@ -552,9 +552,9 @@ class Scorer:
     # what a reward in TRL's convention reads as `trainer_state` (the trainer sets it)
     trainer_state: RewardTrainerState = RewardTrainerState()
     logged: dict[str, list[float]] = field(default_factory=dict)  # log_metric's values
-    # log_extra's columns of each scored row, by (prompt as the samples table prints it,
-    # response): each key's rows in the order they were scored (take_extra_columns)
-    extra_columns: dict[tuple[str, str], list[dict]] = field(default_factory=dict)
+    # log_extra's columns of each scored row in scoring order: (prompt as the samples
+    # table prints it, response, columns) each (take_extra_columns)
+    extra_columns: list[tuple[str, str, dict]] = field(default_factory=list)
 
     def log_metric(self, name: str, value: float) -> None:
         """TRL's `log_metric`: `value` into metrics.jsonl as reward/<name>, the mean of
@@ -577,18 +577,31 @@ class Scorer:
                 )
         for i, (p, r) in enumerate(zip(prompts, responses)):
             row = {column: values[i] for column, values in pending.items()}
-            self.extra_columns.setdefault((prompt_text(p), r), []).append(row)
+            self.extra_columns.append((prompt_text(p), r, row))
 
     def take_extra_columns(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[dict]:
-        """log_extra's columns of each (prompt, response) row, the first scored row of the
-        same texts for each, every row with every column any of them has (None where its
-        call logged none: a table's rows share their columns); then forgets every row
-        kept, so rows scored and dropped (dynamic sampling's tied groups) go too."""
+        """log_extra's columns of each (prompt, response) row: the first row scored with
+        the same prompt and response not yet taken, else (a multi-turn episode is scored
+        with its whole conversation as the prompt) the first with the same response;
+        every row with every column any of them has (None where none was logged: a
+        table's rows share their columns). Then forgets every row kept, so rows scored
+        and dropped (dynamic sampling's tied groups) go too."""
+        kept, self.extra_columns = self.extra_columns, []
+        by_pair: dict[tuple[str, str], list[int]] = {}
+        by_response: dict[str, list[int]] = {}
+        for i, (shown, said, _) in enumerate(kept):
+            by_pair.setdefault((shown, said), []).append(i)
+            by_response.setdefault(said, []).append(i)
+        used: set[int] = set()
         found = []
-        for p, r in zip(prompts, responses):
-            kept = self.extra_columns.get((prompt_text(p), r))
-            found.append(kept.pop(0) if kept else {})
-        self.extra_columns = {}
+        for prompt, response in zip(prompts, responses):
+            queues = (
+                by_pair.get((prompt_text(prompt), response), []),
+                by_response.get(response, []),
+            )
+            j = next((i for q in queues for i in q if i not in used), None)
+            used.add(-1 if j is None else j)
+            found.append({} if j is None else kept[j][2])
         columns = list(dict.fromkeys(c for row in found for c in row))
         return [{c: row.get(c) for c in columns} for row in found]
 

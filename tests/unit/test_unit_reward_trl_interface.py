@@ -263,6 +263,11 @@ def test_log_extra_columns_go_to_each_rows_sample():
     assert extra == [{"chars": 5}, {"chars": 3}, {"chars": 8}, {"chars": None}]
     assert scorer.take_extra_columns(["p"], ["hello"]) == [{}]  # forgotten once taken
     assert Scorer().take_extra_columns(["p", "q"], RESPONSES) == [{}, {}]  # none logged
+    # a multi-turn episode is scored with its conversation: found by its response
+    scorer.score_texts(
+        [[{"role": "user", "content": "p"}, {"role": "tool", "content": "t"}]], ["ok"]
+    )
+    assert scorer.take_extra_columns(["p"], ["ok"]) == [{"chars": 1}]  # one message
 
 
 def test_log_extra_with_a_value_per_row_missing_is_one_line_naming_the_column():
