@@ -215,8 +215,9 @@ def _planned(cfg: Config, stage: str, runtime: Runtime) -> Config:
 # (datasets.Dataset or a list of dicts, typed loosely: datasets loads with the stage).
 ConfigLike = Config | str | Path | dict[str, Any] | None
 Overrides = Sequence[str]
-# reward_fn of the API: one function, or TRL's list of them (reward.functions)
-RewardFns = Callable[..., Any] | Sequence[Callable[..., Any]] | None
+# reward_fn of the API: one function, or TRL's list of them (reward.functions), where a
+# string names a reward model (a path or hub id)
+RewardFns = Callable[..., Any] | Sequence[Callable[..., Any] | str] | None
 
 
 def sft(
@@ -298,7 +299,7 @@ def online_dpo(
     config: ConfigLike = None,
     *,
     dataset: object = None,
-    reward_fn: Callable[..., Any] | None = None,
+    reward_fn: RewardFns = None,
     overrides: Overrides = (),
 ) -> dict[str, Any]:
     """Online DPO (docs/online_dpo.md): `ppo` with the online_dpo preset (TRL's
@@ -337,14 +338,15 @@ def eval(
     config: ConfigLike = None,
     *,
     dataset: object = None,
-    reward_fn: Callable[..., Any] | None = None,
+    reward_fn: RewardFns = None,
     gold_fn: Callable[..., Any] | None = None,
     overrides: Overrides = (),
 ) -> dict[str, Any]:
     # Named like the `rlhf-dist eval` stage: `rlhf_dist.evaluate` is the module that runs it.
-    """Score model.policy on held-out prompts (`dataset`, else data.eval / data.train);
+    """Score model.policy on held-out prompts (`dataset`, else data.eval / data.train) with
+    `reward_fn` (one function, or TRL's list of them: reward.functions) or model.reward;
     `gold_fn(prompts, responses, finished)` is an optional oracle (eval.gold_function)."""
-    objects = {"data.eval": dataset, "reward.function": reward_fn, "eval.gold_function": gold_fn}
+    objects = {"data.eval": dataset, "eval.gold_function": gold_fn} | reward_objects(reward_fn)
     return run("eval", config_of(config, overrides), objects)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -265,16 +266,22 @@ def evaluate_policy(
         return batch.texts, *evaluate_chunk(models, gold_fn, batch, cfg, tokenizer, win_scorer)
 
     mine = list(range(runtime.rank, n, runtime.world_size))
+    functions = _scorer(models).reward_fn is not None  # the same on every rank
     for texts, out, responses, chunk_probe in lockstep_map(
         runtime, mine, cfg.eval.batch_size, forward, [0]
     ):
-        for name, values in out.items():
-            stats.add(name, values.sum(), values.numel())
+        add_measured(stats, out, functions)
         probe += chunk_probe
         samples += [
-            {"prompt": prompt_text(t), "response": r, "score": float(s)}
-            for t, r, s in zip(texts, responses, out["score"])
+            {"prompt": prompt_text(t), "response": r, "score": _score(s)}
+            for t, r, s in zip(texts, responses, out["score"].tolist())
         ]
+    # the columns rewards logged with TRL's log_extra, of every chunk's rows (dropped
+    # throw-away chunks' with them)
+    extra = _scorer(models).take_extra_columns(
+        [s["prompt"] for s in samples], [s["response"] for s in samples]
+    )
+    samples = [s | e for s, e in zip(samples, extra)]
     _scorer(models).raise_failure(runtime)
     if win_scorer is not None:
         win_scorer.raise_failure(runtime)
@@ -286,6 +293,23 @@ def evaluate_policy(
         rm_tok = tokenizer if scorer.inputs is None else scorer.inputs.tokenizer
         summary |= length_bias(runtime, scorer.reward_model, probe, cfg.eval.batch_size, rm_tok)
     return summary, samples
+
+
+def add_measured(stats: StatSums, out: Measured, functions: bool) -> None:
+    """One chunk's (B,) measurements into `stats`. With reward functions (`functions`) a
+    row no function applied to (every one returned None: a NaN score) is left out of the
+    score's mean and counted as skipped_rows (summed over ranks), never a NaN mean."""
+    for name, values in out.items():
+        if name == "score" and functions:
+            unscored = torch.isnan(values)
+            stats.add("skipped_rows", unscored.sum(), 0.0)  # count 0: the sum over ranks
+            values = values[~unscored]
+        stats.add(name, values.sum(), values.numel())
+
+
+def _score(value: float) -> float | None:
+    """A sample's score, None (JSON null) where no reward applied to it."""
+    return None if math.isnan(value) else value
 
 
 def win_rate_judge(runtime: Runtime, cfg: Config, scorer: Scorer) -> Scorer | None:
@@ -324,13 +348,11 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict[str, float]:
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     out, logger = open_run(cfg, runtime, "eval", None)
     runtime.seed_per_rank(cfg.run.seed)
-    rm_inputs = reward_inputs_for(cfg)
+    rm_inputs, stops = reward_inputs_for(cfg), policy_stop_ids(cfg, tokenizer)
     scorer = build_scorer(
-        runtime, cfg.reward.function, m, "replicate", rm_inputs, cfg.reward, cfg.perf
+        runtime, cfg.reward.function, m, "replicate", rm_inputs, cfg.reward, cfg.perf, stops
     )
-    models = eval_models(
-        policy, reference, scorer, policy_stop_ids(cfg, tokenizer), agent, cfg.perf
-    )
+    models = eval_models(policy, reference, scorer, stops, agent, cfg.perf)
     win_scorer = win_rate_judge(runtime, cfg, scorer) if reference is not None else None
     try:
         summary, samples = evaluate_policy(

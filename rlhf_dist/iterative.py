@@ -83,23 +83,24 @@ class LabellerError(UserError):
 
 class Labeller:
     """Who judges answer pairs: `preferences(prompts, a, b)` -> P(a preferred over b) per
-    pair, each in [0, 1] (1.0 / 0.0 for a hard label). The loop draws the label from it
-    (`draw_labels`). A judge model is one more subclass (docs/iterate.md, the seam)."""
+    pair, each in [0, 1] (1.0 / 0.0 for a hard label), or None where the labeller does not
+    apply to the pair (TRL's None: the pair is skipped and counted). The loop draws the
+    label from it (`draw_labels`). A judge model is one more subclass (docs/iterate.md)."""
 
     name = "labeller"
 
-    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float]:
+    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float | None]:
         raise NotImplementedError
 
 
 class FunctionLabeller(Labeller):
     """A user's `fn(prompt, a, b)` per pair: True / 1 = a preferred, False / 0 = b
-    preferred, or a float in [0, 1] = P(a preferred)."""
+    preferred, a float in [0, 1] = P(a preferred), or None = does not apply."""
 
     def __init__(self, fn: Callable[[Prompt, str, str], object], name: str) -> None:
         self.fn, self.name = fn, name
 
-    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float]:
+    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float | None]:
         out = []
         for prompt, x, y in zip(prompts, a, b, strict=True):
             try:
@@ -122,7 +123,7 @@ class GoldLabeller(Labeller):
     beta: float
     name: str = "gold"
 
-    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float]:
+    def preferences(self, prompts: list[Prompt], a: list[str], b: list[str]) -> list[float | None]:
         done = [True] * len(a)
         gold_a, gold_b = self.gold_fn(prompts, a, done), self.gold_fn(prompts, b, done)
         return [_sigmoid(self.beta * (x - y)) for x, y in zip(gold_a, gold_b, strict=True)]
@@ -132,9 +133,12 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
-def preference_value(value: object, name: str) -> float:
+def preference_value(value: object, name: str) -> float | None:
     """A labeller's answer as P(a preferred): a bool is a hard label, a real number must be
-    in [0, 1]; anything else is a LabellerError naming the labeller."""
+    in [0, 1], None means "does not apply to this pair" (skipped, counted); anything else
+    is a LabellerError naming the labeller."""
+    if value is None:
+        return None
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool):
@@ -174,6 +178,11 @@ class AnswerPairs:
     prompts: list[Prompt]
     a: list[str]
     b: list[str]
+
+    def select(self, index: list[int]) -> AnswerPairs:
+        """The pairs at `index`, in that order."""
+        pick = [self.prompts[j] for j in index], [self.a[j] for j in index]
+        return AnswerPairs(*pick, [self.b[j] for j in index])
 
 
 def pair_rows(
@@ -403,23 +412,28 @@ def label_and_write(
     runtime: Runtime, labeller: Labeller, pairs: AnswerPairs, path: Path, k: int, seed: int
 ) -> dict:
     """Label the pairs and write them as a preference file at `path` (main process only;
-    every rank waits for the file). Returns {"pairs", "dropped_identical", "p_chosen_mean"}."""
+    every rank waits for the file). Returns {"pairs", "dropped_identical", "skipped_pairs",
+    "p_chosen_mean"}; skipped_pairs: those the labeller did not apply to (None)."""
     info: dict[str, Any] = {}
     if runtime.is_main:
-        probs = labeller.preferences(pairs.prompts, pairs.a, pairs.b)
-        if len(probs) != len(pairs.a):
+        answers = labeller.preferences(pairs.prompts, pairs.a, pairs.b)
+        if len(answers) != len(pairs.a):
             raise LabellerError(
-                f"iterate.labeller {labeller.name} returned {len(probs)} preferences for "
+                f"iterate.labeller {labeller.name} returned {len(answers)} preferences for "
                 f"{len(pairs.a)} pairs"
             )
-        probs = [preference_value(p, labeller.name) for p in probs]
+        found = [preference_value(p, labeller.name) for p in answers]
+        keep = [j for j, p in enumerate(found) if p is not None]
+        probs = [p for p in found if p is not None]
         labels = draw_labels(
             probs, random.Random(f"rlhf_dist.iterate/{seed}/{k}/{path.parent.name}")
         )
-        rows, dropped = pair_rows(pairs, probs, labels, k)
+        rows, dropped = pair_rows(pairs.select(keep), probs, labels, k)
         write_jsonl(path, rows)
         mean = sum(r["p_chosen"] for r in rows) / len(rows) if rows else None
-        info = {"pairs": len(rows), "dropped_identical": dropped, "p_chosen_mean": mean}
+        skipped = len(found) - len(keep)
+        info = {"pairs": len(rows), "dropped_identical": dropped, "skipped_pairs": skipped}
+        info["p_chosen_mean"] = mean
     runtime.barrier()
     return info
 
@@ -542,7 +556,13 @@ def run_round(loop: Loop, k: int) -> dict:
 def _sample_info(loop: Loop, k: int, info: dict) -> dict:
     """The samples stage's counts (this process's, or the state file's after a resume)."""
     info = info or (loop.state.entry(k) or {}).get("samples", {})
-    names = ("new_pairs", "rm_train_pairs", "dropped_unfinished", "dropped_identical")
+    names = (
+        "new_pairs",
+        "rm_train_pairs",
+        "dropped_unfinished",
+        "dropped_identical",
+        "skipped_pairs",
+    )
     return {name: info.get(name) for name in names}
 
 

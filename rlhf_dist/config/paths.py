@@ -78,11 +78,14 @@ def _csv_has_a_row(path: Path) -> bool:
 
 def stage_models(cfg: Config, stage: str) -> list[tuple[str, str]]:
     """(key, path) of the models `stage` loads: the policy (the reward model's base in
-    rm unless model.reward is set), PPO's reward model and teacher, the tokenizer."""
+    rm unless model.reward is set), PPO's reward model and teacher, the reward models of
+    reward.functions (PPO, eval), the tokenizer."""
     m = cfg.model
     models = [("model.reward", m.reward)] if stage == "rm" and m.reward else [("model.policy", m.policy)]  # fmt: skip
     if stage == "ppo":
         models += [("model.reward", m.reward), ("model.teacher", m.teacher)]
+    if stage in ("ppo", "eval"):  # a reward model's path or hub id in reward.functions
+        models += [("reward.functions", s) for s in cfg.reward.functions if ":" not in s]
     return [(k, p) for k, p in models + [("model.tokenizer", m.tokenizer)] if p]
 
 

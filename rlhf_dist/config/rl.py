@@ -174,7 +174,8 @@ class RewardConfig:
     )
     functions: tuple[str, ...] = key(
         (),
-        "several reward functions (module:callable each, as reward.function): the score is "
+        "several reward functions (module:callable each, as reward.function, or a reward "
+        "model's path or hub id, scored by its head as model.reward): the score is "
         "sum_i weights[i] x f_i, each f_i logged as objective/score_<name> (docs/rewards.md); "
         "not with reward.function. Like reward.function, they replace model.reward as the score",
     )

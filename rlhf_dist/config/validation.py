@@ -134,9 +134,11 @@ def _validate_reward(cfg: Config, stage: str, inputs: bool) -> None:
             "or reward.judge is set (or ppo.estimator=distill, or a generation.environment "
             "that returns its episodes' rewards)"
         )
-    for spec in (cfg.reward.function, *cfg.reward.functions):
-        if spec and ":" not in spec:
-            raise ConfigError(f"reward.function: expected 'module:callable', got {spec!r}")
+    if cfg.reward.function and ":" not in cfg.reward.function:  # reward.functions: a model
+        raise ConfigError(
+            f"reward.function: expected 'module:callable', got {cfg.reward.function!r} "
+            "(a reward model goes in model.reward or reward.functions)"
+        )
     _validate_reward_sources(cfg.reward)
     if inputs:
         _validate_task_rewards(cfg.reward)

@@ -29,6 +29,13 @@ def is_python(spec: object) -> bool:
     return isinstance(spec, str) and spec.startswith(PREFIX)
 
 
+def is_model_name(spec: object) -> bool:
+    """Whether a reward.functions entry names a reward model (a local path or a hub id,
+    TRL's model id in reward_funcs) rather than a callable: a string without ':' (a
+    callable is `module:callable` or `python:...`)."""
+    return isinstance(spec, str) and bool(spec) and ":" not in spec
+
+
 def lookup(spec: str, key: str) -> object:
     """The object registered under `spec`; a ConfigError naming `key` if there is none."""
     from rlhf_dist.errors import ConfigError
@@ -97,14 +104,14 @@ def import_from_cwd(module_name: str) -> ModuleType:
 @contextlib.contextmanager
 def registered(objects: dict[str, object]) -> Iterator[dict[str, str | tuple[str, ...]]]:
     """Register {config key: object} for the span of a run; yields {key: spec}. For a
-    key whose value is a list of objects (LIST_KEYS: reward.functions) each item is
-    registered under `python:<key>[i]` and the key's value is the tuple of those specs;
-    any other object (a dataset's list of rows included) is one spec."""
+    key whose value is a list (LIST_KEYS: reward.functions) the key's value is the tuple
+    of its items' specs (list_specs); any other object (a dataset's list of rows
+    included) is one spec, `python:<key>`."""
     specs: dict[str, str | tuple[str, ...]] = {}
     for k, v in objects.items():
         if k in LIST_KEYS and isinstance(v, list):
-            specs[k] = tuple(f"{PREFIX}{k}[{i}]" for i in range(len(v)))
-            _objects.update(zip(specs[k], v))
+            specs[k] = list_specs(v)
+            _objects.update((s, o) for s, o in zip(specs[k], v) if is_python(s))
         else:
             specs[k] = PREFIX + k
             _objects[PREFIX + k] = v
@@ -114,6 +121,24 @@ def registered(objects: dict[str, object]) -> Iterator[dict[str, str | tuple[str
         for spec in specs.values():
             for one in (spec,) if isinstance(spec, str) else spec:
                 _objects.pop(one, None)
+
+
+def list_specs(items: list) -> tuple[str, ...]:
+    """The specs a list key's items stand for in the config: a string as it is (a
+    `module:callable`, or a reward model's path or hub id), a top-level function of the
+    package by its `module:name` (package_spec), any other object `python:<its name>`
+    (its `__name__`, later duplicates suffixed _2, _3), so config.yaml names each item."""
+    out: list[str] = []
+    for item in items:
+        spec = item if isinstance(item, str) else package_spec(item)
+        if spec is None:
+            name = getattr(item, "__name__", type(item).__name__)
+            spec, n = PREFIX + name, 1
+            while spec in out:
+                n += 1
+                spec = f"{PREFIX}{name}_{n}"
+        out.append(spec)
+    return tuple(out)
 
 
 def accepted_columns(fn: Callable[..., Any], columns: dict, taken: tuple[str, ...] = ()) -> dict:

@@ -20,10 +20,11 @@ import torch
 
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.config import Config, ModelConfig, PerfConfig, RewardConfig
-from rlhf_dist.data.chat import BadRow, Chat, is_stop, stop_token_ids
+from rlhf_dist.data.chat import BadRow, Chat, is_stop, prompt_text, stop_token_ids
 from rlhf_dist.data.inputs import (
     accepted_columns,
     column_lists,
+    is_model_name,
     is_python,
     required_parameters,
     resolve_callable,
@@ -121,7 +122,7 @@ class RewardFunction:
         extras: dict[str, Any] | None = None,
     ) -> tuple[tuple, dict[str, Any]]:
         """(positional, keyword) arguments of fn's call in its convention; extras: the
-        run's keywords (trainer_state, log_metric) TRL passes every reward; a
+        run's keywords (trainer_state, log_extra, log_metric) TRL passes every reward; a
         RewardFunctionError naming the parameter nobody provides if they do not bind."""
         if self.trl_style:
             completions = [
@@ -169,7 +170,7 @@ class RewardFunction:
     ) -> torch.Tensor:
         """Scores (B,) of B responses; columns: each row's other columns (None: none);
         completion_ids: each response's sampled token ids (None: not known here);
-        extras: trainer_state and log_metric for a function in TRL's convention."""
+        extras: trainer_state, log_extra and log_metric for a function in TRL's convention."""
         by_name = column_lists(columns or [{} for _ in responses])
         missing = self.missing_columns(by_name)
         if missing:
@@ -203,8 +204,17 @@ class RewardFunction:
 NOT_APPLICABLE = float("nan")
 
 # what TRL's GRPOTrainer passes every reward function by keyword besides the row's columns
-# (log_extra, TRL's samples-table hook, is not offered yet: docs/rewards.md)
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
+TRL_ARGUMENTS = (
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+)
+# the samples table's own columns (trainers/ppo/stats.py sample_rows), which log_extra
+# cannot overwrite
+SAMPLE_COLUMNS = ("step", "prompt", "response", "score", "kl")
 
 
 @dataclass(frozen=True)
@@ -343,6 +353,64 @@ class WeightedReward:
         return out
 
 
+class ModelReward:
+    """A reward model named in reward.functions (TRL's model id or path in reward_funcs), as
+    one component of a WeightedReward: each (prompt, response) in the model's own tokens,
+    by the text round-trip `rlhf-dist rm` trains on (RewardInputs: closed with its stop
+    tokens iff the response finished, i.e. its last sampled id is a policy stop id), scored
+    by its head at the last token, as model.reward scores (sequence_scores)."""
+
+    def __init__(self, model: ValueModel, inputs: RewardInputs, device: torch.device) -> None:
+        self.model, self.inputs, self.device = model, inputs, device
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompts: Sequence[Prompt],
+        responses: Sequence[str],
+        columns: list[dict] | None = None,
+        completion_ids: list[list[int]] | None = None,
+        extras: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """Scores (B,) float32 on CPU; completion_ids (None: every response finished)."""
+        stops = set(self.inputs.policy_stop_ids)
+        finished = [True] * len(responses)
+        if completion_ids is not None:
+            finished = [bool(ids) and ids[-1] in stops for ids in completion_ids]
+        seqs = [self.inputs.sequence(p, r, f) for p, r, f in zip(prompts, responses, finished)]
+        pad = self.inputs.tokenizer.pad_token_id
+        ids, mask = right_pad(seqs, pad if pad is not None else 0)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return sequence_scores(self.model, ids, mask, last_token_index(mask)).float().cpu()
+
+
+def model_reward(
+    runtime: Runtime,
+    path: str,
+    model_cfg: ModelConfig,
+    policy_stops: tuple[int, ...],
+    perf: PerfConfig = DEFAULT_PERF,
+) -> ModelReward:
+    """The reward model at `path` (a reward.functions entry) loaded as model.reward is (a
+    sequence classifier in model.frozen_dtype, with its own tokenizer), replicated on every
+    rank: it runs inside the reward functions' call, which a failing function can cut short
+    on one rank, so its forwards must not be collectives (as a local judge's)."""
+    key = "reward.functions"
+    tok = load_tokenizer(path, model_cfg.trust_remote_code, key)
+    chat = Chat(tok, tok.chat_template) if tok.chat_template else None
+    inputs = RewardInputs(tok, chat, stop_token_ids(tok, chat), policy_stops)
+    dtype = frozen_dtype(model_cfg)
+    with runtime.local_loading():
+        rm = load_sequence_classifier(path, key, dtype, model_cfg)
+    rm = runtime.prepare_frozen(ValueModel(rm, perf), "replicate", dtype, "reward model")
+    return ModelReward(rm, inputs, runtime.device)
+
+
+def model_name(path: str) -> str:
+    """A reward model's component name: the last part of its path or hub id (TRL's)."""
+    return path.rstrip("/").rsplit("/", 1)[-1] or path
+
+
 def check_reward_columns(reward_cfg: RewardConfig, available: Collection[str], where: str) -> None:
     """Before any model loads: a ConfigError naming the reward key whose function requires
     a column (a parameter without default) that the rows of `where` (e.g. data.train) do
@@ -350,8 +418,8 @@ def check_reward_columns(reward_cfg: RewardConfig, available: Collection[str], w
     r = reward_cfg
     specs = [("reward.function", r.function)] + [("reward.functions", s) for s in r.functions]
     for key, spec in specs:
-        if not spec:
-            continue
+        if not spec or (key == "reward.functions" and is_model_name(spec)):
+            continue  # a reward model reads no column
         fn = RewardFunction(spec, key=key)
         missing = fn.missing_columns(available)
         if missing:
@@ -484,11 +552,58 @@ class Scorer:
     # what a reward in TRL's convention reads as `trainer_state` (the trainer sets it)
     trainer_state: RewardTrainerState = RewardTrainerState()
     logged: dict[str, list[float]] = field(default_factory=dict)  # log_metric's values
+    # log_extra's columns of each scored row in scoring order: (prompt as the samples
+    # table prints it, response, columns) each (take_extra_columns)
+    extra_columns: list[tuple[str, str, dict]] = field(default_factory=list)
 
     def log_metric(self, name: str, value: float) -> None:
         """TRL's `log_metric`: `value` into metrics.jsonl as reward/<name>, the mean of
         every value logged under that name this iteration, over all ranks."""
         self.logged.setdefault(str(name), []).append(float(value))
+
+    def _keep_extra(
+        self, prompts: Sequence[Prompt], responses: Sequence[str], pending: dict[str, list]
+    ) -> None:
+        """Each row's share of the columns a reward logged through TRL's `log_extra(column,
+        values)` in one call (pending: column -> values, one per response), kept for the
+        samples table; a column without one value per response, or named as one of the
+        table's own, is a RewardFunctionError naming it."""
+        for column, values in pending.items():
+            if column in SAMPLE_COLUMNS or len(values) != len(responses):
+                raise RewardFunctionError(
+                    f"reward: log_extra({column!r}, values) was given {len(values)} values "
+                    f"for {len(responses)} responses (one per response, and not a column "
+                    f"of the samples table: {', '.join(SAMPLE_COLUMNS)})"
+                )
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            row = {column: values[i] for column, values in pending.items()}
+            self.extra_columns.append((prompt_text(p), r, row))
+
+    def take_extra_columns(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> list[dict]:
+        """log_extra's columns of each (prompt, response) row: the first row scored with
+        the same prompt and response not yet taken, else (a multi-turn episode is scored
+        with its whole conversation as the prompt) the first with the same response;
+        every row with every column any of them has (None where none was logged: a
+        table's rows share their columns). Then forgets every row kept, so rows scored
+        and dropped (dynamic sampling's tied groups) go too."""
+        kept, self.extra_columns = self.extra_columns, []
+        by_pair: dict[tuple[str, str], list[int]] = {}
+        by_response: dict[str, list[int]] = {}
+        for i, (shown, said, _) in enumerate(kept):
+            by_pair.setdefault((shown, said), []).append(i)
+            by_response.setdefault(said, []).append(i)
+        used: set[int] = set()
+        found = []
+        for prompt, response in zip(prompts, responses):
+            queues = (
+                by_pair.get((prompt_text(prompt), response), []),
+                by_response.get(response, []),
+            )
+            j = next((i for q in queues for i in q if i not in used), None)
+            used.add(-1 if j is None else j)
+            found.append({} if j is None else kept[j][2])
+        columns = list(dict.fromkeys(c for row in found for c in row))
+        return [{c: row.get(c) for c in columns} for row in found]
 
     @torch.no_grad()
     def __call__(
@@ -527,8 +642,18 @@ class Scorer:
             try:
                 if not isinstance(self.reward_fn, RewardFunction | WeightedReward):
                     return self.reward_fn(prompts, responses, columns)  # the trainers' own
-                extras = {"trainer_state": self.trainer_state, "log_metric": self.log_metric}
+                pending: dict[str, list] = {}
+
+                def log_extra(column: str, values: Sequence[Any]) -> None:
+                    pending.setdefault(str(column), []).extend(values)
+
+                extras = {
+                    "trainer_state": self.trainer_state,
+                    "log_extra": log_extra,
+                    "log_metric": self.log_metric,
+                }
                 scores = self.reward_fn(prompts, responses, columns, completion_ids, extras)
+                self._keep_extra(prompts, responses, pending)
                 self.skipped += int(torch.isnan(scores).sum())  # None: does not apply
                 return scores
             except RewardFunctionError as e:
@@ -609,6 +734,14 @@ class Scorer:
         raise RewardFunctionError(messages[0]) from cause
 
 
+def policy_stops_for(cfg: Config) -> tuple[int, ...]:
+    """The ids that end a policy response where a reward model in reward.functions reads
+    them (ModelReward), else () without loading the policy's tokenizer."""
+    if not any(is_model_name(spec) for spec in cfg.reward.functions):
+        return ()
+    return policy_stop_ids(cfg, tokenizer_for(cfg, "policy"))
+
+
 def reward_inputs_for(cfg: Config) -> RewardInputs | None:
     """RewardInputs when model.reward's tokenizer differs from the policy's (vocabulary,
     specials or template); None when they agree, model.tokenizer is shared by all models,
@@ -633,6 +766,7 @@ def build_scorer(
     inputs: RewardInputs | None = None,
     reward_cfg: RewardConfig | None = None,
     perf: PerfConfig = DEFAULT_PERF,
+    policy_stops: tuple[int, ...] = (),
 ) -> Scorer:
     """The frozen reward: `reward_function` if set ("module:callable" or a callable; its
     retries and timeout from `reward_cfg`, the reward section), else model_cfg.reward
@@ -640,11 +774,13 @@ def build_scorer(
     (distributed.frozen_models, or "replicate"), reading `inputs` (its own tokens,
     reward_inputs_for) if given. A reward model's forward is not retried: it is local
     computation, and under ZeRO-3 a collective that one rank cannot repeat alone. perf:
-    the speed paths of the reward model's and a local judge's forwards."""
+    the speed paths of the reward model's and a local judge's forwards; policy_stops: the
+    ids that end a policy response (policy_stops_for), for a reward model in
+    reward.functions."""
     if reward_cfg is not None and (
         reward_cfg.functions or reward_cfg.url or reward_cfg.judge != "none"
     ):
-        fn = weighted_reward(runtime, reward_cfg, model_cfg, reward_function, perf)
+        fn = weighted_reward(runtime, reward_cfg, model_cfg, reward_function, perf, policy_stops)
         return Scorer(reward_fn=fn)
     if reward_function:
         return Scorer(reward_fn=RewardFunction(reward_function, **retry_settings(reward_cfg)))
@@ -661,17 +797,27 @@ def weighted_reward(
     model_cfg: ModelConfig,
     reward_function: str | Callable[..., Any] | None = "",
     perf: PerfConfig = DEFAULT_PERF,
+    policy_stops: tuple[int, ...] = (),
 ) -> WeightedReward:
     """The components of reward.function or reward.functions (weights reward.weights, 1
     each by default), reward.url (reward.url_weight) and reward.judge (reward.judge_weight),
     each a RewardFunction with the run's retries and timeout (an HTTP component retries
-    each request itself: remote.HTTPClient)."""
+    each request itself: remote.HTTPClient), or for a reward.functions entry naming a
+    reward model a ModelReward (policy_stops: the ids that end a policy response)."""
     r, retry = reward_cfg, retry_settings(reward_cfg)
     specs: list[str | Callable[..., Any]] = list(r.functions)
     specs = specs or ([reward_function] if reward_function else [])
     weights = list(r.weights) or [1.0] * len(specs)
-    fns = [RewardFunction(spec, **retry) for spec in specs]
-    names = [component_name(f.fn) for f in fns]
+    fns: list[Callable[..., Any]] = []
+    names: list[str] = []
+    for spec in specs:
+        if r.functions and isinstance(spec, str) and is_model_name(spec):
+            fns.append(model_reward(runtime, spec, model_cfg, policy_stops, perf))
+            names.append(model_name(spec))
+        else:
+            fn = RewardFunction(spec, **retry)
+            fns.append(fn)
+            names.append(component_name(fn.fn))
     no_retry: dict[str, Any] = {"retries": 0, "timeout_s": None}
     judge = None
     if r.url:

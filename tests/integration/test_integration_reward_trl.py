@@ -27,6 +27,7 @@ def config(task_env, out) -> dict:
         "model.policy": str(task_env.policy),
         "run.output_dir": str(out),
         "run.log_every": 1,
+        "run.samples_every": 1,
         "run.progress": False,
         "perf.num_threads": 1,
         "data.max_prompt_length": 16,
@@ -143,49 +144,131 @@ def test_two_async_rewards_overlap_through_grpo(task_env, read_jsonl, tmp_path):
     assert "objective/score_async_a" in metrics and "objective/score_async_b" in metrics
 
 
-# The same functions as a TRL user's module beside the data, named on the command line.
-MODULE = """
-import asyncio
+def test_log_extra_columns_reach_the_samples_table(task_env, read_jsonl, tmp_path):
+    import re
+
+    def reward_func(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):
+        # TRL's docs, example 6, verbatim
+        extracted = [re.search(r"\\boxed\{(.*?)\}", c) for c in completions]
+        extracted = [m.group(1) if m else None for m in extracted]
+        rewards = [1.0 if e == gt else 0.0 for e, gt in zip(extracted, ground_truth)]
+
+        if log_extra:
+            log_extra("golden_answer", list(ground_truth))
+            log_extra("extracted_answer", [e or "[none]" for e in extracted])
+
+        if log_metric:
+            log_metric("accuracy", sum(rewards) / len(rewards))
+
+        return rewards
+
+    rows = [r | {"ground_truth": f"answer {i}"} for i, r in enumerate(ROWS)]
+    out = tmp_path / "run"
+    rlhf_dist.grpo(config(task_env, out), dataset=rows, reward_fn=reward_func)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert samples and len(samples) == min(8, PROMPTS * SAMPLES)
+    truth = {r["prompt"]: r["ground_truth"] for r in rows}
+    for row in samples:  # each row's own columns, beside its prompt and completion
+        assert row["golden_answer"] == truth[row["prompt"]]
+        assert row["extracted_answer"] == "[none]" and row["score"] == 0.0
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert metrics["reward/accuracy"] == 0.0
 
 
-def reward_len(completions, **kwargs):
-    return [-abs(20 - len(completion)) for completion in completions]
+def test_a_reward_model_path_in_the_list_scores_with_its_head(task_env, read_jsonl, tmp_path):
+    import torch
+    import yaml
+    from transformers import AutoModelForSequenceClassification
+
+    seen: list[tuple[str, list[int]]] = []
+
+    def recorder(prompts, completion_ids, **kwargs):  # weight 0: only records the rows
+        seen.extend(zip(prompts, completion_ids))
+        return [0.0] * len(prompts)
+
+    out, rm = tmp_path / "run", str(task_env.reward)
+    cfg = config(task_env, out) | {"reward.normalize": False}
+    rlhf_dist.grpo(cfg, dataset=ROWS, reward_fn=[recorder, rm], reward_weights=[0.0, 1.0])
+    # the head's output read at the last token of prompt + sampled ids (the RM shares the
+    # policy's tokenizer, so the text round-trip gives back these very ids)
+    tok = AutoTokenizer.from_pretrained(rm)
+    head = AutoModelForSequenceClassification.from_pretrained(rm).eval()
+    with torch.no_grad():
+        expected = [
+            float(head(torch.tensor([tok(p)["input_ids"] + ids])).logits[0, 0]) for p, ids in seen
+        ]
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    name = Path(rm).name
+    assert len(expected) == PROMPTS * SAMPLES
+    assert metrics[f"objective/score_{name}"] == pytest.approx(
+        sum(expected) / len(expected), abs=1e-5
+    )
+    assert metrics["objective/raw_score"] == pytest.approx(metrics[f"objective/score_{name}"])
+    saved = yaml.safe_load((out / "config.yaml").read_text())["reward"]["functions"]
+    assert saved == ["python:recorder", rm]  # each item by its name, the model by its path
 
 
-def length_in_tokens(completion_ids, **kwargs):
-    return [len(ids) for ids in completion_ids]
+def movie_only(prompts, completions, log_extra=None, **kwargs):
+    """Applies to the prompts about a movie only (None elsewhere), logging a column."""
+    if log_extra:
+        log_extra("about", ["movie" if "movie" in p else "other" for p in prompts])
+    return [len(c) / 10 if "movie" in p else None for p, c in zip(prompts, completions)]
 
 
-def step_aware(completions, trainer_state, **kwargs):
-    return [min(1.0, trainer_state.global_step / 10)] * len(completions)
+def test_eval_leaves_rows_no_reward_applies_to_out_and_counts_them(task_env, read_jsonl, tmp_path):
+    out = tmp_path / "eval"
+    cfg = config(task_env, out) | {"eval.num_prompts": 3, "eval.batch_size": 2}
+    summary = rlhf_dist.eval(cfg, dataset=ROWS, reward_fn=[movie_only])
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 3 and summary["skipped_rows"] == 2  # the two other prompts
+    scored = [s for s in samples if s["prompt"] == "the movie was"]
+    assert [s["about"] for s in samples if s["score"] is None] == ["other", "other"]
+    assert summary["score"] == pytest.approx(scored[0]["score"])  # the mean of scored rows
 
 
-def logs_a_metric(completions, log_metric, **kwargs):
-    log_metric("mean_len", sum(len(c) for c in completions) / len(completions))
-    return [0.0] * len(completions)
+def test_online_dpo_skips_rows_no_reward_applies_to(task_env, read_jsonl, tmp_path):
+    out = tmp_path / "run"
+    rlhf_dist.online_dpo(config(task_env, out), dataset=ROWS, reward_fn=[movie_only])
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert metrics["reward/skipped_rows"] >= SAMPLES  # at least one group of another prompt
+    assert all(v == v for v in metrics.values() if isinstance(v, float)), "a NaN was logged"
+    # a group no reward applied to ties (its rows all take the fill 0) and forms no pair
+    movie_groups = PROMPTS - metrics["reward/skipped_rows"] / SAMPLES
+    assert metrics["online_dpo/pairs"] <= movie_groups
 
 
-async def async_reward(prompts, completions, **kwargs):
-    await asyncio.sleep(0.01)
-    return [1.0 if "movie" in p else None for p in prompts]
-"""
+# The seven functions of the issue as a TRL user's module beside the data
+# (tests/data/trl_docs_rewards.py), named on the command line.
+MODULE = REPO / "tests" / "data" / "trl_docs_rewards.py"
+NAMES = [
+    "reward_len",
+    "format_reward",
+    "movie_only",
+    "length_in_tokens",
+    "step_aware",
+    "logs_a_metric",
+    "async_reward",
+]
 
 
 def test_the_trl_functions_through_the_command_line(task_env, read_jsonl, tmp_path):
+    import yaml
+
     work = tmp_path / "work"
     work.mkdir()
-    (work / "my_rewards.py").write_text(MODULE)
+    (work / "my_rewards.py").write_text(MODULE.read_text())
     (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    names = ["reward_len", "length_in_tokens", "step_aware", "logs_a_metric", "async_reward"]
-    functions = "[" + ",".join(f"my_rewards:{n}" for n in names) + "]"
+    specs = [f"my_rewards:{n}" for n in NAMES]
     sizes = [f"{k}={v}" for k, v in config(task_env, tmp_path / "run").items()]
     proc = run_cli(
-        work, "grpo", "data.train=prompts.jsonl", f"reward.functions={functions}", *sizes
+        work, "grpo", "data.train=prompts.jsonl", f"reward.functions=[{','.join(specs)}]", *sizes
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (metrics,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert metrics["reward/mean_len"] > 0 and metrics["reward/skipped_rows"] == 0
-    assert all(f"objective/score_{n}" in metrics for n in names)
+    assert all(f"objective/score_{n}" in metrics for n in NAMES)
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["reward"]
+    assert saved["functions"] == specs
 
 
 def run_cli(work: Path, *args: str) -> subprocess.CompletedProcess:

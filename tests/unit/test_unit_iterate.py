@@ -17,9 +17,30 @@ from rlhf_dist.config import ConfigError, config_from_dict, to_dict, validate
 def test_preference_value_reads_bools_and_probabilities_and_refuses_the_rest():
     assert it.preference_value(True, "f") == 1.0 and it.preference_value(False, "f") == 0.0
     assert it.preference_value(0.25, "f") == 0.25 and it.preference_value(1, "f") == 1.0
-    for bad in (1.5, -0.1, "a", None, float("nan")):
+    assert it.preference_value(None, "f") is None  # does not apply (TRL's None)
+    for bad in (1.5, -0.1, "a", float("nan")):
         with pytest.raises(it.LabellerError, match="iterate.labeller f"):
             it.preference_value(bad, "f")
+
+
+def test_pairs_the_labeller_does_not_apply_to_are_skipped_and_counted(tmp_path):
+    class OneRank:
+        is_main = True
+
+        def barrier(self):
+            pass
+
+    def movie_only(prompt, a, b):  # None: this labeller does not judge the other prompts
+        return len(a) > len(b) if "movie" in prompt else None
+
+    pairs = it.AnswerPairs(["a movie", "a book", "the movie", "a song"], ["xx"] * 4, ["y"] * 4)
+    lab = it.FunctionLabeller(movie_only, "mod:movie_only")
+    path = tmp_path / "r" / "pairs.jsonl"
+    info = it.label_and_write(OneRank(), lab, pairs, path, 1, seed=0)
+    assert info["skipped_pairs"] == 2 and info["pairs"] == 2 and info["p_chosen_mean"] == 1.0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["a movie", "the movie"]
+    assert all(r["chosen"] == "xx" and r["rejected"] == "y" for r in rows)
 
 
 def test_draw_labels_hard_labels_are_exact_and_soft_ones_follow_p():

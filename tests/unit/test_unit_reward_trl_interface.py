@@ -195,6 +195,7 @@ def test_a_list_of_rewards_is_registered_item_by_item_and_rows_stay_one_object()
     with registered(objects) as specs:
         assert specs["data.train"] == "python:data.train"
         first, second = specs["reward.functions"]
+        assert (first, second) == ("python:reward_len", "python:length_in_tokens")
         assert resolve_callable(first, "reward.functions") is reward_len
         assert RewardFunction(second, key="reward.functions").name == "length_in_tokens"
     assert reward_objects(reward_len) == {"reward.function": reward_len}
@@ -244,3 +245,87 @@ def test_an_async_reward_inside_a_running_event_loop():
         return RewardFunction(async_reward)(["p", "q"], RESPONSES).tolist()
 
     assert asyncio.run(main()) == [8.0, 3.0]
+
+
+def logs_extra(completions, log_extra=None, **kwargs):  # TRL's docs, example 6's pattern
+    if log_extra:
+        log_extra("chars", [len(c) for c in completions])
+    return [1.0] * len(completions)
+
+
+def test_log_extra_columns_go_to_each_rows_sample():
+    parts = [("x", 1.0, RewardFunction(logs_extra)), ("len", 1.0, RewardFunction(ours))]
+    scorer = Scorer(reward_fn=WeightedReward(parts))
+    scorer.score_texts(["p", "q"], RESPONSES)
+    scorer.score_texts(["p"], ["hello"])  # the same prompt again, another response
+    # rows asked for in another order than scored, one row never scored
+    extra = scorer.take_extra_columns(["p", "q", "p", "r"], ["hello", "bye", "hi there", "x"])
+    assert extra == [{"chars": 5}, {"chars": 3}, {"chars": 8}, {"chars": None}]
+    assert scorer.take_extra_columns(["p"], ["hello"]) == [{}]  # forgotten once taken
+    assert Scorer().take_extra_columns(["p", "q"], RESPONSES) == [{}, {}]  # none logged
+    # a multi-turn episode is scored with its conversation: found by its response
+    scorer.score_texts(
+        [[{"role": "user", "content": "p"}, {"role": "tool", "content": "t"}]], ["ok"]
+    )
+    assert scorer.take_extra_columns(["p"], ["ok"]) == [{"chars": 1}]  # one message
+
+
+def test_log_extra_with_a_value_per_row_missing_is_one_line_naming_the_column():
+    def short(completions, log_extra, **kwargs):
+        log_extra("answer", ["only one"])
+        return [1.0] * len(completions)
+
+    def clashes(completions, log_extra, **kwargs):
+        log_extra("score", [0] * len(completions))
+        return [1.0] * len(completions)
+
+    for fn in (short, clashes):
+        scorer = Scorer(reward_fn=RewardFunction(fn))
+        assert torch.isnan(scorer.score_texts(["p", "q"], RESPONSES)).all()
+        message = str(scorer.failure)
+        assert "log_extra(" in message and "\n" not in message
+    assert RewardFunction(short).missing_columns([]) == []
+
+
+def test_list_items_are_named_by_function_and_a_string_stays_as_given():
+    from rlhf_dist.data.inputs import is_model_name, list_specs
+    from rlhf_dist.rewards.tasks import answer_format
+
+    def reward_len(completions, **kwargs):  # a second function of the same name
+        return [0.0] * len(completions)
+
+    items = [globals()["reward_len"], reward_len, "org/tiny-rm", "mod:f", answer_format]
+    assert list_specs(items) == (
+        "python:reward_len",
+        "python:reward_len_2",
+        "org/tiny-rm",
+        "mod:f",
+        "rlhf_dist.rewards.tasks:answer_format",
+    )
+    assert is_model_name("org/tiny-rm") and is_model_name("/tmp/rm") and is_model_name("rm")
+    assert not is_model_name("mod:f") and not is_model_name("python:f") and not is_model_name("")
+
+
+def test_a_reward_model_goes_in_reward_functions_not_reward_function():
+    from rlhf_dist.config import ConfigError, config_from_dict
+    from rlhf_dist.config.validation import validate
+
+    good = {"model": {"policy": "p"}, "data": {"train": "t.jsonl"}}
+    validate(config_from_dict(good | {"reward": {"functions": ["org/tiny-rm"]}}), "ppo")
+    with pytest.raises(ConfigError, match=r"reward\.function: expected 'module:callable'"):
+        validate(config_from_dict(good | {"reward": {"function": "org/tiny-rm"}}), "ppo")
+
+
+def test_a_missing_reward_model_path_in_the_list_is_one_line_before_torch(tmp_path):
+    from rlhf_dist.config import ConfigError, config_from_dict
+    from rlhf_dist.config.paths import check_stage_inputs
+
+    (tmp_path / "policy").mkdir()
+    rows = tmp_path / "p.jsonl"
+    rows.write_text('{"prompt": "a"}\n')
+    functions = ["mod:f", str(tmp_path / "no_rm")]
+    cfg = {"model": {"policy": str(tmp_path / "policy")}, "data": {"train": str(rows)}}
+    cfg = config_from_dict(cfg | {"reward": {"functions": functions}})
+    with pytest.raises(ConfigError, match=r"^reward\.functions: model path '.*no_rm' does not"):
+        check_stage_inputs(cfg, "ppo")
+    check_stage_inputs(cfg, "sft")  # a stage that reads no reward

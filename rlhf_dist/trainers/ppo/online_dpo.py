@@ -222,5 +222,6 @@ def online_dpo_iteration(
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, labels, kl)
     stats |= iteration_costs(runtime, run, ctl, (t0, t1, time.time()), rollout.seconds, mask, cfg)
-    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
-    return IterationResult(stats, distributions, samples, ctl)  # no controller moves
+    extra = run.scorer.take_extra_columns(rollout.prompt_texts, rollout.texts)  # log_extra's
+    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl, extra)
+    return IterationResult(stats, distributions, samples[: cfg.run.num_samples], ctl)

@@ -47,7 +47,13 @@ from rlhf_dist.models.lora import (
     export_lora,
     merged_adapters,
 )
-from rlhf_dist.rewards.scoring import RewardInputs, Scorer, build_scorer, reward_inputs_for
+from rlhf_dist.rewards.scoring import (
+    RewardInputs,
+    Scorer,
+    build_scorer,
+    policy_stops_for,
+    reward_inputs_for,
+)
 from rlhf_dist.rollout import RolloutModels
 from rlhf_dist.rollout.agent import Agent, build_agent
 from rlhf_dist.rollout.endpoint import EndpointAgent, endpoint_agent
@@ -112,8 +118,9 @@ def _frozen_scorer(
         from_environment = bool(cfg.generation.environment)
         return Scorer(reward_fn=environment_reward if from_environment else no_task_reward)
     placement = cfg.distributed.frozen_models
+    settings = (cfg.reward, cfg.perf, policy_stops_for(cfg))  # a reward.functions RM's stops
     return build_scorer(
-        runtime, cfg.reward.function, cfg.model, placement, reward_inputs, cfg.reward, cfg.perf
+        runtime, cfg.reward.function, cfg.model, placement, reward_inputs, *settings
     )
 
 

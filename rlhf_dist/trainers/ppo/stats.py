@@ -135,13 +135,20 @@ def overlong_stats(
 
 
 def sample_rows(
-    prompt_texts: list, texts: list[str], batch: RolloutBatch, kl: torch.Tensor
+    prompt_texts: list,
+    texts: list[str],
+    batch: RolloutBatch,
+    kl: torch.Tensor,
+    extra: list[dict] | None = None,
 ) -> list[dict]:
     """The samples table's rows: prompt (conversations as readable text), response, score,
-    the response's summed KL (kl: (B, T) per-token)."""
+    the response's summed KL (kl: (B, T) per-token), then each row's `extra` columns (the
+    ones its rewards logged with TRL's log_extra, Scorer.take_extra_columns)."""
     prompts = [prompt_text(p) for p in prompt_texts]
-    rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist())
-    return [{"prompt": a, "response": b, "score": c, "kl": d} for a, b, c, d in rows]
+    rows = zip(
+        prompts, texts, batch.scores.tolist(), kl.sum(1).tolist(), extra or [{}] * len(texts)
+    )
+    return [{"prompt": a, "response": b, "score": c, "kl": d, **e} for a, b, c, d, e in rows]
 
 
 def gather_distributions(
@@ -292,5 +299,6 @@ def iteration_result(
         distributions = gather_distributions(runtime, batch, phases.advantages, kl)
     stats |= iteration_costs(runtime, run, ctl, times, rollout.seconds, batch.response_mask, cfg)
     stats |= memory_plan_stats(runtime, planned or {}, measured)
-    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl)[: cfg.run.num_samples]
-    return IterationResult(stats, distributions, samples, ctl)
+    extra = run.scorer.take_extra_columns(rollout.prompt_texts, rollout.texts)  # log_extra's
+    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl, extra)
+    return IterationResult(stats, distributions, samples[: cfg.run.num_samples], ctl)
