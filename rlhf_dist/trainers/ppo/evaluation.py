@@ -40,6 +40,8 @@ def held_out_eval(
         with runtime.autocast():
             summary, _ = evaluate_policy(runtime, models, prompts, cfg, run.tokenizer, gold_fn)
         components = run.scorer.component_stats(runtime)  # a collective, as in the loop
+        # evaluate_policy counts the rows no reward applied to itself (skipped_rows)
+        components.pop("reward/skipped_rows", None)
         return summary | {k.removeprefix("objective/"): v for k, v in components.items()}
 
     return evaluate
