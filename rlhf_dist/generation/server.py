@@ -165,8 +165,9 @@ class ServerEngine:
 
     def _begin(self, device: torch.device) -> None:
         """Rank 0: make the weight-sync group (first sync, or again when a server holds
-        none: it restarted) and pick the new version, one above any server's, so a
-        restarted server (version 0) rejoins at the version the others move to. The
+        none: it restarted) and pick the new version, one above the last synced and any
+        server's: a restarted server (version 0) rejoins at the version the others move
+        to, and versions never go back (a rollout's version orders it). The
         group's backend: NCCL where the actor (on `device`) and every server are on CUDA
         (`sync_backend`), else gloo."""
         healths = [self.call(url, "/health") for url in self.urls]
@@ -175,7 +176,7 @@ class ServerEngine:
         if fresh or not all(h["sync_group"] for h in healths):
             self._join(backend)
             self.joined = True
-        self.version = 1 + max(h["version"] for h in healths)
+        self.version = 1 + max([self.version] + [h["version"] for h in healths])
 
     def _send(self, actor: torch.nn.Module, with_base: bool) -> None:
         """Walk the weights (`sync_entries`) a bucket at a time on every rank; rank 0

@@ -58,7 +58,7 @@ def test_the_handshake_carries_the_backend_to_every_server_and_rejoins_when_it_c
     """Rank 0 reads each server's /health (`sync_backends`, `sync_group`, `version`), picks
     the backend, sends it in every /init_weight_sync (server i: rank i + 1 of 1 + n), and
     makes the group again when a server holds none or the backend changes; the new
-    version is one above the highest any server reports."""
+    version is one above the last synced and the highest any server reports."""
     engine = _engine(monkeypatch, urls=2)
     health = {"version": 3, "sync_group": False, "sync_backends": BOTH}
     joins = []
@@ -90,9 +90,9 @@ def test_the_handshake_carries_the_backend_to_every_server_and_rejoins_when_it_c
     assert {b["backend"] for _, b in joins} == {"gloo"} and engine.group.backend == "gloo"
     health["sync_group"] = False  # a server restarted: it holds no group, version 0
     health["version"], joins = 0, []
-    engine.version = 7
+    engine.version = 7  # the last sync's: the next is above it, not above the servers' 0
     engine._begin(CPU)
-    assert len(joins) == 2 and engine.joined and engine.version == 1
+    assert len(joins) == 2 and engine.joined and engine.version == 8
 
 
 def _meta(numel: int, dtype: torch.dtype) -> torch.Tensor:
