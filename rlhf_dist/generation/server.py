@@ -96,9 +96,11 @@ class ServerEngine:
             )
         self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
         self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
-        # one pool of connections for every call of this run: the shards, the endpoint's
-        # episodes and the requests in flight with ppo.max_staleness (rlhf_dist/http.py)
-        self.http = JSONClient(self.timeout_s)
+        # one pool of connections for every call of this run (rlhf_dist/http.py), room for
+        # all at once: the endpoint's episodes, and a shard per server of each rollout in
+        # flight (ppo.max_staleness ahead of the one being used)
+        in_flight = g.endpoint_episodes_at_once + (1 + cfg.ppo.max_staleness) * len(self.urls)
+        self.http = JSONClient(self.timeout_s, max_connections=max(16, in_flight))
         self._auth = {"Authorization": f"Bearer {self._token}"}
         self.is_main, self.all_max = is_main, all_max
         self.group: SyncGroup | None = None

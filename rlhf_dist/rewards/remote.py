@@ -42,7 +42,8 @@ class HTTPClient:
         self.timeout_s = r.timeout_s or DEFAULT_TIMEOUT_S
         self.retries, self.retry_delay_s = r.retries, r.retry_delay_s
         self._key = api_key(r.api_key_env)
-        self.http = JSONClient(self.timeout_s)
+        # a connection for each of the judge's threads (remote_batch_size) at least
+        self.http = JSONClient(self.timeout_s, max_connections=max(16, r.remote_batch_size))
 
     def redact(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
