@@ -16,7 +16,7 @@ and asks them concurrently, each shard with its own seed from torch's global RNG
 resumed run draws the same seeds). Every answer carries the policy version it was
 sampled with; one that is not the version synced before the request is an error.
 With ppo.max_staleness=1 (generation/prefetch.py) the requests run on a thread of their
-own while the trainer trains. HTTP through rlhf_dist/http.py (httpx, pooled connections);
+own while the trainer trains. HTTP through rlhf_dist/http_client.py (httpx, pooled connections);
 every call times out after distributed.timeout_s.
 """
 
@@ -46,7 +46,7 @@ from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ConfigError, ServerError, UserError
 from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
 from rlhf_dist.generation.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
-from rlhf_dist.http import HTTPFailure, JSONClient
+from rlhf_dist.http_client import HTTPFailure, JSONClient
 from rlhf_dist.models.lora import adapter_weights
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class ServerEngine:
             )
         self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
         self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
-        # one pool of connections for every call of this run (rlhf_dist/http.py), room for
+        # one pool of connections for every call of this run (rlhf_dist/http_client.py), room for
         # all at once: the endpoint's episodes, and a shard per server of each rollout in
         # flight (ppo.max_staleness ahead of the one being used)
         in_flight = g.endpoint_episodes_at_once + (1 + cfg.ppo.max_staleness) * len(self.urls)

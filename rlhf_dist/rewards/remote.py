@@ -2,7 +2,7 @@
 OpenAI-compatible chat-completions judge (`reward.judge_url`). docs/rewards.md holds the
 protocols.
 
-HTTP through rlhf_dist/http.py (httpx: one pool of connections per client, shared by the
+HTTP through rlhf_dist/http_client.py (httpx: one pool of connections per client, shared by the
 judge's threads). Every request goes through retry.call_with_retries (the loop
 reward.function uses: reward.retries, reward.retry_delay_s); every phase of it times out
 after reward.timeout_s (60 s when that is null: an HTTP call never waits for ever). The API
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_dist.config import RewardConfig
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.http import HTTPFailure, JSONClient
+from rlhf_dist.http_client import HTTPFailure, JSONClient
 from rlhf_dist.rewards.retry import call_with_retries
 
 if TYPE_CHECKING:  # judge imports torch; this module does not

@@ -30,7 +30,7 @@ from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.data.rows import Text
 from rlhf_dist.errors import ServerError, UserError
 from rlhf_dist.generation.vllm import sampling_seeds
-from rlhf_dist.http import HTTPFailure, JSONClient
+from rlhf_dist.http_client import HTTPFailure, JSONClient
 from rlhf_dist.rollout.agent import Episode, environment_rewards_only
 from rlhf_dist.rollout.environments import EpisodeFunction, environment_episode
 

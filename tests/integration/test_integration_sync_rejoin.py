@@ -103,7 +103,7 @@ def test_a_restarted_server_rejoins_at_the_current_version_before_it_is_used(
 def test_a_server_refuses_a_backend_it_cannot_join(tokenizer):
     if "nccl" in local_backends():
         pytest.skip("this machine can join NCCL")
-    from rlhf_dist.http import HTTPFailure, JSONClient
+    from rlhf_dist.http_client import HTTPFailure, JSONClient
 
     policy = ServedPolicy(
         _llama(tokenizer, 0), tokenizer, (tokenizer.eos_token_id,), PerfConfig(), "p", 5.0

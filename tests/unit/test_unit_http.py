@@ -1,4 +1,4 @@
-"""The one HTTP transport (rlhf_dist/http.py) against a local stub server: connections are
+"""The one HTTP transport (rlhf_dist/http_client.py) against a local stub server: connections are
 pooled and reused, error answers, refusals and answers that are not JSON keep the words
 callers put in their messages (the rollout servers' client's shown here; the remote
 rewards' are tests/unit/test_unit_rewards.py's), and every call is bounded by the timeout
@@ -17,7 +17,7 @@ from rlhf_dist.config import load_config
 from rlhf_dist.distributed.weight_sync import free_port
 from rlhf_dist.errors import ServerError
 from rlhf_dist.generation.server import ServerEngine
-from rlhf_dist.http import HTTPFailure, JSONClient
+from rlhf_dist.http_client import HTTPFailure, JSONClient
 
 
 def test_calls_one_after_another_reuse_one_pooled_connection():
