@@ -3,8 +3,8 @@
 one thread): milliseconds per call of GET /health (no model work) and of POST /score of
 two 16-token sequences (one tiny forward), one caller after another and k callers at once
 (k = 1 and 4: the requests in flight under ppo.max_staleness), through the client's
-transport (rlhf_dist/http_client.py, httpx with pooled connections) and through the standard
-library's urllib as the client called it before (a new connection per call), alternating
+transport (rlhf_dist/http_client.py, httpx with pooled connections) and through the
+standard library's urllib as the client called it before (a new connection per call), alternating
 rounds of the two so that both see the same machine load. The figures are in
 docs/serving.md ("HTTP client").
 

@@ -16,8 +16,8 @@ and asks them concurrently, each shard with its own seed from torch's global RNG
 resumed run draws the same seeds). Every answer carries the policy version it was
 sampled with; one that is not the version synced before the request is an error.
 With ppo.max_staleness=1 (generation/prefetch.py) the requests run on a thread of their
-own while the trainer trains. HTTP through rlhf_dist/http_client.py (httpx, pooled connections);
-every call times out after distributed.timeout_s.
+own while the trainer trains. HTTP through rlhf_dist/http_client.py (httpx, pooled
+connections); every call times out after distributed.timeout_s.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ class ServerEngine:
             )
         self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
         self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
-        # one pool of connections for every call of this run (rlhf_dist/http_client.py), room for
-        # all at once: the endpoint's episodes, and a shard per server of each rollout in
-        # flight (ppo.max_staleness ahead of the one being used)
+        # one pool of connections for every call of this run (rlhf_dist/http_client.py),
+        # room for all at once: the endpoint's episodes, and a shard per server of each
+        # rollout in flight (ppo.max_staleness ahead of the one being used)
         in_flight = g.endpoint_episodes_at_once + (1 + cfg.ppo.max_staleness) * len(self.urls)
         self.http = JSONClient(self.timeout_s, max_connections=max(16, in_flight))
         self._auth = {"Authorization": f"Bearer {self._token}"}

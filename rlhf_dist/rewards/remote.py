@@ -2,8 +2,8 @@
 OpenAI-compatible chat-completions judge (`reward.judge_url`). docs/rewards.md holds the
 protocols.
 
-HTTP through rlhf_dist/http_client.py (httpx: one pool of connections per client, shared by the
-judge's threads). Every request goes through retry.call_with_retries (the loop
+HTTP through rlhf_dist/http_client.py (httpx: one pool of connections per client, shared
+by the judge's threads). Every request goes through retry.call_with_retries (the loop
 reward.function uses: reward.retries, reward.retry_delay_s); every phase of it times out
 after reward.timeout_s (60 s when that is null: an HTTP call never waits for ever). The API
 key is read from the environment variable that reward.api_key_env names, sent as

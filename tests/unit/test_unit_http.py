@@ -1,5 +1,5 @@
-"""The one HTTP transport (rlhf_dist/http_client.py) against a local stub server: connections are
-pooled and reused, error answers, refusals and answers that are not JSON keep the words
+"""The one HTTP transport (rlhf_dist/http_client.py) against a local stub server:
+connections are pooled and reused, error answers, refusals and answers that are not JSON keep the words
 callers put in their messages (the rollout servers' client's shown here; the remote
 rewards' are tests/unit/test_unit_rewards.py's), and every call is bounded by the timeout
 even with more calls in flight than pooled connections."""
