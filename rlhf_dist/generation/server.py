@@ -218,6 +218,7 @@ class ServerEngine:
             for t in tensors:
                 self.group.broadcast(t)
         except RuntimeError as e:  # a timeout or a peer gone (torch's DistError)
+            self.group = None  # unusable now: the next sync makes a new one
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ServerError(f"weight broadcast to the rollout servers failed: {why}") from None
 

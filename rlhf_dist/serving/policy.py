@@ -291,12 +291,19 @@ class ServedPolicy:
         def receive() -> None:
             if self.group is None:
                 raise RuntimeError("no weight-sync group: the trainer must call /init_weight_sync")
-            received = [
-                self.group.broadcast(
-                    torch.empty(s.shape, dtype=DTYPES[s.dtype], device=self.group.device)
-                )
-                for s in specs
-            ]
+            group = self.group
+            try:
+                received = [
+                    group.broadcast(
+                        torch.empty(s.shape, dtype=DTYPES[s.dtype], device=group.device)
+                    )
+                    for s in specs
+                ]
+            except RuntimeError:
+                # a broadcast that failed (peer gone, timeout) leaves the group unusable:
+                # /health then reports none, and the trainer's next sync makes a new one
+                self.group = None
+                raise
             # RLHF_DIST_FAULT=slow_update:N (tests): update N's version moves 1 s after its
             # broadcast ended, a window the trainer ranks must not read the old one in
             if final and fault_active("slow_update", version):

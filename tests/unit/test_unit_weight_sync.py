@@ -146,3 +146,47 @@ def test_a_gloo_group_sends_from_and_receives_into_the_cpu():
     sent = group.placed(torch.arange(6.0).reshape(2, 3).t())  # a transposed view
     assert sent.is_contiguous() and sent.device == CPU
     torch.testing.assert_close(group.broadcast(sent), torch.arange(6.0).reshape(2, 3).t())
+
+
+class _Gone:
+    """A group whose peer is gone: every broadcast raises as torch's DistError does."""
+
+    backend, device = "gloo", CPU
+
+    def placed(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().contiguous()
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("Connection closed by peer\n(the rest of torch's message)")
+
+
+def test_a_failed_broadcast_drops_the_group_on_both_sides_so_the_next_sync_rejoins(
+    monkeypatch, tmp_path
+):
+    """A group whose broadcast failed is unusable (gloo's pairs are out of step): the
+    trainer forgets it, and the server reports none in /health, so the next sync's
+    handshake (`_begin`) makes a new group instead of reusing the broken one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_dist.config import PerfConfig
+    from rlhf_dist.demo.task import build_tokenizer
+    from rlhf_dist.errors import ServerError
+    from rlhf_dist.serving.policy import ServedPolicy, TensorSpec
+
+    engine = _engine(monkeypatch, urls=1)
+    engine.group = _Gone()
+    monkeypatch.setattr(engine, "call", lambda url, path, body=None: {})
+    with pytest.raises(ServerError, match="rollout servers failed: Connection closed by peer$"):
+        engine._send_bucket([(("w", "", 1.0), torch.zeros(3))], final=True)
+    assert engine.group is None
+
+    tok = build_tokenizer(tmp_path / "tok")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    policy = ServedPolicy(LlamaForCausalLM(cfg), tok, (tok.eos_token_id,), PerfConfig(), "p", 5)
+    policy.group = _Gone()
+    name, param = next(iter(policy.params.items()))
+    policy.receive_bucket(1, [TensorSpec(name, tuple(param.shape), "float32")], final=True)
+    assert isinstance(policy.pending[-1].exception(timeout=30), RuntimeError)
+    assert policy.group is None and "Connection closed by peer" in policy.last_error
+    assert policy.version == 0 and policy.torn == 0  # nothing was written
