@@ -1,9 +1,11 @@
 """A local stub HTTP server for reward, judge and hub tests (not a test module).
 
 `StubServer(answer, max_requests)` listens on 127.0.0.1 on an ephemeral port (port 0),
-serves POSTs in a daemon thread with `answer(path, body, headers) -> (status, json)`,
+serves POSTs in a daemon thread with `answer(path, body, headers) -> (status, json or bytes)`,
 records every request (path, body, headers) and stops by itself after `max_requests`
-requests or when the `with` block ends, whichever comes first.
+requests or when the `with` block ends, whichever comes first. With `keep_alive` it
+speaks HTTP/1.1 and keeps connections open between requests; `ports` records the client
+port of every request (one port for several requests: one connection reused).
 """
 
 from __future__ import annotations
@@ -15,21 +17,25 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class StubServer:
-    def __init__(self, answer, max_requests: int = 64):
+    def __init__(self, answer, max_requests: int = 64, keep_alive: bool = False):
         self.answer, self.max_requests = answer, max_requests
         self.requests: list[tuple[str, dict, dict]] = []
+        self.ports: list[int] = []
         self.lock = threading.Lock()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
             def do_POST(self):
                 size = int(self.headers.get("Content-Length", 0))
                 body = parse_body(self.rfile.read(size), self.headers.get("Content-Type", ""))
                 with stub.lock:
                     stub.requests.append((self.path, body, dict(self.headers)))
+                    stub.ports.append(self.client_address[1])
                     count = len(stub.requests)
                 status, out = stub.answer(self.path, body, dict(self.headers))
-                data = json.dumps(out).encode()
+                data = out if isinstance(out, bytes) else json.dumps(out).encode()  # bytes: raw
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")

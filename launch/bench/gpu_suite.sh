@@ -15,6 +15,10 @@
 #   async   plain against a `rlhf-dist serve` process on the same device, ppo.max_staleness 0
 #           then 1: s/iteration and the overlap of generation with training
 #           (launch/bench/async_bench.py overlap --suite; docs/serving.md)
+#   sync    the CUDA path of the weight sync that one GPU allows (launch/bench/sync_cuda.py:
+#           the backend choice, bounded buckets of a bf16 model on the GPU, an NCCL group of
+#           one rank broadcasting them with the timeout; seconds; the two-rank NCCL sync of
+#           trainer and server needs two GPUs, docs/serving.md)
 #   plan    rlhf-dist plan's estimate against torch.cuda.max_memory_allocated per phase on the
 #           CPU grid's cells (launch/bench/memory.py plan --device cuda, fp32 then bf16 autocast,
 #           ~2-3 minutes each)
@@ -23,12 +27,12 @@
 # Without a GPU it runs the same four cases on the CPU with a tiny model (a smoke test of
 # the script; CPU figures mean nothing for GPUs).
 #
-# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="plain zero3 lora gc vllm grpo async plan"]
+# Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="sync plain zero3 lora gc vllm grpo async plan"]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-runs/bench/gpu_suite}
 ITERATIONS=${ITERATIONS:-5}
-CASES=${CASES:-plain zero3 lora gc vllm grpo async plan}
+CASES=${CASES:-sync plain zero3 lora gc vllm grpo async plan}
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -38,9 +42,16 @@ else
   DEVICE=cpu SHAPE=tiny PEAK="" Z3=accelerate_configs/cpu_zero3.yaml
 fi
 mkdir -p "$OUT"
-[ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/suite.py prepare "$OUT" --shape "$SHAPE" --prompts 256
-runs=() grpo=0 plan=0 async=0
+[ "$CASES" = sync ] || [ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/suite.py prepare "$OUT" --shape "$SHAPE" --prompts 256
+runs=() grpo=0 plan=0 async=0 sync=0
 for case in $CASES; do
+  if [ "$case" = sync ]; then  # first: seconds, and needs no model of the suite
+    sync=1
+    echo "== sync: the weight sync's CUDA path on one $DEVICE"
+    "$PY" launch/bench/sync_cuda.py > "$OUT/sync.log" 2>&1 && tail -1 "$OUT/sync.log" | tee "$OUT/sync.txt" \
+      || { echo "   failed:"; tail -20 "$OUT/sync.log"; }
+    continue
+  fi
   [ "$case" = grpo ] && { grpo=1; continue; }  # after the PPO cases, below
   [ "$case" = plan ] && { plan=1; continue; }
   [ "$case" = async ] && { async=1; continue; }
@@ -107,4 +118,4 @@ if [ "$plan" = 1 ]; then
       --out "$OUT/plan_check$suffix.json" 2>&1 | grep -v USDT | tee "$OUT/plan_check$suffix.txt" | tail -60
   done
 fi
-[ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || [ "$plan" = 1 ] || [ "$async" = 1 ] || exit 1
+[ ${#runs[@]} -gt 0 ] || [ "$grpo" = 1 ] || [ "$plan" = 1 ] || [ "$async" = 1 ] || [ "$sync" = 1 ] || exit 1

@@ -4,11 +4,14 @@ trainers' default group.
 
 The shape is the one vLLM-based peers use (TRL's vllm_serve, prime-rl): metadata over
 HTTP, tensors by broadcast from rank 0. The group is built from a TCPStore that rank 0
-hosts and a gloo backend object made directly (tensors travel through CPU memory; an
-NCCL group for GPU-to-GPU sends is not built yet), so it never touches `torch.distributed`'s global default group and a
-server can join the groups of several trainer runs, one after the other. Every wait has
-a timeout (distributed.timeout_s): a broadcast whose peer died raises, it never hangs
-(trl#2923).
+hosts and a backend object made directly, so it never touches `torch.distributed`'s
+global default group and a server can join the groups of several trainer runs, one after
+the other. The backend is NCCL when trainer rank 0 and every server hold their weights
+on CUDA (tensors go GPU to GPU, as TRL's and verl's NCCL groups send them), else gloo
+(through CPU memory); `sync_backend` makes that choice from what each side offers
+(`local_backends`, in the servers' /health). Every wait has a timeout
+(distributed.timeout_s): a broadcast whose peer died raises, it never hangs (trl#2923;
+NCCL's wait(timeout) blocks the host until the broadcast ends or the timeout passes).
 
 Weights are announced and sent a bounded bucket at a time (`weight_buckets`); under ZeRO-3
 each bucket is gathered whole on its own (`whole_bucket`), never the whole model. Sizes
@@ -24,7 +27,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,25 +44,74 @@ DTYPES = {
 }
 
 
-class SyncGroup:
-    """One rank of a weight-sync group: `broadcast` from rank 0 (the trainer) to all."""
+BACKENDS = ("gloo", "nccl")
 
-    def __init__(self, address: str, port: int, rank: int, world_size: int, timeout_s: float):
-        self.rank, self.world_size = rank, world_size
+
+def local_backends() -> list[str]:
+    """The weight-sync backends this process can join: gloo always, NCCL where torch has
+    it and a CUDA device is visible."""
+    cuda = dist.is_nccl_available() and torch.cuda.is_available()
+    return ["gloo", "nccl"] if cuda else ["gloo"]
+
+
+def sync_backend(trainer_device: torch.device, offered: list[list[str]]) -> str:
+    """The backend of a weight-sync group: "nccl" when trainer rank 0's weights are on
+    CUDA (`trainer_device`), it can join NCCL itself and every server offers it
+    (`offered`: each server's `local_backends`); else "gloo", which every side has."""
+    cuda = trainer_device.type == "cuda" and "nccl" in local_backends()
+    return "nccl" if cuda and all("nccl" in o for o in offered) else "gloo"
+
+
+class SyncGroup:
+    """One rank of a weight-sync group: `broadcast` from rank 0 (the trainer) to all.
+    `device` is where its tensors travel from and into: the CPU under gloo, this
+    process's current CUDA device under NCCL."""
+
+    def __init__(
+        self, address: str, port: int, rank: int, world_size: int, timeout_s: float,
+        backend: str = "gloo",
+    ) -> None:  # fmt: skip
+        if backend not in BACKENDS:
+            raise ValueError(f"weight sync: backend {backend!r} is not one of {BACKENDS}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timedelta(seconds=timeout_s)
         # Rank 0 hosts the store; the others connect (retrying until the timeout).
         self.store = dist.TCPStore(
             address, port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False
         )
         # Built directly, not by init_process_group: no default group is created or used.
-        self.group = dist.ProcessGroupGloo(self.store, rank, world_size, self.timeout)
+        if backend == "nccl":
+            self.group = _nccl_group(self.store, rank, world_size, self.timeout)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            # NCCL makes its communicator at the first collective: made here, so that a
+            # peer that never joins fails the join as gloo's rendezvous does.
+            self.broadcast(torch.zeros(1, device=self.device))
+        else:
+            self.device = torch.device("cpu")
+            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, self.timeout)
         note_group()  # its worker threads and interpreter exit: process_exit.py
 
+    def placed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as the group sends it: contiguous, on `device` (a copy where it is not
+        there already; rank 0 only reads it)."""
+        return tensor.detach().to(self.device).contiguous()
+
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Broadcast `tensor` (contiguous, CPU) from rank 0 into every rank's `tensor`;
-        raises after the timeout instead of waiting for a peer that is gone."""
-        self.group.broadcast(tensor, 0, self.timeout).wait()
+        """Broadcast `tensor` (contiguous, on `device`) from rank 0 into every rank's
+        `tensor`; raises after the timeout instead of waiting for a peer that is gone."""
+        self.group.broadcast(tensor, 0, self.timeout).wait(self.timeout)
         return tensor
+
+
+def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A ProcessGroupNCCL on `store` whose collectives time out after `timeout` (absent
+    from CPU builds of torch, hence looked up by name)."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None or not torch.cuda.is_available():
+        raise RuntimeError("weight sync: NCCL asked for, but this torch has no NCCL or no GPU")
+    options = nccl.Options()
+    options._timeout = timeout
+    return nccl(store, rank, world_size, options)
 
 
 def memory_in_use(device: torch.device) -> int:

@@ -16,17 +16,14 @@ and asks them concurrently, each shard with its own seed from torch's global RNG
 resumed run draws the same seeds). Every answer carries the policy version it was
 sampled with; one that is not the version synced before the request is an error.
 With ppo.max_staleness=1 (generation/prefetch.py) the requests run on a thread of their
-own while the trainer trains. Standard library HTTP (urllib); every call times
-out after distributed.timeout_s.
+own while the trainer trains. HTTP through rlhf_dist/http_client.py (httpx, pooled
+connections); every call times out after distributed.timeout_s.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -40,6 +37,7 @@ from rlhf_dist.distributed.weight_sync import (
     SyncGroup,
     dtype_name,
     free_port,
+    sync_backend,
     weight_buckets,
     whole_bucket,
 )
@@ -48,6 +46,7 @@ from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ConfigError, ServerError, UserError
 from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
 from rlhf_dist.generation.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
+from rlhf_dist.http_client import HTTPFailure, JSONClient
 from rlhf_dist.models.lora import adapter_weights
 
 if TYPE_CHECKING:
@@ -97,6 +96,12 @@ class ServerEngine:
             )
         self.bucket_bytes = int(g.server_sync_bucket_mb * 2**20)
         self.tolerance, self.address = g.server_sync_tolerance, g.server_sync_address
+        # one pool of connections for every call of this run (rlhf_dist/http_client.py),
+        # room for all at once: the endpoint's episodes, and a shard per server of each
+        # rollout in flight (ppo.max_staleness ahead of the one being used)
+        in_flight = g.endpoint_episodes_at_once + (1 + cfg.ppo.max_staleness) * len(self.urls)
+        self.http = JSONClient(self.timeout_s, max_connections=max(16, in_flight))
+        self._auth = {"Authorization": f"Bearer {self._token}"}
         self.is_main, self.all_max = is_main, all_max
         self.group: SyncGroup | None = None
         self.version = 0  # the policy version every server holds after the last sync
@@ -114,20 +119,11 @@ class ServerEngine:
 
     def call(self, url: str, path: str, body: dict | None = None) -> dict:
         """One HTTP call (GET without a body) -> its JSON answer; ServerError otherwise."""
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._token}"}
-        request = urllib.request.Request(url + path, data, headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                return json.loads(answer.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read(300).decode("utf-8", "replace").strip()
-            raise ServerError(f"rollout server {url}{path}: HTTP {e.code} {detail}") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            why = getattr(e, "reason", e)
-            raise ServerError(
-                f"rollout server {url}{path}: {why} (within {self.timeout_s:g} s)"
-            ) from None
+            return cast(dict, self.http.call(url + path, body, self._auth))
+        except HTTPFailure as e:
+            within = "" if e.status else f" (within {self.timeout_s:g} s)"
+            raise ServerError(f"rollout server {url}{path}: {e}{within}") from None
 
     def any_rank(self, flag: bool) -> bool:
         """Whether any trainer rank passed True (a collective)."""
@@ -155,10 +151,11 @@ class ServerEngine:
         (`whole_bucket`; the actor may stay partitioned), and rank 0 sends it."""
         self.syncs += 1
         start = time.perf_counter()
-        self.together(self._begin if self.is_main else lambda: None)
+        device = next(actor.parameters()).device
+        self.together(lambda: self._begin(device) if self.is_main else None)
         # rank 0 knows whether a server joined anew (it may hold another run's weights)
         with_base = self.any_rank(self.joined)
-        with MemoryGrowth(next(actor.parameters()).device) as grown:
+        with MemoryGrowth(device) as grown:
             self.together(lambda: self._send(actor, with_base))
         self.sync_peak_bytes, self.joined = grown.peak_bytes, False
         ours = self._own_logprobs(actor)  # every rank: under ZeRO-3 a collective forward
@@ -168,14 +165,20 @@ class ServerEngine:
         self.version = int(self.all_max(torch.tensor(self.version if self.is_main else 0)))
         self.sync_seconds = time.perf_counter() - start
 
-    def _begin(self) -> None:
+    def _begin(self, device: torch.device) -> None:
         """Rank 0: make the weight-sync group (first sync, or again when a server holds
-        none: it restarted) and pick the new version."""
+        none: it restarted) and pick the new version, one above the last synced and any
+        server's: a restarted server (version 0) rejoins at the version the others move
+        to, and versions never go back (a rollout's version orders it). The
+        group's backend: NCCL where the actor (on `device`) and every server are on CUDA
+        (`sync_backend`), else gloo."""
         healths = [self.call(url, "/health") for url in self.urls]
-        if self.group is None or not all(h["sync_group"] for h in healths):
-            self._join()
+        backend = sync_backend(device, [h.get("sync_backends", ["gloo"]) for h in healths])
+        fresh = self.group is None or self.group.backend != backend
+        if fresh or not all(h["sync_group"] for h in healths):
+            self._join(backend)
             self.joined = True
-        self.version = 1 + max(h["version"] for h in healths)
+        self.version = 1 + max([self.version] + [h["version"] for h in healths])
 
     def _send(self, actor: torch.nn.Module, with_base: bool) -> None:
         """Walk the weights (`sync_entries`) a bucket at a time on every rank; rank 0
@@ -201,7 +204,8 @@ class ServerEngine:
     def _send_bucket(self, bucket: list, final: bool) -> None:
         """One bucket of whole weights (or adapter matrices): metadata to every server,
         then the broadcasts."""
-        tensors = [p.detach().contiguous().cpu() for _, p in bucket]
+        assert self.group is not None
+        tensors = [self.group.placed(p) for _, p in bucket]  # CPU (gloo) or its GPU (NCCL)
         specs = [
             {"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
             | ({"lora": role, "scale": scale} if role else {})
@@ -210,22 +214,22 @@ class ServerEngine:
         body = {"version": self.version, "tensors": specs, "final": final}
         for url in self.urls:
             self.call(url, "/update_weights", body)
-        assert self.group is not None
         try:
             for t in tensors:
                 self.group.broadcast(t)
         except RuntimeError as e:  # a timeout or a peer gone (torch's DistError)
+            self.group = None  # unusable now: the next sync makes a new one
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ServerError(f"weight broadcast to the rollout servers failed: {why}") from None
 
-    def _join(self) -> None:
-        """Make the weight-sync group: rank 0 here, server i rank i + 1."""
+    def _join(self, backend: str) -> None:
+        """Make the weight-sync group over `backend`: rank 0 here, server i rank i + 1."""
         port, world = free_port(self.address), 1 + len(self.urls)
         for i, url in enumerate(self.urls):
             body = {"address": self.address, "port": port, "rank": i + 1, "world_size": world}
-            self.call(url, "/init_weight_sync", body)
+            self.call(url, "/init_weight_sync", body | {"backend": backend})
         try:
-            self.group = SyncGroup(self.address, port, 0, world, self.timeout_s)
+            self.group = SyncGroup(self.address, port, 0, world, self.timeout_s, backend)
         except RuntimeError as e:  # a server that never joined: torch's store timeout
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ServerError(f"weight-sync group with the rollout servers: {why}") from None
@@ -399,11 +403,14 @@ def _padded(
 def wait_healthy(url: str, timeout_s: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """Poll `url`/health until it answers (True), or until `alive()` turns False (the
     server process ended) or `timeout_s` passed (False): starting a server loads a model."""
-    deadline = time.monotonic() + timeout_s
-    while alive() and time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5).close()
-            return True
-        except OSError:
-            time.sleep(0.3)
-    return False
+    deadline, http = time.monotonic() + timeout_s, JSONClient(5.0, max_connections=1)
+    try:
+        while alive() and time.monotonic() < deadline:
+            try:
+                http.call(url + "/health")
+                return True
+            except HTTPFailure:
+                time.sleep(0.3)
+        return False
+    finally:
+        http.close()

@@ -2,9 +2,10 @@
 OpenAI-compatible chat-completions judge (`reward.judge_url`). docs/rewards.md holds the
 protocols.
 
-Standard library only (urllib, JSON). Every request goes through retry.call_with_retries
-(the loop reward.function uses: reward.retries, reward.retry_delay_s); its socket timeout
-is reward.timeout_s (60 s when that is null: an HTTP call never waits for ever). The API
+HTTP through rlhf_dist/http_client.py (httpx: one pool of connections per client, shared
+by the judge's threads). Every request goes through retry.call_with_retries (the loop
+reward.function uses: reward.retries, reward.retry_delay_s); every phase of it times out
+after reward.timeout_s (60 s when that is null: an HTTP call never waits for ever). The API
 key is read from the environment variable that reward.api_key_env names, sent as
 `Authorization: Bearer <key>`, and never logged: config.yaml holds only the variable's
 name, and every message this module makes has the key replaced by "***".
@@ -12,19 +13,17 @@ name, and every message this module makes has the key replaced by "***".
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from rlhf_dist.config import RewardConfig
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.http_client import HTTPFailure, JSONClient
 from rlhf_dist.rewards.retry import call_with_retries
 
-if TYPE_CHECKING:  # judge imports torch; this module is the standard library only
+if TYPE_CHECKING:  # judge imports torch; this module does not
     from rlhf_dist.rewards.judge import Prompt
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -43,6 +42,8 @@ class HTTPClient:
         self.timeout_s = r.timeout_s or DEFAULT_TIMEOUT_S
         self.retries, self.retry_delay_s = r.retries, r.retry_delay_s
         self._key = api_key(r.api_key_env)
+        # a connection for each of the judge's threads (remote_batch_size) at least
+        self.http = JSONClient(self.timeout_s, max_connections=max(16, r.remote_batch_size))
 
     def redact(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
@@ -54,23 +55,11 @@ class HTTPClient:
         )
 
     def _post_once(self, url: str, body: dict) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self._key:
-            headers["Authorization"] = f"Bearer {self._key}"
-        request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+        headers = {"Authorization": f"Bearer {self._key}"} if self._key else {}
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                data = answer.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read(200).decode("utf-8", "replace").strip()
-            raise RemoteError(self.redact(f"POST {url}: HTTP {e.code} {detail}")) from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise RemoteError(self.redact(f"POST {url}: {reason}")) from None
-        try:
-            out = json.loads(data)
-        except ValueError:
-            raise RemoteError(f"POST {url}: the answer is not JSON") from None
+            out = self.http.call(url, body, headers, detail_chars=200)
+        except HTTPFailure as e:  # the status and detail, or the reason, or "not JSON"
+            raise RemoteError(self.redact(f"POST {url}: {e}")) from None
         if not isinstance(out, dict):
             raise RemoteError(f"POST {url}: expected a JSON object, got {type(out).__name__}")
         return out

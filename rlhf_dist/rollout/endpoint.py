@@ -19,20 +19,18 @@ the servers; nothing here is a collective, so ranks need not keep in step.
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.data.rows import Text
 from rlhf_dist.errors import ServerError, UserError
 from rlhf_dist.generation.vllm import sampling_seeds
+from rlhf_dist.http_client import HTTPFailure, JSONClient
 from rlhf_dist.rollout.agent import Episode, environment_rewards_only
 from rlhf_dist.rollout.environments import EpisodeFunction, environment_episode
 
@@ -70,6 +68,13 @@ class EndpointClient:
     model: str  # "<policy>#<episode id>": the server records the episode under this id
     sampling: dict[str, Any]  # the run's generation keys as OpenAI request fields
     timeout_s: float = 600.0  # one request at most (distributed.timeout_s)
+    # the pooled connections `chat` sends through (the servers' client's: ServerEngine.http);
+    # None: a client of its own, made by the first call
+    http: JSONClient | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.http is None:  # frozen: set once, here
+            object.__setattr__(self, "http", JSONClient(self.timeout_s))
 
     @property
     def openai_fields(self) -> dict[str, Any]:
@@ -85,15 +90,13 @@ class EndpointClient:
         body = {"model": self.model, "messages": messages, **self.sampling}
         if tools:
             body["tools"] = tools
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"}
+        assert self.http is not None  # __post_init__
+        auth = {"Authorization": f"Bearer {self.api_key}"}
         url = self.base_url + "/chat/completions"
-        request = urllib.request.Request(url, json.dumps(body).encode(), headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                return json.loads(answer.read())
-        except urllib.error.HTTPError as e:  # the server's reason, not just "Bad Request"
-            detail = e.read(500).decode("utf-8", "replace").strip()
-            raise ServerError(f"{self.base_url}/chat/completions: HTTP {e.code} {detail}") from None
+        try:  # an error answer keeps the server's reason, not just "Bad Request"
+            return cast(dict, self.http.call(url, body, auth, detail_chars=500))
+        except HTTPFailure as e:
+            raise ServerError(f"{url}: {e}") from None
 
 
 def request_fields(gen: GenerationConfig, stop_ids: Sequence[int]) -> dict[str, Any]:
@@ -142,8 +145,9 @@ def request(
 
     def run(i: int) -> float | None:
         client = EndpointClient(
-            f"{urls[i]}/v1", server.token, f"policy#{ids[i]}", fields, server.timeout_s
-        )
+            f"{urls[i]}/v1", server.token, f"policy#{ids[i]}", fields, server.timeout_s,
+            server.http,
+        )  # fmt: skip
         kwargs = accepted_columns(agent.episode, columns[i], ("client", "prompt"))
         try:
             return agent.episode(client, prompts[i], **kwargs)

@@ -2,7 +2,8 @@
 the protocol.
 
 GET /health (open): model, served policy version, whether a weight-sync group is
-joined, the last failed update, the version of an update that stopped half-way
+joined and the backends this server can join it with (`sync_backends`: gloo, and NCCL
+where it has a GPU), the last failed update, the version of an update that stopped half-way
 (`torn_update`, 0 when none: until the next whole update the sampling endpoints answer
 503 rather than serve weights that are neither version), and with serve.batch_window_ms
 the requests and generate calls so far (`batched`). Everything else needs `Authorization: Bearer <token>`
@@ -23,6 +24,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, Field
 
+from rlhf_dist.distributed.weight_sync import local_backends
 from rlhf_dist.serving import openai_api as openai
 from rlhf_dist.serving.batching import RequestBatcher
 from rlhf_dist.serving.episodes import EpisodeLog
@@ -72,6 +74,7 @@ class JoinBody(BaseModel):
     port: int = Field(gt=0, lt=65536)
     rank: int = Field(gt=0)
     world_size: int = Field(gt=1)
+    backend: str = "gloo"  # the trainer's pick of the /health `sync_backends`
 
 
 class Spec(BaseModel):
@@ -136,6 +139,7 @@ def build_app(
             "model": policy.name,
             "version": policy.version,
             "sync_group": policy.group is not None,
+            "sync_backends": local_backends(),
             "last_error": policy.last_error,
             "torn_update": policy.torn,
         } | batched
@@ -172,8 +176,8 @@ def _add_weight_sync(
     def init_weight_sync(body: JoinBody) -> dict:
         if body.rank >= body.world_size:
             raise HTTPException(400, f"rank: {body.rank} outside the world of {body.world_size}")
-        policy.join(body.address, body.port, body.rank, body.world_size)
-        return {"joining": True}
+        refused(policy.join, body.address, body.port, body.rank, body.world_size, body.backend)
+        return {"joining": True, "backend": body.backend}
 
     @app.post("/update_weights", dependencies=[Depends(authorized)])
     def update_weights(body: UpdateBody) -> dict:

@@ -42,7 +42,7 @@ from rlhf_dist.checkpoint import fault_active
 from rlhf_dist.config import PerfConfig
 from rlhf_dist.data.chat import Chat
 from rlhf_dist.data.rows import left_pad, right_pad
-from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup
+from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup, local_backends
 from rlhf_dist.engine.decode import truncate_after_eos
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.generation.base import Sampler
@@ -249,12 +249,19 @@ class ServedPolicy:
         with self.pending_lock:
             self.pending.append(self.updates.submit(self._logged, work))
 
-    def join(self, address: str, port: int, rank: int, world_size: int) -> None:
+    def join(
+        self, address: str, port: int, rank: int, world_size: int, backend: str = "gloo"
+    ) -> None:
         """Join trainer rank 0's weight-sync group in the background (its rank 0 blocks
-        until every server joined); a later join replaces the group (a restarted trainer)."""
+        until every server joined); a later join replaces the group (a restarted trainer).
+        `backend`: one of `local_backends()` (BadRequest otherwise), the trainer's pick."""
+        if backend not in local_backends():
+            raise BadRequest(
+                f"backend: {backend!r} is not one this server can join ({local_backends()})"
+            )
 
         def connect() -> None:
-            self.group = SyncGroup(address, port, rank, world_size, self.timeout_s)
+            self.group = SyncGroup(address, port, rank, world_size, self.timeout_s, backend)
 
         self.group = None
         self._queue(connect)
@@ -284,9 +291,19 @@ class ServedPolicy:
         def receive() -> None:
             if self.group is None:
                 raise RuntimeError("no weight-sync group: the trainer must call /init_weight_sync")
-            received = [
-                self.group.broadcast(torch.empty(s.shape, dtype=DTYPES[s.dtype])) for s in specs
-            ]
+            group = self.group
+            try:
+                received = [
+                    group.broadcast(
+                        torch.empty(s.shape, dtype=DTYPES[s.dtype], device=group.device)
+                    )
+                    for s in specs
+                ]
+            except RuntimeError:
+                # a broadcast that failed (peer gone, timeout) leaves the group unusable:
+                # /health then reports none, and the trainer's next sync makes a new one
+                self.group = None
+                raise
             # RLHF_DIST_FAULT=slow_update:N (tests): update N's version moves 1 s after its
             # broadcast ended, a window the trainer ranks must not read the old one in
             if final and fault_active("slow_update", version):

@@ -304,6 +304,8 @@ def test_an_update_that_stops_half_way_is_never_served(tmp_path):
     policy = tiny_served_policy(tmp_path)
 
     class Group:  # the trainer's broadcasts: `alive` tensors, then its connection is gone
+        device = torch.device("cpu")
+
         def __init__(self, alive: int):
             self.alive = alive
 
