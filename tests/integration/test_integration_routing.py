@@ -1,0 +1,171 @@
+"""Routing replay of a mixture-of-experts actor (rlhf_dist/models/routing.py, ppo.routing_replay,
+docs/moe.md "Routing replay") on a tiny Qwen3-MoE built from its config:
+
+- replaying a recorded routing gives the recorded forward's logits bit for bit, and forcing
+  other experts changes them; the replayed weights are the router's own for its own top-k;
+- the metrics' hand cases (expert load, flip rate, router entropy);
+- GRPO with r2 and r3 (the decode loop) trains the experts and the routers, logs the router
+  metrics, and r3's flip rate is 0 where the trainer replays its own sampler's routing;
+- a dense policy with r2 is one line naming the key;
+- an r3 run killed half-way through an iteration resumes to the same metrics, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from faults import Killed, kill_at, untimed
+
+from rlhf_dist.config import config_from_dict
+from rlhf_dist.distributed import seed_everything
+from rlhf_dist.errors import ConfigError
+from rlhf_dist.models import routing
+from rlhf_dist.trainers import ppo
+from rlhf_dist.trainers.ppo import update as ppo_update
+
+POSITIVE_REWARD = "rlhf_dist.demo.task:positive_word_reward"
+E, K, LAYERS = 8, 2, 2
+
+
+def tiny_moe(vocab: int, tokenizer=None):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=E, num_experts_per_tok=K, max_position_embeddings=128,
+        tie_word_embeddings=True,
+        **({} if tokenizer is None else {
+            "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+        }),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # routers drawn wide enough that tokens spread over the experts
+        for r in routing.routers(model):
+            r.weight.normal_(0, 1.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe_policy(task_env, tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "policy"
+    model = tiny_moe(len(task_env.tokenizer), task_env.tokenizer)
+    model.save_pretrained(str(path), safe_serialization=True)
+    task_env.tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_replay_of_a_recording_is_bitwise_and_other_experts_change_the_logits():
+    model = tiny_moe(64)
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), routing.recording().on(model) as rec:
+        recorded_logits = model(ids).logits
+    used = rec.recorded(3)
+    assert used.shape == (3, 7, LAYERS, K) and used.min() >= 0 and used.max() < E
+    with torch.no_grad(), routing.replaying([used]).on(model) as rep:
+        assert torch.equal(model(ids).logits, recorded_logits)
+    assert torch.equal(rep.router_choice(3), used)  # nothing flipped
+    other = (used + 1) % E  # every token's experts moved by one: a different top-k set
+    with torch.no_grad(), routing.replaying([other]).on(model):
+        moved = model(ids).logits
+    assert (moved - recorded_logits).abs().max() > 1e-4
+    partial = used.clone()
+    partial[:, -1] = -1  # unrecorded: the router's own choice, so the same logits
+    with torch.no_grad(), routing.replaying([partial]).on(model):
+        assert torch.equal(model(ids).logits, recorded_logits)
+
+
+def test_forced_weights_hand_case_and_own_topk_is_the_routers_output():
+    router = routing.routers(tiny_moe(64))[0]
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
+    probs = torch.softmax(logits, -1)[0]
+    w = routing.forced_weights(router, logits, torch.tensor([[1, 3]]))
+    # norm_topk_prob (Qwen3-MoE default False): the softmax probabilities themselves
+    expected = torch.stack([probs[1], probs[3]])
+    if router.norm_topk_prob:
+        expected = expected / expected.sum()
+    assert torch.allclose(w[0], expected)
+    hidden = torch.randn(5, 32)
+    own_logits, own_weights, own_index = router(hidden)
+    assert torch.equal(routing.forced_weights(router, own_logits, own_index), own_weights)
+
+
+def test_metric_hand_cases():
+    a = torch.tensor([[[[0, 1]], [[2, 3]], [[1, 0]]]])  # (B=1, S=3, L=1, k=2)
+    b = torch.tensor([[[[1, 0]], [[2, 1]], [[-1, 0]]]])
+    mask = torch.tensor([[True, True, True]])
+    # token 0: same set in another order; token 1 flipped; token 2 unrecorded in b
+    assert routing.flip_rate(a, b, mask).tolist() == [0.5]
+    load = routing.expert_load(a, mask, 4)  # slots: 0,1,2,3,1,0 -> 2/6, 2/6, 1/6, 1/6
+    assert torch.allclose(load, torch.tensor([[2, 2, 1, 1]], dtype=torch.float64) / 6)
+    uniform = routing.router_entropy(torch.zeros(2, 4))
+    assert torch.allclose(uniform, torch.full((2,), torch.log(torch.tensor(4.0))))
+
+
+def tree_for(out, policy, data, mode: str, **run) -> dict:
+    return {
+        "run": {"output_dir": str(out), "seed": 0, "log_every": 1, "checkpoint_every": 1} | run,
+        "model": {"policy": str(policy)},
+        "data": data,
+        "generation": {"max_new_tokens": 10, "temperature": 1.0},
+        "reward": {"function": POSITIVE_REWARD},
+        "ppo": {
+            "iterations": 2, "rollout_batch_size": 4, "samples_per_prompt": 2,
+            "rollout_micro_batch_size": 8, "ppo_epochs": 2, "minibatch_size": 8,
+            "micro_batch_size": 4, "optim": {"lr": 1e-2}, "kl_coef": 0.0,
+            "estimator": "grpo", "routing_replay": mode,
+        },
+    }  # fmt: skip
+
+
+def run_ppo(tree: dict, runtime):
+    seed_everything(tree["run"]["seed"])
+    return ppo.train_ppo(config_from_dict(tree), runtime)
+
+
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_grpo_with_routing_replay_trains_the_experts_and_logs_router_metrics(
+    mode, moe_policy, task_env, runtime, tmp_path, data_cfg, read_jsonl, saved_state_dict
+):
+    out = tmp_path / mode
+    run_ppo(tree_for(out, moe_policy, data_cfg(train=str(task_env.files.prompts)), mode), runtime)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 2
+    for layer in range(LAYERS):
+        row = rows[-1]
+        assert 1 / E - 1e-9 <= row[f"router/load_max/layer_{layer}"] <= 1
+        assert 0 <= row[f"router/load_min/layer_{layer}"] <= 1 / E + 1e-9
+        assert 0 < row[f"router/entropy/layer_{layer}"] <= float(torch.log(torch.tensor(E)))
+        if mode == "r3":  # the decode loop is the trainer's own forward: it routes alike
+            assert row[f"router/flip_rate/layer_{layer}"] <= 0.05
+    before = saved_state_dict(moe_policy)
+    after = saved_state_dict(out / "final")
+    for name in ("mlp.experts.gate_up_proj", "mlp.gate.weight"):
+        key = f"model.layers.0.{name}"
+        assert not torch.equal(before[key], after[key]), f"{key} did not train"
+
+
+def test_a_dense_policy_with_routing_replay_is_one_line_naming_the_key(
+    task_env, runtime, tmp_path, data_cfg
+):
+    tree = tree_for(tmp_path, task_env.policy, data_cfg(train=str(task_env.files.prompts)), "r2")
+    with pytest.raises(ConfigError, match=r"^ppo.routing_replay=r2: needs a mixture-of-experts"):
+        run_ppo(tree, runtime)
+
+
+def test_r3_killed_mid_update_resumes_to_the_same_metrics(
+    moe_policy, task_env, runtime, tmp_path, data_cfg, read_jsonl, monkeypatch
+):
+    data = data_cfg(train=str(task_env.files.prompts))
+    unbroken = tmp_path / "unbroken"
+    run_ppo(tree_for(unbroken, moe_policy, data, "r3"), runtime)
+    expected = untimed(read_jsonl(unbroken / "metrics.jsonl"))
+    out = tmp_path / "killed"
+    with monkeypatch.context() as mp:
+        kill_at(mp, ppo_update, "update", 2)  # iteration 1 checkpointed, 2 lost mid-update
+        with pytest.raises(Killed):
+            run_ppo(tree_for(out, moe_policy, data, "r3"), runtime)
+    run_ppo(tree_for(out, moe_policy, data, "r3", resume="auto"), runtime)
+    assert untimed(read_jsonl(out / "metrics.jsonl")) == expected
