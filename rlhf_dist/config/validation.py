@@ -328,6 +328,11 @@ def _validate_routing_replay(cfg: Config) -> None:
             "ppo.routing_replay: distributed.sequence_parallel_size > 1 splits a row's "
             "tokens over ranks; routing replay needs whole rows"
         )
+    if mode == "r3" and cfg.ppo.max_staleness:
+        raise ConfigError(
+            "ppo.routing_replay: r3 with ppo.max_staleness > 0 is not supported (the rollout "
+            "requested ahead does not carry the routing yet); set max_staleness 0"
+        )
     if cfg.ppo.dynamic_sampling:
         raise ConfigError(
             "ppo.routing_replay: ppo.dynamic_sampling joins rollouts of other widths; the "

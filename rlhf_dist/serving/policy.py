@@ -48,6 +48,7 @@ from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.generation.base import Sampler
 from rlhf_dist.generation.hf import HFSampler
 from rlhf_dist.generation.vllm import VLLMEngine
+from rlhf_dist.models.routing import is_moe
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SamplingRequest:
     top_p: float
     seed: int
     stop_token_ids: tuple[int, ...] = ()  # empty: the served model's own (model.policy)
+    routing: bool = False  # answer with the routing (ppo.routing_replay r3, docs/moe.md)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,10 @@ class ServedPolicy:
         self.chat, self.engine = chat, engine
         # what generates: the engine, or the trainer's decode loop over the served model
         self.sampler: Sampler = engine or HFSampler(self._served, perf)
+        # a mixture-of-experts model through the decode loop: requests may ask for the
+        # routing of every token (ppo.routing_replay r3); None: such a request is refused
+        routed = engine is None and is_moe(model)
+        self.routed: Sampler | None = HFSampler(self._served, perf, True) if routed else None
         self.perf, self.name, self.timeout_s = perf, name, timeout_s
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
         self.device = next(model.parameters()).device
@@ -180,18 +186,34 @@ class ServedPolicy:
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         seeds = seeds or [(s.seed, len(prompts))]
+        sampler = self.sampler
+        if s.routing:
+            if self.routed is None:
+                raise BadRequest(
+                    "sampling.routing: the served model has no router the decode loop records "
+                    "(a mixture-of-experts model served without vLLM)"
+                )
+            sampler = self.routed
         with self._current():
-            got = self.sampler.sample(ids, mask, s, stops, pad, seeds=seeds, logprobs=True)
+            got = sampler.sample(ids, mask, s, stops, pad, seeds=seeds, logprobs=True)
             assert got.logprobs is not None, "Sampler.sample(logprobs=True) without log-probs"
             out, response_mask, finished = truncate_after_eos(got.response_ids, stops, pad)
             version = self.version
         out, logprobs, n = out.cpu(), got.logprobs.float().cpu(), response_mask.sum(1).tolist()
-        return {
+        answer = {
             "responses": [row[:k].tolist() for row, k in zip(out, n)],
             "logprobs": [row[:k].tolist() for row, k in zip(logprobs, n)],
             "finished": finished.tolist(),
             "version": version,
         }
+        if got.routing is not None:  # each row's real prompt tokens, then its response
+            routed = got.routing.cpu()
+            keep = [
+                torch.cat([m.bool(), torch.arange(routed.shape[1] - m.shape[0]) < k])
+                for m, k in zip(mask.cpu(), n)
+            ]
+            answer["routing"] = [r[kept].tolist() for r, kept in zip(routed, keep)]
+        return answer
 
     @torch.no_grad()
     def _score(self, sequences: list[list[int]], temperature: float) -> dict:

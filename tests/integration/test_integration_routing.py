@@ -169,3 +169,30 @@ def test_r3_killed_mid_update_resumes_to_the_same_metrics(
             run_ppo(tree_for(out, moe_policy, data, "r3"), runtime)
     run_ppo(tree_for(out, moe_policy, data, "r3", resume="auto"), runtime)
     assert untimed(read_jsonl(out / "metrics.jsonl")) == expected
+
+
+TOKEN, ENV = "routing-token-51", "RLHF_DIST_TEST_ROUTING_TOKEN"
+
+
+def test_r3_through_a_rollout_server_replays_the_served_routing_in_the_trainers_layout(
+    moe_policy, task_env, runtime, tmp_path, data_cfg, read_jsonl, monkeypatch
+):
+    """The server returns each row's routing of its real prompt tokens and response; the
+    client lays it out left-padded as the trainer's forward sees the tokens. Served in fp32
+    by the same decode loop, the trainer's own top-k agrees with the served one almost
+    everywhere and the replayed log-probs equal the served ones to rounding: a layout off
+    by one token would flip most tokens' experts."""
+    from serve_process import served
+
+    tree = {"model": {"policy": str(moe_policy)}, "perf": {"num_threads": 1},
+            "distributed": {"timeout_s": 60}}  # fmt: skip
+    with served(tree, ENV, TOKEN) as url:
+        monkeypatch.setenv(ENV, TOKEN)
+        run = tree_for(tmp_path, moe_policy, data_cfg(train=str(task_env.files.prompts)), "r3")
+        run["generation"] |= {"backend": "server", "server_urls": [url], "server_token_env": ENV}
+        run["ppo"]["iterations"] = 1
+        run_ppo(run, runtime)
+    (row,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert row["router/flip_rate"] <= 0.02
+    assert row["router/logprob_gap_replayed"] < 1e-4
+    assert row["router/logprob_gap_unreplayed"] < 1e-3
