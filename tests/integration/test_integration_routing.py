@@ -77,6 +77,41 @@ def test_replay_of_a_recording_is_bitwise_and_other_experts_change_the_logits():
         assert torch.equal(model(ids).logits, recorded_logits)
 
 
+def other_family(family: str):
+    """A tiny Mixtral or OLMoE (the same *TopKRouter mechanism as Qwen3-MoE)."""
+    import transformers
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=K,
+                 max_position_embeddings=64)  # fmt: skip
+    if family == "mixtral":
+        config = transformers.MixtralConfig(num_local_experts=E, **shape)
+        cls = transformers.MixtralForCausalLM
+    else:
+        config = transformers.OlmoeConfig(num_experts=E, **shape)
+        cls = transformers.OlmoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for r in routing.routers(model):
+            r.weight.normal_(0, 1.0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_mixtral_and_olmoe_replay_bitwise_through_the_same_hooks(family):
+    model = other_family(family)
+    assert routing.routing_shape(model) == (2, K) and routing.experts_of(model) == E
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), routing.recording().on(model) as rec:
+        logits = model(ids).logits
+    used = rec.recorded(2)
+    with torch.no_grad(), routing.replaying([used]).on(model):
+        assert torch.equal(model(ids).logits, logits)
+    with torch.no_grad(), routing.replaying([(used + 1) % E]).on(model):
+        assert not torch.equal(model(ids).logits, logits)
+
+
 def test_forced_weights_hand_case_and_own_topk_is_the_routers_output():
     router = routing.routers(tiny_moe(64))[0]
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
@@ -125,12 +160,35 @@ def run_ppo(tree: dict, runtime):
     return ppo.train_ppo(config_from_dict(tree), runtime)
 
 
+@pytest.fixture(scope="module")
+def unbroken(moe_policy, task_env, runtime, tmp_path_factory, data_cfg):
+    """mode -> (output directory, the routing each update forward was made to replay) of
+    one whole GRPO run per mode, shared by the training and the resume tests."""
+    runs = {}
+    for mode in ("r2", "r3"):
+        out, forced = tmp_path_factory.mktemp(mode), []
+
+        def spy(routings, *args, forced=forced):
+            forced.append(routings[0])
+            return routing.replaying(routings, *args)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ppo_update, "replaying", spy)
+            run_ppo(tree_for(out, moe_policy, data_cfg(train=str(task_env.files.prompts)), mode),
+                    runtime)  # fmt: skip
+        runs[mode] = (out, forced)
+    return runs
+
+
 @pytest.mark.parametrize("mode", ["r2", "r3"])
 def test_grpo_with_routing_replay_trains_the_experts_and_logs_router_metrics(
-    mode, moe_policy, task_env, runtime, tmp_path, data_cfg, read_jsonl, saved_state_dict
+    mode, unbroken, moe_policy, read_jsonl, saved_state_dict
 ):
-    out = tmp_path / mode
-    run_ppo(tree_for(out, moe_policy, data_cfg(train=str(task_env.files.prompts)), mode), runtime)
+    out, forced = unbroken[mode]
+    # 2 iterations x 2 epochs x 2 micro-batches of 4 rows, each over its trimmed P + T
+    assert len(forced) == 8
+    assert all(f.shape[0] == 4 and f.shape[2:] == (LAYERS, K) for f in forced)
+    assert all(((f >= 0) & (f < E)).all() for f in forced)  # every token's experts recorded
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 2
     for layer in range(LAYERS):
@@ -155,19 +213,20 @@ def test_a_dense_policy_with_routing_replay_is_one_line_naming_the_key(
         run_ppo(tree, runtime)
 
 
-def test_r3_killed_mid_update_resumes_to_the_same_metrics(
-    moe_policy, task_env, runtime, tmp_path, data_cfg, read_jsonl, monkeypatch
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_killed_mid_update_resumes_to_the_same_metrics(
+    mode, unbroken, moe_policy, task_env, runtime, tmp_path, data_cfg, read_jsonl, monkeypatch
 ):
+    """Checkpoints fall between iterations, and a rollout (its routing with it) never
+    outlives one: the resumed run samples, records and replays iteration 2 again."""
     data = data_cfg(train=str(task_env.files.prompts))
-    unbroken = tmp_path / "unbroken"
-    run_ppo(tree_for(unbroken, moe_policy, data, "r3"), runtime)
-    expected = untimed(read_jsonl(unbroken / "metrics.jsonl"))
+    expected = untimed(read_jsonl(unbroken[mode][0] / "metrics.jsonl"))
     out = tmp_path / "killed"
     with monkeypatch.context() as mp:
         kill_at(mp, ppo_update, "update", 2)  # iteration 1 checkpointed, 2 lost mid-update
         with pytest.raises(Killed):
-            run_ppo(tree_for(out, moe_policy, data, "r3"), runtime)
-    run_ppo(tree_for(out, moe_policy, data, "r3", resume="auto"), runtime)
+            run_ppo(tree_for(out, moe_policy, data, mode), runtime)
+    run_ppo(tree_for(out, moe_policy, data, mode, resume="auto"), runtime)
     assert untimed(read_jsonl(out / "metrics.jsonl")) == expected
 
 
