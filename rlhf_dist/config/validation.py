@@ -328,6 +328,11 @@ def _validate_routing_replay(cfg: Config) -> None:
             "ppo.routing_replay: distributed.sequence_parallel_size > 1 splits a row's "
             "tokens over ranks; routing replay needs whole rows"
         )
+    if cfg.ppo.estimator == "online_dpo":
+        raise ConfigError(
+            "ppo.routing_replay: ppo.estimator=online_dpo trains pairs by its own forwards, "
+            "which do not replay a rollout's routing; set routing_replay none"
+        )
     if mode == "r3" and cfg.ppo.max_staleness:
         raise ConfigError(
             "ppo.routing_replay: r3 with ppo.max_staleness > 0 is not supported (the rollout "

@@ -195,16 +195,21 @@ def plain_path(perf: PerfConfig) -> PerfConfig:
     return replace(perf, shared_prompt_forward=False, packed_sequences=False)
 
 
-def expert_load(index: torch.Tensor, mask: torch.Tensor, experts: int) -> torch.Tensor:
-    """The fraction of routed token slots each expert got, per layer: (L, E), rows sum to
-    1 (0 without a token). index: (B, S, L, k) with -1 unrecorded; mask: (B, S) bool,
-    the tokens counted."""
+def expert_counts(index: torch.Tensor, mask: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many routed token slots each expert got, per layer: (L, E) float64. index:
+    (B, S, L, k) with -1 unrecorded (not counted); mask: (B, S) bool, the tokens counted."""
     L = index.shape[2]
     picked = index[mask.bool()]  # (N, L, k)
     counts = torch.zeros(L, experts + 1, dtype=torch.float64, device=index.device)
     slots = torch.where(picked >= 0, picked, experts).permute(1, 0, 2).reshape(L, -1)
     counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.float64))
-    counts = counts[:, :experts]
+    return counts[:, :experts]
+
+
+def expert_load(index: torch.Tensor, mask: torch.Tensor, experts: int) -> torch.Tensor:
+    """The fraction of routed token slots each expert got, per layer: (L, E), rows sum to
+    1 (0 without a token); arguments as `expert_counts`."""
+    counts = expert_counts(index, mask, experts)
     return counts / counts.sum(dim=1, keepdim=True).clamp_min(1)
 
 
@@ -250,11 +255,7 @@ def router_stats(
     if routing is None or entropy is None:
         return {}
     s, L = StatSums(), routing.shape[2]
-    picked = routing[mask.bool()]  # (N, L, k)
-    counts = torch.zeros(L, experts + 1, dtype=torch.float64, device=routing.device)
-    slots = torch.where(picked >= 0, picked, experts).permute(1, 0, 2).reshape(L, -1)
-    counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.float64))
-    counts = runtime.all_sum(counts[:, :experts].contiguous())  # (L, E) over all ranks
+    counts = runtime.all_sum(expert_counts(routing, mask, experts))  # (L, E) over all ranks
     share = counts / counts.sum(dim=1, keepdim=True).clamp_min(1)
     out: dict[str, float] = {}
     n = mask.sum()

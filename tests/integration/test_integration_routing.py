@@ -255,3 +255,30 @@ def test_r3_through_a_rollout_server_replays_the_served_routing_in_the_trainers_
     assert row["router/flip_rate"] <= 0.02
     assert row["router/logprob_gap_replayed"] < 1e-4
     assert row["router/logprob_gap_unreplayed"] < 1e-3
+
+
+def test_metric_properties_on_random_routings():
+    gen = torch.Generator().manual_seed(3)
+    router = routing.routers(tiny_moe(64))[0]
+    for _ in range(20):
+        B, S, L, k = 3, 5, 2, 2
+        a = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(B * S * L)])
+        a = a.reshape(B, S, L, k)
+        mask = torch.rand(B, S, generator=gen) > 0.3
+        swapped = a.flip(-1)  # the same expert sets in another order
+        assert routing.flip_rate(a, swapped, mask).eq(0).all()
+        assert torch.equal(
+            routing.flip_rate(a, (a + 1) % E, mask), routing.flip_rate((a + 1) % E, a, mask)
+        )
+        load = routing.expert_load(a, mask, E)
+        assert torch.equal(load, routing.expert_load(swapped, mask, E))
+        if mask.any():
+            assert torch.allclose(load.sum(1), torch.ones(L, dtype=torch.float64))
+        logits = torch.randn(7, E, generator=gen) * 3
+        h = routing.router_entropy(logits)
+        assert (h >= 0).all() and (h <= torch.log(torch.tensor(float(E))) + 1e-6).all()
+        idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(7)])
+        w = routing.forced_weights(router, logits, idx)
+        probs = torch.softmax(logits, -1).gather(-1, idx)
+        expected = probs / probs.sum(-1, keepdim=True) if router.norm_topk_prob else probs
+        assert torch.allclose(w, expected) and (w > 0).all()
