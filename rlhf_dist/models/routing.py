@@ -157,6 +157,16 @@ class RoutingSpan:
         """(rows, S, L, k): the routers' own top-k, before any replay (as `recorded`)."""
         return _joined(self.own, rows)
 
+    def flips(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens x layers whose replayed expert set differs from the routers' own choice,
+        tokens x layers counted) over the last T columns of the span's forwards, the tokens
+        mask (B, T) marks: the flips a replay prevented."""
+        B, T = mask.shape
+        own, used = self.router_choice(B)[:, -T:], self.recorded(B)[:, -T:]
+        flipped = (own.sort(-1).values != used.sort(-1).values).any(-1)  # (B, T, L)
+        counted = mask.bool()[:, :, None].expand_as(flipped)
+        return (flipped & counted).sum().double(), counted.sum().double()
+
     def router_logits(self) -> list[torch.Tensor]:
         """Per layer, the router logits (N, E) of every forward's tokens, joined
         (`keep_logits`)."""

@@ -387,8 +387,10 @@ def router_panels(stage: Stage) -> list[tuple[str, ...]]:
         layers.sort(key=lambda n: int(n.removeprefix(prefix)))
         if layers:
             panels.append(tuple(layers))
-    gaps = ("router/logprob_gap_replayed", "router/logprob_gap_unreplayed", "router/flip_rate")
-    return panels + [(name,) for name in gaps if name in stage.series]
+    gaps = ("router/logprob_gap_replayed", "router/logprob_gap_unreplayed")
+    flips = ("router/flip_rate", "router/update_flip_rate")
+    return panels + [tuple(n for n in group if n in stage.series)
+                     for group in (gaps, flips) if any(n in stage.series for n in group)]  # fmt: skip
 
 
 def plot_metrics(stage: Stage, out: Path) -> list[Plot]:

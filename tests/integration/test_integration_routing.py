@@ -198,6 +198,8 @@ def test_grpo_with_routing_replay_trains_the_experts_and_logs_router_metrics(
         assert 0 < row[f"router/entropy/layer_{layer}"] <= float(torch.log(torch.tensor(E)))
         if mode == "r3":  # the decode loop is the trainer's own forward: it routes alike
             assert row[f"router/flip_rate/layer_{layer}"] <= 0.05
+    # the second epoch's routers moved (lr 1e-2) and the replay held the recorded experts
+    assert 0 < rows[0]["router/update_flip_rate"] < 1
     before = saved_state_dict(moe_policy)
     after = saved_state_dict(out / "final")
     for name in ("mlp.experts.gate_up_proj", "mlp.gate.weight"):

@@ -23,7 +23,8 @@ def test_router_metrics_get_their_own_figure_with_a_line_per_layer(tmp_path):
     (stage,) = load_stages(run)
     panels = router_panels(stage)
     assert panels[0] == tuple(f"router/load_max/layer_{n}" for n in (0, 1, 10))
-    assert ("router/logprob_gap_replayed",) in panels and ("router/flip_rate",) in panels
+    assert ("router/logprob_gap_replayed", "router/logprob_gap_unreplayed") in panels
+    assert ("router/flip_rate",) in panels
     index = build_report(run)  # report/index.html beside its PNGs
     router_png = [p.name for p in index.parent.glob("*router*.png")]
     assert len(router_png) == 1 and router_png[0] in index.read_text()

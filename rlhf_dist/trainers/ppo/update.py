@@ -188,6 +188,8 @@ def micro_batch_loss(
         bool(knobs.entropy_coef) or first, divergence=gjsd, **replay,
     )  # fmt: skip
     old_logprobs = logprobs.detach() if first else mb.old_logprobs
+    if replay:  # tokens the update's own routing would have sent elsewhere (docs/moe.md)
+        stats.add("router/update_flip_rate", *replay["routing"].flips(mb.response_mask))
     mask, n = mb.response_mask, mb.response_mask.sum()
     advantages = with_teacher_advantages(advantages, old_logprobs, mb, knobs)
     pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs)
