@@ -92,6 +92,16 @@ def _check_adapter(spec: TensorSpec, weight: tuple[int, ...]) -> None:
         )
 
 
+def routing_rows(routing: torch.Tensor, mask: torch.Tensor, lengths: list[int]) -> list:
+    """Each row's routing as /generate answers it: the [L][k] expert indices of its real
+    prompt tokens, then of its first lengths[b] response tokens. routing: (B, P + T, L, k);
+    mask: (B, P) the left-padded prompts' attention mask."""
+    P = mask.shape[1]
+    response = torch.arange(routing.shape[1] - P)
+    keep = [torch.cat([m.bool(), response < k]) for m, k in zip(mask, lengths)]
+    return [r[kept].tolist() for r, kept in zip(routing, keep)]
+
+
 class BadRequest(ValueError):
     """A request the server refuses (its message is the 4xx answer's detail)."""
 
@@ -186,14 +196,7 @@ class ServedPolicy:
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         seeds = seeds or [(s.seed, len(prompts))]
-        sampler = self.sampler
-        if s.routing:
-            if self.routed is None:
-                raise BadRequest(
-                    "sampling.routing: the served model has no router the decode loop records "
-                    "(a mixture-of-experts model served without vLLM)"
-                )
-            sampler = self.routed
+        sampler = self._sampler_for(s)
         with self._current():
             got = sampler.sample(ids, mask, s, stops, pad, seeds=seeds, logprobs=True)
             assert got.logprobs is not None, "Sampler.sample(logprobs=True) without log-probs"
@@ -206,14 +209,21 @@ class ServedPolicy:
             "finished": finished.tolist(),
             "version": version,
         }
-        if got.routing is not None:  # each row's real prompt tokens, then its response
-            routed = got.routing.cpu()
-            keep = [
-                torch.cat([m.bool(), torch.arange(routed.shape[1] - m.shape[0]) < k])
-                for m, k in zip(mask.cpu(), n)
-            ]
-            answer["routing"] = [r[kept].tolist() for r, kept in zip(routed, keep)]
+        if got.routing is not None:
+            answer["routing"] = routing_rows(got.routing.cpu(), mask.cpu(), n)
         return answer
+
+    def _sampler_for(self, s: SamplingRequest) -> Sampler:
+        """The sampler of request `s`: the one recording the routing when it asks for it
+        (BadRequest where none can)."""
+        if not s.routing:
+            return self.sampler
+        if self.routed is None:
+            raise BadRequest(
+                "sampling.routing: needs a mixture-of-experts model served by the decode loop "
+                "(this one has no router, or is served by vLLM)"
+            )
+        return self.routed
 
     @torch.no_grad()
     def _score(self, sequences: list[list[int]], temperature: float) -> dict:
