@@ -2,8 +2,8 @@
 router in a forward, force a recorded choice in a later forward, and the router metrics
 (docs/moe.md, "Routing replay").
 
-transformers 5 gives every sparse block of Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE (and the
-other `*TopKRouter` families) one router module, `mlp.gate`, whose forward takes the
+transformers 5 gives every sparse block of Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss
+and the other families of ROUTER_RULES one router module (`mlp.gate`, `mlp.router`), whose forward takes the
 flattened hidden states (N, H) and returns (router_logits (N, E), top-k weights (N, k),
 top-k expert indices (N, k)); the fused experts then run on those indices and weights. A
 forward hook on that module sees every routing decision and may replace it, so one
@@ -21,7 +21,7 @@ which no forward fed; padding), and replay leaves the router's own choice there.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,18 +32,39 @@ from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.stats import StatSums
 
-# The router classes of transformers 5 whose forward returns (logits, weights, indices).
-ROUTER_SUFFIX = "TopKRouter"
+
+@dataclass(frozen=True)
+class WeightRule:
+    """How a router family turns its logits (N, E) into the top-k weights (N, k), read
+    from its transformers 5.19 forward: a softmax over all E experts in float32 gathered
+    at the top-k (renormalised over them always, or when the router's `norm_topk_prob`
+    says so; cast back to the logits' dtype or left float32), or a softmax over the top-k
+    logits alone (gpt-oss)."""
+
+    over_topk: bool = False
+    always_normalise: bool = False
+    cast: bool = True
+
+
+# The router classes whose forward returns (logits, weights, indices), each with its rule;
+# another *TopKRouter is not hooked (its weights may be computed otherwise).
+ROUTER_RULES = {
+    "Qwen2MoeTopKRouter": WeightRule(),
+    "Qwen3MoeTopKRouter": WeightRule(),
+    "Qwen3NextTopKRouter": WeightRule(),
+    "OlmoeTopKRouter": WeightRule(),
+    "FlexOlmoTopKRouter": WeightRule(),
+    "Qwen3_5MoeTopKRouter": WeightRule(always_normalise=True),
+    "MixtralTopKRouter": WeightRule(always_normalise=True, cast=False),
+    "MiniMaxTopKRouter": WeightRule(always_normalise=True, cast=False),
+    "GptOssTopKRouter": WeightRule(over_topk=True),
+}
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    """The routers of `model` in layer order (empty for a dense model): modules whose
-    class name ends in `TopKRouter` with a `top_k` (see the module docstring)."""
-    return [
-        m
-        for m in model.modules()
-        if type(m).__name__.endswith(ROUTER_SUFFIX) and hasattr(m, "top_k")
-    ]
+    """The routers of `model` in layer order (empty for a dense model or a family not in
+    ROUTER_RULES)."""
+    return [m for m in model.modules() if type(m).__name__ in ROUTER_RULES]
 
 
 def is_moe(model: nn.Module) -> bool:
@@ -57,8 +78,9 @@ def require_routers(model: nn.Module, what: str) -> None:
     the routers again after the replay span has closed)."""
     if not is_moe(model):
         raise ConfigError(
-            f"{what}: needs a mixture-of-experts model.policy (a transformers *TopKRouter "
-            f"family: Qwen2/3-MoE, Mixtral, OLMoE, ...); {type(model).__name__} has no router"
+            f"{what}: needs a mixture-of-experts model.policy whose routers it knows "
+            f"(Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss, ...: models/routing.py ROUTER_RULES); "
+            f"{type(model).__name__} has none"
         )
     if any(getattr(m, "is_gradient_checkpointing", False) for m in model.modules()):
         raise ConfigError(f"{what}: needs model.gradient_checkpointing false")
@@ -72,15 +94,15 @@ def routing_shape(model: nn.Module) -> tuple[int, int]:
 
 def forced_weights(router: nn.Module, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The top-k weights (N, k) `router` gives the experts `index` (N, k) from its logits
-    (N, E): the softmax over all E experts in float32, gathered at `index`, renormalised
-    over the k when the router normalises its top-k (Mixtral always does), in the logits'
-    dtype as the routers return them. With `index` the router's own top-k this is its own
-    output bit for bit (the same elements in the same order)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = probs.gather(-1, index)
-    if getattr(router, "norm_topk_prob", True):
+    (N, E), by its family's WeightRule. With `index` the router's own top-k this is its own
+    output bit for bit (the same elements, in the same order, through the same ops)."""
+    rule = ROUTER_RULES[type(router).__name__]
+    if rule.over_topk:  # gpt-oss: softmax over the chosen logits only
+        return torch.softmax(logits.gather(-1, index), dim=1, dtype=logits.dtype)
+    top = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, index)
+    if rule.always_normalise or getattr(router, "norm_topk_prob", False):
         top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(logits.dtype)
+    return top.to(logits.dtype) if rule.cast else top
 
 
 class RoutingSpan:

@@ -78,7 +78,7 @@ def test_replay_of_a_recording_is_bitwise_and_other_experts_change_the_logits():
 
 
 def other_family(family: str):
-    """A tiny Mixtral or OLMoE (the same *TopKRouter mechanism as Qwen3-MoE)."""
+    """A tiny Mixtral, OLMoE or gpt-oss (routers hooked as Qwen3-MoE's are)."""
     import transformers
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
@@ -87,6 +87,9 @@ def other_family(family: str):
     if family == "mixtral":
         config = transformers.MixtralConfig(num_local_experts=E, **shape)
         cls = transformers.MixtralForCausalLM
+    elif family == "gpt_oss":  # softmax over the top-k logits alone (WeightRule.over_topk)
+        config = transformers.GptOssConfig(num_local_experts=E, head_dim=8, **shape)
+        cls = transformers.GptOssForCausalLM
     else:
         config = transformers.OlmoeConfig(num_experts=E, **shape)
         cls = transformers.OlmoeForCausalLM
@@ -98,9 +101,11 @@ def other_family(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
-def test_mixtral_and_olmoe_replay_bitwise_through_the_same_hooks(family):
-    model = other_family(family)
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_families_replay_bitwise_through_the_same_hooks(family, dtype):
+    """In bf16 too: each family's weights come back in its own dtype (WeightRule.cast)."""
+    model = other_family(family).to(dtype)
     assert routing.routing_shape(model) == (2, K) and routing.experts_of(model) == E
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), routing.recording().on(model) as rec:
