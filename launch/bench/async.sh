@@ -11,6 +11,9 @@
 #   demo [OPTIONS]     the offline demo's PPO colocated, served on-policy and one step off:
 #                      gold reward, KL, staleness (--seeds 0 1, --ranks 1|2)
 #   serve [OPTIONS]    a weight sync and a served rollout against in-process generation
+#   routing [OPTIONS]  a tiny Qwen3-MoE served in bf16 to an fp32 trainer: the sampler-vs-
+#                      trainer log-prob gap and routing-flip rate with ppo.routing_replay=r3
+#                      against none (docs/moe.md, "Routing replay"; needs no SmolLM2)
 # Usage: [THREADS=1] [ITERATIONS=6] [OUT=runs/bench/async] bash launch/bench/async.sh [MODE] [OPTIONS]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

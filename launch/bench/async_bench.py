@@ -5,6 +5,9 @@ subcommand; async.sh runs it (and installs the real SmolLM2 it needs):
            (1) against a rollout server, and how much generation and training overlap
   demo     does one-step-off-policy training learn the offline demo as well as on-policy?
   serve    what a weight sync and a served rollout cost against in-process generation
+  routing  routing replay on a tiny Qwen3-MoE served in bf16 to an fp32 trainer: the
+           sampler-vs-trainer log-prob gap and routing-flip rate with R3 against none
+           (docs/moe.md, "Routing replay")
 
 Usage: python launch/bench/async_bench.py MODE [ARGS...]   (each MODE's --help)
 """
@@ -449,7 +452,101 @@ def serve_main(argv: list[str]) -> None:
     print(f"{'in-process ' + what:<44} {local:8.2f}")
 
 
-MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main}
+# ==============================================================================================
+# routing: R3 against no replay on a tiny mixture-of-experts policy
+
+
+def tiny_moe_policy(root: Path, layers: int, experts: int, init: float) -> tuple[Path, Path]:
+    """The demo's task files and a random-init Qwen3-MoE (top-2 of `experts`) on its
+    word-level tokenizer, weights drawn with std `init` (wide: confident next-token
+    distributions, whose log-probs a changed expert moves), routers drawn wide so tokens
+    spread over the experts -> (policy directory, prompts file)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rlhf_dist.demo import task
+    from rlhf_dist.models import routing
+
+    files = task.write_task(root / "data", seed=0, n_sft=8, n_pref=8, n_pref_eval=8,
+                            n_prompts=64, n_eval_prompts=8)  # fmt: skip
+    tok = task.build_tokenizer(files.tokenizer_dir)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=experts, num_experts_per_tok=2, max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, initializer_range=init,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for r in routing.routers(model):
+            r.weight.normal_(0, 1.0)
+    path = root / "policy"
+    model.save_pretrained(str(path), safe_serialization=True)
+    tok.save_pretrained(str(path))
+    return path, files.prompts
+
+
+def routing_tree(out: Path, policy: Path, prompts: Path, url: str, args, mode: str) -> dict:
+    return {
+        "run": {"output_dir": str(out / mode), "seed": 0, "log_every": 1, "progress": False},
+        "model": {"policy": str(policy)},
+        "data": {"train": str(prompts), "max_prompt_length": 16, "max_length": 48},
+        "generation": {"max_new_tokens": args.new, "temperature": 1.0, "backend": "server",
+                       "server_urls": [url], "server_token_env": TOKEN_ENV,
+                       # bf16 serving against the fp32 trainer: the post-sync check's gap
+                       # is the mismatch measured here, not a failed sync
+                       "server_sync_tolerance": 1.0},
+        "reward": {"function": "rlhf_dist.demo.task:positive_word_reward"},
+        "ppo": {"iterations": args.iterations, "rollout_batch_size": args.prompts,
+                "samples_per_prompt": 4, "rollout_micro_batch_size": 64, "ppo_epochs": 2,
+                "minibatch_size": args.prompts * 2, "estimator": "grpo", "kl_coef": 0.0,
+                "optim": {"lr": 1e-3}, "routing_replay": mode},
+        "perf": {"num_threads": args.threads},
+    }  # fmt: skip
+
+
+def routing_main(argv: list[str]) -> None:
+    """R3 against no replay: a tiny Qwen3-MoE served in bf16, trained in fp32, GRPO with
+    ppo.routing_replay none and r3 on the same server; prints the mean sampler-vs-trainer
+    log-prob gap and the routing-flip rate."""
+    ap = argparse.ArgumentParser(prog=sys.argv[0], description=routing_main.__doc__)
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--init", type=float, default=0.2, help="std of the random weights")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        policy, prompts = tiny_moe_policy(root, args.layers, args.experts, args.init)
+        port = free_port()
+        server = start_server(policy, port, args.threads, root, dtype="bfloat16")
+        try:
+            url = f"http://127.0.0.1:{port}"
+            rows = {m: train(routing_tree(root, policy, prompts, url, args, m), root, args.threads)
+                    for m in ("none", "r3")}  # fmt: skip
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    mean = lambda mode, key: statistics.fmean(r[key] for r in rows[mode])  # noqa: E731
+    print(f"tiny Qwen3-MoE ({args.layers} layers, top-2 of {args.experts} experts), served "
+          f"bf16, trained fp32; {args.iterations} GRPO iterations x {args.prompts * 4} "
+          f"responses of <= {args.new} tokens; means over iterations")  # fmt: skip
+    print("| routing_replay | trainer vs sampler mean abs log-prob gap | routing-flip rate |")
+    print("| --- | --- | --- |")
+    print(f"| none | {mean('none', 'rollout/sampler_logprob_absdiff'):.4f} | not recorded |")
+    print(f"| r3, the same rollouts scored without replay | "
+          f"{mean('r3', 'router/logprob_gap_unreplayed'):.4f} | "
+          f"{mean('r3', 'router/flip_rate'):.4f} |")  # fmt: skip
+    print(f"| r3 (replayed) | {mean('r3', 'router/logprob_gap_replayed'):.4f} | 0 (forced) |")
+
+
+MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main,
+          "routing": routing_main}  # fmt: skip
 
 
 def main() -> None:

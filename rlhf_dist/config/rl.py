@@ -412,6 +412,16 @@ class PPOConfig:
         "masked); typical 2",
         gt=0,
     )
+    routing_replay: str = key(
+        "none",
+        "mixture-of-experts actors: replay a recorded top-k expert choice of every router "
+        '(docs/moe.md, "Routing replay"); r2 = the routing of the rollout\'s scoring '
+        "forward (the old policy's) in the update's forwards; r3 = the sampler's routing "
+        "during generation (the decode loop, generation.backend=hf or server) in scoring "
+        "and the update; none = off. The router weights stay the current softmax over the "
+        "forced experts. A dense model is refused",
+        choices=("none", "r2", "r3"),
+    )
     max_staleness: int = key(
         0,
         "generation.backend=server: 0 = on-policy (sync the weights, sample, train); 1 = the "

@@ -94,7 +94,8 @@ def old_logprobs_from_update(cfg: Config) -> bool:
     sampler gap) are taken after the update. Not with ppo.dynamic_sampling (its refill
     joins rollouts) or ppo.overlong=mask (the update never sees a truncated row's tokens,
     so it could not give their old log-probs), nor with ppo.cov_control (it chooses its
-    tokens from the old log-probs before the update, trainers/ppo/entropy.py). Read by the
+    tokens from the old log-probs before the update, trainers/ppo/entropy.py), nor with
+    ppo.routing_replay (scoring records or replays the routing). Read by the
     trainer and by the memory planner (a scoring phase without the actor's forward)."""
     p = cfg.ppo
     return (
@@ -104,6 +105,8 @@ def old_logprobs_from_update(cfg: Config) -> bool:
         and not p.dynamic_sampling
         and p.overlong != "mask"
         and p.cov_control == "none"
+        # routing replay records or replays in the scoring forward, and logs router metrics
+        and p.routing_replay == "none"
     )
 
 

@@ -305,6 +305,51 @@ def _validate_objective(cfg: Config) -> None:
     _validate_entropy_control(p)
     _validate_distill(cfg)
     _validate_rollout_correction(cfg)
+    _validate_routing_replay(cfg)
+
+
+def _validate_routing_replay(cfg: Config) -> None:
+    """ppo.routing_replay (docs/moe.md, "Routing replay"): what records a rollout's routing
+    and what would replay it wrongly. Whether the actor has routers is checked when it
+    loads (models/routing.py `require_routers`)."""
+    mode = cfg.ppo.routing_replay
+    if mode == "none":
+        return
+    if mode == "r3" and cfg.generation.backend not in ("hf", "server"):
+        raise ConfigError(
+            f"ppo.routing_replay: r3 records the sampler's routing in the decode loop "
+            f"(generation.backend=hf or server); {cfg.generation.backend} does not expose it"
+        )
+    if cfg.model.gradient_checkpointing:
+        raise ConfigError(
+            "ppo.routing_replay: model.gradient_checkpointing recomputes the forward in "
+            "backward, outside the replayed routing; set it false"
+        )
+    if cfg.distributed.sequence_parallel_size > 1:
+        raise ConfigError(
+            "ppo.routing_replay: distributed.sequence_parallel_size > 1 splits a row's "
+            "tokens over ranks; routing replay needs whole rows"
+        )
+    if cfg.ppo.estimator == "online_dpo":
+        raise ConfigError(
+            "ppo.routing_replay: ppo.estimator=online_dpo trains pairs by its own forwards, "
+            "which do not replay a rollout's routing; set routing_replay none"
+        )
+    if mode == "r3" and cfg.ppo.max_staleness:
+        raise ConfigError(
+            "ppo.routing_replay: r3 with ppo.max_staleness > 0 is not supported (the rollout "
+            "requested ahead does not carry the routing yet); set max_staleness 0"
+        )
+    if cfg.ppo.dynamic_sampling:
+        raise ConfigError(
+            "ppo.routing_replay: ppo.dynamic_sampling joins rollouts of other widths; the "
+            "recorded routing is not joined yet, set one of them off"
+        )
+    if cfg.generation.tools or cfg.generation.environment:
+        raise ConfigError(
+            "ppo.routing_replay: multi-turn rollouts (generation.tools / environment) are not "
+            "recorded yet; single-turn rollouts only"
+        )
 
 
 def _validate_rollout_correction(cfg: Config) -> None:

@@ -63,11 +63,16 @@ class Samples:
     `sample` was asked for them (`logprobs`: the rollout server).
     versions: (B,) int64, the policy version each row was sampled under (the rollout
     servers' weight version); None where the sampler has no versions (it samples the
-    actor's current weights: hf, in-process vLLM)."""
+    actor's current weights: hf, in-process vLLM).
+    routing: (B, P + T, L, k) int64, a mixture-of-experts sampler's top-k expert indices
+    of every prompt and response token in each of its L routed layers (ppo.routing_replay
+    r3, models/routing.py), -1 where no forward routed the token (the last sampled one);
+    None unless the sampler was made to record them (the decode loop, the servers)."""
 
     response_ids: torch.Tensor
     logprobs: torch.Tensor | None = None
     versions: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
 
 
 class Sampler(Protocol):

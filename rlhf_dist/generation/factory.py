@@ -37,4 +37,4 @@ def make_sampler(
         if cfg.ppo.max_staleness:
             return PrefetchingServer(server, cfg.ppo.max_staleness)
         return server
-    return HFSampler(generation_context, cfg.perf)
+    return HFSampler(generation_context, cfg.perf, routing=cfg.ppo.routing_replay == "r3")

@@ -4,6 +4,7 @@ or the per-layer gathers kept in step; with LoRA the adapters merged)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from rlhf_dist.generation.base import (
     Seeds,
     StopIds,
 )
+from rlhf_dist.models.routing import RoutingSpan, plain_path, recording
 
 if TYPE_CHECKING:
     pass
@@ -42,12 +44,17 @@ class HFSampler(OnPolicyInProcess):
     in_step = True  # ZeRO-3 without gathered weights: every forward is a collective
 
     def __init__(
-        self, generation_context: GenerationContext | None, perf: PerfConfig = DEFAULT_PERF
+        self,
+        generation_context: GenerationContext | None,
+        perf: PerfConfig = DEFAULT_PERF,
+        routing: bool = False,
     ):
         """generation_context: () -> context yielding (actor, keep_in_step) (None: a
         rollout models' that never samples, e.g. a scoring-only test); perf: the decode
-        loop's speed paths."""
-        self.generation_context, self.perf = generation_context, perf
+        loop's speed paths; routing: record a mixture-of-experts actor's routing of every
+        decode forward into Samples.routing (ppo.routing_replay r3; the prefill then runs
+        every row, not each distinct prompt once)."""
+        self.generation_context, self.perf, self.routing = generation_context, perf, routing
 
     def sync(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
@@ -74,27 +81,44 @@ class HFSampler(OnPolicyInProcess):
                 "rows at a time"
             )
         tokenizer = _PadOnly(pad_id)
+        perf = plain_path(self.perf) if self.routing else self.perf
         with self.generation_context() as (actor, keep_in_step):
             responses: list[torch.Tensor] = []
             scored: list[torch.Tensor] = []
+            routed: list[torch.Tensor] = []
             for s in _passes(n, step):
                 ids, mask = prompt_ids[s], prompt_mask[s]
                 streams = _streams(seeds, ids.device)
-                out = generate(
-                    actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, self.perf, streams
-                )
+                span = recording().on(actor) if self.routing else contextlib.nullcontext()
+                with span:
+                    out = generate(
+                        actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf, streams
+                    )
+                if isinstance(span, RoutingSpan):  # (b, P + fed tokens, L, k)
+                    routed.append(span.recorded(ids.shape[0]))
                 if logprobs:
                     out, lp = _scored(actor, ids, mask, out, gen, stop_ids, pad_id, self.perf)
                     scored.append(lp)
                 responses.append(out)
         width = max(r.shape[1] for r in responses)
         ids = torch.cat([pad_columns(r, width, pad_id) for r in responses])
-        if not logprobs:
-            return Samples(ids)
-        return Samples(ids, torch.cat([pad_columns(lp, width, 0.0) for lp in scored]))
+        lps = torch.cat([pad_columns(lp, width, 0.0) for lp in scored]) if logprobs else None
+        routing = None
+        if routed:  # the last sampled token was never fed: -1 up to P + width
+            P = prompt_ids.shape[1]
+            routing = torch.cat([pad_routing(r, P + width) for r in routed])
+        return Samples(ids, lps, routing=routing)
 
     def sleep(self) -> None:
         """Nothing held besides the actor."""
+
+
+def pad_routing(routing: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a recorded routing (B, S, L, k) with -1 (not routed) to (B, width, L, k)."""
+    B, S, L, k = routing.shape
+    if width <= S:
+        return routing[:, :width]
+    return torch.cat([routing, routing.new_full((B, width - S, L, k), -1)], dim=1)
 
 
 def _streams(seeds: Seeds | None, device: torch.device) -> list[tuple[torch.Generator, int]] | None:

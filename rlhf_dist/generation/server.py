@@ -111,6 +111,8 @@ class ServerEngine:
         self.sync_seconds = 0.0  # the last sync, check included
         self.sync_peak_bytes = 0  # the last sync's memory growth on this rank (sampled)
         self.joined = False  # rank 0: the servers joined a new sync group (send the base)
+        # ppo.routing_replay r3: the servers return their MoE routing beside the tokens
+        self.routing = cfg.ppo.routing_replay == "r3"
 
     @property
     def token(self) -> str:
@@ -270,9 +272,25 @@ class ServerEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sample one response per left-padded prompt (B, P) on the servers -> (response_ids
         (B, T) PAD after each response, sampler_logprobs (B, T) float32, 0 on padding)."""
+        ids, logprobs, _ = self.generate_routed(prompt_ids, prompt_mask, gen_cfg, stop_ids, pad_id)
+        return ids, logprobs
+
+    def generate_routed(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
+        stop_ids: StopIds, pad_id: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """`generate`, and with ppo.routing_replay=r3 the servers' routing (B, P + T, L, k)
+        in the trainer's layout (`routing_of`; None otherwise)."""
         ask, version = self.request(prompt_ids, prompt_mask, gen_cfg, stop_ids), self.version
+
+        def answered() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            answers = ask()
+            ids, lp = self.responses(answers, version, pad_id, prompt_ids.device)
+            routed = routing_of(answers, prompt_mask, ids.shape[1]) if self.routing else None
+            return ids, lp, routed
+
         # on every rank together: a failed call or a wrong version stops them all at once
-        return self.together(lambda: self.responses(ask(), version, pad_id, prompt_ids.device))
+        return self.together(answered)
 
     def request(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
@@ -290,7 +308,7 @@ class ServerEngine:
             "max_new_tokens": gen_cfg.max_new_tokens, "min_new_tokens": gen_cfg.min_new_tokens,
             "temperature": gen_cfg.temperature, "top_k": gen_cfg.top_k, "top_p": gen_cfg.top_p,
             "stop_token_ids": [int(i) for i in stop_ids],
-        }  # fmt: skip
+        } | ({"routing": True} if self.routing else {})  # fmt: skip
 
         def ask(i: int) -> tuple[str, dict]:
             url, prompts = shards[i]
@@ -343,8 +361,8 @@ class ServerEngine:
         drawn from the global RNG (`request`)."""
         _no_seeds(seeds)
         version = self.version
-        ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
-        return Samples(ids, logprobs, _versions(ids, version))
+        ids, lp, routed = self.generate_routed(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
+        return Samples(ids, lp, _versions(ids, version), routed)
 
     def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
         """Nothing: it samples on-policy (ppo.max_staleness: prefetch.py)."""
@@ -379,6 +397,38 @@ def _no_seeds(seeds: Seeds | None) -> None:
     """The servers' client draws its shards' seeds itself: `seeds` must be None."""
     if seeds is not None:
         raise ValueError("seeds: the rollout servers' client draws each shard's seed itself")
+
+
+def routing_of(answers: list, prompt_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """The servers' routing of one rollout (each answer's "routing": per row, the [L][k]
+    expert indices of its real prompt tokens then its response tokens) in the trainer's
+    layout (B, P + T, L, k), prompt_mask (B, P) left-padded: -1 on padding and past what a
+    server routed (a response's last token). ServerError for a server that sent none."""
+    rows = []
+    for url, answer in answers:
+        if "routing" not in answer:
+            raise ServerError(
+                f"rollout server {url}: no routing in its answer (ppo.routing_replay=r3 "
+                "needs a mixture-of-experts model served by the decode loop)"
+            )
+        rows += answer["routing"]
+    lengths = prompt_mask.sum(1).tolist()
+    L, k = _routing_dims(rows)
+    P = prompt_mask.shape[1]
+    out = torch.full((len(rows), P + T, L, k), -1, dtype=torch.long)
+    for b, (row, p) in enumerate(zip(rows, lengths)):
+        if row:
+            got = torch.tensor(row, dtype=torch.long)[: p + T]  # (p + n, L, k)
+            out[b, P - p : P - p + got.shape[0]] = got
+    return out.to(prompt_mask.device)
+
+
+def _routing_dims(rows: list) -> tuple[int, int]:
+    """(L, k) of the first non-empty routed row (each token's [L][k] indices)."""
+    for row in rows:
+        if row:
+            return len(row[0]), len(row[0][0])
+    raise ServerError("rollout server: an empty routing for every row")
 
 
 def _versions(ids: torch.Tensor, version: int) -> torch.Tensor:

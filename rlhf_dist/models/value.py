@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from rlhf_dist.engine import packing
 from rlhf_dist.engine.forward import DEFAULT_PERF, Divergence, causal_lm, token_forward
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.loading import HEAD_NAMES, load_sequence_classifier
+from rlhf_dist.models.routing import RoutingSpan, plain_path
 
 
 def split_classifier(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -103,6 +106,7 @@ class ActorCritic(nn.Module):
         with_critic: bool = True,
         share_prompts: bool = True,
         divergence: Divergence | None = None,
+        routing: RoutingSpan | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """Log-probs, entropies and values at the positions that predict the last
         T = response_mask.shape[1] tokens.
@@ -120,6 +124,9 @@ class ActorCritic(nn.Module):
         divergence: a function of the actor's final hidden states at the response tokens
         (engine.forward.token_forward; on-policy distillation's GJSD to a teacher): then a
         fourth output, its per-token values (B, T), 0 outside response_mask.
+        routing: a mixture-of-experts actor's forward runs inside this span over the
+        actor's routers (models/routing.py: recording, or replaying a (B, P+T, L, k)
+        routing), on the plain path that keeps the P + T layout of a recording.
         """
         logprobs: torch.Tensor | None = None
         entropy: torch.Tensor | None = None
@@ -127,17 +134,19 @@ class ActorCritic(nn.Module):
         div: torch.Tensor | None = None
         if with_actor:
             P = input_ids.shape[1] - response_mask.shape[1]
-            logprobs, entropy, div = token_forward(
-                self.actor,
-                input_ids,
-                attention_mask,
-                response_mask,
-                temperature,
-                with_entropy,
-                P if share_prompts else None,
-                self.perf,
-                divergence,
-            )
+            perf = self.perf if routing is None else plain_path(self.perf)
+            with contextlib.nullcontext() if routing is None else routing.on(self.actor):
+                logprobs, entropy, div = token_forward(
+                    self.actor,
+                    input_ids,
+                    attention_mask,
+                    response_mask,
+                    temperature,
+                    with_entropy,
+                    P if share_prompts else None,
+                    perf,
+                    divergence,
+                )
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]
             values = self.critic(input_ids, attention_mask)[:, -T - 1 : -1]

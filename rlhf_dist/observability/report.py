@@ -127,6 +127,8 @@ PANEL_GROUPS = (
         ),
     ),
 )
+# Per-layer router metrics (router/<kind>/layer_<l>), one panel per kind (`router_panels`).
+ROUTER_KINDS = ("load_max", "load_min", "entropy", "flip_rate")
 # Shown elsewhere on the page: dist/<name>/<q> as quantile bands, alerts/<name> as a table.
 NOT_IN_OTHER = ("dist/", "alerts/")
 MAX_OTHER_PANELS = 12
@@ -374,6 +376,23 @@ def other_panels(stage: Stage, grouped: set[str]) -> list[tuple[str]]:
     return names[:MAX_OTHER_PANELS]
 
 
+def router_panels(stage: Stage) -> list[tuple[str, ...]]:
+    """The router metrics of routing replay (docs/moe.md), one panel per kind with a line
+    per layer (router/<kind>/layer_<l>), then the sampler gap with and without replay;
+    empty for a dense run."""
+    panels: list[tuple[str, ...]] = []
+    for kind in ROUTER_KINDS:
+        prefix = f"router/{kind}/layer_"
+        layers = [n for n in stage.series if n.startswith(prefix)]
+        layers.sort(key=lambda n: int(n.removeprefix(prefix)))
+        if layers:
+            panels.append(tuple(layers))
+    gaps = ("router/logprob_gap_replayed", "router/logprob_gap_unreplayed")
+    flips = ("router/flip_rate", "router/update_flip_rate")
+    return panels + [tuple(n for n in group if n in stage.series)
+                     for group in (gaps, flips) if any(n in stage.series for n in group)]  # fmt: skip
+
+
 def plot_metrics(stage: Stage, out: Path) -> list[Plot]:
     """Every panel group of the stage that has data, then the remaining metrics."""
     plots: list[Plot] = []
@@ -383,6 +402,11 @@ def plot_metrics(stage: Stage, out: Path) -> list[Plot]:
         plot = plot_panels(stage, stem, title, panels, out)
         if plot:
             plots.append(plot)
+    routers = router_panels(stage)
+    grouped.update(name for panel in routers for name in panel)
+    plot = plot_panels(stage, "router", "Mixture-of-experts routers, per layer", routers, out)
+    if plot:
+        plots.append(plot)
     others = other_panels(stage, grouped)
     if others:
         plot = plot_panels(stage, "other", "Other metrics", others, out)

@@ -87,6 +87,26 @@ class RolloutBatch:
     turns: torch.Tensor | None = None  # (B,) long, assistant turns per episode
     tool_calls: torch.Tensor | None = None  # (B,) long, tool messages per episode
     tool_errors: torch.Tensor | None = None  # (B,) long, tool calls that failed
+    # Routing replay of a mixture-of-experts actor (ppo.routing_replay, docs/moe.md): the
+    # expert indices (B, P, L, k) and (B, T, L, k) int64 the update's forwards replay for
+    # the prompt and response tokens (L routed layers, top-k), -1 where a token keeps its
+    # router's own choice; None with routing_replay none.
+    prompt_routing: torch.Tensor | None = None
+    response_routing: torch.Tensor | None = None
+    # Router metrics of the scoring forward under routing replay (observed, never trained
+    # on): each response token's router entropy per layer (B, T, L) float32; r3: whether
+    # the trainer's own top-k differs from the sampler's (B, T, L) bool, and with a
+    # sampler's log-probs the actor's log-probs without the replay (B, T) float32.
+    router_entropy: torch.Tensor | None = None
+    router_flips: torch.Tensor | None = None
+    unreplayed_logprobs: torch.Tensor | None = None
+
+    @property
+    def routing(self) -> torch.Tensor | None:
+        """(B, P + T, L, k) the routing the actor's forwards over input_ids replay, or None."""
+        if self.prompt_routing is None or self.response_routing is None:
+            return None
+        return torch.cat([self.prompt_routing, self.response_routing], dim=1)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -134,7 +154,7 @@ class RolloutBatch:
                 pass
             elif f.name.startswith("prompt_"):
                 x = x[:, start:]
-            elif x.dim() == 2:  # (B, T) response-aligned
+            elif x.dim() >= 2:  # (B, T, ...) response-aligned
                 x = x[:, :keep]
             cut[f.name] = x
         return RolloutBatch(**cut), keep

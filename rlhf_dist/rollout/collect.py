@@ -26,6 +26,7 @@ from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import UserError
 from rlhf_dist.generation import HFSampler, Sampler
 from rlhf_dist.generation.base import GenerationContext
+from rlhf_dist.models.routing import RoutingSpan, recording, replaying, router_entropy
 from rlhf_dist.rollout import agent as agent_mod
 from rlhf_dist.rollout import endpoint
 from rlhf_dist.rollout.batch import (
@@ -95,6 +96,9 @@ class RolloutModels:
     # (old_logprobs=False) calls no actor_critic forward at all (under ZeRO-3 even an
     # empty forward fetches the top module's weights)
     has_critic: bool = True
+    # ppo.routing_replay of a mixture-of-experts actor (docs/moe.md): r2 records the
+    # scoring forward's routing, r3 replays the sampler's (Samples.routing) in it
+    routing_replay: str = "none"
 
     def __post_init__(self) -> None:
         if self.sampler is None:
@@ -150,6 +154,7 @@ def collect_rollout(
     scores = scores_with_eos_penalty(merged["raw_scores"], finished, cfg.reward.missing_eos_penalty)
     if timings is not None:  # seconds spent generating, and scoring with the four models
         timings |= {"generate": generated - start, "score": time.perf_counter() - generated}
+    sampled.pop("sampler_routing", None)  # replayed in scoring: `merged` has what was used
     return RolloutBatch(scores=scores, **sampled, **merged), texts
 
 
@@ -163,9 +168,12 @@ def _single_turn(
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
-    response_ids, sampler_logprobs = _sample(
+    response_ids, sampler_logprobs, routing = _sample(
         models, prompts.ids, prompts.mask, gen, chunks, tokenizer
     )
+    if models.routing_replay == "r3" and routing is None:
+        raise ValueError("ppo.routing_replay=r3: the sampler returned no routing")
+    keep = prompts.ids.shape[1] + response_ids.shape[1]
     response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
     texts = decode_responses(tokenizer, response_ids, response_mask, eos)
     sampled = {
@@ -176,6 +184,8 @@ def _single_turn(
         "finished": finished,
         "sampler_logprobs": sampler_logprobs,
     }
+    if routing is not None and models.routing_replay == "r3":  # scoring replays it
+        sampled["sampler_routing"] = routing[:, :keep]
     return sampled, prompts.texts, texts, None
 
 
@@ -294,9 +304,10 @@ def _sample(
     gen: GenerationConfig,
     chunks: list[slice],
     tokenizer: PreTrainedTokenizerBase,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Responses (B, T), PAD-padded, and the sampler's log-probs (B, T) (None: the hf
-    backend, whose sampler is the trainer's own forward)."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Responses (B, T), PAD-padded, the sampler's log-probs (B, T) (None: the hf
+    backend, whose sampler is the trainer's own forward) and its routing (B, P + T, L, k)
+    (Samples.routing; None unless recorded)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
     sampler = models.sampler
     # the actor's weights, once per rollout (vLLM: whole; rollout servers: a bucket at a time)
@@ -305,7 +316,7 @@ def _sample(
     micro = chunks[0].stop - chunks[0].start
     samples = sampler.sample(prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro)
     sampler.sleep()  # GPU: free its memory for scoring and the update
-    return samples.response_ids, samples.logprobs
+    return samples.response_ids, samples.logprobs, samples.routing
 
 
 def _chunk_inputs(sampled: dict[str, Any], s: slice) -> ChunkInputs:
@@ -333,6 +344,8 @@ def _scoring_forwards(
     parallelism (models.pool set) the ranks of a group pool their chunks and run each
     split by columns (distributed.sequence_parallel_size); each keeps its own chunks'."""
     inputs = [_chunk_inputs(sampled, s) for s in chunks]
+    if models.routing_replay != "none":  # validation: no sequence parallelism with it
+        return [_routed_chunk(models, sampled, x, s, temperature) for x, s in zip(inputs, chunks)]
     if models.pool is None:
         return [_chunk_forwards(models, x, temperature, with_actor) for x in inputs]
     mine: list[dict[str, torch.Tensor | None]] = []
@@ -344,12 +357,54 @@ def _scoring_forwards(
     return mine
 
 
+def _routed_chunk(
+    models: RolloutModels,
+    sampled: dict[str, Any],
+    inputs: ChunkInputs,
+    s: slice,
+    temperature: float,
+) -> dict[str, torch.Tensor | None]:
+    """`_chunk_forwards` of a mixture-of-experts actor under ppo.routing_replay, the actor's
+    forward inside a routing span (models/routing.py): r2 records its routing, r3 replays
+    the sampler's. Adds the routing the update replays (prompt_routing (b, P, L, k),
+    response_routing (b, T, L, k)), each token's router entropy per layer (b, T, L) and,
+    for r3, whether the trainer's own top-k differs from the sampler's (router_flips
+    (b, T, L) bool) and, when the sampler gave log-probs, the actor's log-probs without
+    the replay (unreplayed_logprobs (b, T), one more forward: the gap replay closes)."""
+    input_ids, attention_mask, response_mask, P = inputs
+    forced = sampled.get("sampler_routing")
+    b = input_ids.shape[0]
+    span = recording(True) if forced is None else replaying([forced[s]], True)
+    out = _chunk_forwards(models, inputs, temperature, True, span)
+    used = span.recorded(b)  # (b, P + T, L, k)
+    entropy = torch.stack([router_entropy(x) for x in span.router_logits()], -1)
+    out |= {
+        "prompt_routing": used[:, :P],
+        "response_routing": used[:, P:],
+        "router_entropy": entropy.reshape(b, -1, entropy.shape[-1])[:, P:].float(),
+    }
+    if forced is not None:
+        own, replayed = span.router_choice(b)[:, P:], forced[s][:, P:]
+        known = (replayed >= 0).all(-1)
+        out["router_flips"] = (own.sort(-1).values != replayed.sort(-1).values).any(-1) & known
+        if sampled.get("sampler_logprobs") is not None:
+            free, _, _ = models.actor_critic(
+                input_ids, attention_mask, response_mask, temperature, with_critic=False
+            )
+            out["unreplayed_logprobs"] = free.float()
+    return out
+
+
 def _chunk_forwards(
-    models: RolloutModels, inputs: ChunkInputs, temperature: float, with_actor: bool = True
+    models: RolloutModels,
+    inputs: ChunkInputs,
+    temperature: float,
+    with_actor: bool = True,
+    routing: RoutingSpan | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Old log-probs, entropies and values, reference and teacher log-probs of one chunk's
     `_chunk_inputs`, each (B, T) float32 (None: not computed); with_actor=False leaves old
-    log-probs and entropies None."""
+    log-probs and entropies None; `routing`: the span the actor's forward runs in."""
     input_ids, attention_mask, response_mask, P = inputs
     old_logprobs = entropy = values = None
     if with_actor or models.has_critic:
@@ -360,6 +415,7 @@ def _chunk_forwards(
             temperature,
             with_entropy=True,
             with_actor=with_actor,
+            **({} if routing is None else {"routing": routing}),
         )
     if models.reference is not None:
         ref_logprobs, _ = token_logprobs(

@@ -57,6 +57,9 @@ class Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = Field(0, ge=0, lt=2**63)
     stop_token_ids: list[int] = []  # empty: the served model's own stop ids
+    # a mixture-of-experts model's top-k expert indices of every token, per layer, beside
+    # the tokens (ppo.routing_replay r3; docs/moe.md)
+    routing: bool = False
 
 
 class GenerateBody(BaseModel):

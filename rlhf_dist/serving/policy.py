@@ -48,6 +48,7 @@ from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.generation.base import Sampler
 from rlhf_dist.generation.hf import HFSampler
 from rlhf_dist.generation.vllm import VLLMEngine
+from rlhf_dist.models.routing import is_moe
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SamplingRequest:
     top_p: float
     seed: int
     stop_token_ids: tuple[int, ...] = ()  # empty: the served model's own (model.policy)
+    routing: bool = False  # answer with the routing (ppo.routing_replay r3, docs/moe.md)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,16 @@ def _check_adapter(spec: TensorSpec, weight: tuple[int, ...]) -> None:
         )
 
 
+def routing_rows(routing: torch.Tensor, mask: torch.Tensor, lengths: list[int]) -> list:
+    """Each row's routing as /generate answers it: the [L][k] expert indices of its real
+    prompt tokens, then of its first lengths[b] response tokens. routing: (B, P + T, L, k);
+    mask: (B, P) the left-padded prompts' attention mask."""
+    P = mask.shape[1]
+    response = torch.arange(routing.shape[1] - P)
+    keep = [torch.cat([m.bool(), response < k]) for m, k in zip(mask, lengths)]
+    return [r[kept].tolist() for r, kept in zip(routing, keep)]
+
+
 class BadRequest(ValueError):
     """A request the server refuses (its message is the 4xx answer's detail)."""
 
@@ -110,6 +122,10 @@ class ServedPolicy:
         self.chat, self.engine = chat, engine
         # what generates: the engine, or the trainer's decode loop over the served model
         self.sampler: Sampler = engine or HFSampler(self._served, perf)
+        # a mixture-of-experts model through the decode loop: requests may ask for the
+        # routing of every token (ppo.routing_replay r3); None: such a request is refused
+        routed = engine is None and is_moe(model)
+        self.routed: Sampler | None = HFSampler(self._served, perf, True) if routed else None
         self.perf, self.name, self.timeout_s = perf, name, timeout_s
         self.vocab = int(model.get_input_embeddings().weight.shape[0])
         self.device = next(model.parameters()).device
@@ -180,18 +196,34 @@ class ServedPolicy:
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         seeds = seeds or [(s.seed, len(prompts))]
+        sampler = self._sampler_for(s)
         with self._current():
-            got = self.sampler.sample(ids, mask, s, stops, pad, seeds=seeds, logprobs=True)
+            got = sampler.sample(ids, mask, s, stops, pad, seeds=seeds, logprobs=True)
             assert got.logprobs is not None, "Sampler.sample(logprobs=True) without log-probs"
             out, response_mask, finished = truncate_after_eos(got.response_ids, stops, pad)
             version = self.version
         out, logprobs, n = out.cpu(), got.logprobs.float().cpu(), response_mask.sum(1).tolist()
-        return {
+        answer = {
             "responses": [row[:k].tolist() for row, k in zip(out, n)],
             "logprobs": [row[:k].tolist() for row, k in zip(logprobs, n)],
             "finished": finished.tolist(),
             "version": version,
         }
+        if got.routing is not None:
+            answer["routing"] = routing_rows(got.routing.cpu(), mask.cpu(), n)
+        return answer
+
+    def _sampler_for(self, s: SamplingRequest) -> Sampler:
+        """The sampler of request `s`: the one recording the routing when it asks for it
+        (BadRequest where none can)."""
+        if not s.routing:
+            return self.sampler
+        if self.routed is None:
+            raise BadRequest(
+                "sampling.routing: needs a mixture-of-experts model served by the decode loop "
+                "(this one has no router, or is served by vLLM)"
+            )
+        return self.routed
 
     @torch.no_grad()
     def _score(self, sequences: list[list[int]], temperature: float) -> dict:

@@ -47,6 +47,7 @@ from rlhf_dist.models.lora import (
     export_lora,
     merged_adapters,
 )
+from rlhf_dist.models.routing import require_routers
 from rlhf_dist.rewards.scoring import (
     RewardInputs,
     Scorer,
@@ -350,6 +351,8 @@ def start_ppo(
     total_steps = p.iterations * plan.optimizer_steps_per_iteration
     built = build_models(cfg, runtime, plan, total_steps, ckpt)
     model = built.model
+    if p.routing_replay != "none":  # a dense actor, or one that recomputes in backward
+        require_routers(model, f"ppo.routing_replay={p.routing_replay}")
 
     rollout_models = make_rollout_models(cfg, runtime, built, tokenizer, agent, sampler)
     if ckpt:  # the learning rate's schedule continues where the checkpoint was
@@ -413,6 +416,7 @@ def make_rollout_models(
         pool=runtime.pool_micro_batches if runtime.sequence_parallel_size > 1 else None,
         has_critic=has_critic(cfg),
         split=runtime.sequence_parallel,
+        routing_replay=cfg.ppo.routing_replay,
     )
 
 

@@ -20,6 +20,7 @@ from rlhf_dist.config import Config
 from rlhf_dist.data.chat import prompt_text
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.generation import Sampler
+from rlhf_dist.models import routing
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.observability.tracking import MetricsLogger
 from rlhf_dist.rollout.agent import episode_stats
@@ -274,6 +275,17 @@ class PPOStats:
     update: UpdateResult
 
 
+def routing_stats(runtime: Runtime, run: PPORun, batch: RolloutBatch) -> dict[str, float]:
+    """Router metrics and the sampler-vs-trainer gap with and without routing replay
+    (models/routing.py; docs/moe.md); {} without a recorded routing."""
+    mask, experts = batch.response_mask, routing.experts_of(run.model)
+    out = routing.router_stats(
+        runtime, mask, batch.response_routing, batch.router_entropy, batch.router_flips, experts
+    )
+    gaps = (batch.sampler_logprobs, batch.old_logprobs, batch.unreplayed_logprobs)
+    return out | routing.logprob_gap_stats(runtime, mask, *gaps)
+
+
 def iteration_result(
     runtime: Runtime,
     run: PPORun,
@@ -294,6 +306,7 @@ def iteration_result(
     stats |= run.scorer.component_stats(runtime) | phases.update.stats
     stats |= distill_stats(runtime, batch)  # {} without model.teacher
     stats |= server_stats(runtime, run.rollout_models.sampler)  # {} without rollout servers
+    stats |= routing_stats(runtime, run, batch)  # {} without ppo.routing_replay
     distributions = None
     if due(cfg.run.histogram_every, it):  # a collective: every rank takes part
         distributions = gather_distributions(runtime, batch, phases.advantages, kl)

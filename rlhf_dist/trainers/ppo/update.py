@@ -34,6 +34,7 @@ from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, token_budget_split
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.engine.forward import chunked_divergence, teacher_states
+from rlhf_dist.models.routing import replaying
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
@@ -180,11 +181,15 @@ def micro_batch_loss(
     (`old_logprobs_from_update`) this forward's, detached, are the old ones."""
     first, stats = mb.old_logprobs is None, StatSums()  # this micro-batch's statistics
     gjsd = gjsd_of_teacher(teacher, mb, knobs) if knobs.distill_coef else None
+    # ppo.routing_replay: the rollout's recorded routing forced (models/routing.py)
+    replay = {} if mb.routing is None else {"routing": replaying([mb.routing])}
     logprobs, entropy, values, *divergence = model(
         mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
-        bool(knobs.entropy_coef) or first, divergence=gjsd,
+        bool(knobs.entropy_coef) or first, divergence=gjsd, **replay,
     )  # fmt: skip
     old_logprobs = logprobs.detach() if first else mb.old_logprobs
+    if replay:  # tokens the update's own routing would have sent elsewhere (docs/moe.md)
+        stats.add("router/update_flip_rate", *replay["routing"].flips(mb.response_mask))
     mask, n = mb.response_mask, mb.response_mask.sum()
     advantages = with_teacher_advantages(advantages, old_logprobs, mb, knobs)
     pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs)
