@@ -36,6 +36,7 @@ from rlhf_dist.data.chat import (
     stop_token_ids,
 )
 from rlhf_dist.data.environments import environment_rows
+from rlhf_dist.data.vision import Media, VisionInputs, join_media
 from rlhf_dist.errors import ConfigError
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
@@ -207,6 +208,32 @@ def encode_each(
             report.skip(str(e))
     report.kept = len(out)
     return out, report
+
+
+def with_images(
+    vision: VisionInputs | None, row: dict, holders: Sequence[str], others: Sequence[str] = ()
+) -> tuple[dict, list[Any]]:
+    """(row, its images): a vision run's row with its images loaded and the message lists
+    under `holders` (which hold the images) and `others` flattened (data/vision.py
+    `VisionInputs.flat_row`; a bad image or count is BadRow); a text run's row as it is."""
+    if vision is None:
+        return row, []
+    images = vision.images_of(row)
+    return vision.flat_row(row, holders, others, images), images
+
+
+def expand_images(
+    vision: VisionInputs | None, ids: list[int], trained: list[bool], images: list, limit: int
+) -> tuple[list[int], list[bool], Media | None]:
+    """(ids, trained, media) with each image placeholder replaced by its image's tokens
+    (`VisionInputs.expand`); BadRow when those take the sequence past `limit` (image
+    tokens are never cut). A text run's sequence is returned as it is."""
+    if vision is None:
+        return ids, trained, None
+    ids, trained, media = vision.expand(ids, trained, images)
+    if len(ids) > limit:
+        raise BadRow("image tokens past data.max_length")
+    return ids, trained, media
 
 
 # ------------------------------------------------------------------- one row's tokens
@@ -455,6 +482,7 @@ class SFTExample:
     ids: list[int]
     prompt_len: int
     trained: list[bool] | None = None
+    media: Media | None = None  # pixel inputs of its images (data/vision.py), None: none
 
     def targets(self) -> list[bool]:
         """Per token of `ids`: does the loss predict it."""
@@ -489,13 +517,17 @@ def sft_examples(
     data_cfg: DataConfig,
     response_field: str = "response",
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> tuple[list[SFTExample], SkipReport]:
     """SFT sequences of a file (docs/data.md): prompt + response(+EOS) or prompt +
-    completion as text, or conversations; the loss covers response tokens only."""
+    completion as text, or conversations; the loss covers response tokens only. With
+    `vision` (a vision-language policy) rows may hold images (docs/vision.md)."""
     form, conversational = sft_format(rows, data_cfg, response_field)
     render = row_render(tokenizer, data_cfg, conversational, where)
+    holders = ("messages",) if form == "messages" else (data_cfg.prompt_field,)
 
     def encode(row: dict, report: SkipReport) -> list[SFTExample]:
+        row, images = with_images(vision, row, holders, (form,))
         if form == "messages":
             seq = messages_sequence(render, row)
             turns: list[dict] | None = _row_messages(row, "messages")
@@ -513,10 +545,14 @@ def sft_examples(
         fitted = fit_item(render, [seq], report, turns, rerender)
         if fitted is None:
             return []
-        ids, trained = fitted[0]
-        return [SFTExample(ids, trained.index(True), trained if conversational else None)]
+        ids, trained, media = expand_images(vision, *fitted[0], images, data_cfg.max_length)
+        return [SFTExample(ids, trained.index(True), trained if conversational else None, media)]
 
     return encode_each(rows, encode)
+
+
+# The text tensors of a `collate_sft` batch; any other key is a vision batch's pixel input.
+SFT_KEYS = ("input_ids", "attention_mask", "loss_mask")
 
 
 def collate_sft(batch: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -526,7 +562,8 @@ def collate_sft(batch: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]
     targets = torch.zeros(ids.shape, dtype=torch.bool)
     for b, ex in enumerate(batch):
         targets[b, : len(ex.ids)] = torch.tensor(ex.targets(), dtype=torch.bool)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": targets[:, 1:]}
+    media = join_media([ex.media for ex in batch])  # a vision batch's pixel inputs
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": targets[:, 1:]} | media
 
 
 # -------------------------------------------------------------------------- preferences
@@ -541,6 +578,7 @@ class PreferencePair:
     rejected: list[int]
     category: str | None = None
     prompt_len: int = 0  # tokens of the shared prompt at the start of both sequences
+    media: Media | None = None  # pixel inputs of the prompt's images (data/vision.py)
 
 
 def _text_pairs(row: dict, responses_field: str, report: SkipReport) -> list[tuple[str, str]]:
@@ -615,14 +653,19 @@ def preference_pairs(
     data_cfg: DataConfig,
     responses_field: str = "responses",
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> tuple[list[PreferencePair], SkipReport]:
     """Preference pairs of a file (docs/data.md): text or conversational chosen/rejected,
     with an explicit or implicit prompt, or text ranked lists. Conversations are rendered
-    whole (the reward model reads them as PPO will show them), closed by a stop token."""
+    whole (the reward model reads them as PPO will show them), closed by a stop token.
+    With `vision`, a prompt may hold images (docs/vision.md)."""
     names = (data_cfg.prompt_field, "chosen", "rejected")
     render = row_render(tokenizer, data_cfg, is_conversational(rows, names), where)
 
     def encode(row: dict, report: SkipReport) -> list[PreferencePair]:
+        explicit = row.get(data_cfg.prompt_field) is not None
+        holders = names[:1] if explicit else names[1:]
+        row, images = with_images(vision, row, holders, names[1:] if explicit else ())
         prompt, pairs = preference_row(render, row, responses_field, report)
         seqs = render.sequences(prompt, [r for pair in pairs for r in pair], report)
         turns = cast("list[dict]", prompt) if render.chat is not None else None
@@ -634,9 +677,11 @@ def preference_pairs(
 
             fitted = fit_item(render, [chosen, rejected], report, turns, rerender)
             if fitted is not None:
-                (chosen_ids, trained), (rejected_ids, _) = fitted
+                limit = data_cfg.max_length
+                chosen_ids, trained, media = expand_images(vision, *fitted[0], images, limit)
+                rejected_ids = expand_images(vision, *fitted[1], images, limit)[0]
                 category, prompt_len = row.get("category"), trained.index(True)
-                out.append(PreferencePair(chosen_ids, rejected_ids, category, prompt_len))
+                out.append(PreferencePair(chosen_ids, rejected_ids, category, prompt_len, media))
         return out
 
     return encode_each(rows, encode)

@@ -15,6 +15,7 @@ from torch import nn
 
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.config import Config, PerfConfig
+from rlhf_dist.data.vision import Media
 from rlhf_dist.engine import packing
 from rlhf_dist.engine.forward import DEFAULT_PERF, Divergence, causal_lm, token_forward
 from rlhf_dist.errors import ConfigError
@@ -103,6 +104,7 @@ class ActorCritic(nn.Module):
         with_critic: bool = True,
         share_prompts: bool = True,
         divergence: Divergence | None = None,
+        media: Media | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """Log-probs, entropies and values at the positions that predict the last
         T = response_mask.shape[1] tokens.
@@ -120,6 +122,8 @@ class ActorCritic(nn.Module):
         divergence: a function of the actor's final hidden states at the response tokens
         (engine.forward.token_forward; on-policy distillation's GJSD to a teacher): then a
         fourth output, its per-token values (B, T), 0 outside response_mask.
+        media: a vision-language actor's pixel inputs of the batch's images
+        (data/vision.py), for the actor's forward; the critic reads text only.
         """
         logprobs: torch.Tensor | None = None
         entropy: torch.Tensor | None = None
@@ -137,6 +141,7 @@ class ActorCritic(nn.Module):
                 P if share_prompts else None,
                 self.perf,
                 divergence,
+                media,
             )
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]
