@@ -422,6 +422,10 @@ class PromptSet:
     # each prompt's row without its prompt column (an answer, a solution, a task's
     # metadata): what reward functions, judges and environments read beside the prompt
     columns: list[dict] = field(default_factory=list)
+    # a vision run's pixel inputs of each prompt's images (data/vision.py; None: none);
+    # [] for a text run
+    media: list[Media | None] = field(default_factory=list)
+    image_token_id: int | None = None  # a vision run's (VisionInputs.image_token_id)
 
 
 def prompt_set(
@@ -429,23 +433,36 @@ def prompt_set(
     tokenizer: PreTrainedTokenizerBase,
     data_cfg: DataConfig,
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> PromptSet:
     """Prompts of a file: `prompt_field` as text, or as messages rendered with the chat
-    template (`where` names the file in errors)."""
+    template (`where` names the file in errors). With `vision` a prompt may hold images
+    (docs/vision.md): its `image` / `images` columns are then the decoded PIL images, as
+    TRL hands them to reward functions."""
     conversational = is_conversational(rows, (data_cfg.prompt_field,))
     chat = chat_for(tokenizer, data_cfg, where) if conversational else None
     render = RowRender(tokenizer, data_cfg, chat)  # prompts only: no stop ids needed
+    name = data_cfg.prompt_field
 
-    def encode(row: dict, report: SkipReport) -> list[tuple[Text, list[int], dict]]:
+    def encode(row: dict, report: SkipReport) -> list[tuple[Text, list[int], dict, Any]]:
+        row, images = with_images(vision, row, (name,))
         prompt = render.prompt(row)
-        others = {k: v for k, v in row.items() if k != data_cfg.prompt_field}
-        return [(prompt, render.prompt_ids(prompt, report), others)]
+        others = {k: v for k, v in row.items() if k != name}
+        if images:  # the decoded images, as TRL passes them
+            others |= {"images": images} if "images" in others else {"image": images[0]}
+        ids = render.prompt_ids(prompt, report)
+        ids, _, media = expand_images(vision, ids, [False] * len(ids), images, 10**9)
+        if len(ids) > data_cfg.max_prompt_length:
+            raise BadRow("image tokens past data.max_prompt_length")
+        return [(prompt, ids, others, media)]
 
     found, report = encode_each(rows, encode)
     if not found:
         raise ConfigError(f"data: no usable prompts ({report.summary('prompts')})")
-    texts, ids, columns = (list(x) for x in zip(*found))
-    return PromptSet(texts, ids, report, columns)
+    texts, ids, columns, media = (list(x) for x in zip(*found))
+    if vision is None:
+        return PromptSet(texts, ids, report, columns)
+    return PromptSet(texts, ids, report, columns, media, vision.image_token_id)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,11 +117,14 @@ class VisionInputs:
     """A vision-language policy's processor and how its images enter a row's tokens.
 
     placeholder: the text one image part renders as (processor.image_token, or Gemma 3's
-    begin-of-image token, which its processor expands); placeholder_id: its token id."""
+    begin-of-image token, which its processor expands); placeholder_id: its token id;
+    image_token_id: the id of the tokens the model fills with image features
+    (processor.image_token), which a response must not hold (`RowMedia`)."""
 
     processor: Any
     placeholder: str
     placeholder_id: int
+    image_token_id: int
 
     def images_of(self, row: dict) -> list[Any]:
         """The row's images (`row_images`)."""
@@ -185,11 +188,20 @@ class VisionInputs:
 
 def vision_inputs(processor: Any, where: str) -> VisionInputs:
     """The VisionInputs of a loaded processor (models.vision.load_processor)."""
-    text = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None)
-    ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-    if not isinstance(text, str) or len(ids) != 1:
+    image = getattr(processor, "image_token", None)
+    text = getattr(processor, "boi_token", None) or image
+    ids = [_token_id(processor.tokenizer, t) for t in (text, image)]
+    if not isinstance(text, str) or ids[0] is None or ids[1] is None:
         raise ConfigError(f"{where}: the processor names no single-token image placeholder")
-    return VisionInputs(processor, text, ids[0])
+    return VisionInputs(processor, text, ids[0], ids[1])
+
+
+def _token_id(tokenizer: Any, text: Any) -> int | None:
+    """The id of `text` when the tokenizer encodes it as one token, else None."""
+    if not isinstance(text, str):
+        return None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def join_media(parts: Sequence[Media | None]) -> Media:
@@ -202,3 +214,39 @@ def join_media(parts: Sequence[Media | None]) -> Media:
     if any(set(p) != names for p in present):
         raise ValueError("rows of one batch give different pixel inputs")
     return {k: torch.cat([p[k] for p in present]) for k in sorted(names)}
+
+
+@dataclass(frozen=True)
+class RowMedia:
+    """The pixel inputs of a batch's rows, one entry per row (None: a row without images),
+    kept per row so that a batch's rows can be selected, reordered and joined like its
+    tensors (RolloutBatch.select, dynamic sampling's merge) before one forward takes them
+    joined (`joined`)."""
+
+    rows: tuple[Media | None, ...]
+    # the token the model fills with image features (VisionInputs.image_token_id): a
+    # sampled one would ask for an image the prompt does not have, so a response is cut
+    # before it (engine/decode.py `cut_before`)
+    image_token_id: int
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: torch.Tensor | slice) -> RowMedia:
+        """The rows `index`: a slice, (k,) int64 indices or a (B,) bool mask."""
+        if isinstance(index, slice):
+            return RowMedia(self.rows[index], self.image_token_id)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        return RowMedia(tuple(self.rows[i] for i in index.tolist()), self.image_token_id)
+
+    def joined(self) -> Media | None:
+        """The model inputs of these rows' images in row order (`join_media`); None
+        when no row has an image."""
+        return join_media(self.rows) or None
+
+    @staticmethod
+    def cat(parts: Sequence[RowMedia]) -> RowMedia:
+        """The rows of `parts` one after another."""
+        rows = tuple(m for part in parts for m in part.rows)
+        return RowMedia(rows, parts[0].image_token_id)

@@ -293,7 +293,11 @@ def _shared_prompt_forward(
 
 
 def prompt_cache(
-    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share: bool
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    share: bool,
+    media: Media | None = None,
 ) -> tuple[Any, dict[str, Any], torch.Tensor | None]:
     """The prompt forward of left-padded prompts (B, P) with a KV cache, the model's head
     on the last position only. With `share` it runs over the distinct rows only
@@ -301,23 +305,32 @@ def prompt_cache(
     (`Cache.reorder_cache`: index_select, so gradients sum over each group).
     Returns (the forward's output: U rows when shared, else B; the cache as `cache_of`
     gives it, B rows; inverse (B,): row b's prompt is output row inverse[b], None when
-    not shared)."""
+    not shared). media: the prompts' pixel inputs (data/vision.py), then never shared:
+    equal prompt ids may hold different images."""
     inverse: torch.Tensor | None = None
-    if share:
+    if share and not media:
         ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
     else:
         ids, mask = prompt_ids, prompt_mask
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=packing.position_ids_from(mask),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = model(**prefill_inputs(ids, mask, media), use_cache=True, logits_to_keep=1)
     cache = cache_of(out)
     if inverse is not None:
         next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
     return out, cache, inverse
+
+
+def prefill_inputs(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, media: Media | None = None
+) -> dict[str, Any]:
+    """The model inputs of a prefill over left-padded prompts (B, P): ids, mask, positions
+    counting real tokens only, and a vision model's pixel inputs. The one place a
+    family-specific position rule (M-RoPE's 3-D positions) takes over the positions."""
+    inputs = {
+        "input_ids": prompt_ids,
+        "attention_mask": prompt_mask,
+        "position_ids": packing.position_ids_from(prompt_mask),
+    }
+    return inputs | dict(media or {})
 
 
 def cache_of(output: Mapping[str, Any]) -> dict[str, Any]:

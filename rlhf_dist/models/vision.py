@@ -91,16 +91,24 @@ def load_processor(path: str, trust_remote_code: bool = False, key: str = "model
     return processor
 
 
-def policy_vision(cfg: Config, path: str = "", key: str = "model.policy") -> VisionInputs | None:
-    """The VisionInputs of the run's policy (`path`, default model.policy) when it is a
-    vision-language model, else None (a text run). What does not work with images yet is
-    refused here, before any data or weights load: perf.packed_sequences (packed rows
-    would need each image's features at the packed positions) and sequence parallelism
-    (an image's tokens must stay on one rank)."""
-    m = cfg.model
-    path = path or m.policy
+def policy_vision(cfg: Config, samples: bool = False) -> VisionInputs | None:
+    """The VisionInputs of model.policy when it is a vision-language model, else None (a
+    text run). What does not work with images yet is refused here, before any data or
+    weights load: perf.packed_sequences (packed rows would need each image's features
+    at the packed positions) and sequence parallelism (an image's tokens must stay on
+    one rank); for a stage that `samples`, another generation.backend than the decode
+    loop and multi-turn rollouts (tools, environments)."""
+    m, g, key = cfg.model, cfg.generation, "model.policy"
+    path = m.policy
     if vision_config(path, m.trust_remote_code) is None:
         return None
+    if samples and g.backend != "hf":
+        raise ConfigError("generation.backend: images are sampled by the decode loop (hf) only")
+    if samples and (g.tools or g.environment):
+        what = "generation.tools" if g.tools else "generation.environment"
+        raise ConfigError(
+            f"{what}: multi-turn rollouts of a vision-language policy are not supported"
+        )
     if cfg.perf.packed_sequences:
         raise ConfigError("perf.packed_sequences: not supported for a vision-language policy")
     if cfg.distributed.sequence_parallel_size > 1:

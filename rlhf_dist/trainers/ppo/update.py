@@ -182,7 +182,7 @@ def micro_batch_loss(
     gjsd = gjsd_of_teacher(teacher, mb, knobs) if knobs.distill_coef else None
     logprobs, entropy, values, *divergence = model(
         mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
-        bool(knobs.entropy_coef) or first, divergence=gjsd,
+        bool(knobs.entropy_coef) or first, divergence=gjsd, media=mb.pixel_inputs(),
     )  # fmt: skip
     old_logprobs = logprobs.detach() if first else mb.old_logprobs
     mask, n = mb.response_mask, mb.response_mask.sum()
