@@ -307,8 +307,13 @@ def _sample(
     # the decode loop samples a micro batch at a time; vLLM and the servers the whole shard
     micro = chunks[0].stop - chunks[0].start
     # images only where there are some: a Sampler written before images keeps working
-    pixels = {} if prompts.media is None else {"media": prompts.media}
-    samples = sampler.sample(prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro, **pixels)
+    if prompts.media is None:
+        samples = sampler.sample(prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro)
+    else:
+        media = prompts.media
+        samples = sampler.sample(
+            prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro, media=media
+        )
     sampler.sleep()  # GPU: free its memory for scoring and the update
     return samples.response_ids, samples.logprobs
 
