@@ -125,9 +125,13 @@ def test_decode_loop_prefill_with_pixels_agrees_with_the_trainers_forward(llava)
         ids = torch.cat([prompt_ids, response], 1)
         attention = torch.cat([prompt_mask, response_mask.long()], 1)
         P = prompt_ids.shape[1]
-        trainer, _ = token_logprobs(model, ids, attention, response_mask, 1.0, False, P, media=pixels)
+        trainer, _ = token_logprobs(
+            model, ids, attention, response_mask, 1.0, False, P, media=pixels
+        )
         other = {"pixel_values": pixels["pixel_values"].flip(0)}  # the images swapped
-        swapped, _ = token_logprobs(model, ids, attention, response_mask, 1.0, False, P, media=other)
+        swapped, _ = token_logprobs(
+            model, ids, attention, response_mask, 1.0, False, P, media=other
+        )
     assert float((decoded - trainer).abs().max()) < 1e-4
     assert float((swapped - trainer).abs().max()) > 1e-3
 
@@ -199,7 +203,12 @@ def image_rows(root: Path) -> list[dict]:
         prompt = [{"role": "user", "content": [{"type": "image"}] * parts + [text]}]
         chosen_turn = [{"role": "assistant", "content": chosen}]
         rejected_turn = [{"role": "assistant", "content": rejected}]
-        return {"prompt": prompt, "chosen": chosen_turn, "rejected": rejected_turn, "images": images}
+        return {
+            "prompt": prompt,
+            "chosen": chosen_turn,
+            "rejected": rejected_turn,
+            "images": images,
+        }
 
     good = [
         row([], 0, "none", "red"),

@@ -71,7 +71,12 @@ def test_string_contents_get_the_images_before_the_first_user_text_as_trl_does()
         {"role": "user", "content": "and now"},
     ]
     out = flatten_messages(messages, 2, "<image>", "prompt")
-    assert [m["content"] for m in out] == ["be brief", "<image><image>what colour", "red", "and now"]
+    assert [m["content"] for m in out] == [
+        "be brief",
+        "<image><image>what colour",
+        "red",
+        "and now",
+    ]
     assert flatten_messages(messages, 0, "<image>", "prompt") == messages
 
 
