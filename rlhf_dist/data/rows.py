@@ -724,6 +724,7 @@ class KTOExample:
     completion: list[int]  # response ids + EOS (conversations: the turn up to its stop token)
     desirable: bool
     kl_completion: list[int] = field(default_factory=list)
+    media: Media | None = None  # pixel inputs of the prompt's images (data/vision.py)
 
 
 def _unique(items: list[T]) -> list[T]:
@@ -761,15 +762,18 @@ def kto_examples(
     data_cfg: DataConfig,
     kto_cfg: KTOConfig,
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> tuple[list[KTOExample], SkipReport]:
     """KTO examples from unpaired rows (TRL's format: prompt, completion, label) or from
     preference rows (chosen -> desirable, rejected -> undesirable), text or conversational;
     each example's `kl_completion` is the completion of the next example with a different
-    prompt."""
+    prompt. With `vision`, a prompt may hold images (docs/vision.md)."""
     names = (data_cfg.prompt_field, kto_cfg.completion_field, "chosen", "rejected")
     render = row_render(tokenizer, data_cfg, is_conversational(rows, names), where)
 
     def encode(row: dict, report: SkipReport) -> list[KTOExample]:
+        explicit = row.get(names[0]) is not None
+        row, images = with_images(vision, row, names[:1] if explicit else names[2:], names[1:])
         prompt, labelled = kto_row(render, row, kto_cfg, report)
         seqs = render.sequences(prompt, [c for c, _ in labelled], report)
         turns = cast("list[dict]", prompt) if render.chat is not None else None
@@ -781,9 +785,10 @@ def kto_examples(
 
             fitted = fit_item(render, [seq], report, turns, rerender)
             if fitted is not None:
-                ids, trained = fitted[0]
+                limit = data_cfg.max_length
+                ids, trained, media = expand_images(vision, *fitted[0], images, limit)
                 n = trained.index(True)  # the prompt's tokens, then the completion's
-                out.append(KTOExample(ids[:n], ids[n:], desirable))
+                out.append(KTOExample(ids[:n], ids[n:], desirable, media=media))
         return out
 
     out, report = encode_each(rows, encode)
