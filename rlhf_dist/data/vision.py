@@ -29,7 +29,10 @@ from rlhf_dist.errors import ConfigError
 
 # Per-image pixel inputs of one row or one batch, by the processor's names: each tensor's
 # dim 0 runs over images (pixel_values (n, C, H, W) for LLaVA, (patches, D) for Qwen2-VL,
-# whose image_grid_thw (n, 3) says how many patches each image has).
+# whose image_grid_thw (n, 3) says how many patches each image has). A 0-dim entry is a
+# per-token input instead (Qwen2-VL's mm_token_type_ids, Gemma 3's token_type_ids): 1 on
+# the tokens whose id it holds (the image token), 0 elsewhere, built for each forward's
+# ids by `token_inputs`, so padding, prompts + responses and trimming need nothing.
 Media = dict[str, torch.Tensor]
 # Processor outputs that are not per-image pixel inputs: the text side of its output.
 TEXT_KEYS = ("input_ids", "attention_mask")
@@ -93,7 +96,7 @@ def flatten_messages(messages: Any, n_images: int, placeholder: str, name: str) 
             text = content
         out.append({**m, "content": text})
     if placed != n_images:
-        raise BadRow(f"{n_images} images for {placed} image placeholders in '{name}'")
+        raise BadRow(f"image count differs from the image placeholders in '{name}'")
     return out
 
 
@@ -157,7 +160,7 @@ class VisionInputs:
         from the image count (the text itself holds the placeholder) is BadRow."""
         spots = [t for t, i in enumerate(ids) if i == self.placeholder_id]
         if len(spots) != len(images):
-            raise BadRow(f"{len(images)} images for {len(spots)} image placeholders")
+            raise BadRow("image count differs from the image placeholder tokens")
         if not images:
             return ids, trained, None
         out_ids, out_trained, parts, start = [], [], [], 0
@@ -182,8 +185,19 @@ class VisionInputs:
             )
         except (ValueError, OSError, TypeError) as e:
             raise BadRow(f"processor refused an image ({type(e).__name__})") from None
-        media = {k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)}
-        return out["input_ids"][0].tolist(), media
+        ids = out["input_ids"][0]
+        media = {}
+        for name, value in out.items():
+            if name in TEXT_KEYS or not torch.is_tensor(value):
+                continue
+            if value.shape == out["input_ids"].shape:  # per token: 1 on image tokens only
+                if not torch.equal(value[0].long(), (ids == self.image_token_id).long()):
+                    raise ConfigError(
+                        f"model.policy: the processor's per-token {name!r} is not supported"
+                    )
+                value = torch.tensor(self.image_token_id)
+            media[name] = value
+        return ids.tolist(), media
 
 
 def vision_inputs(processor: Any, where: str) -> VisionInputs:
@@ -213,7 +227,20 @@ def join_media(parts: Sequence[Media | None]) -> Media:
     names = set(present[0])
     if any(set(p) != names for p in present):
         raise ValueError("rows of one batch give different pixel inputs")
-    return {k: torch.cat([p[k] for p in present]) for k in sorted(names)}
+    return {
+        k: present[0][k] if present[0][k].dim() == 0 else torch.cat([p[k] for p in present])
+        for k in sorted(names)
+    }
+
+
+def token_inputs(input_ids: torch.Tensor, media: Media | None) -> Media:
+    """The model inputs of a batch's images for a forward over `input_ids` (B, L): the
+    per-image ones as they are, each per-token one (a 0-dim entry holding a token id,
+    `Media`) as a (B, L) long tensor, 1 where input_ids holds that id."""
+    out = {}
+    for name, value in (media or {}).items():
+        out[name] = (input_ids == value.to(input_ids.device)).long() if value.dim() == 0 else value
+    return out
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.algo.prefix import unique_prompts
 from rlhf_dist.config import PerfConfig
-from rlhf_dist.data.vision import Media
+from rlhf_dist.data.vision import Media, token_inputs
 from rlhf_dist.distributed.sequence_parallel import active_group
 from rlhf_dist.distributed.zero3 import stays_whole, whole_tensors
 from rlhf_dist.engine import packing
@@ -244,7 +244,7 @@ def final_hidden_states(
             return torch.cat([seen[0].index_select(0, inverse), seen[1]], dim=1)
         model(
             **packing.backbone_inputs(input_ids, attention_mask, layout),
-            **(media or {}),
+            **token_inputs(input_ids, media),
             logits_to_keep=1,
             # A whole-sequence forward needs no KV cache; transformers would otherwise
             # build one on every call (use_cache defaults to True in most configs), which
@@ -330,7 +330,7 @@ def prefill_inputs(
         "attention_mask": prompt_mask,
         "position_ids": packing.position_ids_from(prompt_mask),
     }
-    return inputs | dict(media or {})
+    return inputs | token_inputs(prompt_ids, media)
 
 
 def cache_of(output: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,14 @@ import torch
 from PIL import Image
 
 from rlhf_dist.data.chat import BadRow
-from rlhf_dist.data.vision import RowMedia, flatten_messages, join_media, load_image, row_images
+from rlhf_dist.data.vision import (
+    RowMedia,
+    flatten_messages,
+    join_media,
+    load_image,
+    row_images,
+    token_inputs,
+)
 from rlhf_dist.engine.decode import cut_before
 
 RED = (220, 30, 30)
@@ -95,7 +102,7 @@ def test_list_of_parts_become_text_with_a_placeholder_per_image_part():
     ]
     out = flatten_messages(messages, 2, "<I>", "messages")
     assert out[0]["content"] == "compare <I> with <I>" and out[1]["content"] == "same"
-    with pytest.raises(BadRow, match="1 images for 2 image placeholders in 'messages'"):
+    with pytest.raises(BadRow, match="image count differs from the image placeholders in 'messages'"):
         flatten_messages(messages, 1, "<I>", "messages")
     bad = [{"role": "user", "content": [{"type": "video"}]}]
     with pytest.raises(BadRow, match="neither text nor image"):
@@ -143,3 +150,18 @@ def test_cut_before_property_keeps_a_prefix_without_the_token():
         kept = out_mask.sum(1)
         assert bool((out_mask == (torch.arange(T)[None, :] < kept[:, None])).all())  # a prefix
         assert bool((out_finished <= finished).all())
+
+
+def test_a_per_token_input_is_built_for_each_forwards_ids():
+    """Qwen2-VL's mm_token_type_ids / Gemma 3's token_type_ids: carried as the image
+    token's id (0-dim), 1 where a forward's ids hold it, whatever the padding."""
+    rows = [
+        {"pixel_values": torch.ones(1, 2), "mm_token_type_ids": torch.tensor(7)},
+        {"pixel_values": torch.zeros(2, 2), "mm_token_type_ids": torch.tensor(7)},
+    ]
+    joined = join_media(rows)
+    assert joined["mm_token_type_ids"].dim() == 0 and joined["pixel_values"].shape == (3, 2)
+    ids = torch.tensor([[0, 7, 7, 3], [7, 3, 7, 0]])
+    inputs = token_inputs(ids, joined)
+    assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0], [1, 0, 1, 0]]
+    assert inputs["pixel_values"] is joined["pixel_values"]
