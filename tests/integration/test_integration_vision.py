@@ -236,7 +236,11 @@ def test_dpo_through_the_cli_with_image_paths_counts_bad_images(llava, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("preference pairs:"))
     assert "8 kept" in line and "3 skipped" in line, line
-    for reason in ("image file not found", "unreadable image", "image count differs from the image placeholders"):
+    for reason in (
+        "image file not found",
+        "unreadable image",
+        "image count differs from the image placeholders",
+    ):
         assert reason in line, line
     assert_trained_language_only(weights(llava), weights(out / "final"))
     # the reference is the policy's directory, read and never written

@@ -102,7 +102,9 @@ def test_list_of_parts_become_text_with_a_placeholder_per_image_part():
     ]
     out = flatten_messages(messages, 2, "<I>", "messages")
     assert out[0]["content"] == "compare <I> with <I>" and out[1]["content"] == "same"
-    with pytest.raises(BadRow, match="image count differs from the image placeholders in 'messages'"):
+    with pytest.raises(
+        BadRow, match="image count differs from the image placeholders in 'messages'"
+    ):
         flatten_messages(messages, 1, "<I>", "messages")
     bad = [{"role": "user", "content": [{"type": "video"}]}]
     with pytest.raises(BadRow, match="neither text nor image"):
