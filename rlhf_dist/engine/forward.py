@@ -129,9 +129,8 @@ def token_forward(
         split = (input_ids, attention_mask, predict_mask, temperature, with_entropy, perf, group)
         return (*sequence_parallel_logprobs(model, lm, *split, head_logprobs), None)
     T = predict_mask.shape[1]
-    hidden, tokens = _scored_states(
-        model, lm, input_ids, attention_mask, T, prompt_width, perf, media
-    )
+    inputs = (input_ids, attention_mask, T, prompt_width, perf, media)
+    hidden, tokens = _scored_states(model, lm, *inputs)
     selected = predict_mask
     if not bool(predict_mask.any()):
         # Nothing to score (e.g. a micro-batch whose rows ppo.overlong=mask left out): score

@@ -370,40 +370,22 @@ def _chunk_forwards(
     log-probs and entropies None. media: the chunk's pixel inputs (a vision run), which
     the actor's and the reference's forwards take."""
     input_ids, attention_mask, response_mask, P = inputs
+    args = (input_ids, attention_mask, response_mask, temperature)
     old_logprobs = entropy = values = None
     if with_actor or models.has_critic:
         old_logprobs, entropy, values = models.actor_critic(
-            input_ids,
-            attention_mask,
-            response_mask,
-            temperature,
-            with_entropy=True,
-            with_actor=with_actor,
-            media=media,
+            *args, with_entropy=True, with_actor=with_actor, media=media
         )
     if models.reference is not None:
         ref_logprobs, _ = token_logprobs(
-            models.reference,
-            input_ids,
-            attention_mask,
-            response_mask,
-            temperature,
-            prompt_width=P,
-            perf=models.perf,
-            media=media,
+            models.reference, *args, prompt_width=P, perf=models.perf, media=media
         )
     else:  # no reference: KL 0 (ref = old; with the skip, filled in after the update)
         ref_logprobs = None if old_logprobs is None else old_logprobs.clone()
     teacher_logprobs = None
     if models.teacher is not None:  # scored like the reference, at the sampling temperature
         teacher_logprobs, _ = token_logprobs(
-            models.teacher,
-            input_ids,
-            attention_mask,
-            response_mask,
-            temperature,
-            prompt_width=P,
-            perf=models.perf,
+            models.teacher, *args, prompt_width=P, perf=models.perf
         )
     return {
         "old_logprobs": old_logprobs,
