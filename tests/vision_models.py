@@ -110,6 +110,17 @@ def build_tiny_llava(
     return out
 
 
+def llava_colour_reward(completions: list, image: list, **kwargs: object) -> list[float]:
+    """A reward reading TRL's `image` keyword (PIL images, one per row): the length of the
+    completion's text (TRL's conversational completions: [{"role": "assistant",
+    "content": ...}]), signed by whether the image is mostly red. Used by the Python API
+    and, as `vision_models:llava_colour_reward`, by the command line."""
+    assert len(image) == len(completions) and all(hasattr(im, "getpixel") for im in image)
+    red = [im.getpixel((0, 0))[0] > 128 for im in image]
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [len(t) * (1.0 if r else -1.0) for t, r in zip(texts, red)]
+
+
 def colour_image(name: str, size: tuple[int, int] = (20, 20)):  # -> PIL.Image.Image
     """A plain image of colour `name` (COLOURS) and `size` (width, height)."""
     from PIL import Image

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from vision_models import build_tiny_llava, colour_image, llava_rows
+from vision_models import build_tiny_llava, colour_image, llava_colour_reward, llava_rows
 
 import rlhf_dist
 from rlhf_dist.config import Config, GenerationConfig, ModelConfig
@@ -152,16 +152,6 @@ def test_sft_through_the_python_api_trains_the_language_model_only(llava, tmp_pa
     assert type(AutoProcessor.from_pretrained(out / "final")).__name__ == "LlavaProcessor"
 
 
-def colour_score(completions: list, image: list, **kwargs: object) -> list[float]:
-    """A reward reading TRL's `image` keyword: the length of the completion's text (TRL's
-    conversational completions: [{"role": "assistant", "content": ...}]), signed by
-    whether the image is mostly red (PIL images, one per row)."""
-    assert len(image) == len(completions) and all(hasattr(im, "getpixel") for im in image)
-    red = [im.getpixel((0, 0))[0] > 128 for im in image]
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [len(t) * (1.0 if r else -1.0) for t, r in zip(texts, red)]
-
-
 def test_grpo_through_the_python_api_samples_with_images_and_trains(llava, tmp_path):
     out = tmp_path / "grpo"
     config = {
@@ -177,13 +167,16 @@ def test_grpo_through_the_python_api_samples_with_images_and_trains(llava, tmp_p
         "generation": {"max_new_tokens": 6},
         "run": {"output_dir": str(out)},
     }
-    summary = rlhf_dist.grpo(config, dataset=llava_rows(8, kind="grpo"), reward_fn=colour_score)
+    summary = rlhf_dist.grpo(
+        config, dataset=llava_rows(8, kind="grpo"), reward_fn=llava_colour_reward
+    )
     assert summary["iterations"] == 1
     assert_trained_language_only(weights(llava), weights(out / "final"))
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])  # vision_models' reward
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "rlhf_dist", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -247,17 +240,35 @@ def test_dpo_through_the_cli_with_image_paths_counts_bad_images(llava, tmp_path)
     assert before == {p.name: p.read_bytes() for p in llava.iterdir()}
 
 
-def test_nothing_to_train_is_one_line_and_no_run_directory(llava, tmp_path):
-    rows = [r for r in image_rows(tmp_path / "img")[-3:]]  # the three bad ones
-    data = tmp_path / "bad.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def test_nothing_to_train_is_one_error_line_and_no_run_directory(llava, tmp_path):
+    rows = image_rows(tmp_path / "img")[-3:]  # the three bad ones, through the Python API
     out = tmp_path / "never"
-    proc = cli("dpo", f"model.policy={llava}", f"data.train={data}", f"run.output_dir={out}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("rlhf-dist")]
-    assert len(lines) == 1 and "3 skipped" in lines[0], proc.stderr[-3000:]
+    config = {"model": {"policy": str(llava)}, "run": {"output_dir": str(out)}}
+    with pytest.raises(ConfigError) as error:
+        rlhf_dist.dpo(config, dataset=rows)
+    line = str(error.value)
+    assert "\n" not in line and "0 kept, 3 skipped" in line and "image file not found" in line
     assert not out.exists()
+
+
+def test_grpo_through_the_cli_reads_image_paths(llava, tmp_path):
+    paths = []
+    for i, colour in enumerate(("red", "green", "blue", "red")):
+        paths.append(str(tmp_path / f"{i}.png"))
+        colour_image(colour, (16 + 3 * i, 18)).save(paths[-1])
+    prompt = [{"role": "user", "content": "what colour is this"}]  # TRL places the image
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": prompt, "image": p}) + "\n" for p in paths))
+    out = tmp_path / "grpo"
+    proc = cli(
+        "grpo", f"model.policy={llava}", f"data.train={data}", f"run.output_dir={out}",
+        "reward.function=vision_models:llava_colour_reward", "ppo.iterations=1",
+        "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=2", "ppo.minibatch_size=8",
+        "ppo.micro_batch_size=4", "ppo.optim.lr=1e-2", "generation.max_new_tokens=6",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prompts: 4 kept" in proc.stdout
+    assert_trained_language_only(weights(llava), weights(out / "final"))
 
 
 def test_packing_with_images_is_refused_naming_the_key(llava, tmp_path):
