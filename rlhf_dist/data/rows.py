@@ -223,16 +223,20 @@ def with_images(
 
 
 def expand_images(
-    vision: VisionInputs | None, ids: list[int], trained: list[bool], images: list, limit: int
+    vision: VisionInputs | None,
+    ids: list[int],
+    trained: list[bool],
+    images: list,
+    limit: tuple[str, int],
 ) -> tuple[list[int], list[bool], Media | None]:
     """(ids, trained, media) with each image placeholder replaced by its image's tokens
-    (`VisionInputs.expand`); BadRow when those take the sequence past `limit` (image
-    tokens are never cut). A text run's sequence is returned as it is."""
+    (`VisionInputs.expand`); BadRow when those take the sequence past limit = (key, most
+    tokens) (image tokens are never cut). A text run's sequence is returned as it is."""
     if vision is None:
         return ids, trained, None
     ids, trained, media = vision.expand(ids, trained, images)
-    if len(ids) > limit:
-        raise BadRow("image tokens past data.max_length")
+    if len(ids) > limit[1]:
+        raise BadRow(f"image tokens past {limit[0]}")
     return ids, trained, media
 
 
@@ -449,11 +453,11 @@ def prompt_set(
         prompt = render.prompt(row)
         others = {k: v for k, v in row.items() if k != name}
         if images:  # the decoded images, as TRL passes them
-            others |= {"images": images} if "images" in others else {"image": images[0]}
+            many = row.get("images") is not None
+            others |= {"images": images} if many else {"image": images[0]}
         ids = render.prompt_ids(prompt, report)
-        ids, _, media = expand_images(vision, ids, [False] * len(ids), images, 10**9)
-        if len(ids) > data_cfg.max_prompt_length:
-            raise BadRow("image tokens past data.max_prompt_length")
+        limit = ("data.max_prompt_length", data_cfg.max_prompt_length)
+        ids, _, media = expand_images(vision, ids, [False] * len(ids), images, limit)
         return [(prompt, ids, others, media)]
 
     found, report = encode_each(rows, encode)
@@ -562,7 +566,8 @@ def sft_examples(
         fitted = fit_item(render, [seq], report, turns, rerender)
         if fitted is None:
             return []
-        ids, trained, media = expand_images(vision, *fitted[0], images, data_cfg.max_length)
+        limit = ("data.max_length", data_cfg.max_length)
+        ids, trained, media = expand_images(vision, *fitted[0], images, limit)
         return [SFTExample(ids, trained.index(True), trained if conversational else None, media)]
 
     return encode_each(rows, encode)
@@ -694,7 +699,7 @@ def preference_pairs(
 
             fitted = fit_item(render, [chosen, rejected], report, turns, rerender)
             if fitted is not None:
-                limit = data_cfg.max_length
+                limit = ("data.max_length", data_cfg.max_length)
                 chosen_ids, trained, media = expand_images(vision, *fitted[0], images, limit)
                 rejected_ids = expand_images(vision, *fitted[1], images, limit)[0]
                 category, prompt_len = row.get("category"), trained.index(True)
@@ -785,7 +790,7 @@ def kto_examples(
 
             fitted = fit_item(render, [seq], report, turns, rerender)
             if fitted is not None:
-                limit = data_cfg.max_length
+                limit = ("data.max_length", data_cfg.max_length)
                 ids, trained, media = expand_images(vision, *fitted[0], images, limit)
                 n = trained.index(True)  # the prompt's tokens, then the completion's
                 out.append(KTOExample(ids[:n], ids[n:], desirable, media=media))
