@@ -280,3 +280,24 @@ def test_packing_with_images_is_refused_naming_the_key(llava, tmp_path):
     with pytest.raises(ConfigError, match=r"^perf\.packed_sequences: "):
         rlhf_dist.sft(config, dataset=llava_rows(6))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "key"),
+    [
+        ("distributed", {"sequence_parallel_size": 2}, "distributed.sequence_parallel_size"),
+        ("generation", {"backend": "vllm"}, "generation.backend"),
+        ("generation", {"tools": ("math:sqrt",)}, "generation.tools"),
+    ],
+)
+def test_what_images_do_not_work_with_is_refused_naming_its_key(llava, section, values, key):
+    import dataclasses
+
+    from rlhf_dist.models.vision import policy_vision
+
+    cfg = Config(model=ModelConfig(policy=str(llava)))
+    cfg = dataclasses.replace(
+        cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)}
+    )
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        policy_vision(cfg, samples=True)
