@@ -36,6 +36,7 @@ from rlhf_dist.models import (
     tokenizer_for,
     train_dtype,
 )
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.observability import diagnostics as diag
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.rewards.scoring import (
@@ -331,7 +332,8 @@ def run_eval(cfg: Config, runtime: Runtime) -> dict[str, float]:
     tokenizer = tokenizer_for(cfg, "policy")
     which = "eval" if cfg.data.eval else "train"
     where = f"data.{which} {getattr(cfg.data, which)!r}"
-    prompts = prompt_set(load_data(cfg.data, which), tokenizer, cfg.data, where)
+    vision = policy_vision(cfg, samples=True)  # a vision-language policy's image prompts
+    prompts = prompt_set(load_data(cfg.data, which), tokenizer, cfg.data, where, vision)
     agent = build_agent(cfg, tokenizer)  # tools resolved and shown, before any model loads
     # Evaluation replicates its models on every rank: sampling from partitioned (ZeRO-3)
     # weights would need every rank to step each token together. Its chunks still run in

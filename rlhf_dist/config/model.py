@@ -64,6 +64,12 @@ class ModelConfig:
         "flash-attn package and a GPU",
         choices=("auto", "eager", "sdpa", "flash_attention_2"),
     )
+    freeze_vision: bool = key(
+        True,
+        "a vision-language policy (docs/vision.md): its vision tower and projector are "
+        "frozen, only the language model trains (as TRL, verl and OpenRLHF default); false "
+        "trains them too. No effect on a text model",
+    )
 
 
 @dataclass(frozen=True)

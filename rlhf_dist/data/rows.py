@@ -36,6 +36,7 @@ from rlhf_dist.data.chat import (
     stop_token_ids,
 )
 from rlhf_dist.data.environments import environment_rows
+from rlhf_dist.data.vision import Media, VisionInputs, join_media
 from rlhf_dist.errors import ConfigError
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
@@ -207,6 +208,36 @@ def encode_each(
             report.skip(str(e))
     report.kept = len(out)
     return out, report
+
+
+def with_images(
+    vision: VisionInputs | None, row: dict, holders: Sequence[str], others: Sequence[str] = ()
+) -> tuple[dict, list[Any]]:
+    """(row, its images): a vision run's row with its images loaded and the message lists
+    under `holders` (which hold the images) and `others` flattened (data/vision.py
+    `VisionInputs.flat_row`; a bad image or count is BadRow); a text run's row as it is."""
+    if vision is None:
+        return row, []
+    images = vision.images_of(row)
+    return vision.flat_row(row, holders, others, images), images
+
+
+def expand_images(
+    vision: VisionInputs | None,
+    ids: list[int],
+    trained: list[bool],
+    images: list,
+    limit: tuple[str, int],
+) -> tuple[list[int], list[bool], Media | None]:
+    """(ids, trained, media) with each image placeholder replaced by its image's tokens
+    (`VisionInputs.expand`); BadRow when those take the sequence past limit = (key, most
+    tokens) (image tokens are never cut). A text run's sequence is returned as it is."""
+    if vision is None:
+        return ids, trained, None
+    ids, trained, media = vision.expand(ids, trained, images)
+    if len(ids) > limit[1]:
+        raise BadRow(f"image tokens past {limit[0]}")
+    return ids, trained, media
 
 
 # ------------------------------------------------------------------- one row's tokens
@@ -395,6 +426,10 @@ class PromptSet:
     # each prompt's row without its prompt column (an answer, a solution, a task's
     # metadata): what reward functions, judges and environments read beside the prompt
     columns: list[dict] = field(default_factory=list)
+    # a vision run's pixel inputs of each prompt's images (data/vision.py; None: none);
+    # [] for a text run
+    media: list[Media | None] = field(default_factory=list)
+    image_token_id: int | None = None  # a vision run's (VisionInputs.image_token_id)
 
 
 def prompt_set(
@@ -402,23 +437,36 @@ def prompt_set(
     tokenizer: PreTrainedTokenizerBase,
     data_cfg: DataConfig,
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> PromptSet:
     """Prompts of a file: `prompt_field` as text, or as messages rendered with the chat
-    template (`where` names the file in errors)."""
+    template (`where` names the file in errors). With `vision` a prompt may hold images
+    (docs/vision.md): its `image` / `images` columns are then the decoded PIL images, as
+    TRL hands them to reward functions."""
     conversational = is_conversational(rows, (data_cfg.prompt_field,))
     chat = chat_for(tokenizer, data_cfg, where) if conversational else None
     render = RowRender(tokenizer, data_cfg, chat)  # prompts only: no stop ids needed
+    name = data_cfg.prompt_field
 
-    def encode(row: dict, report: SkipReport) -> list[tuple[Text, list[int], dict]]:
+    def encode(row: dict, report: SkipReport) -> list[tuple[Text, list[int], dict, Any]]:
+        row, images = with_images(vision, row, (name,))
         prompt = render.prompt(row)
-        others = {k: v for k, v in row.items() if k != data_cfg.prompt_field}
-        return [(prompt, render.prompt_ids(prompt, report), others)]
+        others = {k: v for k, v in row.items() if k != name}
+        if images:  # the decoded images, as TRL passes them
+            many = row.get("images") is not None
+            others |= {"images": images} if many else {"image": images[0]}
+        ids = render.prompt_ids(prompt, report)
+        limit = ("data.max_prompt_length", data_cfg.max_prompt_length)
+        ids, _, media = expand_images(vision, ids, [False] * len(ids), images, limit)
+        return [(prompt, ids, others, media)]
 
     found, report = encode_each(rows, encode)
     if not found:
         raise ConfigError(f"data: no usable prompts ({report.summary('prompts')})")
-    texts, ids, columns = (list(x) for x in zip(*found))
-    return PromptSet(texts, ids, report, columns)
+    texts, ids, columns, media = (list(x) for x in zip(*found))
+    if vision is None:
+        return PromptSet(texts, ids, report, columns)
+    return PromptSet(texts, ids, report, columns, media, vision.image_token_id)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,6 +503,7 @@ class SFTExample:
     ids: list[int]
     prompt_len: int
     trained: list[bool] | None = None
+    media: Media | None = None  # pixel inputs of its images (data/vision.py), None: none
 
     def targets(self) -> list[bool]:
         """Per token of `ids`: does the loss predict it."""
@@ -489,13 +538,17 @@ def sft_examples(
     data_cfg: DataConfig,
     response_field: str = "response",
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> tuple[list[SFTExample], SkipReport]:
     """SFT sequences of a file (docs/data.md): prompt + response(+EOS) or prompt +
-    completion as text, or conversations; the loss covers response tokens only."""
+    completion as text, or conversations; the loss covers response tokens only. With
+    `vision` (a vision-language policy) rows may hold images (docs/vision.md)."""
     form, conversational = sft_format(rows, data_cfg, response_field)
     render = row_render(tokenizer, data_cfg, conversational, where)
+    holders = ("messages",) if form == "messages" else (data_cfg.prompt_field,)
 
     def encode(row: dict, report: SkipReport) -> list[SFTExample]:
+        row, images = with_images(vision, row, holders, (form,))
         if form == "messages":
             seq = messages_sequence(render, row)
             turns: list[dict] | None = _row_messages(row, "messages")
@@ -513,10 +566,15 @@ def sft_examples(
         fitted = fit_item(render, [seq], report, turns, rerender)
         if fitted is None:
             return []
-        ids, trained = fitted[0]
-        return [SFTExample(ids, trained.index(True), trained if conversational else None)]
+        limit = ("data.max_length", data_cfg.max_length)
+        ids, trained, media = expand_images(vision, *fitted[0], images, limit)
+        return [SFTExample(ids, trained.index(True), trained if conversational else None, media)]
 
     return encode_each(rows, encode)
+
+
+# The text tensors of a `collate_sft` batch; any other key is a vision batch's pixel input.
+SFT_KEYS = ("input_ids", "attention_mask", "loss_mask")
 
 
 def collate_sft(batch: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -526,7 +584,8 @@ def collate_sft(batch: list[SFTExample], pad_id: int) -> dict[str, torch.Tensor]
     targets = torch.zeros(ids.shape, dtype=torch.bool)
     for b, ex in enumerate(batch):
         targets[b, : len(ex.ids)] = torch.tensor(ex.targets(), dtype=torch.bool)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": targets[:, 1:]}
+    media = join_media([ex.media for ex in batch])  # a vision batch's pixel inputs
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": targets[:, 1:]} | media
 
 
 # -------------------------------------------------------------------------- preferences
@@ -541,6 +600,7 @@ class PreferencePair:
     rejected: list[int]
     category: str | None = None
     prompt_len: int = 0  # tokens of the shared prompt at the start of both sequences
+    media: Media | None = None  # pixel inputs of the prompt's images (data/vision.py)
 
 
 def _text_pairs(row: dict, responses_field: str, report: SkipReport) -> list[tuple[str, str]]:
@@ -615,14 +675,19 @@ def preference_pairs(
     data_cfg: DataConfig,
     responses_field: str = "responses",
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> tuple[list[PreferencePair], SkipReport]:
     """Preference pairs of a file (docs/data.md): text or conversational chosen/rejected,
     with an explicit or implicit prompt, or text ranked lists. Conversations are rendered
-    whole (the reward model reads them as PPO will show them), closed by a stop token."""
+    whole (the reward model reads them as PPO will show them), closed by a stop token.
+    With `vision`, a prompt may hold images (docs/vision.md)."""
     names = (data_cfg.prompt_field, "chosen", "rejected")
     render = row_render(tokenizer, data_cfg, is_conversational(rows, names), where)
 
     def encode(row: dict, report: SkipReport) -> list[PreferencePair]:
+        explicit = row.get(data_cfg.prompt_field) is not None
+        holders = names[:1] if explicit else names[1:]
+        row, images = with_images(vision, row, holders, names[1:] if explicit else ())
         prompt, pairs = preference_row(render, row, responses_field, report)
         seqs = render.sequences(prompt, [r for pair in pairs for r in pair], report)
         turns = cast("list[dict]", prompt) if render.chat is not None else None
@@ -634,9 +699,11 @@ def preference_pairs(
 
             fitted = fit_item(render, [chosen, rejected], report, turns, rerender)
             if fitted is not None:
-                (chosen_ids, trained), (rejected_ids, _) = fitted
+                limit = ("data.max_length", data_cfg.max_length)
+                chosen_ids, trained, media = expand_images(vision, *fitted[0], images, limit)
+                rejected_ids = expand_images(vision, *fitted[1], images, limit)[0]
                 category, prompt_len = row.get("category"), trained.index(True)
-                out.append(PreferencePair(chosen_ids, rejected_ids, category, prompt_len))
+                out.append(PreferencePair(chosen_ids, rejected_ids, category, prompt_len, media))
         return out
 
     return encode_each(rows, encode)
@@ -662,6 +729,7 @@ class KTOExample:
     completion: list[int]  # response ids + EOS (conversations: the turn up to its stop token)
     desirable: bool
     kl_completion: list[int] = field(default_factory=list)
+    media: Media | None = None  # pixel inputs of the prompt's images (data/vision.py)
 
 
 def _unique(items: list[T]) -> list[T]:
@@ -699,15 +767,18 @@ def kto_examples(
     data_cfg: DataConfig,
     kto_cfg: KTOConfig,
     where: str = "data.train",
+    vision: VisionInputs | None = None,
 ) -> tuple[list[KTOExample], SkipReport]:
     """KTO examples from unpaired rows (TRL's format: prompt, completion, label) or from
     preference rows (chosen -> desirable, rejected -> undesirable), text or conversational;
     each example's `kl_completion` is the completion of the next example with a different
-    prompt."""
+    prompt. With `vision`, a prompt may hold images (docs/vision.md)."""
     names = (data_cfg.prompt_field, kto_cfg.completion_field, "chosen", "rejected")
     render = row_render(tokenizer, data_cfg, is_conversational(rows, names), where)
 
     def encode(row: dict, report: SkipReport) -> list[KTOExample]:
+        explicit = row.get(names[0]) is not None
+        row, images = with_images(vision, row, names[:1] if explicit else names[2:], names[1:])
         prompt, labelled = kto_row(render, row, kto_cfg, report)
         seqs = render.sequences(prompt, [c for c, _ in labelled], report)
         turns = cast("list[dict]", prompt) if render.chat is not None else None
@@ -719,9 +790,10 @@ def kto_examples(
 
             fitted = fit_item(render, [seq], report, turns, rerender)
             if fitted is not None:
-                ids, trained = fitted[0]
+                limit = ("data.max_length", data_cfg.max_length)
+                ids, trained, media = expand_images(vision, *fitted[0], images, limit)
                 n = trained.index(True)  # the prompt's tokens, then the completion's
-                out.append(KTOExample(ids[:n], ids[n:], desirable))
+                out.append(KTOExample(ids[:n], ids[n:], desirable, media=media))
         return out
 
     out, report = encode_each(rows, encode)

@@ -17,6 +17,7 @@ from torch import nn
 
 from rlhf_dist.config import PerfConfig
 from rlhf_dist.data.chat import is_stop
+from rlhf_dist.data.vision import Media
 from rlhf_dist.engine.cpu import decode_context
 from rlhf_dist.engine.forward import (
     DEFAULT_PERF,
@@ -54,6 +55,23 @@ def truncate_after_eos(
     return ids, mask, is_eos.any(dim=1)
 
 
+def cut_before(
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    finished: torch.Tensor,
+    token_id: int,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`truncate_after_eos`'s (ids, response_mask, finished), each response cut before the
+    first `token_id` it holds (PAD from there, mask False, not finished): a vision model's
+    image token (data/vision.py RowMedia) in a response would ask every later forward for
+    an image the prompt does not have. Shapes (B, T), (B, T), (B,)."""
+    hit = (response_ids == token_id) & response_mask
+    after = torch.cumsum(hit.long(), dim=1) > 0
+    ids = torch.where(after, torch.full_like(response_ids, pad_id), response_ids)
+    return ids, response_mask & ~after, finished & ~hit.any(dim=1)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -65,6 +83,7 @@ def generate(
     stop_ids: int | Sequence[int] | None = None,
     perf: PerfConfig = DEFAULT_PERF,
     streams: Streams | None = None,
+    media: Media | None = None,
 ) -> torch.Tensor:
     """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
     PAD after a row's first stop token (any of `stop_ids`; None: the tokenizer's EOS);
@@ -83,13 +102,16 @@ def generate(
     perf.packed_linears and perf.grouped_kv_attention, engine/cpu.py `decode_context`).
     streams: [(torch.Generator, n)] over the rows in order, their draws
     (sampling.sample_categorical); None: the global RNG.
+    media: a vision-language model's pixel inputs of the prompts' images
+    (data/vision.py), taken by the prefill (`forward.prefill_inputs`); the image features
+    are then in the KV cache and each decode step feeds one token.
     """
     pad = tokenizer.pad_token_id
     stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
     eos = torch.as_tensor(stops, dtype=torch.long, device=prompt_ids.device).reshape(-1)
     mask = prompt_mask.long()
     with decode_context(model, prompt_ids.shape[0], perf):
-        logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf))
+        logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf), media)
         return _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad, streams)
 
 
@@ -133,13 +155,17 @@ def _decode(
 
 
 def _prefill(
-    model: nn.Module, prompt_ids: torch.Tensor, mask: torch.Tensor, share: bool
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    mask: torch.Tensor,
+    share: bool,
+    media: Media | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The prefill forward of left-padded prompts (B, P): the last position's logits
     (B, V) and the KV cache (`cache_of`). With `share` each distinct prompt runs once
     and its cache and logits are indexed out to its rows (algo/prefix.py): GRPO's n
     samples of a prompt cost one prompt forward, not n."""
-    out, cache, inverse = prompt_cache(model, prompt_ids, mask, share)
+    out, cache, inverse = prompt_cache(model, prompt_ids, mask, share, media)
     logits = out.logits[:, -1]
     return (logits, cache) if inverse is None else (logits.index_select(0, inverse), cache)
 

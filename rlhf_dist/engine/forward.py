@@ -23,6 +23,7 @@ from rlhf_dist.algo.logprobs import logprobs_and_entropy, logprobs_from_hidden
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.algo.prefix import unique_prompts
 from rlhf_dist.config import PerfConfig
+from rlhf_dist.data.vision import Media, token_inputs
 from rlhf_dist.distributed.sequence_parallel import active_group
 from rlhf_dist.distributed.zero3 import stays_whole, whole_tensors
 from rlhf_dist.engine import packing
@@ -63,6 +64,7 @@ def token_logprobs(
     with_entropy: bool = False,
     prompt_width: int | None = None,
     perf: PerfConfig = DEFAULT_PERF,
+    media: Media | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """THE sequence log-prob function (docs/architecture.md section 10): log-probs (B, T) of
     the last T tokens of `input_ids` under causal LM `model` at the sampling `temperature`
@@ -79,6 +81,8 @@ def token_logprobs(
     share (a rollout); with perf.shared_prompt_forward each distinct one is run once
     (`final_hidden_states`). perf: the speed paths (config.PerfConfig); each off gives the
     same values within the tolerances tests/unit/test_unit_perf_switches.py states.
+    media: a vision-language model's pixel inputs of the batch's images by the processor's
+    names (data/vision.py; pixel_values (n_images, ...), ...), passed to every forward.
     """
     lp, entropy, _ = token_forward(
         model,
@@ -89,6 +93,7 @@ def token_logprobs(
         with_entropy,
         prompt_width,
         perf,
+        media=media,
     )
     return lp, entropy
 
@@ -103,6 +108,7 @@ def token_forward(
     prompt_width: int | None = None,
     perf: PerfConfig = DEFAULT_PERF,
     divergence: Divergence | None = None,
+    media: Media | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`token_logprobs` (arguments alike), and with `divergence` a third output: a per-token
     term (B, T) computed in the same forward from the final hidden states of the scored
@@ -114,7 +120,7 @@ def token_forward(
     if hasattr(model, "scoring_model"):
         with model.scoring_model() as inner:
             args = (input_ids, attention_mask, predict_mask, temperature, with_entropy)
-            return token_forward(inner, *args, prompt_width, perf, divergence)
+            return token_forward(inner, *args, prompt_width, perf, divergence, media)
     predict_mask, lm = predict_mask.bool(), causal_lm(model)
     group = active_group()
     if group is not None:  # a pooled micro-batch, 1/n of its columns here (sequence_parallel)
@@ -123,7 +129,8 @@ def token_forward(
         split = (input_ids, attention_mask, predict_mask, temperature, with_entropy, perf, group)
         return (*sequence_parallel_logprobs(model, lm, *split, head_logprobs), None)
     T = predict_mask.shape[1]
-    hidden, tokens = _scored_states(model, lm, input_ids, attention_mask, T, prompt_width, perf)
+    inputs = (input_ids, attention_mask, T, prompt_width, perf, media)
+    hidden, tokens = _scored_states(model, lm, *inputs)
     selected = predict_mask
     if not bool(predict_mask.any()):
         # Nothing to score (e.g. a micro-batch whose rows ppo.overlong=mask left out): score
@@ -155,11 +162,12 @@ def _scored_states(
     T: int,
     prompt_width: int | None,
     perf: PerfConfig,
+    media: Media | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(final hidden states (B, T, H) of the positions that predict the last T tokens,
     those tokens (B, T)) from one forward of `model` (`final_hidden_states`)."""
     L = input_ids.shape[1]
-    full = final_hidden_states(model, lm, input_ids, attention_mask, prompt_width, perf)
+    full = final_hidden_states(model, lm, input_ids, attention_mask, prompt_width, perf, media)
     return full[:, L - 1 - T : L - 1], input_ids[:, L - T :]
 
 
@@ -208,6 +216,7 @@ def final_hidden_states(
     attention_mask: torch.Tensor,
     prompt_width: int | None = None,
     perf: PerfConfig = DEFAULT_PERF,
+    media: Media | None = None,
 ) -> torch.Tensor:
     """The backbone's last hidden states (B, L, H) of `lm` (the transformers model inside
     `model`), from a forward of `model` itself: DeepSpeed's, DDP's and peft's forward
@@ -215,11 +224,13 @@ def final_hidden_states(
     With perf.packed_sequences the forward runs on the packed rows (`packing_layout`)
     and the states come back in the padded layout, 0 at padding. Otherwise, given a
     prompt_width and perf.shared_prompt_forward, the prompt columns run once per
-    distinct prompt (`_shared_prompt_forward`)."""
+    distinct prompt (`_shared_prompt_forward`). With `media` (pixel inputs, data/vision.py)
+    the forward is one whole padded one: rows with equal prompt ids may hold different
+    images, and packing is refused for images at load (models/vision.py)."""
     seen: list[torch.Tensor] = []
     backbone = getattr(lm, lm.base_model_prefix)
-    layout = packing.packing_layout(lm, attention_mask, perf.packed_sequences)
-    shared = layout is None and prompt_width is not None and shares_prompts(lm, perf)
+    layout = None if media else packing.packing_layout(lm, attention_mask, perf.packed_sequences)
+    shared = not media and layout is None and prompt_width is not None and shares_prompts(lm, perf)
 
     def keep(module: nn.Module, args: tuple, output: Any) -> None:
         seen.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
@@ -232,6 +243,7 @@ def final_hidden_states(
             return torch.cat([seen[0].index_select(0, inverse), seen[1]], dim=1)
         model(
             **packing.backbone_inputs(input_ids, attention_mask, layout),
+            **token_inputs(input_ids, media),
             logits_to_keep=1,
             # A whole-sequence forward needs no KV cache; transformers would otherwise
             # build one on every call (use_cache defaults to True in most configs), which
@@ -280,7 +292,11 @@ def _shared_prompt_forward(
 
 
 def prompt_cache(
-    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share: bool
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    share: bool,
+    media: Media | None = None,
 ) -> tuple[Any, dict[str, Any], torch.Tensor | None]:
     """The prompt forward of left-padded prompts (B, P) with a KV cache, the model's head
     on the last position only. With `share` it runs over the distinct rows only
@@ -288,23 +304,32 @@ def prompt_cache(
     (`Cache.reorder_cache`: index_select, so gradients sum over each group).
     Returns (the forward's output: U rows when shared, else B; the cache as `cache_of`
     gives it, B rows; inverse (B,): row b's prompt is output row inverse[b], None when
-    not shared)."""
+    not shared). media: the prompts' pixel inputs (data/vision.py), then never shared:
+    equal prompt ids may hold different images."""
     inverse: torch.Tensor | None = None
-    if share:
+    if share and not media:
         ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
     else:
         ids, mask = prompt_ids, prompt_mask
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=packing.position_ids_from(mask),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    out = model(**prefill_inputs(ids, mask, media), use_cache=True, logits_to_keep=1)
     cache = cache_of(out)
     if inverse is not None:
         next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
     return out, cache, inverse
+
+
+def prefill_inputs(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, media: Media | None = None
+) -> dict[str, Any]:
+    """The model inputs of a prefill over left-padded prompts (B, P): ids, mask, positions
+    counting real tokens only, and a vision model's pixel inputs. The one place a
+    family-specific position rule (M-RoPE's 3-D positions) takes over the positions."""
+    inputs = {
+        "input_ids": prompt_ids,
+        "attention_mask": prompt_mask,
+        "position_ids": packing.position_ids_from(prompt_mask),
+    }
+    return inputs | token_inputs(prompt_ids, media)
 
 
 def cache_of(output: Mapping[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlhf_dist.config import GenerationConfig
+from rlhf_dist.data.vision import RowMedia
 from rlhf_dist.engine.sampling import Sampling
+from rlhf_dist.errors import ConfigError
 
 if TYPE_CHECKING:
     from rlhf_dist.distributed import Runtime
@@ -107,7 +109,7 @@ class Sampler(Protocol):
     def sample(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
-        seeds: Seeds | None = None, logprobs: bool = False,
+        seeds: Seeds | None = None, logprobs: bool = False, media: RowMedia | None = None,
     ) -> Samples:  # fmt: skip
         """One response per left-padded prompt (B, P) with the sampling keys `gen` (a
         GenerationConfig, or a served request's keys), stopping at any of `stop_ids`, PAD
@@ -127,7 +129,10 @@ class Sampler(Protocol):
         as always. The servers' client draws its shards' seeds itself: ValueError.
         logprobs: Samples.logprobs is wanted even from a sampler whose log-probs the
         rollout computes (hf): it scores its responses, cut after the first stop token, by
-        the actor's own forward at gen.temperature (engine/forward.py token_logprobs)."""
+        the actor's own forward at gen.temperature (engine/forward.py token_logprobs).
+        media: a vision run's pixel inputs of each row's images (data/vision.py), which
+        the prefill takes; only the decode loop (generation.backend=hf) samples images
+        (`refuse_images` in the others)."""
         ...
 
     def sleep(self) -> None:
@@ -185,3 +190,12 @@ class OnPolicyInProcess:
 
     def close(self) -> None:
         """Nothing in flight."""
+
+
+def refuse_images(media: RowMedia | None) -> None:
+    """One line for a sampler that does not take images yet (vLLM, the rollout servers):
+    the run's prompts hold some (docs/vision.md)."""
+    if media is not None and media.joined() is not None:
+        raise ConfigError(
+            "generation.backend: images are sampled by the decode loop (hf) only so far"
+        )

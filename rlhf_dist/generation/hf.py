@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_dist.config import GenerationConfig, PerfConfig
+from rlhf_dist.data.vision import Media, RowMedia
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.engine.sampling import Sampling
@@ -65,7 +66,7 @@ class HFSampler(OnPolicyInProcess):
     def sample(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
-        seeds: Seeds | None = None, logprobs: bool = False,
+        seeds: Seeds | None = None, logprobs: bool = False, media: RowMedia | None = None,
     ) -> Samples:  # fmt: skip
         """`generate` on each pass of `rows_per_pass` rows in order (the global RNG draws
         as one call per pass; with `seeds`, one pass whose groups draw from generators of
@@ -89,15 +90,18 @@ class HFSampler(OnPolicyInProcess):
             for s in _passes(n, step):
                 ids, mask = prompt_ids[s], prompt_mask[s]
                 streams = _streams(seeds, ids.device)
+                pixels = None if media is None else media[s].joined()
                 span = recording().on(actor) if self.routing else contextlib.nullcontext()
                 with span:
                     out = generate(
-                        actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf, streams
-                    )
+                        actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf, streams,
+                        pixels,
+                    )  # fmt: skip
                 if isinstance(span, RoutingSpan):  # (b, P + fed tokens, L, k)
                     routed.append(span.recorded(ids.shape[0]))
                 if logprobs:
-                    out, lp = _scored(actor, ids, mask, out, gen, stop_ids, pad_id, self.perf)
+                    prompt = (ids, mask, pixels)
+                    out, lp = _scored(actor, prompt, out, gen, stop_ids, pad_id, self.perf)
                     scored.append(lp)
                 responses.append(out)
         width = max(r.shape[1] for r in responses)
@@ -131,15 +135,18 @@ def _streams(seeds: Seeds | None, device: torch.device) -> list[tuple[torch.Gene
 
 @torch.no_grad()
 def _scored(
-    actor: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out: torch.Tensor,
+    actor: Any, prompt: tuple[torch.Tensor, torch.Tensor, Media | None], out: torch.Tensor,
     gen: Sampling, stop_ids: StopIds, pad_id: int, perf: PerfConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(responses cut after their first stop token, their float32 log-probs under `actor`
-    at gen.temperature, 0 on padding): token_logprobs of the prompts followed by them."""
+    at gen.temperature, 0 on padding): token_logprobs of the prompts (ids, mask (B, P),
+    pixel inputs or None) followed by them."""
+    prompt_ids, prompt_mask, media = prompt
     out, response_mask, _ = truncate_after_eos(out, stop_ids, pad_id)
     logprobs, _ = token_logprobs(
         actor, torch.cat([prompt_ids, out], 1), torch.cat([prompt_mask, response_mask.long()], 1),
         response_mask, gen.temperature, prompt_width=prompt_ids.shape[1], perf=perf,
+        media=media,
     )  # fmt: skip
     return out, logprobs.float()
 

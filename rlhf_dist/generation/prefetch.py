@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_dist.config import GenerationConfig
+from rlhf_dist.data.vision import RowMedia
 from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ServerError, UserError
-from rlhf_dist.generation.base import Prompts, Samples, Seeds, StopIds
+from rlhf_dist.generation.base import Prompts, Samples, Seeds, StopIds, refuse_images
 from rlhf_dist.generation.server import ServerEngine, _no_seeds, _versions
 
 if TYPE_CHECKING:
@@ -126,11 +127,12 @@ class PrefetchingServer:
     def sample(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
-        seeds: Seeds | None = None, logprobs: bool = False,
+        seeds: Seeds | None = None, logprobs: bool = False, media: RowMedia | None = None,
     ) -> Samples:  # fmt: skip
         """`generate`: each row stamped with the version that sampled it (maybe one sync
         old). No `seeds`, as ServerEngine.sample."""
         _no_seeds(seeds)
+        refuse_images(media)
         ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
         return Samples(ids, logprobs, _versions(ids, self.version))
 

@@ -32,6 +32,7 @@ import torch
 
 from rlhf_dist.checkpoint import fault_active, maybe_fault
 from rlhf_dist.config import Config, GenerationConfig
+from rlhf_dist.data.vision import RowMedia
 from rlhf_dist.distributed.weight_sync import (
     MemoryGrowth,
     SyncGroup,
@@ -44,7 +45,14 @@ from rlhf_dist.distributed.weight_sync import (
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ConfigError, ServerError, UserError
-from rlhf_dist.generation.base import GenerationContext, Prompts, Samples, Seeds, StopIds
+from rlhf_dist.generation.base import (
+    GenerationContext,
+    Prompts,
+    Samples,
+    Seeds,
+    StopIds,
+    refuse_images,
+)
 from rlhf_dist.generation.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 from rlhf_dist.http_client import HTTPFailure, JSONClient
 from rlhf_dist.models.lora import adapter_weights
@@ -354,12 +362,13 @@ class ServerEngine:
     def sample(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
-        seeds: Seeds | None = None, logprobs: bool = False,
+        seeds: Seeds | None = None, logprobs: bool = False, media: RowMedia | None = None,
     ) -> Samples:  # fmt: skip
         """`generate` (every rank together), each row stamped with the synced version; the
         servers' log-probs always come with the tokens. No `seeds`: the shards' seeds are
         drawn from the global RNG (`request`)."""
         _no_seeds(seeds)
+        refuse_images(media)
         version = self.version
         ids, lp, routed = self.generate_routed(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
         return Samples(ids, lp, _versions(ids, version), routed)

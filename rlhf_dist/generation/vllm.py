@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_dist.config import Config, GenerationConfig
+from rlhf_dist.data.vision import RowMedia
 from rlhf_dist.distributed import before_destroy
 from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.sampling import Sampling
@@ -34,6 +35,7 @@ from rlhf_dist.generation.base import (
     Samples,
     Seeds,
     StopIds,
+    refuse_images,
 )
 from rlhf_dist.models.loading import context_length, train_dtype
 
@@ -347,11 +349,12 @@ class VLLMEngine(OnPolicyInProcess):
     def sample(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: Sampling,
         stop_ids: StopIds, pad_id: int, rows_per_pass: int | None = None,
-        seeds: Seeds | None = None, logprobs: bool = False,
+        seeds: Seeds | None = None, logprobs: bool = False, media: RowMedia | None = None,
     ) -> Samples:  # fmt: skip
         """`generate` of the whole shard at once (vLLM schedules its own batches), each
         row's seed from the global RNG, or from its group's seed (`group_seeds`); vLLM's
         log-probs always come with the tokens."""
+        refuse_images(media)
         rows = None if seeds is None else group_seeds(seeds)
         ids, sampled = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id, rows)
         return Samples(ids, sampled)

@@ -1,4 +1,5 @@
-"""Loading the four models of RLHF: policy / actor / reference (`AutoModelForCausalLM`),
+"""Loading the four models of RLHF: policy / actor / reference (`AutoModelForCausalLM`,
+or `AutoModelForImageTextToText` for a vision-language policy: models/vision.py),
 reward model and critic (`AutoModelForSequenceClassification`, num_labels=1), their
 tokenizer and stop tokens, dtypes, dropout off and gradient checkpointing.
 """
@@ -19,6 +20,7 @@ from rlhf_dist.config.paths import missing_model
 from rlhf_dist.data.chat import chat_for, stop_token_ids
 from rlhf_dist.engine.sequence_parallel import checkpoint_contexts
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.models.vision import freeze_vision, vision_config
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -117,12 +119,18 @@ def load_causal_lm(
     load_in_4bit (QLoRA, lora.load_in_4bit): every linear layer but the output head in
     bitsandbytes NF4 (no double quantization, blocks of 64), computing in `dtype`, placed
     on this process's device (quantization happens as the weights land there)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs = _load_kwargs(source, dtype)
     if load_in_4bit:
         kwargs |= nf4_load_kwargs(dtype)
-    model = _from_pretrained(AutoModelForCausalLM, path, key, **kwargs)
+    if vision_config(path, kwargs["trust_remote_code"]) is None:
+        return disable_dropout(_from_pretrained(AutoModelForCausalLM, path, key, **kwargs))
+    # A vision-language model (docs/vision.md): its image-text-to-text class, the vision
+    # tower and projector frozen unless model.freeze_vision says otherwise.
+    model = _from_pretrained(AutoModelForImageTextToText, path, key, **kwargs)
+    if getattr(source, "freeze_vision", True):
+        freeze_vision(model)
     return disable_dropout(model)
 
 

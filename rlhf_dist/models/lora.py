@@ -19,6 +19,7 @@ from torch import nn
 from rlhf_dist.config import LoRAConfig
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import sub_state_dict
+from rlhf_dist.models.vision import is_vision_part, language_model_modules
 
 
 def add_adapters(
@@ -42,7 +43,7 @@ def add_adapters(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
         lora_dropout=0.0,  # dropout makes old and new log-probs disagree at ratio 1
-        target_modules=list(lora_cfg.target_modules),
+        target_modules=lora_targets(model, lora_cfg.target_modules),
         task_type=task_type,
         modules_to_save=[trainable_head] if trainable_head else None,
     )
@@ -227,3 +228,12 @@ def export_lora(
     if directory_merged is not None:
         merged = model.merge_and_unload()
         merged.save_pretrained(directory_merged, safe_serialization=True)
+
+
+def lora_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """peft's target_modules for lora.target_modules: the names as given, or, in a
+    vision-language model, the full names of the matching modules of its language model
+    only (docs/vision.md: the vision tower's attention has q_proj/k_proj/v_proj too)."""
+    if not any(is_vision_part(name) for name, _ in model.named_modules()):
+        return list(targets)
+    return language_model_modules(model, targets)

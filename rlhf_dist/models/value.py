@@ -17,6 +17,7 @@ from torch import nn
 
 from rlhf_dist.algo.packing import unpack_tokens
 from rlhf_dist.config import Config, PerfConfig
+from rlhf_dist.data.vision import Media
 from rlhf_dist.engine import packing
 from rlhf_dist.engine.forward import DEFAULT_PERF, Divergence, causal_lm, token_forward
 from rlhf_dist.errors import ConfigError
@@ -107,6 +108,7 @@ class ActorCritic(nn.Module):
         share_prompts: bool = True,
         divergence: Divergence | None = None,
         routing: RoutingSpan | None = None,
+        media: Media | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         """Log-probs, entropies and values at the positions that predict the last
         T = response_mask.shape[1] tokens.
@@ -127,6 +129,8 @@ class ActorCritic(nn.Module):
         routing: a mixture-of-experts actor's forward runs inside this span over the
         actor's routers (models/routing.py: recording, or replaying a (B, P+T, L, k)
         routing), on the plain path that keeps the P + T layout of a recording.
+        media: a vision-language actor's pixel inputs of the batch's images
+        (data/vision.py), for the actor's forward; the critic reads text only.
         """
         logprobs: torch.Tensor | None = None
         entropy: torch.Tensor | None = None
@@ -146,6 +150,7 @@ class ActorCritic(nn.Module):
                     P if share_prompts else None,
                     perf,
                     divergence,
+                    media,
                 )
         if self.critic is not None and with_critic:
             T = response_mask.shape[1]

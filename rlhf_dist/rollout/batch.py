@@ -11,6 +11,7 @@ import torch
 
 from rlhf_dist.algo.masking import last_token_index
 from rlhf_dist.data.rows import PromptSet, Text, left_pad
+from rlhf_dist.data.vision import Media, RowMedia
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,6 +33,7 @@ class PromptBatch:
     mask: torch.Tensor
     texts: list[Text]
     columns: list[dict] = field(default_factory=list)
+    media: RowMedia | None = None  # a vision run's pixel inputs per row (data/vision.py)
 
     def __post_init__(self) -> None:
         if self.columns and len(self.columns) != len(self.texts):
@@ -46,7 +48,10 @@ class PromptBatch:
         ids, mask = left_pad([prompts.ids[i] for i in rows], pad_id)
         columns = [prompts.columns[i] for i in rows] if prompts.columns else []
         texts = [prompts.texts[i] for i in rows]
-        return cls(ids.to(device), mask.to(device), texts, columns)
+        media = None
+        if prompts.image_token_id is not None:  # a vision run
+            media = RowMedia(tuple(prompts.media[i] for i in rows), prompts.image_token_id)
+        return cls(ids.to(device), mask.to(device), texts, columns, media)
 
     def rows(self, s: slice) -> tuple[list[Text], list[dict]]:
         """(texts, columns) of the rows `s` (no columns: an empty dict per row)."""
@@ -108,6 +113,14 @@ class RolloutBatch:
             return None
         return torch.cat([self.prompt_routing, self.response_routing], dim=1)
 
+    # A vision run's pixel inputs of each row's prompt images (data/vision.py); every
+    # forward over these rows takes them (`pixel_inputs`). None for text.
+    media: RowMedia | None = None
+
+    def pixel_inputs(self) -> Media | None:
+        """The model inputs of the rows' images, joined in row order; None without any."""
+        return None if self.media is None else self.media.joined()
+
     @property
     def input_ids(self) -> torch.Tensor:
         """(B, P + T) prompt and response ids."""
@@ -150,7 +163,7 @@ class RolloutBatch:
         cut = {}
         for f in fields(self):
             x = getattr(self, f.name)
-            if x is None:
+            if x is None or isinstance(x, RowMedia):
                 pass
             elif f.name.startswith("prompt_"):
                 x = x[:, start:]

@@ -20,8 +20,9 @@ import torch
 
 from rlhf_dist.config import Config, GenerationConfig, PerfConfig
 from rlhf_dist.data.rows import Text
+from rlhf_dist.data.vision import Media
 from rlhf_dist.engine.cpu import scoring_context
-from rlhf_dist.engine.decode import decode_responses, truncate_after_eos
+from rlhf_dist.engine.decode import cut_before, decode_responses, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import UserError
 from rlhf_dist.generation import HFSampler, Sampler
@@ -168,13 +169,14 @@ def _single_turn(
     """One response per prompt -> (the rollout tensors, the prompts and response texts the
     scorer reads, None: no environment rewards)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
-    response_ids, sampler_logprobs, routing = _sample(
-        models, prompts.ids, prompts.mask, gen, chunks, tokenizer
-    )
+    response_ids, sampler_logprobs, routing = _sample(models, prompts, gen, chunks, tokenizer)
     if models.routing_replay == "r3" and routing is None:
         raise ValueError("ppo.routing_replay=r3: the sampler returned no routing")
     keep = prompts.ids.shape[1] + response_ids.shape[1]
     response_ids, response_mask, finished = truncate_after_eos(response_ids, eos, pad)
+    if prompts.media is not None:  # a vision run: no image token in a response
+        cut = cut_before(response_ids, response_mask, finished, prompts.media.image_token_id, pad)
+        response_ids, response_mask, finished = cut
     texts = decode_responses(tokenizer, response_ids, response_mask, eos)
     sampled = {
         "prompt_ids": prompts.ids,
@@ -183,6 +185,7 @@ def _single_turn(
         "response_mask": response_mask,
         "finished": finished,
         "sampler_logprobs": sampler_logprobs,
+        "media": prompts.media,
     }
     if routing is not None and models.routing_replay == "r3":  # scoring replays it
         sampled["sampler_routing"] = routing[:, :keep]
@@ -299,22 +302,29 @@ def _agent_episodes(
 
 def _sample(
     models: RolloutModels,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
+    prompts: PromptBatch,
     gen: GenerationConfig,
     chunks: list[slice],
     tokenizer: PreTrainedTokenizerBase,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Responses (B, T), PAD-padded, the sampler's log-probs (B, T) (None: the hf
     backend, whose sampler is the trainer's own forward) and its routing (B, P + T, L, k)
-    (Samples.routing; None unless recorded)."""
+    (Samples.routing; None unless recorded); a vision run's prompts come with their pixel
+    inputs (prompts.media)."""
     eos, pad = models.stop_ids or (tokenizer.eos_token_id,), tokenizer.pad_token_id
-    sampler = models.sampler
+    sampler, prompt_ids, prompt_mask = models.sampler, prompts.ids, prompts.mask
     # the actor's weights, once per rollout (vLLM: whole; rollout servers: a bucket at a time)
     sampler.sync(prompt_ids, prompt_mask, gen, eos, tokenizer)
     # the decode loop samples a micro batch at a time; vLLM and the servers the whole shard
     micro = chunks[0].stop - chunks[0].start
-    samples = sampler.sample(prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro)
+    # images only where there are some: a Sampler written before images keeps working
+    if prompts.media is None:
+        samples = sampler.sample(prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro)
+    else:
+        media = prompts.media
+        samples = sampler.sample(
+            prompt_ids, prompt_mask, gen, eos, pad, rows_per_pass=micro, media=media
+        )
     sampler.sleep()  # GPU: free its memory for scoring and the update
     return samples.response_ids, samples.logprobs, samples.routing
 
@@ -347,7 +357,12 @@ def _scoring_forwards(
     if models.routing_replay != "none":  # validation: no sequence parallelism with it
         return [_routed_chunk(models, sampled, x, s, temperature) for x, s in zip(inputs, chunks)]
     if models.pool is None:
-        return [_chunk_forwards(models, x, temperature, with_actor) for x in inputs]
+        media = sampled.get("media")  # a vision run's pixel inputs, per row
+        pixels = [None if media is None else media[s].joined() for s in chunks]
+        return [
+            _chunk_forwards(models, x, temperature, with_actor, media=p)
+            for x, p in zip(inputs, pixels)
+        ]
     mine: list[dict[str, torch.Tensor | None]] = []
     for own, x in models.pool(inputs):
         with models.split():
@@ -401,44 +416,34 @@ def _chunk_forwards(
     temperature: float,
     with_actor: bool = True,
     routing: RoutingSpan | None = None,
+    media: Media | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Old log-probs, entropies and values, reference and teacher log-probs of one chunk's
     `_chunk_inputs`, each (B, T) float32 (None: not computed); with_actor=False leaves old
-    log-probs and entropies None; `routing`: the span the actor's forward runs in."""
+    log-probs and entropies None; `routing`: the span the actor's forward runs in; media:
+    the chunk's pixel inputs (a vision run), which the actor's and the reference's forwards
+    take."""
     input_ids, attention_mask, response_mask, P = inputs
+    args = (input_ids, attention_mask, response_mask, temperature)
     old_logprobs = entropy = values = None
     if with_actor or models.has_critic:
         old_logprobs, entropy, values = models.actor_critic(
-            input_ids,
-            attention_mask,
-            response_mask,
-            temperature,
+            *args,
             with_entropy=True,
             with_actor=with_actor,
+            media=media,
             **({} if routing is None else {"routing": routing}),
         )
     if models.reference is not None:
         ref_logprobs, _ = token_logprobs(
-            models.reference,
-            input_ids,
-            attention_mask,
-            response_mask,
-            temperature,
-            prompt_width=P,
-            perf=models.perf,
+            models.reference, *args, prompt_width=P, perf=models.perf, media=media
         )
     else:  # no reference: KL 0 (ref = old; with the skip, filled in after the update)
         ref_logprobs = None if old_logprobs is None else old_logprobs.clone()
     teacher_logprobs = None
     if models.teacher is not None:  # scored like the reference, at the sampling temperature
         teacher_logprobs, _ = token_logprobs(
-            models.teacher,
-            input_ids,
-            attention_mask,
-            response_mask,
-            temperature,
-            prompt_width=P,
-            perf=models.perf,
+            models.teacher, *args, prompt_width=P, perf=models.perf
         )
     return {
         "old_logprobs": old_logprobs,

@@ -32,6 +32,7 @@ from rlhf_dist.config import (
     to_dict,
 )
 from rlhf_dist.data.batching import global_batches, stage_plan
+from rlhf_dist.data.vision import VisionInputs
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import Preempted, TrainingDiverged  # noqa: F401 (Preempted re-exported)
 from rlhf_dist.models import (
@@ -210,6 +211,17 @@ def save_pretrained(
         target.save_pretrained(directory, state_dict=own, safe_serialization=True)
         tokenizer.save_pretrained(directory)
     runtime.barrier()
+
+
+def save_processor(runtime: Runtime, vision: VisionInputs | None, directories: list[Path]) -> None:
+    """A vision-language policy's processor (image processor, chat template) saved next to
+    its exported weights, so the next stage and `from_pretrained` users load it; nothing
+    for a text policy. Called before the tokenizer is saved there: the run's tokenizer
+    (export_tokenizer) replaces the processor's copy. Main process only."""
+    if vision is None or not runtime.is_main:
+        return
+    for directory in directories:
+        vision.processor.save_pretrained(str(directory))
 
 
 def resume_into(

@@ -34,10 +34,12 @@ from rlhf_dist.algo.preference import (
 from rlhf_dist.config import Config, DPOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.rows import PreferencePair, SFTExample, load_data, preference_pairs
+from rlhf_dist.data.vision import VisionInputs
 from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.names import REFERENCE_FREE_LOSSES
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
@@ -54,6 +56,7 @@ from rlhf_dist.trainers.preference import (
     build_policy,
     build_reference,
     export_policy,
+    media_of,
     reference_logprobs,
     reference_table,
     response_batch,
@@ -69,8 +72,8 @@ CONSOLE = ("dpo/loss", "rewards/accuracy", "rewards/margins")
 
 def pair_sequences(pairs: Sequence[PreferencePair]) -> list[SFTExample]:
     """All chosen sequences, then all rejected ones: the (2B,) layout of one forward."""
-    return [SFTExample(p.chosen, p.prompt_len) for p in pairs] + [
-        SFTExample(p.rejected, p.prompt_len) for p in pairs
+    return [SFTExample(p.chosen, p.prompt_len, media=p.media) for p in pairs] + [
+        SFTExample(p.rejected, p.prompt_len, media=p.media) for p in pairs
     ]
 
 
@@ -121,7 +124,8 @@ def reference_free_terms(
     terms add `nll_sum` (0-dim, over `nll_mask`) and `nll_tokens`."""
     mask, nll = batch["response_mask"], nll_mask(batch, dc)
     ids, attention = batch["input_ids"], batch["attention_mask"]
-    logprobs, _ = token_logprobs(model, ids, attention, mask | nll, perf=perf)
+    media = media_of(batch)
+    logprobs, _ = token_logprobs(model, ids, attention, mask | nll, perf=perf, media=media)
     sums, lengths, half = sequence_logprobs(logprobs, mask), mask.sum(1), mask.shape[0] // 2
     chosen, rejected = (sums[:half], lengths[:half]), (sums[half:], lengths[half:])
     if dc.loss_type == "simpo":
@@ -222,12 +226,17 @@ def dpo_step(
 
 
 def load_dpo_pairs(
-    cfg: Config, runtime: Runtime, tokenizer: PreTrainedTokenizerBase
+    cfg: Config,
+    runtime: Runtime,
+    tokenizer: PreTrainedTokenizerBase,
+    vision: VisionInputs | None = None,
 ) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    """Training and held-out pairs (the `rm` formats: chosen/rejected or ranked responses)."""
+    """Training and held-out pairs (the `rm` formats: chosen/rejected or ranked responses;
+    with `vision`, prompts with images: docs/vision.md)."""
     rows = load_data(cfg.data, "train")
     d, field = cfg.data, cfg.dpo.responses_field
-    train, report = preference_pairs(rows, tokenizer, d, field, f"data.train {d.train!r}")
+    where = f"data.train {d.train!r}"
+    train, report = preference_pairs(rows, tokenizer, d, field, where, vision)
     runtime.print(report.summary("preference pairs"))
     if len(train) < cfg.dpo.batch_size:
         raise ConfigError(
@@ -236,7 +245,7 @@ def load_dpo_pairs(
     evals: list[PreferencePair] = []
     if cfg.data.eval:
         rows = load_data(cfg.data, "eval")
-        evals = preference_pairs(rows, tokenizer, d, field, f"data.eval {d.eval!r}")[0]
+        evals = preference_pairs(rows, tokenizer, d, field, f"data.eval {d.eval!r}", vision)[0]
     return train, evals
 
 
@@ -294,7 +303,8 @@ def reference_free_eval(
         every = batch["attention_mask"][:, 1:].bool()
         with runtime.autocast():
             ids, attention = batch["input_ids"], batch["attention_mask"]
-            logprobs, _ = token_logprobs(model, ids, attention, every, perf=perf)
+            media = media_of(batch)
+            logprobs, _ = token_logprobs(model, ids, attention, every, perf=perf, media=media)
         sums = [
             sequence_logprobs(logprobs, batch["response_mask"]),
             sequence_logprobs(logprobs, every),
@@ -346,7 +356,8 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
     content."""
     ckpt, dc = find_resume(cfg, runtime), cfg.dpo
     tokenizer = tokenizer_for(cfg, "policy")
-    train, evals = load_dpo_pairs(cfg, runtime, tokenizer)
+    vision = policy_vision(cfg)  # None for a text policy
+    train, evals = load_dpo_pairs(cfg, runtime, tokenizer, vision)
     trained, plan, batches = build_policy(cfg, runtime, dc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     reference_free = dc.loss_type in REFERENCE_FREE_LOSSES  # SimPO, ORPO: no reference at all
@@ -394,7 +405,7 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
         numbers = evaluate_dpo(runtime, model, reference, evals, eval_table, dc, pad, cfg.perf)
         logger.log(len(batches), {f"dpo/{k}": v for k, v in numbers.items()}, ())
         summary |= numbers
-    export_policy(cfg, runtime, model, tokenizer, out)
+    export_policy(cfg, runtime, model, tokenizer, out, vision)
     write_summary(runtime, out, summary)
     logger.close()
     publish(cfg, runtime, out, "dpo", summary)

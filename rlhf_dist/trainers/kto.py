@@ -22,10 +22,12 @@ from rlhf_dist.algo.preference import kto_reference_point, kto_terms
 from rlhf_dist.config import Config, KTOConfig, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.rows import KTOExample, SFTExample, kto_examples, load_data
+from rlhf_dist.data.vision import VisionInputs
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import (
@@ -56,12 +58,16 @@ CONSOLE = ("kto/loss", "kto/kl", "rewards/margins")
 
 def completion_sequences(examples: Sequence[KTOExample]) -> list[SFTExample]:
     """Each example's prompt with its own completion (the loss is on the completion)."""
-    return [SFTExample(ex.prompt + ex.completion, len(ex.prompt)) for ex in examples]
+    return [
+        SFTExample(ex.prompt + ex.completion, len(ex.prompt), media=ex.media) for ex in examples
+    ]
 
 
 def mismatched_sequences(examples: Sequence[KTOExample]) -> list[SFTExample]:
     """Each example's prompt with another example's completion (KTO's KL estimate)."""
-    return [SFTExample(ex.prompt + ex.kl_completion, len(ex.prompt)) for ex in examples]
+    return [
+        SFTExample(ex.prompt + ex.kl_completion, len(ex.prompt), media=ex.media) for ex in examples
+    ]
 
 
 @torch.no_grad()
@@ -160,12 +166,16 @@ def kto_step(
 
 
 def load_kto_examples(
-    cfg: Config, runtime: Runtime, tokenizer: PreTrainedTokenizerBase
+    cfg: Config,
+    runtime: Runtime,
+    tokenizer: PreTrainedTokenizerBase,
+    vision: VisionInputs | None = None,
 ) -> tuple[list[KTOExample], list[KTOExample]]:
-    """Training and held-out examples (data.eval, same formats; [] without it)."""
+    """Training and held-out examples (data.eval, same formats; [] without it); with
+    `vision`, prompts with images (docs/vision.md)."""
     rows = load_data(cfg.data, "train")
     where = f"data.train {cfg.data.train!r}"
-    train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)
+    train, report = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where, vision)
     desirable = sum(ex.desirable for ex in train)
     runtime.print(
         f"{report.summary('kto examples')} ({desirable} desirable, {len(train) - desirable} undesirable)"
@@ -178,7 +188,7 @@ def load_kto_examples(
     if cfg.data.eval:
         rows = load_data(cfg.data, "eval")
         where = f"data.eval {cfg.data.eval!r}"
-        evals = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where)[0]
+        evals = kto_examples(rows, tokenizer, cfg.data, cfg.kto, where, vision)[0]
     return train, evals
 
 
@@ -220,7 +230,8 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
     """Train the policy with KTO as configured; returns the summary.json content."""
     ckpt, kc = find_resume(cfg, runtime), cfg.kto
     tokenizer = tokenizer_for(cfg, "policy")
-    train, evals = load_kto_examples(cfg, runtime, tokenizer)
+    vision = policy_vision(cfg)  # None for a text policy
+    train, evals = load_kto_examples(cfg, runtime, tokenizer, vision)
     trained, plan, batches = build_policy(cfg, runtime, kc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     reference = build_reference(cfg, runtime, model)
@@ -274,7 +285,7 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
         numbers = evaluate()
         logger.log(len(batches), {f"kto/eval_{k}": v for k, v in numbers.items()}, ())
         summary |= {f"eval_{k}": v for k, v in numbers.items()}
-    export_policy(cfg, runtime, model, tokenizer, out)
+    export_policy(cfg, runtime, model, tokenizer, out, vision)
     write_summary(runtime, out, summary)
     logger.close()
     publish(cfg, runtime, out, "kto", summary)

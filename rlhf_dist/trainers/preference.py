@@ -23,7 +23,8 @@ from rlhf_dist.algo.preference import sequence_logprobs
 from rlhf_dist.checkpoint import Checkpoint
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.chat import export_tokenizer
-from rlhf_dist.data.rows import SFTExample, collate_sft
+from rlhf_dist.data.rows import SFT_KEYS, SFTExample, collate_sft
+from rlhf_dist.data.vision import VisionInputs
 from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.files import atomic_write_text
@@ -35,6 +36,7 @@ from rlhf_dist.trainers.common import (
     Trained,
     prepare_single_model,
     save_pretrained,
+    save_processor,
 )
 
 if TYPE_CHECKING:
@@ -56,7 +58,16 @@ def response_batch(
         "input_ids": batch["input_ids"].to(device),
         "attention_mask": batch["attention_mask"].to(device),
         "response_mask": batch["loss_mask"].to(device),
-    }
+    } | {k: v.to(device) for k, v in batch.items() if k not in SFT_KEYS}  # pixel inputs
+
+
+# The text tensors of a `response_batch`; the rest are a vision batch's pixel inputs.
+RESPONSE_KEYS = ("input_ids", "attention_mask", "response_mask")
+
+
+def media_of(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The pixel inputs of a `response_batch` (data/vision.py), None for a text batch."""
+    return {k: v for k, v in batch.items() if k not in RESPONSE_KEYS} or None
 
 
 def response_logprobs(
@@ -67,7 +78,7 @@ def response_logprobs(
     mask = batch["response_mask"]
     # Temperature 1: no sampling is involved, the labelled responses are scored as given.
     ids, attention = batch["input_ids"], batch["attention_mask"]
-    logprobs, _ = token_logprobs(model, ids, attention, mask, perf=perf)
+    logprobs, _ = token_logprobs(model, ids, attention, mask, perf=perf, media=media_of(batch))
     return sequence_logprobs(logprobs, mask)
 
 
@@ -118,6 +129,8 @@ def _fingerprint(cfg: Config, seqs: list[SFTExample]) -> str:
     h = hashlib.sha256(f"{cfg.model.policy}|{cfg.lora.enabled}".encode())
     for s in seqs:
         h.update(json.dumps([s.prompt_len, s.ids]).encode())
+        for name, tensor in sorted((s.media or {}).items()):  # a vision row's images
+            h.update(name.encode() + tensor.numpy().tobytes())
     return h.hexdigest()
 
 
@@ -179,11 +192,14 @@ def export_policy(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     out: Path,
+    vision: VisionInputs | None = None,
 ) -> None:
     """final/ = the trained policy (merged with lora.export merged/both), final_adapter/ =
-    the LoRA adapter (adapter/both). Every rank must call this."""
+    the LoRA adapter (adapter/both), each with a vision policy's processor. Every rank
+    must call this."""
     m, lora, tokenizer = cfg.model, cfg.lora, export_tokenizer(tokenizer, cfg.data)
     if not lora.enabled:
+        save_processor(runtime, vision, [out / "final"])  # first: the run's tokenizer wins
         save_pretrained(runtime, model, tokenizer, out / "final", dtype=train_dtype(m))
         return
     state = runtime.full_state_dict(model)
@@ -197,6 +213,7 @@ def export_policy(
 
         with runtime.local_loading():
             export_lora(state, "", base, lora, "CAUSAL_LM", None, merged, adapter)
+        save_processor(runtime, vision, list(filter(None, (merged, adapter))))
         for directory in filter(None, (merged, adapter)):
             tokenizer.save_pretrained(directory)
     runtime.barrier()

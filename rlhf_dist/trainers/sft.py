@@ -8,8 +8,8 @@ the batch is split into ranks and micro-batches.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -18,11 +18,13 @@ from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
 from rlhf_dist.data.chat import export_tokenizer
-from rlhf_dist.data.rows import SFTExample, collate_sft, load_data, sft_examples
+from rlhf_dist.data.rows import SFT_KEYS, SFTExample, collate_sft, load_data, sft_examples
+from rlhf_dist.data.vision import Media, VisionInputs
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import load_causal_lm, tokenizer_for, train_dtype, trained_load_dtype
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import (
@@ -31,6 +33,7 @@ from rlhf_dist.trainers.common import (
     padding_cells,
     prepare_single_model,
     save_pretrained,
+    save_processor,
     share_of_global_mean,
     step_and_schedule,
     step_loop,
@@ -40,10 +43,20 @@ from rlhf_dist.trainers.publish import publish
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# logprobs_fn(model, input_ids, attention_mask, predict_mask) -> (log-probs (B, L-1), _)
-LogprobsFn: TypeAlias = Callable[
-    [nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]
-]
+
+class LogprobsFn(Protocol):
+    """logprobs_fn(model, input_ids, attention_mask, predict_mask, media=...) -> (log-probs
+    (B, L-1), _); media: a vision batch's pixel inputs (data/vision.py) or None."""
+
+    def __call__(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        predict_mask: torch.Tensor,
+        *,
+        media: Media | None = None,
+    ) -> tuple[torch.Tensor, Any]: ...
 
 
 def sequence_nll(
@@ -56,7 +69,9 @@ def sequence_nll(
     predict_mask) -> (log-probs (B, L-1), _): `causal_lm_logprobs` of a causal LM, or
     PPO-ptx's actor pass of an ActorCritic (trainers/ppo/ptx.py)."""
     mask = batch["loss_mask"]
-    logprobs, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"], mask)
+    # a vision batch's pixel inputs: every key beyond the text ones (data/vision.py)
+    media = {k: v for k, v in batch.items() if k not in SFT_KEYS} or None
+    logprobs, _ = logprobs_fn(model, batch["input_ids"], batch["attention_mask"], mask, media=media)
     return masked_sum(-logprobs, mask, dim=1), mask.sum(1)
 
 
@@ -134,18 +149,23 @@ def eval_nll(
 
 
 def load_sft_data(
-    cfg: Config, runtime: Runtime, tokenizer: PreTrainedTokenizerBase
+    cfg: Config,
+    runtime: Runtime,
+    tokenizer: PreTrainedTokenizerBase,
+    vision: VisionInputs | None = None,
 ) -> tuple[list[SFTExample], list[SFTExample]]:
     """(train, eval) examples of data.train and data.eval (eval: [] without it); a
-    ConfigError when fewer usable train examples than sft.batch_size remain."""
+    ConfigError when fewer usable train examples than sft.batch_size remain. `vision`:
+    a vision-language policy's (models.vision.policy_vision): rows may hold images."""
     d = cfg.data
     rows = load_data(d, "train")
-    train, report = sft_examples(rows, tokenizer, d, where=f"data.train {d.train!r}")
+    train, report = sft_examples(rows, tokenizer, d, where=f"data.train {d.train!r}", vision=vision)
     runtime.print(report.summary("sft data"))
     evals: list[SFTExample] = []
     if d.eval:
         rows = load_data(d, "eval")
-        evals = sft_examples(rows, tokenizer, d, where=f"data.eval {d.eval!r}")[0]
+        where = f"data.eval {d.eval!r}"
+        evals = sft_examples(rows, tokenizer, d, where=where, vision=vision)[0]
     if len(train) < cfg.sft.batch_size:
         raise ConfigError(
             f"sft.batch_size: {cfg.sft.batch_size} is more than the {len(train)} usable examples ({report.summary('sft data')})"
@@ -158,7 +178,8 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
     ckpt = find_resume(cfg, runtime)
     sc, m = cfg.sft, cfg.model
     tokenizer = tokenizer_for(cfg, "policy")
-    train, evals = load_sft_data(cfg, runtime, tokenizer)
+    vision = policy_vision(cfg)  # None for a text policy
+    train, evals = load_sft_data(cfg, runtime, tokenizer, vision)
     dtype = trained_load_dtype(train_dtype(m), runtime.zero_stage is not None, frozen_base=False)
     net = load_causal_lm(m.policy, "model.policy", dtype, m)
     trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
@@ -203,6 +224,7 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
         )
         logger.log(len(batches), {"sft/eval_loss": summary["eval_loss"]}, ("sft/eval_loss",))
     export = export_tokenizer(tokenizer, cfg.data)
+    save_processor(runtime, vision, [out / "final"])  # first: the run's tokenizer wins
     save_pretrained(runtime, model, export, out / "final", dtype=train_dtype(cfg.model))
     write_summary(runtime, out, summary)
     logger.close()

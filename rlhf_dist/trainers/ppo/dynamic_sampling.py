@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlhf_dist.algo.objectives import dynamic_sampling_selection, tied_groups
+from rlhf_dist.data.vision import RowMedia
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.rollout import PromptBatch, RolloutBatch
 
@@ -88,6 +89,9 @@ def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         xs = [getattr(b, f.name) for b in batches]
         if xs[0] is None:
             out[f.name] = None
+            continue
+        if isinstance(xs[0], RowMedia):  # a vision run's pixel inputs, per row
+            out[f.name] = RowMedia.cat(xs)
             continue
         value = pad_id if f.name.endswith("_ids") else 0
         if f.name.startswith("prompt_"):

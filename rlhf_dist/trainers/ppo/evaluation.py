@@ -9,6 +9,7 @@ from rlhf_dist.config import Config
 from rlhf_dist.data.rows import load_data, prompt_set
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.evaluate import evaluate_policy, load_gold_function
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.trainers.ppo.setup import PPORun
 
 
@@ -30,7 +31,8 @@ def held_out_eval(
         return None
     d = cfg.data
     rows = load_data(d, "eval")
-    prompts = prompt_set(rows, run.tokenizer, d, f"data.eval {d.eval!r}")
+    vision = policy_vision(cfg, samples=True)  # a vision policy's held-out prompts
+    prompts = prompt_set(rows, run.tokenizer, d, f"data.eval {d.eval!r}", vision)
     runtime.print(prompts.report.summary("eval prompts"))
     gold_fn = load_gold_function(cfg.eval.gold_function) if cfg.eval.gold_function else None
     models = run.rollout_models

@@ -107,7 +107,10 @@ def pair_loss(
     stats, rows = StatSums(), torch.cat([pairs.chosen, pairs.rejected])
     mb, _ = batch.select(rows).trimmed()  # columns that are padding in every row cost nothing
     stats.add("update/pad_fraction", *padding_cells(mb.attention_mask))
-    logprobs, *_ = model(mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature)
+    logprobs, *_ = model(
+        mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
+        media=mb.pixel_inputs(),  # a vision run's images of these rows
+    )  # fmt: skip
     assert mb.ref_logprobs is not None, "online DPO's rollout is scored by the reference"
     policy = sequence_logprobs(logprobs, mb.response_mask)  # (2m,) log pi(y | x)
     ref = sequence_logprobs(mb.ref_logprobs, mb.response_mask)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from rlhf_dist.config import Config
 from rlhf_dist.data.batching import PPOPlan, extra_batch, global_batches
 from rlhf_dist.data.rows import PromptSet, load_data, prompt_set
+from rlhf_dist.data.vision import VisionInputs
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.rewards.scoring import check_reward_columns
@@ -23,11 +24,15 @@ if TYPE_CHECKING:  # transformers loads only where a tokenizer does
 Item = TypeVar("Item")
 
 
-def training_prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> PromptSet:
+def training_prompts(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase, vision: VisionInputs | None = None
+) -> PromptSet:
     """data.train's usable prompts (`data.prompt_set`), at least one rollout batch of them,
-    whose columns every reward function that names one finds (check_reward_columns)."""
+    whose columns every reward function that names one finds (check_reward_columns);
+    with `vision` (a vision-language policy), prompts may hold images (docs/vision.md)."""
     d, p = cfg.data, cfg.ppo
-    prompts = prompt_set(load_data(d, "train"), tokenizer, d, f"data.train {d.train!r}")
+    where = f"data.train {d.train!r}"
+    prompts = prompt_set(load_data(d, "train"), tokenizer, d, where, vision)
     if len(prompts.ids) < p.rollout_batch_size:
         raise ConfigError(
             f"ppo.rollout_batch_size: {p.rollout_batch_size} is more than the {len(prompts.ids)} usable prompts"

@@ -27,6 +27,7 @@ from torch import nn
 from rlhf_dist.config import Config
 from rlhf_dist.data.batching import BatchPlan, global_batches
 from rlhf_dist.data.rows import SFTExample, collate_sft, load_rows, sft_examples
+from rlhf_dist.data.vision import Media
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.stats import StatSums
@@ -39,14 +40,18 @@ def actor_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     predict_mask: torch.Tensor,
+    *,
+    media: Media | None = None,
 ) -> tuple[torch.Tensor, None]:
     """(log-probs (B, L-1), None) of the actor inside the prepared ActorCritic `model`,
     through its own forward (engine and DDP logic run), critic skipped, at temperature 1:
     the likelihood SFT trains, not the sampling distribution. `sft.sequence_nll`'s
-    `logprobs_fn` (engine.forward.token_logprobs underneath)."""
+    `logprobs_fn` (engine.forward.token_logprobs underneath); media: a vision batch's
+    pixel inputs (data/vision.py) or None."""
     logprobs, _, _ = model(
-        input_ids, attention_mask, predict_mask, with_critic=False, share_prompts=False
-    )
+        input_ids, attention_mask, predict_mask, with_critic=False, share_prompts=False,
+        media=media,
+    )  # fmt: skip
     return logprobs, None
 
 

@@ -29,6 +29,7 @@ from rlhf_dist.distributed import Runtime
 from rlhf_dist.errors import RewardFunctionError, ServerError
 from rlhf_dist.generation import Sampler
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.observability.alerts import AlertMonitor
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.planning.start import planned_phases, run_hardware
@@ -91,7 +92,7 @@ def train_ppo(cfg: Config, runtime: Runtime, sampler: Sampler | None = None) -> 
     # 0. Start: data mistakes before any model loads, then the models (resumed if asked)
     ckpt, p, seed = find_resume(cfg, runtime), cfg.ppo, cfg.run.seed
     tokenizer = tokenizer_for(cfg, "policy")
-    prompts = training_prompts(cfg, tokenizer)
+    prompts = training_prompts(cfg, tokenizer, policy_vision(cfg, samples=True))
     run = start_ppo(cfg, runtime, ckpt, tokenizer, sampler)
     out, logger = open_run(cfg, runtime, "ppo", ckpt, p.iterations)
     runtime.print(prompts.report.summary("prompts"))

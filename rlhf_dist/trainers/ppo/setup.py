@@ -48,6 +48,7 @@ from rlhf_dist.models.lora import (
     merged_adapters,
 )
 from rlhf_dist.models.routing import require_routers
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.rewards.scoring import (
     RewardInputs,
     Scorer,
@@ -63,6 +64,7 @@ from rlhf_dist.trainers.common import (
     make_optimizer,
     make_scheduler,
     save_pretrained,
+    save_processor,
 )
 from rlhf_dist.trainers.ppo.ptx import PtxStream, ptx_stream
 
@@ -274,8 +276,14 @@ def _load_reference(cfg: Config) -> nn.Module:
 def export_models(
     cfg: Config, runtime: Runtime, model: nn.Module, tokenizer: Any, out: Path
 ) -> None:
-    """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic."""
+    """final/ = the actor (merged if LoRA; adapter in final_adapter/), critic/ = the critic;
+    a vision-language actor's exports get its processor (saved first: the run's tokenizer
+    is written over the processor's copy)."""
     lora, tokenizer = cfg.lora, export_tokenizer(tokenizer, cfg.data)
+    merged = not lora.enabled or lora.export in ("merged", "both")
+    adapter = lora.enabled and lora.export in ("adapter", "both")
+    exports = [out / "final"] * merged + [out / "final_adapter"] * adapter
+    save_processor(runtime, policy_vision(cfg), exports)
     if not lora.enabled:
         save_pretrained(runtime, model, tokenizer, out / "final", "actor", train_dtype(cfg.model))
         if has_critic(cfg):

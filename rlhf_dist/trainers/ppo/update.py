@@ -185,7 +185,7 @@ def micro_batch_loss(
     replay = {} if mb.routing is None else {"routing": replaying([mb.routing])}
     logprobs, entropy, values, *divergence = model(
         mb.input_ids, mb.attention_mask, mb.response_mask, knobs.temperature,
-        bool(knobs.entropy_coef) or first, divergence=gjsd, **replay,
+        bool(knobs.entropy_coef) or first, divergence=gjsd, media=mb.pixel_inputs(), **replay,
     )  # fmt: skip
     old_logprobs = logprobs.detach() if first else mb.old_logprobs
     if replay:  # tokens the update's own routing would have sent elsewhere (docs/moe.md)

@@ -1,0 +1,119 @@
+"""Vision-language policies (docs/vision.md): recognising one by its config, loading it
+through transformers' image-text-to-text auto classes with its processor, and freezing
+its vision tower and projector (`model.freeze_vision`).
+
+A family is recognised by its config class alone (transformers' image-text-to-text
+mapping: LLaVA, Qwen2/2.5/3-VL, Idefics3/SmolVLM, Gemma 3, ...), so a family transformers
+ships needs no code here; what differs per family is what its processor returns, which
+the data side carries generically (data/vision.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from rlhf_dist.config import Config
+from rlhf_dist.data.vision import VisionInputs, vision_inputs
+from rlhf_dist.errors import ConfigError
+
+# Names the vision encoder and the projector into the language model's embedding space go
+# by in transformers' vision-language models: LLaVA and Gemma 3 (vision_tower,
+# multi_modal_projector), Qwen2/2.5/3-VL (visual, its merger inside), Idefics3 and SmolVLM
+# (vision_model, connector).
+VISION_MODULES = ("vision_tower", "multi_modal_projector", "visual", "vision_model", "connector")
+
+
+def vision_config(path: str, trust_remote_code: bool = False) -> Any | None:
+    """The transformers config at `path` when it is a vision-language model's (its class
+    is in the image-text-to-text auto mapping), else None. An unreadable config is None:
+    the causal-LM loader then reports it as it does for text models."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if not path:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    return config if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else None
+
+
+def is_vision_part(name: str) -> bool:
+    """Whether parameter or module `name` (dotted) lies in a vision tower or projector."""
+    return any(part in VISION_MODULES for part in name.split("."))
+
+
+def freeze_vision(model: nn.Module) -> nn.Module:
+    """`model` with every parameter of its vision tower and projector frozen (requires_grad
+    False): the optimizer takes trainable parameters only (trainers/common.py), so they are
+    never updated. A model with no such parameter is a ConfigError: freezing nothing would
+    train what model.freeze_vision promised to keep."""
+    frozen = 0
+    for name, p in model.named_parameters():
+        if is_vision_part(name):
+            p.requires_grad_(False)
+            frozen += 1
+    if frozen == 0:
+        raise ConfigError(
+            f"model.freeze_vision: no vision tower or projector found in {type(model).__name__} "
+            f"(looked for modules named {', '.join(VISION_MODULES)})"
+        )
+    return model
+
+
+def language_model_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """Full names of the modules of `model` whose last name part is in `targets`, outside
+    the vision tower and projector: LoRA's default targets (q_proj, ...) also name the
+    CLIP and SigLIP attention layers, which must stay as they are."""
+    return [
+        name
+        for name, _ in model.named_modules()
+        if name.split(".")[-1] in targets and not is_vision_part(name)
+    ]
+
+
+def load_processor(path: str, trust_remote_code: bool = False, key: str = "model.policy") -> Any:
+    """The processor saved with a vision-language model at `path` (AutoProcessor): its
+    image processor turns images into the model's pixel inputs and says how many tokens
+    each image takes. A missing or unusable processor is one line naming `key`."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, AttributeError, ImportError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{key}: cannot load the processor of {path!r}: {first}") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise ConfigError(f"{key}: the processor at {path!r} has no image processor")
+    return processor
+
+
+def policy_vision(cfg: Config, samples: bool = False) -> VisionInputs | None:
+    """The VisionInputs of model.policy when it is a vision-language model, else None (a
+    text run). What does not work with images yet is refused here, before any data or
+    weights load: perf.packed_sequences (packed rows would need each image's features
+    at the packed positions) and sequence parallelism (an image's tokens must stay on
+    one rank); for a stage that `samples`, another generation.backend than the decode
+    loop and multi-turn rollouts (tools, environments)."""
+    m, g, key = cfg.model, cfg.generation, "model.policy"
+    path = m.policy
+    if vision_config(path, m.trust_remote_code) is None:
+        return None
+    if samples and g.backend != "hf":
+        raise ConfigError("generation.backend: images are sampled by the decode loop (hf) only")
+    if samples and (g.tools or g.environment):
+        what = "generation.tools" if g.tools else "generation.environment"
+        raise ConfigError(
+            f"{what}: multi-turn rollouts of a vision-language policy are not supported"
+        )
+    if cfg.perf.packed_sequences:
+        raise ConfigError("perf.packed_sequences: not supported for a vision-language policy")
+    if cfg.distributed.sequence_parallel_size > 1:
+        raise ConfigError(
+            "distributed.sequence_parallel_size: not supported for a vision-language policy"
+        )
+    processor = load_processor(path, m.trust_remote_code, key)
+    return vision_inputs(processor, key)
