@@ -413,11 +413,13 @@ class PPOConfig:
     )
     max_staleness: int = key(
         0,
-        "generation.backend=server: 0 = on-policy (sync the weights, sample, train); 1 = the "
-        "servers sample iteration k+1's rollout (or play its episodes, with "
-        "generation.environment_endpoint) while iteration k trains (one step off-policy; "
-        "a rollout more than this many updates old is never trained on); at most 1 "
-        '(docs/serving.md, "Asynchronous rollouts")',
+        "generation.backend=server: 0 = on-policy (sync the weights, sample, train); k >= 1 = "
+        "the servers sample iterations i+1..i+k's rollouts (or play their episodes, with "
+        "generation.environment_endpoint) while iteration i trains, each by the weights "
+        "iteration i started with (k steps off-policy, never across a scheduled checkpoint; a "
+        "rollout more than k updates old is never trained on). k > 1 overlaps more than 1 "
+        "with one trainer process (its syncs queued behind the requests from host snapshots "
+        'of the weights); docs/serving.md, "Asynchronous rollouts"',
         min=0,
     )
     ratio_level: str = key(
