@@ -68,7 +68,9 @@ def test_k4_killed_with_rollouts_in_flight_resumes_to_the_same_metrics(
         rows = untimed(read_jsonl(out / "metrics.jsonl"))
         return [{k: v for k, v in r.items() if k != "rollout/policy_version"} for r in rows]
 
-    ppo_module.train_ppo(_config(server, policy, tmp_path / "unbroken", task_env, data_cfg), runtime)
+    ppo_module.train_ppo(
+        _config(server, policy, tmp_path / "unbroken", task_env, data_cfg), runtime
+    )
     assert made[-1].deferred  # one trainer process: the syncs ran on the worker
     cfg = _config(server, policy, tmp_path / "killed", task_env, data_cfg)
     with monkeypatch.context() as m:
