@@ -396,6 +396,15 @@ class PPOConfig:
         '(docs/algorithms.md, "Rollout correction"; replaces ppo.tis_cap)',
         choices=ROLLOUT_CORRECTIONS,
     )
+    decoupled: bool = key(
+        False,
+        "generation.backend=vllm or server: the decoupled PPO objective (AReaL, Fu et al. 2025): "
+        "the trainer's log-probs before the update (pi_prox, the old log-probs) anchor the ratio "
+        "and its clip, and each token's loss is weighted by pi_prox / pi_behav against the "
+        "sampler's log-probs (maybe ppo.max_staleness updates old): raw with "
+        "ppo.rollout_correction=none, else bounded by it (tis, mis = AReaL's cap, icepop); "
+        'docs/algorithms.md, "Rollout correction"',
+    )
     rollout_correction_level: str = key(
         "token",
         "ppo.rollout_correction's ratio: token (each token's own) or sequence (the row's "

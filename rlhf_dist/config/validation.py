@@ -314,6 +314,11 @@ def _validate_rollout_correction(cfg: Config) -> None:
             "ppo.rollout_correction: needs generation.backend=vllm or server (the hf sampler is "
             "the trainer)"
         )
+    if p.decoupled and backend not in ("vllm", "server"):
+        raise ConfigError(
+            "ppo.decoupled: needs generation.backend=vllm or server (the behaviour policy's "
+            "log-probs come from the sampler; with hf the sampler is the trainer)"
+        )
     if p.rollout_correction == "icepop" and p.rollout_correction_level != "token":
         raise ConfigError("ppo.rollout_correction_level: icepop masks tokens; set token")
     if p.rollout_correction_low >= p.rollout_correction_high:

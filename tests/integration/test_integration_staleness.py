@@ -3,13 +3,16 @@ deferred syncs: one trainer process): iteration i trains what the weights of ite
 max(c + 1, i - 4) sampled, c the last scheduled checkpoint, so the staleness climbs 0..4
 between checkpoints; a trainer killed at iteration 8's rollout with iterations 9 and 10 in
 flight resumes from iteration 5's checkpoint to the unbroken run's metrics, bitwise (the
-servers' version counter aside); the sampled and trained lengths are logged."""
+servers' version counter aside); the sampled and trained lengths are logged. The
+objective is the decoupled one (ppo.decoupled, its behaviour weight bounded by tis), and the
+actor trains."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 from faults import Killed, kill_at, untimed
 from serve_process import served
 
@@ -40,14 +43,23 @@ def _config(server, policy, out, task_env, data_cfg):
             "ppo": {"iterations": 10, "rollout_batch_size": 2, "samples_per_prompt": 4,
                     "rollout_micro_batch_size": 8, "ppo_epochs": 1, "minibatch_size": 8,
                     "micro_batch_size": 8, "optim": {"lr": 1e-3}, "kl_coef": 0.0,
-                    "estimator": "grpo", "max_staleness": 4, "rollout_correction": "tis"},
+                    "estimator": "grpo", "max_staleness": 4, "rollout_correction": "tis",
+                    "decoupled": True},
             "distributed": {"timeout_s": 60},
         }
     )  # fmt: skip
 
 
 def test_k4_killed_with_rollouts_in_flight_resumes_to_the_same_metrics(
-    server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg, read_jsonl
+    server,
+    sft_run,
+    task_env,
+    runtime,
+    tmp_path,
+    monkeypatch,
+    data_cfg,
+    read_jsonl,
+    saved_state_dict,
 ):
     from rlhf_dist.generation import factory
     from rlhf_dist.generation.prefetch import PrefetchingServer
@@ -72,6 +84,8 @@ def test_k4_killed_with_rollouts_in_flight_resumes_to_the_same_metrics(
         _config(server, policy, tmp_path / "unbroken", task_env, data_cfg), runtime
     )
     assert made[-1].deferred  # one trainer process: the syncs ran on the worker
+    before, after = saved_state_dict(policy), saved_state_dict(tmp_path / "unbroken" / "final")
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the actor trained
     cfg = _config(server, policy, tmp_path / "killed", task_env, data_cfg)
     with monkeypatch.context() as m:
         kill_at(m, ppo_module, "rollout", 8)
