@@ -99,9 +99,8 @@ class LengthTally:
 
     def add(self, answers: list, trained: bool) -> None:
         """Count a rollout's /generate answers [(url, answer)] (episodes have no lengths here)."""
-        lengths = [
-            len(r) for _, a in answers if isinstance(a, dict) for r in a.get("responses", [])
-        ]
+        generated = [a[1] for a in answers if isinstance(a, tuple) and isinstance(a[1], dict)]
+        lengths = [len(r) for a in generated for r in a.get("responses", [])]
         counts = [float(sum(lengths)), float(len(lengths))] * (2 if trained else 1)
         for i, c in enumerate(counts):
             self.now[i] += c
@@ -358,9 +357,9 @@ class PrefetchingServer:
             lambda: self.server.responses(answer.answers, answer.version, pad_id, device)
         )
         self._record(ready, answer)
+        self.lengths.add(answer.answers, trained=True)
         return out
 
     def _record(self, ready: InFlight, answer: Answer) -> None:
         self.staleness = self.iteration - ready.sampled_at
         self.version, self.request_seconds = answer.version, answer.seconds
-        self.lengths.add(answer.answers, trained=True)
