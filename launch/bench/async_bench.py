@@ -463,8 +463,9 @@ def serve_main(argv: list[str]) -> None:
 # response with probability 1/16 per token (median 11 tokens), a "long" word with 1/128
 # (median 89): 10% of the prompts end on a long word, so about 10% of the responses are ~8x
 # the median, capped at --new tokens. GRPO at temperature 1, the demo's positive-word
-# reward, no checkpoints (a scheduled one drains the queue), one trainer and one
-# `rlhf-dist serve` process, --threads each, a fresh server per mode.
+# reward, lr 1e-6 (the weights move, the length distribution stays the task's), no
+# checkpoints (a scheduled one drains the queue), one trainer and one `rlhf-dist serve`
+# process, --threads each, a fresh server per mode.
 #
 # Per mode: trained tokens per second = sum of the trained response tokens (rollout/length x
 # rollout/sequences) / sum of time/total over the iterations after the first (start-up);
@@ -552,7 +553,7 @@ def tail_tree(out: Path, policy: Path, prompts: Path, url: str, args, k: int) ->
         "reward": {"function": "rlhf_dist.demo.task:positive_word_reward"},
         "ppo": {"estimator": "grpo", "iterations": args.iterations, "rollout_batch_size": p,
                 "samples_per_prompt": 4, "rollout_micro_batch_size": 4 * p, "ppo_epochs": 1,
-                "minibatch_size": 4 * p, "micro_batch_size": 4 * p, "optim": {"lr": 1e-4},
+                "minibatch_size": 4 * p, "micro_batch_size": 4 * p, "optim": {"lr": 1e-6},
                 "kl_coef": 0.0, "max_staleness": k} | (
                     {"decoupled": True, "rollout_correction": "tis"} if k else {}),
         "perf": {"num_threads": args.threads},

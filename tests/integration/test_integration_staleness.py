@@ -3,7 +3,8 @@ deferred syncs: one trainer process): iteration i trains what the weights of ite
 max(c + 1, i - 4) sampled, c the last scheduled checkpoint, so the staleness climbs 0..4
 between checkpoints; a trainer killed at iteration 8's rollout with iterations 9 and 10 in
 flight resumes from iteration 5's checkpoint to the unbroken run's metrics, bitwise (the
-servers' version counter aside); the sampled and trained lengths are logged. The
+servers' version counter aside), in process and as a real `rlhf-dist ppo` process
+SIGKILLed there (slow); the sampled and trained lengths are logged. The
 objective is the decoupled one (ppo.decoupled, its behaviour weight bounded by tis), and the
 actor trains."""
 
@@ -105,3 +106,41 @@ def test_k4_killed_with_rollouts_in_flight_resumes_to_the_same_metrics(
     assert all(r["rollout/sampler_logprob_absdiff"] > 1e-4 for r in unbroken[1:5])
     assert [r["step"] for r in resumed] == list(range(1, 11))
     assert resumed == unbroken
+
+
+@pytest.mark.slow  # three trainer processes (~10 s of start-up each)
+def test_k4_sigkilled_with_rollouts_in_flight_resumes_to_the_same_metrics(
+    server, sft_run, task_env, tmp_path, data_cfg, read_jsonl
+):
+    """The test above with real processes: `rlhf-dist ppo` SIGKILLed (RLHF_DIST_FAULT) at
+    iteration 8's rollout, its worker thread holding iterations 9 and 10's requests and the
+    deferred syncs of iterations 7 and 8 (maybe half-sent: the server then refuses to serve
+    the torn update until the resumed run's first sync), resumed by the same command with
+    run.resume=auto from iteration 5's checkpoint."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    def run(out, *extra, fault=""):
+        cfg = _config(server, sft_run.out / "final", out, task_env, data_cfg)
+        path = tmp_path / f"{out.name}.json"
+        path.write_text(json.dumps(dataclasses.asdict(cfg)))
+        env = os.environ | {ENV: TOKEN, "OMP_NUM_THREADS": "1", "RLHF_DIST_FAULT": fault}
+        cmd = [sys.executable, "-m", "rlhf_dist", "ppo", "--config", str(path), *extra]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+    def logged(out):
+        rows = untimed(read_jsonl(out / "metrics.jsonl"))
+        return [{k: v for k, v in r.items() if k != "rollout/policy_version"} for r in rows]
+
+    assert run(tmp_path / "unbroken").returncode == 0
+    killed = run(tmp_path / "killed", fault="rollout:8")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run(tmp_path / "killed", "run.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    unbroken, again = logged(tmp_path / "unbroken"), logged(tmp_path / "killed")
+    assert [r["rollout/staleness_max"] for r in unbroken] == [0, 1, 2, 3, 4] * 2
+    assert [r["step"] for r in again] == list(range(1, 11))
+    assert again == unbroken
