@@ -11,7 +11,12 @@ import threading
 import torch
 
 from rlhf_dist.config import Config, GenerationConfig
-from rlhf_dist.generation.prefetch import PrefetchingServer
+from rlhf_dist.generation.prefetch import (
+    LengthTally,
+    PrefetchingServer,
+    response_lengths,
+    server_all_max,
+)
 from rlhf_dist.generation.server import ServerEngine
 from rlhf_dist.rollout.batch import PromptBatch
 from rlhf_dist.trainers.ppo.prompts import with_ahead
@@ -166,3 +171,33 @@ def test_sampled_and_trained_lengths_count_the_dropped_rollouts_as_sampled_only(
     assert engine.dropped == 1
     # this iteration: the dropped 8 + 2 sampled, its fresh 8 + 2 sampled and trained
     assert engine.lengths.now == [20.0, 4.0, 10.0, 2.0]
+
+
+class Ranks:
+    """The part of Runtime the prefetcher's statistics read, for `world` ranks that all
+    hold the same tally (all_sum multiplies by the world)."""
+
+    def __init__(self, world: int):
+        self.world_size = world
+
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.world_size
+
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_lengths_metrics_and_when_syncs_are_deferred():
+    tally = LengthTally([0.0] * 4)
+    assert response_lengths(Ranks(2), tally) == {}  # endpoint episodes: no lengths
+    tally.add([("url", {"responses": [[1, 2, 3], [4]]})], trained=True)
+    tally.add([("url", {"responses": [[1] * 6]})], trained=False)
+    tally.add([object()], trained=True)  # an episode: not counted here
+    assert response_lengths(Ranks(2), tally) == {
+        "async/sampled_len_mean": 10 / 3, "async/trained_len_mean": 2.0,
+        "async/sampled_rows": 6.0, "async/trained_rows": 4.0,
+    }  # fmt: skip
+    one, two = Ranks(1), Ranks(2)
+    assert server_all_max(one, 4)[1] and server_all_max(one, 4)[0](torch.tensor(3.0)) == 3.0
+    assert not server_all_max(one, 1)[1]  # k = 1 stays drained, as before
+    assert not server_all_max(two, 4)[1]  # several ranks: the collectives stay on main
