@@ -1,5 +1,5 @@
-"""Rollouts served one step ahead (ppo.max_staleness; docs/serving.md), one mode per
-subcommand; async.sh runs it (and installs the real SmolLM2 it needs):
+"""Rollouts served ahead (ppo.max_staleness; docs/serving.md), one mode per subcommand;
+async_tail.sh runs it (and installs the real SmolLM2 the first three need):
 
   overlap  s/iteration of the same GRPO work on-policy (max_staleness 0) and one step off
            (1) against a rollout server, and how much generation and training overlap
@@ -8,6 +8,7 @@ subcommand; async.sh runs it (and installs the real SmolLM2 it needs):
   routing  routing replay on a tiny Qwen3-MoE served in bf16 to an fp32 trainer: the
            sampler-vs-trainer log-prob gap and routing-flip rate with R3 against none
            (docs/moe.md, "Routing replay")
+  tail     trained tokens/s on heavy-tailed response lengths: sync, k = 1, k = 4
 
 Usage: python launch/bench/async_bench.py MODE [ARGS...]   (each MODE's --help)
 """
@@ -18,6 +19,7 @@ import argparse
 import copy
 import functools
 import json
+import math
 import os
 import resource
 import statistics
@@ -34,7 +36,7 @@ from suite import SETTINGS, run_config
 from rlhf_dist.api import end_process
 from rlhf_dist.config import config_from_dict
 from rlhf_dist.data.rows import left_pad
-from rlhf_dist.demo import arithmetic_demo, pipeline, smollm2
+from rlhf_dist.demo import arithmetic_demo, pipeline, smollm2, task
 from rlhf_dist.distributed.weight_sync import free_port
 from rlhf_dist.engine.decode import generate
 from rlhf_dist.models import quiet_transformers
@@ -80,7 +82,7 @@ from rlhf_dist.models.loading import load_causal_lm, load_tokenizer, policy_stop
 # launch/bench/gpu_suite.sh, `async`): on one GPU the server and the trainer share it, so
 # the overlap measures how much of generation hides behind training on the same device.
 #
-# Usage: bash launch/bench/async.sh overlap [--iterations 6] [--threads 1] [--new 24]
+# Usage: bash launch/bench/async_tail.sh overlap [--iterations 6] [--threads 1] [--new 24]
 #        [--out runs/bench/async] [--environment [--window MS] | --suite OUT]
 
 
@@ -238,7 +240,7 @@ def overlap_main(argv: list[str]) -> None:
 # `--ranks 2`: the PPO stage runs as 2 CPU ranks under ZeRO-3 (`accelerate launch` with
 # accelerate_configs/cpu_zero3.yaml, gloo), each rank sampling its shard through the server.
 #
-# Usage: bash launch/bench/async.sh demo [--seeds 0 1] [--ranks 1|2] [--out runs/bench/async_demo]
+# Usage: bash launch/bench/async_tail.sh demo [--seeds 0 1] [--ranks 1|2] [--out runs/bench/async_demo]
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -363,7 +365,7 @@ def demo_main(argv: list[str]) -> None:
 # Both processes share the machine's cores: on a 2-core box the figures are an upper bound
 # of what a server on its own cores costs. Prints one table.
 #
-# Usage: bash launch/bench/async.sh serve [--threads 1] [--bucket 64] [--prompts 8] [--new 32]
+# Usage: bash launch/bench/async_tail.sh serve [--threads 1] [--bucket 64] [--prompts 8] [--new 32]
 #        [--repeats 3]
 
 
@@ -545,7 +547,177 @@ def routing_main(argv: list[str]) -> None:
     print(f"| r3 (replayed) | {mean('r3', 'router/logprob_gap_replayed'):.4f} | 0 (forced) |")
 
 
-MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main,
+# tail: trained tokens per second when response lengths are heavy-tailed
+# k-step staleness (ppo.max_staleness; docs/serving.md, "Asynchronous rollouts") where it
+# matters most: a synchronous step waits for its longest rollout, one step off hides only the
+# shorter of generation and training, a deeper queue also evens out the long rollouts.
+#
+# The task: a tiny Llama ("small": 128 hidden, 4 layers; the demo's word tokenizer) made a
+# two-state Markov chain over its words (`tail_policy`): attention and MLP outputs zeroed, so
+# the next-token distribution depends on the current token alone. A "short" word ends the
+# response with probability 1/16 per token (median 11 tokens), a "long" word with 1/128
+# (median 89): 10% of the prompts end on a long word, so about 10% of the responses are ~8x
+# the median, capped at --new tokens. GRPO at temperature 1, the demo's positive-word
+# reward, lr 1e-6 (the weights move, the length distribution stays the task's), no
+# checkpoints (a scheduled one drains the queue), one trainer and one `rlhf-dist serve`
+# process, --threads each, a fresh server per mode.
+#
+# Per mode: trained tokens per second = sum of the trained response tokens (rollout/length x
+# rollout/sequences) / sum of time/total over the iterations after the first (start-up);
+# the mean staleness and the trained and sampled response lengths (async/*_len_mean weighed
+# by their rows over the run). Modes: sync (max_staleness 0), k=1, k=4 (ppo.decoupled with
+# tis for k >= 1). Partial rollouts with in-flight weight updates do not exist yet: their
+# row prints n/a, and the last line's speed-ups are k=4's.
+#
+# Usage: bash launch/bench/async_tail.sh [tail] [--iterations 16] [--threads 1] [--new 256]
+#        [--prompts 8] [--out runs/bench/async_tail]
+
+TAIL_SHORT_EOS = 1 / 16  # P(end) after a short word: median response 11 tokens
+TAIL_LONG_EOS = TAIL_SHORT_EOS / 8  # after a long word: median 89 tokens
+TAIL_LONG_SHARE = 0.1  # prompts that end on a long word
+
+
+def tail_policy(root: Path) -> tuple[Path, list[int]]:
+    """The Markov-chain policy of the tail task saved under root/policy -> (its path, the
+    ids of the long words). Token state: e_0 (short words, specials) or e_1 (long words)
+    in the embedding; the final RMSNorm makes it sqrt(H) e_j, so lm_head's column j holds
+    each next token's logit / sqrt(H) from state j."""
+    from transformers import LlamaForCausalLM
+
+    tokenizer = task.build_tokenizer(root / "tokenizer")
+    config = task.tiny_llama_config(len(tokenizer), tokenizer.pad_token_id,
+                                    tokenizer.bos_token_id, tokenizer.eos_token_id, "small")  # fmt: skip
+    config.max_position_embeddings = 512  # prompts of 3 words, responses up to --new tokens
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    words = list(range(len(task.SPECIAL_TOKENS), len(tokenizer)))
+    long_words = words[::4]
+    short_words = [w for w in words if w not in set(long_words)]
+    scale = config.hidden_size**0.5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.zero_()
+        embed[:, 0] = 1.0
+        embed[long_words, 0], embed[long_words, 1] = 0.0, 1.0
+        head.zero_()
+        head[:, :2] = -30.0 / scale
+        eos = tokenizer.eos_token_id
+        head[eos, 0], head[eos, 1] = math.log(TAIL_SHORT_EOS), math.log(TAIL_LONG_EOS)
+        head[short_words, 0] = math.log((1 - TAIL_SHORT_EOS) / len(short_words))
+        head[long_words, 1] = math.log((1 - TAIL_LONG_EOS) / len(long_words))
+        head[eos, :2] /= scale
+        head[short_words, 0] /= scale
+        head[long_words, 1] /= scale
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(str(root / "policy"), safe_serialization=True)
+    tokenizer.save_pretrained(str(root / "policy"))
+    return root / "policy", long_words
+
+
+def tail_prompts(path: Path, tokenizer_dir: Path, long_words: list[int], n: int = 256) -> None:
+    """n prompts of three random words; TAIL_LONG_SHARE of them end on a long word."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(str(tokenizer_dir)).convert_ids_to_tokens
+    rng, long_set = random.Random(0), set(long_words)
+    words = list(range(len(task.SPECIAL_TOKENS), len(task.all_words()) + len(task.SPECIAL_TOKENS)))
+    short = [w for w in words if w not in long_set]
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(n):
+            last = rng.choice(long_words if rng.random() < TAIL_LONG_SHARE else short)
+            ids = [rng.choice(short), rng.choice(short), last]
+            f.write(json.dumps({"prompt": " ".join(vocab(ids))}) + "\n")
+
+
+def tail_tree(out: Path, policy: Path, prompts: Path, url: str, args, k: int) -> dict:
+    p = args.prompts
+    return {
+        "run": {"output_dir": str(out / f"k{k}"), "seed": 0, "log_every": 1, "progress": False,
+                "checkpoint_every": 0, "histogram_every": 0, "samples_every": 0},
+        "model": {"policy": str(policy)},
+        "data": {"train": str(prompts), "max_prompt_length": 8, "max_length": 8 + args.new},
+        "generation": {"backend": "server", "server_urls": [url], "server_token_env": TOKEN_ENV,
+                       "max_new_tokens": args.new, "temperature": 1.0},
+        "reward": {"function": "rlhf_dist.demo.task:positive_word_reward"},
+        "ppo": {"estimator": "grpo", "iterations": args.iterations, "rollout_batch_size": p,
+                "samples_per_prompt": 4, "rollout_micro_batch_size": 4 * p, "ppo_epochs": 1,
+                "minibatch_size": 4 * p, "micro_batch_size": 4 * p, "optim": {"lr": 1e-6},
+                "kl_coef": 0.0, "max_staleness": k} | (
+                    {"decoupled": True, "rollout_correction": "tis"} if k else {}),
+        "perf": {"num_threads": args.threads},
+        "distributed": {"timeout_s": 300},
+    }  # fmt: skip
+
+
+def tail_figures(rows: list[dict]) -> dict[str, float]:
+    """Trained tokens/s, s/iteration, mean staleness and the run's trained and sampled
+    response lengths over rows[1:] (the first: start-up)."""
+    steady = rows[1:] or rows
+    tokens = sum(r["rollout/length"] * r["rollout/sequences"] for r in steady)
+    seconds = sum(r["time/total"] for r in steady)
+
+    def weighed(kind: str) -> float:
+        rows_of = [r.get(f"async/{kind}_rows", r["rollout/sequences"]) for r in steady]
+        lengths = [r.get(f"async/{kind}_len_mean", r["rollout/length"]) for r in steady]
+        return sum(a * b for a, b in zip(rows_of, lengths)) / max(sum(rows_of), 1.0)
+
+    return {"tok/s": tokens / seconds, "s/it": seconds / len(steady),
+            "staleness": statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in steady),
+            "trained": weighed("trained"), "sampled": weighed("sampled")}  # fmt: skip
+
+
+def tail_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="k-step staleness on heavy-tailed lengths")
+    parser.add_argument("--iterations", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--new", type=int, default=256, help="max new tokens per response")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout (x4 samples)")
+    parser.add_argument("--out", default="runs/bench/async_tail")
+    args = parser.parse_args(argv)
+    os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
+    out = Path(args.out).resolve()
+    policy, long_words = tail_policy(out / "task")
+    prompts = out / "task" / "prompts.jsonl"
+    tail_prompts(prompts, policy, long_words)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in (0, 1, 4):
+            port = free_port()
+            server = start_server(policy, port, args.threads, Path(tmp))
+            try:
+                tree = tail_tree(out, policy, prompts, f"http://127.0.0.1:{port}", args, k)
+                results[k] = tail_figures(train(tree, Path(tmp), args.threads))
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+    print_tail(args, results)
+
+
+def print_tail(args, results: dict[int, dict[str, float]]) -> None:
+    print(f"heavy-tailed GRPO ({device()}): {args.prompts} x 4 responses of up to {args.new} "
+          f"tokens, ~{TAIL_LONG_SHARE:.0%} of them ~8x the median; one trainer + one server, "
+          f"{args.threads} thread(s) each; {args.iterations} iterations, first dropped")  # fmt: skip
+    print(f"{'mode':<14} {'trained tok/s':>13} {'s/iteration':>11} {'staleness':>9} "
+          f"{'trained len':>11} {'sampled len':>11}")  # fmt: skip
+    names = {0: "sync", 1: "k=1", 4: "k=4"}
+    for k, f in results.items():
+        print(f"{names[k]:<14} {f['tok/s']:13.1f} {f['s/it']:11.2f} {f['staleness']:9.2f} "
+              f"{f['trained']:11.2f} {f['sampled']:11.2f}")  # fmt: skip
+    print(f"{'k=4 partial':<14} {'n/a':>13} {'n/a':>11} {'n/a':>9} {'n/a':>11} {'n/a':>11}")
+    print("(no partial rollouts yet: the speed-ups are k=4's)")
+    k4 = results[4]["tok/s"]
+    print(f"async_tail: speedup_vs_sync={k4 / results[0]['tok/s']:.2f} "
+          f"speedup_vs_k1={k4 / results[1]['tok/s']:.2f}")  # fmt: skip
+
+
+MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main, "tail": tail_main,
           "routing": routing_main}  # fmt: skip
 
 

@@ -9,8 +9,8 @@ The entry points (docs/benchmarks.md has one table per benchmark):
   vs_trl.sh TASK       rlhf_dist against TRL (ppo, grpo, arithmetic, preference, loss-check,
                        profile); vs_trl_ours.py and vs_trl_trl.py are its two sides
   memory.py CHECK      memory: plan, plan-zero3, vocab, sp, sync
-  async.sh MODE        rollouts served one step ahead: overlap, demo, serve; and routing,
-                       MoE routing replay against a bf16 server (docs/moe.md)
+  async_tail.sh MODE   rollouts served ahead: tail (default), overlap, demo, serve; and
+                       routing, MoE routing replay against a bf16 server (docs/moe.md)
   gpu_suite.sh         one GPU loan: the PPO cases, GRPO vs TRL, async, plan
 """
 

@@ -127,3 +127,22 @@ def cispo_terms(
     """`cispo_loss` with positional tensors (B, T)."""
     x = PolicyLossInputs(logprobs, old_logprobs, advantages, log_ratio, clip_eps_low, clip_eps_high)
     return cispo_loss(x)
+
+
+def decoupled_policy_terms(
+    name: str, x: PolicyLossInputs, behaviour_weights: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The decoupled PPO objective (Fu et al. 2025, "AReaL: a large-scale asynchronous RL
+    system", eq. 5; Hilton et al. 2022, "Batch size-invariance for policy optimization"):
+    J = E_behav[w * min(u A, clip(u, 1 - low, 1 + high) A)], u = pi / pi_prox,
+    w = pi_prox / pi_behav, negated per token.
+
+    x.old_logprobs is the proximal policy pi_prox (the trainer's weights before this update),
+    which anchors the ratio u and its clip in the registered policy loss `name`; the
+    behaviour policy (whoever sampled, maybe k updates older) enters only through the
+    detached weight `behaviour_weights` (B, T): pi_prox / pi_behav per token, raw or bounded
+    (rollout_correction.py). With pi_behav = pi_prox the weight is 1 and this is `name`.
+    -> `name`'s terms (B, T) with `loss` weighted and `behaviour_weight` added."""
+    terms = policy_loss_terms(name, x)
+    w = behaviour_weights.detach().to(terms["loss"].dtype)
+    return terms | {"loss": w * terms["loss"], "behaviour_weight": w}

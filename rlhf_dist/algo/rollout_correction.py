@@ -101,3 +101,14 @@ def rollout_correction_weights(
     mask = response_mask.bool()
     weights = torch.where(mask, weights, torch.ones_like(weights))
     return weights, corrected & mask
+
+
+def behaviour_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """The decoupled objective's unbounded weight w = pi_prox / pi_behav = exp(log pi_old -
+    log pi_rollout) per token (B, T), detached; 1 outside response_mask (AReaL's weight
+    with no cap; bound it with tis, mis or icepop above).
+    old_logprobs, rollout_logprobs: (B, T); response_mask: (B, T) bool."""
+    log_ratio = rollout_log_ratio(old_logprobs, rollout_logprobs, response_mask, "token")
+    return torch.where(response_mask.bool(), torch.exp(log_ratio), torch.ones_like(log_ratio))

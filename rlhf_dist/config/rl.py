@@ -397,6 +397,15 @@ class PPOConfig:
         '(docs/algorithms.md, "Rollout correction"; replaces ppo.tis_cap)',
         choices=ROLLOUT_CORRECTIONS,
     )
+    decoupled: bool = key(
+        False,
+        "generation.backend=vllm or server: the decoupled PPO objective (AReaL, Fu et al. 2025): "
+        "the trainer's log-probs before the update (pi_prox, the old log-probs) anchor the ratio "
+        "and its clip, and each token's loss is weighted by pi_prox / pi_behav against the "
+        "sampler's log-probs (maybe ppo.max_staleness updates old): raw with "
+        "ppo.rollout_correction=none, else bounded by it (tis, mis = AReaL's cap, icepop); "
+        'docs/algorithms.md, "Rollout correction"',
+    )
     rollout_correction_level: str = key(
         "token",
         "ppo.rollout_correction's ratio: token (each token's own) or sequence (the row's "
@@ -424,11 +433,13 @@ class PPOConfig:
     )
     max_staleness: int = key(
         0,
-        "generation.backend=server: 0 = on-policy (sync the weights, sample, train); 1 = the "
-        "servers sample iteration k+1's rollout (or play its episodes, with "
-        "generation.environment_endpoint) while iteration k trains (one step off-policy; "
-        "a rollout more than this many updates old is never trained on); at most 1 "
-        '(docs/serving.md, "Asynchronous rollouts")',
+        "generation.backend=server: 0 = on-policy (sync the weights, sample, train); k >= 1 = "
+        "the servers sample iterations i+1..i+k's rollouts (or play their episodes, with "
+        "generation.environment_endpoint) while iteration i trains, each by the weights "
+        "iteration i started with (k steps off-policy, never across a scheduled checkpoint; a "
+        "rollout more than k updates old is never trained on). k > 1 overlaps more than 1 "
+        "with one trainer process (its syncs queued behind the requests from host snapshots "
+        'of the weights); docs/serving.md, "Asynchronous rollouts"',
         min=0,
     )
     ratio_level: str = key(

@@ -361,6 +361,11 @@ def _validate_rollout_correction(cfg: Config) -> None:
             "ppo.rollout_correction: needs generation.backend=vllm or server (the hf sampler is "
             "the trainer)"
         )
+    if p.decoupled and backend not in ("vllm", "server"):
+        raise ConfigError(
+            "ppo.decoupled: needs generation.backend=vllm or server (the behaviour policy's "
+            "log-probs come from the sampler; with hf the sampler is the trainer)"
+        )
     if p.rollout_correction == "icepop" and p.rollout_correction_level != "token":
         raise ConfigError("ppo.rollout_correction_level: icepop masks tokens; set token")
     if p.rollout_correction_low >= p.rollout_correction_high:
@@ -376,7 +381,7 @@ def _validate_rollout_correction(cfg: Config) -> None:
 
 
 def _validate_staleness(cfg: Config) -> None:
-    """ppo.max_staleness: rollout servers only, at most 1, with the loop's plain rollout
+    """ppo.max_staleness: rollout servers only, with the loop's plain rollout
     or an environment through the endpoint (generation/prefetch.py)."""
     p, g = cfg.ppo, cfg.generation
     if not p.max_staleness:
@@ -385,11 +390,6 @@ def _validate_staleness(cfg: Config) -> None:
         raise ConfigError(
             f"ppo.max_staleness: needs generation.backend=server (with {g.backend} the trainer's "
             "own ranks generate: nothing runs beside the update); set 0"
-        )
-    if p.max_staleness > 1:
-        raise ConfigError(
-            f"ppo.max_staleness: at most 1, got {p.max_staleness} (a weight sync waits for the "
-            "servers' rollout in flight, so a deeper queue adds staleness, not overlap)"
         )
     refused = (
         ("ppo.estimator", p.estimator == "online_dpo", "online_dpo"),

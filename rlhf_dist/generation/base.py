@@ -3,7 +3,7 @@
 A sampler turns left-padded prompts into responses. Four implement it: the trainer's own
 KV-cache decode loop (hf.py, generation.backend=hf), an in-process vLLM engine (vllm.py,
 backend=vllm), the rollout servers' client (server.py, backend=server) and that client
-with one rollout requested ahead (prefetch.py, ppo.max_staleness). The rollout
+with up to k rollouts requested ahead (prefetch.py, ppo.max_staleness). The rollout
 (rollout/collect.py) and the trainer read a sampler only through this protocol: its
 capability flags say what differs between them, never its type.
 
@@ -141,8 +141,9 @@ class Sampler(Protocol):
         ...
 
     def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
-        """Before iteration `iteration`: the prompts of the next one, which a sampler one
-        step off-policy requests while this one trains (None: none ahead)."""
+        """Before iteration `iteration`: called once with None (naming the iteration), then
+        once per later iteration whose prompts a sampler k steps off-policy requests while
+        this one trains, in iteration order (ppo.max_staleness; none with k = 0)."""
         ...
 
     def stats(self, runtime: Runtime) -> dict[str, float]:

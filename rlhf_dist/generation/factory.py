@@ -11,7 +11,7 @@ from rlhf_dist.config import Config
 from rlhf_dist.distributed import Runtime
 from rlhf_dist.generation.base import GenerationContext, Sampler
 from rlhf_dist.generation.hf import HFSampler
-from rlhf_dist.generation.prefetch import PrefetchingServer
+from rlhf_dist.generation.prefetch import PrefetchingServer, server_all_max
 from rlhf_dist.generation.server import ServerEngine
 from rlhf_dist.generation.vllm import VLLMEngine
 
@@ -23,7 +23,7 @@ def make_sampler(
     inside `generation_context` (hf), vLLM in this process, loaded inside the same context
     (vllm), or the rollout servers (server; docs/serving.md), synced a bucket at a time from
     the actor `model`'s partitions (under ZeRO-3 each bucket gathered on its own; with LoRA
-    only the adapters, which the servers fold in), with ppo.max_staleness one rollout
+    only the adapters, which the servers fold in), with ppo.max_staleness = k up to k rollouts
     requested ahead (prefetch.py)."""
     backend = cfg.generation.backend
     if backend == "vllm":
@@ -33,8 +33,10 @@ def make_sampler(
         def partitions() -> AbstractContextManager[tuple[Any, Any]]:
             return runtime.generation_context(model, "actor", gather=False)
 
-        server = ServerEngine(cfg, runtime.is_main, runtime.all_max, weights=partitions)
-        if cfg.ppo.max_staleness:
-            return PrefetchingServer(server, cfg.ppo.max_staleness)
+        k = cfg.ppo.max_staleness
+        all_max, deferred = server_all_max(runtime, k)
+        server = ServerEngine(cfg, runtime.is_main, all_max, weights=partitions)
+        if k:
+            return PrefetchingServer(server, k, deferred)
         return server
     return HFSampler(generation_context, cfg.perf, routing=cfg.ppo.routing_replay == "r3")

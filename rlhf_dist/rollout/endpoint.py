@@ -136,12 +136,13 @@ def request(
     """The episodes of `play`, named now (their ids drawn on this thread from the
     checkpointed RNG, so a resumed run names and seeds them as the unbroken one did) and
     played when the returned work runs (with ppo.max_staleness, on generation/prefetch.py's
-    background thread while the trainer trains). Their records must carry the servers'
-    version of now: nothing syncs while they play."""
+    worker thread while the trainer trains). Their records must carry the servers' version
+    when the work starts (with deferred syncs a sync queued before it runs first): nothing
+    syncs while they play."""
     tag = f"{os.environ.get('RANK', '0')}-{int(sampling_seeds(1)[0])}"
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     urls = [server.urls[i % len(server.urls)] for i in range(len(prompts))]
-    fields, version = request_fields(gen, stop_ids), server.version
+    fields = request_fields(gen, stop_ids)
 
     def run(i: int) -> float | None:
         client = EndpointClient(
@@ -157,6 +158,7 @@ def request(
             ) from None
 
     def work() -> list[Episode]:
+        version = server.version
         with ThreadPoolExecutor(max_workers=max(1, min(agent.at_once, len(prompts)))) as pool:
             rewards = list(pool.map(run, range(len(prompts))))
         return [

@@ -76,7 +76,7 @@ def test_each_iteration_trains_on_the_rollout_the_previous_weights_sampled():
     assert seen[0] == ([[1, 10], [1, 11]], 0, 1)
     for k in (2, 3, 4):
         assert seen[k - 1] == ([[k - 1, 10 * k], [k - 1, 10 * k + 1]], 1, k - 1)
-    assert servers.version == 4 and engine.in_flight is None  # nothing asked after the last
+    assert servers.version == 4 and not engine.queue  # nothing asked after the last
     assert engine.dropped == 0
     # the rollouts asked ahead ran on the background thread, the first one too (waited for)
     assert all(name.startswith("rollout-request") for name in servers.threads)
@@ -87,8 +87,8 @@ def test_the_next_rollout_is_sampled_while_the_caller_goes_on():
     engine = PrefetchingServer(servers, max_staleness=1)
     engine.expect(1, prompts(20))
     sample(engine, prompts(10))
-    assert engine.in_flight is not None
-    engine.in_flight.answers.result(10)  # iteration 2's rollout is back
+    assert engine.queue
+    engine.queue[0].answers.result(10)  # iteration 2's rollout is back
     servers.gate.clear()  # the servers now hold every request until released
     engine.expect(2, prompts(30))
     done = threading.Event()
@@ -100,7 +100,7 @@ def test_the_next_rollout_is_sampled_while_the_caller_goes_on():
     worker = threading.Thread(target=iteration_two)
     worker.start()
     assert done.wait(10), "iteration 2 waited for iteration 3's rollout"
-    assert engine.in_flight is not None and not engine.in_flight.answers.done()
+    assert engine.queue and not engine.queue[0].answers.done()
     servers.gate.set()
     worker.join()
 
@@ -110,7 +110,7 @@ def test_no_request_ahead_leaves_the_next_iteration_on_policy():
     engine = PrefetchingServer(servers, max_staleness=1)
     engine.expect(1, None)  # e.g. iteration 1 writes a checkpoint
     sample(engine, prompts(10))
-    assert engine.in_flight is None
+    assert not engine.queue
     engine.expect(2, None)
     assert sample(engine, prompts(20)) == [[2, 20], [2, 21]] and engine.staleness == 0
 
@@ -132,7 +132,7 @@ def test_an_evaluation_between_iterations_keeps_the_rollout_in_flight():
     sample(engine, prompts(10))
     # held-out evaluation after iteration 1: its own prompts, the current weights (v2)
     assert sample(engine, prompts(90)) == [[2, 90], [2, 91]]
-    assert engine.in_flight is not None  # iteration 2's rollout still waits for it
+    assert engine.queue  # iteration 2's rollout still waits for it
     engine.expect(2, None)
     assert sample(engine, prompts(20)) == [[1, 20], [1, 21]] and engine.staleness == 1
 

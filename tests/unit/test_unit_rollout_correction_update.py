@@ -1,4 +1,4 @@
-"""ppo.rollout_correction in the update (trainers/ppo/update.py::corrected_terms): with the
+"""ppo.rollout_correction in the update (trainers/ppo/update.py::correction_weights): with the
 clip off the policy loss is linear in the ratio, so a correction weight w on a token scales
 that token's gradient by w exactly. Checked through one optimizer step's gradient of a
 tiny actor: every token at r = pi_old / pi_rollout = 2 doubles the gradient under tis with

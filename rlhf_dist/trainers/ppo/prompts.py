@@ -89,10 +89,9 @@ def extra_prompts(
     return batch
 
 
-def with_next(stream: Iterator[Item]) -> Iterator[tuple[Item, Item | None]]:
-    """(this item, the next one or None) for each item of `stream`."""
-    current = next(stream, None)
-    while current is not None:
-        upcoming = next(stream, None)
-        yield current, upcoming
-        current = upcoming
+def with_ahead(stream: Iterator[Item], depth: int) -> Iterator[tuple[Item, list[Item]]]:
+    """(this item, the next `depth` items, fewer at the end) for each item of `stream`."""
+    window = [item for _, item in zip(range(depth + 1), stream)]
+    while window:
+        yield window[0], window[1:]
+        window = window[1:] + [item for _, item in zip(range(1), stream)]

@@ -48,7 +48,12 @@ from rlhf_dist.trainers.ppo.controllers import Controllers
 from rlhf_dist.trainers.ppo.entropy import cov_choice
 from rlhf_dist.trainers.ppo.evaluation import held_out_eval
 from rlhf_dist.trainers.ppo.online_dpo import online_dpo_iteration
-from rlhf_dist.trainers.ppo.prompts import extra_prompts, prompt_stream, training_prompts, with_next
+from rlhf_dist.trainers.ppo.prompts import (
+    extra_prompts,
+    prompt_stream,
+    training_prompts,
+    with_ahead,
+)
 from rlhf_dist.trainers.ppo.rollout import (
     expect_next,
     normalized,
@@ -112,9 +117,11 @@ def train_ppo(cfg: Config, runtime: Runtime, sampler: Sampler | None = None) -> 
     pad = run.tokenizer.pad_token_id
     overfit = cfg.debug.overfit_one_batch
     stream = prompt_stream(prompts, run.plan, runtime, seed, pad, start, overfit)
-    for it, (prompt_batch, upcoming) in zip(range(start + 1, p.iterations + 1), with_next(stream)):
+    for it, (prompt_batch, ahead) in zip(
+        range(start + 1, p.iterations + 1), with_ahead(stream, max(p.max_staleness, 1))
+    ):
         rng = rng_state()  # as the checkpoint of iteration it - 1 holds it
-        expect_next(cfg, run, it, upcoming)  # ppo.max_staleness: what to request ahead
+        expect_next(cfg, run, it, ahead)  # ppo.max_staleness: what to request ahead
         more = extra_prompts(prompts, run.plan, runtime, seed, pad, it)
         # 2.-7. Rollout, scores, rewards, advantages, the update's view, the update
         run.scorer.trainer_state = reward_trainer_state(

@@ -141,10 +141,27 @@ def print_first_batch(
         print(describe_batch(run.tokenizer, rollout.batch, rollout.texts), flush=True)
 
 
-def expect_next(cfg: Config, run: PPORun, it: int, upcoming: PromptBatch | None) -> None:
-    """ppo.max_staleness (generation/prefetch.py): tell the servers' client which prompts to
-    request while iteration `it` trains: none at the last iteration or one that writes a
-    scheduled checkpoint, so the iteration after a checkpoint samples on-policy and a
-    resumed run samples what the unbroken run did."""
-    ahead = upcoming is not None and not checkpoint_due(cfg, it, cfg.ppo.iterations, False)
-    run.rollout_models.sampler.expect_next(it, upcoming if ahead else None)
+def expect_next(cfg: Config, run: PPORun, it: int, ahead: list[PromptBatch]) -> None:
+    """ppo.max_staleness = k (generation/prefetch.py): tell the servers' client which of the
+    next iterations' prompts `ahead` to request while iteration `it` trains: those up to
+    `requested_through(it)` that `it - 1` did not request already. None past an iteration
+    that writes a scheduled checkpoint, so the iteration after a checkpoint samples
+    on-policy and a resumed run samples what the unbroken run did."""
+    sampler = run.rollout_models.sampler
+    sampler.expect_next(it, None)
+    first = max(it, requested_through(cfg, it - 1)) + 1
+    for later in range(first, requested_through(cfg, it) + 1):
+        sampler.expect_next(it, ahead[later - it - 1])
+
+
+def requested_through(cfg: Config, it: int) -> int:
+    """The last iteration whose rollout is requested by the end of iteration `it`'s
+    rollout: it + k, cut at the first iteration from `it` on that writes a scheduled
+    checkpoint and at the last iteration (`it` itself: nothing ahead; 0 before the first)."""
+    last, k = cfg.ppo.iterations, cfg.ppo.max_staleness
+    if it <= 0:
+        return 0
+    for later in range(it, min(it + k, last) + 1):
+        if checkpoint_due(cfg, later, last, False):
+            return later
+    return min(it + k, last)

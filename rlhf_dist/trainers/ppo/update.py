@@ -27,8 +27,8 @@ from rlhf_dist.algo.losses import (
 )
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.algo.objectives import sequence_log_ratio
-from rlhf_dist.algo.policy_losses import POLICY_LOSSES, PolicyLossInputs
-from rlhf_dist.algo.rollout_correction import rollout_correction_weights
+from rlhf_dist.algo.policy_losses import POLICY_LOSSES, PolicyLossInputs, decoupled_policy_terms
+from rlhf_dist.algo.rollout_correction import behaviour_weights, rollout_correction_weights
 from rlhf_dist.checkpoint import maybe_fault
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, token_budget_split
@@ -72,6 +72,7 @@ class UpdateKnobs:
     # ppo.rollout_correction against the sampler's log-probs (vLLM, rollout servers):
     # (method, level, low, high); method "none": off
     rollout_correction: tuple[str, str, float, float] = ("none", "token", 0.5, 2.0)
+    decoupled: bool = False  # ppo.decoupled: AReaL's objective, the correction its weight
     ratio_level: str = "token"  # token (PPO) or sequence (GSPO)
     policy_loss: str = "clip"  # clip (PPO) or cispo
     cov_control: str = "none"  # ppo.cov_control: what the chosen tokens get (entropy.py)
@@ -103,6 +104,7 @@ class UpdateKnobs:
             entropy_coef, kl_loss_coef, p.kl_kind, p.loss_aggregation, norms,
             rollout_correction=(p.rollout_correction, p.rollout_correction_level,
                                 p.rollout_correction_low, p.rollout_correction_high),
+            decoupled=p.decoupled,
             ratio_level=p.ratio_level, policy_loss=p.policy_loss, cov_control=p.cov_control,
             cov_kl_coef=p.cov_kl_coef,
             distill_coef=p.distill_coef if cfg.model.teacher else 0.0,
@@ -145,10 +147,12 @@ def policy_terms(
     response_mask: torch.Tensor,
     advantages: torch.Tensor,
     knobs: UpdateKnobs,
+    behaviour: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token policy terms (B, T) of the registered knobs.policy_loss
     (algo/policy_losses.py) with knobs.ratio_level's ratio (token; sequence: GSPO's, from
-    each row's own tokens, which a micro-batch always holds whole)."""
+    each row's own tokens, which a micro-batch always holds whole); with `behaviour` (B, T),
+    ppo.decoupled's weights pi_old / pi_behav, the decoupled objective of that loss."""
     log_ratio = None
     if knobs.ratio_level == "sequence":
         log_ratio = sequence_log_ratio(logprobs, old_logprobs, response_mask)
@@ -156,6 +160,8 @@ def policy_terms(
         logprobs, old_logprobs, advantages, log_ratio, knobs.clip_eps_low, knobs.clip_eps_high,
         knobs.dual_clip,
     )  # fmt: skip
+    if behaviour is not None:  # old_logprobs: the proximal policy, before this update
+        return decoupled_policy_terms(knobs.policy_loss, inputs, behaviour)
     return POLICY_LOSSES[knobs.policy_loss].fn(inputs)  # ppo.policy_loss, validated by config
 
 
@@ -192,15 +198,16 @@ def micro_batch_loss(
         stats.add("router/update_flip_rate", *replay["routing"].flips(mb.response_mask))
     mask, n = mb.response_mask, mb.response_mask.sum()
     advantages = with_teacher_advantages(advantages, old_logprobs, mb, knobs)
-    pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs)
+    behaviour = correction_weights(old_logprobs, mb, knobs, stats) if knobs.decoupled else None
+    pg = policy_terms(logprobs, old_logprobs, mask, advantages, knobs, behaviour)
     per_token = pg["loss"]
     if chosen is not None:
         per_token = cov_control_terms(per_token, logprobs, old_logprobs, chosen, knobs, stats, mask)
     if divergence:  # gjsd: a loss term of its own, gradients through the actor's head
         per_token = per_token + knobs.distill_coef * divergence[0]
         stats.add("distill/gjsd", masked_sum(divergence[0].detach(), mask), n)
-    if knobs.rollout_correction[0] != "none":  # sampled by another engine, not pi_old
-        per_token = corrected_terms(per_token, old_logprobs, mb, knobs, stats)
+    if knobs.rollout_correction[0] != "none" and not knobs.decoupled:  # pi_rollout, not pi_old
+        per_token = correction_weights(old_logprobs, mb, knobs, stats) * per_token
     named = [("policy", per_token, pg["clipped"])]
     if values is not None:
         vf = value_terms(values, mb.old_values, returns, knobs.value_clip_eps)
@@ -219,25 +226,24 @@ def micro_batch_loss(
     return MicroLoss(masked_sum(weights * per_token, mask), fresh, stats)
 
 
-def corrected_terms(
-    per_token: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    mb: RolloutBatch,
-    knobs: UpdateKnobs,
-    stats: StatSums,
+def correction_weights(
+    old_logprobs: torch.Tensor, mb: RolloutBatch, knobs: UpdateKnobs, stats: StatSums
 ) -> torch.Tensor:
-    """The per-token policy loss (B, T) weighted by ppo.rollout_correction's bounded ratio
-    pi_old / pi_rollout (algo/rollout_correction.py; the sampler's log-probs are the
-    rollout's `sampler_logprobs`), with the share of tokens whose weight was capped or
-    masked added to `stats` as a token mean (the train-vs-rollout KL is the rollout's
-    rollout/sampler_kl, stats.py)."""
+    """Each token's weight (B, T) for the sampler's log-probs (the rollout's
+    `sampler_logprobs`): ppo.rollout_correction's bounded ratio pi_old / pi_rollout
+    (algo/rollout_correction.py), or with ppo.decoupled and no correction the raw one
+    (AReaL's behaviour weight). The share of tokens whose weight was capped or masked goes
+    to `stats` as a token mean (the train-vs-rollout KL is rollout/sampler_kl, stats.py)."""
     method, level, low, high = knobs.rollout_correction
     mask, n = mb.response_mask, mb.response_mask.sum()
+    assert mb.sampler_logprobs is not None, "a correction without the sampler's log-probs"
+    if method == "none":
+        return behaviour_weights(old_logprobs, mb.sampler_logprobs, mask)
     weights, corrected = rollout_correction_weights(
         old_logprobs, mb.sampler_logprobs, mask, method, level, low, high
     )
     stats.add("rollout/corrected_frac", masked_sum(corrected.float(), mask), n)
-    return weights * per_token
+    return weights
 
 
 def cov_control_terms(
