@@ -48,6 +48,18 @@ def is_whole(engine: torch.nn.Module) -> bool:
     return engine in _ACTIVE
 
 
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Whether ZeRO-3 partitions `module`'s parameters (each rank holds a slice: only the
+    engine's gathers make them whole)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def whole_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The shape of the whole parameter: ds_shape under ZeRO-3, where a partitioned
+    parameter's own shape is empty."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
 def stays_whole(param: torch.nn.Parameter) -> bool:
     """Whether `param` may be read as a whole tensor for the rest of a forward AND its
     backward: it is not managed by ZeRO-3 at all, or its engine is inside `whole_weights`

@@ -53,6 +53,7 @@ import torch
 
 from rlhf_dist.config import GenerationConfig
 from rlhf_dist.data.vision import RowMedia
+from rlhf_dist.distributed.zero3 import is_partitioned
 from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ServerError, UserError
 from rlhf_dist.generation.base import Prompts, Samples, Seeds, StopIds, refuse_images
@@ -176,7 +177,7 @@ class PrefetchingServer:
         this thread (under ZeRO-3 the buckets' gathers; with LoRA the merged weights).
         Deferred: queue a snapshot's sync behind them (`_sync_shadow`). collect.py calls it
         inside the sync context."""
-        if self.deferred and any(hasattr(p, "ds_shape") for p in actor.parameters()):
+        if self.deferred and is_partitioned(actor):
             self.deferred = False  # ZeRO-3 partitions: only the gathers make them whole
         if self.deferred:
             self._queue_sync(actor)

@@ -15,7 +15,7 @@ Each rank cuts its prompts into one contiguous shard per server (data-parallel s
 and asks them concurrently, each shard with its own seed from torch's global RNG (so a
 resumed run draws the same seeds). Every answer carries the policy version it was
 sampled with; one that is not the version synced before the request is an error.
-With ppo.max_staleness=1 (generation/prefetch.py) the requests run on a thread of their
+With ppo.max_staleness >= 1 (generation/prefetch.py) the requests run on a thread of their
 own while the trainer trains. HTTP through rlhf_dist/http_client.py (httpx, pooled
 connections); every call times out after distributed.timeout_s.
 """
@@ -42,6 +42,7 @@ from rlhf_dist.distributed.weight_sync import (
     weight_buckets,
     whole_bucket,
 )
+from rlhf_dist.distributed.zero3 import whole_shape
 from rlhf_dist.engine.forward import token_logprobs
 from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.errors import ConfigError, ServerError, UserError
@@ -249,7 +250,7 @@ class ServerEngine:
         """The actor's log-probs (CHECK_ROWS, CHECK_TOKENS - 1) at temperature 1, on CPU,
         of the check's fixed sequences (`check_ids`: uniform token ids, seed 0)."""
         weight = actor.get_input_embeddings().weight
-        vocab = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3: the whole shape
+        vocab = int(whole_shape(weight)[0])  # ZeRO-3: the whole shape
         g = torch.Generator().manual_seed(0)  # the same sequences every sync
         self.check_ids = torch.randint(0, vocab, (CHECK_ROWS, CHECK_TOKENS), generator=g)
         seqs = self.check_ids.to(weight.device)
