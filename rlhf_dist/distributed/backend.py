@@ -18,7 +18,9 @@ from rlhf_dist.distributed.deepspeed_config import (
     fill_deepspeed_config,
     fill_gloo_zero3,
     fill_zero_buckets,
+    resolve_deepspeed_file,
 )
+from rlhf_dist.distributed.fsdp2 import fsdp_launch
 from rlhf_dist.distributed.process_exit import note_group
 
 if TYPE_CHECKING:
@@ -67,6 +69,16 @@ class Backend:
         if plugin is None:
             return None
         return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def engine(self) -> str:
+        """Which engine trains this run: "zero0".."zero3" (DeepSpeed), "fsdp2", "ddp"
+        (several ranks, neither) or "single" (one process)."""
+        if self.zero_stage is not None:
+            return f"zero{self.zero_stage}"
+        if fsdp_launch():
+            return "fsdp2"
+        return "ddp" if self.world_size > 1 else "single"
 
     @property
     def zero_offload(self) -> str:
@@ -184,6 +196,7 @@ def _make_accelerator(
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    resolve_deepspeed_file()  # the shipped configs name their DeepSpeed file relatively
     handlers = []
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -197,7 +210,8 @@ def _make_accelerator(
     # Without a GPU and without DeepSpeed, tell Accelerate so: otherwise torchrun-started
     # CPU ranks are not wrapped in DDP and silently drift apart.
     use_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    cpu = not torch.cuda.is_available() and not use_ds
+    # cpu=True would also turn an FSDP launch into DDP without a word (Accelerate 1.15).
+    cpu = not torch.cuda.is_available() and not use_ds and not fsdp_launch()
     if not torch.cuda.is_available():
         # DeepSpeed's CPU accelerator counts its "devices" by running `numactl` in a
         # subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks on every gradient
