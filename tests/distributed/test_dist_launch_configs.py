@@ -25,7 +25,12 @@ PROBE = REPO / "tests" / "distributed" / "scripts" / "engine_probe.py"
 
 @pytest.mark.parametrize(
     ("config", "engine"),
-    [("cpu_zero0.yaml", "zero0"), ("cpu_zero2.yaml", "zero2"), ("cpu_zero3.yaml", "zero3")],
+    [
+        ("cpu_zero0.yaml", "zero0"),
+        ("cpu_zero2.yaml", "zero2"),
+        ("cpu_zero3.yaml", "zero3"),
+        ("cpu_fsdp2.yaml", "fsdp2"),
+    ],
 )
 def test_shipped_cpu_config_launches_from_another_directory(tmp_path, config, engine):
     out = tmp_path / "probe.json"

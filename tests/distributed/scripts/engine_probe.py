@@ -36,7 +36,7 @@ def main(out: str) -> None:
         result = {
             "engine": runtime.engine,
             "world_size": runtime.world_size,
-            "loss": float(loss),
+            "loss": float(loss.detach()),
             "changed": changed,
         }
         with open(out, "w") as f:
