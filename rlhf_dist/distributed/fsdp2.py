@@ -97,6 +97,9 @@ def shard_model(
     # its backward: the chunked log-prob head reads the head's weight directly after the
     # model's forward (engine/forward.py head_logprobs), outside any unit's hooks.
     fully_shard(model, **(options | {"reshard_after_forward": False}))
+    # Make `model` the root now: the first forward may be a submodule's (an ActorCritic's
+    # actor generating), which would otherwise make that unit a root of its own.
+    model._get_fsdp_state()._lazy_init()  # type: ignore[operator]
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]

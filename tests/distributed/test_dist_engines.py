@@ -1,8 +1,7 @@
 """FSDP2 and DeepSpeed ZeRO-3 train the same: at fp32, 2-rank runs of SFT, DPO and GRPO log
 the same metrics to 1e-5 under either engine (issue 52, "Metrics match").
 
-Each engine is ONE launch (scripts/run_commands.py runs the three stages in turn, each
-seeded afresh), both launches at once. Which of the other 2-rank tests also run under FSDP2,
+Which of the other 2-rank tests also run under FSDP2,
 and why: docs/distributed.md "Choosing the engine".
 """
 
@@ -13,28 +12,28 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, launch_args, run_all
+from conftest import free_port, launch_args, run_all
 
-RUN_COMMANDS = REPO / "tests" / "distributed" / "scripts" / "run_commands.py"
 ENGINES = {"zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
 STAGES = ("sft", "dpo", "grpo")
 
 
 def stage_commands(assets, root: Path) -> list[list[str]]:
-    """Two optimizer steps of each stage on the tiny assets, fp32 (model.dtype default)."""
-    sft_rows = root / "sft64.jsonl"
-    sft_rows.write_text("".join(assets["files"].sft.read_text().splitlines(True)[:64]))
-    pairs = root / "pairs64.jsonl"
-    pairs.write_text("".join(assets["files"].prefs_train.read_text().splitlines(True)[:64]))
+    """Two optimizer steps of each stage on the tiny assets, fp32 (model.dtype default).
+    Every stage has micro-batches of 2 and optimizer steps of 16 rows."""
+    sft_rows = root / "sft32.jsonl"
+    sft_rows.write_text("".join(assets["files"].sft.read_text().splitlines(True)[:32]))
+    pairs = root / "pairs32.jsonl"
+    pairs.write_text("".join(assets["files"].prefs_train.read_text().splitlines(True)[:32]))
     common = (f"model.policy={assets['policy']}", "perf.num_threads=1", "run.log_every=1")
     return [
         ["sft", *common, f"data.train={sft_rows}", f"run.output_dir={root / 'sft'}",
-         "sft.batch_size=32", "sft.micro_batch_size=8", "sft.optim.lr=1e-3"],
+         "sft.batch_size=16", "sft.micro_batch_size=2", "sft.optim.lr=1e-3"],
         ["dpo", *common, f"data.train={pairs}", f"run.output_dir={root / 'dpo'}",
-         "dpo.batch_size=32", "dpo.micro_batch_size=4", "dpo.optim.lr=1e-3"],
+         "dpo.batch_size=16", "dpo.micro_batch_size=2", "dpo.optim.lr=1e-3"],
         ["grpo", *common, f"data.train={assets['files'].prompts}",
          f"run.output_dir={root / 'grpo'}", "ppo.iterations=2", "ppo.rollout_batch_size=8",
-         "ppo.samples_per_prompt=2", "ppo.minibatch_size=8", "ppo.micro_batch_size=2",
+         "ppo.samples_per_prompt=2", "ppo.minibatch_size=16", "ppo.micro_batch_size=2",
          "ppo.optim.lr=1e-3", "generation.max_new_tokens=8",
          "reward.function=rlhf_dist.demo.task:positive_word_reward"],
     ]  # fmt: skip
@@ -51,16 +50,20 @@ def rows(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory) -> dict[str, Path]:
-    """engine -> the directory holding its sft/, dpo/ and grpo/ runs."""
+    """engine -> the directory holding its sft/, dpo/ and grpo/ runs: one launch per stage
+    and engine (a process runs one stage: it leaves the process group at the end), the
+    two engines' launches of a stage at once, from an empty working directory."""
     roots = {engine: tmp_path_factory.mktemp(engine) for engine in ENGINES}
-    launches = [
-        launch_args(config, free_port(), str(RUN_COMMANDS),
-                    json.dumps(stage_commands(assets, roots[engine])))
-        for engine, config in ENGINES.items()
-    ]  # fmt: skip
-    results = run_all(launches, 400, [{}, {}])
-    for engine, (code, out, err) in zip(ENGINES, results, strict=True):
-        assert code == 0, f"{engine} launch exited {code}\n{(out + err)[-6000:]}"
+    commands = {engine: stage_commands(assets, roots[engine]) for engine in ENGINES}
+    for i, stage in enumerate(STAGES):
+        launches = [
+            launch_args(config, free_port(), "-m", "rlhf_dist", *commands[engine][i])
+            for engine, config in ENGINES.items()
+        ]
+        # From a directory of their own: the shipped configs work from anywhere (item 7).
+        results = run_all(launches, 240, [{}, {}], cwd=tmp_path_factory.mktemp(stage))
+        for engine, (code, out, err) in zip(ENGINES, results, strict=True):
+            assert code == 0, f"{engine} {stage} exited {code}\n{(out + err)[-6000:]}"
     return roots
 
 
@@ -73,6 +76,8 @@ def test_fsdp2_metrics_equal_zero3_metrics(runs, stage):
         assert a.keys() == b.keys(), (step, a.keys() ^ b.keys())
         for key, x in a.items():
             y = b[key]
+            if stage == "dpo" and step == 0 and key == "rewards/accuracy":
+                continue  # the policy IS the reference: margins are rounding noise around 0
             if isinstance(x, float) and math.isfinite(x):
                 assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (stage, step, key, x, y)
                 compared += 1
