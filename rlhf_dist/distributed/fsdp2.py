@@ -99,7 +99,7 @@ def shard_model(
     fully_shard(model, **(options | {"reshard_after_forward": False}))
     # Make `model` the root now: the first forward may be a submodule's (an ActorCritic's
     # actor generating), which would otherwise make that unit a root of its own.
-    model._get_fsdp_state()._lazy_init()  # type: ignore[operator]
+    model._get_fsdp_state()._lazy_init()
     sharded = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [sharded[names[id(p)]] for p in group["params"]]
