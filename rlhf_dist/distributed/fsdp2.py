@@ -76,6 +76,11 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    if any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+        raise ConfigError(
+            "lora.load_in_4bit: QLoRA's bitsandbytes 4-bit weights cannot be sharded by "
+            "FSDP2 here; use a DeepSpeed or single-GPU accelerate config"
+        )
     names = {id(p): n for n, p in model.named_parameters()}
     if dtype == "bfloat16":
         model.float()  # identity of the Parameters is kept: .float() swaps .data

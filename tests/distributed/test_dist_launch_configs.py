@@ -15,9 +15,11 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 from conftest import CONFIGS, REPO, free_port, launch_args, run_all
 
+from rlhf_dist.distributed import fsdp2
 from rlhf_dist.distributed.deepspeed_config import DS_FILE_VARIABLE, resolve_deepspeed_file
 from rlhf_dist.errors import ConfigError
 
@@ -70,3 +72,41 @@ def test_a_missing_deepspeed_file_is_one_line_naming_the_key(tmp_path, monkeypat
     environ = {DS_FILE_VARIABLE: "mine.json"}
     resolve_deepspeed_file(environ)
     assert environ[DS_FILE_VARIABLE] == str(tmp_path / "mine.json")
+
+
+def shipped_fsdp_configs() -> list[dict]:
+    configs = [yaml.safe_load(p.read_text()) for p in sorted(CONFIGS.glob("*fsdp2*.yaml"))]
+    assert len(configs) == 3  # cpu_fsdp2, fsdp2, fsdp2_multinode
+    return configs
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "key"),
+    [
+        ("FSDP_VERSION", "1", "fsdp_version"),
+        ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading"),
+        ("FSDP_ACTIVATION_CHECKPOINTING", "true", "fsdp_activation_checkpointing"),
+    ],
+)
+def test_fsdp_settings_this_engine_does_not_do_are_one_line(monkeypatch, variable, value, key):
+    for config in shipped_fsdp_configs():  # the shipped configs pass as written
+        fsdp = config["fsdp_config"]
+        assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_cpu_ram_efficient_loading"] is False
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+    fsdp2.check_fsdp_config()
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=key) as e:
+        fsdp2.check_fsdp_config()
+    assert "\n" not in str(e.value)
+
+
+def test_qlora_weights_are_refused_under_fsdp2():
+    class Params4bit(torch.nn.Parameter):  # bitsandbytes' 4-bit weight class, by name
+        pass
+
+    model = torch.nn.Linear(4, 4)
+    model.weight = Params4bit(torch.zeros(4, 4), requires_grad=False)
+    optimizer = torch.optim.AdamW([model.bias])
+    with pytest.raises(ConfigError, match="lora.load_in_4bit"):
+        fsdp2.shard_model(model, optimizer, torch.device("cpu"), "float32")
