@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, launch_args, run_all
+from conftest import REPO, _env, free_port, launch_args, run_all
 
 ENGINES = {"zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
 STAGES = ("sft", "dpo", "grpo")
@@ -28,7 +30,8 @@ def stage_commands(assets, root: Path) -> list[list[str]]:
     common = (f"model.policy={assets['policy']}", "perf.num_threads=1", "run.log_every=1")
     return [
         ["sft", *common, f"data.train={sft_rows}", f"run.output_dir={root / 'sft'}",
-         "sft.batch_size=16", "sft.micro_batch_size=2", "sft.optim.lr=1e-3"],
+         "sft.batch_size=16", "sft.micro_batch_size=2", "sft.optim.lr=1e-3",
+         "run.checkpoint_every=1"],
         ["dpo", *common, f"data.train={pairs}", f"run.output_dir={root / 'dpo'}",
          "dpo.batch_size=16", "dpo.micro_batch_size=2", "dpo.optim.lr=1e-3"],
         ["grpo", *common, f"data.train={assets['files'].prompts}",
@@ -85,3 +88,23 @@ def test_fsdp2_metrics_equal_zero3_metrics(runs, stage):
                 assert x == y or (x != x and y != y), (stage, step, key, x, y)
     assert compared >= 10
     assert (runs["fsdp2"] / stage / "final" / "model.safetensors").is_file()
+
+
+def test_fsdp2_checkpoint_resumes_on_one_process_to_the_same_metrics(assets, runs, tmp_path):
+    """The 2-rank FSDP2 SFT run's step-1 checkpoint (shards and Adam moments gathered),
+    resumed by ONE plain process: its step 2 logs what the 2-rank run's step 2 did."""
+    sft = runs["fsdp2"] / "sft"
+    command = next(c for c in stage_commands(assets, tmp_path) if c[0] == "sft")
+    resume = [*command, f"run.output_dir={tmp_path / 'resumed'}"]
+    resume += ["--resume", str(sft / "checkpoints" / "step-000001")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf_dist", *resume],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = {r["step"]: r for r in rows(tmp_path / "resumed")}
+    two_ranks = {r["step"]: r for r in rows(sft)}
+    assert 1 not in resumed and 2 in resumed
+    for key in ("sft/loss", "sft/grad_norm"):
+        x, y = two_ranks[2][key], resumed[2][key]
+        assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (key, x, y)
