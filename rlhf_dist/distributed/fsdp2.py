@@ -167,6 +167,23 @@ def whole_weights(model: torch.nn.Module) -> Iterator[None]:
             unit.set_reshard_after_forward(reshard, recurse=False)
 
 
+@contextlib.contextmanager
+def root_whole(model: torch.nn.Module) -> Iterator[None]:
+    """Context: only the root unit of sharded `model` (embeddings, final norm, heads)
+    gathered, the decoder layers still gathered by their own units in each forward: a
+    submodule called directly (an ActorCritic's actor generating) runs outside the root's
+    hooks. Every rank enters; each layer's forward is then a collective (keep ranks in
+    step). A no-op inside whole_weights."""
+    if id(model) in _WHOLE:
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def full_state_dict(model: torch.nn.Module, is_main: bool) -> dict | None:
     """The whole state dict of sharded `model` on the main process, on CPU (a collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

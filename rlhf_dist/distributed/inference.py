@@ -123,7 +123,8 @@ def generation_context(
         with fsdp2.whole_weights(model):
             yield target, None
     elif backend.engine == "fsdp2":
-        yield target, (functools.partial(any_rank, backend) if backend.world_size > 1 else None)
+        with fsdp2.root_whole(model):
+            yield target, functools.partial(any_rank, backend)
     elif backend.zero_stage != 3:
         yield target, None
     elif not gather:
