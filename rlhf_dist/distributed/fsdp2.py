@@ -123,15 +123,14 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
     pre-clip norm over all ranks' shards (the same on every rank; a collective)."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
+    with_grads = [p for p in params if p.grad is not None]  # every rank: the same params
+    grads = [p.grad for p in with_grads if p.grad is not None]
     if not grads:
         return 0.0
     norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(
-        [p for p in params if p.grad is not None], max_norm, norm, foreach=True
-    )
+    torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm, foreach=True)
     return float(norm)
 
 
