@@ -3,7 +3,7 @@
 Trainers never import accelerate or deepspeed: they get a `Runtime` and call its methods
 to prepare models, run micro-batch backward passes, step optimizers, generate and reduce
 statistics. `python -m rlhf_dist ...` gives a one-process runtime; `accelerate launch`
-(DDP, ZeRO-2, ZeRO-3, multi-node) gives one process per rank running the same code.
+(DDP, ZeRO-2, ZeRO-3, FSDP2, multi-node) gives one process per rank running the same code.
 
 Gradient accumulation is ours, not the backends': a trainer divides each micro-batch's
 loss SUM by the token (or pair) count of the whole global batch, calls
@@ -14,7 +14,10 @@ turned off; its averaging over ranks is undone by the x world_size the trainer a
 Modules, one concern each (`Runtime` composes them; nothing else here imports the
 backends):
 - backend.py: the Accelerator, rank/world/device, `prepare` and `unwrap`, seeding;
-- deepspeed_config.py: DeepSpeed's "auto" config entries filled from our config;
+- deepspeed_config.py: DeepSpeed's "auto" config entries filled from our config, the
+  accelerate config's DeepSpeed file found from any working directory;
+- fsdp2.py: FSDP2 (`fully_shard`) as the second sharded engine: sharding, clipping over
+  shards, whole weights, full state dicts;
 - guard.py: micro_backward / optimizer_step behind the numerical guard;
 - collectives.py: all_sum, all_max, any_rank, gather_objects, barrier; dead-peer errors;
   teardowns run before the process group goes (`before_destroy`);

@@ -14,11 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlhf_dist.distributed import fsdp2
 from rlhf_dist.distributed.deepspeed_config import (
     fill_deepspeed_config,
     fill_gloo_zero3,
     fill_zero_buckets,
+    resolve_deepspeed_file,
 )
+from rlhf_dist.distributed.fsdp2 import fsdp_launch
 from rlhf_dist.distributed.process_exit import note_group
 
 if TYPE_CHECKING:
@@ -69,6 +72,16 @@ class Backend:
         return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
 
     @property
+    def engine(self) -> str:
+        """Which engine trains this run: "zero0".."zero3" (DeepSpeed), "fsdp2", "ddp"
+        (several ranks, neither) or "single" (one process)."""
+        if self.zero_stage is not None:
+            return f"zero{self.zero_stage}"
+        if fsdp_launch() and self.world_size > 1:
+            return "fsdp2"
+        return "ddp" if self.world_size > 1 else "single"
+
+    @property
     def zero_offload(self) -> str:
         """What the DeepSpeed config offloads to CPU memory: none, optimizer (its states)
         or all (ZeRO-3 weights as well)."""
@@ -102,11 +115,14 @@ class Backend:
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Wrap a trainable model and its optimizer for this run's backend: (the model, a
         DeepSpeed engine or DDP wrapper as the backend has it; the optimizer, in
-        Accelerate's wrapper).
+        Accelerate's wrapper). Under FSDP2 the model is sharded in place and the torch
+        optimizer, pointed at the shards, comes back as it is (fsdp2.py).
 
         Under DeepSpeed the "auto" entries of its config are filled from ours (one place
         for each value); an explicit value that disagrees is a ConfigError.
         """
+        if self.engine == "fsdp2":
+            return fsdp2.shard_model(model, optimizer, self.device, dtype), optimizer
         if self.zero_stage is not None:
             ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
             fill_deepspeed_config(
@@ -184,6 +200,9 @@ def _make_accelerator(
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    resolve_deepspeed_file()  # the shipped configs name their DeepSpeed file relatively
+    if fsdp_launch():
+        fsdp2.check_fsdp_config()  # before any model loads
     handlers = []
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -197,6 +216,8 @@ def _make_accelerator(
     # Without a GPU and without DeepSpeed, tell Accelerate so: otherwise torchrun-started
     # CPU ranks are not wrapped in DDP and silently drift apart.
     use_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    # (An FSDP launch on CPU ranks is also one for Accelerate: it applies FSDP to GPUs
+    # only; fsdp2.py shards the models itself and never hands them to Accelerate.)
     cpu = not torch.cuda.is_available() and not use_ds
     if not torch.cuda.is_available():
         # DeepSpeed's CPU accelerator counts its "devices" by running `numactl` in a

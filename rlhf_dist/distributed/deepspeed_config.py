@@ -6,6 +6,10 @@ an explicit DeepSpeed value that disagrees is a ConfigError rather than a silent
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
+from pathlib import Path
+
 import torch
 
 from rlhf_dist.config import sizes
@@ -76,6 +80,36 @@ def fill_gloo_zero3(ds: dict) -> None:
     """
     ds.setdefault("zero_optimization", {}).setdefault(
         "stage3_use_all_reduce_for_fetch_params", True
+    )
+
+
+# The checkout that ships ds_configs/ next to the package: the accelerate configs of
+# accelerate_configs/ name their DeepSpeed file relative to it.
+SHIPPED_ROOT = Path(__file__).resolve().parents[2]
+DS_FILE_VARIABLE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"  # what `accelerate launch` passes on
+
+
+def resolve_deepspeed_file(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Make the accelerate config's `deepspeed_config_file` an absolute path (in place, in
+    `environ`) before Accelerate reads it, so a launch works from any working directory.
+
+    A relative name is looked up in the working directory first (what Accelerate itself
+    does), then under the checkout the shipped configs name their files from
+    (`SHIPPED_ROOT`: `ds_configs/zero3.json`). A `.json` name found in neither is a
+    ConfigError naming the key; anything else (unset, a base64-encoded config) is left to
+    Accelerate.
+    """
+    name = environ.get(DS_FILE_VARIABLE, "none")
+    if name == "none" or not name.endswith(".json"):
+        return
+    for base in (Path.cwd(), SHIPPED_ROOT):
+        found = base / name  # an absolute name stays itself
+        if found.is_file():
+            environ[DS_FILE_VARIABLE] = str(found.resolve())
+            return
+    raise ConfigError(
+        f"deepspeed_config_file {name!r} (accelerate config): no such file in "
+        f"{Path.cwd()} or {SHIPPED_ROOT}; give its absolute path"
     )
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlhf_dist.distributed import zero3
+from rlhf_dist.distributed import fsdp2, zero3
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max
 from rlhf_dist.errors import TrainingDiverged
@@ -50,7 +50,9 @@ class NumericalGuard:
             engine.set_gradient_accumulation_boundary(last)
             # Our loss is already divided by the global count: no 1/GAS scaling on top.
             engine.backward(loss, scale_wrt_gas=False)
-        elif last or backend.world_size == 1:
+        elif last or backend.world_size == 1 or backend.engine == "fsdp2":
+            # FSDP2 reduce-scatters each backward's gradients into the sharded ones, which
+            # accumulate: no unsharded gradient is kept between micro-batches.
             backend.accelerator.backward(loss)
         else:
             with backend.accelerator.no_sync(model):
@@ -65,7 +67,7 @@ class NumericalGuard:
         accumulate locally and the step's last backward reduces them. Elsewhere nothing
         (DeepSpeed counts the gradients each backward produces)."""
         backend = self._backend
-        if backend.zero_stage is None and backend.world_size > 1:
+        if backend.engine == "ddp":
             return backend.accelerator.no_sync(model)
         return contextlib.nullcontext()
 
@@ -83,8 +85,9 @@ class NumericalGuard:
             # Clipping computes each group's norm anyway: a non-finite norm is a non-finite
             # gradient, so the guard needs no extra pass over the gradients.
             groups = torch_optimizer.param_groups
+            clip = _clip_sharded if self._backend.engine == "fsdp2" else _clip
             norms = [
-                float(torch.nn.utils.clip_grad_norm_(group["params"], max_norm, foreach=True))
+                clip(group["params"], max_norm)
                 for group, max_norm in zip(groups, max_norms, strict=True)
             ]
             bad = torch.tensor(0.0 if all(math.isfinite(n) for n in norms) else 1.0)
@@ -160,6 +163,14 @@ def _release_zero3_params(engine: DeepSpeedEngine) -> None:
     partitions every parameter, as a finished backward would have left them.
     """
     engine.empty_partition_cache()
+
+
+def _clip(params: list[torch.Tensor], max_norm: float) -> float:
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+
+
+def _clip_sharded(params: list[torch.Tensor], max_norm: float) -> float:
+    return fsdp2.clip_grad_norm(params, max_norm)  # the norm over every rank's shards
 
 
 def stepping_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlhf_dist.distributed import zero3
+from rlhf_dist.distributed import fsdp2, zero3
 from rlhf_dist.distributed.backend import Backend
 from rlhf_dist.distributed.collectives import all_max, any_rank
 from rlhf_dist.distributed.zero3 import whole_bytes
@@ -110,7 +110,8 @@ def generation_context(
     function from "this rank needs another forward" to "some rank does".
 
     Under ZeRO-3 the parameters are gathered ONCE for the whole rollout and the
-    per-module gather hooks removed (re-added on exit): generation then runs no
+    per-module gather hooks removed (re-added on exit); under FSDP2 every unit is
+    all-gathered once and kept whole (fsdp2.whole_weights): generation then runs no
     collective at all, so ranks that finish at different lengths cannot hang each
     other and no per-token all-reduce is needed. With gather=False (models larger
     than one device) generation goes through ZeRO-3's per-layer gathers and every
@@ -118,7 +119,13 @@ def generation_context(
     """
     inner = backend.unwrap(model)
     target = getattr(inner, submodule) if submodule else inner
-    if backend.zero_stage != 3:
+    if backend.engine == "fsdp2" and gather:
+        with fsdp2.whole_weights(model):
+            yield target, None
+    elif backend.engine == "fsdp2":
+        with fsdp2.root_whole(model):
+            yield target, functools.partial(any_rank, backend)
+    elif backend.zero_stage != 3:
         yield target, None
     elif not gather:
         yield target, (functools.partial(any_rank, backend) if backend.world_size > 1 else None)
@@ -130,10 +137,15 @@ def generation_context(
 def whole_weights_under_zero3(
     backend: Backend, model: torch.nn.Module, enabled: bool = True
 ) -> contextlib.AbstractContextManager[None]:
-    """Context: under ZeRO-3 (and `enabled`), every weight of trained `model` whole on
-    every rank for the body, gathered in one collective, ZeRO-3's per-module hooks off
-    (zero3.whole_weights); otherwise a no-op. Every rank enters together."""
-    if backend.zero_stage != 3 or not enabled:
+    """Context: under ZeRO-3 or FSDP2 (and `enabled`), every weight of trained `model`
+    whole on every rank for the body (ZeRO-3: one collective, its per-module hooks off,
+    zero3.whole_weights; FSDP2: each unit gathered once, fsdp2.whole_weights); otherwise
+    a no-op. Every rank enters together."""
+    if not enabled:
+        return contextlib.nullcontext()
+    if backend.engine == "fsdp2":
+        return fsdp2.whole_weights(model)
+    if backend.zero_stage != 3:
         return contextlib.nullcontext()
     return zero3.whole_weights(model)
 

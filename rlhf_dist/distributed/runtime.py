@@ -75,6 +75,11 @@ class Runtime:
         return self.backend.zero_stage
 
     @property
+    def engine(self) -> str:
+        """Which engine trains this run: zero0..zero3, fsdp2, ddp or single (Backend.engine)."""
+        return self.backend.engine
+
+    @property
     def zero_offload(self) -> str:
         """DeepSpeed's offload of this run: none, optimizer or all."""
         return self.backend.zero_offload

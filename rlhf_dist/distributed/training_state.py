@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from rlhf_dist.distributed import fsdp2
 from rlhf_dist.distributed.backend import Backend
 
 
 def full_state_dict(backend: Backend, model: torch.nn.Module) -> dict | None:
     """The full (gathered, under ZeRO-3 16-bit) state dict on the main process."""
+    if backend.engine == "fsdp2":
+        return fsdp2.full_state_dict(model, backend.is_main)
     state = backend.accelerator.get_state_dict(model)
     return state if backend.is_main else None
 
@@ -40,7 +43,7 @@ def gather_training_state(
         "step": _adam_step(inner),
     }
     for name, p in named:
-        full = _full_zero_state(p)
+        full = _full_zero_state(p) or _full_fsdp2_state(p, inner)
         if full is None:  # not partitioned: the module and the torch optimizer hold it
             full = {"params": p.detach()} | {
                 k: v for k, v in inner.state.get(p, {}).items() if k in ("exp_avg", "exp_avg_sq")
@@ -67,6 +70,8 @@ def restore_optimizer_state(
             continue
         if _is_zero_partitioned(p):
             _scatter_zero_state(backend, p, name, state)
+        elif fsdp2.is_sharded(p):
+            _scatter_fsdp2_state(inner, p, name, state)
         elif name in state["exp_avg"]:
             inner.state[p] = {
                 # on the parameter's device: fused Adam requires it
@@ -147,3 +152,28 @@ def _full_zero_state(p: torch.nn.Parameter) -> dict | None:
         "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
         "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
     }
+
+
+def _full_fsdp2_state(p: torch.nn.Parameter, inner: torch.optim.Optimizer) -> dict | None:
+    """Whole fp32 weight and Adam moments of an FSDP2 (DTensor) parameter: its shards and
+    its moments' shards gathered (a collective)."""
+    if not fsdp2.is_sharded(p):
+        return None
+    moments = {k: v for k, v in inner.state.get(p, {}).items() if k in ("exp_avg", "exp_avg_sq")}
+    return {"params": fsdp2.full_tensor(p.detach())} | {
+        k: fsdp2.full_tensor(v) for k, v in moments.items()
+    }
+
+
+def _scatter_fsdp2_state(
+    inner: torch.optim.Optimizer, p: torch.nn.Parameter, name: str, state: dict
+) -> None:
+    """Set this rank's shard of an FSDP2 parameter's fp32 weight and Adam moments from
+    the whole tensors in `state` (every rank cuts its own shard, no collective)."""
+    fsdp2.set_from_full(p, state["params"][name])
+    if name in state["exp_avg"]:
+        moments = inner.state.setdefault(p, {})
+        moments["step"] = torch.tensor(float(state["step"]))
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments[key] = torch.zeros_like(p)
+            fsdp2.set_from_full(moments[key], state[key][name])

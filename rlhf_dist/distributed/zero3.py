@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlhf_dist.distributed import fsdp2
+
 if TYPE_CHECKING:
     import torch.distributed
     from deepspeed import DeepSpeedEngine
@@ -66,8 +68,10 @@ def stays_whole(param: torch.nn.Parameter) -> bool:
     (read inside the engine's forward: after an optimizer step the forward pre-hook
     gathers again). Under ZeRO-3's per-module fetching a weight is whole only while its
     module runs, so code that reads it directly (the chunked log-prob head,
-    engine.forward.head_logprobs) must call the module instead."""
-    return not hasattr(param, "ds_id") or id(param) in _WHOLE_IDS
+    engine.forward.head_logprobs) must call the module instead. An FSDP2 shard (a DTensor
+    parameter, outside fsdp2.whole_weights) is never whole."""
+    zero3_whole = not hasattr(param, "ds_id") or id(param) in _WHOLE_IDS
+    return zero3_whole and not fsdp2.is_sharded(param)
 
 
 @contextlib.contextmanager

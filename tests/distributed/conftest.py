@@ -46,11 +46,11 @@ def _env() -> dict:
 
 
 def run_launch(
-    args: list[str], timeout: float = 120.0, env: dict | None = None
+    args: list[str], timeout: float = 120.0, env: dict | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """Run one launcher command (with `env` added to the environment); fail the test with
-    its output tail on error, or on a hang with every rank's stack (run_all)."""
-    ((returncode, out, err),) = run_all([args], timeout, [env or {}])
+    """Run one launcher command (with `env` added to the environment, in `cwd`); fail the
+    test with its output tail on error, or on a hang with every rank's stack (run_all)."""
+    ((returncode, out, err),) = run_all([args], timeout, [env or {}], cwd)
     if returncode != 0:
         pytest.fail(f"launch exited {returncode}\n{(out + err)[-6000:]}")
     return subprocess.CompletedProcess(args, returncode, out, err)
@@ -72,10 +72,10 @@ def run_two_machines(config: str, command: list[str], timeout: float = 120.0) ->
 
 
 def run_all(
-    commands: list[list[str]], timeout: float, envs: list[dict]
+    commands: list[list[str]], timeout: float, envs: list[dict], cwd: Path = REPO
 ) -> list[tuple[int, str, str]]:
-    """Run the commands at once, each with its `envs` entry added to the environment;
-    (return code, stdout, stderr) of each.
+    """Run the commands at once (in `cwd`), each with its `envs` entry added to the
+    environment; (return code, stdout, stderr) of each.
 
     Output goes to files, never to pipes: a pipe read only after another process finishes
     fills at 64 KiB and blocks its writer inside a step while its peer waits in a
@@ -89,7 +89,7 @@ def run_all(
                 procs.append(
                     subprocess.Popen(
                         args,
-                        cwd=REPO,
+                        cwd=cwd,
                         env=_env() | {"PYTHONFAULTHANDLER": "1"} | env,
                         stdout=stdout,
                         stderr=stderr,

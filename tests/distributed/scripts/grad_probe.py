@@ -89,10 +89,15 @@ CRITIC_FREE = {
 def full_gradients(backend, model) -> dict[str, torch.Tensor]:
     """{name: full gradient} of the trainable parameters, after backward and before the
     optimizer step, to compare (moved here from distributed/training_state.py: only this
-    probe needs it; under ZeRO-3 the partitions are gathered: every rank must call)."""
+    probe needs it; under ZeRO-3 and FSDP2 the partitions are gathered: every rank must call)."""
     named = [(n, p) for n, p in backend.unwrap(model).named_parameters() if p.requires_grad]
-    if backend.zero_stage is None:
-        return {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+    if backend.zero_stage is None:  # FSDP2's gradients are DTensor shards: gathered whole
+        whole = [
+            (n, getattr(p.grad, "full_tensor", p.grad.detach))
+            for n, p in named
+            if p.grad is not None
+        ]
+        return {n: full().detach().clone() for n, full in whole}
     from deepspeed.utils import safe_get_full_grad
 
     grads = {n: safe_get_full_grad(p) for n, p in named}
