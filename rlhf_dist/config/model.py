@@ -135,8 +135,9 @@ class DataConfig:
 class LoRAConfig:
     enabled: bool = key(
         False,
-        "LoRA adapters (peft) on the actor; the reference is the same base with adapters "
-        "disabled, so the base weights are held once (LoRA dropout is always 0)",
+        "LoRA adapters (peft) on the trained policy (sft, dpo, kto, the PPO family's actor; "
+        "not rm); the reference is the same base with adapters disabled, so the base "
+        "weights are held once (LoRA dropout is always 0)",
     )
     r: int = key(16, "rank of the adapters", gt=0)
     alpha: int = key(32, "scale of the adapters (alpha / r)", gt=0)

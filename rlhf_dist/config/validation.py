@@ -67,6 +67,11 @@ def validate(cfg: Config, stage: str, world_size: int = 1, *, inputs: bool = Tru
         _validate_iterate(cfg, world_size)
     if cfg.lora.critic and not cfg.lora.enabled:
         raise ConfigError("lora.critic: needs lora.enabled=true")
+    if stage == "rm" and cfg.lora.enabled:  # the adapters would be silently left off
+        raise ConfigError(
+            "lora.enabled: rlhf-dist rm trains the reward model in full (no adapters); "
+            "set lora.enabled=false (PPO's critic takes adapters: lora.critic)"
+        )
     if cfg.distributed.sequence_parallel_size > 1:
         _validate_sequence_parallel(cfg, stage, world_size)
     if inputs and cfg.run.push_to_hub:

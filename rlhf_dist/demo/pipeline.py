@@ -220,6 +220,7 @@ def run_demo(
     # distributed.sequence_parallel_size splits SFT and the RL stage; the reward model
     # trains on whole sequences (its stage does not split them)
     trees["rm"] = apply_override(trees["rm"], "distributed.sequence_parallel_size=1")
+    trees["rm"] = apply_override(trees["rm"], "lora.enabled=false")  # rm trains in full
     configs = {name: config_from_dict(tree) for name, tree in trees.items()}
     for name, cfg in configs.items():
         validate(cfg, "ppo" if name == algorithm else name, int(os.environ.get("WORLD_SIZE", "1")))

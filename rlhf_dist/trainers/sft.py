@@ -17,13 +17,12 @@ from torch import nn
 from rlhf_dist.algo.masking import masked_sum
 from rlhf_dist.config import Config, PerfConfig
 from rlhf_dist.data.batching import BatchPlan, stage_plan
-from rlhf_dist.data.chat import export_tokenizer
 from rlhf_dist.data.rows import SFT_KEYS, SFTExample, collate_sft, load_data, sft_examples
 from rlhf_dist.data.vision import Media, VisionInputs
 from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.models import load_causal_lm, tokenizer_for, train_dtype, trained_load_dtype
+from rlhf_dist.models import tokenizer_for
 from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
@@ -31,13 +30,11 @@ from rlhf_dist.trainers.common import (
     DISTRIBUTIONS,
     find_resume,
     padding_cells,
-    prepare_single_model,
-    save_pretrained,
-    save_processor,
     share_of_global_mean,
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.preference import build_policy, export_policy
 from rlhf_dist.trainers.publish import publish
 
 if TYPE_CHECKING:
@@ -176,13 +173,12 @@ def load_sft_data(
 def train_sft(cfg: Config, runtime: Runtime) -> dict:
     """Run SFT as configured; returns the summary written to summary.json."""
     ckpt = find_resume(cfg, runtime)
-    sc, m = cfg.sft, cfg.model
+    sc = cfg.sft
     tokenizer = tokenizer_for(cfg, "policy")
     vision = policy_vision(cfg)  # None for a text policy
     train, evals = load_sft_data(cfg, runtime, tokenizer, vision)
-    dtype = trained_load_dtype(train_dtype(m), runtime.zero_stage is not None, frozen_base=False)
-    net = load_causal_lm(m.policy, "model.policy", dtype, m)
-    trained, plan, batches = prepare_single_model(cfg, runtime, net, sc, len(train), ckpt)
+    # the policy, with LoRA adapters on it under lora.enabled (as DPO and KTO train it)
+    trained, plan, batches = build_policy(cfg, runtime, sc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
 
@@ -223,9 +219,7 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
             cfg.perf,
         )
         logger.log(len(batches), {"sft/eval_loss": summary["eval_loss"]}, ("sft/eval_loss",))
-    export = export_tokenizer(tokenizer, cfg.data)
-    save_processor(runtime, vision, [out / "final"])  # first: the run's tokenizer wins
-    save_pretrained(runtime, model, export, out / "final", dtype=train_dtype(cfg.model))
+    export_policy(cfg, runtime, model, tokenizer, out, vision)  # final/, final_adapter/
     write_summary(runtime, out, summary)
     logger.close()
     publish(cfg, runtime, out, "sft", summary)

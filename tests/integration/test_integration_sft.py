@@ -133,3 +133,35 @@ def test_sft_gradient_does_not_depend_on_the_micro_batch_split(
     total = torch.stack([whole[n].norm() ** 2 for n in whole]).sum().sqrt()
     gap = torch.stack([(naive[n].grad - whole[n]).norm() ** 2 for n in whole]).sum().sqrt()
     assert gap > 1e-2 * total  # seen: 7% of the gradient's norm, vs <1e-6 for sft_step
+
+
+def test_sft_with_lora_trains_adapters_only_and_exports_both(
+    task_env, runtime, tmp_path, read_jsonl, saved_state_dict
+):
+    """lora.enabled in SFT (as in TRL's SFTTrainer with a peft_config): the base weights
+    stay the policy's, the adapters train, and final/ (merged) and final_adapter/ are written."""
+    from rlhf_dist.config import config_from_dict
+    from rlhf_dist.trainers.sft import train_sft
+
+    out = tmp_path / "sft_lora"
+    cfg = config_from_dict(
+        {
+            "run": {"output_dir": str(out), "seed": 0, "log_every": 1},
+            "model": {"policy": str(task_env.policy)},
+            "data": {"train": str(task_env.files.sft), "max_length": 64},
+            "sft": {"epochs": 1, "batch_size": 32, "micro_batch_size": 32, "optim": {"lr": 3e-3}},
+            "lora": {"enabled": True, "r": 4, "alpha": 8, "export": "both"},
+        }
+    )
+    summary = train_sft(cfg, runtime)
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "sft/loss" in r]
+    assert summary["steps"] == len(rows) > 1
+    assert rows[-1]["sft/loss"] < rows[0]["sft/loss"]
+    assert (out / "final_adapter" / "adapter_config.json").is_file()
+    base, merged = saved_state_dict(task_env.policy), saved_state_dict(out / "final")
+    assert set(merged) == set(base)
+    assert any(not torch.equal(merged[k], base[k].to(merged[k].dtype)) for k in base)
+    # adapters sit on the attention projections only: every other tensor is the policy's
+    for name, value in merged.items():
+        if "proj" not in name:
+            assert torch.equal(value, base[name].to(value.dtype)), name

@@ -853,3 +853,15 @@ def test_a_renamed_key_given_under_both_names_is_an_error():
 def test_new_names_print_no_deprecation(capsys):
     load_config(None, ["ppo.optim.lr=1e-6", "perf.num_threads=2"])
     assert capsys.readouterr().err == ""
+
+
+def test_lora_on_the_reward_model_stage_is_refused_naming_the_key():
+    """rlhf-dist rm trains in full: lora.enabled there would be silently left off."""
+    from rlhf_dist.config import config_from_dict
+    from rlhf_dist.config.validation import validate
+    from rlhf_dist.errors import ConfigError
+
+    cfg = config_from_dict({"model": {"policy": "p"}, "lora": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"^lora\.enabled: rlhf-dist rm trains"):
+        validate(cfg, "rm", inputs=False)
+    validate(cfg, "sft", inputs=False)  # the trained policy takes adapters
