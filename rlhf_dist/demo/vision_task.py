@@ -11,11 +11,13 @@ the answer is in the pixels only. Rows come in TRL 1.16's vision formats:
   column and an `answer` column, as TRL's GRPOTrainer reads them; `colour_reward` scores
   completions in TRL's reward-function convention.
 
-Room for GRPO: the SFT rows show only `SFT_COLOURS` (half the palette). SFT teaches the answer
-format and half the mapping, so its held-out accuracy is bounded by about the share of those
-colours; GRPO's prompts cover every colour and its reward is the only teacher of the rest.
-Seeds keep the splits apart: row i of a split is drawn from `split seed + i`, and the held-out
-split's seed is far from the others'.
+Room for GRPO: SFT sees only a small labelled subset (`SFT_ROWS` rows) for a few steps. That
+teaches the answer format (one colour word) and part of the mapping; GRPO's prompts are many
+and unlabelled, and the reward teaches the rest. Every colour appears in the SFT rows: a colour
+SFT never shows as an answer gets almost no probability, so GRPO's samples would never name it
+and its reward could not teach it (docs/vision.md has the measurement). Seeds keep the splits
+apart: row i of a split is drawn from `split seed + i`, and the held-out split's seed is far
+from the others'.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ COLOURS = {
     "purple": (140, 40, 170),
     "orange": (240, 130, 10),
 }
-SFT_COLOURS = ("red", "green", "blue")
+SFT_ROWS = 48  # the labelled subset the demo's SFT stage sees
 SHAPES = ("square", "circle", "triangle")
 QUESTION = "what colour is the shape ?"
 SIZES = ((56, 56), (56, 84), (84, 56), (84, 84), (112, 56))  # (width, height), multiples of 28
@@ -94,10 +96,9 @@ def held_out_rows(n: int) -> list[dict[str, Any]]:
 
 
 def sft_rows(
-    n: int, seed: int = SFT_SEED, colours: Sequence[str] = SFT_COLOURS
+    n: int = SFT_ROWS, seed: int = SFT_SEED, colours: Sequence[str] = tuple(COLOURS)
 ) -> list[dict[str, Any]]:
-    """`n` labelled SFT rows {messages, images}, colours from `colours` (the SFT half by
-    default; the whole palette for the learnability check)."""
+    """`n` labelled SFT rows {messages, images}, colours drawn from `colours`."""
     rows = []
     for i in range(n):
         image, colour = _example(seed + i, colours)

@@ -51,20 +51,23 @@ def test_prompt_rows_in_trl_grpo_format():
     assert [r["answer"] for r in task.prompt_rows(12)] == [r["answer"] for r in rows]  # seeded
 
 
-def test_sft_rows_cover_only_the_sft_colours_and_splits_differ():
-    rows = task.sft_rows(60)
+def test_sft_rows_and_splits():
+    rows = task.sft_rows()
+    assert len(rows) == task.SFT_ROWS
     for row in rows:
         user, assistant = row["messages"]
         assert user["role"] == "user" and assistant["role"] == "assistant"
+        assert [p["type"] for p in user["content"]] == ["image", "text"]
         assert len(row["images"]) == 1 and isinstance(row["images"][0], Image.Image)
-    answers = {row["messages"][1]["content"][0]["text"] for row in rows}
-    assert answers == set(task.SFT_COLOURS)  # half the palette: the rest is GRPO's to learn
+    # every colour is an answer SFT shows (a colour it never shows, GRPO would never sample)
+    assert {row["messages"][1]["content"][0]["text"] for row in rows} == set(task.COLOURS)
+    half = task.sft_rows(30, colours=("red", "blue"))
+    assert {r["messages"][1]["content"][0]["text"] for r in half} == {"red", "blue"}
     held = task.held_out_rows(120)
     assert {r["answer"] for r in held} == set(task.COLOURS)
-    every = task.sft_rows(60, colours=tuple(task.COLOURS))
-    assert {r["messages"][1]["content"][0]["text"] for r in every} == set(task.COLOURS)
     sft_pixels = {r["images"][0].tobytes() for r in rows}
     assert not sft_pixels & {r["image"].tobytes() for r in held}
+    assert not sft_pixels & {r["image"].tobytes() for r in task.prompt_rows(120)}
 
 
 def test_accuracy_evaluator():
