@@ -36,9 +36,7 @@ def _row_ids(ids: list[int], image_token_id: int, grids: Iterator[Tensor], merge
     chunks, start, i = [], 0, 0
     while i < len(ids):
         if ids[i] != image_token_id:
-            j = i
-            while j < len(ids) and ids[j] != image_token_id:
-                j += 1
+            j = ids.index(image_token_id, i) if image_token_id in ids[i:] else len(ids)
             chunks.append(torch.arange(start, start + j - i).expand(3, -1))
             start, i = start + j - i, j
             continue
