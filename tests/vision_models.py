@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from rlhf_dist.demo.vision_task import all_words
+from rlhf_dist.demo import vision_task
 
 # ---------------------------------------------------------------- Qwen2-VL / Qwen2.5-VL
 
@@ -45,7 +45,7 @@ def build_qwen_tokenizer(save_dir: str | Path | None = None):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = sorted({*all_words(), *QWEN_WORDS})
+    words = sorted({*vision_task.all_words(), *QWEN_WORDS})
     vocab = {tok: i for i, tok in enumerate((*QWEN_SPECIALS, *words))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
