@@ -14,8 +14,10 @@ directory is saved as transformers saves the full processor (docs/vision.md).
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+from rlhf_dist.demo import vision_task
 from rlhf_dist.demo.task import all_words
 
 LLAVA_SPECIALS = ("<pad>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>", "<image>")
@@ -170,9 +172,6 @@ def llava_rows(n: int, seed: int = 0, kind: str = "sft") -> list[dict]:
     return rows
 
 
-import random
-
-from rlhf_dist.demo import vision_task
 
 # ---------------------------------------------------------------- Qwen2-VL / Qwen2.5-VL
 
