@@ -19,6 +19,7 @@ from rlhf_dist.config.paths import missing_model
 from rlhf_dist.data.chat import chat_for, stop_token_ids
 from rlhf_dist.engine.sequence_parallel import checkpoint_contexts
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.models.moe import prepare_moe
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -123,6 +124,7 @@ def load_causal_lm(
     if load_in_4bit:
         kwargs |= nf4_load_kwargs(dtype)
     model = _from_pretrained(AutoModelForCausalLM, path, key, **kwargs)
+    prepare_moe(model, source, key)  # mixture-of-experts: sparse blocks as ZeRO-3 leaves
     return disable_dropout(model)
 
 
@@ -168,6 +170,7 @@ def load_sequence_classifier(
     # No pad_token_id needed: scores are read at positions found from the attention mask
     # (ValueModel runs backbone + head), never by transformers' search for the first PAD,
     # which reads the token before EOS when PAD == EOS.
+    prepare_moe(model, source, key)
     return disable_dropout(model)
 
 
