@@ -89,3 +89,46 @@ def routed_model(seed: int = 0) -> ListMoEForCausalLM:
         model.moe.gate.weight.zero_()
         model.moe.gate.weight[:, :4] = torch.eye(4)
     return model
+
+
+# Tiny configs of the fused-expert families of transformers 5 (experts as 3-D parameters):
+# 2 layers of 4 experts, top-2, each family's own router and block classes.
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "moe_intermediate_size": 32,
+                                     "decoder_sparse_step": 1, "head_dim": 16,
+                                     "router_aux_loss_coef": 0.01}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "router_aux_loss_coef": 0.02}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "router_aux_loss_coef": 0.01}),
+}  # fmt: skip
+
+
+def tiny_moe(family: str, tokenizer, out_dir, seed: int = 0):
+    """Save a random-init tiny causal LM of `family` (FAMILIES) with `tokenizer` under
+    out_dir; returns the path."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    name, extra = FAMILIES[family]
+    config = getattr(transformers, name)(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    path = f"{out_dir}/{family}"
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -120,14 +120,17 @@ class RouterAux:
     routers: tuple[nn.Module, ...]
 
     @contextmanager
-    def recording(self) -> Iterator[list[torch.Tensor]]:
+    def recording(self, with_grad: bool = True) -> Iterator[list[torch.Tensor]]:
         """Collect each router's logits (N, E) of the forwards run inside, in layer order
         (one forward per micro-batch; hooks removed on exit, so a checkpointed layer's
-        recomputation in backward records nothing)."""
+        recomputation in backward records nothing). with_grad: only forwards run with
+        gradients (the trained one, not a no-grad reference pass through the same
+        routers, as LoRA's adapters-off reference is)."""
         records: list[torch.Tensor] = []
 
         def hook(_m: nn.Module, _args: Any, out: Any) -> None:
-            records.append(out[0] if isinstance(out, tuple) else out)
+            if torch.is_grad_enabled() or not with_grad:
+                records.append(out[0] if isinstance(out, tuple) else out)
 
         handles = [r.register_forward_hook(hook) for r in self.routers]
         try:
@@ -136,43 +139,65 @@ class RouterAux:
             for h in handles:
                 h.remove()
 
-    def token_mask(self, records: list[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
-        """(N,) real-token mask of one forward's records from its (B, L) attention mask."""
-        if len(records) != len(self.routers):
+    def masked(
+        self, records: list[torch.Tensor], attention_mask: torch.Tensor, columns: int | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(one forward's router logits, one (N, E) per layer; the (N,) mask of the tokens
+        counted) from a micro-batch's records and its (B, L) attention mask. columns: count
+        only the last `columns` columns (an RL update's response tokens; the forward may run
+        the prompts first, perf.shared_prompt_forward: then its second forward's records,
+        the responses', are the ones kept); None: every real token of the one forward."""
+        layers = len(self.routers)
+        if columns is not None and len(records) == 2 * layers:
+            records = records[layers:]
+        if len(records) != layers:
             raise ConfigError(
                 f"model.router_aux_loss_coef: {len(records)} router calls in a forward of "
-                f"{len(self.routers)} MoE layers (set perf.shared_prompt_forward=false, or 0)"
+                f"{layers} MoE layers (set perf.shared_prompt_forward=false, or the key to 0)"
             )
-        if records[0].shape[0] != attention_mask.numel():
+        n, (rows, width) = records[0].shape[0], attention_mask.shape
+        mask = attention_mask
+        if columns is not None and n == rows * columns:
+            mask = attention_mask[:, width - columns :]
+        elif columns is not None:
+            mask = torch.cat(
+                [torch.zeros_like(mask[:, : width - columns]), mask[:, width - columns :]], 1
+            )
+        if mask.numel() != n:
             raise ConfigError(
                 "model.router_aux_loss_coef: the load-balancing loss needs padded forwards "
-                "(set perf.packed_sequences=false and distributed.sequence_parallel_size=1, or 0)"
+                "(set perf.packed_sequences=false and distributed.sequence_parallel_size=1, "
+                "or the key to 0)"
             )
-        return attention_mask.reshape(-1)
+        return records, mask.reshape(-1)
 
-    def counts(self, records: list[torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
-        """Tokens routed to each expert, (L, E) float64, of one recorded forward."""
-        mask = self.token_mask(records, attention_mask)
+    def counts(
+        self, records: list[torch.Tensor], attention_mask: torch.Tensor, columns: int | None
+    ) -> torch.Tensor:
+        """Tokens routed to each expert, (L, E) float64, of one recorded forward (`masked`)."""
+        records, mask = self.masked(records, attention_mask, columns)
         return torch.stack([expert_counts(x, self.top_k, mask) for x in records])
 
     def global_fractions(
         self,
         all_sum: Callable[[torch.Tensor], torch.Tensor],
-        masks: list[torch.Tensor],
+        masks: list[tuple[torch.Tensor, int | None]],
         forward: Callable[[int], object],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(f (L, E), N): expert token fractions over the global batch and its real-token
-        count, from a no-grad forward of each micro-batch i (`forward(i)`, attention masks
-        `masks[i]` (B, L)), summed over micro-batches, then over ranks (`all_sum`). Under
-        ZeRO-3 every rank runs as many forwards as it trains micro-batches: in lock-step."""
+        """(f (L, E), N): expert token fractions over the global batch and its counted
+        token total, from a no-grad forward of each micro-batch i (`forward(i)`; masks[i]:
+        its (B, L) attention mask and counted columns, `masked`), summed over micro-batches,
+        then over ranks (`all_sum`). Under ZeRO-3 every rank runs as many forwards as it
+        trains micro-batches: in lock-step."""
         total = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64)
         tokens = torch.zeros((), dtype=torch.float64)
-        for i, mask in enumerate(masks):
-            with torch.no_grad(), self.recording() as records:
+        for i, (mask, columns) in enumerate(masks):
+            with torch.no_grad(), self.recording(with_grad=False) as records:
                 forward(i)
-            total = total + self.counts(records, mask).cpu()
-            tokens = tokens + float(mask.sum())
-        device = masks[0].device if masks else torch.device("cpu")
+            records, flat = self.masked(records, mask, columns)
+            total = total + torch.stack([expert_counts(x, self.top_k, flat) for x in records]).cpu()
+            tokens = tokens + float(flat.sum())
+        device = masks[0][0].device if masks else torch.device("cpu")
         reduced = all_sum(torch.cat([total.reshape(-1), tokens.reshape(1)]).to(device))
         n = reduced[-1].clamp(min=1.0)
         return reduced[:-1].reshape(total.shape) / n, n
@@ -181,26 +206,28 @@ class RouterAux:
         self,
         records: list[torch.Tensor],
         attention_mask: torch.Tensor,
+        columns: int | None,
         fractions: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(coef x this micro-batch's share x N, the same unweighted and detached): divide
-        by the global real-token count N (and x world size, share_of_global_mean). With no
-        `fractions` (one micro-batch on one rank) f comes from this forward itself."""
-        mask = self.token_mask(records, attention_mask)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(coef x this micro-batch's share x N, the same unweighted and detached, its
+        counted tokens): divide by the global count N (and x world size,
+        share_of_global_mean). With no `fractions` (one micro-batch on one rank) f comes
+        from this forward itself."""
+        records, mask = self.masked(records, attention_mask, columns)
         if fractions is None:
-            fractions = self.counts(records, attention_mask) / mask.sum().clamp(min=1)
+            counts = torch.stack([expert_counts(x, self.top_k, mask) for x in records])
+            fractions = counts / mask.sum().clamp(min=1)
         sums = torch.stack([router_prob_sums(x, mask) for x in records])
         raw = load_balancing_sum(sums, fractions.to(sums.device))
-        return self.coef * raw, raw.detach()
+        return self.coef * raw, raw.detach(), mask.sum()
 
 
-def router_aux(model_cfg: ModelConfig, lm: nn.Module) -> RouterAux | None:
+def router_aux(coef: float | None, lm: nn.Module) -> RouterAux | None:
     """The RouterAux of trained causal LM `lm` (its transformers model), or None: a dense
-    model, or model.router_aux_loss_coef (null: the model config's value) 0."""
+    model, or a coefficient (model.router_aux_loss_coef; None: the model config's) of 0."""
     shape = expert_shape(getattr(lm, "config", None))
     if shape is None:
         return None
-    coef = model_cfg.router_aux_loss_coef
     coef = shape.aux_coef if coef is None else coef
     routers = tuple(r for _, r in sparse_blocks(lm))
     if not coef or not routers:
