@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from moe_models import FAMILIES, tiny_moe
 from spies import capture_calls
 
@@ -113,3 +114,30 @@ def test_moe_sft_gradient_with_the_load_balancing_loss_does_not_depend_on_the_sp
     plain, _ = grads(BatchPlan(8, 1, 8), coef=0)
     router = "model.layers.0.mlp.gate.weight"
     assert (plain[router] - whole[router]).norm() > 1e-3 * whole[router].norm()
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_moe_lora_grpo_trains_only_its_adapters(
+    experts, moe_policies, task_env, runtime, tmp_path, monkeypatch, data_cfg, saved_state_dict
+):
+    """lora.experts false: adapters on attention only; true: on the fused experts too
+    (peft target_parameters). Only adapters change; the base, its experts and routers
+    stay as loaded."""
+    policy, out = moe_policies["qwen3_moe"], tmp_path / "grpo"
+    tree = stage_tree("grpo", out, policy, task_env, data_cfg)
+    tree["lora"] = {"enabled": True, "r": 2, "experts": experts}
+    built = capture_calls(monkeypatch, ppo_setup, "build_models")
+    ppo.train_ppo(config_from_dict(tree), runtime)
+    ((_, _, models),) = built
+    actor = runtime.unwrap(models.model).actor
+    adapters = {n: p for n, p in actor.named_parameters() if "lora_B" in n}
+    assert adapters and all(p.abs().sum() > 0 for p in adapters.values())  # B started at 0
+    assert any("experts" in n for n in adapters) == experts
+    initial = saved_state_dict(policy)
+    base = actor.get_base_model()
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if "lora_" in name:
+                continue
+            plain = name.replace(".base_layer", "")
+            assert torch.equal(p, initial[plain]), name
