@@ -129,3 +129,17 @@ def test_moe_adapter_only_sync_is_folded_in_by_a_rollout_server(experts):
         for (name, role, scale), t in entries:
             apply(TensorSpec(name, tuple(t.shape), "float32", role, scale), t.clone())
         torch.testing.assert_close(served(ids).logits, actor(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_moe_demo_policy_and_its_flag():
+    from rlhf_dist.cli import main
+    from rlhf_dist.demo.task import tiny_llama_config, tiny_moe_policy
+
+    dense = tiny_llama_config(100, 0, 1, 2)
+    policy = tiny_moe_policy(dense)
+    shape = expert_shape(policy.config)
+    assert (shape.num_experts, shape.top_k, shape.aux_coef) == (4, 2, 0.001)
+    assert len(sparse_blocks(policy)) == dense.num_hidden_layers
+    assert policy.config.moe_intermediate_size == dense.intermediate_size // 4
+    # refused before anything runs
+    assert main(["demo", "--moe", "--task", "tool_use", "--algorithm", "grpo"]) == 2
