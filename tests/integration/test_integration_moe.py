@@ -1,6 +1,6 @@
 """Mixture-of-experts policies (docs/moe.md): tiny Qwen3-MoE, Mixtral and OLMoE built from
 their transformers 5 configs (experts fused into 3-D parameters) train by SFT, DPO and
-GRPO with the routers' load-balancing loss (`loss/router_aux`): trained weights change,
+GRPO (Qwen3-MoE also KTO) with the routers' load-balancing loss (`loss/router_aux`): trained weights change,
 frozen ones do not. The loss's expert fractions are counted over the whole batch, so the
 gradient of an SFT step does not depend on its micro-batch split."""
 
@@ -22,6 +22,7 @@ from rlhf_dist.models import load_causal_lm
 from rlhf_dist.models.moe import router_aux
 from rlhf_dist.trainers import ppo
 from rlhf_dist.trainers.dpo import train_dpo
+from rlhf_dist.trainers.kto import train_kto
 from rlhf_dist.trainers.ppo import setup as ppo_setup
 from rlhf_dist.trainers.sft import sft_step, train_sft
 
@@ -39,10 +40,10 @@ def stage_tree(stage, out, policy, task_env, data_cfg) -> dict:
         section = {"epochs": 1, "batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 3e-3}}
         return {"run": run, "model": model, "data": data_cfg(train=str(task_env.files.sft)),
                 "sft": section, "_limit": 16}  # fmt: skip
-    if stage == "dpo":
+    if stage in ("dpo", "kto"):
         section = {"epochs": 1, "batch_size": 8, "micro_batch_size": 4, "optim": {"lr": 3e-3}}
         return {"run": run, "model": model, "data": data_cfg(train=str(task_env.files.prefs_train)),
-                "dpo": section, "_limit": 16}  # fmt: skip
+                stage: section, "_limit": 16}  # fmt: skip
     return {
         "run": run, "model": model, "data": data_cfg(train=str(task_env.files.prompts)),
         "generation": {"max_new_tokens": 8},
@@ -53,8 +54,10 @@ def stage_tree(stage, out, policy, task_env, data_cfg) -> dict:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", ["sft", "dpo", "grpo"])
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    ("family", "stage"),
+    [(f, s) for f in FAMILIES for s in ("sft", "dpo", "grpo")] + [("qwen3_moe", "kto")],
+)
 def test_moe_families_train_with_the_load_balancing_loss(
     family, stage, moe_policies, task_env, runtime, tmp_path, monkeypatch, data_cfg,
     saved_state_dict, changed_tensors, read_jsonl,
@@ -72,6 +75,8 @@ def test_moe_families_train_with_the_load_balancing_loss(
         train_sft(config_from_dict(tree), runtime)
     elif stage == "dpo":
         train_dpo(config_from_dict(tree), runtime)
+    elif stage == "kto":
+        train_kto(config_from_dict(tree), runtime)
     else:
         ppo.train_ppo(config_from_dict(tree), runtime)
     initial, final = saved_state_dict(policy), saved_state_dict(out / "final")
