@@ -18,7 +18,7 @@ from spies import capture_calls
 from rlhf_dist.config import PerfConfig, config_from_dict
 from rlhf_dist.data.batching import BatchPlan
 from rlhf_dist.data.rows import load_rows, sft_examples
-from rlhf_dist.models import load_causal_lm
+from rlhf_dist.models import enable_gradient_checkpointing, load_causal_lm
 from rlhf_dist.models.moe import router_aux
 from rlhf_dist.trainers import ppo
 from rlhf_dist.trainers.dpo import train_dpo
@@ -103,8 +103,10 @@ def test_moe_sft_gradient_with_the_load_balancing_loss_does_not_depend_on_the_sp
     base = load_causal_lm(moe_policies["qwen3_moe"], "model.policy")
     aux = router_aux(0.5, base)  # a large weight: the term is a visible share of the gradient
 
-    def grads(plan, coef=0.5):
+    def grads(plan, coef=0.5, checkpointing=False):
         model = copy.deepcopy(base)
+        if checkpointing:  # layers recomputed in backward: the recorded logits still serve
+            enable_gradient_checkpointing(model).train()
         term = None if coef == 0 else router_aux(coef, model)
         metrics, _ = sft_step(runtime, model, examples, plan, pad, PerfConfig(), term)
         return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
@@ -113,8 +115,10 @@ def test_moe_sft_gradient_with_the_load_balancing_loss_does_not_depend_on_the_sp
     whole, m_whole = grads(BatchPlan(8, 1, 8))
     split, m_split = grads(BatchPlan(8, 1, 2))
     assert m_split["loss/router_aux"] == pytest.approx(m_whole["loss/router_aux"], rel=1e-6)
+    recomputed, _ = grads(BatchPlan(8, 1, 2), checkpointing=True)
     for name in whole:
         assert (split[name] - whole[name]).norm() <= 1e-5 * whole[name].norm(), name
+        assert (recomputed[name] - whole[name]).norm() <= 1e-5 * whole[name].norm(), name
     # the routers' gradient is the load-balancing term's as well: without it, it differs
     plain, _ = grads(BatchPlan(8, 1, 8), coef=0)
     router = "model.layers.0.mlp.gate.weight"
