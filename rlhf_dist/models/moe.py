@@ -24,7 +24,7 @@ from rlhf_dist.errors import ConfigError
 
 # config.json keys of the number of routed experts and of experts per token, by family
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k")  # not "top_k": a sampling default
 # model_type of the families whose sparse blocks are known (tests/unit/test_unit_moe.py)
 KNOWN_FAMILIES = (
     "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "deepseek_v2",
