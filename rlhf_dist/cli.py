@@ -113,6 +113,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
     )
     demo.add_argument(
+        "--moe",
+        action="store_true",
+        help="--task reviews: the policy a tiny mixture of experts (Qwen3-MoE, 4 experts, "
+        "top-2, its load-balancing loss on; docs/moe.md)",
+    )
+    demo.add_argument(
         "--through-endpoint",
         action="store_true",
         help="--task tool_use: GRPO's environment drives the policy through a rollout "
@@ -282,6 +288,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     """`rlhf-dist demo`: the task's pipeline (demo/), one process."""
     from rlhf_dist.demo.pipeline import run_demo
 
+    if args.moe and (args.task != "reviews" or args.algorithm in DEMO_ITERATIVE):
+        raise ConfigError("--moe: with --task reviews and a one-stage --algorithm only")
     if args.task == "tool_use":
         from rlhf_dist.demo.tool_demo import run_tool_demo
 
@@ -304,7 +312,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
         run_iterative_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
         return 0
-    run_demo(args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides))
+    run_demo(
+        args.output_dir, args.seed, args.quick, args.algorithm, tuple(args.overrides), args.moe
+    )
     return 0
 
 

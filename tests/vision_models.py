@@ -172,7 +172,6 @@ def llava_rows(n: int, seed: int = 0, kind: str = "sft") -> list[dict]:
     return rows
 
 
-
 # ---------------------------------------------------------------- Qwen2-VL / Qwen2.5-VL
 
 QWEN_SPECIALS = (

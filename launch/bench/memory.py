@@ -173,7 +173,7 @@ def make_actor(path: Path, variant: str, device: str = "cpu", autocast: bool = F
     """The actor as the trainer builds it: fp32 (under autocast a LoRA base is bf16),
     dropout off, LoRA adapters (fp32) or gradient checkpointing per the variant; and its
     fused AdamW."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhf_dist.models.loading import (
         disable_dropout,
@@ -184,7 +184,8 @@ def make_actor(path: Path, variant: str, device: str = "cpu", autocast: bool = F
     from rlhf_dist.trainers.common import make_optimizer
 
     torch.manual_seed(0)
-    model = disable_dropout(LlamaForCausalLM(AutoConfig.from_pretrained(str(path)))).to(device)
+    config = AutoConfig.from_pretrained(str(path))  # a Llama, or a MoE cell's Qwen3-MoE
+    model = disable_dropout(AutoModelForCausalLM.from_config(config)).to(device)
     if variant == "lora":
         model = model.to(torch.bfloat16) if autocast else model
         model = upcast_trainable(add_adapters(model, LoRAConfig(enabled=True), "CAUSAL_LM"))

@@ -70,6 +70,23 @@ class ModelConfig:
         "frozen, only the language model trains (as TRL, verl and OpenRLHF default); false "
         "trains them too. No effect on a text model",
     )
+    router_aux_loss_coef: float | None = key(
+        None,
+        "mixture-of-experts models: weight of the load-balancing loss E x sum_i f_i P_i "
+        "(Switch Transformer eq. 4, per MoE layer, averaged over layers) added to every "
+        "training loss (SFT, DPO, KTO, the PPO/GRPO update), its expert token fractions f_i "
+        "counted over the whole global batch (docs/moe.md); null = the model config's "
+        "router_aux_loss_coef (0 if it has none); 0 = off; ignored for dense models",
+        min=0.0,
+    )
+    moe_leaf_modules: tuple[str, ...] = key(
+        (),
+        "mixture-of-experts models under ZeRO-3: class names of the sparse blocks (router + "
+        "experts) fetched as one unit, so that ranks whose tokens route to different experts "
+        "never wait on each other's fetches (deepspeed set_z3_leaf_modules); empty = the "
+        "blocks found in the model (a module with `experts` and a `gate` or `router`); a "
+        "model whose config declares experts but has no block found needs this key",
+    )
 
 
 @dataclass(frozen=True)
@@ -157,6 +174,13 @@ class LoRAConfig:
         "QLoRA: load the LoRA base in 4-bit (bitsandbytes NF4, compute in model.dtype) with "
         "the adapters trained in fp32/bf16; the merged export is dequantized (docs/distributed.md, "
         "QLoRA). Needs lora.enabled, bitsandbytes, and no DeepSpeed",
+    )
+    experts: bool = key(
+        False,
+        "mixture-of-experts models: false = adapters on attention only (lora.target_modules "
+        "minus the expert MLPs); true = on the experts too (fused 3-D experts through peft's "
+        "target_parameters, module-list experts through their linears); the routers are never "
+        "adapted (docs/moe.md)",
     )
     export: str = key(
         "both",

@@ -197,12 +197,13 @@ def run_demo(
     quick: bool = False,
     algorithm: str = "ppo",
     overrides: Sequence[str] = (),
+    moe: bool = False,
 ) -> dict:
     """Run the whole demo under output_dir with `algorithm` (one of ALGORITHMS) as the
     alignment stage and `overrides` applied to every stage; returns (and writes)
-    DIR/summary.json."""
+    DIR/summary.json. moe: a tiny mixture-of-experts policy (task.tiny_moe_policy)."""
     if algorithm in OFFLINE:
-        return run_offline_demo(output_dir, algorithm, seed, quick, overrides)
+        return run_offline_demo(output_dir, algorithm, seed, quick, overrides, moe)
     if algorithm in ITERATIVE:  # its own module, which builds on this one
         raise ValueError("run_demo: the iterative demo is demo.iterative.run_iterative_demo")
     from rlhf_dist.distributed import Runtime
@@ -215,7 +216,7 @@ def run_demo(
     quiet_transformers()
     start = time.time()
     root = Path(output_dir)
-    files, models = task_and_models(root, seed)
+    files, models = task_and_models(root, seed, moe)
     trees = with_overrides(stage_configs(root, files, models, seed, quick, algorithm), overrides)
     # distributed.sequence_parallel_size splits SFT and the RL stage; the reward model
     # trains on whole sequences (its stage does not split them)
@@ -245,11 +246,13 @@ def run_demo(
     return summary
 
 
-def task_and_models(root: Path, seed: int) -> tuple[task.TaskFiles, dict]:
-    """The demo task's files under root/task and its tiny models under root/models."""
+def task_and_models(root: Path, seed: int, moe: bool = False) -> tuple[task.TaskFiles, dict]:
+    """The demo task's files under root/task and its tiny models under root/models (moe: a
+    mixture-of-experts policy)."""
     files = task.write_task(root / "task", seed=seed)
     tokenizer = task.build_tokenizer(files.tokenizer_dir)
-    return files, task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed)
+    models = task.build_tiny_models(root / "models", tokenizer, size="tiny", seed=seed, moe=moe)
+    return files, models
 
 
 def finish(runtime: Runtime, root: Path, summary: dict, text: str) -> None:
@@ -353,6 +356,7 @@ def run_offline_demo(
     seed: int = 0,
     quick: bool = False,
     overrides: Sequence[str] = (),
+    moe: bool = False,
 ) -> dict:
     """SFT -> dpo, kto, simpo or orpo -> eval of both policies; writes DIR/summary.json with
     `sft.*` and `<algorithm>.*` (gold reward, KL to the SFT policy, ...). No reward model: the
@@ -366,7 +370,7 @@ def run_offline_demo(
 
     quiet_transformers()
     start, root = time.time(), Path(output_dir)
-    files, configs = offline_demo_configs(root, algorithm, seed, quick, overrides)
+    files, configs = offline_demo_configs(root, algorithm, seed, quick, overrides, moe)
     runtime = Runtime(seed=seed)
     runtime.print(f"== demo task written to {files.root}; stage 1/3: SFT")
     train_sft(configs["sft"], runtime)
@@ -386,11 +390,17 @@ def run_offline_demo(
 
 
 def offline_demo_configs(
-    root: Path, algorithm: str, seed: int, quick: bool, overrides: Sequence[str] = ()
+    root: Path,
+    algorithm: str,
+    seed: int,
+    quick: bool,
+    overrides: Sequence[str] = (),
+    moe: bool = False,
 ) -> tuple[task.TaskFiles, dict[str, Config]]:
-    """The task files (written under root/task, tiny models under root/models) and the
-    validated configs of the offline demo's sft, `algorithm` and eval stages."""
-    files, models = task_and_models(root, seed)
+    """The task files (written under root/task, tiny models under root/models; moe: a
+    mixture-of-experts policy) and the validated configs of the offline demo's sft,
+    `algorithm` and eval stages."""
+    files, models = task_and_models(root, seed, moe)
     trees = stage_configs(root, files, models, seed, quick)
     trees["eval"]["model"].pop("reward")
     trees["eval"]["reward"] = {"function": GOLD_AS_SCORE}

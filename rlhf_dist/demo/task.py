@@ -489,10 +489,13 @@ def build_tiny_models(
     tokenizer: transformers.PreTrainedTokenizerBase,
     size: str = "tiny",
     seed: int = 0,
+    moe: bool = False,
 ) -> dict[str, Path]:
     """Random-init a policy (LlamaForCausalLM) and a reward model (LlamaForSequenceClassification,
     num_labels=1), save each with the tokenizer (safetensors) under out_dir/policy and
-    out_dir/reward, and return {'policy': path, 'reward': path}.
+    out_dir/reward, and return {'policy': path, 'reward': path}. moe: the policy a
+    Qwen3-MoE of the same width whose MLPs are 4 experts of a quarter of the dense width,
+    2 per token (docs/moe.md).
     """
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
@@ -505,7 +508,7 @@ def build_tiny_models(
         size=size,
     )
     torch.manual_seed(seed)
-    policy = LlamaForCausalLM(config)
+    policy = tiny_moe_policy(config) if moe else LlamaForCausalLM(config)
     policy.generation_config.pad_token_id = tokenizer.pad_token_id
     policy.generation_config.eos_token_id = tokenizer.eos_token_id
     policy.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -525,3 +528,24 @@ def build_tiny_models(
         tokenizer.save_pretrained(str(path))
         paths[name] = path
     return paths
+
+
+def tiny_moe_policy(dense: transformers.LlamaConfig) -> transformers.PreTrainedModel:
+    """A random Qwen3MoeForCausalLM shaped as the tiny Llama `dense`: its MLP replaced by 4
+    experts of a quarter of the dense width, top-2 (the active MLP is half the dense one),
+    the config's own load-balancing weight (0.001)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "pad_token_id", "bos_token_id",
+            "eos_token_id", "tie_word_embeddings")  # fmt: skip
+    config = Qwen3MoeConfig(
+        **{k: getattr(dense, k) for k in keys},
+        head_dim=dense.hidden_size // dense.num_attention_heads,
+        intermediate_size=dense.intermediate_size,
+        moe_intermediate_size=dense.intermediate_size // 4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        attention_dropout=0.0,
+    )
+    return Qwen3MoeForCausalLM(config)

@@ -192,6 +192,25 @@ def fetch_whole_layers(model: torch.nn.Module) -> None:
         set_z3_leaf_modules(model, sorted(classes, key=lambda c: c.__name__))
 
 
+def mark_leaf_modules(model: torch.nn.Module, classes: list[type]) -> int:
+    """Make every module of `classes` inside `model` a ZeRO-3 leaf: fetched and released
+    as one unit, its submodules never hooked on their own; returns how many were marked
+    (0 and nothing imported outside a DeepSpeed launch, where leaves mean nothing).
+
+    For mixture-of-experts blocks whose experts run only on the tokens routed to them
+    (docs/moe.md): per-module fetching would make each rank gather the experts its own
+    tokens chose, in its own order, so ranks whose tokens route differently wait on
+    collectives the others never join. Gathered as one unit, every rank fetches every
+    expert of the block at the same point. Must run before the engine exists (its hooks
+    read the mark when they are registered).
+    """
+    if not classes or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return 0
+    from deepspeed.utils import set_z3_leaf_modules
+
+    return len(set_z3_leaf_modules(model, classes))
+
+
 def _make_accelerator(
     timeout_s: int, dtype: str, trackers: tuple[str, ...], logging_dir: str | None
 ) -> Accelerator:

@@ -20,6 +20,7 @@ from rlhf_dist.config.paths import missing_model
 from rlhf_dist.data.chat import chat_for, stop_token_ids
 from rlhf_dist.engine.sequence_parallel import checkpoint_contexts
 from rlhf_dist.errors import ConfigError
+from rlhf_dist.models.moe import prepare_moe
 from rlhf_dist.models.vision import freeze_vision, vision_config
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
@@ -125,12 +126,14 @@ def load_causal_lm(
     if load_in_4bit:
         kwargs |= nf4_load_kwargs(dtype)
     if vision_config(path, kwargs["trust_remote_code"]) is None:
-        return disable_dropout(_from_pretrained(AutoModelForCausalLM, path, key, **kwargs))
-    # A vision-language model (docs/vision.md): its image-text-to-text class, the vision
-    # tower and projector frozen unless model.freeze_vision says otherwise.
-    model = _from_pretrained(AutoModelForImageTextToText, path, key, **kwargs)
-    if getattr(source, "freeze_vision", True):
-        freeze_vision(model)
+        model = _from_pretrained(AutoModelForCausalLM, path, key, **kwargs)
+    else:
+        # A vision-language model (docs/vision.md): its image-text-to-text class, the vision
+        # tower and projector frozen unless model.freeze_vision says otherwise.
+        model = _from_pretrained(AutoModelForImageTextToText, path, key, **kwargs)
+        if getattr(source, "freeze_vision", True):
+            freeze_vision(model)
+    prepare_moe(model, source, key)  # mixture-of-experts: sparse blocks as ZeRO-3 leaves
     return disable_dropout(model)
 
 
@@ -176,6 +179,7 @@ def load_sequence_classifier(
     # No pad_token_id needed: scores are read at positions found from the attention mask
     # (ValueModel runs backbone + head), never by transformers' search for the first PAD,
     # which reads the token before EOS when PAD == EOS.
+    prepare_moe(model, source, key)
     return disable_dropout(model)
 
 

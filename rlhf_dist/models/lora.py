@@ -19,6 +19,7 @@ from torch import nn
 from rlhf_dist.config import LoRAConfig
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import sub_state_dict
+from rlhf_dist.models.moe import sparse_blocks
 from rlhf_dist.models.vision import is_vision_part, language_model_modules
 
 
@@ -35,19 +36,53 @@ def add_adapters(
     if getattr(model, "is_loaded_in_4bit", False):  # QLoRA: norms and head in fp32, base frozen
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         keep_4bit_differentiable(model)
-    names = {name.split(".")[-1] for name, _ in model.named_modules()}
-    missing = [t for t in lora_cfg.target_modules if t not in names]
-    if missing:
-        raise ConfigError(f"lora.target_modules: {missing} not found in {type(model).__name__}")
+    modules, parameters = lora_targets(model, lora_cfg)
     config = LoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
         lora_dropout=0.0,  # dropout makes old and new log-probs disagree at ratio 1
-        target_modules=lora_targets(model, lora_cfg.target_modules),
+        target_modules=modules,
+        target_parameters=parameters or None,
         task_type=task_type,
         modules_to_save=[trainable_head] if trainable_head else None,
     )
     return get_peft_model(model, config)
+
+
+def lora_targets(model: nn.Module, lora_cfg: LoRAConfig) -> tuple[list[str], list[str]]:
+    """(peft's target_modules, its target_parameters) of `model`: lora.target_modules by
+    name for a dense model. For a mixture of experts (docs/moe.md) never the routers, and
+    the experts only with lora.experts: module-list experts through their linears of
+    those names, fused experts (3-D parameters, transformers 5) through each parameter
+    (peft's target_parameters: one low-rank pair per expert); lora.experts false leaves
+    the sparse blocks out (adapters on attention and any dense MLP)."""
+    blocks = {id(b) for b, _ in sparse_blocks(model)}
+    if not blocks:
+        names = {name.split(".")[-1] for name, _ in model.named_modules()}
+        missing = [t for t in lora_cfg.target_modules if t not in names]
+        if missing:
+            raise ConfigError(f"lora.target_modules: {missing} not found in {type(model).__name__}")
+        return dense_targets(model, lora_cfg.target_modules), []
+    named = dict(model.named_modules())
+    block_names = [n for n, m in named.items() if id(m) in blocks]
+    wanted = set(lora_cfg.target_modules)
+    modules, parameters = [], []
+    for name in named:
+        if name.split(".")[-1] not in wanted:
+            continue
+        block = next((b for b in block_names if name.startswith(b + ".")), None)
+        if block is None or (lora_cfg.experts and name.startswith(f"{block}.experts.")):
+            modules.append(name)
+    for block in block_names if lora_cfg.experts else ():
+        experts = named[f"{block}.experts"]
+        fused = [n for n, p in experts.named_parameters(recurse=False) if p.ndim == 3]
+        parameters += [f"{block}.experts.{n}" for n in fused]
+    if not modules and not parameters:
+        raise ConfigError(
+            f"lora.target_modules: none of {sorted(wanted)} is outside the experts of "
+            f"{type(model).__name__}; name its attention's linears, or set lora.experts=true"
+        )
+    return modules, parameters
 
 
 @contextlib.contextmanager
@@ -75,7 +110,7 @@ def merged_adapters(model: nn.Module) -> Iterator[nn.Module]:
     if any(is_4bit(m) for m in model.modules()):  # QLoRA: no whole weights to fold into
         yield model
         return
-    originals: list[tuple[nn.Module, nn.Parameter]] = []
+    originals: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:
         with torch.no_grad():
             for layer in model.modules():
@@ -85,16 +120,19 @@ def merged_adapters(model: nn.Module) -> Iterator[nn.Module]:
                 if not active:
                     continue
                 base = layer.get_base_layer()
-                weight = base.weight
+                # peft's ParamWrapper (fused experts, lora.experts) adapts one named
+                # parameter of its base, (E, out, in): its delta has that shape
+                attr = getattr(layer, "parameter_name", "weight")
+                weight = getattr(base, attr)
                 delta = sum(layer.get_delta_weight(a).float() for a in active)
-                originals.append((base, weight))
+                originals.append((base, attr, weight))
                 merged = (weight.float() + delta).to(weight.dtype)
-                base.weight = nn.Parameter(merged, requires_grad=False)
+                setattr(base, attr, nn.Parameter(merged, requires_grad=False))
         with model.disable_adapter():
             yield model
     finally:
-        for base, weight in originals:
-            base.weight = weight
+        for base, attr, weight in originals:
+            setattr(base, attr, weight)
 
 
 def adapter_weights(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor, float]]:
@@ -127,8 +165,27 @@ def adapter_weights(model: nn.Module) -> Iterator[tuple[str, str, torch.Tensor, 
                 "server takes only those (lora.target_modules: linear layers)"
             )
         scale = float(layer.scaling[a])
+        if hasattr(layer, "parameter_name"):  # fused experts (lora.experts): ParamWrapper
+            yield expert_adapter_name(name, layer), "A", layer.lora_A[a].weight, scale
+            yield expert_adapter_name(name, layer), "B", layer.lora_B[a].weight, scale
+            continue
         yield f"{name}.weight", "A", layer.lora_A[a].weight, scale
         yield f"{name}.weight", "B", layer.lora_B[a].weight, scale
+
+
+def expert_adapter_name(name: str, layer: nn.Module) -> str:
+    """The plain model's name of the 3-D expert parameter a peft ParamWrapper at module
+    `name` adapts (nested wrappers, one per parameter, sit at `...experts.base_layer`).
+    Its A (r E, in) and B (out, r E) fold into the (E, out, in) weight expert by expert
+    (serving/policy.py); experts stored (E, in, out) (gpt-oss) are refused: their factors
+    fold transposed, which a server cannot tell from the shapes when in == out."""
+    if not getattr(layer, "_did_swap_in_out_features", False):
+        raise ConfigError(
+            f"lora.experts: {name} stores its experts (experts, in, out); the rollout "
+            "server's adapter sync takes (experts, out, in) only (set lora.experts=false)"
+        )
+    plain = ".".join(p for p in name.split(".") if p != "base_layer")
+    return f"{plain}.{layer.parameter_name}"
 
 
 def keep_4bit_differentiable(model: nn.Module) -> nn.Module:
@@ -230,8 +287,8 @@ def export_lora(
         merged.save_pretrained(directory_merged, safe_serialization=True)
 
 
-def lora_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
-    """peft's target_modules for lora.target_modules: the names as given, or, in a
+def dense_targets(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """peft's target_modules for lora.target_modules of a model without experts: the names as given, or, in a
     vision-language model, the full names of the matching modules of its language model
     only (docs/vision.md: the vision tower's attention has q_proj/k_proj/v_proj too)."""
     if not any(is_vision_part(name) for name, _ in model.named_modules()):

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlhf_dist.config import Config, apply_override, config_from_dict, sizes, to_dict, validate
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.planning.memory import GIB
+from rlhf_dist.planning.memory import GIB, ModelShape
 from rlhf_dist.planning.plan import Hardware, Plan, Shapes, build_plan, checkpointing
 
 
@@ -244,6 +244,15 @@ def describe_hardware(hw: Hardware) -> str:
     return f"{hw.gpus} x {gib(hw.memory)} ({zero}{offload}; {gib(hw.budget)} usable per rank)"
 
 
+def describe_model(shape: ModelShape) -> str:
+    """'7.6B parameters', or for a mixture of experts also those a token runs through."""
+    text = f"{shape.lm_params() / 1e9:.1f}B parameters"
+    if shape.moe_layers:
+        moe = f"{shape.experts} experts, top-{shape.experts_per_token}"
+        text += f", {shape.active_params() / 1e9:.1f}B active per token ({moe})"
+    return text
+
+
 def format_plan(plan: Plan, title: str) -> str:
     """The plan as a table: each phase's peak per rank, then its terms."""
     lines = [f"{title} on {describe_hardware(plan.hardware)}"]
@@ -316,6 +325,7 @@ def cli_plan(cfg: Config, stage: str, gpus: int, memory: str, zero: str, offload
     shapes = read_shapes(cfg, stage)
     plan = build_plan(cfg, stage, shapes, hw)
     title = f"rlhf-dist plan: {stage}, policy {cfg.model.policy or cfg.model.reward}"
+    title += f" ({describe_model(shapes.policy)})"
     last = verdict(cfg, plan, shapes)
     if plan.fits:
         return format_plan(plan, title) + "\n" + last

@@ -42,21 +42,51 @@ class ModelShape:
     intermediate: int
     tied: bool = False
     qkv_bias: bool = False
+    # Mixture of experts (0: dense): `moe_layers` of the L layers replace the MLP by a
+    # router (h x E) and E routed SwiGLU experts of `expert_intermediate` (f_e), each
+    # token computed by `experts_per_token` (k) of them, plus shared experts of
+    # `shared_intermediate` in all (every token); the other layers keep the dense MLP.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    moe_layers: int = 0
+
+    def attention_params(self) -> int:
+        """One layer's q, k, v, o weights (h x a d, 2 x h x k d, a d x h)."""
+        h, ad, kd = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return h * ad + 2 * h * kd + ad * h
+
+    def sparse_block_params(self) -> int:
+        """One MoE layer's MLP: router (h x E), E experts (3 x h x f_e each), shared
+        experts (3 x h x f_s); what ZeRO-3 fetches as one leaf module (models/moe.py)."""
+        h = self.hidden
+        routed = self.experts * 3 * h * self.expert_intermediate
+        return h * self.experts + routed + 3 * h * self.shared_intermediate
 
     def linear_params(self) -> int:
-        """Weights of one layer's linears: q, k, v, o (h x a d, 2 x h x k d, a d x h) and
-        the SwiGLU MLP's gate, up and down (3 x h x f)."""
-        h, ad, kd = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return h * ad + 2 * h * kd + ad * h + 3 * h * self.intermediate
+        """Weights of one dense layer's linears: attention and the SwiGLU MLP's gate, up
+        and down (3 x h x f)."""
+        return self.attention_params() + 3 * self.hidden * self.intermediate
 
-    def layer_params(self) -> int:
-        """One decoder layer: its linears, q/k/v biases (Qwen2) and two RMSNorm weights."""
-        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        return self.linear_params() + bias + 2 * self.hidden
+    def all_linear_params(self) -> int:
+        """Every layer's linears: L attentions, the dense MLPs and the sparse blocks."""
+        dense = (self.layers - self.moe_layers) * 3 * self.hidden * self.intermediate
+        moe = self.moe_layers * self.sparse_block_params()
+        return self.layers * self.attention_params() + dense + moe
+
+    def inactive_params(self) -> int:
+        """Expert weights a token does not run: (E - k) routed experts per MoE layer."""
+        unused = self.experts - self.experts_per_token
+        return self.moe_layers * unused * 3 * self.hidden * self.expert_intermediate
 
     def backbone_params(self) -> int:
-        """Embedding (V x h), L layers and the final norm."""
-        return self.vocab * self.hidden + self.layers * self.layer_params() + self.hidden
+        """Embedding (V x h), L layers (their linears, q/k/v biases (Qwen2) and two
+        RMSNorm weights each) and the final norm."""
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        per_layer = bias + 2 * self.hidden
+        layers = self.all_linear_params() + self.layers * per_layer
+        return self.vocab * self.hidden + layers + self.hidden
 
     def lm_params(self) -> int:
         """A causal LM: the backbone and its head (V x h unless tied to the embedding)."""
@@ -66,10 +96,14 @@ class ModelShape:
         """A reward model or critic: the backbone and a (1 x h) score head."""
         return self.backbone_params() + self.hidden
 
+    def active_params(self) -> int:
+        """Parameters a token runs through (`lm_params` less `inactive_params`)."""
+        return self.lm_params() - self.inactive_params()
+
     def quantizable_params(self) -> int:
         """What QLoRA stores in 4 bits: every layer's linears (embedding, head, norms
         stay in the compute dtype, as bitsandbytes leaves them)."""
-        return self.layers * self.linear_params()
+        return self.all_linear_params()
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """LoRA adapters of rank r on the named linears of every layer: A (r x in) and
@@ -173,6 +207,24 @@ def layer_activation_elements(shape: ModelShape, seq_len: int, attention: str) -
     return 10 * h + 2 * kd + 4 * shape.intermediate + attn
 
 
+def sparse_layer_elements(shape: ModelShape, seq_len: int, attention: str) -> float:
+    """`layer_activation_elements` of a MoE layer: its dense MLP's 4f replaced by each of
+    the token's k experts' SwiGLU tensors (4 f_e) and its copies of the token in and out
+    of the expert (2h), the shared experts' 4 f_s, and the router's logits and softmax
+    (2E)."""
+    dense = layer_activation_elements(shape, seq_len, attention) - 4 * shape.intermediate
+    k = shape.experts_per_token
+    experts = k * (4 * shape.expert_intermediate + 2 * shape.hidden)
+    return dense + experts + 4 * shape.shared_intermediate + 2 * shape.experts
+
+
+def router_logits_kept(shape: ModelShape, tokens: float, act_bytes: float) -> float:
+    """The load-balancing loss's router logits (model.router_aux_loss_coef > 0,
+    trainers/moe_aux.py): each MoE layer's (n, E) logits and their fp32 softmax, kept to
+    the micro-batch's backward whatever the checkpointing."""
+    return tokens * shape.moe_layers * shape.experts * (act_bytes + FP32)
+
+
 def kept_activations(
     shape: ModelShape,
     batch: float,
@@ -188,9 +240,12 @@ def kept_activations(
     (Korthikanti et al. 2022, section 5, full recomputation); with LoRA each adapted
     linear's (n, r) intermediate (7 per layer at most); and the final norm's 3h plus the
     scored positions' hidden states gathered for the head (h): 4h per token."""
-    one_layer = layer_activation_elements(shape, seq_len, attention)
-    kept = shape.hidden if checkpointing else one_layer
-    per_token = shape.layers * (kept + 7 * lora_rank) + 4 * shape.hidden
+    dense = layer_activation_elements(shape, seq_len, attention)
+    sparse = sparse_layer_elements(shape, seq_len, attention) if shape.moe_layers else 0.0
+    kept = (shape.layers - shape.moe_layers) * dense + shape.moe_layers * sparse
+    if checkpointing:
+        kept = shape.layers * shape.hidden
+    per_token = kept + shape.layers * 7 * lora_rank + 4 * shape.hidden
     return batch * seq_len * per_token * act_bytes
 
 
@@ -213,14 +268,20 @@ def sequence_parallel_buffers(
 
 def recomputed_layer(shape: ModelShape, batch: float, seq_len: int, act_bytes: float, attention: str) -> float:  # fmt: skip
     """With checkpointing, the one layer whose activations backward recomputes at a time."""
-    return batch * seq_len * layer_activation_elements(shape, seq_len, attention) * act_bytes
+    one = layer_activation_elements(shape, seq_len, attention)
+    if shape.moe_layers:
+        one = max(one, sparse_layer_elements(shape, seq_len, attention))
+    return batch * seq_len * one * act_bytes
 
 
 def backward_workspace(shape: ModelShape, batch: float, seq_len: int, act_bytes: float) -> float:
     """Transient gradients in backward: the gradient of one layer's input and of its
     largest intermediates (the MLP's gate/up/product gradients, 3f, plus the residual
     stream's h twice) for the micro-batch's n tokens."""
-    return batch * seq_len * (3 * shape.intermediate + 2 * shape.hidden) * act_bytes
+    f = shape.intermediate
+    if shape.moe_layers:  # a MoE layer: its k experts' and shared experts' intermediates
+        f = max(f, shape.experts_per_token * shape.expert_intermediate + shape.shared_intermediate)
+    return batch * seq_len * (3 * f + 2 * shape.hidden) * act_bytes
 
 
 def head_bytes(
@@ -251,7 +312,13 @@ def inference_forward(shape: ModelShape, batch: float, seq_len: int, act_bytes: 
     3f per token) and, eager, the attention scores (a x s)."""
     h, kd = shape.hidden, shape.kv_heads * shape.head_dim
     attn = shape.heads * seq_len if attention == "eager" else 0
-    return batch * seq_len * (5 * h + 2 * kd + 3 * shape.intermediate + attn) * act_bytes
+    mlp = 3 * shape.intermediate
+    if shape.moe_layers:  # k experts' gate, up, product, the shared ones', the router's E
+        sparse = 3 * (
+            shape.experts_per_token * shape.expert_intermediate + shape.shared_intermediate
+        )
+        mlp = max(mlp, sparse + 2 * shape.experts)
+    return batch * seq_len * (5 * h + 2 * kd + mlp + attn) * act_bytes
 
 
 def kv_cache(shape: ModelShape, batch: int, tokens: int, cache_bytes: float) -> float:

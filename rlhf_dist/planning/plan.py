@@ -268,6 +268,8 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
     n = cfg.distributed.sequence_parallel_size
     b, s = batch.sequences / n, batch.length
     terms = [("activations", mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r))]
+    if model.moe_layers and cfg.model.router_aux_loss_coef != 0:  # null: the model's, > 0
+        terms.append(("router logits (MoE balance loss)", mem.router_logits_kept(model, b * s, pr.compute)))  # fmt: skip
     if n > 1:
         # rollouts' prompts are left-padded, packed rows need their blocks: a (s, s) mask
         mask = stage == "ppo" or cfg.perf.packed_sequences
@@ -300,7 +302,7 @@ def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -
         if stage == "ppo":
             terms += autocast_copies(cfg, shapes, hw, actor=True, critic=True)
         elif pr.autocast and not lora:
-            terms.append(("bf16 weight copies (autocast)", pr.compute * model.layers * model.linear_params()))  # fmt: skip
+            terms.append(("bf16 weight copies (autocast)", pr.compute * model.all_linear_params()))  # fmt: skip
     copy = trained_copy(cfg, shapes, hw, stage)
     if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
         terms.append(("gathered weights (ZeRO-3)", copy))
@@ -323,10 +325,10 @@ def autocast_copies(cfg: Config, shapes: Shapes, hw: Hardware, actor: bool, crit
         return []
     count = 0
     if actor and not cfg.lora.enabled:
-        count += shapes.policy.layers * shapes.policy.linear_params()
+        count += shapes.policy.all_linear_params()
     if critic and sizes.has_critic(cfg) and not (cfg.lora.enabled and cfg.lora.critic):
         model = critic_shape(cfg, shapes)
-        count += model.layers * model.linear_params()
+        count += model.all_linear_params()
     return [("bf16 weight copies (autocast)", count * pr.compute)] if count else []
 
 
@@ -356,7 +358,10 @@ def live_weights(model: ModelShape, weight_bytes: float) -> tuple[str, float]:
     """ZeRO-3 fetching layer by layer: the whole weights it keeps fetched at once, up to
     stage3_max_live_parameters (measured on 2 CPU ranks: the whole small model stays
     fetched from the forward through the backward, launch/bench/memory.py plan-zero3)."""
-    live = min(float(model.lm_params()), ZERO3_LIVE_PARAMETERS) * weight_bytes
+    # a MoE layer's sparse block is one leaf (models/moe.py): fetched whole, all E
+    # experts at once, even past the live limit
+    limit = ZERO3_LIVE_PARAMETERS + model.sparse_block_params() * bool(model.moe_layers)
+    live = min(float(model.lm_params()), limit) * weight_bytes
     return ("fetched weights (ZeRO-3)", live)
 
 

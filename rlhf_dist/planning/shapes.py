@@ -52,9 +52,44 @@ def _shape_of(c: Any, path: str, key: str) -> ModelShape:
             head_dim=head_dim, intermediate=int(inter),
             tied=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(c, "attention_bias", False)) or c.model_type.startswith("qwen2"),
+            **expert_numbers(c, int(inter)),
         )  # fmt: skip
     except (AttributeError, TypeError) as e:
         raise ConfigError(f"{key}: {path!r} is not a decoder-only transformer config ({e})") from e
+
+
+# config.json names of the routed experts (Qwen-MoE and OLMoE, Mixtral and gpt-oss,
+# DeepSeek), of their MLP width, of the experts per token, and of the shared experts
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERT_WIDTH = ("moe_intermediate_size",)
+PER_TOKEN = ("num_experts_per_tok",)
+
+
+def _first(c: Any, names: tuple[str, ...], default: int = 0) -> int:
+    return int(next((getattr(c, n) for n in names if getattr(c, n, None)), default))
+
+
+def expert_numbers(c: Any, intermediate: int) -> dict[str, int]:
+    """ModelShape's mixture-of-experts fields of config `c` ({} for a dense model): the
+    sparse layers are all but DeepSeek's first_k_dense_replace and Qwen's mlp_only_layers
+    (every decoder_sparse_step-th otherwise); experts without a width of their own (Mixtral,
+    gpt-oss) have the dense `intermediate`; shared experts: Qwen2-MoE's
+    shared_expert_intermediate_size, DeepSeek's n_shared_experts x the expert width."""
+    experts = _first(c, EXPERTS)
+    if experts <= 1:
+        return {}
+    width = _first(c, EXPERT_WIDTH, intermediate)
+    shared = int(getattr(c, "shared_expert_intermediate_size", 0) or 0)
+    shared += int(getattr(c, "n_shared_experts", 0) or 0) * width
+    layers = int(c.num_hidden_layers)
+    dense = set(range(int(getattr(c, "first_k_dense_replace", 0) or 0)))
+    dense |= set(getattr(c, "mlp_only_layers", None) or ())
+    step = int(getattr(c, "decoder_sparse_step", 1) or 1)
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    return {
+        "experts": experts, "experts_per_token": _first(c, PER_TOKEN, 1),
+        "expert_intermediate": width, "shared_intermediate": shared, "moe_layers": len(sparse),
+    }  # fmt: skip
 
 
 def read_shapes(cfg: Config, stage: str) -> Shapes:

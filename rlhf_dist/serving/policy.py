@@ -78,17 +78,21 @@ class TensorSpec:
 
 
 def _check_adapter(spec: TensorSpec, weight: tuple[int, ...]) -> None:
-    """A LoRA matrix must fit its 2-D weight (out, in): A (r, in), B (out, r)."""
+    """A LoRA matrix must fit its weight: a 2-D (out, in) weight's A (r, in) and B (out, r);
+    a mixture of experts' fused 3-D (E, out, in) weight's A (r E, in) and B (out, r E)
+    (peft's target_parameters, models/lora.py)."""
     shape = spec.shape
     fits = (
-        len(weight) == 2
+        len(weight) in (2, 3)
         and len(shape) == 2
-        and (shape[1] == weight[1] if spec.lora == "A" else shape[0] == weight[0])
+        and (shape[1] == weight[-1] if spec.lora == "A" else shape[0] == weight[-2])
+        and (len(weight) == 2 or shape[0 if spec.lora == "A" else 1] % weight[0] == 0)
     )
     if not fits:
         raise BadRequest(
             f"tensors: LoRA {spec.lora} of {spec.name} has shape {list(shape)}, which does "
-            f"not fit the weight's {list(weight)} (A: (r, in), B: (out, r))"
+            f"not fit the weight's {list(weight)} (A: (r, in), B: (out, r); experts' "
+            "(E, out, in): A (r E, in), B (out, r E))"
         )
 
 
@@ -100,6 +104,17 @@ def routing_rows(routing: torch.Tensor, mask: torch.Tensor, lengths: list[int]) 
     response = torch.arange(routing.shape[1] - P)
     keep = [torch.cat([m.bool(), response < k]) for m, k in zip(mask, lengths)]
     return [r[kept].tolist() for r, kept in zip(routing, keep)]
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
+    """B @ A of a 2-D weight (experts 0); of a fused (E, out, in) experts weight, expert
+    e's B_e @ A_e with A (r E, in) rows e r .. e r + r - 1 and B (out, r E) columns
+    e, E + e, ... (peft ParamWrapper's layout, its get_delta_weight): (E, out, in)."""
+    if not experts:
+        return b @ a
+    a3 = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
+    b3 = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # (E, out, r)
+    return b3 @ a3
 
 
 class BadRequest(ValueError):
@@ -374,7 +389,8 @@ class ServedPolicy:
         base = self.bases.setdefault(spec.name, param.detach().clone())
         # on the weight's device: B @ A of a 7B model's adapters is ~60 GFLOP
         a, b = (parts[k].to(param.device, torch.float32) for k in ("A", "B"))
-        param.copy_((base.float() + spec.scale * (b @ a)).to(param.dtype))
+        experts = param.shape[0] if param.dim() == 3 else 0
+        param.copy_((base.float() + spec.scale * lora_delta(a, b, experts)).to(param.dtype))
 
     def _logged(self, work: Callable[[], None]) -> None:
         try:

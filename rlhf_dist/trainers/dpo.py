@@ -39,6 +39,7 @@ from rlhf_dist.distributed import Runtime, strided_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.models.moe import RouterAux
 from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.names import REFERENCE_FREE_LOSSES
 from rlhf_dist.observability.tracking import open_run, write_summary
@@ -51,6 +52,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.moe_aux import recording, step_routing, trained_router_aux
 from rlhf_dist.trainers.preference import (
     all_response_logprobs,
     build_policy,
@@ -184,13 +186,15 @@ def dpo_step(
     dc: DPOConfig,
     pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
+    aux: RouterAux | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Backward over this rank's micro-batches of one global batch.
 
     pairs: the global batch's PreferencePairs; ref_rows: (len(pairs), 2) reference log-probs
     [chosen, rejected] from the table, or None to run the reference (online) or for the
-    reference-free losses. Returns the reduced statistics and this rank's per-pair margins
-    for the histograms.
+    reference-free losses. aux: a mixture-of-experts policy's load-balancing loss
+    (trainers/moe_aux.py), or None. Returns the reduced statistics and this rank's
+    per-pair margins for the histograms.
     """
     mine = plan.rank_slice(runtime.rank)
     share, rows = pairs[mine], None if ref_rows is None else ref_rows[mine]
@@ -204,15 +208,24 @@ def dpo_step(
     ]
     # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
     pooled = runtime.pool_micro_batches(micro)
-    for i, (own, (seqs, ref)) in enumerate(pooled):
-        batch = response_batch(seqs, pad_id, runtime.device)
+    batches = [response_batch(seqs, pad_id, runtime.device) for _, (seqs, _) in pooled]
+    routing = step_routing(  # mixture of experts: the global batch's expert fractions
+        runtime,
+        aux,
+        [b["attention_mask"] for b in batches],
+        lambda j: response_logprobs(model, batches[j], perf),
+    )
+    for i, (own, (_, ref)) in enumerate(pooled):
+        batch = batches[i]
         stats.add("dpo/pad_fraction", *padding_cells(batch["attention_mask"]))
         ref = None if ref is None else ref.to(runtime.device)
-        with runtime.sequence_parallel():
+        with runtime.sequence_parallel(), recording(routing) as routed:
             terms, logprobs = micro_terms(runtime, model, reference, batch, ref, dc, perf)
         # The pair-loss SUM over the global pair count, ORPO's NLL SUM over the global token
         # count: split-invariant (architecture.md s. 4).
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
+        if routing is not None:  # + coef x its share of the load-balancing loss
+            loss = loss + routing.loss(runtime, routed, batch["attention_mask"], stats)
         if "nll_sum" in terms:
             loss = loss + share_of_global_mean(runtime, terms["nll_sum"], global_nll_tokens)
         runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
@@ -363,6 +376,7 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
     reference_free = dc.loss_type in REFERENCE_FREE_LOSSES  # SimPO, ORPO: no reference at all
     reference = None if reference_free else build_reference(cfg, runtime, model)
     out, logger = open_run(cfg, runtime, "dpo", ckpt, len(batches))
+    aux = trained_router_aux(cfg.model.router_aux_loss_coef, model)
     table = eval_table = None
     if dc.reference_logprobs == "precompute" and not reference_free:
         table, eval_table = precomputed_tables(cfg, runtime, reference, (train, evals), pad, out)
@@ -371,8 +385,9 @@ def train_dpo(cfg: Config, runtime: Runtime) -> dict:
 
     def step(idx: list[int]) -> dict:
         rows = None if table is None else table[idx]
+        share = [train[i] for i in idx]
         metrics, values = dpo_step(
-            runtime, model, reference, [train[i] for i in idx], rows, plan, dc, pad, cfg.perf
+            runtime, model, reference, share, rows, plan, dc, pad, cfg.perf, aux
         )
         norms = step_and_schedule(runtime, trained, [dc.optim.max_grad_norm])
         return metrics | {"dpo/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}

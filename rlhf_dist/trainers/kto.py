@@ -27,6 +27,7 @@ from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.models.moe import RouterAux
 from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
@@ -38,6 +39,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.moe_aux import recording, step_routing, trained_router_aux
 from rlhf_dist.trainers.preference import (
     all_response_logprobs,
     build_policy,
@@ -127,11 +129,14 @@ def kto_step(
     kc: KTOConfig,
     pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
+    aux: RouterAux | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """z0, then backward over this rank's micro-batches of one global batch.
 
     ref_rows: (len(examples), 2) reference log-probs [completion, mismatched] from the table,
-    or None (online). Returns the reduced statistics and this rank's rewards (histograms).
+    or None (online). aux: a mixture-of-experts policy's load-balancing loss
+    (trainers/moe_aux.py), or None. Returns the reduced statistics and this rank's rewards
+    (histograms).
     """
     mine = plan.rank_slice(runtime.rank)
     share, rows = examples[mine], None if ref_rows is None else ref_rows[mine]
@@ -142,11 +147,21 @@ def kto_step(
     own_micro = [([share[j] for j in s], None if rows is None else rows[s, 0]) for s in slices]
     # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
     pooled = runtime.pool_micro_batches(own_micro)
+    batches = [
+        response_batch(completion_sequences(m), pad_id, runtime.device) for _, (m, _) in pooled
+    ]
+    routing = step_routing(  # mixture of experts: the global batch's expert fractions
+        runtime,
+        aux,
+        [b["attention_mask"] for b in batches],
+        lambda j: response_logprobs(model, batches[j], perf),
+    )
     for i, (own, (micro, ref)) in enumerate(pooled):
-        batch = response_batch(completion_sequences(micro), pad_id, runtime.device)
+        batch = batches[i]
         stats.add("kto/pad_fraction", *padding_cells(batch["attention_mask"]))
         with runtime.sequence_parallel():
-            logprobs = response_logprobs(model, batch, perf)  # (m,) log pi of each completion
+            with recording(routing) as routed:
+                logprobs = response_logprobs(model, batch, perf)  # (m,) log pi of each completion
             if ref is None:
                 ref = reference_logprobs(runtime, reference, batch, perf)
         ref = ref.to(runtime.device)
@@ -154,6 +169,8 @@ def kto_step(
         w = (kc.desirable_weight, kc.undesirable_weight)
         terms = kto_terms(logprobs, ref, desirable, z0, kc.beta, *w)
         loss = share_of_global_mean(runtime, terms["loss"].sum(), plan.global_size)
+        if routing is not None:  # + coef x its share of the load-balancing loss
+            loss = loss + routing.loss(runtime, routed, batch["attention_mask"], stats)
         runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
         # On the right side of the reference point: the value v(x, y) is above half its weight.
         right = torch.where(desirable, logprobs > ref + z0, logprobs < ref + z0).detach()
@@ -236,6 +253,7 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
     model, pad = trained[0], tokenizer.pad_token_id
     reference = build_reference(cfg, runtime, model)
     out, logger = open_run(cfg, runtime, "kto", ckpt, len(batches))
+    aux = trained_router_aux(cfg.model.router_aux_loss_coef, model)
     table = eval_table = None
     if kc.reference_logprobs == "precompute":
         seqs = completion_sequences(train) + mismatched_sequences(train)
@@ -250,8 +268,9 @@ def train_kto(cfg: Config, runtime: Runtime) -> dict:
 
     def step(idx: list[int]) -> dict:
         rows = None if table is None else table[idx]
+        share = [train[i] for i in idx]
         metrics, values = kto_step(
-            runtime, model, reference, [train[i] for i in idx], rows, plan, kc, pad, cfg.perf
+            runtime, model, reference, share, rows, plan, kc, pad, cfg.perf, aux
         )
         norms = step_and_schedule(runtime, trained, [kc.optim.max_grad_norm])
         return metrics | {"kto/grad_norm": norms[0] if norms else None, DISTRIBUTIONS: values}

@@ -23,6 +23,7 @@ from rlhf_dist.distributed import Runtime, lockstep_map
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models import tokenizer_for
+from rlhf_dist.models.moe import RouterAux
 from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.observability.tracking import open_run, write_summary
 from rlhf_dist.stats import StatSums
@@ -34,6 +35,7 @@ from rlhf_dist.trainers.common import (
     step_and_schedule,
     step_loop,
 )
+from rlhf_dist.trainers.moe_aux import recording, step_routing, trained_router_aux
 from rlhf_dist.trainers.preference import build_policy, export_policy
 from rlhf_dist.trainers.publish import publish
 
@@ -92,10 +94,12 @@ def sft_step(
     plan: BatchPlan,
     pad_id: int,
     perf: PerfConfig = DEFAULT_PERF,
+    aux: RouterAux | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Forward/backward every micro-batch of this rank's share; returns the global mean NLL
     (`sft/loss`) and padding share (`sft/pad_fraction`), and this rank's per-sequence
-    values for the histograms (mean NLL, response length)."""
+    values for the histograms (mean NLL, response length). aux: a mixture-of-experts
+    model's load-balancing loss (trainers/moe_aux.py; `loss/router_aux`), or None."""
     share = examples[plan.rank_slice(runtime.rank)]
     groups = plan.micro_batches([len(ex.ids) for ex in examples], runtime.rank)
     micro = [collate_sft([share[i] for i in g], pad_id) for g in groups]
@@ -104,12 +108,21 @@ def sft_step(
     stats, per_seq, lengths = StatSums(), [], []
     # distributed.sequence_parallel_size: the group's micro-batches, each split by columns
     pooled = runtime.pool_micro_batches(micro)
+    on_device = [{k: v.to(runtime.device) for k, v in b.items()} for _, b in pooled]
+    routing = step_routing(  # mixture of experts: the global batch's expert fractions
+        runtime,
+        aux,
+        [b["attention_mask"] for b in on_device],
+        lambda i: sequence_nll(model, on_device[i], causal_lm_logprobs(perf)),
+    )
     for i, (own, batch) in enumerate(pooled):
         stats.add("sft/pad_fraction", *padding_cells(batch["attention_mask"]))
-        batch = {k: v.to(runtime.device) for k, v in batch.items()}
-        with runtime.sequence_parallel():
+        batch = on_device[i]
+        with runtime.sequence_parallel(), recording(routing) as routed:
             nll, count = sequence_nll(model, batch, causal_lm_logprobs(perf))
         loss = share_of_global_mean(runtime, nll.sum(), total_tokens)
+        if routing is not None:  # + coef x its share of the load-balancing loss
+            loss = loss + routing.loss(runtime, routed, batch["attention_mask"], stats)
         runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
         stats.add("sft/loss", nll.sum().detach(), count.sum())
         if own:  # the histograms: each sequence once, from the rank that owns it
@@ -181,9 +194,11 @@ def train_sft(cfg: Config, runtime: Runtime) -> dict:
     trained, plan, batches = build_policy(cfg, runtime, sc, len(train), ckpt)
     model, pad = trained[0], tokenizer.pad_token_id
     out, logger = open_run(cfg, runtime, "sft", ckpt, len(batches))
+    aux = trained_router_aux(cfg.model.router_aux_loss_coef, model)
 
     def step(idx: list[int]) -> dict:
-        metrics, values = sft_step(runtime, model, [train[i] for i in idx], plan, pad, cfg.perf)
+        share = [train[i] for i in idx]
+        metrics, values = sft_step(runtime, model, share, plan, pad, cfg.perf, aux)
         norms = step_and_schedule(runtime, trained, [sc.optim.max_grad_norm])
         norm = norms[0] if norms else None
         return metrics | {"sft/grad_norm": norm, DISTRIBUTIONS: values}

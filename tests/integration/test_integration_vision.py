@@ -47,13 +47,13 @@ def assert_trained_language_only(before: dict, after: dict) -> None:
 
 def test_loads_through_image_text_to_text_with_its_vision_frozen(llava):
     from rlhf_dist.models import load_causal_lm
-    from rlhf_dist.models.lora import lora_targets
+    from rlhf_dist.models.lora import dense_targets
 
     model = load_causal_lm(str(llava), "model.policy", "float32", ModelConfig(policy=str(llava)))
     assert type(model).__name__ == "LlavaForConditionalGeneration"
     for name, p in model.named_parameters():
         assert p.requires_grad != is_vision_part(name), name
-    targets = lora_targets(model, ("q_proj", "v_proj"))
+    targets = dense_targets(model, ("q_proj", "v_proj"))
     assert targets and all(not is_vision_part(t) and "language_model" in t for t in targets)
     free = ModelConfig(policy=str(llava), freeze_vision=False)
     model = load_causal_lm(str(llava), "model.policy", "float32", free)

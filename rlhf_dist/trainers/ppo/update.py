@@ -38,6 +38,7 @@ from rlhf_dist.models.routing import replaying
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.stats import StatSums
 from rlhf_dist.trainers.common import padding_cells, share_of_global_mean, step_and_schedule
+from rlhf_dist.trainers.moe_aux import StepRouting, recording, step_routing, trained_router_aux
 from rlhf_dist.trainers.ppo.ptx import PtxStream
 from rlhf_dist.trainers.ppo.setup import PPORun
 
@@ -80,6 +81,9 @@ class UpdateKnobs:
     distill_coef: float = 0.0  # weight of the teacher's signal; 0: no model.teacher
     distill_loss: str = "reverse_kl"  # ppo.distill_loss: reverse_kl (an advantage) or gjsd
     distill_beta: float = 0.5  # ppo.distill_beta, GKD's beta of gjsd
+    # model.router_aux_loss_coef: a mixture-of-experts actor's load-balancing loss
+    # (trainers/moe_aux.py); None: the model config's value
+    router_aux_loss_coef: float | None = None
 
     @classmethod
     def from_config(
@@ -109,6 +113,7 @@ class UpdateKnobs:
             cov_kl_coef=p.cov_kl_coef,
             distill_coef=p.distill_coef if cfg.model.teacher else 0.0,
             distill_loss=p.distill_loss, distill_beta=p.distill_beta,
+            router_aux_loss_coef=cfg.model.router_aux_loss_coef,
         )  # fmt: skip
 
 
@@ -360,6 +365,7 @@ def minibatch_backward(
     pooled = runtime.pool_micro_batches(
         [(s, *_micro_inputs(mb, s, advantages, returns, chosen)) for s in slices]
     )
+    routing = update_routing(runtime, model, [m for _, (_, m, *_) in pooled], knobs)
     for i, (own, (s, micro, adv, ret, cho)) in enumerate(pooled):
         if ptx_step is not None:  # + ptx_coef x micro-batch i's share of the ptx token mean
             with runtime.accumulating(model):  # its forward leaves the critic unused
@@ -368,14 +374,35 @@ def minibatch_backward(
             parts.append(ptx_stats)
         padding = StatSums()
         padding.add("update/pad_fraction", *padding_cells(micro.attention_mask))
-        with runtime.sequence_parallel():
+        with runtime.sequence_parallel(), recording(routing) as routed:
             micro_loss = micro_batch_loss(model, micro, adv, ret, knobs, cho, teacher)
         parts += [padding, micro_loss.stats]
         loss = share_of_global_mean(runtime, micro_loss.loss_sum, count)
+        if routing is not None:  # + coef x its share of the load-balancing loss
+            columns = micro.response_mask.shape[1]  # the responses' tokens are counted
+            loss = loss + routing.loss(runtime, routed, micro.attention_mask, padding, columns)
         runtime.micro_backward(model, loss, last=i == len(pooled) - 1)
         if micro_loss.fresh is not None and own:
             first_forwards.append((s, *micro_loss.fresh))
     return Backward(first_forwards, StatSums.joined(parts))
+
+
+def update_routing(
+    runtime: Runtime, model: torch.nn.Module, micro: list[RolloutBatch], knobs: UpdateKnobs
+) -> StepRouting | None:
+    """A mixture-of-experts actor's load-balancing state for one optimizer step over
+    micro-batches `micro` (trainers/moe_aux.py): its expert fractions counted over the
+    response tokens of the global minibatch; None for a dense actor or a coefficient of 0."""
+    aux = trained_router_aux(knobs.router_aux_loss_coef, model)
+    if aux is None:
+        return None
+
+    def forward(i: int) -> object:
+        m = micro[i]
+        return model(m.input_ids, m.attention_mask, m.response_mask, with_critic=False)
+
+    masks = [m.attention_mask for m in micro]
+    return step_routing(runtime, aux, masks, forward, [m.response_mask.shape[1] for m in micro])
 
 
 def _micro_inputs(
