@@ -175,8 +175,8 @@ def chat_completion(
         chat = dataclasses.replace(policy.chat, tools=tools)
         prompt, media = chat_prompt(chat, vision, messages)
     else:
-        if vision is not None:
-            raise BadRequest("model: episodes of a vision-language policy are not supported")
+        if any(isinstance(m["content"], list) for m in messages):  # image parts kept
+            raise BadRequest("messages: images in an episode's turns are not supported")
         prompt, turn = episodes.context(episode, messages, tools)
         s = dataclasses.replace(s, seed=turn_seed(s.seed, episode, turn))
     out, text = _sample(policy, prompt, s, batcher, media)
