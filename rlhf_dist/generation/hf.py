@@ -13,7 +13,7 @@ import torch
 
 from rlhf_dist.config import GenerationConfig, PerfConfig
 from rlhf_dist.data.vision import Media, RowMedia
-from rlhf_dist.engine.decode import generate, pad_columns, truncate_after_eos
+from rlhf_dist.engine.decode import cut_before, generate, pad_columns, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
 from rlhf_dist.engine.sampling import Sampling
 from rlhf_dist.generation.base import (
@@ -101,7 +101,8 @@ class HFSampler(OnPolicyInProcess):
                     routed.append(span.recorded(ids.shape[0]))
                 if logprobs:
                     prompt = (ids, mask, pixels)
-                    out, lp = _scored(actor, prompt, out, gen, stop_ids, pad_id, self.perf)
+                    image = None if media is None else media.image_token_id
+                    out, lp = _scored(actor, prompt, out, gen, (stop_ids, pad_id, image), self.perf)
                     scored.append(lp)
                 responses.append(out)
         width = max(r.shape[1] for r in responses)
@@ -136,17 +137,22 @@ def _streams(seeds: Seeds | None, device: torch.device) -> list[tuple[torch.Gene
 @torch.no_grad()
 def _scored(
     actor: Any, prompt: tuple[torch.Tensor, torch.Tensor, Media | None], out: torch.Tensor,
-    gen: Sampling, stop_ids: StopIds, pad_id: int, perf: PerfConfig,
+    gen: Sampling, tokens: tuple[StopIds, int, int | None], perf: PerfConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(responses cut after their first stop token, their float32 log-probs under `actor`
     at gen.temperature, 0 on padding): token_logprobs of the prompts (ids, mask (B, P),
-    pixel inputs or None) followed by them."""
-    prompt_ids, prompt_mask, media = prompt
+    pixel inputs or None) followed by them. tokens: (stop ids, pad id, a vision model's
+    image token or None): a response is scored up to its first image token only (0
+    from there), which is never fed, as the rollout cuts it (engine/decode.py
+    `cut_before`): the prompt has no image for it."""
+    (prompt_ids, prompt_mask, media), (stop_ids, pad_id, image) = prompt, tokens
     out, response_mask, _ = truncate_after_eos(out, stop_ids, pad_id)
+    fed, scored = out, response_mask
+    if image is not None:
+        fed, scored, _ = cut_before(out, response_mask, response_mask.any(1), image, pad_id)
     logprobs, _ = token_logprobs(
-        actor, torch.cat([prompt_ids, out], 1), torch.cat([prompt_mask, response_mask.long()], 1),
-        response_mask, gen.temperature, prompt_width=prompt_ids.shape[1], perf=perf,
-        media=media,
+        actor, torch.cat([prompt_ids, fed], 1), torch.cat([prompt_mask, scored.long()], 1),
+        scored, gen.temperature, prompt_width=prompt_ids.shape[1], perf=perf, media=media,
     )  # fmt: skip
     return out, logprobs.float()
 

@@ -22,6 +22,8 @@ connections); every call times out after distributed.timeout_s.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import time
 from collections.abc import Callable
@@ -32,7 +34,7 @@ import torch
 
 from rlhf_dist.checkpoint import fault_active, maybe_fault
 from rlhf_dist.config import Config, GenerationConfig
-from rlhf_dist.data.vision import RowMedia
+from rlhf_dist.data.vision import Media, RowMedia
 from rlhf_dist.distributed.weight_sync import (
     MemoryGrowth,
     SyncGroup,
@@ -52,7 +54,6 @@ from rlhf_dist.generation.base import (
     Samples,
     Seeds,
     StopIds,
-    refuse_images,
 )
 from rlhf_dist.generation.vllm import checkpoint_parameters, prompts_for_engine, sampling_seeds
 from rlhf_dist.http_client import HTTPFailure, JSONClient
@@ -286,11 +287,13 @@ class ServerEngine:
 
     def generate_routed(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
-        stop_ids: StopIds, pad_id: int,
+        stop_ids: StopIds, pad_id: int, media: RowMedia | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """`generate`, and with ppo.routing_replay=r3 the servers' routing (B, P + T, L, k)
-        in the trainer's layout (`routing_of`; None otherwise)."""
-        ask, version = self.request(prompt_ids, prompt_mask, gen_cfg, stop_ids), self.version
+        in the trainer's layout (`routing_of`; None otherwise); `media`: each row's pixel
+        inputs, sent beside its prompt (`pixel_specs`)."""
+        ask = self.request(prompt_ids, prompt_mask, gen_cfg, stop_ids, media)
+        version = self.version
 
         def answered() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             answers = ask()
@@ -303,15 +306,19 @@ class ServerEngine:
 
     def request(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
-        stop_ids: StopIds,
+        stop_ids: StopIds, media: RowMedia | None = None,
     ) -> Callable[[], list[tuple[str, dict]]]:  # fmt: skip
         """The HTTP work of one rollout, not yet done: a callable that asks every server
         for its shard concurrently and returns [(url, answer)], raising ServerError. Only
         HTTP, no collective: it may run on another thread (ppo.max_staleness, prefetch.py).
-        The shards' seeds are drawn here, on the calling thread, from torch's global RNG."""
+        The shards' seeds are drawn here, on the calling thread, from torch's global RNG.
+        A row's images travel as its pixel inputs (`pixel_specs`) when any row has some."""
         rows = [r["prompt_token_ids"] for r in prompts_for_engine(prompt_ids, prompt_mask)]
+        pixels = None
+        if media is not None and media.joined() is not None:
+            pixels = [pixel_specs(m) for m in media.rows]
         bounds = torch.linspace(0, len(rows), len(self.urls) + 1).round().long().tolist()
-        shards = [(u, rows[a:b]) for u, a, b in zip(self.urls, bounds, bounds[1:]) if b > a]
+        shards = [(u, a, b) for u, a, b in zip(self.urls, bounds, bounds[1:]) if b > a]
         seeds = sampling_seeds(len(shards)).tolist()
         sampling = {
             "max_new_tokens": gen_cfg.max_new_tokens, "min_new_tokens": gen_cfg.min_new_tokens,
@@ -320,8 +327,10 @@ class ServerEngine:
         } | ({"routing": True} if self.routing else {})  # fmt: skip
 
         def ask(i: int) -> tuple[str, dict]:
-            url, prompts = shards[i]
-            body = {"prompts": prompts, "sampling": {**sampling, "seed": seeds[i]}}
+            url, a, b = shards[i]
+            body = {"prompts": rows[a:b], "sampling": {**sampling, "seed": seeds[i]}}
+            if pixels is not None:
+                body["pixels"] = pixels[a:b]
             return url, self.call(url, "/generate", body)
 
         def ask_all() -> list[tuple[str, dict]]:
@@ -369,9 +378,10 @@ class ServerEngine:
         servers' log-probs always come with the tokens. No `seeds`: the shards' seeds are
         drawn from the global RNG (`request`)."""
         _no_seeds(seeds)
-        refuse_images(media)
         version = self.version
-        ids, lp, routed = self.generate_routed(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
+        ids, lp, routed = self.generate_routed(
+            prompt_ids, prompt_mask, gen, stop_ids, pad_id, media
+        )
         return Samples(ids, lp, _versions(ids, version), routed)
 
     def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
@@ -401,6 +411,51 @@ class ServerEngine:
 
     def close(self) -> None:
         """Nothing in flight: every request is awaited where it is made."""
+
+
+# dtype names a pixel input travels as (float and half models' pixels, long grids and ids)
+PIXEL_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+}
+
+
+def tensor_spec(t: torch.Tensor) -> dict:
+    """{"dtype", "shape", "data": base64 of its bytes in C order} of `t` (`tensor_of`)."""
+    name = next((k for k, v in PIXEL_DTYPES.items() if v == t.dtype), None)
+    if name is None:
+        raise ValueError(f"a pixel input of dtype {t.dtype} cannot travel to a server")
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return {"dtype": name, "shape": list(t.shape), "data": base64.b64encode(raw).decode()}
+
+
+def tensor_of(spec: dict) -> torch.Tensor:
+    """The tensor `tensor_spec` wrote; ValueError (one line) for a malformed one."""
+    dtype = PIXEL_DTYPES.get(str(spec.get("dtype")))
+    shape = spec.get("shape")
+    if dtype is None:
+        raise ValueError(f"dtype {spec.get('dtype')!r} not in {sorted(PIXEL_DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError("shape must be a list of sizes")
+    try:
+        raw = bytearray(base64.b64decode(str(spec.get("data", "")), validate=True))
+    except (binascii.Error, ValueError):
+        raise ValueError("data not base64") from None
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if len(raw) != size:
+        raise ValueError(f"{len(raw)} bytes for shape {shape} of {spec['dtype']}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=dtype).reshape(shape).clone()
+
+
+def pixel_specs(media: Media | None) -> dict[str, dict] | None:
+    """One row's pixel inputs (data/vision.py Media) as /generate's `pixels` entry: each
+    by its processor name (None: a row without images)."""
+    return None if not media else {k: tensor_spec(v) for k, v in media.items()}
 
 
 def _no_seeds(seeds: Seeds | None) -> None:

@@ -97,13 +97,20 @@ def policy_vision(cfg: Config, samples: bool = False) -> VisionInputs | None:
     weights load: perf.packed_sequences (packed rows would need each image's features
     at the packed positions) and sequence parallelism (an image's tokens must stay on
     one rank); for a stage that `samples`, another generation.backend than the decode
-    loop and multi-turn rollouts (tools, environments)."""
+    loop or on-policy rollout servers, and multi-turn rollouts (tools, environments)."""
     m, g, key = cfg.model, cfg.generation, "model.policy"
     path = m.policy
     if vision_config(path, m.trust_remote_code) is None:
         return None
-    if samples and g.backend != "hf":
-        raise ConfigError("generation.backend: images are sampled by the decode loop (hf) only")
+    if samples and g.backend not in ("hf", "server"):
+        raise ConfigError(
+            "generation.backend: images are sampled by the decode loop (hf) or the rollout "
+            "servers (server) only"
+        )
+    if samples and g.backend == "server" and cfg.ppo.max_staleness:
+        raise ConfigError(
+            "ppo.max_staleness: a vision-language policy's served rollouts are on-policy (0)"
+        )
     if samples and (g.tools or g.environment):
         what = "generation.tools" if g.tools else "generation.environment"
         raise ConfigError(

@@ -17,6 +17,7 @@ the model, which keeps serving.
 
 from __future__ import annotations
 
+import functools
 import hmac
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, TypeVar
@@ -28,6 +29,7 @@ from rlhf_dist.distributed.weight_sync import local_backends
 from rlhf_dist.serving import openai_api as openai
 from rlhf_dist.serving.batching import RequestBatcher
 from rlhf_dist.serving.episodes import EpisodeLog
+from rlhf_dist.serving.images import generate_media
 from rlhf_dist.serving.policy import (
     BadRequest,
     SamplingRequest,
@@ -65,6 +67,10 @@ class Sampling(BaseModel):
 class GenerateBody(BaseModel):
     prompts: list[TokenIds] = Field(min_length=1)
     sampling: Sampling
+    # a vision-language model's images, one entry per prompt whose ids hold their image
+    # tokens (serving/images.py): base64 image files, or the pixel inputs themselves
+    images: list[list[str]] | None = None
+    pixels: list[dict[str, dict] | None] | None = None
 
 
 class ScoreBody(BaseModel):
@@ -156,7 +162,9 @@ def build_app(
                 400, f"sampling: need min_new_tokens <= max_new_tokens <= {max_new_tokens}"
             )
         sampling = SamplingRequest(**(s.model_dump() | {"stop_token_ids": tuple(s.stop_token_ids)}))
-        return refused((policy if batcher is None else batcher).generate, body.prompts, sampling)
+        media = refused(generate_media, policy, body.prompts, body.images, body.pixels)
+        sampler = policy if batcher is None else batcher
+        return refused(functools.partial(sampler.generate, media=media), body.prompts, sampling)
 
     @app.post("/score", dependencies=[Depends(authorized)])
     def score(body: ScoreBody) -> dict:

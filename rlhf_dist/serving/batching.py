@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from rlhf_dist.serving.policy import SamplingRequest, ServedPolicy
+from rlhf_dist.serving.policy import PromptMedia, SamplingRequest, ServedPolicy
 
 
 @dataclasses.dataclass
@@ -31,6 +31,7 @@ class Waiting:
     prompts: list[list[int]]
     sampling: SamplingRequest
     answer: Future
+    media: PromptMedia = None  # each prompt's pixel inputs (ServedPolicy.generate)
 
 
 def group_key(s: SamplingRequest) -> SamplingRequest:
@@ -50,12 +51,15 @@ class RequestBatcher:
         self.worker = threading.Thread(target=self._serve, name="request-batcher", daemon=True)
         self.worker.start()
 
-    def generate(self, prompts: list[list[int]], s: SamplingRequest) -> dict:
-        """ServedPolicy.generate(prompts, s)'s answer, sampled with whatever else came
-        within the window."""
+    def generate(
+        self, prompts: list[list[int]], s: SamplingRequest, media: PromptMedia = None
+    ) -> dict:
+        """ServedPolicy.generate(prompts, s, media=media)'s answer, sampled with whatever
+        else came within the window."""
         self.policy.checked_stops(prompts, s)  # a bad request fails alone, not its group
+        self.policy.row_media(prompts, media)
         answer: Future = Future()
-        self.waiting.put(Waiting(prompts, s, answer))
+        self.waiting.put(Waiting(prompts, s, answer, media))
         return answer.result()
 
     def _serve(self) -> None:
@@ -94,8 +98,11 @@ class RequestBatcher:
         self.requests, self.batches = self.requests + len(group), self.batches + 1
         prompts = [p for w in group for p in w.prompts]
         seeds = [(w.sampling.seed, len(w.prompts)) for w in group]
+        media = None
+        if any(w.media for w in group):
+            media = [m for w in group for m in (w.media or [None] * len(w.prompts))]
         try:
-            got = self.policy.generate(prompts, group[0].sampling, seeds)
+            got = self.policy.generate(prompts, group[0].sampling, seeds, media)
         except Exception as e:  # BadRequest, Unavailable, ...: each request answers with it
             for w in group:
                 w.answer.set_exception(e)

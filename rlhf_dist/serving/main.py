@@ -13,6 +13,7 @@ from rlhf_dist.data.chat import chat_for
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.generation.vllm import VLLMEngine
 from rlhf_dist.models.loading import load_causal_lm, policy_stop_ids, tokenizer_for, train_dtype
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.serving.app import build_app
 from rlhf_dist.serving.policy import ServedPolicy
 
@@ -48,7 +49,10 @@ def load_policy(cfg: Config) -> ServedPolicy:
     chat = None  # /v1/chat/completions renders with data.chat_template or the tokenizer's own
     if cfg.data.chat_template or getattr(tokenizer, "chat_template", None):
         chat = chat_for(tokenizer, cfg.data, "data.chat_template")
-    return ServedPolicy(model, tokenizer, stops, cfg.perf, cfg.model.policy, timeout, chat, engine)
+    vision = policy_vision(cfg)  # a vision-language model's processor: requests with images
+    return ServedPolicy(
+        model, tokenizer, stops, cfg.perf, cfg.model.policy, timeout, chat, engine, vision
+    )
 
 
 def serve(cfg: Config) -> None:

@@ -38,11 +38,12 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from rlhf_dist.data.chat import BadRow
+from rlhf_dist.data.vision import Media
 from rlhf_dist.rollout.agent import TOOL_CALL, ToolCallError, parse_tool_call
 from rlhf_dist.serving.batching import RequestBatcher
 from rlhf_dist.serving.episodes import EpisodeLog, episode_of, turn_seed
-from rlhf_dist.serving.policy import BadRequest, SamplingRequest, ServedPolicy
+from rlhf_dist.serving.images import chat_prompt
+from rlhf_dist.serving.policy import BadRequest, PromptMedia, SamplingRequest, ServedPolicy
 
 
 class OpenAISampling(BaseModel):
@@ -70,16 +71,21 @@ class Message(BaseModel):
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self, images: bool = False) -> dict:
         """The message as the chat template reads it: content as one text ("" for None);
         a tool call's arguments as a dict where they came as OpenAI's JSON text (Qwen's,
         Hermes' and Llama 3.1's templates write them with `tojson`: a string would be
         written quoted, as vLLM's server also avoids); BadRequest for a non-text content
-        part."""
+        part. `images` (a vision-language model): a content with image_url parts stays
+        a list of parts, for serving/images.py."""
         content = self.content
         if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise BadRequest("messages: only text content parts are supported")
+            kinds = {part.get("type") for part in content}
+            if images and "image_url" in kinds:
+                return self.model_dump(exclude_none=True)
+            if kinds - {"text"}:
+                what = "text and image_url" if images else "text"
+                raise BadRequest(f"messages: only {what} content parts are supported")
             content = "".join(str(part.get("text", "")) for part in content)
         out = self.model_dump(exclude_none=True) | {"content": content or ""}
         if self.tool_calls:
@@ -156,22 +162,24 @@ def chat_completion(
     if policy.chat is None or episodes is None:
         raise BadRequest("messages: the served tokenizer has no chat template (data.chat_template)")
     s = sampling_of(body, default_max)
-    messages, tools = [m.as_dict() for m in body.messages], tuple(body.tools or ())
+    vision = policy.vision
+    messages = [m.as_dict(vision is not None) for m in body.messages]
+    tools = tuple(body.tools or ())
     if tools and not policy.chat.shows_tools():  # else the policy never sees what it may call
         raise BadRequest(
             "tools: the served chat template does not show tools to the model (it ignores "
             "`tools`); serve with data.chat_template: chatml_tools, or a template that does"
         )
-    episode = episode_of(body.model)
+    episode, media = episode_of(body.model), None
     if episode is None:
-        try:
-            prompt = dataclasses.replace(policy.chat, tools=tools).prompt_ids(messages)
-        except BadRow as e:
-            raise BadRequest(f"messages: {e}") from None
+        chat = dataclasses.replace(policy.chat, tools=tools)
+        prompt, media = chat_prompt(chat, vision, messages)
     else:
+        if any(isinstance(m["content"], list) for m in messages):  # image parts kept
+            raise BadRequest("messages: images in an episode's turns are not supported")
         prompt, turn = episodes.context(episode, messages, tools)
         s = dataclasses.replace(s, seed=turn_seed(s.seed, episode, turn))
-    out, text = _sample(policy, prompt, s, batcher)
+    out, text = _sample(policy, prompt, s, batcher, media)
     message, finish = {"role": "assistant", "content": text}, out["finish"]
     if tool_calls and tools and out["finish"] == "stop":
         message = _with_tool_calls(text)
@@ -215,11 +223,14 @@ def _with_tool_calls(text: str) -> dict:
 
 
 def _sample(
-    policy: ServedPolicy, prompt: list[int], s: SamplingRequest, batcher: RequestBatcher | None
-) -> tuple[dict[str, Any], str]:
-    """One response to `prompt` -> (its ids, per-token strings and log-probs, finish reason,
-    version; the text without the stop token)."""
-    got = (policy if batcher is None else batcher).generate([prompt], s)
+    policy: ServedPolicy, prompt: list[int], s: SamplingRequest,
+    batcher: RequestBatcher | None, media: Media | None = None,
+) -> tuple[dict[str, Any], str]:  # fmt: skip
+    """One response to `prompt` (with `media`, its images' pixel inputs) -> (its ids,
+    per-token strings and log-probs, finish reason, version; the text without the stop
+    token)."""
+    pixels: PromptMedia = None if media is None else [media]
+    got = (policy if batcher is None else batcher).generate([prompt], s, media=pixels)
     ids, finished = got["responses"][0], got["finished"][0]
     kept = ids[:-1] if finished else ids  # the text ends before the stop token
     out = {

@@ -42,6 +42,7 @@ from rlhf_dist.checkpoint import fault_active
 from rlhf_dist.config import PerfConfig
 from rlhf_dist.data.chat import Chat
 from rlhf_dist.data.rows import left_pad, right_pad
+from rlhf_dist.data.vision import Media, RowMedia, VisionInputs
 from rlhf_dist.distributed.weight_sync import DTYPES, SyncGroup, local_backends
 from rlhf_dist.engine.decode import truncate_after_eos
 from rlhf_dist.engine.forward import token_logprobs
@@ -49,6 +50,9 @@ from rlhf_dist.generation.base import Sampler
 from rlhf_dist.generation.hf import HFSampler
 from rlhf_dist.generation.vllm import VLLMEngine
 from rlhf_dist.models.routing import is_moe
+
+# each prompt's pixel inputs (data/vision.py Media; None: no images), or None for none
+PromptMedia = list[Media | None] | None
 
 
 @dataclass(frozen=True)
@@ -130,11 +134,14 @@ class ServedPolicy:
     def __init__(
         self, model: torch.nn.Module, tokenizer: Any, stop_ids: Iterable[int], perf: PerfConfig,
         name: str, timeout_s: float, chat: Chat | None = None, engine: VLLMEngine | None = None,
+        vision: VisionInputs | None = None,
     ):  # fmt: skip
         """chat: how the OpenAI-compatible chat endpoint renders messages (None: it refuses);
-        engine: a VLLMEngine that samples and scores (None: the decode loop on `model`)."""
+        engine: a VLLMEngine that samples and scores (None: the decode loop on `model`);
+        vision: a vision-language model's processor inputs (None: a text model; images
+        are refused)."""
         self.model, self.tokenizer, self.stop_ids = model.eval(), tokenizer, tuple(stop_ids)
-        self.chat, self.engine = chat, engine
+        self.chat, self.engine, self.vision = chat, engine, vision
         # what generates: the engine, or the trainer's decode loop over the served model
         self.sampler: Sampler = engine or HFSampler(self._served, perf)
         # a mixture-of-experts model through the decode loop: requests may ask for the
@@ -184,10 +191,30 @@ class ServedPolicy:
 
     def generate(
         self, prompts: list[list[int]], s: SamplingRequest,
-        seeds: list[tuple[int, int]] | None = None,
+        seeds: list[tuple[int, int]] | None = None, media: PromptMedia = None,
     ) -> dict:  # fmt: skip
         """_generate's answer, computed on the model thread."""
-        return self.model_thread.submit(self._generate, prompts, s, seeds).result()
+        return self.model_thread.submit(self._generate, prompts, s, seeds, media).result()
+
+    def row_media(self, prompts: list[list[int]], media: PromptMedia) -> RowMedia | None:
+        """The sampler's `media` of prompts and their pixel inputs (None per prompt without
+        images); BadRequest for images this server cannot sample (a text model, vLLM) and
+        for a prompt that holds image tokens without pixel inputs."""
+        if self.vision is None:
+            if media is not None and any(m for m in media):
+                raise BadRequest("images: the served model is not a vision-language model")
+            return None
+        token = self.vision.image_token_id
+        media = media or [None] * len(prompts)
+        if len(media) != len(prompts):
+            raise BadRequest(f"images: {len(media)} entries for {len(prompts)} prompts")
+        for i, (ids, m) in enumerate(zip(prompts, media)):
+            if token in ids and not m:
+                raise BadRequest(f"prompts[{i}]: image tokens without images")
+        if self.engine is not None and any(m for m in media):
+            raise BadRequest("images: sampled by the decode loop only (serve.engine=hf)")
+        rows = tuple({k: v.to(self.device) for k, v in m.items()} if m else None for m in media)
+        return RowMedia(rows, token)
 
     def score(self, sequences: list[list[int]], temperature: float) -> dict:
         """_score's answer, computed on the model thread."""
@@ -196,7 +223,7 @@ class ServedPolicy:
     @torch.no_grad()
     def _generate(
         self, prompts: list[list[int]], s: SamplingRequest,
-        seeds: list[tuple[int, int]] | None = None,
+        seeds: list[tuple[int, int]] | None = None, media: PromptMedia = None,
     ) -> dict:  # fmt: skip
         """Sample one response per prompt (token id lists) -> {"responses": [ids], "logprobs":
         [per-token log-probs], "finished": [ended with a stop id], "version"}. seeds:
@@ -206,14 +233,23 @@ class ServedPolicy:
         None: every row from s.seed, as one request. Either way the sampler's `seeds`
         (generation/base.py): a request alone draws from a generator seeded with s.seed, as
         the in-process rollout draws from the global RNG seeded the same; one sampling
-        path, merged or not. The log-probs are the sampler's own (`logprobs`)."""
+        path, merged or not. The log-probs are the sampler's own (`logprobs`). media: each
+        prompt's pixel inputs (None: a prompt without images; `row_media`)."""
         stops = self.checked_stops(prompts, s)
+        pixels = self.row_media(prompts, media)
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         seeds = seeds or [(s.seed, len(prompts))]
         sampler = self._sampler_for(s)
         with self._current():
-            got = sampler.sample(ids, mask, s, stops, pad, seeds=seeds, logprobs=True)
+            try:
+                got = sampler.sample(
+                    ids, mask, s, stops, pad, seeds=seeds, logprobs=True, media=pixels
+                )
+            except ValueError as e:  # the model's own check: features and image tokens
+                if pixels is None or pixels.joined() is None:
+                    raise
+                raise BadRequest(f"images: {str(e).splitlines()[0]}") from None
             assert got.logprobs is not None, "Sampler.sample(logprobs=True) without log-probs"
             out, response_mask, finished = truncate_after_eos(got.response_ids, stops, pad)
             version = self.version

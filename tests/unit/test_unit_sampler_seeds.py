@@ -105,7 +105,8 @@ class _Recording:
         self.rows = torch.tensor([[5, 6, stop, 7], [8, 9, 9, 9]])
 
     def sample(self, ids, mask, gen, stop_ids, pad_id, rows_per_pass=None, seeds=None,
-               logprobs=False) -> Samples:  # fmt: skip
+               logprobs=False, media=None) -> Samples:  # fmt: skip
+        assert media is None  # a text model: no images reach the sampler
         self.calls.append({"rows": ids.shape[0], "seeds": seeds, "logprobs": logprobs})
         out = self.rows[: ids.shape[0]]
         lp = torch.arange(1, out.numel() + 1, dtype=torch.float32).reshape(out.shape) / -8
