@@ -15,7 +15,7 @@
 #   async   plain against a `rlhf-dist serve` process on the same device, ppo.max_staleness 0
 #           then 1: s/iteration and the overlap of generation with training
 #           (launch/bench/async_bench.py overlap --suite; docs/serving.md)
-#   sync    the CUDA path of the weight sync that one GPU allows (launch/bench/sync_cuda.py:
+#   sync    the CUDA path of the weight sync that one GPU allows (launch/bench/gpu.py sync:
 #           the backend choice, bounded buckets of a bf16 model on the GPU, an NCCL group of
 #           one rank broadcasting them with the timeout; seconds; the two-rank NCCL sync of
 #           trainer and server needs two GPUs, docs/serving.md)
@@ -48,7 +48,7 @@ for case in $CASES; do
   if [ "$case" = sync ]; then  # first: seconds, and needs no model of the suite
     sync=1
     echo "== sync: the weight sync's CUDA path on one $DEVICE"
-    "$PY" launch/bench/sync_cuda.py > "$OUT/sync.log" 2>&1 && tail -1 "$OUT/sync.log" | tee "$OUT/sync.txt" \
+    "$PY" launch/bench/gpu.py sync > "$OUT/sync.log" 2>&1 && tail -1 "$OUT/sync.log" | tee "$OUT/sync.txt" \
       || { echo "   failed:"; tail -20 "$OUT/sync.log"; }
     continue
   fi
