@@ -112,3 +112,35 @@ def test_a_partial_request_the_policy_cannot_serve_is_refused(tmp_path):
     policy = tiny_policy(tmp_path)
     with pytest.raises(BadRequest, match="sampling.partial"):
         policy.generate([[4, 5]], request(routing=True))
+
+
+def _tree(generation=None, **ppo):
+    return {"model": {"policy": "p", "reward": "r"}, "data": {"train": "t.jsonl"},
+            "generation": generation or {}, "ppo": ppo}  # fmt: skip
+
+
+def test_partial_rollouts_need_servers_k_ahead_and_one_trainer_process():
+    """ppo.partial_rollouts: a one-line ConfigError naming it without the servers, without
+    max_staleness >= 1, or with several trainer processes; accepted with k >= 1."""
+    from types import SimpleNamespace
+
+    from rlhf_dist.config import config_from_dict, validate
+    from rlhf_dist.errors import ConfigError
+    from rlhf_dist.generation.prefetch import server_all_max
+
+    server = {"backend": "server", "server_urls": ["http://127.0.0.1:1"]}
+    for tree in (
+        _tree(partial_rollouts=True, max_staleness=1),
+        _tree(server, partial_rollouts=True),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=r"^ppo.partial_rollouts: needs generation.backend=server and ppo.max_staleness >= 1",
+        ):
+            validate(config_from_dict(tree), "ppo")
+    cfg = config_from_dict(_tree(server, partial_rollouts=True, max_staleness=1))
+    validate(cfg, "ppo")
+    assert cfg.ppo.partial_rollouts and not config_from_dict(_tree(server)).ppo.partial_rollouts
+    with pytest.raises(ConfigError, match=r"^ppo.partial_rollouts: one trainer process only"):
+        server_all_max(SimpleNamespace(world_size=2), 1, partial=True)
+    assert server_all_max(SimpleNamespace(world_size=1), 1, partial=True)[1]  # deferred syncs
