@@ -36,7 +36,9 @@ Partial rollouts (ppo.partial_rollouts, one trainer process): the deferred syncs
 second worker thread of their own, beside the requests, so an update reaches the servers
 while they generate; a response being decoded then continues under the new weights
 (serving/partial.py) and every token carries the version that sampled it (Samples.versions
-(B, T)). The statistics add each trained token's staleness, in versions behind the weights
+(B, T)); a request waits for the sync queued before it (so the first samples synced
+weights, and each rollout's tokens are no older than the sync before its request). The
+statistics add each trained token's staleness, in versions behind the weights
 the trainer trains (the last sync checked plus the syncs queued after it), and the share of
 rows whose version changed inside the response. Where an update lands in a response depends
 on timing: such a run is not bitwise reproducible, nor resumed bitwise.
@@ -173,6 +175,7 @@ class PrefetchingServer:
             else self.pool
         )
         self.syncs_behind = [0, 0]  # partial: syncs queued, syncs done (their versions)
+        self.last_sync: Future | None = None  # partial: what the next request waits for
         self.token_versions: torch.Tensor | None = None  # partial: the last rollout's (B, T)
         self.token_staleness: list[float] = []  # partial: [tokens, sum, min, max, rows, switched]
         self.queue: deque[InFlight] = deque()  # requested ahead, oldest first
@@ -225,7 +228,7 @@ class PrefetchingServer:
             if p.requires_grad
         }
         self.syncs_behind[0] += 1
-        self.sync_pool.submit(self._sync_shadow, snapshot)
+        self.last_sync = self.sync_pool.submit(self._sync_shadow, snapshot)
 
     @torch.no_grad()
     def _sync_shadow(self, snapshot: Snapshot) -> None:
@@ -392,9 +395,14 @@ class PrefetchingServer:
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, work: Callable[[], list]
     ) -> InFlight:
         """Queue `work` on the worker (HTTP, and an environment's own work), after every
-        request and deferred sync queued before it."""
+        request and deferred sync queued before it (partial: the sync runs on its own worker,
+        so a request waits for the one queued before it, whose update landed in the
+        requests before)."""
+        after = self.last_sync if self.partial else None
 
         def timed() -> Answer:
+            if after is not None:
+                after.result()  # its errors are in sync_failed
             if self.sync_failed is not None:  # the weights it should sample never arrived
                 raise self.sync_failed
             # partial: the last sync checked (one in flight may move the version meanwhile)
