@@ -257,6 +257,8 @@ class ServedPolicy:
             missing = sorted(self.adapter_parts)[:3]
             self.adapter_parts.clear()
             self.last_error = f"update {version}: LoRA matrices without their pair: {missing}"
+        if self.engine is not None:  # the staging model holds the whole update now
+            self.engine.load_weights(self.model)
         self.version = version
         return version
 
