@@ -23,7 +23,9 @@ each announced over HTTP (`check_bucket`) and then broadcast from trainer rank 0
 (`receive_bucket`, on a single worker thread, in order); requests wait for the updates
 announced before them. The version moves when the last bucket of an update is in. The
 decode loop keeps no cache between requests (each KV cache lives for one call), so
-nothing is left to reset after an update.
+nothing is left to reset after an update. An update sent for partial rollouts
+(ppo.partial_rollouts) is staged instead and swapped in whole between decode steps, the
+running request's KV cache recomputed (serving/partial.py).
 """
 
 from __future__ import annotations
