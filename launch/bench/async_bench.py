@@ -568,8 +568,10 @@ def routing_main(argv: list[str]) -> None:
 # rollout/sequences) / sum of time/total over the iterations after the first (start-up);
 # the mean staleness and the trained and sampled response lengths (async/*_len_mean weighed
 # by their rows over the run). Modes: sync (max_staleness 0), k=1, k=4 (ppo.decoupled with
-# tis for k >= 1). Partial rollouts with in-flight weight updates do not exist yet: their
-# row prints n/a, and the last line's speed-ups are k=4's.
+# tis for k >= 1), k=4 partial (ppo.partial_rollouts: the syncs land while the server
+# generates; its staleness column is the trained tokens' mean, in versions, and the share
+# of rows whose version switched mid-response is printed under the table). The last line's
+# speed-ups are k=4 partial's.
 #
 # Usage: bash launch/bench/async_tail.sh [tail] [--iterations 16] [--threads 1] [--new 256]
 #        [--prompts 8] [--out runs/bench/async_tail]
@@ -638,10 +640,12 @@ def tail_prompts(path: Path, tokenizer_dir: Path, long_words: list[int], n: int 
             f.write(json.dumps({"prompt": " ".join(vocab(ids))}) + "\n")
 
 
-def tail_tree(out: Path, policy: Path, prompts: Path, url: str, args, k: int) -> dict:
+def tail_tree(
+    out: Path, policy: Path, prompts: Path, url: str, args, k: int, partial: bool = False
+) -> dict:
     p = args.prompts
     return {
-        "run": {"output_dir": str(out / f"k{k}"), "seed": 0, "log_every": 1, "progress": False,
+        "run": {"output_dir": str(out / f"k{k}{'partial' if partial else ''}"), "seed": 0, "log_every": 1, "progress": False,
                 "checkpoint_every": 0, "histogram_every": 0, "samples_every": 0},
         "model": {"policy": str(policy)},
         "data": {"train": str(prompts), "max_prompt_length": 8, "max_length": 8 + args.new},
@@ -651,7 +655,7 @@ def tail_tree(out: Path, policy: Path, prompts: Path, url: str, args, k: int) ->
         "ppo": {"estimator": "grpo", "iterations": args.iterations, "rollout_batch_size": p,
                 "samples_per_prompt": 4, "rollout_micro_batch_size": 4 * p, "ppo_epochs": 1,
                 "minibatch_size": 4 * p, "micro_batch_size": 4 * p, "optim": {"lr": 1e-6},
-                "kl_coef": 0.0, "max_staleness": k} | (
+                "kl_coef": 0.0, "max_staleness": k, "partial_rollouts": partial} | (
                     {"decoupled": True, "rollout_correction": "tis"} if k else {}),
         "perf": {"num_threads": args.threads},
         "distributed": {"timeout_s": 300},
@@ -670,8 +674,13 @@ def tail_figures(rows: list[dict]) -> dict[str, float]:
         lengths = [r.get(f"async/{kind}_len_mean", r["rollout/length"]) for r in steady]
         return sum(a * b for a, b in zip(rows_of, lengths)) / max(sum(rows_of), 1.0)
 
+    # partial rollouts: the trained tokens' staleness, in versions (k=4 alone: iterations)
+    stale = "rollout/token_staleness_mean"
+    if stale not in steady[0]:
+        stale = "rollout/staleness_mean"
     return {"tok/s": tokens / seconds, "s/it": seconds / len(steady),
-            "staleness": statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in steady),
+            "staleness": statistics.mean(r.get(stale, 0.0) for r in steady),
+            "switched": statistics.mean(r.get("rollout/version_switched_rows", 0.0) for r in steady),
             "trained": weighed("trained"), "sampled": weighed("sampled")}  # fmt: skip
 
 
@@ -690,33 +699,38 @@ def tail_main(argv: list[str]) -> None:
     tail_prompts(prompts, policy, long_words)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for k in (0, 1, 4):
+        for name, k, partial in TAIL_MODES:
             port = free_port()
             server = start_server(policy, port, args.threads, Path(tmp))
             try:
-                tree = tail_tree(out, policy, prompts, f"http://127.0.0.1:{port}", args, k)
-                results[k] = tail_figures(train(tree, Path(tmp), args.threads))
+                url = f"http://127.0.0.1:{port}"
+                tree = tail_tree(out, policy, prompts, url, args, k, partial)
+                results[name] = tail_figures(train(tree, Path(tmp), args.threads))
             finally:
                 server.terminate()
                 server.wait(timeout=60)
     print_tail(args, results)
 
 
-def print_tail(args, results: dict[int, dict[str, float]]) -> None:
+TAIL_MODES = (("sync", 0, False), ("k=1", 1, False), ("k=4", 4, False), ("k=4 partial", 4, True))
+
+
+def print_tail(args, results: dict[str, dict[str, float]]) -> None:
     print(f"heavy-tailed GRPO ({device()}): {args.prompts} x 4 responses of up to {args.new} "
           f"tokens, ~{TAIL_LONG_SHARE:.0%} of them ~8x the median; one trainer + one server, "
           f"{args.threads} thread(s) each; {args.iterations} iterations, first dropped")  # fmt: skip
     print(f"{'mode':<14} {'trained tok/s':>13} {'s/iteration':>11} {'staleness':>9} "
           f"{'trained len':>11} {'sampled len':>11}")  # fmt: skip
-    names = {0: "sync", 1: "k=1", 4: "k=4"}
-    for k, f in results.items():
-        print(f"{names[k]:<14} {f['tok/s']:13.1f} {f['s/it']:11.2f} {f['staleness']:9.2f} "
+    for name, f in results.items():
+        print(f"{name:<14} {f['tok/s']:13.1f} {f['s/it']:11.2f} {f['staleness']:9.2f} "
               f"{f['trained']:11.2f} {f['sampled']:11.2f}")  # fmt: skip
-    print(f"{'k=4 partial':<14} {'n/a':>13} {'n/a':>11} {'n/a':>9} {'n/a':>11} {'n/a':>11}")
-    print("(no partial rollouts yet: the speed-ups are k=4's)")
-    k4 = results[4]["tok/s"]
-    print(f"async_tail: speedup_vs_sync={k4 / results[0]['tok/s']:.2f} "
-          f"speedup_vs_k1={k4 / results[1]['tok/s']:.2f}")  # fmt: skip
+    print(
+        f"(k=4 partial: staleness in versions per trained token; "
+        f"{results['k=4 partial']['switched']:.1%} of its rows switched version mid-response)"
+    )
+    best = results["k=4 partial"]["tok/s"]
+    print(f"async_tail: speedup_vs_sync={best / results['sync']['tok/s']:.2f} "
+          f"speedup_vs_k1={best / results['k=1']['tok/s']:.2f}")  # fmt: skip
 
 
 # ==============================================================================================

@@ -3,7 +3,7 @@
 # MODE per run (async_bench.py has each one's details and options):
 #   tail [OPTIONS]     (default) trained tokens/s of GRPO on a tiny CPU task whose response
 #                      lengths are heavy-tailed (~10% 8x the median): synchronous, k = 1,
-#                      k = 4 (k = 4 with partial rollouts: n/a). One trainer and one
+#                      k = 4, k = 4 with partial rollouts. One trainer and one
 #                      `rlhf-dist serve` process, THREADS each. Last line:
 #                      async_tail: speedup_vs_sync=X speedup_vs_k1=Y
 #   overlap [OPTIONS]  s/iteration of the arithmetic demo's GRPO work (quick size, the real

@@ -442,6 +442,14 @@ class PPOConfig:
         'of the weights); docs/serving.md, "Asynchronous rollouts"',
         min=0,
     )
+    partial_rollouts: bool = key(
+        False,
+        "ppo.max_staleness >= 1 with generation.backend=server: the trainer's weight syncs "
+        "reach the servers while they generate; a response still decoding continues under "
+        "the new weights from the next decode step (its KV cache recomputed), each token "
+        "keeping the version and behaviour log-prob it was sampled with (PipelineRL; not "
+        'bitwise reproducible: docs/serving.md, "Partial rollouts")',
+    )
     ratio_level: str = key(
         "token",
         "importance ratio of the policy loss: token (PPO's pi/pi_old per token) or sequence "

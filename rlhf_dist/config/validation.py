@@ -389,6 +389,16 @@ def _validate_staleness(cfg: Config) -> None:
     """ppo.max_staleness: rollout servers only, with the loop's plain rollout
     or an environment through the endpoint (generation/prefetch.py)."""
     p, g = cfg.ppo, cfg.generation
+    if p.partial_rollouts and not (p.max_staleness >= 1 and g.backend == "server"):
+        raise ConfigError(
+            "ppo.partial_rollouts: needs generation.backend=server and ppo.max_staleness >= 1 "
+            "(updates land on servers that generate beside the update)"
+        )
+    if p.partial_rollouts and g.environment_endpoint:
+        raise ConfigError(
+            "ppo.partial_rollouts: not with generation.environment_endpoint (an episode's "
+            "turns are checked to share one version); set false"
+        )
     if not p.max_staleness:
         return
     if g.backend != "server":

@@ -10,7 +10,7 @@ are kept so by a `keep_in_step` collective instead of transformers' synced_gpus.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +35,20 @@ if TYPE_CHECKING:
 # called once per decode step with whether this rank needs another forward; returns
 # whether any rank does (ZeRO-3 without gathered weights: ranks forward in step)
 KeepInStep = Callable[[bool], bool]
+
+
+class StepWatch(Protocol):
+    """What watches a decode loop between its steps: a served policy's partial rollouts
+    (ppo.partial_rollouts, serving/partial.py), whose weights may change mid-response."""
+
+    def sampled(self, logits: torch.Tensor, token: torch.Tensor) -> None:
+        """Each step: the logits (B, V) the token (B,) was drawn from."""
+        ...
+
+    def swapped(self, tokens: int) -> bool:
+        """Before the forward after `tokens` sampled tokens: whether the model's weights
+        changed since the last forward (the loop then recomputes its KV cache)."""
+        ...
 
 
 def truncate_after_eos(
@@ -84,6 +98,7 @@ def generate(
     perf: PerfConfig = DEFAULT_PERF,
     streams: Streams | None = None,
     media: Media | None = None,
+    watch: StepWatch | None = None,
 ) -> torch.Tensor:
     """Sample responses for left-padded prompts (B, P): (B, T) ids, T <= max_new_tokens,
     PAD after a row's first stop token (any of `stop_ids`; None: the tokenizer's EOS);
@@ -105,6 +120,9 @@ def generate(
     media: a vision-language model's pixel inputs of the prompts' images
     (data/vision.py), taken by the prefill (`forward.prefill_inputs`); the image features
     are then in the KV cache and each decode step feeds one token.
+    watch: sees each step's logits and token, and says between steps whether the weights
+    changed (a served partial rollout, `StepWatch`); the KV cache of the prompt and the
+    tokens so far is then recomputed under the new weights (`_step`).
     """
     pad = tokenizer.pad_token_id
     stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
@@ -112,22 +130,27 @@ def generate(
     mask = prompt_mask.long()
     with decode_context(model, prompt_ids.shape[0], perf):
         logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf), media)
-        return _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad, streams)
+        return _decode(
+            model, logits, cache, (prompt_ids, mask), gen_cfg, keep_in_step, eos, pad, streams,
+            watch,
+        )  # fmt: skip
 
 
 def _decode(
     model: nn.Module,
     logits: torch.Tensor,
     cache: dict[str, Any],
-    mask: torch.Tensor,
+    prompt: tuple[torch.Tensor, torch.Tensor],
     gen_cfg: Sampling,
     keep_in_step: KeepInStep | None,
     eos: torch.Tensor,
     pad: int,
     streams: Streams | None = None,
+    watch: StepWatch | None = None,
 ) -> torch.Tensor:
-    """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt mask
-    (B, P): (B, T) sampled ids, PAD after a row's stop token; eos: (S,) stop ids."""
+    """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt (ids,
+    mask (B, P)): (B, T) sampled ids, PAD after a row's stop token; eos: (S,) stop ids."""
+    prompt_ids, mask = prompt
     position = position_ids_from(mask)[:, -1:]
     finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     steps, more = gen_cfg.max_new_tokens, True  # more: this rank still samples
@@ -136,6 +159,8 @@ def _decode(
         if more:
             allow_eos = len(tokens) >= gen_cfg.min_new_tokens
             token = sample_next(logits, gen_cfg, eos, allow_eos, streams)
+            if watch is not None:
+                watch.sampled(logits, token)
             tokens.append(torch.where(finished, pad, token))
             finished |= is_stop(tokens[-1], eos)
             more = len(tokens) < steps and not bool(finished.all())
@@ -144,14 +169,32 @@ def _decode(
         feed = tokens[-1] if more else torch.full_like(tokens[-1], pad)  # throw-away forward
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = position + 1
-        out = model(
-            input_ids=feed[:, None],
-            attention_mask=mask,
-            position_ids=position,
-            use_cache=True,
-            **cache,
-        )
+        if watch is not None and more and watch.swapped(len(tokens)):
+            # new weights at this step boundary: the old KV cache would mix them with the
+            # old ones, so the prompt and every token so far are run again (a new cache)
+            sofar = torch.cat([prompt_ids, torch.stack(tokens, dim=1)], dim=1)
+            out = _step(model, sofar, mask, position_ids_from(mask), {})
+        else:
+            out = _step(model, feed[:, None], mask, position, cache)
         logits, cache = out.logits[:, -1], cache_of(out)
+
+
+def _step(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    position: torch.Tensor,
+    cache: dict[str, Any],
+) -> Any:
+    """One decode forward of ids (B, S) at positions (B, S) after `cache` (empty: none),
+    attention mask (B, cached + S)."""
+    return model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position,
+        use_cache=True,
+        **cache,
+    )
 
 
 def _prefill(

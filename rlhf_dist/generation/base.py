@@ -64,8 +64,9 @@ class Samples:
     trainer's own forward (hf), whose log-probs the rollout computes anyway, unless
     `sample` was asked for them (`logprobs`: the rollout server).
     versions: (B,) int64, the policy version each row was sampled under (the rollout
-    servers' weight version); None where the sampler has no versions (it samples the
-    actor's current weights: hf, in-process vLLM).
+    servers' weight version); with ppo.partial_rollouts (B, T), each token's own (a row's
+    may rise mid-response; -1 on padding); None where the sampler has no versions (it
+    samples the actor's current weights: hf, in-process vLLM).
     routing: (B, P + T, L, k) int64, a mixture-of-experts sampler's top-k expert indices
     of every prompt and response token in each of its L routed layers (ppo.routing_replay
     r3, models/routing.py), -1 where no forward routed the token (the last sampled one);

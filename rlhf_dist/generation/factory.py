@@ -34,7 +34,7 @@ def make_sampler(
             return runtime.generation_context(model, "actor", gather=False)
 
         k = cfg.ppo.max_staleness
-        all_max, deferred = server_all_max(runtime, k)
+        all_max, deferred = server_all_max(runtime, k, cfg.ppo.partial_rollouts)
         server = ServerEngine(cfg, runtime.is_main, all_max, weights=partitions)
         if k:
             return PrefetchingServer(server, k, deferred)

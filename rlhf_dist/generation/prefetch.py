@@ -32,6 +32,17 @@ prompts sampled again by the current weights. The statistics log the staleness o
 ranks, the queue's depth and the response lengths sampled and trained: a filter that drops
 stale rollouts shows there whether it biases the trained lengths (long responses are slow).
 
+Partial rollouts (ppo.partial_rollouts, one trainer process): the deferred syncs run on a
+second worker thread of their own, beside the requests, so an update reaches the servers
+while they generate; a response being decoded then continues under the new weights
+(serving/partial.py) and every token carries the version that sampled it (Samples.versions
+(B, T)); a request waits for the sync queued before it (so the first samples synced
+weights, and each rollout's tokens are no older than the sync before its request). The
+statistics add each trained token's staleness, in versions behind the weights
+the trainer trains (the last sync checked plus the syncs queued after it), and the share of
+rows whose version changed inside the response. Where an update lands in a response depends
+on timing: such a run is not bitwise reproducible, nor resumed bitwise.
+
 Exact resume: nothing is requested ahead across an iteration that writes a scheduled
 checkpoint, so the iteration after it samples on-policy in the unbroken run as in a resumed
 one; a run stopped between checkpoints (SIGKILL, a server failure) resumes from the last
@@ -55,9 +66,9 @@ from rlhf_dist.config import GenerationConfig
 from rlhf_dist.data.vision import RowMedia
 from rlhf_dist.distributed.zero3 import is_partitioned
 from rlhf_dist.engine.sampling import Sampling
-from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.errors import ConfigError, ServerError, UserError
 from rlhf_dist.generation.base import Prompts, Samples, Seeds, StopIds, refuse_images
-from rlhf_dist.generation.server import ServerEngine, _no_seeds, _versions
+from rlhf_dist.generation.server import ServerEngine, _no_seeds, _versions, token_versions
 
 if TYPE_CHECKING:
     from rlhf_dist.distributed import Runtime
@@ -131,11 +142,17 @@ def _same(x: torch.Tensor) -> torch.Tensor:
 
 
 def server_all_max(
-    runtime: Runtime, max_staleness: int
+    runtime: Runtime, max_staleness: int, partial: bool = False
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
     """(the servers' client's `all_max`, whether the syncs are deferred): one trainer process
-    with k > 1 syncs on the worker thread, where no collective may run, and needs none."""
-    deferred = max_staleness > 1 and runtime.world_size == 1
+    with k > 1 or partial rollouts syncs on a worker thread, where no collective may run,
+    and needs none. Partial rollouts with several trainer processes: ConfigError."""
+    if partial and runtime.world_size > 1:
+        raise ConfigError(
+            "ppo.partial_rollouts: one trainer process only (its syncs go out from host "
+            f"snapshots beside the requests), not {runtime.world_size}"
+        )
+    deferred = (max_staleness > 1 or partial) and runtime.world_size == 1
     return (_same if deferred else runtime.all_max), deferred
 
 
@@ -147,9 +164,20 @@ class PrefetchingServer:
 
     def __init__(self, server: ServerEngine, max_staleness: int, deferred: bool = False):
         """deferred: sync from snapshots on the worker (one trainer process, k > 1), rather
-        than on the main thread once the servers are idle."""
+        than on the main thread once the servers are idle; with server.partial on a
+        worker of their own, beside the requests."""
         self.server, self.max_staleness, self.deferred = server, max_staleness, deferred
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-request")
+        self.partial = server.partial and deferred
+        self.sync_pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="partial-sync")
+            if self.partial
+            else self.pool
+        )
+        self.syncs_behind = [0, 0]  # partial: syncs queued, syncs done (their versions)
+        self.last_sync: Future | None = None  # partial: what the next request waits for
+        self.token_versions: torch.Tensor | None = None  # partial: the last rollout's (B, T)
+        self.token_staleness: list[float] = []  # partial: [tokens, sum, min, max, rows, switched]
         self.queue: deque[InFlight] = deque()  # requested ahead, oldest first
         self.iteration = 0  # the iteration about to sample (expect)
         self.upcoming: list[PromptBatch] = []  # to request once this iteration's rollout is out
@@ -199,7 +227,8 @@ class PrefetchingServer:
             for n, p in actor.named_parameters()
             if p.requires_grad
         }
-        self.pool.submit(self._sync_shadow, snapshot)
+        self.syncs_behind[0] += 1
+        self.last_sync = self.sync_pool.submit(self._sync_shadow, snapshot)
 
     @torch.no_grad()
     def _sync_shadow(self, snapshot: Snapshot) -> None:
@@ -214,6 +243,8 @@ class PrefetchingServer:
             self.server.load_weights(self.shadow)
         except Exception as e:  # raised on the main thread by the next request's result
             self.sync_failed = e
+        finally:
+            self.syncs_behind[1] += 1
 
     def sleep(self) -> None:
         """Nothing to free in this process: the engine lives in the servers."""
@@ -221,6 +252,7 @@ class PrefetchingServer:
     def close(self) -> None:
         """Stop waiting for the requests in flight (the run ends); HTTP timeouts bound them."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sync_pool.shutdown(wait=False, cancel_futures=True)
 
     def sync(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen: GenerationConfig,
@@ -241,6 +273,8 @@ class PrefetchingServer:
         _no_seeds(seeds)
         refuse_images(media)
         ids, logprobs = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id)
+        if self.token_versions is not None:  # partial rollouts: (B, T), -1 on padding
+            return Samples(ids, logprobs, self.token_versions)
         return Samples(ids, logprobs, _versions(ids, self.version))
 
     def expect_next(self, iteration: int, upcoming: Prompts | None) -> None:
@@ -269,7 +303,29 @@ class PrefetchingServer:
                 ),
             }
             | response_lengths(runtime, self.lengths)
+            | self._token_stats(runtime)
         )
+
+    def _token_stats(self, runtime: Runtime) -> dict[str, float]:
+        """Partial: rollout/token_staleness_{mean,min,max} over the trained response tokens
+        of every rank and rollout/version_switched_rows (the share of rows whose version
+        changed mid-response); {} otherwise. A collective where partial."""
+        if not self.partial:
+            return {}
+        t = self.token_staleness or [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        n, total, rows, switched = runtime.all_sum(
+            torch.tensor([t[0], t[1], t[4], t[5]], dtype=torch.float64)
+        ).tolist()
+        if not n:
+            return {}
+        low = -float(runtime.all_max(torch.tensor(-t[2] if t[0] else -1e18, dtype=torch.float64)))
+        high = float(runtime.all_max(torch.tensor(t[3] if t[0] else -1e18, dtype=torch.float64)))
+        return {
+            "rollout/token_staleness_mean": total / n,
+            "rollout/token_staleness_min": low,
+            "rollout/token_staleness_max": high,
+            "rollout/version_switched_rows": switched / rows,
+        }
 
     def servers(self) -> ServerEngine | None:
         """The client behind this one (the endpoint's episodes talk to its servers)."""
@@ -339,12 +395,19 @@ class PrefetchingServer:
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, work: Callable[[], list]
     ) -> InFlight:
         """Queue `work` on the worker (HTTP, and an environment's own work), after every
-        request and deferred sync queued before it."""
+        request and deferred sync queued before it (partial: the sync runs on its own worker,
+        so a request waits for the one queued before it, whose update landed in the
+        requests before)."""
+        after = self.last_sync if self.partial else None
 
         def timed() -> Answer:
+            if after is not None:
+                after.result()  # its errors are in sync_failed
             if self.sync_failed is not None:  # the weights it should sample never arrived
                 raise self.sync_failed
-            version, start = self.server.version, time.perf_counter()
+            # partial: the last sync checked (one in flight may move the version meanwhile)
+            version = self.server.checked_version if self.partial else self.server.version
+            start = time.perf_counter()
             answers = work()
             return Answer(answers, time.perf_counter() - start, version)
 
@@ -361,7 +424,24 @@ class PrefetchingServer:
         )
         self._record(ready, answer)
         self.lengths.add(answer.answers, trained=True)
+        if self.partial:
+            self.token_versions = token_versions(answer.answers, device)
+            self.token_staleness = self._staleness_of(self.token_versions)
         return out
+
+    def _staleness_of(self, versions: torch.Tensor) -> list[float]:
+        """Partial: [tokens, sum, min, max] of the response tokens' staleness (versions
+        (B, T), -1 on padding) behind the weights trained now, then [rows, rows whose
+        version changed inside the response]."""
+        queued, done = self.syncs_behind
+        now = self.server.checked_version + queued - done
+        real = versions >= 0
+        behind = (now - versions)[real].double()
+        switched = (versions.amax(1) != versions.masked_fill(~real, 2**62).amin(1)).sum()
+        if not behind.numel():
+            return []
+        return [float(behind.numel()), float(behind.sum()), float(behind.min()),
+                float(behind.max()), float(versions.shape[0]), float(switched)]  # fmt: skip
 
     def _record(self, ready: InFlight, answer: Answer) -> None:
         self.staleness = self.iteration - ready.sampled_at

@@ -85,6 +85,10 @@ class ServerEngine:
 
     from_actor = False
     in_step = True  # the ranks agree on every answer's failure (`together`)
+    # ppo.partial_rollouts: updates land on the servers while they generate (staged and
+    # swapped in between decode steps, serving/partial.py); answers carry per-token versions
+    partial = False
+    checked_version = 0  # the version of the last sync that passed its check
 
     def __init__(
         self, cfg: Config, is_main: bool, all_max: Callable[[torch.Tensor], torch.Tensor],
@@ -123,6 +127,7 @@ class ServerEngine:
         self.joined = False  # rank 0: the servers joined a new sync group (send the base)
         # ppo.routing_replay r3: the servers return their MoE routing beside the tokens
         self.routing = cfg.ppo.routing_replay == "r3"
+        self.partial = cfg.ppo.partial_rollouts
 
     @property
     def token(self) -> str:
@@ -175,6 +180,7 @@ class ServerEngine:
         # Rank 0's version, by a collective: a server's /health may still show the old one
         # while it applies the last bucket, and a request stamped with that would be refused.
         self.version = int(self.all_max(torch.tensor(self.version if self.is_main else 0)))
+        self.checked_version = self.version
         self.sync_seconds = time.perf_counter() - start
 
     def _begin(self, device: torch.device) -> None:
@@ -224,6 +230,8 @@ class ServerEngine:
             for ((name, role, scale), _), t in zip(bucket, tensors)
         ]
         body = {"version": self.version, "tensors": specs, "final": final}
+        if self.partial:
+            body["partial"] = True
         for url in self.urls:
             self.call(url, "/update_weights", body)
         try:
@@ -325,6 +333,8 @@ class ServerEngine:
             "temperature": gen_cfg.temperature, "top_k": gen_cfg.top_k, "top_p": gen_cfg.top_p,
             "stop_token_ids": [int(i) for i in stop_ids],
         } | ({"routing": True} if self.routing else {})  # fmt: skip
+        if self.partial:
+            sampling["partial"] = True
 
         def ask(i: int) -> tuple[str, dict]:
             url, a, b = shards[i]
@@ -348,7 +358,9 @@ class ServerEngine:
         request (call it inside `together`)."""
         responses, logprobs = [], []
         for url, answer in answers:
-            if answer["version"] != version:
+            if self.partial:
+                _check_partial(url, answer, version)
+            elif answer["version"] != version:
                 raise ServerError(
                     f"rollout server {url}: sampled with policy version "
                     f"{answer['version']}, the trainer synced version {version}"
@@ -494,6 +506,27 @@ def _routing_dims(rows: list) -> tuple[int, int]:
         if row:
             return len(row[0]), len(row[0][0])
     raise ServerError("rollout server: an empty routing for every row")
+
+
+def _check_partial(url: str, answer: dict, version: int) -> None:
+    """A partial rollout's answer: every token sampled by `version` (the last sync checked
+    before the request) or a later one, a row's versions never going back; ServerError."""
+    for row in answer.get("versions", [[-1]]):
+        if row and (row[0] < version or any(b < a for a, b in zip(row, row[1:]))):
+            raise ServerError(
+                f"rollout server {url}: a partial rollout's token versions {row} are not "
+                f"non-decreasing from the synced version {version}"
+            )
+
+
+def token_versions(answers: list, device: torch.device | str | None) -> torch.Tensor:
+    """(B, T) int64: the policy version of each response token of partial rollouts'
+    answers [(url, answer)], -1 on padding (T >= 1, as `_padded`)."""
+    rows = [r for _, answer in answers for r in answer["versions"]]
+    out = torch.full((len(rows), max(1, max(len(r) for r in rows))), -1, dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
 
 
 def _versions(ids: torch.Tensor, version: int) -> torch.Tensor:

@@ -62,6 +62,9 @@ class Sampling(BaseModel):
     # a mixture-of-experts model's top-k expert indices of every token, per layer, beside
     # the tokens (ppo.routing_replay r3; docs/moe.md)
     routing: bool = False
+    # a partial rollout (ppo.partial_rollouts): continues under updates that land while it
+    # decodes; the answer has each token's policy version (serving/partial.py)
+    partial: bool = False
 
 
 class GenerateBody(BaseModel):
@@ -102,6 +105,7 @@ class UpdateBody(BaseModel):
     version: int = Field(gt=0)
     tensors: list[Spec] = Field(min_length=1)
     final: bool = False
+    partial: bool = False  # staged, swapped in between decode steps (serving/partial.py)
 
 
 def build_app(
@@ -196,7 +200,7 @@ def _add_weight_sync(
             TensorSpec(t.name, tuple(t.shape), t.dtype, t.lora or "", t.scale) for t in body.tensors
         ]
         refused(policy.check_bucket, body.version, specs)
-        policy.receive_bucket(body.version, specs, body.final)
+        policy.receive_bucket(body.version, specs, body.final, body.partial)
         return {"receiving": len(specs), "version": body.version}
 
 

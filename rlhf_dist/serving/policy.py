@@ -23,7 +23,9 @@ each announced over HTTP (`check_bucket`) and then broadcast from trainer rank 0
 (`receive_bucket`, on a single worker thread, in order); requests wait for the updates
 announced before them. The version moves when the last bucket of an update is in. The
 decode loop keeps no cache between requests (each KV cache lives for one call), so
-nothing is left to reset after an update.
+nothing is left to reset after an update. An update sent for partial rollouts
+(ppo.partial_rollouts) is staged instead and swapped in whole between decode steps, the
+running request's KV cache recomputed (serving/partial.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from rlhf_dist.generation.base import Sampler
 from rlhf_dist.generation.hf import HFSampler
 from rlhf_dist.generation.vllm import VLLMEngine
 from rlhf_dist.models.routing import is_moe
+from rlhf_dist.serving.partial import PartialDecode, Staging, decode_partial
 
 # each prompt's pixel inputs (data/vision.py Media; None: no images), or None for none
 PromptMedia = list[Media | None] | None
@@ -67,6 +70,9 @@ class SamplingRequest:
     seed: int
     stop_token_ids: tuple[int, ...] = ()  # empty: the served model's own (model.policy)
     routing: bool = False  # answer with the routing (ppo.routing_replay r3, docs/moe.md)
+    # a partial rollout (ppo.partial_rollouts, serving/partial.py): updates that land while
+    # it decodes are swapped in between its steps; the answer has per-token versions
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,7 @@ class ServedPolicy:
         # for their pair (A and B of one weight may travel in two buckets)
         self.bases: dict[str, torch.Tensor] = {}
         self.adapter_parts: dict[str, dict[str, torch.Tensor]] = {}
+        self.staging = Staging()  # partial updates (serving/partial.py), swapped in whole
 
     def checked_stops(self, prompts: list[list[int]], s: SamplingRequest) -> tuple[int, ...]:
         """The stop ids a request samples with, once its prompts and stop ids are checked
@@ -240,6 +247,8 @@ class ServedPolicy:
         pad = self.tokenizer.pad_token_id
         ids, mask = (t.to(self.device) for t in left_pad(prompts, pad))
         seeds = seeds or [(s.seed, len(prompts))]
+        if s.partial:
+            return self._generate_partial((ids, mask), s, stops, seeds)
         sampler = self._sampler_for(s)
         with self._current():
             try:
@@ -263,6 +272,57 @@ class ServedPolicy:
         if got.routing is not None:
             answer["routing"] = routing_rows(got.routing.cpu(), mask.cpu(), n)
         return answer
+
+    def _generate_partial(
+        self, prompt: tuple[torch.Tensor, torch.Tensor], s: SamplingRequest,
+        stops: tuple[int, ...], seeds: list[tuple[int, int]],
+    ) -> dict:  # fmt: skip
+        """_generate's answer for a partial rollout (serving/partial.py), plus "versions":
+        each response token's policy version; "version" is the one it ended under."""
+        if self.engine is not None or s.routing:
+            raise BadRequest("sampling.partial: the decode loop only, without routing")
+        pad = self.tokenizer.pad_token_id
+        with self._current():
+            watch = PartialDecode(s.temperature, self.version, self._swap_staged)
+            got = decode_partial(self.model, prompt, s, stops, pad, seeds, self.perf, watch)
+            out, response_mask, finished = truncate_after_eos(got[0], stops, pad)
+            version = self.version
+        n = response_mask.sum(1).tolist()
+        return {
+            "responses": [row[:k].tolist() for row, k in zip(out.cpu(), n)],
+            "logprobs": [row[:k].tolist() for row, k in zip(got[1].cpu(), n)],
+            "versions": [row[:k].tolist() for row, k in zip(got[2], n)],
+            "finished": finished.tolist(),
+            "version": version,
+        }
+
+    def _swap_staged(self) -> int | None:
+        """Under the lock, between decode steps or requests: the whole staged update into
+        the served weights -> its version (None: none staged)."""
+        ready = self.staging.take()
+        if ready is None:
+            return None
+        version, items = ready
+        with torch.no_grad():
+            for spec, tensor in items:
+                self._apply(spec, tensor)
+        if self.adapter_parts:
+            missing = sorted(self.adapter_parts)[:3]
+            self.adapter_parts.clear()
+            self.last_error = f"update {version}: LoRA matrices without their pair: {missing}"
+        if self.engine is not None:  # the staging model holds the whole update now
+            self.engine.load_weights(self.model)
+        self.version = version
+        return version
+
+    def _swap_when_idle(self) -> None:
+        """Swap a staged update in now if nothing holds the model; else the holder does, at
+        its next step boundary or when it lets go (`_current`)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._swap_staged()
+            finally:
+                self.lock.release()
 
     def _sampler_for(self, s: SamplingRequest) -> Sampler:
         """The sampler of request `s`: the one recording the routing when it asks for it
@@ -325,7 +385,11 @@ class ServedPolicy:
                     f"weights: update {self.torn} stopped half-way ({why}); the trainer's "
                     "next whole update serves again"
                 )
-            yield
+            self._swap_staged()
+            try:
+                yield
+            finally:
+                self._swap_staged()  # staged while this held the lock: not left waiting
 
     def _queue(self, work: Callable[[], None]) -> None:
         """Run `work` on the update thread, after the updates queued before it."""
@@ -368,8 +432,11 @@ class ServedPolicy:
                     f"tensors: {spec.name}: dtype {spec.dtype!r} not in {sorted(DTYPES)}"
                 )
 
-    def receive_bucket(self, version: int, specs: list[TensorSpec], final: bool) -> None:
-        """Queue the broadcast of one checked bucket; applied in order, under the lock."""
+    def receive_bucket(
+        self, version: int, specs: list[TensorSpec], final: bool, partial: bool = False
+    ) -> None:
+        """Queue the broadcast of one checked bucket; applied in order, under the lock, or
+        with `partial` staged and swapped in whole between decode steps (`_swap_staged`)."""
 
         def receive() -> None:
             if self.group is None:
@@ -387,6 +454,11 @@ class ServedPolicy:
                 # /health then reports none, and the trainer's next sync makes a new one
                 self.group = None
                 raise
+            if partial:
+                self.staging.add(version, list(zip(specs, received)), final)
+                if final:
+                    self._swap_when_idle()
+                return
             # RLHF_DIST_FAULT=slow_update:N (tests): update N's version moves 1 s after its
             # broadcast ended, a window the trainer ranks must not read the old one in
             if final and fault_active("slow_update", version):
