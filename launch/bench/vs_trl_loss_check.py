@@ -24,7 +24,7 @@ vs_trl_trl.py arithmetic): SmolLM2-135M-Instruct fp32, `last_number` reward, gro
 24 new tokens, temperature 1, lr 2e-5, no KL, token-mean ("dapo") loss, one optimizer step.
 One rollout is sampled once (HF generate, seeded) and then fed to BOTH trainers' own code
 paths, with only the sampler replaced:
-- ours: `trainers.ppo.ppo_iteration` with `rollout.collect.generate` returning the fixed
+- ours: `trainers.ppo.ppo_iteration` with `generation.hf.generate` returning the fixed
   raw samples (so our EOS cut, masks, decode, reward, estimator, loss and optimizer step run);
 - TRL: `GRPOTrainer.train()` for max_steps=1 with `model.generate` returning them (so TRL's
   EOS masking, reward call, advantages, `_compute_loss`, clipping and AdamW step run).
@@ -252,11 +252,12 @@ def run_ours(policy: Path, indices, raw, eps: float, seed: int, sampler_check: b
     from rlhf_dist.config import config_from_dict, validate
     from rlhf_dist.demo.pipeline import with_overrides
     from rlhf_dist.distributed import Runtime
+    from rlhf_dist.generation import hf
     from rlhf_dist.models import tokenizer_for
-    from rlhf_dist.rollout import collect
     from rlhf_dist.trainers.ppo import prompts as ppo_prompts
     from rlhf_dist.trainers.ppo import recipe as ppo
     from rlhf_dist.trainers.ppo import setup as ppo_setup
+    from rlhf_dist.trainers.ppo.controllers import Controllers
 
     tmp = Path(tempfile.mkdtemp(prefix="ours_loss_check_"))
     prompts = len(indices)
@@ -283,12 +284,12 @@ def run_ours(policy: Path, indices, raw, eps: float, seed: int, sampler_check: b
     got["stop_ids"] = list(run.rollout_models.stop_ids)
     if sampler_check:
         got["sampler"] = sampler_fidelity(run, batch, cfg, tokenizer)
-    real_generate = collect.generate
+    real_generate = hf.generate  # the decode loop, as the hf sampler calls it
 
     def fake_generate(actor_, prompt_ids, *a, **kw):
         return raw[: prompt_ids.shape[0]].to(prompt_ids.device).clone()
 
-    collect.generate = fake_generate
+    hf.generate = fake_generate
     update = ppo.ppo_update
 
     def capture_update(runtime_, run_, trained, advantages, *a, **kw):
@@ -313,9 +314,10 @@ def run_ours(policy: Path, indices, raw, eps: float, seed: int, sampler_check: b
     runtime.optimizer_step = capture_step
     before = snapshot(actor)
     try:
-        result = ppo.ppo_iteration(runtime, run, batch, cfg, 1)
+        ctl = Controllers.restored(cfg.ppo, None)
+        result = ppo.ppo_iteration(runtime, run, ctl, batch, cfg, 1)
     finally:
-        collect.generate, ppo.ppo_update = real_generate, update
+        hf.generate, ppo.ppo_update = real_generate, update
     after = snapshot(actor)
     s = result.stats
     got |= {
@@ -343,8 +345,8 @@ def sampler_fidelity(run, batch, cfg, tokenizer) -> dict:
     recorded = []
     real = decode.sample_next
 
-    def recording(logits, gen_cfg, eos_id, allow_eos):
-        token = real(logits, gen_cfg, eos_id, allow_eos)
+    def recording(logits, gen_cfg, eos_id, allow_eos, streams=None):
+        token = real(logits, gen_cfg, eos_id, allow_eos, streams)
         lp = torch.log_softmax(logits.float() / gen_cfg.temperature, -1)
         recorded.append(lp.gather(1, token[:, None])[:, 0])
         return token
