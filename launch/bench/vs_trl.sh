@@ -22,7 +22,8 @@
 #   preference  SimPO and ORPO: our losses, metrics and gradients against TRL's (CPOTrainer,
 #               ORPOTrainer) on the same pairs; exit 1 above a difference of 1e-4
 #   loss-check  one GRPO update on one fixed batch through both trainers' code
-#               (vs_trl_loss_check.py; ~10 minutes)
+#               (vs_trl_loss_check.py; ~10 minutes); --task vision: a DPO step and a
+#               GRPO update on a tiny LLaVA's batch (~1 minute; exit 1 above 1e-4)
 #   profile     where one of our PPO iterations (the ppo task's inputs) spends its time
 # The timed tasks (grpo, ppo) print medians, the ratio ours/TRL, the FLOP floor and the
 # roofline floor of each phase (peaks measured on this machine; harness.py), then fairness
