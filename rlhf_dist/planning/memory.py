@@ -149,6 +149,33 @@ def model_states(
     return ModelStates(params, grads, optim, cpu)
 
 
+def fsdp2_states(trainable: float, frozen: float, world: int, offload: str = "none") -> ModelStates:
+    """Weights, gradients and AdamW states of a model sharded by FSDP2
+    (distributed/fsdp2.py), per rank. Every parameter, frozen ones (a LoRA base) included,
+    is an fp32 DTensor shard (Shard(0), 1/world of it): under bf16 the shards are the
+    fp32 master weights and the bf16 copies exist only while a unit is gathered
+    (`fsdp2_gathered`). `frozen` is the frozen part's fp32 bytes. Gradients are sharded
+    fp32 (reduced in fp32), AdamW's momentum and variance fp32 shards: 4 + 4 + 8 bytes per
+    trained parameter over `world`, ZeRO-3's 16 bytes without its buffers. offload "all"
+    (fsdp_offload_params, CPUOffloadPolicy) keeps all three in CPU memory."""
+    params = (FP32 * trainable + frozen) / world
+    grads, optim = FP32 * trainable / world, 2 * FP32 * trainable / world
+    if offload == "all":
+        return ModelStates(0.0, 0.0, 0.0, params + grads + optim)
+    return ModelStates(params, grads, optim)
+
+
+def fsdp2_gathered(shape: ModelShape, compute_bytes: float, root_params: float, training: bool) -> float:  # fmt: skip
+    """What FSDP2 holds whole besides the shards while a pass runs layer by layer: the
+    root unit (embedding, final norm, head; `root_params`, kept gathered from its forward
+    through its backward) and two decoder-layer units in the compute dtype (the one
+    running and the next, which FSDP2 prefetches); in backward also one layer's unsharded
+    gradient in the compute dtype and its fp32 copy for the reduce-scatter."""
+    layer = shape.layer_params()
+    gathered = (root_params + 2 * layer) * compute_bytes
+    return gathered + (layer * (compute_bytes + FP32) if training else 0.0)
+
+
 def frozen_weights(params: float, weight_bytes: float, partitioned_over: int) -> float:
     """A frozen (inference-only) model's weights on one rank: bytes per weight x params,
     divided over the ranks when partitioned like ZeRO-3 (1: replicated)."""
