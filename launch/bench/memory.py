@@ -472,7 +472,7 @@ def cell_main(args) -> None:
         return stats(runtime, plan, measured)
 
     ppo_stats.memory_plan_stats = keep_plan
-    api.grpo(reward_fn=zero3_reward, zero3_overrides=json.loads(args.cell))
+    api.grpo(reward_fn=zero3_reward, overrides=json.loads(args.cell))
     api.close()
     second = {phase: calls[1] for phase, calls in record.items()}
     rank = int(os.environ.get("RANK", "0"))
