@@ -221,8 +221,8 @@ SEQUENCES_PER_ROW = {"sft": 1, "rm": 2, "dpo": 2, "kto": 1}
 
 def resident(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, grads: bool) -> list:
     """What a phase holds throughout: the trained states (gradients only when `grads`:
-    DeepSpeed keeps its gradient partitions; without it they exist from the first
-    micro-batch's backward to zero_grad(set_to_none)) and the frozen models."""
+    DeepSpeed keeps its gradient partitions; without it, FSDP2 included, they exist from
+    the first micro-batch's backward to zero_grad(set_to_none)) and the frozen models."""
     s = trained_states(cfg, shapes, hw, stage)
     terms = [("weights", s.params), ("optimizer states", s.optimizer)]
     if grads:
@@ -248,7 +248,7 @@ def update_phase(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: B
     chunks and its weight gradient; with checkpointing a recomputed layer and its
     gradients may be larger. Without DeepSpeed and with one pass per step, gradients then
     grow while activations are freed: the peak is the larger of the two moments."""
-    grads_resident = hw.zero_stage is not None or hw.fsdp2 or batch.accumulates
+    grads_resident = hw.zero_stage is not None or batch.accumulates
     terms = resident(cfg, shapes, hw, stage, grads_resident)
     early = activation_terms(cfg, shapes, hw, stage, batch, grads_resident)
     terms += early
@@ -473,7 +473,7 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
     micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, hw.gpus)
     batch = micro_batch(micro, p.micro_batch_tokens, length, g.max_new_tokens, minibatch // hw.gpus)
     awake = [vllm_share(cfg, shapes, hw)] if g.backend == "vllm" and not g.vllm_sleep else []
-    base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None or hw.fsdp2)
+    base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None)
     scoring = scoring_terms(cfg, shapes, hw, rows) if scores_a_model(cfg, shapes) else []
     # autocast's copies: the actor's from sampling (hf) or its scoring pass, the critic's
     actor_ran = g.backend == "hf" or not sizes.old_logprobs_from_update(cfg)
@@ -531,7 +531,7 @@ def step_loop_phases(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> t
         ref = frozen_share(cfg, hw, shapes.policy.lm_params() * pr.frozen)
         forward = mem.inference_forward(shapes.policy, rows, length, pr.compute, attention_kind(cfg, hw))  # fmt: skip
         head = mem.head_bytes(shapes.policy, int(rows * length), cfg.perf.logprob_chunk_tokens, False)  # fmt: skip
-        terms = resident(cfg, shapes, hw, stage, hw.zero_stage is not None or hw.fsdp2)
+        terms = resident(cfg, shapes, hw, stage, hw.zero_stage is not None)
         terms += [("reference", ref), ("forward peak", max(forward, head))]
         phases.append(Phase("reference pass", tuple(terms)))
     phases.append(Phase("update", tuple(update_phase(cfg, shapes, hw, stage, batch))))

@@ -50,8 +50,10 @@ def test_fsdp2_gathered_units_by_hand():
 def test_sft_plan_under_fsdp2_by_hand():
     shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
     n, layer = shape.lm_params(), shape.layer_params()
-    cfg = _cfg("model.dtype=bfloat16")
-    update = _terms(build_plan(cfg, "sft", Shapes(shape), Hardware(8, 80 * GIB, fsdp2=True)), "update")  # fmt: skip
+    hw = Hardware(8, 80 * GIB, fsdp2=True)
+    # 8 rows per rank in micro-batches of 2: gradients exist through every pass but the first
+    cfg = _cfg("model.dtype=bfloat16", "sft.batch_size=64", "sft.micro_batch_size=2")
+    update = _terms(build_plan(cfg, "sft", Shapes(shape), hw), "update")
     assert update["weights"] == 4 * n / 8  # fp32 masters, sharded
     assert update["gradients"] == 4 * n / 8
     assert update["optimizer states"] == 8 * n / 8
@@ -59,6 +61,11 @@ def test_sft_plan_under_fsdp2_by_hand():
     assert update["gathered units (FSDP2)"] == (root + 2 * layer) * 2 + layer * 6
     # no autocast copies, no ZeRO-3 buffers
     assert not any("autocast" in k or "ZeRO" in k for k in update)
+    # one pass per step: set_to_none frees the sharded gradients between steps (unlike
+    # ZeRO's partitions), so they count only as backward frees the activations
+    one = _cfg("model.dtype=bfloat16", "sft.batch_size=64", "sft.micro_batch_size=8")
+    single = _terms(build_plan(one, "sft", Shapes(shape), hw), "update")
+    assert "gradients" not in single and "gradients (as activations are freed)" in single
 
 
 @pytest.mark.parametrize("gather", [True, False])
@@ -73,6 +80,7 @@ def test_grpo_generation_under_fsdp2(gather):
         assert gen[whole] == scoring[whole] == 2 * shape.lm_params()
     else:  # the root unit whole, the layers gathered one by one
         assert whole not in gen and whole not in scoring
+        assert "gradients" not in gen  # freed by zero_grad(set_to_none) before the rollout
         root = shape.lm_params() - shape.layers * shape.layer_params()
         assert gen["gathered units (FSDP2)"] == (root + 2 * shape.layer_params()) * 2
 
