@@ -312,8 +312,8 @@ def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -
             terms += autocast_copies(cfg, shapes, hw, actor=True, critic=True)
         elif pr.autocast and not lora:
             terms.append(("bf16 weight copies (autocast)", pr.compute * model.layers * model.linear_params()))  # fmt: skip
-    if hw.fsdp2:
-        return terms + [fsdp2_units(cfg, shapes, hw, stage, training=True)]
+    if hw.fsdp2:  # a LoRA base has no gradients: only the adapters' (negligible) are unsharded
+        return terms + [fsdp2_units(cfg, shapes, hw, stage, training=not lora)]
     copy = trained_copy(cfg, shapes, hw, stage)
     if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
         terms.append(("gathered weights (ZeRO-3)", copy))
@@ -324,7 +324,8 @@ def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -
 
 def fsdp2_units(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, training: bool) -> tuple[str, float]:  # fmt: skip
     """FSDP2's gathered units during a layer-by-layer pass (memory.fsdp2_gathered): the
-    root unit of the trained module (PPO's critic's too) and two decoder layers."""
+    root unit of the trained module (PPO's critic's too) and two decoder layers, with
+    `training` one layer's unsharded gradients as well."""
     model, pr = _trained_shape(cfg, shapes, stage), precision(cfg, hw)
     roots = [model] + ([critic_shape(cfg, shapes)] if stage == "ppo" and sizes.has_critic(cfg) else [])  # fmt: skip
     root = sum(m.lm_params() - m.layers * m.layer_params() for m in roots)

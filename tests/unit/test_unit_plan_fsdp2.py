@@ -123,3 +123,16 @@ def test_cli_plan_with_an_fsdp2_launch():
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "FSDP2" in out.stdout and "gathered units (FSDP2)" in out.stdout
+
+
+def test_a_lora_update_under_fsdp2_gathers_no_layer_gradients():
+    shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
+    layer, root = shape.layer_params(), shape.lm_params() - shape.layers * shape.layer_params()
+    hw = Hardware(8, 80 * GIB, fsdp2=True)
+    base = ("model.dtype=bfloat16", "reward.function=a:b")
+    full = _terms(build_plan(_cfg(*base, preset="grpo"), "ppo", Shapes(shape), hw), "update")
+    lora_cfg = _cfg(*base, "lora.enabled=true", preset="grpo")
+    lora = _terms(build_plan(lora_cfg, "ppo", Shapes(shape), hw), "update")
+    name = "gathered units (FSDP2)"
+    assert full[name] - lora[name] == layer * (2 + 4)  # bf16 and fp32 gradients of a layer
+    assert lora[name] == (root + 2 * layer) * 2
