@@ -10,6 +10,9 @@
 #
 # ENGINE=zero3 (default) or fsdp2 chooses the accelerate config (launch/slurm_engine.sh:
 # zero3_multinode.yaml or fsdp2_multinode.yaml); ACCELERATE_CONFIG=path names another.
+# Under fsdp2 the frozen reference and reward model are replicated
+# (distributed.frozen_models=replicate: FSDP2 does not partition frozen models, and the run
+# config's `partition` would be refused), a whole bf16 7B copy of each on every GPU.
 #
 # Extra arguments are rlhf-dist overrides (section.key=value) appended to the config.
 # The run config is launch/configs/ppo_7b_zero3.yaml; its ppo.rollout_batch_size and
@@ -39,7 +42,9 @@ if [ -f .venv/bin/activate ]; then
 fi
 . launch/slurm_engine.sh
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-$(engine_config "${ENGINE:-zero3}" gpu)}
-export ACCELERATE_CONFIG
+ENGINE_ARGS=""
+[ "${ENGINE:-zero3}" = fsdp2 ] && ENGINE_ARGS=distributed.frozen_models=replicate
+export ACCELERATE_CONFIG ENGINE_ARGS
 
 # Ranks per node = GPUs per node; keep it equal to --gpus-per-node above.
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -69,8 +74,9 @@ echo "PPO on $SLURM_NNODES nodes x $GPUS_PER_NODE GPUs ($ACCELERATE_CONFIG); ren
 # leaving the others waiting in a collective until timeout.
 #
 # All placement values are given on the command line; they override the placeholders in
-# the accelerate config (zero3_multinode.yaml, fsdp2_multinode.yaml). No --mixed_precision: bf16 follows model.dtype
-# in the run config (docs/distributed.md, "Which value lives where").
+# the accelerate config (zero3_multinode.yaml, fsdp2_multinode.yaml). No --mixed_precision:
+# bf16 follows model.dtype in the run config (docs/distributed.md, "Which value lives
+# where"). $ENGINE_ARGS (unquoted: no words, or one) is expanded on each node.
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 -l bash -c '
   exec accelerate launch \
     --config_file "$ACCELERATE_CONFIG" \
@@ -79,5 +85,5 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 -l bash -c '
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MAIN_ADDR" \
     --main_process_port "$PORT" \
-    -m rlhf_dist ppo --config launch/configs/ppo_7b_zero3.yaml "$@"
+    -m rlhf_dist ppo --config launch/configs/ppo_7b_zero3.yaml $ENGINE_ARGS "$@"
 ' _ "$@"

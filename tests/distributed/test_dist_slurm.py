@@ -72,7 +72,7 @@ def _slurm_env(tmp_path, **extra):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     srun = bin_dir / "srun"
-    srun.write_text('#!/usr/bin/env bash\necho "launch with $ACCELERATE_CONFIG"\n')
+    srun.write_text('#!/usr/bin/env bash\necho "launch with $ACCELERATE_CONFIG ${ENGINE_ARGS:-}"\n')
     srun.chmod(0o755)
     path = f"{bin_dir}{os.pathsep}{STUBS}{os.pathsep}{os.environ['PATH']}"
     env = dict(os.environ, PATH=path, SLURM_JOB_NODELIST="localhost,127.0.0.1",
@@ -94,6 +94,9 @@ def test_slurm_ppo_takes_either_engine(tmp_path, engine, config):
     assert proc.returncode == 0, proc.stderr
     assert f"launch with accelerate_configs/{config}" in proc.stdout
     assert (REPO / "accelerate_configs" / config).is_file()
+    # FSDP2 refuses the run config's frozen_models=partition: the recipe replicates them
+    replicated = "distributed.frozen_models=replicate" in proc.stdout
+    assert replicated == (engine == "fsdp2")
 
 
 @pytest.mark.parametrize(
