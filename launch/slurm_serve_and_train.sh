@@ -2,10 +2,10 @@
 # Rollout servers on some nodes, the GRPO trainer on the others, under SLURM
 # (docs/serving.md, "Several nodes"). The first SERVE_NODES nodes of the allocation run
 # `rlhf-dist serve`, one data-parallel server per GPU, listening on their node's address;
-# the other nodes run the trainer under DeepSpeed ZeRO-3 (one `accelerate launch` per node,
-# as launch/slurm_ppo.sh), its rollouts sampled by the servers, the weights broadcast to
-# them from trainer rank 0 after every update (generation.server_sync_address: rank 0's
-# node). The servers stop with the job.
+# the other nodes run the trainer under DeepSpeed ZeRO-3 or FSDP2 (ENGINE; one `accelerate
+# launch` per node, as launch/slurm_ppo.sh), its rollouts sampled by the servers, the
+# weights broadcast to them from trainer rank 0 after every update
+# (generation.server_sync_address: rank 0's node). The servers stop with the job.
 #
 # Submit from the repository root:
 #   sbatch launch/slurm_serve_and_train.sh my_run.yaml                # 1 serving + 1 training node
@@ -19,9 +19,12 @@
 #   SERVE_NODES=1             nodes that serve (the first ones of the allocation)
 #   GPUS_PER_NODE=8           servers per serving node, ranks per training node;
 #                             cpu: one server per serving node and one trainer rank per
-#                             training node on the CPU, ZeRO-3 over gloo (a test of the recipe)
-#   ACCELERATE_CONFIG=accelerate_configs/zero3_multinode.yaml   the trainer's (with cpu:
-#                             cpu_zero3_2machines.yaml); placement is set on the command line
+#                             training node on the CPU, over gloo (a test of the recipe)
+#   ENGINE=zero3              the trainer's engine, zero3 or fsdp2: its accelerate config is
+#                             zero3_multinode.yaml or fsdp2_multinode.yaml (with cpu:
+#                             cpu_zero3_2machines.yaml, cpu_fsdp2.yaml; launch/slurm_engine.sh)
+#   ACCELERATE_CONFIG=path    another accelerate config for the trainer instead; placement
+#                             is set on the command line
 #   STALENESS=0               ppo.max_staleness (1: the next rollout is sampled while this
 #                             iteration trains)
 #   SERVE_ARGS="serve.engine=vllm"   the servers' own overrides
@@ -61,8 +64,8 @@ fi
 SERVERS=("${NODES[@]:0:$SERVE_NODES}")
 TRAINERS=("${NODES[@]:$SERVE_NODES}")
 PER_NODE=$GPUS_PER_NODE; [ "$GPUS_PER_NODE" = cpu ] && PER_NODE=1
-ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/zero3_multinode.yaml}
-[ "$GPUS_PER_NODE" = cpu ] && ACCELERATE_CONFIG=accelerate_configs/cpu_zero3_2machines.yaml
+. launch/slurm_engine.sh
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-$(engine_config "${ENGINE:-zero3}" "$GPUS_PER_NODE")}
 export RLHF_DIST_SERVER_TOKEN=${RLHF_DIST_SERVER_TOKEN:-$(python -c "import secrets; print(secrets.token_hex(16))")}
 export CONFIG BASE_PORT LOGS GPUS_PER_NODE PER_NODE ACCELERATE_CONFIG SERVE_ARGS="${SERVE_ARGS:-}"
 export SRUN_CPUS_PER_TASK="${SLURM_CPUS_PER_TASK:-1}"  # srun no longer inherits it (22.05+)

@@ -199,6 +199,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         "with several GPUs, none with one",
     )
     p.add_argument(
+        "--engine",
+        default="deepspeed",
+        choices=("deepspeed", "fsdp2"),
+        help="the sharding engine of the accelerate config: deepspeed (with --zero-stage) or "
+        "fsdp2 (distributed_type FSDP, fsdp_version 2; --offload all = fsdp_offload_params)",
+    )
+    p.add_argument(
         "--offload",
         default="none",
         choices=("none", "optimizer", "all"),
@@ -215,7 +222,14 @@ def _run_plan(args: argparse.Namespace) -> int:
     stage, preset = stage_and_preset(args.stage, args.preset)
     cfg = load_config(args.config, list(args.overrides), preset)
     table = cli_plan(
-        cfg, stage, args.gpus, args.gpu_memory, args.zero_stage, args.offload, args.device
+        cfg,
+        stage,
+        args.gpus,
+        args.gpu_memory,
+        args.zero_stage,
+        args.offload,
+        args.device,
+        args.engine,
     )
     _print_out(table)
     return 0

@@ -4,6 +4,10 @@
 # minibatches) of each of:
 #   plain   model.dtype=bfloat16 without DeepSpeed (fp32 master weights, bf16 autocast)
 #   zero3   the same under DeepSpeed ZeRO-3, one process (accelerate_configs/zero3.yaml)
+#   engines plain under ZeRO-3 and under FSDP2 (accelerate_configs/fsdp2.yaml), one process
+#           each, two rows of the table (engines-zero3, engines-fsdp2): step time and peak
+#           memory of the two engines on the GPU (their 2-rank CPU comparison on the real
+#           SmolLM2-135M is launch/bench/engines.sh)
 #   lora    the shipped one-GPU LoRA config (launch/configs/ppo_lora_1gpu.yaml)
 #   qlora   the lora case on an NF4 base (lora.load_in_4bit=true; needs bitsandbytes)
 #   gc      plain with model.gradient_checkpointing=true
@@ -37,9 +41,9 @@ CASES=${CASES:-sync plain zero3 lora gc vllm grpo async plan}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  DEVICE=cuda SHAPE=gpu PEAK=989 Z3=accelerate_configs/zero3.yaml
+  DEVICE=cuda SHAPE=gpu PEAK=989 Z3=accelerate_configs/zero3.yaml F2=accelerate_configs/fsdp2.yaml
 else
-  DEVICE=cpu SHAPE=tiny PEAK="" Z3=accelerate_configs/cpu_zero3.yaml
+  DEVICE=cpu SHAPE=tiny PEAK="" Z3=accelerate_configs/cpu_zero3.yaml F2=accelerate_configs/cpu_fsdp2.yaml
 fi
 mkdir -p "$OUT"
 [ "$CASES" = sync ] || [ -f "$OUT/policy/config.json" ] || "$PY" launch/bench/suite.py prepare "$OUT" --shape "$SHAPE" --prompts 256
@@ -56,7 +60,7 @@ for case in $CASES; do
   [ "$case" = plan ] && { plan=1; continue; }
   [ "$case" = async ] && { async=1; continue; }
   base=$case extra=()
-  [ "$case" = zero3 ] && base=plain
+  [ "$case" = zero3 ] || [ "$case" = engines ] && base=plain
   if [ "$case" = qlora ]; then
     base=lora extra=(lora.load_in_4bit=true)
     "$PY" -c "import bitsandbytes" 2>/dev/null || { echo "== qlora: bitsandbytes not installed, skipped"; continue; }
@@ -66,6 +70,19 @@ for case in $CASES; do
     "$PY" -c "import vllm" 2>/dev/null || { echo "== vllm: not installed, skipped"; continue; }
   fi
   cfg=$("$PY" launch/bench/suite.py config "$OUT" "$base" --device "$DEVICE" --iterations "$ITERATIONS")
+  if [ "$case" = engines ]; then  # the same run under each engine's launch config
+    for engine in zero3 fsdp2; do
+      conf=$Z3; [ "$engine" = fsdp2 ] && conf=$F2
+      dir=$OUT/engines-$engine
+      rm -rf "$dir"
+      echo "== engines: $engine ($DEVICE, $conf)"
+      "$PY" -m accelerate.commands.launch --config_file "$conf" --num_processes 1 \
+        -m rlhf_dist ppo --config "$cfg" run.output_dir="$dir" > "$dir.log" 2>&1 \
+        || { tail -30 "$dir.log"; continue; }
+      runs+=("$dir")
+    done
+    continue
+  fi
   dir=$OUT/$case
   rm -rf "$dir"
   echo "== $case ($DEVICE)"

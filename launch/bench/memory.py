@@ -353,6 +353,9 @@ def plan_main(argv: list[str]) -> None:
 # ZeRO-3, the host's memory shared by the ranks), computed in the run as its metrics do.
 #
 #     PYTHONPATH=. python launch/bench/memory.py plan-zero3 [--sizes S M L] [--variants ...] [--out rows.json]
+#
+# `--engine fsdp2` launches the same cells with accelerate_configs/cpu_fsdp2.yaml (issue 52):
+# the run's plan is then FSDP2's (Runtime.engine), against the same counted peaks.
 
 
 ZERO3_VARIANTS = {
@@ -470,7 +473,7 @@ def cell_main(args) -> None:
         return stats(runtime, plan, measured)
 
     ppo_stats.memory_plan_stats = keep_plan
-    api.grpo(reward_fn=zero3_reward, zero3_overrides=json.loads(args.cell))
+    api.grpo(reward_fn=zero3_reward, overrides=json.loads(args.cell))
     api.close()
     second = {phase: calls[1] for phase, calls in record.items()}
     rank = int(os.environ.get("RANK", "0"))
@@ -478,11 +481,12 @@ def cell_main(args) -> None:
 
 
 # ------------------------------------------------------------------------------ the grid
-def run_cell(cell: list[str], result: Path) -> list[dict]:
-    """Launch one cell on 2 ZeRO-3 CPU ranks; each rank's {"planned", "measured"}."""
+def run_cell(cell: list[str], result: Path, engine: str = "zero3") -> list[dict]:
+    """Launch one cell on 2 CPU ranks under `engine` (zero3, fsdp2: its cpu_ accelerate
+    config); each rank's {"planned", "measured"}."""
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "accelerate_configs/cpu_zero3.yaml"),
+        "--config_file", str(REPO / f"accelerate_configs/cpu_{engine}.yaml"),
         __file__, "plan-zero3", "--cell", json.dumps(cell), "--result", str(result),
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -501,6 +505,11 @@ def zero3_main(argv: list[str]) -> None:
         "--variants", nargs="+", default=list(ZERO3_VARIANTS), choices=list(ZERO3_VARIANTS)
     )
     ap.add_argument("--out", type=Path, help="write the rows as JSON here too")
+    ap.add_argument(
+        "--engine", default="zero3", choices=("zero3", "fsdp2"),
+        help="the launch config: cpu_zero3.yaml or cpu_fsdp2.yaml (the variants' gather "
+        "for training is ZeRO-3's only)",
+    )  # fmt: skip
     ap.add_argument("--cell", help=argparse.SUPPRESS)  # inside a launched rank
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -516,8 +525,9 @@ def zero3_main(argv: list[str]) -> None:
                 for variant in args.variants:
                     start = time.perf_counter()
                     cell = zero3_overrides(path, prompts, prompt, response, tmp / "run") + ZERO3_VARIANTS[variant]  # fmt: skip
-                    ranks = run_cell(cell, tmp / "result")
+                    ranks = run_cell(cell, tmp / "result", args.engine)
                     name = f"{size} P{prompt}+T{response} {variant}"
+                    name += " (FSDP2)" if args.engine == "fsdp2" else ""
                     for phase in PHASES:
                         plan = ranks[0]["planned"][phase]
                         got = [r["measured"][phase][1] for r in ranks]

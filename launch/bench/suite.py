@@ -1,4 +1,4 @@
-"""The scale suite's inputs and its table (launch/bench/gpu_suite.sh, zero3.sh, lora_vs_full.sh).
+"""The scale suite's inputs and its table (launch/bench/gpu_suite.sh, engines.sh, lora_vs_full.sh).
 
     python launch/bench/suite.py prepare OUT --shape deep|lora|gpu|tiny [--prompts 256]
     python launch/bench/suite.py config OUT CASE [--device cuda|cpu]   write OUT/CASE.yaml

@@ -1,7 +1,7 @@
 """One rank's view of ZeRO-3 vs unsharded: model-state bytes and generation time.
 
-Run by launch/bench/zero3.sh under `accelerate launch` (2 CPU ranks) twice: once with the
-DeepSpeed stage-0 config (plain data parallel) and once with ZeRO-3. Writes one JSON file
+Run by launch/bench/engines.sh (MODES=probe) under `accelerate launch` (2 CPU ranks)
+twice: once with the DeepSpeed stage-0 config (plain data parallel) and once with ZeRO-3. Writes one JSON file
 per rank; `--out DIR --report` (one process) prints the table of both runs' files. A benchmark, never a test: figures depend on the machine.
 """
 
@@ -164,7 +164,7 @@ def main() -> None:
 
 
 def report(out: Path) -> None:
-    """The table of launch/bench/zero3.sh from the per-rank JSON rows in `out`."""
+    """The table of launch/bench/engines.sh (MODES=probe) from the per-rank JSON rows in `out`."""
     rows = [json.loads(p.read_text()) for p in sorted(out.glob("stage*_rank*.json"))]
     mib = 1 / 2**20
     print(

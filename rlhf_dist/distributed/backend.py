@@ -84,10 +84,10 @@ class Backend:
     @property
     def zero_offload(self) -> str:
         """What the DeepSpeed config offloads to CPU memory: none, optimizer (its states)
-        or all (ZeRO-3 weights as well)."""
+        or all (ZeRO-3 weights as well; FSDP2's fsdp_offload_params)."""
         plugin = self.accelerator.state.deepspeed_plugin
         if plugin is None:
-            return "none"
+            return "all" if self.engine == "fsdp2" and fsdp2.offloads_params() else "none"
         zero = plugin.deepspeed_config.get("zero_optimization", {})
 
         def offloads(name: str) -> bool:

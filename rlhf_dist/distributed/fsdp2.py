@@ -36,6 +36,12 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 
+def offloads_params() -> bool:
+    """fsdp_offload_params: the shards (weights, gradients, optimizer states) live in CPU
+    memory (CPUOffloadPolicy); the memory planner counts them there."""
+    return _flag("FSDP_OFFLOAD_PARAMS")
+
+
 def check_fsdp_config() -> None:
     """Refuse, in one line naming the accelerate config key, what this engine does not do."""
     version = os.environ.get("FSDP_VERSION", "1")
@@ -93,7 +99,7 @@ def shard_model(
         "mp_policy": policy,
         "reshard_after_forward": os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true") == "true",
     }
-    if _flag("FSDP_OFFLOAD_PARAMS"):
+    if offloads_params():
         options["offload_policy"] = CPUOffloadPolicy()
     classes = tuple(layer_classes(model))
     for module in [m for m in model.modules() if classes and isinstance(m, classes)]:

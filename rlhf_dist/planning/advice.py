@@ -60,7 +60,10 @@ def _partition_frozen(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> 
 
 
 def _no_gather(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[str, ...]:
-    """ZeRO-3 without the one-collective full copies (generation, training)."""
+    """ZeRO-3 without the one-collective full copies (generation, training); FSDP2 without
+    the whole actor for generation (it never gathers the whole model for training)."""
+    if hw.fsdp2 and cfg.perf.gather_for_generation:
+        return ("perf.gather_for_generation=false",)
     if hw.zero_stage != 3:
         return ()
     out = ("perf.gather_for_generation=false",) if cfg.perf.gather_for_generation else ()
@@ -77,7 +80,7 @@ def _hf_backend(cfg: Config, stage: str, shapes: Shapes, hw: Hardware) -> tuple[
     if stage != "ppo" or cfg.generation.backend != "vllm":
         return ()
     correction = ("ppo.rollout_correction=none",) if cfg.ppo.rollout_correction != "none" else ()
-    layers = hw.zero_stage == 3 and cfg.perf.gather_for_generation
+    layers = hw.sharded and cfg.perf.gather_for_generation
     return ("generation.backend=hf",) + correction + (("perf.gather_for_generation=false",) if layers else ())  # fmt: skip
 
 
@@ -156,8 +159,11 @@ CONFIG_STEPS: tuple[Step, ...] = (
 
 def launch_steps(hw: Hardware) -> list[tuple[str, Any]]:
     """Launch changes, after every config change: ZeRO-3 over several GPUs (DeepSpeed
-    ZeRO-2 on one), then the optimizer states offloaded to CPU memory."""
+    ZeRO-2 on one), then the optimizer states offloaded to CPU memory. An FSDP2 launch
+    stays FSDP2: its one offload moves the weights, gradients and optimizer states."""
     steps: list[tuple[str, Any]] = []
+    if hw.fsdp2:
+        return [("offload", "all")] if hw.offload == "none" else []
     if hw.gpus > 1 and hw.zero_stage != 3:
         steps.append(("zero_stage", 3))
     elif hw.zero_stage is None:  # one GPU: DeepSpeed for ZeRO-Offload (stage 2 + offload)
@@ -240,6 +246,7 @@ def gib(nbytes: float) -> str:
 
 def describe_hardware(hw: Hardware) -> str:
     zero = "no DeepSpeed" if hw.zero_stage is None else f"ZeRO-{hw.zero_stage}"
+    zero = "FSDP2" if hw.fsdp2 else zero
     offload = "" if hw.offload == "none" else f", offload {hw.offload}"
     return f"{hw.gpus} x {gib(hw.memory)} ({zero}{offload}; {gib(hw.budget)} usable per rank)"
 
@@ -297,10 +304,17 @@ def parse_memory(text: str) -> float:
     return value * units[unit]
 
 
-def hardware(gpus: int, memory: str, zero_stage: str, offload: str, device: str) -> Hardware:
-    """The Hardware of `rlhf-dist plan`'s flags (zero_stage auto: 3 with several GPUs)."""
+def hardware(gpus: int, memory: str, zero_stage: str, offload: str, device: str, engine: str = "deepspeed") -> Hardware:  # fmt: skip
+    """The Hardware of `rlhf-dist plan`'s flags (zero_stage auto: 3 with several GPUs;
+    engine fsdp2: an FSDP2 accelerate config, no DeepSpeed, offload none or all)."""
     if gpus < 1:
         raise ConfigError(f"--gpus: {gpus} (at least 1)")
+    if engine == "fsdp2":
+        if zero_stage != "auto":
+            raise ConfigError("--zero-stage: a DeepSpeed setting; --engine fsdp2 has none")
+        if offload == "optimizer":
+            raise ConfigError("--offload optimizer: FSDP2 offloads all (fsdp_offload_params)")
+        return Hardware(gpus, parse_memory(memory), None, offload, device, fsdp2=True)
     if zero_stage == "auto":
         zero_stage = "3" if gpus > 1 else "none"
     stage = None if zero_stage == "none" else int(zero_stage)
@@ -311,7 +325,7 @@ def hardware(gpus: int, memory: str, zero_stage: str, offload: str, device: str)
     return Hardware(gpus, parse_memory(memory), stage, offload, device)
 
 
-def cli_plan(cfg: Config, stage: str, gpus: int, memory: str, zero: str, offload: str, device: str) -> str:  # fmt: skip
+def cli_plan(cfg: Config, stage: str, gpus: int, memory: str, zero: str, offload: str, device: str, engine: str = "deepspeed") -> str:  # fmt: skip
     """`rlhf-dist plan`: the printed plan; a plan that does not fit raises ConfigError
     with the one-line fix, after the table is printed. It asks only for what it reads:
     the config's own rules are checked, not its data, reward source or packages."""
@@ -320,7 +334,7 @@ def cli_plan(cfg: Config, stage: str, gpus: int, memory: str, zero: str, offload
     from rlhf_dist.config import validate
     from rlhf_dist.planning.shapes import read_shapes
 
-    hw = hardware(gpus, memory, zero, offload, device)
+    hw = hardware(gpus, memory, zero, offload, device, engine)
     validate(cfg, stage, hw.gpus, inputs=False)  # the run's rules first: a plan of a valid config
     shapes = read_shapes(cfg, stage)
     plan = build_plan(cfg, stage, shapes, hw)

@@ -80,13 +80,24 @@ class ModelShape:
         unused = self.experts - self.experts_per_token
         return self.moe_layers * unused * 3 * self.hidden * self.expert_intermediate
 
-    def backbone_params(self) -> int:
-        """Embedding (V x h), L layers (their linears, q/k/v biases (Qwen2) and two
-        RMSNorm weights each) and the final norm."""
+    def _layer_extras(self) -> int:
+        """One layer's weights besides its linears: q/k/v biases (Qwen2), two RMSNorms."""
         bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        per_layer = bias + 2 * self.hidden
-        layers = self.all_linear_params() + self.layers * per_layer
-        return self.vocab * self.hidden + layers + self.hidden
+        return bias + 2 * self.hidden
+
+    def layer_params(self) -> int:
+        """The largest decoder layer (one FSDP2 unit): attention, its MLP (a sparse block
+        in an MoE layer), biases and norms."""
+        mlp = self.sparse_block_params() if self.moe_layers else 3 * self.hidden * self.intermediate
+        return self.attention_params() + mlp + self._layer_extras()
+
+    def all_layer_params(self) -> int:
+        """The L decoder layers: every linear, bias and norm."""
+        return self.all_linear_params() + self.layers * self._layer_extras()
+
+    def backbone_params(self) -> int:
+        """Embedding (V x h), the L layers and the final norm."""
+        return self.vocab * self.hidden + self.all_layer_params() + self.hidden
 
     def lm_params(self) -> int:
         """A causal LM: the backbone and its head (V x h unless tied to the embedding)."""
@@ -181,6 +192,33 @@ def model_states(
     if offload == "all" and zero_stage >= 3:
         cpu, params = cpu + params, 0.0
     return ModelStates(params, grads, optim, cpu)
+
+
+def fsdp2_states(trainable: float, frozen: float, world: int, offload: str = "none") -> ModelStates:
+    """Weights, gradients and AdamW states of a model sharded by FSDP2
+    (distributed/fsdp2.py), per rank. Every parameter, frozen ones (a LoRA base) included,
+    is an fp32 DTensor shard (Shard(0), 1/world of it): under bf16 the shards are the
+    fp32 master weights and the bf16 copies exist only while a unit is gathered
+    (`fsdp2_gathered`). `frozen` is the frozen part's fp32 bytes. Gradients are sharded
+    fp32 (reduced in fp32), AdamW's momentum and variance fp32 shards: 4 + 4 + 8 bytes per
+    trained parameter over `world`, ZeRO-3's 16 bytes without its buffers. offload "all"
+    (fsdp_offload_params, CPUOffloadPolicy) keeps all three in CPU memory."""
+    params = (FP32 * trainable + frozen) / world
+    grads, optim = FP32 * trainable / world, 2 * FP32 * trainable / world
+    if offload == "all":
+        return ModelStates(0.0, 0.0, 0.0, params + grads + optim)
+    return ModelStates(params, grads, optim)
+
+
+def fsdp2_gathered(shape: ModelShape, compute_bytes: float, root_params: float, training: bool) -> float:  # fmt: skip
+    """What FSDP2 holds whole besides the shards while a pass runs layer by layer: the
+    root unit (embedding, final norm, head; `root_params`, kept gathered from its forward
+    through its backward) and two decoder-layer units in the compute dtype (the one
+    running and the next, which FSDP2 prefetches); in backward also one layer's unsharded
+    gradient in the compute dtype and its fp32 copy for the reduce-scatter."""
+    layer = shape.layer_params()
+    gathered = (root_params + 2 * layer) * compute_bytes
+    return gathered + (layer * (compute_bytes + FP32) if training else 0.0)
 
 
 def frozen_weights(params: float, weight_bytes: float, partitioned_over: int) -> float:

@@ -27,14 +27,22 @@ AUTO_COPY_SHARE = 0.25
 @dataclass(frozen=True)
 class Hardware:
     """Where the run goes: `gpus` ranks with `memory` bytes each, the DeepSpeed ZeRO stage
-    of the launch config (None: no DeepSpeed), its offload (none, optimizer, all) and the
-    device kind (cuda; cpu for the CPU validation, where dtype auto means fp32)."""
+    of the launch config (None: no DeepSpeed), its offload (none, optimizer, all), the
+    device kind (cuda; cpu for the CPU validation, where dtype auto means fp32) and
+    whether the launch config is FSDP2's (`fsdp2`: zero_stage None; offload none or all,
+    fsdp_offload_params)."""
 
     gpus: int = 1
     memory: float = 80 * GIB
     zero_stage: int | None = None
     offload: str = "none"
     device: str = "cuda"
+    fsdp2: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        """Weights sharded over the ranks and gathered unit by unit: ZeRO-3 or FSDP2."""
+        return self.zero_stage == 3 or self.fsdp2
 
     @property
     def budget(self) -> float:
@@ -97,7 +105,8 @@ def precision(cfg: Config, hw: Hardware) -> Precision:
         dtype = "bfloat16" if hw.device == "cuda" else "float32"
     frozen = dtype if cfg.model.frozen_dtype == "auto" else cfg.model.frozen_dtype
     b = mem.DTYPE_BYTES[dtype]
-    return Precision(b, mem.DTYPE_BYTES[frozen], b, hw.zero_stage is None and b < mem.FP32)
+    autocast = hw.zero_stage is None and not hw.fsdp2 and b < mem.FP32
+    return Precision(b, mem.DTYPE_BYTES[frozen], b, autocast)
 
 
 def attention_kind(cfg: Config, hw: Hardware) -> str:
@@ -127,7 +136,7 @@ def trained_params(cfg: Config, shapes: Shapes, stage: str, pr: Precision) -> tu
     policy (SFT, DPO, KTO, PPO's actor), the reward model (RM), and PPO's critic when its
     estimator needs one (one engine, one optimizer for actor + critic); with LoRA the
     adapters are trained and the base is frozen."""
-    lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
+    lora = cfg.lora.enabled and stage in ("sft", "ppo", "dpo", "kto")
     if stage == "rm":
         trainable, frozen = float((shapes.reward or shapes.policy).scorer_params()), 0.0
     elif lora:
@@ -149,6 +158,8 @@ def trained_states(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> mem
     """Weights, gradients and optimizer states of the trained module (`trained_params`)."""
     pr = precision(cfg, hw)
     trainable, frozen = trained_params(cfg, shapes, stage, pr)
+    if hw.fsdp2:  # fully_shard holds every parameter, a LoRA base too, as fp32 shards
+        return mem.fsdp2_states(trainable, frozen * mem.FP32 / pr.compute, hw.gpus, hw.offload)
     hidden = max(m.hidden for m in (shapes.policy, shapes.reward) if m is not None)
     bucket = sizes.zero_reduce_bucket(hidden, int(trainable)) if hw.zero_stage == 3 else 0.0
     return mem.model_states(
@@ -210,8 +221,8 @@ SEQUENCES_PER_ROW = {"sft": 1, "rm": 2, "dpo": 2, "kto": 1}
 
 def resident(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, grads: bool) -> list:
     """What a phase holds throughout: the trained states (gradients only when `grads`:
-    DeepSpeed keeps its gradient partitions; without it they exist from the first
-    micro-batch's backward to zero_grad(set_to_none)) and the frozen models."""
+    DeepSpeed keeps its gradient partitions; without it, FSDP2 included, they exist from
+    the first micro-batch's backward to zero_grad(set_to_none)) and the frozen models."""
     s = trained_states(cfg, shapes, hw, stage)
     terms = [("weights", s.params), ("optimizer states", s.optimizer)]
     if grads:
@@ -262,7 +273,7 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
     sequence parallelism each term counts this rank's 1/n of the positions, plus the
     exchanged heads and the whole-row mask (`memory.sequence_parallel_buffers`)."""
     pr, ckpt, attn = precision(cfg, hw), checkpointing(cfg, hw), attention_kind(cfg, hw)
-    lora_r = cfg.lora.r if cfg.lora.enabled and stage in ("ppo", "dpo", "kto") else 0
+    lora_r = cfg.lora.r if cfg.lora.enabled and stage in ("sft", "ppo", "dpo", "kto") else 0
     model = _trained_shape(cfg, shapes, stage)
     # distributed.sequence_parallel_size = n: each rank holds 1/n of every row's positions
     n = cfg.distributed.sequence_parallel_size
@@ -296,19 +307,31 @@ def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -
     backward, none kept under checkpointing, which recasts layer by layer), ZeRO-3's
     whole-model gather per step (perf.gather_for_training)."""
     pr, model = precision(cfg, hw), _trained_shape(cfg, shapes, stage)
-    lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")
+    lora = cfg.lora.enabled and stage in ("sft", "ppo", "dpo", "kto")
     terms = []
     if not checkpointing(cfg, hw):  # checkpointing recasts layer by layer: no copies kept
         if stage == "ppo":
             terms += autocast_copies(cfg, shapes, hw, actor=True, critic=True)
         elif pr.autocast and not lora:
             terms.append(("bf16 weight copies (autocast)", pr.compute * model.all_linear_params()))  # fmt: skip
+    if hw.fsdp2:  # a LoRA base has no gradients: only the adapters' (negligible) are unsharded
+        return terms + [fsdp2_units(cfg, shapes, hw, stage, training=not lora)]
     copy = trained_copy(cfg, shapes, hw, stage)
     if hw.zero_stage == 3 and gathers_for_training(cfg, hw, copy):
         terms.append(("gathered weights (ZeRO-3)", copy))
     elif hw.zero_stage == 3:
         terms.append(live_weights(model, pr.compute))
     return terms
+
+
+def fsdp2_units(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, training: bool) -> tuple[str, float]:  # fmt: skip
+    """FSDP2's gathered units during a layer-by-layer pass (memory.fsdp2_gathered): the
+    root unit of the trained module (PPO's critic's too) and two decoder layers, with
+    `training` one layer's unsharded gradients as well."""
+    model, pr = _trained_shape(cfg, shapes, stage), precision(cfg, hw)
+    roots = [model] + ([critic_shape(cfg, shapes)] if stage == "ppo" and sizes.has_critic(cfg) else [])  # fmt: skip
+    root = sum(m.lm_params() - m.all_layer_params() for m in roots)
+    return ("gathered units (FSDP2)", mem.fsdp2_gathered(model, pr.compute, root, training))
 
 
 def autocast_copies(cfg: Config, shapes: Shapes, hw: Hardware, actor: bool, critic: bool) -> list:  # fmt: skip
@@ -394,13 +417,15 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
         prefill = mem.inference_forward(actor, prompts, p, pr.compute, attention_kind(cfg, hw))
         cache = mem.kv_cache(actor, rows, p + t, pr.compute) + mem.sampling_workspace(actor, rows)
         terms = [("prefill" if prefill > cache else "KV cache + sampling", max(prefill, cache))]
-    if hw.zero_stage == 3 and cfg.perf.gather_for_generation:
+    if hw.sharded and cfg.perf.gather_for_generation:
         terms += gathered_actor(cfg, shapes, hw)
+    elif hw.fsdp2 and g.backend == "hf":  # the root unit whole, the layers one by one
+        terms.append(fsdp2_units(cfg, shapes, hw, "ppo", training=False))
     elif hw.zero_stage == 3 and g.backend == "hf":
         terms.append(live_weights(actor, pr.compute))
     # LoRA generates with the adapters merged into copies of the adapted weights (whole
     # weights only: not through ZeRO-3's per-layer fetches; QLoRA's 4-bit ones never)
-    whole = hw.zero_stage != 3 or cfg.perf.gather_for_generation
+    whole = not hw.sharded or cfg.perf.gather_for_generation
     if cfg.lora.enabled and g.backend == "hf" and whole and not cfg.lora.load_in_4bit:
         terms.append(("merged LoRA weights", actor.quantizable_params() * pr.compute))
     return terms + autocast_copies(cfg, shapes, hw, actor=g.backend == "hf", critic=False)
@@ -469,8 +494,9 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
 def gathered_actor(cfg: Config, shapes: Shapes, hw: Hardware) -> list:
     """Under ZeRO-3 with perf.gather_for_generation the rollout holds the actor's whole
     weights from sampling through scoring (rollout/collect.py: one gather per rollout)."""
-    if hw.zero_stage == 3 and cfg.perf.gather_for_generation:
-        return [("gathered actor (ZeRO-3)", shapes.policy.lm_params() * precision(cfg, hw).compute)]  # fmt: skip
+    if hw.sharded and cfg.perf.gather_for_generation:
+        name = "gathered actor (FSDP2)" if hw.fsdp2 else "gathered actor (ZeRO-3)"
+        return [(name, shapes.policy.lm_params() * precision(cfg, hw).compute)]
     return []
 
 

@@ -27,6 +27,8 @@ class RunMachine(Protocol):
     @property
     def zero_offload(self) -> str: ...
     @property
+    def engine(self) -> str: ...  # zero0..zero3, fsdp2, ddp or single
+    @property
     def device(self) -> Any: ...  # a torch.device: its .type
     def device_memory_bytes(self) -> int: ...
 
@@ -34,13 +36,15 @@ class RunMachine(Protocol):
 def run_hardware(runtime: RunMachine) -> Hardware:
     """The planner's view of a run's machine from its distributed.Runtime (read by its
     attributes: planning imports no runtime): ranks, one rank's memory, the launch's ZeRO
-    stage and offload, the device kind."""
+    stage and offload, the device kind, whether it is an FSDP2 launch."""
+    fsdp2 = runtime.engine == "fsdp2"
     return Hardware(
         runtime.world_size,
         runtime.device_memory_bytes(),
         runtime.zero_stage,
         runtime.zero_offload,
         "cuda" if runtime.device.type == "cuda" else "cpu",
+        fsdp2,
     )
 
 

@@ -25,7 +25,7 @@ def exports(cfg: Config, stage: str, out: Path) -> dict[str, tuple[Path, str]]:
     """{card kind: (directory, path in the hub repository)} of what `stage` exported with this
     config (decided from the config, not from what lies in `out`: a directory left by an
     earlier run is not this run's model)."""
-    lora = cfg.lora.enabled and stage in ("ppo", "dpo", "kto")  # SFT and RM train all weights
+    lora = cfg.lora.enabled and stage != "rm"  # rm trains all weights (validation)
     merged = not lora or cfg.lora.export in ("merged", "both")
     found: dict[str, tuple[Path, str]] = {}
     if merged:

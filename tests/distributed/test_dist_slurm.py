@@ -13,6 +13,7 @@ import os
 import subprocess
 import urllib.request
 
+import pytest
 import yaml
 from conftest import REPO, free_port
 
@@ -63,3 +64,58 @@ def test_servers_on_one_node_and_a_two_node_trainer_one_step_off_policy(assets, 
         raise AssertionError("a server outlived the job")
     except OSError:
         pass
+
+
+def _slurm_env(tmp_path, **extra):
+    """Stand-ins on PATH: the stub scontrol, and an srun that only reports the accelerate
+    config the launch would use (no process is launched)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text('#!/usr/bin/env bash\necho "launch with $ACCELERATE_CONFIG ${ENGINE_ARGS:-}"\n')
+    srun.chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{STUBS}{os.pathsep}{os.environ['PATH']}"
+    env = dict(os.environ, PATH=path, SLURM_JOB_NODELIST="localhost,127.0.0.1",
+               SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(REPO))  # fmt: skip
+    for key in ("ENGINE", "ACCELERATE_CONFIG"):
+        env.pop(key, None)
+    return env | extra
+
+
+@pytest.mark.parametrize(
+    ("engine", "config"),
+    [(None, "zero3_multinode.yaml"), ("zero3", "zero3_multinode.yaml"),
+     ("fsdp2", "fsdp2_multinode.yaml")],
+)  # fmt: skip
+def test_slurm_ppo_takes_either_engine(tmp_path, engine, config):
+    env = _slurm_env(tmp_path, **({"ENGINE": engine} if engine else {}))
+    proc = subprocess.run(["bash", str(REPO / "launch" / "slurm_ppo.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"launch with accelerate_configs/{config}" in proc.stdout
+    assert (REPO / "accelerate_configs" / config).is_file()
+    # FSDP2 refuses the run config's frozen_models=partition: the recipe replicates them
+    replicated = "distributed.frozen_models=replicate" in proc.stdout
+    assert replicated == (engine == "fsdp2")
+
+
+@pytest.mark.parametrize(
+    ("engine", "gpus", "config"),
+    [("zero3", "8", "zero3_multinode.yaml"), ("zero3", "cpu", "cpu_zero3_2machines.yaml"),
+     ("fsdp2", "8", "fsdp2_multinode.yaml"), ("fsdp2", "cpu", "cpu_fsdp2.yaml")],
+)  # fmt: skip
+def test_engine_config_of_each_engine_and_device(engine, gpus, config):
+    proc = subprocess.run(["bash", "-c", '. launch/slurm_engine.sh && engine_config "$0" "$1"',
+                           engine, gpus], cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.stdout.strip() == f"accelerate_configs/{config}", proc.stderr
+    assert (REPO / "accelerate_configs" / config).is_file()
+
+
+@pytest.mark.parametrize("script", ["slurm_ppo.sh", "slurm_serve_and_train.sh"])
+def test_an_unknown_engine_is_refused_in_one_line(tmp_path, script):
+    env = _slurm_env(tmp_path, ENGINE="zero2")
+    proc = subprocess.run(["bash", str(REPO / "launch" / script), "run.yaml"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "ENGINE=zero2: not an engine (zero3 or fsdp2)"
+    assert "launch with" not in proc.stdout  # refused before any srun
