@@ -134,19 +134,21 @@ def colour_image(name: str, size: tuple[int, int] = (20, 20)):  # -> PIL.Image.I
     return Image.new("RGB", size, COLOURS[name])
 
 
-def llava_rows(n: int, seed: int = 0, kind: str = "sft") -> list[dict]:
+def llava_rows(n: int, seed: int = 0, kind: str = "sft", scale: int = 1) -> list[dict]:
     """`n` TRL-format vision rows about the colours of 0, 1 or 2 images of mixed sizes:
     kind "sft" (a `messages` list-of-parts conversation, images in `images`), "dpo"
     (string-content `prompt` / `chosen` / `rejected` with the images in `images`: TRL's
     rule places them) or "grpo" (a list-of-parts `prompt`, one `image`, and the colour
-    in `answer`)."""
+    in `answer`). `scale` multiplies the image sizes (Qwen2-VL's processor resizes to at
+    least QWEN_PIXELS' minimum: scale 3 gives it grids of several sizes)."""
     import random
 
     rng, names, rows = random.Random(seed), sorted(COLOURS), []
     for i in range(n):
         count = 1 if kind == "grpo" else i % 3
         picked = [rng.choice(names) for _ in range(count)]
-        images = [colour_image(c, (16 + 4 * (i % 4), 16 + 3 * (i % 3))) for c in picked]
+        size = (scale * (16 + 4 * (i % 4)), scale * (16 + 3 * (i % 3)))
+        images = [colour_image(c, size) for c in picked]
         answer = " and ".join(picked) or "none"
         question = [{"type": "image"}] * count + [{"type": "text", "text": "what colour is this"}]
         if kind == "sft":

@@ -23,10 +23,10 @@ from rlhf_dist.engine.forward import (
     DEFAULT_PERF,
     cache_of,
     causal_lm,
+    positions_of,
     prompt_cache,
     shares_prompts,
 )
-from rlhf_dist.engine.packing import position_ids_from
 from rlhf_dist.engine.sampling import Sampling, Streams, sample_next
 
 if TYPE_CHECKING:
@@ -112,7 +112,21 @@ def generate(
     mask = prompt_mask.long()
     with decode_context(model, prompt_ids.shape[0], perf):
         logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf), media)
-        return _decode(model, logits, cache, mask, gen_cfg, keep_in_step, eos, pad, streams)
+        start = _last_positions(model, prompt_ids, mask, media)
+        return _decode(model, logits, cache, mask, start, gen_cfg, keep_in_step, eos, pad, streams)
+
+
+def _last_positions(
+    model: nn.Module, prompt_ids: torch.Tensor, mask: torch.Tensor, media: Media | None
+) -> torch.Tensor:
+    """The prompts' last position ids: (B, 1), or (3, B, 1) for an M-RoPE model (its
+    three axes equal there: a prompt ends in text). Each decoded token is text, one more
+    on every axis (Qwen2-VL, arXiv:2409.12191 section 2.1)."""
+    try:
+        config = causal_lm(model).config
+    except TypeError:
+        config = None
+    return positions_of(config, prompt_ids, mask, media)[..., -1:]
 
 
 def _decode(
@@ -120,15 +134,16 @@ def _decode(
     logits: torch.Tensor,
     cache: dict[str, Any],
     mask: torch.Tensor,
+    position: torch.Tensor,
     gen_cfg: Sampling,
     keep_in_step: KeepInStep | None,
     eos: torch.Tensor,
     pad: int,
     streams: Streams | None = None,
 ) -> torch.Tensor:
-    """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt mask
-    (B, P): (B, T) sampled ids, PAD after a row's stop token; eos: (S,) stop ids."""
-    position = position_ids_from(mask)[:, -1:]
+    """`generate`'s loop from the prefill's last logits (B, V), KV cache, prompt mask
+    (B, P) and last positions (`_last_positions`): (B, T) sampled ids, PAD after a row's
+    stop token; eos: (S,) stop ids."""
     finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     steps, more = gen_cfg.max_new_tokens, True  # more: this rank still samples
     tokens: list[torch.Tensor] = []
