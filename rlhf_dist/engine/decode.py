@@ -104,7 +104,10 @@ def generate(
     (sampling.sample_categorical); None: the global RNG.
     media: a vision-language model's pixel inputs of the prompts' images
     (data/vision.py), taken by the prefill (`forward.prefill_inputs`); the image features
-    are then in the KV cache and each decode step feeds one token.
+    are then in the KV cache and each decode step feeds one token. A row that samples
+    the model's image token (`_image_token`) ends there and the token is never fed (PAD
+    in its place): the prompt has no image for it; the rollout then cuts the response
+    before it (`cut_before`).
     """
     pad = tokenizer.pad_token_id
     stops = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
@@ -113,7 +116,23 @@ def generate(
     with decode_context(model, prompt_ids.shape[0], perf):
         logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf), media)
         start = _last_positions(model, prompt_ids, mask, media)
-        return _decode(model, logits, cache, mask, start, gen_cfg, keep_in_step, eos, pad, streams)
+        image = _image_token(model)
+        return _decode(
+            model, logits, cache, mask, start, gen_cfg, keep_in_step, eos, pad, streams, image
+        )
+
+
+def _image_token(model: nn.Module) -> int | None:
+    """The id of the token a vision-language model fills with image features (LLaVA's
+    <image>, Qwen2-VL's <|image_pad|>: config.image_token_id), None for a text model."""
+    try:
+        config = causal_lm(model).config
+    except TypeError:
+        return None
+    if getattr(config, "vision_config", None) is None:
+        return None
+    image = getattr(config, "image_token_id", None)
+    return None if image is None else int(image)
 
 
 def _last_positions(
@@ -140,10 +159,11 @@ def _decode(
     eos: torch.Tensor,
     pad: int,
     streams: Streams | None = None,
+    image: int | None = None,
 ) -> torch.Tensor:
     """`generate`'s loop from the prefill's last logits (B, V), KV cache, prompt mask
     (B, P) and last positions (`_last_positions`): (B, T) sampled ids, PAD after a row's
-    stop token; eos: (S,) stop ids."""
+    stop token or its `image` token (`_image_token`, never fed); eos: (S,) stop ids."""
     finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     steps, more = gen_cfg.max_new_tokens, True  # more: this rank still samples
     tokens: list[torch.Tensor] = []
@@ -153,10 +173,14 @@ def _decode(
             token = sample_next(logits, gen_cfg, eos, allow_eos, streams)
             tokens.append(torch.where(finished, pad, token))
             finished |= is_stop(tokens[-1], eos)
+            if image is not None:
+                finished |= tokens[-1] == image
             more = len(tokens) < steps and not bool(finished.all())
         if not (more if keep_in_step is None else keep_in_step(more)):
             return torch.stack(tokens, dim=1)
         feed = tokens[-1] if more else torch.full_like(tokens[-1], pad)  # throw-away forward
+        if image is not None:  # its row has ended: the prompt has no image for it
+            feed = torch.where(feed == image, pad, feed)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = position + 1
         out = model(

@@ -99,6 +99,26 @@ def test_each_placeholder_becomes_the_processors_image_tokens(llava):
     assert media["pixel_values"].shape == (1, 3, 16, 16)
 
 
+def prompts(vision, placeholder: str, scale: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Left-padded prompts (3, P) with 1, 2 (of different sizes) and 0 images, their mask
+    and their joined pixel inputs."""
+    from rlhf_dist.data.rows import left_pad
+    from rlhf_dist.data.vision import join_media
+
+    tok, rows, media = vision.processor.tokenizer, [], []
+    questions = (["red"], "what colour"), (["blue", "green"], "what colour is this"), ([], "what")
+    for colours, words in questions:
+        text = "<|im_start|>user\n" + placeholder * len(colours) + words + "<|im_end|>\n"
+        ids = tok(text + "<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        sizes = [(scale * (18 + 5 * i), scale * 16) for i in range(len(colours))]
+        images = [colour_image(c, size) for c, size in zip(colours, sizes)]
+        ids, _, m = vision.expand(ids, [False] * len(ids), images)
+        rows.append(ids)
+        media.append(m)
+    prompt_ids, prompt_mask = left_pad(rows, tok.pad_token_id)
+    return prompt_ids, prompt_mask, join_media(media)
+
+
 def test_decode_loop_prefill_with_pixels_agrees_with_the_trainers_forward(vlm):
     """The decode loop's KV-cache path (prefill with the pixel inputs, then one token per
     step; Qwen2-VL: its M-RoPE positions, `forward.positions_of`) and the trainer's
@@ -122,21 +142,7 @@ def test_decode_loop_prefill_with_pixels_agrees_with_the_trainers_forward(vlm):
     vision = policy_vision(Config(model=ModelConfig(policy=str(path))))
     assert vision is not None
     tok = vision.processor.tokenizer
-    rows, media = [], []
-    questions = (["red"], "what colour"), (["blue", "green"], "what colour is this"), ([], "what")
-    for colours, words in questions:
-        text = "<|im_start|>user\n" + placeholder * len(colours) + words + "<|im_end|>\n"
-        ids = tok(text + "<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        sizes = [(scale * (18 + 5 * i), scale * 16) for i in range(len(colours))]
-        images = [colour_image(c, size) for c, size in zip(colours, sizes)]
-        ids, _, m = vision.expand(ids, [False] * len(ids), images)
-        rows.append(ids)
-        media.append(m)
-    from rlhf_dist.data.rows import left_pad
-    from rlhf_dist.data.vision import join_media
-
-    prompt_ids, prompt_mask = left_pad(rows, tok.pad_token_id)
-    pixels = join_media(media)
+    prompt_ids, prompt_mask, pixels = prompts(vision, placeholder, scale)
     gen = GenerationConfig(max_new_tokens=8, temperature=1.0)
     response = generate(model, prompt_ids, prompt_mask, gen, tok, media=pixels)
     response, response_mask, done = truncate_after_eos(response, tok.eos_token_id, tok.pad_token_id)
@@ -181,6 +187,41 @@ def test_decode_loop_prefill_with_pixels_agrees_with_the_trainers_forward(vlm):
             assert float((own.squeeze(-1) * response_mask - trainer).abs().max()) < 1e-4
     assert float((decoded - trainer).abs().max()) < 1e-4
     assert float((swapped - trainer).abs().max()) > 1e-3
+
+
+def test_the_decode_loop_never_feeds_a_sampled_image_token(vlm, monkeypatch):
+    """A row that samples the image token (forced here at its second step) ends there and
+    no decode step feeds that token: its prompt has no image for it."""
+    from rlhf_dist.engine import decode
+    from rlhf_dist.engine.forward import causal_lm
+    from rlhf_dist.models import load_causal_lm
+    from rlhf_dist.models.vision import policy_vision
+
+    path, placeholder, scale = vlm
+    torch.manual_seed(0)
+    model = load_causal_lm(str(path), "model.policy", "float32", ModelConfig(policy=str(path)))
+    vision = policy_vision(Config(model=ModelConfig(policy=str(path))))
+    assert vision is not None
+    tok, image, steps, fed = vision.processor.tokenizer, vision.image_token_id, [], []
+    sample = decode.sample_next
+
+    def forced(*args, **kwargs):  # row 0's second token is the image token
+        token = sample(*args, **kwargs)
+        steps.append(1)
+        return token.index_fill(0, torch.tensor([0]), image) if len(steps) == 2 else token
+
+    monkeypatch.setattr(decode, "sample_next", forced)
+    record = lambda module, args, kwargs: fed.append(kwargs["input_ids"].clone())  # noqa: E731
+    hook = causal_lm(model).register_forward_pre_hook(record, with_kwargs=True)
+    prompt_ids, prompt_mask, pixels = prompts(vision, placeholder, scale)
+    gen = GenerationConfig(max_new_tokens=5, min_new_tokens=5, temperature=1.0)
+    try:
+        out = decode.generate(model, prompt_ids, prompt_mask, gen, tok, media=pixels)
+    finally:
+        hook.remove()
+    assert out.shape == (3, 5) and int(out[0, 1]) == image
+    assert (out[0, 2:] == tok.pad_token_id).all()
+    assert len(fed) == 5 and all(not (ids == image).any() for ids in fed[1:])
 
 
 def test_sft_through_the_python_api_trains_the_language_model_only(vlm, tmp_path):
