@@ -103,11 +103,14 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--task",
         default="reviews",
-        choices=("reviews", "tool_use", "arithmetic"),
+        choices=("reviews", "tool_use", "arithmetic", "vision"),
         help="reviews (default): the generated reviews task; tool_use: SFT -> GRPO with a "
         "lookup tool -> eval on a task whose answers only the tool knows (--algorithm grpo; "
         "docs/agents.md); arithmetic: the real SmolLM2-135M-Instruct (PyPI) evaluated, GRPO "
-        "on reasoning-gym's chain_sum, evaluated again (--algorithm grpo; docs/demo.md)",
+        "on reasoning-gym's chain_sum, evaluated again (--algorithm grpo; docs/demo.md); "
+        "vision: a tiny Qwen2-VL, SFT on a small labelled subset of a colour-of-the-shape "
+        "image task -> GRPO, held-out accuracy before and after (--algorithm grpo; "
+        "docs/vision.md)",
     )
     demo.add_argument(
         "--quick", action="store_true", help="a much shorter run (smoke test, not aligned)"
@@ -314,6 +317,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 0
     if args.through_endpoint or args.verifiers:
         raise ConfigError("--through-endpoint, --verifiers: with --task tool_use only")
+    if args.task == "vision":
+        from rlhf_dist.demo.vision_demo import run_vision_demo
+
+        if args.algorithm != "grpo":
+            raise ConfigError("--task vision: runs with --algorithm grpo only")
+        run_vision_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides))
+        return 0
     if args.task == "arithmetic":
         from rlhf_dist.demo.arithmetic_demo import run_arithmetic_demo
 

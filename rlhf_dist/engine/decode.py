@@ -23,6 +23,7 @@ from rlhf_dist.engine.forward import (
     DEFAULT_PERF,
     cache_of,
     causal_lm,
+    positions_of,
     prompt_cache,
     shares_prompts,
 )
@@ -119,7 +120,10 @@ def generate(
     (sampling.sample_categorical); None: the global RNG.
     media: a vision-language model's pixel inputs of the prompts' images
     (data/vision.py), taken by the prefill (`forward.prefill_inputs`); the image features
-    are then in the KV cache and each decode step feeds one token.
+    are then in the KV cache and each decode step feeds one token. A row that samples
+    the model's image token (`_image_token`) ends there and the token is never fed (PAD
+    in its place): the prompt has no image for it; the rollout then cuts the response
+    before it (`cut_before`).
     watch: sees each step's logits and token, and says between steps whether the weights
     changed (a served partial rollout, `StepWatch`); the KV cache of the prompt and the
     tokens so far is then recomputed under the new weights (`_step`).
@@ -130,10 +134,38 @@ def generate(
     mask = prompt_mask.long()
     with decode_context(model, prompt_ids.shape[0], perf):
         logits, cache = _prefill(model, prompt_ids, mask, _shares_prompts(model, perf), media)
+        start = _last_positions(model, prompt_ids, mask, media)
+        image = _image_token(model)
         return _decode(
-            model, logits, cache, (prompt_ids, mask), gen_cfg, keep_in_step, eos, pad, streams,
-            watch,
+            model, logits, cache, (prompt_ids, mask), start, gen_cfg, keep_in_step, eos, pad,
+            streams, watch, image,
         )  # fmt: skip
+
+
+def _image_token(model: nn.Module) -> int | None:
+    """The id of the token a vision-language model fills with image features (LLaVA's
+    <image>, Qwen2-VL's <|image_pad|>: config.image_token_id), None for a text model."""
+    try:
+        config = causal_lm(model).config
+    except TypeError:
+        return None
+    if getattr(config, "vision_config", None) is None:
+        return None
+    image = getattr(config, "image_token_id", None)
+    return None if image is None else int(image)
+
+
+def _last_positions(
+    model: nn.Module, prompt_ids: torch.Tensor, mask: torch.Tensor, media: Media | None
+) -> torch.Tensor:
+    """The prompts' last position ids: (B, 1), or (3, B, 1) for an M-RoPE model (its
+    three axes equal there: a prompt ends in text). Each decoded token is text, one more
+    on every axis (Qwen2-VL, arXiv:2409.12191 section 2.1)."""
+    try:
+        config = causal_lm(model).config
+    except TypeError:
+        config = None
+    return positions_of(config, prompt_ids, mask, media)[..., -1:]
 
 
 def _decode(
@@ -141,17 +173,19 @@ def _decode(
     logits: torch.Tensor,
     cache: dict[str, Any],
     prompt: tuple[torch.Tensor, torch.Tensor],
+    position: torch.Tensor,
     gen_cfg: Sampling,
     keep_in_step: KeepInStep | None,
     eos: torch.Tensor,
     pad: int,
     streams: Streams | None = None,
     watch: StepWatch | None = None,
+    image: int | None = None,
 ) -> torch.Tensor:
-    """`generate`'s loop from the prefill's last logits (B, V), KV cache and prompt (ids,
-    mask (B, P)): (B, T) sampled ids, PAD after a row's stop token; eos: (S,) stop ids."""
+    """`generate`'s loop from the prefill's last logits (B, V), KV cache, prompt (ids, mask
+    (B, P)) and last positions (`_last_positions`): (B, T) sampled ids, PAD after a row's
+    stop token or its `image` token (`_image_token`, never fed); eos: (S,) stop ids."""
     prompt_ids, mask = prompt
-    position = position_ids_from(mask)[:, -1:]
     finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     steps, more = gen_cfg.max_new_tokens, True  # more: this rank still samples
     tokens: list[torch.Tensor] = []
@@ -163,10 +197,14 @@ def _decode(
                 watch.sampled(logits, token)
             tokens.append(torch.where(finished, pad, token))
             finished |= is_stop(tokens[-1], eos)
+            if image is not None:
+                finished |= tokens[-1] == image
             more = len(tokens) < steps and not bool(finished.all())
         if not (more if keep_in_step is None else keep_in_step(more)):
             return torch.stack(tokens, dim=1)
         feed = tokens[-1] if more else torch.full_like(tokens[-1], pad)  # throw-away forward
+        if image is not None:  # its row has ended: the prompt has no image for it
+            feed = torch.where(feed == image, pad, feed)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         position = position + 1
         if watch is not None and more and watch.swapped(len(tokens)):

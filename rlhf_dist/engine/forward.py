@@ -27,6 +27,7 @@ from rlhf_dist.data.vision import Media, token_inputs
 from rlhf_dist.distributed.sequence_parallel import active_group
 from rlhf_dist.distributed.zero3 import stays_whole, whole_tensors
 from rlhf_dist.engine import packing
+from rlhf_dist.engine.positions import is_mrope, mrope_ids_of, mrope_positions
 from rlhf_dist.engine.sequence_parallel import KEY as SP_KEY
 from rlhf_dist.engine.sequence_parallel import sequence_parallel_logprobs
 from rlhf_dist.errors import ConfigError
@@ -241,8 +242,11 @@ def final_hidden_states(
             assert prompt_width is not None  # `shared` says so
             inverse = _shared_prompt_forward(model, input_ids, attention_mask, prompt_width)
             return torch.cat([seen[0].index_select(0, inverse), seen[1]], dim=1)
+        inputs = packing.backbone_inputs(input_ids, attention_mask, layout)
+        if layout is None:
+            inputs["position_ids"] = positions_of(lm.config, input_ids, attention_mask, media)
         model(
-            **packing.backbone_inputs(input_ids, attention_mask, layout),
+            **inputs,
             **token_inputs(input_ids, media),
             logits_to_keep=1,
             # A whole-sequence forward needs no KV cache; transformers would otherwise
@@ -311,7 +315,8 @@ def prompt_cache(
         ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
     else:
         ids, mask = prompt_ids, prompt_mask
-    out = model(**prefill_inputs(ids, mask, media), use_cache=True, logits_to_keep=1)
+    inputs = prefill_inputs(ids, mask, media, causal_lm(model).config)
+    out = model(**inputs, use_cache=True, logits_to_keep=1)
     cache = cache_of(out)
     if inverse is not None:
         next(iter(cache.values())).reorder_cache(inverse)  # (U, ...) -> (B, ...)
@@ -319,17 +324,36 @@ def prompt_cache(
 
 
 def prefill_inputs(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, media: Media | None = None
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    media: Media | None = None,
+    config: Any = None,
 ) -> dict[str, Any]:
     """The model inputs of a prefill over left-padded prompts (B, P): ids, mask, positions
-    counting real tokens only, and a vision model's pixel inputs. The one place a
-    family-specific position rule (M-RoPE's 3-D positions) takes over the positions."""
+    (`positions_of` the model `config`; None: counting real tokens) and a vision model's
+    pixel inputs."""
     inputs = {
         "input_ids": prompt_ids,
         "attention_mask": prompt_mask,
-        "position_ids": packing.position_ids_from(prompt_mask),
+        "position_ids": positions_of(config, prompt_ids, prompt_mask, media),
     }
     return inputs | token_inputs(prompt_ids, media)
+
+
+def positions_of(
+    config: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, media: Media | None
+) -> torch.Tensor:
+    """Position ids of left-padded rows (B, L) for a model of transformers `config`: (B, L)
+    counting real tokens, or for an M-RoPE model (Qwen2-VL, engine/positions.py) its
+    (3, B, L) temporal / height / width ids from the image tokens and `media`'s
+    image_grid_thw (N, 3). Given explicitly, so that the model never derives them itself:
+    transformers' Qwen2-VL keeps rope deltas between calls and expands 2-D ids to 3 equal
+    axes, which misplaces every image token."""
+    if config is None or not is_mrope(config):
+        return packing.position_ids_from(attention_mask)
+    grid = (media or {}).get("image_grid_thw")
+    image_token_id, merge = mrope_ids_of(config)
+    return mrope_positions(input_ids, attention_mask, grid, image_token_id, merge)[0]
 
 
 def cache_of(output: Mapping[str, Any]) -> dict[str, Any]:

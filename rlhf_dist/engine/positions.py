@@ -108,6 +108,14 @@ def mrope_ids_of(config: Any) -> tuple[int, int]:
     return int(config.image_token_id), int(config.vision_config.spatial_merge_size)
 
 
+def is_mrope(config: Any) -> bool:
+    """Whether a transformers model config rotates by M-RoPE (its text config's rope
+    parameters carry an `mrope_section`: Qwen2-VL, Qwen2.5-VL)."""
+    text = getattr(config, "text_config", config)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return "mrope_section" in rope
+
+
 def _token_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
     """logits (B, L, V), ids (B, L) -> (B, L) fp32 log-probs of ids."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)

@@ -105,6 +105,16 @@ def load_processor(path: str | Path) -> Any:
     return image_only_processor(model_type, image_processor, tokenizer, tokenizer.chat_template)
 
 
+def save_any(processor: Any, path: str | Path) -> None:
+    """Save a loaded processor: an image-only Qwen-VL one as `save_processor` does (so the
+    directory names the real class), any other through its own save_pretrained."""
+    for model_type, cls in IMAGE_ONLY.items():
+        if type(processor) is cls:
+            save_processor(processor, path, model_type)
+            return
+    processor.save_pretrained(str(path))
+
+
 def save_processor(processor: Any, path: str | Path, model_type: str) -> None:
     """Save `processor` as transformers saves the full one: the processor class recorded is the
     real Qwen-VL class and processor_config.json gets the video processor's entry (the image

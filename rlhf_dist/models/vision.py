@@ -76,13 +76,21 @@ def language_model_modules(model: nn.Module, targets: tuple[str, ...]) -> list[s
 
 
 def load_processor(path: str, trust_remote_code: bool = False, key: str = "model.policy") -> Any:
-    """The processor saved with a vision-language model at `path` (AutoProcessor): its
+    """The processor saved with a vision-language model at `path`: its
     image processor turns images into the model's pixel inputs and says how many tokens
-    each image takes. A missing or unusable processor is one line naming `key`."""
+    each image takes. Loaded through models/qwen_vl.py's `load_processor` (AutoProcessor,
+    or a Qwen-VL processor without its video half on an install without torchvision);
+    with trust_remote_code, AutoProcessor directly. A missing or unusable processor is one
+    line naming `key`."""
     from transformers import AutoProcessor
 
+    from rlhf_dist.models import qwen_vl
+
     try:
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if trust_remote_code:
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
+        else:
+            processor = qwen_vl.load_processor(path)
     except (OSError, ValueError, AttributeError, ImportError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{key}: cannot load the processor of {path!r}: {first}") from None

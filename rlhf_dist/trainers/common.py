@@ -217,11 +217,14 @@ def save_processor(runtime: Runtime, vision: VisionInputs | None, directories: l
     """A vision-language policy's processor (image processor, chat template) saved next to
     its exported weights, so the next stage and `from_pretrained` users load it; nothing
     for a text policy. Called before the tokenizer is saved there: the run's tokenizer
-    (export_tokenizer) replaces the processor's copy. Main process only."""
+    (export_tokenizer) replaces the processor's copy. Main process only. A Qwen-VL
+    processor without its video half is saved under its real class (models/qwen_vl.py)."""
+    from rlhf_dist.models.qwen_vl import save_any
+
     if vision is None or not runtime.is_main:
         return
     for directory in directories:
-        vision.processor.save_pretrained(str(directory))
+        save_any(vision.processor, directory)
 
 
 def resume_into(

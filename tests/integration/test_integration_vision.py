@@ -1,9 +1,10 @@
-"""A vision-language policy end to end on a tiny LLaVA built here with its real
-LlavaProcessor (tests/vision_models.py; docs/vision.md): loading with the vision tower
-frozen, the image tokens of a row, the decode loop's prefill with pixel inputs against
-the trainer's forward, SFT and GRPO through the Python API and DPO through the command
-line on batches mixing image sizes and rows with 0, 1 and 2 images, and bad images as
-counted skips or one error line."""
+"""A vision-language policy end to end on two tiny families built here with their real
+processors (tests/vision_models.py; docs/vision.md): a LLaVA (a fixed number of image
+tokens) and a Qwen2-VL (dynamic resolution, M-RoPE; its image-only processor here, without
+torchvision). Loading with the vision tower frozen, the image tokens of a row, the decode
+loop's prefill with pixel inputs against the trainer's forward, SFT, DPO and GRPO through
+the Python API and DPO and GRPO through the command line on batches mixing image sizes
+and rows with 0, 1 and 2 images, and bad images as counted skips or one error line."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from vision_models import build_tiny_llava, colour_image, llava_colour_reward, llava_rows
+from vision_models import (
+    build_tiny_llava,
+    build_tiny_qwen_vl,
+    colour_image,
+    llava_colour_reward,
+    llava_rows,
+)
 
 import rlhf_dist
 from rlhf_dist.config import Config, GenerationConfig, ModelConfig
@@ -29,6 +36,25 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory) -> Path:
     return build_tiny_llava(tmp_path_factory.mktemp("llava") / "model")
+
+
+# family -> (its image placeholder in a prompt's text, the image size scale of llava_rows:
+# Qwen2-VL's processor resizes images to at least 56 x 56, so 3x sizes give several grids)
+FAMILIES = {
+    "llava": ("<image> ", 1),
+    "qwen2_vl": ("<|vision_start|><|image_pad|><|vision_end|>", 3),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vlm(request, llava, tmp_path_factory) -> tuple[Path, str, int]:
+    """(the model directory, its image placeholder text, llava_rows' image scale) of each
+    family: the tests taking it run once per family."""
+    placeholder, scale = FAMILIES[request.param]
+    if request.param == "llava":
+        return llava, placeholder, scale
+    path = build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl") / "model", "qwen2_vl")
+    return path, placeholder, scale
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -73,42 +99,63 @@ def test_each_placeholder_becomes_the_processors_image_tokens(llava):
     assert media["pixel_values"].shape == (1, 3, 16, 16)
 
 
-def test_decode_loop_prefill_with_pixels_agrees_with_the_trainers_forward(llava):
-    """The decode loop's KV-cache path (prefill with the pixel inputs, then one token per
-    step) and the trainer's whole-sequence forward give the same log-probs (< 1e-4 in
-    fp32); the image matters to both."""
-    from rlhf_dist.engine.decode import generate, truncate_after_eos
-    from rlhf_dist.engine.forward import cache_of, prompt_cache, token_logprobs
-    from rlhf_dist.engine.packing import position_ids_from
-    from rlhf_dist.models import load_causal_lm
-    from rlhf_dist.models.vision import policy_vision
-
-    torch.manual_seed(0)
-    model = load_causal_lm(str(llava), "model.policy", "float32", ModelConfig(policy=str(llava)))
-    vision = policy_vision(Config(model=ModelConfig(policy=str(llava))))
-    assert vision is not None
-    tok = vision.processor.tokenizer
-    rows, media = [], []
-    for colours, words in ((["red"], "what colour"), (["blue", "green"], "what colour is this")):
-        text = "<|im_start|>user\n" + "<image> " * len(colours) + words + "<|im_end|>\n"
-        ids = tok(text + "<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        images = [colour_image(c, (18 + 5 * i, 16)) for i, c in enumerate(colours)]
-        ids, _, m = vision.expand(ids, [False] * len(ids), images)
-        rows.append(ids)
-        media.append(m)
+def prompts(vision, placeholder: str, scale: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Left-padded prompts (3, P) with 1, 2 (of different sizes) and 0 images, their mask
+    and their joined pixel inputs."""
     from rlhf_dist.data.rows import left_pad
     from rlhf_dist.data.vision import join_media
 
+    tok, rows, media = vision.processor.tokenizer, [], []
+    questions = (["red"], "what colour"), (["blue", "green"], "what colour is this"), ([], "what")
+    for colours, words in questions:
+        text = "<|im_start|>user\n" + placeholder * len(colours) + words + "<|im_end|>\n"
+        ids = tok(text + "<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        sizes = [(scale * (18 + 5 * i), scale * 16) for i in range(len(colours))]
+        images = [colour_image(c, size) for c, size in zip(colours, sizes)]
+        ids, _, m = vision.expand(ids, [False] * len(ids), images)
+        rows.append(ids)
+        media.append(m)
     prompt_ids, prompt_mask = left_pad(rows, tok.pad_token_id)
-    pixels = join_media(media)
+    return prompt_ids, prompt_mask, join_media(media)
+
+
+def test_decode_loop_prefill_with_pixels_agrees_with_the_trainers_forward(vlm):
+    """The decode loop's KV-cache path (prefill with the pixel inputs, then one token per
+    step; Qwen2-VL: its M-RoPE positions, `forward.positions_of`) and the trainer's
+    whole-sequence forward give the same log-probs (< 1e-4 in fp32) on left-padded rows
+    with 0, 1 and 2 images of different sizes; the images matter to both."""
+    from rlhf_dist.data.vision import token_inputs
+    from rlhf_dist.engine.decode import cut_before, generate, truncate_after_eos
+    from rlhf_dist.engine.forward import (
+        cache_of,
+        causal_lm,
+        positions_of,
+        prompt_cache,
+        token_logprobs,
+    )
+    from rlhf_dist.models import load_causal_lm
+    from rlhf_dist.models.vision import policy_vision
+
+    path, placeholder, scale = vlm
+    torch.manual_seed(0)
+    model = load_causal_lm(str(path), "model.policy", "float32", ModelConfig(policy=str(path)))
+    vision = policy_vision(Config(model=ModelConfig(policy=str(path))))
+    assert vision is not None
+    tok = vision.processor.tokenizer
+    prompt_ids, prompt_mask, pixels = prompts(vision, placeholder, scale)
     gen = GenerationConfig(max_new_tokens=8, temperature=1.0)
     response = generate(model, prompt_ids, prompt_mask, gen, tok, media=pixels)
-    response, response_mask, _ = truncate_after_eos(response, tok.eos_token_id, tok.pad_token_id)
+    response, response_mask, done = truncate_after_eos(response, tok.eos_token_id, tok.pad_token_id)
+    # as the rollout does: a sampled image token would ask for an image the prompt lacks
+    response, response_mask, _ = cut_before(
+        response, response_mask, done, vision.image_token_id, tok.pad_token_id
+    )
 
     with torch.no_grad():  # the decode loop's own path, fed the sampled tokens
         out, cache, _ = prompt_cache(model, prompt_ids, prompt_mask, False, pixels)
         logits, mask = out.logits[:, -1], prompt_mask
-        position, steps = position_ids_from(mask)[:, -1:], []
+        position = positions_of(model.config, prompt_ids, prompt_mask, pixels)[..., -1:]
+        steps = []
         for t in range(response.shape[1]):
             steps.append(torch.log_softmax(logits.float(), -1).gather(1, response[:, t : t + 1]))
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
@@ -128,31 +175,89 @@ def test_decode_loop_prefill_with_pixels_agrees_with_the_trainers_forward(llava)
         trainer, _ = token_logprobs(
             model, ids, attention, response_mask, 1.0, False, P, media=pixels
         )
-        other = {"pixel_values": pixels["pixel_values"].flip(0)}  # the images swapped
+        other = {**pixels, "pixel_values": pixels["pixel_values"].flip(0)}  # images changed
         swapped, _ = token_logprobs(
             model, ids, attention, response_mask, 1.0, False, P, media=other
         )
+        if "image_grid_thw" in pixels:  # Qwen2-VL: our M-RoPE ids are transformers' own
+            causal_lm(model).model.rope_deltas = None  # its own rule, computed afresh
+            inputs = {"input_ids": ids, "attention_mask": attention, "use_cache": False}
+            logits = model(**inputs, **token_inputs(ids, pixels)).logits[:, P - 1 : -1]
+            own = torch.log_softmax(logits.float(), -1).gather(-1, response[..., None])
+            assert float((own.squeeze(-1) * response_mask - trainer).abs().max()) < 1e-4
     assert float((decoded - trainer).abs().max()) < 1e-4
     assert float((swapped - trainer).abs().max()) > 1e-3
 
 
-def test_sft_through_the_python_api_trains_the_language_model_only(llava, tmp_path):
+def test_the_decode_loop_never_feeds_a_sampled_image_token(vlm, monkeypatch):
+    """A row that samples the image token (forced here at its second step) ends there and
+    no decode step feeds that token: its prompt has no image for it."""
+    from rlhf_dist.engine import decode
+    from rlhf_dist.engine.forward import causal_lm
+    from rlhf_dist.models import load_causal_lm
+    from rlhf_dist.models.vision import policy_vision
+
+    path, placeholder, scale = vlm
+    torch.manual_seed(0)
+    model = load_causal_lm(str(path), "model.policy", "float32", ModelConfig(policy=str(path)))
+    vision = policy_vision(Config(model=ModelConfig(policy=str(path))))
+    assert vision is not None
+    tok, image, steps, fed = vision.processor.tokenizer, vision.image_token_id, [], []
+    sample = decode.sample_next
+
+    def forced(*args, **kwargs):  # row 0's second token is the image token
+        token = sample(*args, **kwargs)
+        steps.append(1)
+        return token.index_fill(0, torch.tensor([0]), image) if len(steps) == 2 else token
+
+    monkeypatch.setattr(decode, "sample_next", forced)
+    record = lambda module, args, kwargs: fed.append(kwargs["input_ids"].clone())  # noqa: E731
+    hook = causal_lm(model).register_forward_pre_hook(record, with_kwargs=True)
+    prompt_ids, prompt_mask, pixels = prompts(vision, placeholder, scale)
+    gen = GenerationConfig(max_new_tokens=5, min_new_tokens=5, temperature=1.0)
+    try:
+        out = decode.generate(model, prompt_ids, prompt_mask, gen, tok, media=pixels)
+    finally:
+        hook.remove()
+    assert out.shape == (3, 5) and int(out[0, 1]) == image
+    assert (out[0, 2:] == tok.pad_token_id).all()
+    assert len(fed) == 5 and all(not (ids == image).any() for ids in fed[1:])
+
+
+def test_sft_through_the_python_api_trains_the_language_model_only(vlm, tmp_path):
+    llava, _, scale = vlm
     out = tmp_path / "sft"
     config = {
         "model": {"policy": str(llava)},
         "sft": {"batch_size": 6, "micro_batch_size": 3, "epochs": 1, "optim": {"lr": 1e-2}},
         "run": {"output_dir": str(out)},
     }
-    rows = llava_rows(12)  # 0, 1 and 2 images of several sizes
+    rows = llava_rows(12, scale=scale)  # 0, 1 and 2 images of several sizes
     summary = rlhf_dist.sft(config, dataset=rows)
     assert summary["train_examples"] == 12 and summary["steps"] == 2
     assert_trained_language_only(weights(llava), weights(out / "final"))
-    from transformers import AutoProcessor
+    from rlhf_dist.models.qwen_vl import load_processor
 
-    assert type(AutoProcessor.from_pretrained(out / "final")).__name__ == "LlavaProcessor"
+    saved = type(load_processor(out / "final")).__name__
+    assert saved == type(load_processor(llava)).__name__
+    assert saved.startswith(("LlavaProcessor", "Qwen2VLProcessor"))
 
 
-def test_grpo_through_the_python_api_samples_with_images_and_trains(llava, tmp_path):
+def test_dpo_through_the_python_api_trains_the_language_model_only(vlm, tmp_path):
+    llava, _, scale = vlm
+    out = tmp_path / "dpo"
+    config = {
+        "model": {"policy": str(llava)},
+        "dpo": {"batch_size": 4, "micro_batch_size": 2, "optim": {"lr": 1e-2}},
+        "run": {"output_dir": str(out)},
+    }
+    summary = rlhf_dist.dpo(config, dataset=llava_rows(8, kind="dpo", scale=scale))
+    assert summary["steps"] == 2
+    assert_trained_language_only(weights(llava), weights(out / "final"))
+
+
+def test_grpo_through_the_python_api_samples_with_images_and_trains(vlm, tmp_path):
+    llava, _, scale = vlm
     out = tmp_path / "grpo"
     config = {
         "model": {"policy": str(llava)},
@@ -168,7 +273,7 @@ def test_grpo_through_the_python_api_samples_with_images_and_trains(llava, tmp_p
         "run": {"output_dir": str(out)},
     }
     summary = rlhf_dist.grpo(
-        config, dataset=llava_rows(8, kind="grpo"), reward_fn=llava_colour_reward
+        config, dataset=llava_rows(8, kind="grpo", scale=scale), reward_fn=llava_colour_reward
     )
     assert summary["iterations"] == 1
     assert_trained_language_only(weights(llava), weights(out / "final"))
@@ -251,11 +356,12 @@ def test_nothing_to_train_is_one_error_line_and_no_run_directory(llava, tmp_path
     assert not out.exists()
 
 
-def test_grpo_through_the_cli_reads_image_paths(llava, tmp_path):
+def test_grpo_through_the_cli_reads_image_paths(vlm, tmp_path):
+    llava, _, scale = vlm
     paths = []
     for i, colour in enumerate(("red", "green", "blue", "red")):
         paths.append(str(tmp_path / f"{i}.png"))
-        colour_image(colour, (16 + 3 * i, 18)).save(paths[-1])
+        colour_image(colour, (scale * (16 + 3 * i), scale * 18)).save(paths[-1])
     prompt = [{"role": "user", "content": "what colour is this"}]  # TRL places the image
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": prompt, "image": p}) + "\n" for p in paths))
