@@ -3,8 +3,8 @@
 For each family of tests/moe_models.py (qwen3_moe, mixtral, olmoe) and each stage (sft,
 dpo, grpo), runs the stage in one process and under `accelerate launch` with
 accelerate_configs/cpu_zero3.yaml on 2 ranks (fp32, gloo), then compares every
-non-timing metric of the two metrics.jsonl files, row by row, to 1e-5 (absolute, or
-relative above 1). GRPO decodes greedily (generation.top_k=1), so a rank samples what the
+non-timing metric of the two metrics.jsonl files (but the layout statistic LAYOUT),
+row by row, to 1e-5 (absolute, or relative above 1). GRPO decodes greedily (generation.top_k=1), so a rank samples what the
 one process samples for the same prompts; its groups are then identical (advantages 0)
 and the entropy bonus is what moves the weights. Last, GRPO with ppo.routing_replay=r2 on
 qwen3_moe. Prints a table and a last line `moe_parity: ok N/N` or the failures.
