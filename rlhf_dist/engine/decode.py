@@ -23,6 +23,7 @@ from rlhf_dist.engine.forward import (
     DEFAULT_PERF,
     cache_of,
     causal_lm,
+    model_config,
     positions_of,
     prompt_cache,
     shares_prompts,
@@ -145,10 +146,7 @@ def generate(
 def _image_token(model: nn.Module) -> int | None:
     """The id of the token a vision-language model fills with image features (LLaVA's
     <image>, Qwen2-VL's <|image_pad|>: config.image_token_id), None for a text model."""
-    try:
-        config = causal_lm(model).config
-    except TypeError:
-        return None
+    config = model_config(model)
     if getattr(config, "vision_config", None) is None:
         return None
     image = getattr(config, "image_token_id", None)
@@ -161,11 +159,7 @@ def _last_positions(
     """The prompts' last position ids: (B, 1), or (3, B, 1) for an M-RoPE model (its
     three axes equal there: a prompt ends in text). Each decoded token is text, one more
     on every axis (Qwen2-VL, arXiv:2409.12191 section 2.1)."""
-    try:
-        config = causal_lm(model).config
-    except TypeError:
-        config = None
-    return positions_of(config, prompt_ids, mask, media)[..., -1:]
+    return positions_of(model_config(model), prompt_ids, mask, media)[..., -1:]
 
 
 def _decode(

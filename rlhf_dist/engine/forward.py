@@ -295,6 +295,16 @@ def _shared_prompt_forward(
     return inverse
 
 
+def model_config(model: nn.Module) -> Any:
+    """The transformers config of the model inside `model` (peft, DeepSpeed and ActorCritic
+    wrappers looked through); None for a module that holds no transformers model (a test's
+    scripted stand-in), which then gets plain positions."""
+    try:
+        return causal_lm(model).config
+    except TypeError:
+        return None
+
+
 def prompt_cache(
     model: nn.Module,
     prompt_ids: torch.Tensor,
@@ -315,7 +325,7 @@ def prompt_cache(
         ids, mask, inverse = unique_prompts(prompt_ids, prompt_mask)
     else:
         ids, mask = prompt_ids, prompt_mask
-    inputs = prefill_inputs(ids, mask, media, causal_lm(model).config)
+    inputs = prefill_inputs(ids, mask, media, model_config(model))
     out = model(**inputs, use_cache=True, logits_to_keep=1)
     cache = cache_of(out)
     if inverse is not None:

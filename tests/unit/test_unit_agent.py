@@ -505,8 +505,8 @@ def test_serve_tool_call_parser_none_leaves_the_call_in_the_text(tok):
 
     sampled = call_turn(tok)
     policy = SimpleNamespace(
-        chat=Chat(tok, CHATML_TOOLS_TEMPLATE), tokenizer=tok, name="p",
-        generate=lambda prompts, s: {"responses": [sampled], "finished": [True],
+        chat=Chat(tok, CHATML_TOOLS_TEMPLATE), tokenizer=tok, name="p", vision=None,
+        generate=lambda prompts, s, media=None: {"responses": [sampled], "finished": [True],
                                      "logprobs": [[-0.5] * len(sampled)], "version": 1},
     )  # fmt: skip
     tools = [tool_schema(lookup)]
@@ -553,7 +553,7 @@ def test_endpoint_episodes_are_collected_in_order_and_failures_are_one_line():
             return {"episodes": [records(int(e.rsplit("-", 1)[1])) for e in body["episodes"]]}
 
         return SimpleNamespace(
-            urls=["http://a"], token="t", version=2, timeout_s=60, call=call
+            urls=["http://a"], token="t", version=2, timeout_s=60, call=call, http=None
         ), asked
 
     def env(client, prompt, answer):

@@ -65,7 +65,12 @@ def one_rank_backend():
     """What the guard reads of a Backend: one rank, no DeepSpeed, plain backward."""
     accelerator = types.SimpleNamespace(backward=lambda loss: loss.backward())
     return types.SimpleNamespace(
-        rank=0, world_size=1, zero_stage=None, device=torch.device("cpu"), accelerator=accelerator
+        rank=0,
+        world_size=1,
+        zero_stage=None,
+        engine="single",
+        device=torch.device("cpu"),
+        accelerator=accelerator,
     )
 
 
