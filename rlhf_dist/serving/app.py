@@ -137,25 +137,50 @@ def build_app(
         except Unavailable as e:
             raise HTTPException(503, str(e)) from None
 
+    @app.get("/health")
+    def health() -> dict:
+        return _health(policy, batcher)
+
+    _add_sampling(app, policy, authorized, refused, max_batch, max_new_tokens, batcher)
+    _add_weight_sync(app, policy, authorized, refused)
+    _add_openai(
+        app, policy, authorized, refused, max_new_tokens, tool_call_parser == "hermes", batcher
+    )
+    return app
+
+
+def _health(policy: ServedPolicy, batcher: RequestBatcher | None) -> dict:
+    """/health's answer: the served model, its version and the weight-sync state; with
+    serve.batch_window_ms how many requests each generate call took."""
+    batched = (
+        {}
+        if batcher is None
+        else {"batched": {"requests": batcher.requests, "batches": batcher.batches}}
+    )
+    return {
+        "model": policy.name,
+        "version": policy.version,
+        "sync_group": policy.group is not None,
+        "sync_backends": local_backends(),
+        "last_error": policy.last_error,
+        "torn_update": policy.torn,
+    } | batched
+
+
+def _add_sampling(
+    app: FastAPI,
+    policy: ServedPolicy,
+    authorized: Authorized,
+    refused: Refusing,
+    max_batch: int,
+    max_new_tokens: int,
+    batcher: RequestBatcher | None,
+) -> None:
+    """/generate and /score: the trainer's token-in, token-out endpoints."""
+
     def batch(n: int, what: str) -> None:
         if n > max_batch:
             raise HTTPException(413, f"{what}: {n} rows, serve.max_batch is {max_batch}")
-
-    @app.get("/health")
-    def health() -> dict:
-        batched = (
-            {}
-            if batcher is None
-            else {"batched": {"requests": batcher.requests, "batches": batcher.batches}}
-        )  # serve.batch_window_ms: how many requests each generate call took
-        return {
-            "model": policy.name,
-            "version": policy.version,
-            "sync_group": policy.group is not None,
-            "sync_backends": local_backends(),
-            "last_error": policy.last_error,
-            "torn_update": policy.torn,
-        } | batched
 
     @app.post("/generate", dependencies=[Depends(authorized)])
     def generate(body: GenerateBody) -> dict:
@@ -174,12 +199,6 @@ def build_app(
     def score(body: ScoreBody) -> dict:
         batch(len(body.sequences), "sequences")
         return refused(policy.score, body.sequences, body.temperature)
-
-    _add_weight_sync(app, policy, authorized, refused)
-    _add_openai(
-        app, policy, authorized, refused, max_new_tokens, tool_call_parser == "hermes", batcher
-    )
-    return app
 
 
 def _add_weight_sync(
