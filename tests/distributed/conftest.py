@@ -7,6 +7,7 @@ a user would, and fails with the tail of their output if they exit non-zero or h
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -103,6 +104,25 @@ def run_all(
         tails = [f"process {i}:\n{(out + err)[-8000:]}" for i, (_, out, err) in enumerate(outputs)]
         pytest.fail(f"launch timed out after {timeout}s (a hang?)\n" + "\n".join(tails))
     return outputs
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    """The rows of a run directory's metrics.jsonl."""
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def one_rank_and_zero3(stage_args, work: Path, env: dict, timeout: float = 240.0) -> dict:
+    """Run `stage_args(out)` (a `-m rlhf_dist ...` argument list) as one process and under a
+    2-rank cpu_zero3 launch at once; the metrics rows of each, {"one": [...], "two": [...]}."""
+    one, two = work / "one", work / "two"
+    commands = [
+        [sys.executable, *stage_args(one)],
+        launch_args("cpu_zero3.yaml", free_port(), *stage_args(two)),
+    ]
+    for code, out, err in run_all(commands, timeout, [env, env]):
+        if code != 0:
+            pytest.fail(f"exited {code}\n{(out + err)[-6000:]}")
+    return {"one": metrics_rows(one), "two": metrics_rows(two)}
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> bool:

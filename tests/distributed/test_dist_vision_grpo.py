@@ -10,18 +10,13 @@ for generation). One launch of each, shared by the asserts."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from conftest import REPO, free_port, launch_args, run_all
+from conftest import REPO, one_rank_and_zero3
 from vision_models import build_tiny_llava, colour_image
 
 # metrics that are measurements of the machine, not of the run
 UNTIMED = ("time/", "memory/", "perf/", "throughput/")
-
-
-def _rows(out) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +54,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
             "generation.top_k=1",
         ]  # fmt: skip
 
-    one, two = work / "one", work / "two"
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    commands = [
-        [sys.executable, *grpo(one)],
-        launch_args("cpu_zero3.yaml", free_port(), *grpo(two)),
-    ]
-    for code, out, err in run_all(commands, 240, [env, env]):
-        if code != 0:
-            pytest.fail(f"exited {code}\n{(out + err)[-6000:]}")
-    return {"one": _rows(one), "two": _rows(two)}
+    return one_rank_and_zero3(grpo, work, env)
 
 
 def test_two_ranks_give_the_one_rank_runs_metrics(runs):
