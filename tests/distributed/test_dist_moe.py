@@ -1,5 +1,5 @@
-"""Mixture-of-experts under 2-rank ZeRO-3 (docs/moe.md), four processes launched at once
-(the "off" launch waits out its gloo timeout meanwhile):
+"""Mixture-of-experts under 2-rank ZeRO-3 (docs/moe.md), three launches and one
+process at once (the "off" launch waits out its gloo timeout meanwhile):
 
 - a model whose experts are a module list, called only for the tokens routed to them,
   trains with its sparse block a ZeRO-3 leaf (models/moe.py); without that setting the
@@ -7,11 +7,10 @@
   tests the fix;
 - a tiny Qwen3-MoE (fused 3-D experts) trained by SFT with the load-balancing loss on 2
   ZeRO-3 ranks of 2 micro-batches each logs the one process's 4-micro-batch metrics, the
-  loss's expert fractions counted over both ranks;
-- a tiny Mixtral trained by GRPO (greedy decoding, so a rank samples what the one process
-  samples for its prompts) logs the one process's metrics on 2 ZeRO-3 ranks.
+  loss's expert fractions counted over both ranks.
 
-tests/distributed/scripts/moe_parity.py runs every family x stage this way (docs/moe.md).
+tests/distributed/scripts/moe_parity.py runs every family x stage this way, GRPO among
+them (docs/moe.md); the suite keeps the SFT case, whose loss counts experts over ranks.
 """
 
 import json
@@ -31,25 +30,10 @@ def sft_command(policy: str, data: str, out) -> list[str]:
     ]  # fmt: skip
 
 
-def grpo_command(policy: str, prompts: str, out) -> list[str]:
-    """2 iterations of 4 prompts x 2 greedy samples: the samples of a group are identical
-    (advantages 0), so the entropy bonus is what moves the weights."""
-    return [
-        "-m", "rlhf_dist", "grpo", f"model.policy={policy}", f"data.train={prompts}",
-        "reward.function=rlhf_dist.demo.task:gold_reward_fn", f"run.output_dir={out}",
-        "run.log_every=1", "perf.num_threads=1", "model.router_aux_loss_coef=0.05",
-        "ppo.iterations=2", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=2",
-        "ppo.rollout_micro_batch_size=4", "ppo.minibatch_size=8", "ppo.micro_batch_size=2",
-        "ppo.optim.lr=1e-2", "ppo.entropy_coef=0.1", "generation.max_new_tokens=6",
-        "generation.top_k=1",
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def launches(assets, tmp_path_factory):
     """{name: (return code, output)} of the leaf probe on and off, and the SFT (Qwen3-MoE)
-    and GRPO (Mixtral) runs in one process and on 2 ZeRO-3 ranks; and the root their files
-    are under."""
+    run in one process and on 2 ZeRO-3 ranks; and the root their files are under."""
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -58,7 +42,6 @@ def launches(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
     policy = tiny_moe("qwen3_moe", tokenizer, root)
-    mixtral = tiny_moe("mixtral", tokenizer, root)
     rows = root / "sft16.jsonl"  # 2 steps of 8
     rows.write_text("".join(assets["files"].sft.read_text().splitlines(True)[:16]))
     commands = {
@@ -68,10 +51,6 @@ def launches(assets, tmp_path_factory):
     commands["one"] = [sys.executable, *sft_command(policy, str(rows), root / "one")]
     two = sft_command(policy, str(rows), root / "two")
     commands["two"] = launch_args("cpu_zero3.yaml", free_port(), *two)
-    prompts = str(assets["files"].prompts)
-    commands["grpo_one"] = [sys.executable, *grpo_command(mixtral, prompts, root / "grpo_one")]
-    grpo_two = grpo_command(mixtral, prompts, root / "grpo_two")
-    commands["grpo_two"] = launch_args("cpu_zero3.yaml", free_port(), *grpo_two)
     results = run_all(list(commands.values()), 240.0, [{}] * len(commands))
     return {k: (rc, out + err) for k, (rc, out, err) in zip(commands, results)}, root
 
@@ -104,23 +83,4 @@ def test_dist_moe_sft_zero3_two_ranks_equals_one_process(launches):
     assert len(steps) == 2
     for x, y in steps:  # seen: 1e-8
         for key in ("sft/loss", "loss/router_aux", "sft/grad_norm"):
-            assert abs(x[key] - y[key]) <= 1e-5 * max(1.0, abs(x[key])), (key, x[key], y[key])
-
-
-def test_dist_moe_grpo_mixtral_zero3_two_ranks_equals_one_process(launches):
-    results, root = launches
-    for name in ("grpo_one", "grpo_two"):
-        assert results[name][0] == 0, results[name][1][-4000:]
-    a, b = (
-        [json.loads(line) for line in (root / d / "metrics.jsonl").read_text().splitlines()]
-        for d in ("grpo_one", "grpo_two")
-    )
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
-    assert all(r["optim/grad_norm_actor"] > 0 for r in a)  # the entropy bonus has a gradient
-    timing = ("time/", "throughput/", "memory/")  # memory/: measured, or planned per rank
-    for x, y in zip(a, b):  # update/pad_fraction: each rank shuffles its rows (moe_parity.py)
-        keys = [k for k in x if isinstance(x[k], float) and not k.startswith(timing)]
-        keys = [k for k in keys if k != "update/pad_fraction"]
-        assert {"loss/router_aux", "policy/loss", "objective/kl"} <= set(keys)
-        for key in keys:
             assert abs(x[key] - y[key]) <= 1e-5 * max(1.0, abs(x[key])), (key, x[key], y[key])

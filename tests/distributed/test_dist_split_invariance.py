@@ -56,10 +56,10 @@ def probe_single(assets, out, *variants: str) -> dict:
     return torch.load(out)
 
 
-def probe_two_ranks(assets, out, config: str, *variants: str) -> dict:
+def probe_two_ranks(assets, out, config: str, *variants: str, cwd=REPO) -> dict:
     cmd = [PROBE, assets["policy"], assets["reward"], str(out), *variants]
     # Several variants share this launch: 3 minutes before it counts as a hang.
-    run_launch(launch_args(config, free_port(), *cmd), timeout=180)
+    run_launch(launch_args(config, free_port(), *cmd), timeout=180, cwd=cwd)
     return torch.load(out)
 
 
@@ -224,7 +224,12 @@ def test_sequence_parallel_under_zero3_with_checkpointing_and_lora(one_rank, zer
 
 
 def test_gradient_and_checkpoint_optimizer_under_zero2(assets, one_rank, tmp_path):
-    zero2 = probe_two_ranks(assets, tmp_path / "zero2.pt", "cpu_zero2.yaml", variant("z2", 2))
+    """Launched from another directory: cpu_zero2.yaml names its DeepSpeed file relative to
+    the checkout (test_dist_launch_configs.py)."""
+    variants = (variant("z2", 2),)
+    zero2 = probe_two_ranks(
+        assets, tmp_path / "zero2.pt", "cpu_zero2.yaml", *variants, cwd=tmp_path
+    )
     assert zero2["checkpoint_optimizer"]["z2"] == ADAMW
     grads = one_rank["gradients"]["token_mean"]
     assert_same_gradients(grads, zero2["gradients"]["z2"], 1e-4, "2x2 ZeRO-2")
