@@ -1,6 +1,6 @@
 """distributed.sequence_parallel_size=2 on 2 CPU ranks (gloo, DDP) gives the loss and the
 gradient of sequence_parallel_size=1, to 1e-5, for one optimizer step of SFT, DPO, KTO and
-the GRPO update on 4K-token sequences, padded and packed, and the rollout's scoring gives
+the GRPO update on 2K-token sequences, padded and packed, and the rollout's scoring gives
 the same log-probs and entropies (docs/distributed.md "Sequence parallelism"). One launch
 of scripts/sp_probe.py computes every case."""
 
@@ -19,7 +19,7 @@ CASES += [(case, "packed") for case in ("sft", "dpo", "grpo")]
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sp") / "probe.pt"
-    run_launch(launch_args("cpu_ddp.yaml", free_port(), PROBE, str(out), "4096"), timeout=240)
+    run_launch(launch_args("cpu_ddp.yaml", free_port(), PROBE, str(out), "2048"), timeout=240)
     return torch.load(out)
 
 
