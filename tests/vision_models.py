@@ -197,3 +197,25 @@ def qwen_images(sizes: list[tuple[int, int]], seed: int = 0) -> list:
             image.paste(colour, (x, y, min(width, x + width // 3), min(height, y + height // 3)))
         images.append(image)
     return images
+
+
+class ImageObservation:
+    """A two-turn environment whose observation is an image (generation.environment,
+    rollout/agent.py): the policy's first turn gets back a tool message holding a colour
+    image, as TRL's image part, and a question; its second turn ends the episode. A row
+    whose `corrupt` column is true gets bytes no image decoder reads instead."""
+
+    def reset(self, prompt: list[dict], corrupt: bool = False) -> list[dict]:
+        self.corrupt = corrupt
+        return [dict(m) for m in prompt]
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool, None]:
+        if sum(m["role"] == "assistant" for m in messages) > 1:
+            return [], True, None
+        image = b"not an image" if self.corrupt else colour_image("green", (56, 56))
+        question = {"type": "text", "text": "what colour is this"}
+        return (
+            [{"role": "tool", "content": [{"type": "image", "image": image}, question]}],
+            False,
+            None,
+        )
