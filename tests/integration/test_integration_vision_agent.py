@@ -187,6 +187,38 @@ def test_grpo_trains_the_language_model_only(episodes):
     assert any(not torch.equal(before[k], after[k]) for k in language)
 
 
+def test_the_actors_own_decode_loop_plays_the_same_episodes(episodes):
+    """The decode loop over the actor (generation.backend=hf: each turn's prefill takes the
+    images of its context) samples the very turns the checked sampler above does from the
+    same seed, on prompts whose images the environment's first messages carry as parts."""
+    import functools
+
+    from rlhf_dist.config import GenerationConfig
+    from rlhf_dist.rollout.agent import run_episodes
+    from rlhf_dist.rollout.collect import _turn
+
+    _, _, [(_, _, models)], image_id = episodes
+    agent, tok = models.agent, models.agent.renderer.tokenizer
+    text = {"type": "text", "text": "what colour is this"}
+    prompts = [
+        [{"role": "user", "content": [{"type": "image", "image": colour_image(c, (56, 60))}, text]}]
+        for c in ("red", "blue", "green", "red")
+    ]
+    gen, stops = GenerationConfig(max_new_tokens=4, temperature=1.0), models.stop_ids
+    with models.generation_context() as (actor, keep_in_step):
+        torch.manual_seed(3)
+        own = run_episodes(agent, actor, keep_in_step, prompts, gen, tok, stops)
+    torch.manual_seed(3)
+    turn = functools.partial(_turn, models.sampler, tok.pad_token_id)
+    engine = run_episodes(agent, None, None, prompts, gen, tok, stops, sampler=turn)
+    assert [e.tokens for e in own] == [e.tokens for e in engine]
+    assert any(e.turns == 2 for e in own)
+    for e in own:  # one image in the prompt, one per observation
+        assert len(e.media) == e.turns
+        count = (e.prompt + e.tokens).count(image_id)
+        assert count == image_tokens(e.pixel_inputs())
+
+
 def test_a_tool_returning_an_image_answers_with_an_image_part():
     from rlhf_dist.rollout.agent import ToolEnvironment
 

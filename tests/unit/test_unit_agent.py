@@ -285,6 +285,22 @@ def test_run_tool_turns_results_into_text():
 # ------------------------------------------------------------------------ truncation
 
 
+def test_tool_content_keeps_images_as_parts_and_everything_else_as_text():
+    from PIL import Image
+
+    from rlhf_dist.rollout.agent import tool_content
+
+    image = Image.new("RGB", (2, 2))
+    parts = [{"type": "text", "text": "a"}, {"type": "image", "image": image}]
+    assert tool_content(image) == ([{"type": "image", "image": image}], False)
+    assert tool_content(parts) == (parts, False)
+    assert tool_content({"role": "tool", "content": parts}) == (parts, False)
+    text_parts = [{"type": "text", "text": "a"}]  # no image: JSON, as before
+    assert tool_content(text_parts) == (json.dumps(text_parts), False)
+    content, failed = tool_content({1, 2})  # nothing JSON can hold: an error text
+    assert failed and content.startswith("error: the tool's result is not JSON")
+
+
 def test_max_turns_truncates_an_episode_that_keeps_calling_tools(tok):
     agent = make_agent(tok, {"lookup": lookup}, max_turns=3)
     _, [e] = play(tok, agent, [call_turn(tok)])  # always calls the tool
