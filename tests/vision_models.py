@@ -199,6 +199,23 @@ def qwen_images(sizes: list[tuple[int, int]], seed: int = 0) -> list:
     return images
 
 
+def every_other_word(path: str | Path) -> list[int]:
+    """Every other word of the tokenizer as a stop token: a random tiny policy's turns end
+    after a token or two, so that most episodes reach the observation."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    special = set(tok.all_special_ids) | {
+        tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens
+    }
+    words = sorted(
+        i
+        for i in tok.get_vocab().values()
+        if i not in special and "<" not in tok.convert_ids_to_tokens(i)
+    )
+    return words[::2]
+
+
 class ImageObservation:
     """A two-turn environment whose observation is an image (generation.environment,
     rollout/agent.py): the policy's first turn gets back a tool message holding a colour

@@ -20,6 +20,7 @@ from vision_models import (
     build_tiny_llava,
     build_tiny_qwen_vl,
     colour_image,
+    every_other_word,
     llava_colour_reward,
     llava_rows,
 )
@@ -52,23 +53,6 @@ class ScoredTurns:
         return self.inner.sample(*args, **{**kwargs, "logprobs": True})
 
 
-def stop_ids(path) -> list[int]:
-    """Every other word of the tokenizer as a stop token: a random tiny policy's turns end
-    after a token or two, so that most episodes reach the observation."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    special = set(tok.all_special_ids) | {
-        tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens
-    }
-    words = sorted(
-        i
-        for i in tok.get_vocab().values()
-        if i not in special and "<" not in tok.convert_ids_to_tokens(i)
-    )
-    return words[::2]
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def episodes(request, tmp_path_factory):
     """(model dir, output dir, the recorded (batch, texts, RolloutModels), the processor's
@@ -90,7 +74,7 @@ def episodes(request, tmp_path_factory):
             "environment": "vision_models:ImageObservation",
             "max_turns": 2,
             "max_episode_tokens": 96,
-            "stop_token_ids": stop_ids(path),
+            "stop_token_ids": every_other_word(path),
         },
         "ppo": {
             "iterations": 1,
