@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from rlhf_dist.demo.task import all_words
 from rlhf_dist.demo.vision_model import (  # noqa: F401  (the tests' Qwen builders live there)
@@ -236,3 +237,26 @@ class ImageObservation:
             False,
             None,
         )
+
+
+def data_url(image: Any) -> dict:
+    """An OpenAI `image_url` part holding `image` as a base64 PNG data URL."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def image_episode(client: Any, prompt: Any, image: Any) -> None:
+    """An environment behind the servers' chat endpoint (generation.environment_endpoint)
+    whose observation is an image: the row's image and a question as OpenAI `image_url`
+    and text parts, the policy's answer, then a tool message holding a green image and the
+    question, and the policy's second answer. No reward: reward.function scores it."""
+    question = {"type": "text", "text": "what colour is this"}
+    first = [{"role": "user", "content": [data_url(image), question]}]
+    reply = client.chat(first)["choices"][0]["message"]
+    seen = {"role": "tool", "content": [data_url(colour_image("green", (56, 56))), question]}
+    client.chat([*first, reply, seen])

@@ -218,7 +218,7 @@ def _episodes(
         _require_rewards(episodes, models.any_rank)
     device = next(iter(models.actor_critic.parameters())).device
     sampled: dict[str, Any] = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
-    vision = models.agent.vision if isinstance(models.agent, agent_mod.Agent) else None
+    vision = models.agent.vision
     if vision is not None:  # each episode's images, in the order of their tokens
         media = tuple(e.pixel_inputs() for e in episodes)
         sampled["media"] = RowMedia(media, vision.image_token_id)

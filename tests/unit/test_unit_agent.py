@@ -442,14 +442,14 @@ def test_an_episode_played_through_the_endpoint_keeps_the_sampled_ids(tok):
 
     log, render = EpisodeLog(Chat(tok, CHATML_TOOLS_TEMPLATE)), Renderer(tok, CHATML_TOOLS_TEMPLATE)
     user = [{"role": "user", "content": "What is b?"}]
-    ids, turn = log.context("e1", user, ())
+    ids, turn, _ = log.context("e1", user, ())
     assert (ids, turn) == (render.prompt_ids(user), 0)
     sampled = call_turn(tok)  # '... "name" ...' one token per character
     text = tok.decode(sampled[:-1])
     said = [*user, {"role": "assistant", "content": text}]
     log.answered("e1", sampled, [-0.5] * len(sampled), text, 3, said[-1])
     tool = [{"role": "tool", "content": "value-b"}]
-    ids, turn = log.context("e1", said + tool, ())
+    ids, turn, _ = log.context("e1", said + tool, ())
     more = render.continuation_ids(said, tool)
     assert turn == 1 and ids == render.prompt_ids(user) + sampled + more
     assert tok(text, add_special_tokens=False)["input_ids"] != sampled[:-1]  # re-tokenised differs
@@ -494,7 +494,7 @@ def test_a_tool_call_comes_back_as_openai_tool_calls_and_its_echo_continues_the_
         "content": [{"type": "text", "text": "value-b"}],
     }
     sent = [Message(**m).as_dict() for m in (*user, echo, tool)]
-    ids, turn = log.context("e1", sent, ())
+    ids, turn, _ = log.context("e1", sent, ())
     said = [*user, {"role": "assistant", "content": text}]
     more = render.continuation_ids(said, [{"role": "tool", "content": "value-b"}])
     assert turn == 1 and ids == render.prompt_ids(user) + sampled + more
