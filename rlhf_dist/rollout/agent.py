@@ -167,9 +167,14 @@ def tool_content(value: Any) -> tuple[str | list[dict], bool]:
         return f"error: the tool's result is not JSON ({e})", True
 
 
+# content parts that hold an image: TRL's {"type": "image", "image": ...} and OpenAI's
+# {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
+IMAGE_PARTS = ("image", "image_url")
+
+
 def _is_part(part: Any) -> bool:
     """Whether `part` is a content part: {"type": "text" | "image" | "image_url", ...}."""
-    return isinstance(part, dict) and part.get("type") in ("text", "image", "image_url")
+    return isinstance(part, dict) and part.get("type") in ("text", *IMAGE_PARTS)
 
 
 def _has_image(messages: Sequence[dict]) -> bool:
@@ -179,9 +184,6 @@ def _has_image(messages: Sequence[dict]) -> bool:
         and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m["content"])
         for m in messages
     )
-
-
-IMAGE_PARTS = ("image", "image_url")
 
 
 def tool_schema(fn: Callable, key: str = "generation.tools") -> dict:
@@ -377,8 +379,8 @@ def observed(
         return message_images(messages, agent.vision.placeholder, given)
     if _has_image(messages):
         raise UserError(
-            "generation.tools: a tool or environment returned an image, and model.policy is "
-            "not a vision-language model (docs/vision.md)"
+            "generation.tools/environment: a tool or environment returned an image, and "
+            "model.policy is not a vision-language model (docs/vision.md)"
         )
     return messages, []
 
@@ -628,7 +630,7 @@ def episode_stats(batch: RolloutBatch) -> dict[str, tuple[torch.Tensor, int]]:
     assert batch.tool_errors is not None
     B = batch.turns.shape[0]
     skipped = batch.skipped_episodes
-    skipped = torch.zeros(B, dtype=torch.bool) if skipped is None else skipped
+    skipped = torch.zeros_like(batch.finished) if skipped is None else skipped
     return {
         "rollout/turns": (batch.turns.sum().float(), B),
         "rollout/tool_calls": (batch.tool_calls.sum().float(), B),

@@ -222,6 +222,6 @@ def test_an_image_to_a_text_policy_is_one_error_line():
 
     parts = [{"type": "image", "image": colour_image("red")}]
     with pytest.raises(
-        UserError, match=r"^generation\.tools: a tool or environment returned an image"
+        UserError, match=r"^generation\.tools/environment: a tool or environment returned an image"
     ):
         observed(TextAgent(), [{"role": "tool", "content": parts}])
