@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -39,6 +41,8 @@ from rlhf_dist.rollout.batch import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 # (input_ids, attention_mask (B, P + T), response_mask (B, T), P) of a scoring chunk
 ChunkInputs: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -216,6 +220,10 @@ def _episodes(
         episodes = _agent_episodes(models, prompts, gen, chunks, tokenizer, eos)
     if models.agent.reward_required:  # the same on every rank: the collective is safe
         _require_rewards(episodes, models.any_rank)
+    skipped = Counter(e.skipped for e in episodes if e.skipped)
+    if skipped:  # counted in rollout/skipped_episodes; why, here (this rank's)
+        why = "; ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+        log.warning("rollout: %d episodes skipped (%s)", sum(skipped.values()), why)
     device = next(iter(models.actor_critic.parameters())).device
     sampled: dict[str, Any] = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
     vision = models.agent.vision

@@ -13,6 +13,8 @@ and the language model trains while the vision tower and the reference do not ch
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -53,10 +55,21 @@ class ScoredTurns:
         return self.inner.sample(*args, **{**kwargs, "logprobs": True})
 
 
+class Lines(logging.Handler):
+    """The messages of the log records it handles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def episodes(request, tmp_path_factory):
     """(model dir, output dir, the recorded (batch, texts, RolloutModels), the processor's
-    image token id) of one GRPO iteration with `ImageObservation`, the last prompt's image
+    image token id, the rollout's warnings) of one GRPO iteration with `ImageObservation`, the last prompt's image
     unreadable."""
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "llava":
@@ -94,15 +107,20 @@ def episodes(request, tmp_path_factory):
         recorded.append((batch, texts, args[0]))
         return batch, texts
 
+    warned, logger = Lines(), logging.getLogger("rlhf_dist.rollout.collect")
+    logger.addHandler(warned)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ppo_rollout, "collect_rollout", spy)
         mp.setattr(ppo_setup, "make_sampler", lambda *a: ScoredTurns(make(*a)))
-        rlhf_dist.grpo(config, dataset=rows, reward_fn=llava_colour_reward)
+        try:
+            rlhf_dist.grpo(config, dataset=rows, reward_fn=llava_colour_reward)
+        finally:
+            logger.removeHandler(warned)
     assert before == {p.name: p.read_bytes() for p in path.iterdir()}  # the reference's files
     from transformers import AutoConfig
 
     image_id = AutoConfig.from_pretrained(str(path)).image_token_id
-    return path, out, recorded, image_id
+    return path, out, recorded, image_id, warned.lines
 
 
 def image_tokens(media: dict[str, torch.Tensor]) -> int:
@@ -114,7 +132,7 @@ def image_tokens(media: dict[str, torch.Tensor]) -> int:
 
 
 def test_observed_images_sit_in_the_episode_and_out_of_the_loss(episodes):
-    _, _, [(batch, _, _)], image_id = episodes
+    _, _, [(batch, _, _)], image_id, _ = episodes
     observed = 0
     for b, row in enumerate(batch.media.rows):
         prompt, response = batch.prompt_ids[b], batch.response_ids[b]
@@ -135,7 +153,7 @@ def test_observed_images_sit_in_the_episode_and_out_of_the_loss(episodes):
 def test_sampler_and_trainer_log_probs_agree_and_the_images_matter(episodes):
     from rlhf_dist.engine.forward import token_logprobs
 
-    _, _, [(batch, _, models)], _ = episodes
+    _, _, [(batch, _, models)], _, _ = episodes
     mask = batch.response_mask
     assert batch.sampler_logprobs is not None and mask.any()
     for trainer in (batch.ref_logprobs, batch.old_logprobs):
@@ -152,16 +170,17 @@ def test_sampler_and_trainer_log_probs_agree_and_the_images_matter(episodes):
 
 
 def test_an_unreadable_observation_is_a_counted_skip(episodes, read_jsonl):
-    _, out, [(batch, _, _)], _ = episodes
+    _, out, [(batch, _, _)], _, warned = episodes
     skipped = batch.skipped_episodes
     assert skipped[-2:].all() and not skipped[:-2].any()  # the last prompt's two samples
     assert torch.isnan(batch.raw_scores[skipped]).all()
     [row] = read_jsonl(out / "metrics.jsonl")
     assert row["rollout/skipped_episodes"] == pytest.approx(2 / 8)
+    assert warned == ["rollout: 2 episodes skipped (2 an observation's image: unreadable image)"]
 
 
 def test_grpo_trains_the_language_model_only(episodes):
-    path, out, _, _ = episodes
+    path, out, _, _, _ = episodes
     before = load_file(str(path / "model.safetensors"))
     after = load_file(str(out / "final" / "model.safetensors"))
     vision = [k for k in before if is_vision_part(k)]
@@ -181,7 +200,7 @@ def test_the_actors_own_decode_loop_plays_the_same_episodes(episodes):
     from rlhf_dist.rollout.agent import run_episodes
     from rlhf_dist.rollout.collect import _turn
 
-    _, _, [(_, _, models)], image_id = episodes
+    _, _, [(_, _, models)], image_id, _ = episodes
     agent, tok = models.agent, models.agent.renderer.tokenizer
     text = {"type": "text", "text": "what colour is this"}
     prompts = [
