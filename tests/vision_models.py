@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from rlhf_dist.demo.task import all_words
 from rlhf_dist.demo.vision_model import (  # noqa: F401  (the tests' Qwen builders live there)
@@ -197,3 +198,65 @@ def qwen_images(sizes: list[tuple[int, int]], seed: int = 0) -> list:
             image.paste(colour, (x, y, min(width, x + width // 3), min(height, y + height // 3)))
         images.append(image)
     return images
+
+
+def every_other_word(path: str | Path) -> list[int]:
+    """Every other word of the tokenizer as a stop token: a random tiny policy's turns end
+    after a token or two, so that most episodes reach the observation."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    special = set(tok.all_special_ids) | {
+        tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens
+    }
+    words = sorted(
+        i
+        for i in tok.get_vocab().values()
+        if i not in special and "<" not in tok.convert_ids_to_tokens(i)
+    )
+    return words[::2]
+
+
+class ImageObservation:
+    """A two-turn environment whose observation is an image (generation.environment,
+    rollout/agent.py): the policy's first turn gets back a tool message holding a colour
+    image, as TRL's image part, and a question; its second turn ends the episode. A row
+    whose `corrupt` column is true gets bytes no image decoder reads instead."""
+
+    def reset(self, prompt: list[dict], corrupt: bool = False) -> list[dict]:
+        self.corrupt = corrupt
+        return [dict(m) for m in prompt]
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], bool, None]:
+        if sum(m["role"] == "assistant" for m in messages) > 1:
+            return [], True, None
+        image = b"not an image" if self.corrupt else colour_image("green", (56, 56))
+        question = {"type": "text", "text": "what colour is this"}
+        return (
+            [{"role": "tool", "content": [{"type": "image", "image": image}, question]}],
+            False,
+            None,
+        )
+
+
+def data_url(image: Any) -> dict:
+    """An OpenAI `image_url` part holding `image` as a base64 PNG data URL."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def image_episode(client: Any, prompt: Any, image: Any) -> None:
+    """An environment behind the servers' chat endpoint (generation.environment_endpoint)
+    whose observation is an image: the row's image and a question as OpenAI `image_url`
+    and text parts, the policy's answer, then a tool message holding a green image and the
+    question, and the policy's second answer. No reward: reward.function scores it."""
+    question = {"type": "text", "text": "what colour is this"}
+    first = [{"role": "user", "content": [data_url(image), question]}]
+    reply = client.chat(first)["choices"][0]["message"]
+    seen = {"role": "tool", "content": [data_url(colour_image("green", (56, 56))), question]}
+    client.chat([*first, reply, seen])

@@ -16,6 +16,8 @@ keeps the processor's other outputs (`pixel_values`, `image_grid_thw`, `image_si
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +100,69 @@ def flatten_messages(messages: Any, n_images: int, placeholder: str, name: str) 
     if placed != n_images:
         raise BadRow(f"image count differs from the image placeholders in '{name}'")
     return out
+
+
+def message_images(
+    messages: Sequence[dict], placeholder: str, given: Sequence[Any] = ()
+) -> tuple[list[dict], list[Any]]:
+    """(messages, their images in order) of a multi-turn episode's messages
+    (rollout/agent.py): each list-of-parts content joined into a string, every image part
+    as `placeholder`. An image part carrying its image (TRL's {"type": "image", "image":
+    a PIL image, path, bytes or {"bytes", "path"} dict}, or an OpenAI {"type":
+    "image_url"} part with a base64 data URL) gives that image; an image part without
+    one, and a placeholder already in a text, stands for the next of `given` (the prompt
+    row's images), all of which must be used. BadRow: an unreadable image, a part neither
+    text nor image, or a count that differs."""
+    pending, images, out = list(given)[::-1], [], []
+
+    def text_of(text: str) -> str:
+        for _ in range(text.count(placeholder)):  # the row's images, in order
+            images.append(_next_given(pending))
+        return text
+
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            content = text_of(content)
+        elif isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(text_of(part["text"]))
+                elif kind in ("image", "image_url"):
+                    images.append(_part_image(part) or _next_given(pending))
+                    texts.append(placeholder)
+                else:
+                    raise BadRow("a content part of a message is neither text nor image")
+            content = "".join(texts)
+        out.append({**m, "content": content})
+    if pending:
+        raise BadRow("image count differs from the image placeholders in the messages")
+    return out, images
+
+
+def _next_given(pending: list[Any]) -> Any:
+    """The next of a prompt row's images (`message_images`; `pending` reversed)."""
+    if not pending:
+        raise BadRow("image count differs from the image placeholders in the messages")
+    return load_image(pending.pop())
+
+
+def _part_image(part: dict) -> Any | None:
+    """The PIL image an image part carries (`message_images`), None when it carries none."""
+    if part.get("type") == "image":
+        value = part.get("image")
+        return None if value is None else load_image(value)
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
+    if not (head.startswith("data:image/") and head.endswith(";base64")):
+        raise BadRow("an image_url part without a base64 data URL (data:image/<type>;base64,...)")
+    try:
+        return load_image(base64.b64decode(data, validate=True))
+    except (binascii.Error, ValueError):
+        raise BadRow("an image_url part whose data is not base64") from None
 
 
 def _join_parts(content: list, placeholder: str, name: str) -> tuple[str, int]:

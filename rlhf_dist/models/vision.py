@@ -105,7 +105,8 @@ def policy_vision(cfg: Config, samples: bool = False) -> VisionInputs | None:
     weights load: perf.packed_sequences (packed rows would need each image's features
     at the packed positions) and sequence parallelism (an image's tokens must stay on
     one rank); for a stage that `samples`, another generation.backend than the decode
-    loop or on-policy rollout servers, and multi-turn rollouts (tools, environments)."""
+    loop or on-policy rollout servers (tools and environments may return images:
+    rollout/agent.py, rollout/endpoint.py)."""
     m, g, key = cfg.model, cfg.generation, "model.policy"
     path = m.policy
     if vision_config(path, m.trust_remote_code) is None:
@@ -118,11 +119,6 @@ def policy_vision(cfg: Config, samples: bool = False) -> VisionInputs | None:
     if samples and g.backend == "server" and cfg.ppo.max_staleness:
         raise ConfigError(
             "ppo.max_staleness: a vision-language policy's served rollouts are on-policy (0)"
-        )
-    if samples and (g.tools or g.environment):
-        what = "generation.tools" if g.tools else "generation.environment"
-        raise ConfigError(
-            f"{what}: multi-turn rollouts of a vision-language policy are not supported"
         )
     if cfg.perf.packed_sequences:
         raise ConfigError("perf.packed_sequences: not supported for a vision-language policy")

@@ -35,11 +35,21 @@ import torch
 from torch import nn
 
 from rlhf_dist.config import Config, ConfigError, GenerationConfig, PerfConfig
-from rlhf_dist.data.chat import Chat, resolve_template
+from rlhf_dist.data.chat import BadRow, Chat, resolve_template
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.data.rows import Text
+from rlhf_dist.data.vision import (
+    Media,
+    RowMedia,
+    VisionInputs,
+    join_media,
+    message_images,
+    row_images,
+)
 from rlhf_dist.engine.decode import KeepInStep, generate
 from rlhf_dist.engine.forward import DEFAULT_PERF
+from rlhf_dist.errors import UserError
+from rlhf_dist.models.vision import policy_vision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,12 +58,22 @@ if TYPE_CHECKING:
 
 V = TypeVar("V")
 ToolCall: TypeAlias = tuple[str, dict[str, Any]]  # (tool name, keyword arguments)
-# sample(ids, mask (B, L) left-padded, gen, stop_ids) -> (ids (B, T), the sampler's
-# log-probs (B, T) or None): one turn of every active episode
-TurnSampler: TypeAlias = Callable[
-    [torch.Tensor, torch.Tensor, GenerationConfig, Sequence[int]],
-    tuple[torch.Tensor, torch.Tensor | None],
-]
+
+
+class TurnSampler(Protocol):
+    """sample(ids, mask (B, L) left-padded, gen, stop_ids[, media]) -> (ids (B, T), the
+    sampler's log-probs (B, T) or None): one turn of every active episode; media, passed
+    for a vision policy only: the pixel inputs of each row's images so far."""
+
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        gen: GenerationConfig,
+        stop_ids: Sequence[int],
+        media: RowMedia | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -104,10 +124,11 @@ def _checked_call(call: Any) -> ToolCall:
     return call["name"], arguments
 
 
-def run_tool(fn: Callable, arguments: dict, timeout_s: float) -> tuple[str, bool]:
-    """(text for the model, whether it is an error) of fn(**arguments), run in a daemon
+def run_tool(fn: Callable, arguments: dict, timeout_s: float) -> tuple[str | list[dict], bool]:
+    """(content for the model, whether it is an error) of fn(**arguments), run in a daemon
     thread for at most timeout_s seconds. An exception or a timeout becomes an error text,
-    never a crash (a timed-out call is abandoned, still running in its thread)."""
+    never a crash (a timed-out call is abandoned, still running in its thread). The
+    content is `tool_content` of the result: a text, or parts holding an image."""
     result: dict = {}
 
     def call() -> None:
@@ -123,8 +144,46 @@ def run_tool(fn: Callable, arguments: dict, timeout_s: float) -> tuple[str, bool
         return f"error: the tool timed out after {timeout_s:g} s", True
     if "error" in result:
         return f"error: {result['error']}", True
-    value = result.get("value")
-    return (value if isinstance(value, str) else json.dumps(value)), False
+    return tool_content(result.get("value"))
+
+
+def tool_content(value: Any) -> tuple[str | list[dict], bool]:
+    """(a tool message's content, whether it is an error) of a tool's result: a text as it
+    is; an image (a PIL image) as one image part; a list of content parts (text and image
+    parts, as TRL and OpenAI tool messages carry them), or a message holding one as its
+    "content", as those parts when one is an image (a vision-language policy sees them:
+    `observed`); anything else as its JSON text, an error text when it has none."""
+    if isinstance(value, str):
+        return value, False
+    if hasattr(value, "getpixel"):  # a PIL image
+        return [{"type": "image", "image": value}], False
+    parts = value.get("content") if isinstance(value, dict) else value
+    image = isinstance(parts, list) and _has_image([{"content": parts}])
+    if isinstance(parts, list) and image and all(_is_part(p) for p in parts):
+        return list(parts), False
+    try:
+        return json.dumps(value), False
+    except (TypeError, ValueError) as e:
+        return f"error: the tool's result is not JSON ({e})", True
+
+
+# content parts that hold an image: TRL's {"type": "image", "image": ...} and OpenAI's
+# {"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}
+IMAGE_PARTS = ("image", "image_url")
+
+
+def _is_part(part: Any) -> bool:
+    """Whether `part` is a content part: {"type": "text" | "image" | "image_url", ...}."""
+    return isinstance(part, dict) and part.get("type") in ("text", *IMAGE_PARTS)
+
+
+def _has_image(messages: Sequence[dict]) -> bool:
+    """Whether a message's list-of-parts content holds an image part."""
+    return any(
+        isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m["content"])
+        for m in messages
+    )
 
 
 def tool_schema(fn: Callable, key: str = "generation.tools") -> dict:
@@ -215,6 +274,9 @@ class Agent:
     max_episode_tokens: int
     # no reward source is set (validation.py): every episode's reward is the environment's
     reward_required: bool = False
+    # a vision-language policy's processor (data/vision.py): images in the messages are
+    # observations (`observed`); None: a text policy, to which an image is an error
+    vision: VisionInputs | None = None
     # episodes played by this process (EndpointAgent: through the servers' chat endpoint)
     through_endpoint: ClassVar[bool] = False
 
@@ -254,7 +316,8 @@ def build_agent(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Agent | None
             "(it ignores `tools`); set data.chat_template: chatml_tools, or a template that does"
         )
     budget = g.max_episode_tokens or g.max_turns * g.max_new_tokens
-    return Agent(factory, renderer, g.max_turns, budget, environment_rewards_only(cfg))
+    vision = policy_vision(cfg, samples=True)
+    return Agent(factory, renderer, g.max_turns, budget, environment_rewards_only(cfg), vision)
 
 
 @dataclass
@@ -274,6 +337,15 @@ class Episode:
     reward: float | None = None
     answer: str = ""  # the last assistant turn's text
     sampler_logprobs: list[float] = field(default_factory=list)  # vLLM: per token, 0 on context
+    # a vision policy's pixel inputs of the episode's images, in the order their tokens
+    # appear (the prompt's, then each observation's): every forward over it takes them all
+    media: list[Media] = field(default_factory=list)
+    # why the episode was skipped (an observation's image unreadable: `advance`); "" if not
+    skipped: str = ""
+
+    def pixel_inputs(self) -> Media | None:
+        """The episode's images' pixel inputs joined in order (None: no image)."""
+        return join_media(self.media) or None
 
 
 def start_episode(agent: Agent, prompt: Text, columns: dict | None = None) -> Episode:
@@ -282,7 +354,44 @@ def start_episode(agent: Agent, prompt: Text, columns: dict | None = None) -> Ep
     a task's state."""
     env = agent.new_environment()
     messages = env.reset(prompt, **accepted_columns(env.reset, columns or {}, ("prompt",)))
-    return Episode(env, messages, agent.renderer.prompt_ids(messages))
+    media: list[Media] = []
+    try:  # a vision run: the row's images (its image / images columns) and any the
+        # environment adds to the first messages (`observed`)
+        given = [] if agent.vision is None else row_images(columns or {})
+        messages, images = observed(agent, messages, given)
+        ids = agent.renderer.prompt_ids(messages)
+        if images:
+            ids, pixels = expanded(agent, ids, images)
+            media.append(pixels)
+    except BadRow as e:
+        raise UserError(f"generation.environment: an episode's first messages: {e}") from None
+    return Episode(env, messages, ids, media=media)
+
+
+def observed(
+    agent: Agent, messages: list[dict], given: Sequence[Any] = ()
+) -> tuple[list[dict], list[Any]]:
+    """(messages, their images in order): for a vision policy each image part (a tool's or
+    environment's observation, or one of `given`, the prompt row's images) as the
+    processor's placeholder text (data/vision.py `message_images`; BadRow for an
+    unreadable image); a text policy's as they are, where an image is a UserError."""
+    if agent.vision is not None:
+        return message_images(messages, agent.vision.placeholder, given)
+    if _has_image(messages):
+        raise UserError(
+            "generation.tools/environment: a tool or environment returned an image, and "
+            "model.policy is not a vision-language model (docs/vision.md)"
+        )
+    return messages, []
+
+
+def expanded(agent: Agent, ids: list[int], images: list[Any]) -> tuple[list[int], Media]:
+    """(ids with each image placeholder replaced by its image's tokens, their pixel inputs)
+    (VisionInputs.expand; BadRow)."""
+    assert agent.vision is not None  # images only for a vision policy (`observed`)
+    ids, _, media = agent.vision.expand(ids, [False] * len(ids), images)
+    assert media is not None
+    return ids, media
 
 
 def run_episodes(
@@ -351,10 +460,13 @@ def _hf_sample(
     mask: torch.Tensor,
     gen: GenerationConfig,
     stop_ids: Sequence[int],
+    media: RowMedia | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """(ids (B, T), None) of engine.decode.generate over `actor` (the trainer's own sampler)."""
+    """(ids (B, T), None) of engine.decode.generate over `actor` (the trainer's own
+    sampler); media: the rows' pixel inputs, which its prefill takes."""
     ids, mask = ids.to(_device(actor)), mask.to(_device(actor))
-    out = generate(actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf)
+    pixels = None if media is None else media.joined()
+    out = generate(actor, ids, mask, gen, tokenizer, keep_in_step, stop_ids, perf, media=pixels)
     return out, None
 
 
@@ -374,14 +486,19 @@ def sample_turn(
     """One turn of every active episode: its context (prompt + all ids so far, exactly as
     sampled) left-padded into one batch, sampled until a stop token, then `advance`d. The
     turn is capped at generation.max_new_tokens and at what is left of the episode's
-    budget. sample(ids, mask, gen, stop_ids) -> (ids (B, T), sampler log-probs or None)."""
+    budget. sample(ids, mask, gen, stop_ids, media) -> (ids (B, T), sampler log-probs or
+    None); media: a vision policy's pixel inputs of each episode's images so far."""
     room = [agent.max_episode_tokens - len(e.tokens) for e in active]
     cap = min(gen.max_new_tokens, max(room))
     turn_gen = dataclasses.replace(
         gen, max_new_tokens=cap, min_new_tokens=min(gen.min_new_tokens, cap)
     )
     ids, mask = left_pad([e.prompt + e.tokens for e in active], tokenizer.pad_token_id)
-    out, logprobs = sample(ids, mask, turn_gen, stop_ids)
+    if agent.vision is None:  # a sampler written before images keeps working
+        out, logprobs = sample(ids, mask, turn_gen, stop_ids)
+    else:
+        media = RowMedia(tuple(e.pixel_inputs() for e in active), agent.vision.image_token_id)
+        out, logprobs = sample(ids, mask, turn_gen, stop_ids, media)
     logprobs = [None] * len(active) if logprobs is None else logprobs.tolist()
     for e, row, lp, r in zip(active, out.tolist(), logprobs, room):
         advance(agent, e, row[:r], tokenizer, stop_ids, lp)
@@ -397,9 +514,13 @@ def advance(
 ) -> None:
     """Append a sampled turn (up to and including its first stop token) to the episode,
     let the environment answer it, and append the tokens of the answer (context: not in
-    response_mask). A turn without a stop token (cut by a limit), max_turns reached or
-    no room left for the answer and a next turn: the episode ends truncated."""
+    response_mask). A turn without a stop token (cut by a limit, or before a sampled image
+    token of a vision policy, for which no image exists), max_turns reached or no room
+    left for the answer and a next turn: the episode ends truncated. An answer holding an
+    unreadable image: the episode ends, skipped (`Episode.skipped`)."""
     stops = {int(s) for s in torch.as_tensor(stop_ids).reshape(-1).tolist()}
+    if agent.vision is not None and agent.vision.image_token_id in row:
+        row = row[: row.index(agent.vision.image_token_id)]  # never fed (engine/decode.py)
     end = next((i for i, t in enumerate(row) if t in stops), None)
     turn = row if end is None else row[: end + 1]
     e.tokens += turn
@@ -420,13 +541,35 @@ def advance(
     if done:
         e.done, e.finished, e.reward = True, True, reward
         return
-    more = [] if e.turns >= agent.max_turns else agent.renderer.continuation_ids(e.messages, new)
-    if not more or len(e.tokens) + len(more) >= agent.max_episode_tokens:
+    observation = None if e.turns >= agent.max_turns else _observation(agent, e, new)
+    if observation is None or len(e.tokens) + len(observation[1]) >= agent.max_episode_tokens:
         e.done = True  # the conversation ends with the policy's turn, as scored
         return
+    new, more, media = observation
     e.messages += new
     e.tokens += more
     e.sampled += [False] * len(more)
+    e.media += [media] if media is not None else []
+
+
+def _observation(
+    agent: Agent, e: Episode, new: list[dict]
+) -> tuple[list[dict], list[int], Media | None] | None:
+    """(the environment's answer `new` as the conversation keeps it, its tokens after the
+    episode's messages (`Renderer.continuation_ids`), with each image's tokens in place of
+    its placeholder, and those images' pixel inputs or None), or None: no tokens, or an
+    image that cannot be read or placed (data/vision.py BadRow), which ends the episode
+    skipped with the reason (`Episode.skipped`)."""
+    try:
+        new, images = observed(agent, new)
+        more = agent.renderer.continuation_ids(e.messages, new)
+        media = None
+        if images and more:
+            more, media = expanded(agent, more, images)
+    except BadRow as err:
+        e.skipped = f"an observation's image: {err}"
+        return None
+    return (new, more, media) if more else None
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,8 +586,8 @@ def episode_batch(
     """The episodes as rollout tensors: prompt_ids/prompt_mask (B, P) left-padded;
     response_ids (B, T) (PAD after the end), response_mask (B, T) bool True on sampled
     tokens only, response_attention (B, T) long 1 on every token of the episode;
-    finished (B,) bool; turns, tool_calls, tool_errors (B,) long; env_scores (B,) float
-    (NaN where the environment gave no reward)."""
+    finished, skipped_episodes (B,) bool; turns, tool_calls, tool_errors (B,) long;
+    env_scores (B,) float (NaN where the environment gave no reward)."""
     prompt_ids, prompt_mask = left_pad([e.prompt for e in episodes], pad_id)
     T = max(1, max(len(e.tokens) for e in episodes))
 
@@ -458,6 +601,7 @@ def episode_batch(
         "response_mask": torch.tensor(right([e.sampled for e in episodes], False)),
         "response_attention": torch.tensor(right([[1] * len(e.tokens) for e in episodes], 0)),
         "finished": torch.tensor([e.finished for e in episodes]),
+        "skipped_episodes": torch.tensor([bool(e.skipped) for e in episodes]),
         "turns": torch.tensor([e.turns for e in episodes]),
         "tool_calls": torch.tensor([e.tool_calls for e in episodes]),
         "tool_errors": torch.tensor([getattr(e.env, "tool_errors", 0) for e in episodes]),
@@ -485,9 +629,12 @@ def episode_stats(batch: RolloutBatch) -> dict[str, tuple[torch.Tensor, int]]:
     assert batch.turns is not None and batch.tool_calls is not None  # a multi-turn batch
     assert batch.tool_errors is not None
     B = batch.turns.shape[0]
+    skipped = batch.skipped_episodes
+    skipped = torch.zeros_like(batch.finished) if skipped is None else skipped
     return {
         "rollout/turns": (batch.turns.sum().float(), B),
         "rollout/tool_calls": (batch.tool_calls.sum().float(), B),
         "rollout/tool_errors": (batch.tool_errors.sum().float(), B),
         "rollout/truncated_episodes": ((~batch.finished).sum().float(), B),
+        "rollout/skipped_episodes": (skipped.sum().float(), B),
     }

@@ -92,6 +92,9 @@ class RolloutBatch:
     turns: torch.Tensor | None = None  # (B,) long, assistant turns per episode
     tool_calls: torch.Tensor | None = None  # (B,) long, tool messages per episode
     tool_errors: torch.Tensor | None = None  # (B,) long, tool calls that failed
+    # (B,) bool, episodes skipped (an observation's image unreadable, rollout/agent.py):
+    # out of the loss as an unscored row is (NaN raw score)
+    skipped_episodes: torch.Tensor | None = None
     # Routing replay of a mixture-of-experts actor (ppo.routing_replay, docs/moe.md): the
     # expert indices (B, P, L, k) and (B, T, L, k) int64 the update's forwards replay for
     # the prompt and response tokens (L routed layers, top-k), -1 where a token keeps its

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ import torch
 
 from rlhf_dist.config import Config, GenerationConfig, PerfConfig
 from rlhf_dist.data.rows import Text
-from rlhf_dist.data.vision import Media
+from rlhf_dist.data.vision import Media, RowMedia
 from rlhf_dist.engine.cpu import scoring_context
 from rlhf_dist.engine.decode import cut_before, decode_responses, truncate_after_eos
 from rlhf_dist.engine.forward import DEFAULT_PERF, token_logprobs
@@ -39,6 +41,8 @@ from rlhf_dist.rollout.batch import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 # (input_ids, attention_mask (B, P + T), response_mask (B, T), P) of a scoring chunk
 ChunkInputs: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -150,7 +154,10 @@ def collect_rollout(
     }
     if env_scores is not None:  # the environment's reward where it gave one
         given = ~torch.isnan(env_scores)
-        merged["raw_scores"] = torch.where(given, env_scores, merged["raw_scores"])
+        raw = torch.where(given, env_scores, merged["raw_scores"])
+        # a skipped episode (rollout/agent.py) is unscored: the update leaves it out
+        skipped = sampled["skipped_episodes"].to(env_scores.device)
+        merged["raw_scores"] = raw.masked_fill(skipped, float("nan"))
     finished = sampled["finished"]
     scores = scores_with_eos_penalty(merged["raw_scores"], finished, cfg.reward.missing_eos_penalty)
     if timings is not None:  # seconds spent generating, and scoring with the four models
@@ -213,8 +220,16 @@ def _episodes(
         episodes = _agent_episodes(models, prompts, gen, chunks, tokenizer, eos)
     if models.agent.reward_required:  # the same on every rank: the collective is safe
         _require_rewards(episodes, models.any_rank)
+    skipped = Counter(e.skipped for e in episodes if e.skipped)
+    if skipped:  # counted in rollout/skipped_episodes; why, here (this rank's)
+        why = "; ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+        log.warning("rollout: %d episodes skipped (%s)", sum(skipped.values()), why)
     device = next(iter(models.actor_critic.parameters())).device
-    sampled = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
+    sampled: dict[str, Any] = agent_mod.episode_batch(episodes, tokenizer.pad_token_id, device)
+    vision = models.agent.vision
+    if vision is not None:  # each episode's images, in the order of their tokens
+        media = tuple(e.pixel_inputs() for e in episodes)
+        sampled["media"] = RowMedia(media, vision.image_token_id)
     env_scores = sampled.pop("env_scores")
     score_prompts, texts = agent_mod.scoring_inputs(episodes)
     return sampled, score_prompts, texts, env_scores
@@ -225,7 +240,7 @@ def _require_rewards(
 ) -> None:
     """With the environment as the run's only reward source, an episode that returned none
     stops every rank at once (any_rank: the ranks' agreement, None alone)."""
-    unscored = [i for i, e in enumerate(episodes) if e.reward is None]
+    unscored = [i for i, e in enumerate(episodes) if e.reward is None and not e.skipped]
     if any_rank(bool(unscored)) if any_rank is not None else unscored:
         where = f"episode {unscored[0]}" if unscored else "an episode of another rank"
         raise UserError(
@@ -480,8 +495,13 @@ def _turn(
     mask: torch.Tensor,
     gen: GenerationConfig,
     stop_ids: Sequence[int],
+    media: RowMedia | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One turn of every active episode (rollout/agent.py's `sampler`), sampled by the vLLM
-    engine or the rollout servers: (ids (B, T), sampler log-probs (B, T))."""
-    samples = sampler.sample(ids, mask, gen, stop_ids, pad)
+    engine or the rollout servers: (ids (B, T), sampler log-probs (B, T)); media: a
+    vision policy's pixel inputs of each episode's images so far."""
+    if media is None:  # a Sampler written before images keeps working
+        samples = sampler.sample(ids, mask, gen, stop_ids, pad)
+    else:
+        samples = sampler.sample(ids, mask, gen, stop_ids, pad, media=media)
     return samples.response_ids, samples.logprobs

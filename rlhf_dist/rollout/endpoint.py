@@ -11,7 +11,9 @@ answer). It never sees a token id. `verifiers:ENV_ID` names a verifiers environm
 instead (rollout/environments.py). The `model` name carries the episode's id; the server
 records each turn token in, token out (serving/episodes.py), and the trainer collects the
 records once every episode of the rollout is over: exactly the sampled ids, which of them
-the policy sampled, the log-probs they were sampled with and the policy version.
+the policy sampled, the log-probs they were sampled with and the policy version; for a
+vision-language policy, whose environment sends images as OpenAI `image_url` parts, the
+pixel inputs of the episode's images in the order of their tokens.
 
 Episodes run on threads, `generation.endpoint_episodes_at_once` at a time, spread over
 the servers; nothing here is a collective, so ranks need not keep in step.
@@ -28,9 +30,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from rlhf_dist.config import Config, GenerationConfig
 from rlhf_dist.data.inputs import accepted_columns, resolve_callable
 from rlhf_dist.data.rows import Text
+from rlhf_dist.data.vision import VisionInputs
 from rlhf_dist.errors import ServerError, UserError
+from rlhf_dist.generation.server import tensor_of
 from rlhf_dist.generation.vllm import sampling_seeds
 from rlhf_dist.http_client import HTTPFailure, JSONClient
+from rlhf_dist.models.vision import policy_vision
 from rlhf_dist.rollout.agent import Episode, environment_rewards_only
 from rlhf_dist.rollout.environments import EpisodeFunction, environment_episode
 
@@ -45,6 +50,7 @@ class EndpointAgent:
     episode: EpisodeFunction
     at_once: int
     reward_required: bool = False  # as agent.Agent's
+    vision: VisionInputs | None = None  # as agent.Agent's: a vision-language policy's
     through_endpoint: ClassVar[bool] = True  # the environment plays through the servers
 
 
@@ -56,7 +62,10 @@ def endpoint_agent(cfg: Config) -> EndpointAgent | None:
     episode = environment_episode(g.environment) or resolve_callable(
         g.environment, "generation.environment"
     )
-    return EndpointAgent(episode, g.endpoint_episodes_at_once, environment_rewards_only(cfg))
+    vision = policy_vision(cfg, samples=True)
+    return EndpointAgent(
+        episode, g.endpoint_episodes_at_once, environment_rewards_only(cfg), vision
+    )
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,11 @@ def _episode(record: dict | None, reward: float | None, version: int, i: int) ->
         )
     messages = record["messages"]
     answers = [m for m in messages if m["role"] == "assistant"]
+    pixels = record.get("pixels")  # a vision policy's images, in the order of their tokens
+    try:
+        media = [{k: tensor_of(v) for k, v in pixels.items()}] if pixels else []
+    except ValueError as e:
+        raise ServerError(f"rollout server: episode {i}'s pixel inputs: {e}") from None
     return Episode(
         env=None,
         messages=messages,
@@ -208,4 +222,5 @@ def _episode(record: dict | None, reward: float | None, version: int, i: int) ->
         reward=None if reward is None else float(reward),
         answer=answers[-1]["content"],
         sampler_logprobs=record["logprobs"],
+        media=media,
     )

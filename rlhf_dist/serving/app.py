@@ -245,7 +245,7 @@ def _add_openai(
         capped(body)
         return refused(openai.completion, policy, body, max_new, batcher)
 
-    episodes = None if policy.chat is None else EpisodeLog(policy.chat)
+    episodes = None if policy.chat is None else EpisodeLog(policy.chat, policy.vision)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     def chat_completions(body: openai.ChatBody) -> dict:

@@ -12,7 +12,11 @@ same turn as verifiers or the `openai` client sends it back) and add new ones, w
 are rendered (rollout/agent.py Renderer.continuation_ids) and appended after the ids
 sampled so far: no earlier turn is decoded and re-tokenised (trl#5144). The trainer
 collects the record (`collect`) once the episode is over: the prompt ids, the ids after
-them, which of those the policy sampled, their log-probs and the policy version.
+them, which of those the policy sampled, their log-probs and the policy version. For a
+vision-language policy a message may carry images as OpenAI `image_url` parts (an
+observation of the environment's, or the prompt's own): each becomes its tokens in place
+(serving/images.py `episode_images`, as a chat request's), every turn is sampled with the
+pixel inputs of all the episode's images so far, and the record carries them (`pixels`).
 
 Each turn's seed is derived from the request's seed, the episode id and the turn's
 index, so an episode samples the same tokens however the environment's requests
@@ -29,7 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_dist.data.chat import BadRow, Chat
+from rlhf_dist.data.vision import Media, VisionInputs, join_media
+from rlhf_dist.generation.server import pixel_specs
 from rlhf_dist.rollout.agent import Renderer
+from rlhf_dist.serving.images import episode_images
 from rlhf_dist.serving.policy import BadRequest
 
 SEPARATOR = "#"  # `model` = "<name>#<episode id>"
@@ -48,9 +55,15 @@ class Record:
     sampled: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: set[int] = field(default_factory=set)
+    media: list[Media] = field(default_factory=list)  # its images' pixel inputs, in order
+
+    def pixel_inputs(self) -> Media | None:
+        """The pixel inputs of every image of the episode so far, joined in order."""
+        return join_media(self.media) or None
 
     def answer(self) -> dict:
         return {
+            "pixels": pixel_specs(self.pixel_inputs()),
             "messages": self.messages,
             "prompt_ids": self.prompt,
             "token_ids": self.tokens,
@@ -83,38 +96,54 @@ def episode_of(model: str) -> str | None:
 class EpisodeLog:
     """Every episode in progress on this server, by id (requests run on many threads)."""
 
-    def __init__(self, chat: Chat):
-        self.chat, self.lock = chat, threading.Lock()
+    def __init__(self, chat: Chat, vision: VisionInputs | None = None):
+        self.chat, self.vision, self.lock = chat, vision, threading.Lock()
         self.records: dict[str, Record] = {}
 
-    def context(self, episode: str, messages: list[dict], tools: tuple) -> tuple[list[int], int]:
-        """The ids the episode's next turn continues and the turn's index (0: the first);
-        BadRequest when `messages` do not extend the episode's messages so far."""
+    def context(
+        self, episode: str, messages: list[dict], tools: tuple
+    ) -> tuple[list[int], int, Media | None]:
+        """The ids the episode's next turn continues, the turn's index (0: the first) and
+        the pixel inputs of the episode's images so far (None: none); BadRequest when
+        `messages` do not extend the episode's messages so far."""
         render = Renderer(self.chat.tokenizer, self.chat.template, tools)
         with self.lock:
             record = self.records.get(episode)
         try:
             if record is None:
-                ids = render.prompt_ids(messages)
+                flat, images = episode_images(self.vision, messages)
+                ids, media = self._expanded(render.prompt_ids(flat), images)
+                new = Record(list(flat), _seen(messages), ids, media=media)
                 with self.lock:
-                    self.records[episode] = Record(list(messages), _seen(messages), ids)
-                return ids, 0
+                    self.records[episode] = new
+                return ids, 0, new.pixel_inputs()
             known = len(record.messages)
             if _seen(messages[:known]) != record.seen or len(messages) == known:
                 raise BadRequest(
                     f"messages: episode {episode!r} must repeat its {known} messages so far "
                     "(the assistant turns as answered) and add new ones"
                 )
-            more = render.continuation_ids(record.messages, messages[known:])
+            flat, images = episode_images(self.vision, messages[known:])
+            more, media = self._expanded(render.continuation_ids(record.messages, flat), images)
         except BadRow as e:
             raise BadRequest(f"messages: {e}") from None
         with self.lock:
-            record.messages += messages[known:]
+            record.messages += flat
             record.seen += _seen(messages[known:])
             record.tokens += more
             record.sampled += [False] * len(more)
             record.logprobs += [0.0] * len(more)
-            return record.prompt + record.tokens, sum(m["role"] == "assistant" for m in messages)
+            record.media += media
+            turn = sum(m["role"] == "assistant" for m in messages)
+            return record.prompt + record.tokens, turn, record.pixel_inputs()
+
+    def _expanded(self, ids: list[int], images: list[Any]) -> tuple[list[int], list[Media]]:
+        """(ids with each image placeholder replaced by its image's tokens, [their pixel
+        inputs] or [] without images); BadRow (VisionInputs.expand)."""
+        if self.vision is None or not images:
+            return ids, []
+        ids, _, media = self.vision.expand(ids, [False] * len(ids), images)
+        return ids, [] if media is None else [media]
 
     def answered(
         self,

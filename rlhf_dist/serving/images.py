@@ -76,6 +76,19 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list[Any]]:
     return out, images
 
 
+def episode_images(
+    vision: VisionInputs | None, messages: list[dict]
+) -> tuple[list[dict], list[Any]]:
+    """(messages as the chat template reads them, their images in order) of an episode's
+    messages (serving/episodes.py): a vision-language model's `image_url` parts each as
+    the processor's placeholder (`chat_images`, then data/vision.py `flatten_messages`);
+    a text model's messages as they are. BadRequest or BadRow (a count that differs)."""
+    if vision is None:
+        return messages, []
+    messages, images = chat_images(messages)
+    return flatten_messages(messages, len(images), vision.placeholder, "messages"), images
+
+
 def chat_prompt(
     chat: Chat, vision: VisionInputs | None, messages: list[dict]
 ) -> tuple[list[int], Media | None]:

@@ -175,9 +175,7 @@ def chat_completion(
         chat = dataclasses.replace(policy.chat, tools=tools)
         prompt, media = chat_prompt(chat, vision, messages)
     else:
-        if any(isinstance(m["content"], list) for m in messages):  # image parts kept
-            raise BadRequest("messages: images in an episode's turns are not supported")
-        prompt, turn = episodes.context(episode, messages, tools)
+        prompt, turn, media = episodes.context(episode, messages, tools)
         s = dataclasses.replace(s, seed=turn_seed(s.seed, episode, turn))
     out, text = _sample(policy, prompt, s, batcher, media)
     message, finish = {"role": "assistant", "content": text}, out["finish"]
@@ -228,15 +226,21 @@ def _sample(
 ) -> tuple[dict[str, Any], str]:  # fmt: skip
     """One response to `prompt` (with `media`, its images' pixel inputs) -> (its ids,
     per-token strings and log-probs, finish reason, version; the text without the stop
-    token)."""
+    token). A vision policy's response that samples the image token ends before it
+    (finish "length"): no image exists for it, and an episode's next turn must not hold
+    it."""
     pixels: PromptMedia = None if media is None else [media]
     got = (policy if batcher is None else batcher).generate([prompt], s, media=pixels)
-    ids, finished = got["responses"][0], got["finished"][0]
+    ids, finished, logprobs = got["responses"][0], got["finished"][0], got["logprobs"][0]
+    image = None if policy.vision is None else policy.vision.image_token_id
+    if image in ids:  # never fed (engine/decode.py): cut before it, as the rollout does
+        ids, finished = ids[: ids.index(image)], False
+        logprobs = logprobs[: len(ids)]
     kept = ids[:-1] if finished else ids  # the text ends before the stop token
     out = {
         "ids": ids,
         "tokens": policy.tokenizer.convert_ids_to_tokens(ids),
-        "logprobs": got["logprobs"][0],
+        "logprobs": logprobs,
         "finish": "stop" if finished else "length",
         "version": got["version"],
     }

@@ -393,7 +393,6 @@ def test_packing_with_images_is_refused_naming_the_key(llava, tmp_path):
     [
         ("distributed", {"sequence_parallel_size": 2}, "distributed.sequence_parallel_size"),
         ("generation", {"backend": "vllm"}, "generation.backend"),
-        ("generation", {"tools": ("math:sqrt",)}, "generation.tools"),
     ],
 )
 def test_what_images_do_not_work_with_is_refused_naming_its_key(llava, section, values, key):

@@ -9,7 +9,8 @@ server process of the tiny LLaVA (tests/vision_models.py) for the module.
   samples the same tokens at the same seed; an image the prompt's tokens do not fit, an
   http(s) URL and image tokens without images are one-line 400s;
 - GRPO with generation.backend=server trains on served image rollouts, the sampler's
-  log-probs the trainer's to 1e-4.
+  log-probs the trainer's to 1e-4, and on served turns of in-process episodes whose
+  observation is an image.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from serve_process import served
-from vision_models import build_tiny_llava, colour_image, llava_colour_reward, llava_rows
+from vision_models import (
+    build_tiny_llava,
+    colour_image,
+    every_other_word,
+    llava_colour_reward,
+    llava_rows,
+)
 
 import rlhf_dist
 from rlhf_dist.config import Config, DataConfig, ModelConfig
@@ -136,9 +143,13 @@ def test_bad_images_are_one_line_400s(server, llava):
     url = "data:image/png;base64," + png_b64(colour_image("red"))
     turn = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": url}]}],
             "max_tokens": 2, "model": "llava#episode-1"}  # fmt: skip
-    status, got = call(server, "/v1/chat/completions", turn)
-    assert status == 400 and "images in an episode's turns are not supported" in got["detail"]
+    status, got = call(server, "/v1/chat/completions", turn)  # an episode's turn takes images
+    image_id = json.loads((llava / "config.json").read_text())["image_token_index"]
+    assert status == 200 and got["choices"][0]["prompt_token_ids"].count(image_id) == 4
     bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    status, got = call(server, "/v1/chat/completions", turn | {"messages": [
+        {"role": "user", "content": bad}], "model": "llava#episode-2"})  # fmt: skip
+    assert status == 400 and "unreadable image" in got["detail"]
     status, got = call(server, "/v1/chat/completions",
                        {"messages": [{"role": "user", "content": bad}], "max_tokens": 2})  # fmt: skip
     assert status == 400 and "unreadable image" in got["detail"]
@@ -172,6 +183,58 @@ def test_grpo_trains_on_served_image_rollouts(llava, server, tmp_path, monkeypat
     logged = [r for r in rows if "rollout/sampler_logprob_absdiff" in r]
     assert len(logged) == 1 and logged[0]["rollout/sampler_logprob_absdiff"] < 1e-4
     assert logged[0]["rollout/server_sync_gap"] < 1e-4
+
+
+def test_grpo_with_image_observations_on_served_turns(llava, server, tmp_path, monkeypatch):
+    """In-process episodes whose observation is an image (vision_models.ImageObservation,
+    docs/vision.md "Images from tools and environments"), each turn sampled by the server
+    from the episode's ids so far and the pixel inputs of all its images so far."""
+    monkeypatch.setenv(ENV, TOKEN)
+    out = tmp_path / "grpo_episodes"
+    config = {
+        "model": {"policy": str(llava)},
+        "ppo": {"iterations": 1, "rollout_batch_size": 4, "samples_per_prompt": 2,
+                "minibatch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-2}},
+        "generation": {"max_new_tokens": 4, "backend": "server", "server_urls": [server],
+                       "server_token_env": ENV, "environment": "vision_models:ImageObservation",
+                       "max_turns": 2, "max_episode_tokens": 96,
+                       "stop_token_ids": every_other_word(llava)},
+        "run": {"output_dir": str(out), "log_every": 1, "seed": 1},
+        "distributed": {"timeout_s": 60},
+    }  # fmt: skip
+    rlhf_dist.grpo(config, dataset=llava_rows(4, kind="grpo"), reward_fn=llava_colour_reward)
+    [row] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollout/turns"] > 1.0 and row["rollout/tool_calls"] > 0
+    assert row["rollout/sampler_logprob_absdiff"] < 1e-4
+
+
+def test_grpo_with_an_endpoint_environment_whose_observation_is_an_image(
+    llava, server, tmp_path, monkeypatch
+):
+    """generation.environment_endpoint: the environment sends the row's image and, after the
+    policy's first answer, an observation image as `image_url` parts (vision_models
+    .image_episode); the server records the episode token in, token out with its images'
+    pixel inputs, and the trainer's forwards over the whole episode with them give the
+    served turns' log-probs (< 1e-4)."""
+    monkeypatch.setenv(ENV, TOKEN)
+    out = tmp_path / "grpo_endpoint"
+    config = {
+        "model": {"policy": str(llava)},
+        "ppo": {"iterations": 1, "rollout_batch_size": 4, "samples_per_prompt": 2,
+                "minibatch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-2}},
+        "generation": {"max_new_tokens": 4, "backend": "server", "server_urls": [server],
+                       "server_token_env": ENV, "environment": "vision_models:image_episode",
+                       "environment_endpoint": True},
+        "run": {"output_dir": str(out), "log_every": 1, "seed": 1},
+        "distributed": {"timeout_s": 60},
+    }  # fmt: skip
+    rlhf_dist.grpo(config, dataset=llava_rows(4, kind="grpo"), reward_fn=llava_colour_reward)
+    [row] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollout/turns"] == 2.0 and row["rollout/tool_calls"] == 1.0
+    assert row["rollout/sampler_logprob_absdiff"] < 1e-4
+    before, after = (load_file(str(p / "model.safetensors")) for p in (llava, out / "final"))
+    assert all(torch.equal(before[k], after[k]) for k in before if is_vision_part(k))
+    assert any(not torch.equal(before[k], after[k]) for k in before if not is_vision_part(k))
 
 
 def test_served_image_rollouts_one_step_off_policy_are_refused_naming_the_key(llava):

@@ -285,6 +285,22 @@ def test_run_tool_turns_results_into_text():
 # ------------------------------------------------------------------------ truncation
 
 
+def test_tool_content_keeps_images_as_parts_and_everything_else_as_text():
+    from PIL import Image
+
+    from rlhf_dist.rollout.agent import tool_content
+
+    image = Image.new("RGB", (2, 2))
+    parts = [{"type": "text", "text": "a"}, {"type": "image", "image": image}]
+    assert tool_content(image) == ([{"type": "image", "image": image}], False)
+    assert tool_content(parts) == (parts, False)
+    assert tool_content({"role": "tool", "content": parts}) == (parts, False)
+    text_parts = [{"type": "text", "text": "a"}]  # no image: JSON, as before
+    assert tool_content(text_parts) == (json.dumps(text_parts), False)
+    content, failed = tool_content({1, 2})  # nothing JSON can hold: an error text
+    assert failed and content.startswith("error: the tool's result is not JSON")
+
+
 def test_max_turns_truncates_an_episode_that_keeps_calling_tools(tok):
     agent = make_agent(tok, {"lookup": lookup}, max_turns=3)
     _, [e] = play(tok, agent, [call_turn(tok)])  # always calls the tool
@@ -426,14 +442,14 @@ def test_an_episode_played_through_the_endpoint_keeps_the_sampled_ids(tok):
 
     log, render = EpisodeLog(Chat(tok, CHATML_TOOLS_TEMPLATE)), Renderer(tok, CHATML_TOOLS_TEMPLATE)
     user = [{"role": "user", "content": "What is b?"}]
-    ids, turn = log.context("e1", user, ())
+    ids, turn, _ = log.context("e1", user, ())
     assert (ids, turn) == (render.prompt_ids(user), 0)
     sampled = call_turn(tok)  # '... "name" ...' one token per character
     text = tok.decode(sampled[:-1])
     said = [*user, {"role": "assistant", "content": text}]
     log.answered("e1", sampled, [-0.5] * len(sampled), text, 3, said[-1])
     tool = [{"role": "tool", "content": "value-b"}]
-    ids, turn = log.context("e1", said + tool, ())
+    ids, turn, _ = log.context("e1", said + tool, ())
     more = render.continuation_ids(said, tool)
     assert turn == 1 and ids == render.prompt_ids(user) + sampled + more
     assert tok(text, add_special_tokens=False)["input_ids"] != sampled[:-1]  # re-tokenised differs
@@ -478,7 +494,7 @@ def test_a_tool_call_comes_back_as_openai_tool_calls_and_its_echo_continues_the_
         "content": [{"type": "text", "text": "value-b"}],
     }
     sent = [Message(**m).as_dict() for m in (*user, echo, tool)]
-    ids, turn = log.context("e1", sent, ())
+    ids, turn, _ = log.context("e1", sent, ())
     said = [*user, {"role": "assistant", "content": text}]
     more = render.continuation_ids(said, [{"role": "tool", "content": "value-b"}])
     assert turn == 1 and ids == render.prompt_ids(user) + sampled + more

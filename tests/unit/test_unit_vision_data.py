@@ -1,5 +1,5 @@
 """Images in data rows (rlhf_dist/data/vision.py): TRL's image formats, the placeholders
-of messages, the expansion into the processor's image tokens, per-row pixel inputs, and
+of messages (and of an episode's observations, `message_images`), the expansion into the processor's image tokens, per-row pixel inputs, and
 cutting a response before a sampled image token (engine/decode.py `cut_before`)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rlhf_dist.data.vision import (
     flatten_messages,
     join_media,
     load_image,
+    message_images,
     row_images,
     token_inputs,
 )
@@ -167,3 +168,68 @@ def test_a_per_token_input_is_built_for_each_forwards_ids():
     inputs = token_inputs(ids, joined)
     assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0], [1, 0, 1, 0]]
     assert inputs["pixel_values"] is joined["pixel_values"]
+
+
+def test_episode_messages_give_their_images_in_the_order_of_their_placeholders():
+    """`message_images` by hand: a prompt's placeholder text and an image part without an
+    image take the row's given images in order; parts carrying an image (TRL's, an OpenAI
+    data URL) give theirs, each where it stands."""
+    import base64
+
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (9, 9, 9)]
+    given = [Image.new("RGB", (3, 3), c) for c in colours[:2]]
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(colours[3])).decode()
+    messages = [
+        {"role": "user", "content": "<I>what is this"},
+        {"role": "assistant", "content": "look"},
+        {"role": "tool", "content": [
+            {"type": "image", "image": Image.new("RGB", (3, 3), colours[2])},
+            {"type": "text", "text": "and"},
+            {"type": "image"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]},
+    ]  # fmt: skip
+    out, images = message_images(messages, "<I>", given)
+    assert [m["content"] for m in out] == ["<I>what is this", "look", "<I>and<I><I>"]
+    assert [m["role"] for m in out] == ["user", "assistant", "tool"]
+    assert [im.getpixel((0, 0)) for im in images] == [colours[i] for i in (0, 2, 1, 3)]
+
+
+def test_episode_messages_property_images_match_placeholders():
+    """Random messages of text and image parts: one image per placeholder in the output,
+    in order, whichever form each came in; no image at all leaves every text as it is."""
+    rng = random.Random(0)
+    for _ in range(50):
+        shades = iter(range(200))
+        expected, messages = [], []
+        for _ in range(rng.randint(0, 3)):
+            parts = []
+            for _ in range(rng.randint(0, 3)):
+                if rng.random() < 0.5:
+                    parts.append({"type": "text", "text": rng.choice(["a", "bc", ""])})
+                else:
+                    shade = next(shades)
+                    expected.append(shade)
+                    image = Image.new("RGB", (2, 2), (shade, 0, 0))
+                    parts.append({"type": "image", "image": image})
+            messages.append({"role": "tool", "content": parts})
+        out, images = message_images(messages, "<I>")
+        assert sum(m["content"].count("<I>") for m in out) == len(images) == len(expected)
+        assert [im.getpixel((0, 0))[0] for im in images] == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "given", "reason"),
+    [
+        ([{"type": "image", "image": b"not an image"}], 0, "unreadable image"),
+        ([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}], 0, "data URL"),
+        ([{"type": "image_url", "image_url": "data:image/png;base64,@@"}], 0, "not base64"),
+        ([{"type": "audio"}], 0, "neither text nor image"),
+        ("<I><I>", 1, "image count differs"),
+        ("no placeholder", 1, "image count differs"),
+    ],
+)
+def test_an_observation_image_that_cannot_be_read_or_placed_is_bad_row(content, given, reason):
+    images = [Image.new("RGB", (2, 2))] * given
+    with pytest.raises(BadRow, match=reason):
+        message_images([{"role": "tool", "content": content}], "<I>", images)
