@@ -300,11 +300,13 @@ def join_media(parts: Sequence[Media | None]) -> Media:
 
 def token_inputs(input_ids: torch.Tensor, media: Media | None) -> Media:
     """The model inputs of a batch's images for a forward over `input_ids` (B, L): the
-    per-image ones as they are, each per-token one (a 0-dim entry holding a token id,
-    `Media`) as a (B, L) long tensor, 1 where input_ids holds that id."""
+    per-image ones moved to input_ids' device (the processor made them on the host), each
+    per-token one (a 0-dim entry holding a token id, `Media`) as a (B, L) long tensor, 1
+    where input_ids holds that id."""
     out = {}
     for name, value in (media or {}).items():
-        out[name] = (input_ids == value.to(input_ids.device)).long() if value.dim() == 0 else value
+        value = value.to(input_ids.device)
+        out[name] = (input_ids == value).long() if value.dim() == 0 else value
     return out
 
 

@@ -167,7 +167,10 @@ def test_a_per_token_input_is_built_for_each_forwards_ids():
     ids = torch.tensor([[0, 7, 7, 3], [7, 3, 7, 0]])
     inputs = token_inputs(ids, joined)
     assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 0], [1, 0, 1, 0]]
-    assert inputs["pixel_values"] is joined["pixel_values"]
+    assert inputs["pixel_values"] is joined["pixel_values"]  # on the ids' device already
+    # ids on another device (a GPU's; "meta" here): the host-made pixel inputs follow them
+    on_meta = token_inputs(ids.to("meta"), joined)
+    assert {v.device.type for v in on_meta.values()} == {"meta"}
 
 
 def test_episode_messages_give_their_images_in_the_order_of_their_placeholders():
