@@ -36,11 +36,6 @@ def load_policy(cfg: Config) -> ServedPolicy:
         raise ConfigError("model.policy: required (the causal LM to serve)")
     if cfg.perf.num_threads:
         torch.set_num_threads(cfg.perf.num_threads)
-    vision = policy_vision(cfg)  # a vision-language model's processor: requests with images
-    if vision is not None and cfg.serve.engine == "vllm":
-        raise ConfigError(
-            "serve.engine: a vision-language policy is served by the decode loop (hf)"
-        )
     tokenizer = tokenizer_for(cfg, "policy")
     model = load_causal_lm(cfg.model.policy, "model.policy", train_dtype(cfg.model))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,6 +49,7 @@ def load_policy(cfg: Config) -> ServedPolicy:
     chat = None  # /v1/chat/completions renders with data.chat_template or the tokenizer's own
     if cfg.data.chat_template or getattr(tokenizer, "chat_template", None):
         chat = chat_for(tokenizer, cfg.data, "data.chat_template")
+    vision = policy_vision(cfg)  # a vision-language model's processor: requests with images
     return ServedPolicy(
         model, tokenizer, stops, cfg.perf, cfg.model.policy, timeout, chat, engine, vision
     )
