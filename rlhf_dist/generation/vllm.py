@@ -201,6 +201,40 @@ def _rollout_length(cfg: Config) -> int:
     return min(longest, context) if context else longest
 
 
+def _engine_args(
+    cfg: Config, on_gpu: bool, sleeps: bool, vision: Any | None, synced: bool
+) -> dict[str, Any]:
+    """vllm.LLM's keyword arguments for model.policy. vision: its vision-language config
+    (the engine then has a tokenizer, which vLLM's image processor needs); synced: every
+    rollout loads the actor's weights before sampling, so a vision engine starts from
+    dummy weights (vLLM cannot read a CLIP tower as transformers 5 saves it,
+    vllm_images.py)."""
+    g = cfg.generation
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model.policy,
+        # token ids in and out; our tokenizer decodes
+        skip_tokenizer_init=vision is None,
+        dtype=train_dtype(cfg.model),
+        seed=cfg.run.seed,
+        distributed_executor_backend="uni",
+        logprobs_mode="processed_logprobs",
+        trust_remote_code=cfg.model.trust_remote_code,
+        enable_sleep_mode=sleeps,
+        gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+    )
+    kwargs["max_model_len"] = g.vllm_max_model_len or _rollout_length(cfg)
+    kv_gib = g.vllm_kv_cache_gib or (0 if on_gpu else 1.0)
+    if kv_gib:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+    if vision is not None and synced:
+        kwargs["load_format"] = "dummy"
+    if g.vllm_enforce_eager or not on_gpu:
+        # No CUDA graphs, no torch.compile: on CPU compiling costs ~20 s at start-up
+        # and gained nothing measurable on small models (docs/benchmarks.md).
+        kwargs |= {"enforce_eager": True, "compilation_config": {"mode": 0}}
+    return kwargs
+
+
 class VLLMEngine(OnPolicyInProcess):
     """One rank's in-process vLLM engine: load the actor's weights, sample a rollout. A
     Sampler (generation/base.py) without versions: `sync` loads the actor's current
@@ -224,31 +258,9 @@ class VLLMEngine(OnPolicyInProcess):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # a vision-language policy: images go in as multi_modal_data (vllm_images.py)
         self.vision = vision_config(cfg.model.policy, cfg.model.trust_remote_code)
-        kwargs = dict(
-            model=cfg.model.policy,
-            # token ids in and out, our tokenizer decodes; vLLM's image processor needs one
-            skip_tokenizer_init=self.vision is None,
-            dtype=train_dtype(cfg.model),
-            seed=cfg.run.seed,
-            distributed_executor_backend="uni",
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=cfg.model.trust_remote_code,
-            enable_sleep_mode=self.sleeps,
-            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-        )
-        kwargs["max_model_len"] = g.vllm_max_model_len or _rollout_length(cfg)
-        kv_gib = g.vllm_kv_cache_gib or (0 if self.on_gpu else 1.0)
-        if kv_gib:
-            kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
         if self.vision is not None:
             register_llava_without_torchvision(vllm)
-            if weights is not None:  # every rollout loads the actor's weights first, and
-                # vLLM cannot read a CLIP tower as transformers 5 saves it (vllm_images.py)
-                kwargs["load_format"] = "dummy"
-        if g.vllm_enforce_eager or not self.on_gpu:
-            # No CUDA graphs, no torch.compile: on CPU compiling costs ~20 s at start-up
-            # and gained nothing measurable on small models (docs/benchmarks.md).
-            kwargs |= {"enforce_eager": True, "compilation_config": {"mode": 0}}
+        kwargs = _engine_args(cfg, self.on_gpu, self.sleeps, self.vision, weights is not None)
         with _keep_set_num_threads():
             try:
                 self.llm = vllm.LLM(**kwargs)
