@@ -112,6 +112,20 @@ class DataConfig:
     )
     prompt_field: str = key("prompt", "name of the prompt column")
     max_prompt_length: int = key(512, "prompt tokens kept (see data.too_long)", gt=0)
+    max_image_tokens: int = key(
+        0,
+        "the memory planner (rlhf-dist plan, docs/vision.md): language-model tokens one image "
+        "takes in a vision-language run; 0 = the family's count from config.json (LLaVA "
+        "image_seq_length, Gemma 3 mm_tokens_per_image, one Idefics3 tile) or, for Qwen-VL, "
+        "from the saved processor's max_pixels",
+        min=0,
+    )
+    images_per_row: int = key(
+        1,
+        "the memory planner: images one prompt or conversation holds at most in a "
+        "vision-language run (each runs through the vision tower in every forward)",
+        min=0,
+    )
     max_length: int = key(
         1024,
         "prompt + response tokens of SFT / RM / DPO / KTO sequences; longer rows are skipped "

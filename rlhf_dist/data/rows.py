@@ -430,6 +430,7 @@ class PromptSet:
     # [] for a text run
     media: list[Media | None] = field(default_factory=list)
     image_token_id: int | None = None  # a vision run's (VisionInputs.image_token_id)
+    images: list[tuple[Any, ...]] = field(default_factory=list)  # each prompt's, decoded
 
 
 def prompt_set(
@@ -448,7 +449,7 @@ def prompt_set(
     render = RowRender(tokenizer, data_cfg, chat)  # prompts only: no stop ids needed
     name = data_cfg.prompt_field
 
-    def encode(row: dict, report: SkipReport) -> list[tuple[Text, list[int], dict, Any]]:
+    def encode(row: dict, report: SkipReport) -> list[tuple[Text, list[int], dict, Any, tuple]]:
         row, images = with_images(vision, row, (name,))
         prompt = render.prompt(row)
         others = {k: v for k, v in row.items() if k != name}
@@ -458,15 +459,15 @@ def prompt_set(
         ids = render.prompt_ids(prompt, report)
         limit = ("data.max_prompt_length", data_cfg.max_prompt_length)
         ids, _, media = expand_images(vision, ids, [False] * len(ids), images, limit)
-        return [(prompt, ids, others, media)]
+        return [(prompt, ids, others, media, tuple(images))]
 
     found, report = encode_each(rows, encode)
     if not found:
         raise ConfigError(f"data: no usable prompts ({report.summary('prompts')})")
-    texts, ids, columns, media = (list(x) for x in zip(*found))
+    texts, ids, columns, media, images = (list(x) for x in zip(*found))
     if vision is None:
         return PromptSet(texts, ids, report, columns)
-    return PromptSet(texts, ids, report, columns, media, vision.image_token_id)
+    return PromptSet(texts, ids, report, columns, media, vision.image_token_id, images)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -322,6 +322,9 @@ class RowMedia:
     # sampled one would ask for an image the prompt does not have, so a response is cut
     # before it (engine/decode.py `cut_before`)
     image_token_id: int
+    # each row's decoded images (PIL), for a sampler that runs the processor itself
+    # (vLLM's multi_modal_data, generation/vllm_images.py); () where not kept
+    images: tuple[tuple[Any, ...], ...] = ()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -329,10 +332,12 @@ class RowMedia:
     def __getitem__(self, index: torch.Tensor | slice) -> RowMedia:
         """The rows `index`: a slice, (k,) int64 indices or a (B,) bool mask."""
         if isinstance(index, slice):
-            return RowMedia(self.rows[index], self.image_token_id)
+            return RowMedia(self.rows[index], self.image_token_id, self.images[index])
         if index.dtype == torch.bool:
             index = index.nonzero().flatten()
-        return RowMedia(tuple(self.rows[i] for i in index.tolist()), self.image_token_id)
+        picked = index.tolist()
+        images = tuple(self.images[i] for i in picked) if self.images else ()
+        return RowMedia(tuple(self.rows[i] for i in picked), self.image_token_id, images)
 
     def joined(self) -> Media | None:
         """The model inputs of these rows' images in row order (`join_media`); None
@@ -343,4 +348,6 @@ class RowMedia:
     def cat(parts: Sequence[RowMedia]) -> RowMedia:
         """The rows of `parts` one after another."""
         rows = tuple(m for part in parts for m in part.rows)
-        return RowMedia(rows, parts[0].image_token_id)
+        kept = all(len(part.images) == len(part) for part in parts)
+        images = tuple(i for part in parts for i in part.images) if kept else ()
+        return RowMedia(rows, parts[0].image_token_id, images)

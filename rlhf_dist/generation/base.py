@@ -132,8 +132,9 @@ class Sampler(Protocol):
         rollout computes (hf): it scores its responses, cut after the first stop token, by
         the actor's own forward at gen.temperature (engine/forward.py token_logprobs).
         media: a vision run's pixel inputs of each row's images (data/vision.py), which
-        the prefill takes; the decode loop (generation.backend=hf) and the rollout
-        servers' client (server) sample images (`refuse_images` in the others)."""
+        the prefill takes; the decode loop (generation.backend=hf), the vLLM engine
+        (vllm, LLaVA-style policies) and the rollout servers' client (server) sample
+        images (`refuse_images` in the others)."""
         ...
 
     def sleep(self) -> None:
@@ -195,10 +196,10 @@ class OnPolicyInProcess:
 
 
 def refuse_images(media: RowMedia | None) -> None:
-    """One line for a sampler that does not take images yet (vLLM, the rollout servers one
+    """One line for a sampler that does not take images yet (the rollout servers one
     step off-policy): the run's prompts hold some (docs/vision.md)."""
     if media is not None and media.joined() is not None:
         raise ConfigError(
-            "generation.backend: images are sampled by the decode loop (hf) and on-policy "
-            "rollout servers (server) only so far"
+            "generation.backend: images are sampled by the decode loop (hf), vLLM (vllm) "
+            "and on-policy rollout servers (server) only so far"
         )

@@ -35,9 +35,14 @@ from rlhf_dist.generation.base import (
     Samples,
     Seeds,
     StopIds,
-    refuse_images,
+)
+from rlhf_dist.generation.vllm_images import (
+    image_requests,
+    register_llava_without_torchvision,
+    vllm_name,
 )
 from rlhf_dist.models.loading import context_length, train_dtype
+from rlhf_dist.models.vision import vision_config
 
 if TYPE_CHECKING:
     pass
@@ -122,8 +127,9 @@ def sampling_params(vllm: Any, gen_cfg: Sampling, stop_ids: StopIds, seed: int) 
 
     temperature, top_k (0 = off in both), top_p, max_new_tokens -> max_tokens,
     min_new_tokens -> min_tokens (stop ids suppressed until then, as in sample_next).
-    The engine runs without a tokenizer, so it stops on exactly `stop_ids` and nothing
-    else (no EOS of its own). logprobs=0: the log-prob of each sampled token.
+    It stops on exactly `stop_ids` and nothing else: a text engine has no tokenizer, and
+    a vision engine's (its processor needs one) has its EOS ignored. logprobs=0: the
+    log-prob of each sampled token.
     """
     return vllm.SamplingParams(
         n=1,
@@ -133,6 +139,7 @@ def sampling_params(vllm: Any, gen_cfg: Sampling, stop_ids: StopIds, seed: int) 
         max_tokens=gen_cfg.max_new_tokens,
         min_tokens=gen_cfg.min_new_tokens,
         stop_token_ids=[int(i) for i in stop_ids],
+        ignore_eos=True,
         logprobs=0,
         detokenize=False,
         seed=int(seed),
@@ -194,6 +201,40 @@ def _rollout_length(cfg: Config) -> int:
     return min(longest, context) if context else longest
 
 
+def _engine_args(
+    cfg: Config, on_gpu: bool, sleeps: bool, vision: Any | None, synced: bool
+) -> dict[str, Any]:
+    """vllm.LLM's keyword arguments for model.policy. vision: its vision-language config
+    (the engine then has a tokenizer, which vLLM's image processor needs); synced: every
+    rollout loads the actor's weights before sampling, so a vision engine starts from
+    dummy weights (vLLM cannot read a CLIP tower as transformers 5 saves it,
+    vllm_images.py)."""
+    g = cfg.generation
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model.policy,
+        # token ids in and out; our tokenizer decodes
+        skip_tokenizer_init=vision is None,
+        dtype=train_dtype(cfg.model),
+        seed=cfg.run.seed,
+        distributed_executor_backend="uni",
+        logprobs_mode="processed_logprobs",
+        trust_remote_code=cfg.model.trust_remote_code,
+        enable_sleep_mode=sleeps,
+        gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+    )
+    kwargs["max_model_len"] = g.vllm_max_model_len or _rollout_length(cfg)
+    kv_gib = g.vllm_kv_cache_gib or (0 if on_gpu else 1.0)
+    if kv_gib:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+    if vision is not None and synced:
+        kwargs["load_format"] = "dummy"
+    if g.vllm_enforce_eager or not on_gpu:
+        # No CUDA graphs, no torch.compile: on CPU compiling costs ~20 s at start-up
+        # and gained nothing measurable on small models (docs/benchmarks.md).
+        kwargs |= {"enforce_eager": True, "compilation_config": {"mode": 0}}
+    return kwargs
+
+
 class VLLMEngine(OnPolicyInProcess):
     """One rank's in-process vLLM engine: load the actor's weights, sample a rollout. A
     Sampler (generation/base.py) without versions: `sync` loads the actor's current
@@ -215,25 +256,11 @@ class VLLMEngine(OnPolicyInProcess):
         # One engine in this process: vLLM's V1 engine otherwise runs in a child process,
         # which would hold a second copy of the weights and need them sent over IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs = dict(
-            model=cfg.model.policy,
-            skip_tokenizer_init=True,  # token ids in and out; our tokenizer decodes
-            dtype=train_dtype(cfg.model),
-            seed=cfg.run.seed,
-            distributed_executor_backend="uni",
-            logprobs_mode="processed_logprobs",
-            trust_remote_code=cfg.model.trust_remote_code,
-            enable_sleep_mode=self.sleeps,
-            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-        )
-        kwargs["max_model_len"] = g.vllm_max_model_len or _rollout_length(cfg)
-        kv_gib = g.vllm_kv_cache_gib or (0 if self.on_gpu else 1.0)
-        if kv_gib:
-            kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
-        if g.vllm_enforce_eager or not self.on_gpu:
-            # No CUDA graphs, no torch.compile: on CPU compiling costs ~20 s at start-up
-            # and gained nothing measurable on small models (docs/benchmarks.md).
-            kwargs |= {"enforce_eager": True, "compilation_config": {"mode": 0}}
+        # a vision-language policy: images go in as multi_modal_data (vllm_images.py)
+        self.vision = vision_config(cfg.model.policy, cfg.model.trust_remote_code)
+        if self.vision is not None:
+            register_llava_without_torchvision(vllm)
+        kwargs = _engine_args(cfg, self.on_gpu, self.sleeps, self.vision, weights is not None)
         with _keep_set_num_threads():
             try:
                 self.llm = vllm.LLM(**kwargs)
@@ -256,22 +283,32 @@ class VLLMEngine(OnPolicyInProcess):
         """Copy `module`'s current weights (whole tensors: under ZeRO-3 call this inside
         the generation gather) into the engine, in place."""
         self.wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(module)})
+        weights = hf_weights(module)
+        if self.vision is not None:
+            weights = ((vllm_name(name, self.vision), w) for name, w in weights)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.llm_engine.reset_prefix_cache()  # cached KV blocks came from old weights
+        if self.vision is not None:  # and image features from an old vision tower
+            self.llm.reset_mm_cache()
+            self.llm.llm_engine.reset_encoder_cache()
 
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
         stop_ids: StopIds, pad_id: int, seeds: list[int] | None = None,
+        media: RowMedia | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sample one response per left-padded prompt (B, P) -> (response_ids (B, T),
         sampler_logprobs (B, T)); rows are in prompt order, PAD after each response.
-        seeds: each row's vLLM seed (None: drawn from the global RNG)."""
+        seeds: each row's vLLM seed (None: drawn from the global RNG); media: the rows'
+        images (a vision-language policy's prompts, vllm_images.py)."""
         if seeds is None:
             seeds = sampling_seeds(prompt_ids.shape[0]).tolist()
         params = [sampling_params(self.vllm, gen_cfg, stop_ids, s) for s in seeds]
-        outputs = self.llm.generate(
-            prompts_for_engine(prompt_ids, prompt_mask), params, use_tqdm=False
-        )
+        if media is None:
+            requests = prompts_for_engine(prompt_ids, prompt_mask)
+        else:
+            requests = image_requests(prompt_ids, prompt_mask, media)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         return responses_from_outputs(outputs, pad_id, prompt_ids.device)
 
     def score(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
@@ -353,10 +390,10 @@ class VLLMEngine(OnPolicyInProcess):
     ) -> Samples:  # fmt: skip
         """`generate` of the whole shard at once (vLLM schedules its own batches), each
         row's seed from the global RNG, or from its group's seed (`group_seeds`); vLLM's
-        log-probs always come with the tokens."""
-        refuse_images(media)
+        log-probs always come with the tokens; a vision-language policy's rows with their
+        images (`media`)."""
         rows = None if seeds is None else group_seeds(seeds)
-        ids, sampled = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id, rows)
+        ids, sampled = self.generate(prompt_ids, prompt_mask, gen, stop_ids, pad_id, rows, media)
         return Samples(ids, sampled)
 
 

@@ -104,18 +104,18 @@ def policy_vision(cfg: Config, samples: bool = False) -> VisionInputs | None:
     text run). What does not work with images yet is refused here, before any data or
     weights load: perf.packed_sequences (packed rows would need each image's features
     at the packed positions) and sequence parallelism (an image's tokens must stay on
-    one rank); for a stage that `samples`, another generation.backend than the decode
-    loop or on-policy rollout servers (tools and environments may return images:
-    rollout/agent.py, rollout/endpoint.py)."""
+    one rank); for a stage that `samples`, vLLM for other families than LLaVA's (the
+    only one vLLM imports without torchvision, generation/vllm_images.py) and with
+    debug.check_vllm_sync (whose greedy decode loop takes no images), and rollout servers
+    one step off-policy (tools and environments may return images: rollout/agent.py,
+    rollout/endpoint.py)."""
     m, g, key = cfg.model, cfg.generation, "model.policy"
     path = m.policy
-    if vision_config(path, m.trust_remote_code) is None:
+    config = vision_config(path, m.trust_remote_code)
+    if config is None:
         return None
-    if samples and g.backend not in ("hf", "server"):
-        raise ConfigError(
-            "generation.backend: images are sampled by the decode loop (hf) or the rollout "
-            "servers (server) only"
-        )
+    if samples and g.backend == "vllm":
+        _refuse_for_vllm(cfg, config.model_type)
     if samples and g.backend == "server" and cfg.ppo.max_staleness:
         raise ConfigError(
             "ppo.max_staleness: a vision-language policy's served rollouts are on-policy (0)"
@@ -128,3 +128,15 @@ def policy_vision(cfg: Config, samples: bool = False) -> VisionInputs | None:
         )
     processor = load_processor(path, m.trust_remote_code, key)
     return vision_inputs(processor, key)
+
+
+def _refuse_for_vllm(cfg: Config, model_type: str) -> None:
+    """generation.backend=vllm with a vision-language policy: LLaVA-style ones only, and
+    without debug.check_vllm_sync (its greedy decode loop takes no images)."""
+    if model_type != "llava":
+        raise ConfigError(
+            f"generation.backend: vLLM samples images for LLaVA-style policies only, not "
+            f"{model_type!r} (use hf or server)"
+        )
+    if cfg.debug.check_vllm_sync:
+        raise ConfigError("debug.check_vllm_sync: not supported for a vision-language policy")

@@ -369,3 +369,59 @@ def sampling_workspace(shape: ModelShape, batch: int) -> float:
     """One decode step's fp32 (b, V) tensors alive together: the last position's logits,
     the tempered probabilities and their cumulative sum (inverse-CDF sampling)."""
     return 3 * FP32 * batch * shape.vocab
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision-language policy's vision tower and projector (docs/vision.md "Memory
+    plan"): `params` weights in all; a ViT of `layers` pre-norm layers of width `hidden`,
+    `heads` heads and an MLP of `intermediate` (`gated`: SwiGLU's three linears, Qwen2.5-VL,
+    else fc1 / fc2); each image takes `image_tokens` tokens of the language model's
+    sequence and runs `positions` positions through the tower (LLaVA: the patches and
+    CLS; Qwen2-VL: 4 patches per merged token; Gemma 3: the patches pooled to its tokens)."""
+
+    params: int
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    image_tokens: int
+    positions: int
+    gated: bool = False
+
+    def _mlp(self) -> int:
+        """Elements of the MLP's intermediates per position: fc1's output and its GELU
+        (2f), or SwiGLU's gate, up and product (3f)."""
+        return (3 if self.gated else 2) * self.intermediate
+
+
+def vision_layer_elements(vision: VisionShape, attention: str) -> float:
+    """Elements autograd keeps per position for one ViT layer's backward (no recompute),
+    counted as `layer_activation_elements` for a pre-norm layer with LayerNorm and no
+    grouped heads: each LayerNorm's input and output (4h), q, k, v and the attention
+    output (4h), the MLP's intermediates (2f, gated 3f), and eager attention's
+    probabilities (a x positions) or a fused kernel's log-sum-exp (a): 8h + 2f + attn."""
+    p = vision.positions
+    attn = vision.heads * p if attention == "eager" else vision.heads
+    return 8 * vision.hidden + vision._mlp() + attn
+
+
+def vision_activations(
+    vision: VisionShape, images: float, act_bytes: float, attention: str,
+    trained: bool, checkpointing: bool,
+) -> float:  # fmt: skip
+    """The vision tower's memory for the `images` of one micro-batch. Frozen
+    (model.freeze_vision, or not `trained`): no input needs a gradient, so autograd keeps
+    nothing and the peak is one layer's forward, the residual, the normalised input, q,
+    k, v and the MLP's intermediates (5h + 2f per position, gated 3f) plus eager attention's
+    scores. Trained: every layer's `vision_layer_elements`, or with checkpointing each
+    layer's input (h) plus the one layer backward recomputes."""
+    n = images * vision.positions
+    eager = vision.heads * vision.positions if attention == "eager" else 0
+    one = n * (5 * vision.hidden + vision._mlp() + eager) * act_bytes
+    if not trained:
+        return one
+    per_layer = vision_layer_elements(vision, attention)
+    if checkpointing:
+        return n * vision.layers * vision.hidden * act_bytes + n * per_layer * act_bytes
+    return n * vision.layers * per_layer * act_bytes

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rlhf_dist.config import Config, sizes
 from rlhf_dist.planning import memory as mem
-from rlhf_dist.planning.memory import GIB, ModelShape
+from rlhf_dist.planning.memory import GIB, ModelShape, VisionShape
 
 # What the CUDA context, cuBLAS workspaces and the caching allocator's fragmentation take
 # besides tensors: the plan must fit in the device's memory minus this.
@@ -84,6 +84,11 @@ class Shapes:
     policy: ModelShape
     reward: ModelShape | None = None
     teacher: ModelShape | None = None
+    vision: VisionShape | None = None  # the policy's vision tower and projector
+
+    def policy_params(self) -> int:
+        """The policy's whole weights: its language model and any vision tower."""
+        return self.policy.lm_params() + (self.vision.params if self.vision else 0)
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,9 @@ def trained_params(cfg: Config, shapes: Shapes, stage: str, pr: Precision) -> tu
         frozen = lora_base_bytes(cfg, shapes.policy, pr)
     else:
         trainable, frozen = float(shapes.policy.lm_params()), 0.0
+    if shapes.vision is not None and stage != "rm":
+        extra, bytes_each = vision_weights(cfg, shapes.vision, pr, lora)
+        trainable, frozen = trainable + extra, frozen + shapes.vision.params * bytes_each
     if stage == "ppo" and sizes.has_critic(cfg):
         critic = critic_shape(cfg, shapes)
         if cfg.lora.enabled and cfg.lora.critic:
@@ -152,6 +160,17 @@ def trained_params(cfg: Config, shapes: Shapes, stage: str, pr: Precision) -> tu
         else:
             trainable += critic.scorer_params()
     return trainable, frozen
+
+
+def vision_weights(cfg: Config, vision: VisionShape, pr: Precision, lora: bool) -> tuple[int, float]:  # fmt: skip
+    """(trained parameters, bytes per frozen parameter) of a vision tower and projector:
+    trained with model.freeze_vision=false (not with LoRA, whose adapters are on the
+    language model only); frozen ones hold weights only (no gradients, no optimizer
+    states) in the dtype the model loads in: a LoRA base's compute dtype, fp32 under
+    autocast (trained weights stay fp32 without DeepSpeed), else the weights' dtype."""
+    if not cfg.model.freeze_vision and not lora:
+        return vision.params, 0.0
+    return 0, pr.compute if lora else (mem.FP32 if pr.autocast else pr.weights)
 
 
 def trained_states(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> mem.ModelStates:
@@ -186,14 +205,14 @@ def frozen_models(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list
     models: list[tuple[str, float]] = []
     if stage == "ppo":
         if sizes.needs_reference(cfg) and not cfg.lora.enabled:
-            models.append(("reference", shapes.policy.lm_params()))
+            models.append(("reference", shapes.policy_params()))
         critic_base = sizes.shares_reward_with_critic(cfg)
         if not cfg.reward.text_rewards() and shapes.reward is not None and not critic_base:
             models.append(("reward model", shapes.reward.scorer_params()))
         if shapes.teacher is not None:
             models.append(("teacher", shapes.teacher.lm_params()))
     elif stage in ("dpo", "kto") and uses_online_reference(cfg, stage):
-        models.append(("reference", shapes.policy.lm_params()))
+        models.append(("reference", shapes.policy_params()))
     return [(name, frozen_share(cfg, hw, n * pr.frozen)) for name, n in models]
 
 
@@ -299,7 +318,25 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
     if ckpt:
         layer += mem.recomputed_layer(model, b, s, pr.compute, attn)
     name = "logits chunks (head backward)" if head >= layer else "recomputed layer + its gradients"
-    return terms + [(name, max(head, layer))]
+    terms.append((name, max(head, layer)))
+    if shapes.vision is not None and stage != "rm":
+        terms += vision_terms(cfg, shapes.vision, hw, b, lora_r > 0, sum(x for _, x in terms))
+    return terms
+
+
+def vision_terms(cfg: Config, vision: VisionShape, hw: Hardware, rows: float, lora: bool, rest: float) -> list:  # fmt: skip
+    """The vision tower's part of a micro-batch of `rows` sequences of
+    data.images_per_row images each (memory.vision_activations). A trained tower's
+    activations are kept to backward with the rest; a frozen one's forward runs before
+    the language model's and is gone before backward, so it counts only by how much it
+    exceeds the `rest` of the micro-batch's peak."""
+    pr, attn = precision(cfg, hw), attention_kind(cfg, hw)
+    trained = not cfg.model.freeze_vision and not lora
+    images = rows * cfg.data.images_per_row
+    nbytes = mem.vision_activations(vision, images, pr.compute, attn, trained, checkpointing(cfg, hw))  # fmt: skip
+    if trained:
+        return [("vision tower activations", nbytes)]
+    return [("vision tower forward (frozen)", max(0.0, nbytes - rest))]
 
 
 def extra_update_copies(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> list:
@@ -416,6 +453,10 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
         prompts = -(-rows // cfg.ppo.samples_per_prompt) if shared else rows
         prefill = mem.inference_forward(actor, prompts, p, pr.compute, attention_kind(cfg, hw))
         cache = mem.kv_cache(actor, rows, p + t, pr.compute) + mem.sampling_workspace(actor, rows)
+        if shapes.vision is not None:  # the prefill's images run through the tower first
+            images = prompts * cfg.data.images_per_row
+            tower = mem.vision_activations(shapes.vision, images, pr.compute, attention_kind(cfg, hw), False, False)  # fmt: skip
+            prefill = max(prefill, tower)
         terms = [("prefill" if prefill > cache else "KV cache + sampling", max(prefill, cache))]
     if hw.sharded and cfg.perf.gather_for_generation:
         terms += gathered_actor(cfg, shapes, hw)
@@ -436,7 +477,7 @@ def vllm_share(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[str, float]:
     (generation.vllm_gpu_memory_utilization), or more when the actor's whole weights
     alone exceed it (each rank's engine holds a full copy; it would not start)."""
     share = cfg.generation.vllm_gpu_memory_utilization * hw.memory
-    weights = shapes.policy.lm_params() * precision(cfg, hw).compute
+    weights = shapes.policy_params() * precision(cfg, hw).compute
     if weights > share:
         return ("vLLM engine (the actor's weights exceed its share)", weights)
     return ("vLLM engine share", share)
@@ -453,6 +494,9 @@ def scoring_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> list:
     n = cfg.distributed.sequence_parallel_size
     split = [m for m in (shapes.policy, shapes.teacher) if m is not None]
     layer = max(mem.inference_forward(m, rows / n, s, pr.compute, attn) for m in split)
+    if shapes.vision is not None:  # the actor's and reference's forwards run the images
+        images = rows * cfg.data.images_per_row
+        layer = max(layer, mem.vision_activations(shapes.vision, images, pr.compute, attn, False, False))  # fmt: skip
     if shapes.reward is not None:
         layer = max(layer, mem.inference_forward(shapes.reward, rows, s, pr.compute, attn))
     p = shapes.policy
@@ -496,7 +540,7 @@ def gathered_actor(cfg: Config, shapes: Shapes, hw: Hardware) -> list:
     weights from sampling through scoring (rollout/collect.py: one gather per rollout)."""
     if hw.sharded and cfg.perf.gather_for_generation:
         name = "gathered actor (FSDP2)" if hw.fsdp2 else "gathered actor (ZeRO-3)"
-        return [(name, shapes.policy.lm_params() * precision(cfg, hw).compute)]
+        return [(name, shapes.policy_params() * precision(cfg, hw).compute)]
     return []
 
 
@@ -534,7 +578,7 @@ def step_loop_phases(cfg: Config, shapes: Shapes, hw: Hardware, stage: str) -> t
     phases = []
     if stage in ("dpo", "kto") and needs_reference_pass(cfg, stage):
         pr = precision(cfg, hw)
-        ref = frozen_share(cfg, hw, shapes.policy.lm_params() * pr.frozen)
+        ref = frozen_share(cfg, hw, shapes.policy_params() * pr.frozen)
         forward = mem.inference_forward(shapes.policy, rows, length, pr.compute, attention_kind(cfg, hw))  # fmt: skip
         head = mem.head_bytes(shapes.policy, int(rows * length), cfg.perf.logprob_chunk_tokens, False)  # fmt: skip
         terms = resident(cfg, shapes, hw, stage, hw.zero_stage is not None)

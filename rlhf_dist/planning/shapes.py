@@ -13,7 +13,7 @@ from typing import Any
 
 from rlhf_dist.config import Config
 from rlhf_dist.errors import ConfigError
-from rlhf_dist.planning.memory import ModelShape
+from rlhf_dist.planning.memory import ModelShape, VisionShape
 from rlhf_dist.planning.plan import Shapes
 
 
@@ -104,8 +104,130 @@ def read_shapes(cfg: Config, stage: str) -> Shapes:
     if not m.policy:
         raise ConfigError("model.policy: required (the model whose memory is planned)")
     policy = read_shape(m.policy, "model.policy", trust)
+    vision = read_vision(m.policy, trust, cfg.data.max_image_tokens)
     if stage != "ppo":
-        return Shapes(policy)
+        return Shapes(policy, vision=vision)
     reward = read_shape(m.reward, "model.reward", trust) if m.reward else None
     teacher = read_shape(m.teacher, "model.teacher", trust) if m.teacher else None
-    return Shapes(policy, reward, teacher)
+    return Shapes(policy, reward, teacher, vision)
+
+
+def read_vision(
+    path: str, trust_remote_code: bool, max_image_tokens: int = 0
+) -> VisionShape | None:
+    """The VisionShape of the model at `path` when its config.json has a `vision_config`
+    (a vision-language model), else None. max_image_tokens: data.max_image_tokens (0: the
+    family's own count, `_image_tokens`)."""
+    local = Path(path) / "config.json"
+    if local.is_file() and "vision_config" not in json.loads(local.read_text()):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None  # read_shape reported it
+    if getattr(c, "vision_config", None) is None:
+        return None
+    return vision_shape(c, path, max_image_tokens)
+
+
+# vision towers whose patch embedding has a bias (SigLIP's, Idefics3's, Qwen3-VL's)
+CONV_BIAS = ("siglip_vision_model", "idefics3_vision", "smolvlm_vision", "qwen3_vl_vision")
+
+
+def vision_shape(c: Any, path: str, max_image_tokens: int = 0) -> VisionShape:
+    """The vision tower and projector of config `c` in transformers 5.19's layouts: a
+    CLIP / SigLIP / Idefics3 ViT (hidden_size, num_hidden_layers, num_attention_heads) or
+    Qwen-VL's (embed_dim or hidden_size, depth, num_heads; `spatial_merge_size`); what is
+    not a ViT config is a ConfigError naming model.policy."""
+    v, lm = c.vision_config, c.text_config.hidden_size
+    try:
+        merge = int(getattr(v, "spatial_merge_size", 0) or 0)
+        h = int(getattr(v, "embed_dim", None) or v.hidden_size) if merge else int(v.hidden_size)
+        f = int(getattr(v, "intermediate_size", None) or h * v.mlp_ratio)
+        layers = int(getattr(v, "num_hidden_layers", None) or v.depth)
+        heads = int(getattr(v, "num_attention_heads", None) or v.num_heads)
+        patch = int(v.patch_size)
+    except (AttributeError, TypeError) as e:
+        raise ConfigError(f"model.policy: {path!r}: unknown vision tower config ({e})") from e
+    gated = c.model_type == "qwen2_5_vl"  # SwiGLU blocks; the others fc1 / fc2
+    channels = int(_first(v, ("num_channels", "in_channels", "in_chans"), 3))
+    bias = h if v.model_type in CONV_BIAS else 0  # CLIP's and Qwen's patch convs have none
+    embed = channels * int(getattr(v, "temporal_patch_size", 1) or 1) * patch * patch * h + bias
+    # q, k, v, o with biases; SwiGLU (gate, up, down) with biases and two RMSNorms, or fc1,
+    # fc2 and two LayerNorms
+    per_layer = 4 * h * h + 4 * h + (3 * h * f + 2 * f + 3 * h if gated else 2 * h * f + f + 5 * h)
+    tokens, positions, extra = _image_numbers(c, v, h, lm, patch, merge, path, max_image_tokens)
+    params = embed + layers * per_layer + extra
+    return VisionShape(params, h, layers, heads, f, tokens, positions, gated)
+
+
+def _image_numbers(
+    c: Any, v: Any, h: int, lm: int, patch: int, merge: int, path: str, asked: int
+) -> tuple[int, int, int]:
+    """(language-model tokens per image, tower positions per image, parameters besides
+    the patch embedding and the layers: position embeddings, the final norms, the
+    projector) of each family. Qwen2-VL / 2.5-VL / 3-VL: `asked` tokens, else the
+    processor's max_pixels, 4 positions per token, the merger (LayerNorm, then an MLP of
+    h m^2 -> h m^2 -> lm); LLaVA: the patches (CLS too with the `full` strategy), CLIP's
+    CLS and pre-norm, a 2-layer projector; Gemma 3: mm_tokens_per_image from the pooled
+    patches, one projection; Idefics3 / SmolVLM: one tile's patches / scale_factor^2 (or
+    `asked` tokens over whole tiles), one projection of h x scale^2."""
+    if merge:
+        m2 = merge * merge
+        tokens = asked or _qwen_max_tokens(path, patch, merge)
+        mlp = (h * m2) ** 2 + h * m2 + h * m2 * lm + lm
+        merger = mlp + (h if c.model_type == "qwen2_5_vl" else 2 * h)  # RMSNorm, LayerNorm
+        learned = int(getattr(v, "num_position_embeddings", 0) or 0) * h
+        # Qwen3-VL's deepstack mergers normalise the merged h m^2 features
+        deep = len(getattr(v, "deepstack_visual_indexes", None) or ()) * (mlp + 2 * h * m2)
+        return tokens, tokens * m2, merger + learned + deep
+    patches = (int(v.image_size) // patch) ** 2
+    if c.model_type == "gemma3":
+        tokens = asked or int(c.mm_tokens_per_image)
+        return tokens, patches, patches * h + 2 * h + h * lm + h + _siglip_head(v, h)
+    if c.model_type in ("idefics3", "smolvlm"):
+        per_tile = patches // int(c.scale_factor) ** 2
+        tiles = -(-asked // per_tile) if asked else 1
+        return (
+            tiles * per_tile,
+            tiles * patches,
+            patches * h + 2 * h + h * int(c.scale_factor) ** 2 * lm,
+        )
+    clip = v.model_type == "clip_vision_model"
+    full = getattr(c, "vision_feature_select_strategy", "default") == "full"  # CLS kept
+    tokens = asked or patches + (clip and full)
+    layers = getattr(c, "vision_feature_layer", -1)
+    width = h * (len(layers) if isinstance(layers, (list, tuple)) else 1)
+    projector = width * lm + lm + lm * lm + lm
+    embeds = (patches + clip) * h + clip * h  # positions (+ CLS) and CLIP's class embedding
+    return tokens, patches + clip, embeds + (4 if clip else 2) * h + projector
+
+
+def _siglip_head(v: Any, h: int) -> int:
+    """SigLIP's attention-pooling head when the config keeps it (vision_use_head, on when
+    unset): a probe, one attention (4h^2 + 4h), a LayerNorm and an fc1 / fc2 MLP."""
+    if not getattr(v, "vision_use_head", True):
+        return 0
+    f = int(v.intermediate_size)
+    return h + 4 * h * h + 4 * h + 2 * h + 2 * h * f + f + h
+
+
+def _qwen_max_tokens(path: str, patch: int, merge: int) -> int:
+    """Qwen-VL tokens of the largest image its processor makes: max_pixels (or
+    size.longest_edge, transformers 5's name) of the saved preprocessor_config.json over
+    the pixels of one merged token; none saved is a ConfigError asking for the key."""
+    pixels = 0
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        local = Path(path) / name
+        data = json.loads(local.read_text()) if local.is_file() else {}
+        data = data.get("image_processor", data)  # processor_config.json nests it
+        found = data.get("max_pixels") or (data.get("size") or {}).get("longest_edge")
+        pixels = pixels or int(found or 0)
+    if not pixels:
+        raise ConfigError(
+            "data.max_image_tokens: set it to plan a Qwen-VL policy (its image tokens depend on "
+            f"the image size, and {path!r} saves no processor max_pixels)"
+        )
+    return max(1, int(pixels) // (patch * merge) ** 2)

@@ -50,7 +50,8 @@ class PromptBatch:
         texts = [prompts.texts[i] for i in rows]
         media = None
         if prompts.image_token_id is not None:  # a vision run
-            media = RowMedia(tuple(prompts.media[i] for i in rows), prompts.image_token_id)
+            images = tuple(prompts.images[i] for i in rows) if prompts.images else ()
+            media = RowMedia(tuple(prompts.media[i] for i in rows), prompts.image_token_id, images)
         return cls(ids.to(device), mask.to(device), texts, columns, media)
 
     def rows(self, s: slice) -> tuple[list[Text], list[dict]]:

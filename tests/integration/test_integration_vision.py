@@ -392,7 +392,7 @@ def test_packing_with_images_is_refused_naming_the_key(llava, tmp_path):
     ("section", "values", "key"),
     [
         ("distributed", {"sequence_parallel_size": 2}, "distributed.sequence_parallel_size"),
-        ("generation", {"backend": "vllm"}, "generation.backend"),
+        ("debug", {"check_vllm_sync": True}, "debug.check_vllm_sync"),
     ],
 )
 def test_what_images_do_not_work_with_is_refused_naming_its_key(llava, section, values, key):
@@ -404,5 +404,19 @@ def test_what_images_do_not_work_with_is_refused_naming_its_key(llava, section, 
     cfg = dataclasses.replace(
         cfg, **{section: dataclasses.replace(getattr(cfg, section), **values)}
     )
+    if section == "debug":  # vLLM's sync check, with vLLM
+        cfg = dataclasses.replace(cfg, generation=GenerationConfig(backend="vllm"))
     with pytest.raises(ConfigError, match=rf"^{key}: "):
         policy_vision(cfg, samples=True)
+
+
+def test_vllm_samples_the_images_of_llava_style_policies_only(vlm):
+    from rlhf_dist.models.vision import policy_vision
+
+    path = vlm[0]
+    cfg = Config(model=ModelConfig(policy=str(path)), generation=GenerationConfig(backend="vllm"))
+    if path.parent.name.startswith("llava"):
+        assert policy_vision(cfg, samples=True) is not None
+    else:  # vLLM cannot import its Qwen2-VL without torchvision
+        with pytest.raises(ConfigError, match=r"^generation\.backend: .*'qwen2_vl'"):
+            policy_vision(cfg, samples=True)

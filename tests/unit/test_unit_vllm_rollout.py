@@ -66,6 +66,7 @@ def test_sampling_params_carry_every_generation_key():
         "max_tokens": 20,
         "min_tokens": 3,
         "stop_token_ids": [2, 7],
+        "ignore_eos": True,  # a vision engine's tokenizer EOS: only stop_ids stop
         "logprobs": 0,
         "detokenize": False,
         "seed": 11,
