@@ -4,7 +4,8 @@ the shape in a generated image (demo/vision_task.py; docs/vision.md, "The vision
 Steps: build the random model with its processor; held-out accuracy under greedy decoding;
 SFT on the small labelled subset (`vision_task.SFT_ROWS` rows), which teaches the answer
 format and part of the mapping; GRPO on many unlabelled prompts with `colour_reward`;
-held-out accuracy after each stage. The vision tower is trained (`model.freeze_vision`
+held-out accuracy after each stage and the GRPO policy's KL to the SFT policy, printed as
+the text demo prints its results. The vision tower is trained (`model.freeze_vision`
 false): it is random here, and frozen it caps what the task can reach.
 """
 
