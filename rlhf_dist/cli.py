@@ -93,9 +93,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
         "--algorithm",
-        default="ppo",
+        default=None,
         choices=DEMO_ALGORITHMS,
-        help="the alignment stage: ppo (default) or a critic-free estimator (grpo, rloo, "
+        help="the alignment stage: ppo (the reviews task's default; the other tasks run "
+        "grpo) or a critic-free estimator (grpo, rloo, "
         "reinforce_pp, reinforce_pp_baseline): SFT -> RM -> it -> eval; dpo / kto / simpo / "
         "orpo: SFT -> DPO, KTO, SimPO or ORPO on the preference pairs -> eval; iterative: "
         "SFT -> 2 rounds of rlhf-dist iterate",
@@ -301,10 +302,17 @@ def _print_out(text: object) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def demo_algorithm(args: argparse.Namespace) -> str:
+    """`--algorithm`, or the task's own method when it is not given: PPO for the reviews
+    task, GRPO for the others (the only one they run)."""
+    return args.algorithm or ("ppo" if args.task == "reviews" else "grpo")
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     """`rlhf-dist demo`: the task's pipeline (demo/), one process."""
     from rlhf_dist.demo.pipeline import run_demo
 
+    args = argparse.Namespace(**(vars(args) | {"algorithm": demo_algorithm(args)}))
     if args.moe and (args.task != "reviews" or args.algorithm in DEMO_ITERATIVE):
         raise ConfigError("--moe: with --task reviews and a one-stage --algorithm only")
     if args.task == "tool_use":

@@ -66,6 +66,19 @@ def test_the_tool_demo_runs_with_grpo_only(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("task", "given", "runs"),
+    [("reviews", None, "ppo"), ("reviews", "rloo", "rloo"), ("tool_use", None, "grpo")]
+    + [("vision", None, "grpo"), ("arithmetic", None, "grpo"), ("vision", "dpo", "dpo")],
+)
+def test_a_demo_without_algorithm_runs_its_tasks_own_method(task, given, runs):
+    import argparse
+
+    from rlhf_dist.cli import demo_algorithm
+
+    assert demo_algorithm(argparse.Namespace(task=task, algorithm=given)) == runs
+
+
 @pytest.mark.parametrize("environment", ["function", "verifiers"])
 def test_the_endpoint_demos_grpo_config_plays_through_the_server(tmp_path, environment):
     """demo --through-endpoint / --verifiers: the GRPO stage samples from the server and
