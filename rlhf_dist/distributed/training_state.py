@@ -12,6 +12,7 @@ engine (one process, ZeRO) reads such a checkpoint whole (`read_full_state`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,9 @@ def read_full_state(directory: Path) -> dict:
         for key, m in _saved_entries(directory).items()
         if isinstance(m, TensorStorageMetadata)
     }
-    dcp.load(target, checkpoint_id=directory, no_dist=True)
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(target, checkpoint_id=directory, no_dist=True)
     state: dict[str, Any] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
     state["step"] = int(target.pop("step"))
     for key, value in target.items():

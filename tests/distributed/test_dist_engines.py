@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
+import runpy
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, free_port, launch_args, run_all
+from conftest import REPO, free_port, launch_args, run_all
 
 ENGINES = {"zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
 STAGES = ("sft", "rm", "dpo", "kto", "grpo", "iterate")
@@ -93,21 +92,54 @@ def run_dir(root: Path, stage: str) -> list[Path]:
     return [root / stage]
 
 
+def in_this_process(command: list[str]) -> None:
+    """Run one stage in the test's own process (one rank, no launch: no imports to pay)."""
+    runpy.run_path(RUN_STAGES)["run"](command)
+
+
+def resumed_sft(assets, out: Path, checkpoint: Path) -> list[str]:
+    command = stage_commands(assets, out.parent)["sft"]
+    return [*command, f"run.output_dir={out}", "--resume", str(checkpoint)]
+
+
 @pytest.fixture(scope="module")
-def runs(assets, tmp_path_factory) -> dict[str, Path]:
+def one_process(assets, tmp_path_factory) -> Path:
+    """The SFT run in one process (3 steps, each checkpointed whole in training.pt)."""
+    root = tmp_path_factory.mktemp("one_process")
+    in_this_process(stage_commands(assets, root)["sft"])
+    return root / "sft"
+
+
+@pytest.fixture(scope="module")
+def runs(assets, one_process, tmp_path_factory) -> dict[str, Path]:
     """engine -> the directory holding its runs of every stage: one launch per engine
     running the stages in turn, the two launches at once, from an empty working directory
-    (the shipped configs work from anywhere, issue item 7)."""
+    (the shipped configs work from anywhere, issue item 7). The FSDP2 launch then resumes
+    its own SFT run's step-1 shards (2 -> 2 ranks: two/) and the one-process run's step-1
+    checkpoint (1 -> 2: grown/)."""
     roots = {engine: tmp_path_factory.mktemp(engine) for engine in ENGINES}
+    commands = {e: list(stage_commands(assets, roots[e]).values()) for e in ENGINES}
+    fsdp2 = roots["fsdp2"]
+    commands["fsdp2"] += [
+        resumed_sft(assets, fsdp2 / "two", fsdp2 / "sft" / "checkpoints" / "step-000001"),
+        resumed_sft(assets, fsdp2 / "grown", one_process / "checkpoints" / "step-000001"),
+    ]
     launches = [
-        launch_args(config, free_port(), RUN_STAGES,
-                    json.dumps(list(stage_commands(assets, roots[engine]).values())))
+        launch_args(config, free_port(), RUN_STAGES, json.dumps(commands[engine]))
         for engine, config in ENGINES.items()
-    ]  # fmt: skip
+    ]
     results = run_all(launches, 480, [{}, {}], cwd=tmp_path_factory.mktemp("cwd"))
     for engine, (code, out, err) in zip(ENGINES, results, strict=True):
         assert code == 0, f"{engine} exited {code}\n{(out + err)[-6000:]}"
     return roots
+
+
+@pytest.fixture(scope="module")
+def shrunk(assets, runs) -> Path:
+    """The FSDP2 SFT run's step-1 shards resumed by one process (2 -> 1 ranks)."""
+    out = runs["fsdp2"] / "shrunk"
+    in_this_process(resumed_sft(assets, out, runs["fsdp2"] / "sft" / "checkpoints" / "step-000001"))
+    return out
 
 
 # PPO with a critic: ZeRO-3 clips actor and critic at one global norm and logs that norm
@@ -151,33 +183,6 @@ def test_fsdp2_metrics_equal_zero3_metrics(runs, stage):
         assert_close(*[e["rounds"] for e in ends], "iterate summary", 1e-5, ("wall_seconds",))
 
 
-def resumed_sft(assets, out: Path, checkpoint: Path) -> list[str]:
-    command = stage_commands(assets, out.parent)["sft"]
-    return [*command, f"run.output_dir={out}", "--resume", str(checkpoint)]
-
-
-@pytest.fixture(scope="module")
-def resumed(assets, runs, tmp_path_factory) -> dict[str, Path]:
-    """The 2-rank FSDP2 SFT run (3 steps) resumed three ways: its step-1 checkpoint (DCP
-    shards) by ONE plain process (2 -> 1 ranks), which itself checkpoints step 2 whole
-    (training.pt); that step 2 by a 2-rank FSDP2 launch (1 -> 2), which in the same
-    process also resumes the step-1 shards (2 -> 2)."""
-    root = tmp_path_factory.mktemp("resumed")
-    shards = runs["fsdp2"] / "sft" / "checkpoints" / "step-000001"
-    one = resumed_sft(assets, root / "one", shards)
-    proc = subprocess.run(
-        [sys.executable, RUN_STAGES, json.dumps([one])],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    whole = root / "one" / "checkpoints" / "step-000002"
-    two = [resumed_sft(assets, root / "two", shards), resumed_sft(assets, root / "grown", whole)]
-    launch = launch_args("cpu_fsdp2.yaml", free_port(), RUN_STAGES, json.dumps(two))
-    ((code, out, err),) = run_all([launch], 240, [{}])
-    assert code == 0, (out + err)[-6000:]
-    return {"one": root / "one", "two": root / "two", "grown": root / "grown"}
-
-
 def test_fsdp2_checkpoints_are_shards_and_the_export_whole(runs):
     step = runs["fsdp2"] / "sft" / "checkpoints" / "step-000001"
     assert sorted(p.name for p in (step / "training").glob("*.distcp")) == [
@@ -188,17 +193,24 @@ def test_fsdp2_checkpoints_are_shards_and_the_export_whole(runs):
     assert (runs["zero3"] / "sft" / "checkpoints" / "step-000001" / "training.pt").is_file()
 
 
-def test_fsdp2_sharded_checkpoint_resumes_on_the_same_world_size_bitwise(runs, resumed):
+def test_fsdp2_sharded_checkpoint_resumes_on_the_same_world_size_bitwise(runs):
     unbroken = rows(runs["fsdp2"] / "sft")
-    assert rows(resumed["two"]) == unbroken[1:]  # steps 2 and 3, every metric the same bits
+    assert rows(runs["fsdp2"] / "two") == unbroken[1:]  # steps 2 and 3, the same bits
 
 
-@pytest.mark.parametrize("how", ["one", "grown"])
-def test_fsdp2_checkpoint_resumes_on_another_world_size(runs, resumed, how):
-    """2 -> 1 ranks (DCP shards read whole by one process) and 1 -> 2 (a one-process
-    checkpoint read into FSDP2's shards): the same metrics as the unbroken run to 1e-6 at
-    fp32 (the gradients are reduced in another order)."""
+def test_fsdp2_sharded_checkpoint_resumes_on_one_process(runs, shrunk):
+    """2 -> 1 ranks: the DCP shards read whole by one process; the unbroken run's metrics
+    to 1e-6 at fp32 (one process sums the gradients in another order)."""
     unbroken = rows(runs["fsdp2"] / "sft")
-    again = rows(resumed[how])
-    assert [r["step"] for r in again] == ([2, 3] if how == "one" else [3])
-    assert_close(unbroken[-len(again) :], again, f"sft resumed {how}", 1e-6)
+    again = rows(shrunk)
+    assert [r["step"] for r in again] == [2, 3]
+    assert_close(unbroken[1:], again, "sft 2 -> 1 ranks", 1e-6)
+
+
+def test_one_process_checkpoint_resumes_on_two_fsdp2_ranks(runs, one_process):
+    """1 -> 2 ranks: a one-process checkpoint read into FSDP2's shards; the unbroken 2-rank
+    run's metrics to 1e-6 at fp32 (its step 1 was one process's)."""
+    unbroken = rows(runs["fsdp2"] / "sft")
+    again = rows(runs["fsdp2"] / "grown")
+    assert [r["step"] for r in again] == [2, 3]
+    assert_close(unbroken[1:], again, "sft 1 -> 2 ranks", 1e-6)
