@@ -60,7 +60,8 @@ def stage_commands(assets, root: Path) -> dict[str, list[str]]:
         "grpo": ["grpo", *common, f"data.train={files.prompts}",
                  f"run.output_dir={root / 'grpo'}", "ppo.iterations=2",
                  "ppo.rollout_batch_size=8", "ppo.samples_per_prompt=2", *ppo,
-                 "reward.function=rlhf_dist.demo.task:positive_word_reward"],
+                 "reward.function=rlhf_dist.demo.task:positive_word_reward",
+                 "run.checkpoint_every=1"],
         # One round: sample and label 40 pairs, RM steps, a PPO iteration with a critic
         # (the round's RM as reward model), the held-out evaluation. The random policy
         # rarely writes EOS and a pair needs both answers finished: a third of the words
@@ -97,8 +98,8 @@ def in_this_process(command: list[str]) -> None:
     runpy.run_path(RUN_STAGES)["run"](command)
 
 
-def resumed_sft(assets, out: Path, checkpoint: Path) -> list[str]:
-    command = stage_commands(assets, out.parent)["sft"]
+def resumed(assets, stage: str, out: Path, checkpoint: Path) -> list[str]:
+    command = stage_commands(assets, out.parent)[stage]
     return [*command, f"run.output_dir={out}", "--resume", str(checkpoint)]
 
 
@@ -115,14 +116,15 @@ def runs(assets, one_process, tmp_path_factory) -> dict[str, Path]:
     """engine -> the directory holding its runs of every stage: one launch per engine
     running the stages in turn, the two launches at once, from an empty working directory
     (the shipped configs work from anywhere, issue item 7). The FSDP2 launch then resumes
-    its own SFT run's step-1 shards (2 -> 2 ranks: two/) and the one-process run's step-1
-    checkpoint (1 -> 2: grown/)."""
+    its own SFT and GRPO runs' step-1 shards (2 -> 2 ranks: two/, grpo_two/) and the
+    one-process run's step-1 checkpoint (1 -> 2: grown/)."""
     roots = {engine: tmp_path_factory.mktemp(engine) for engine in ENGINES}
     commands = {e: list(stage_commands(assets, roots[e]).values()) for e in ENGINES}
     fsdp2 = roots["fsdp2"]
     commands["fsdp2"] += [
-        resumed_sft(assets, fsdp2 / "two", fsdp2 / "sft" / "checkpoints" / "step-000001"),
-        resumed_sft(assets, fsdp2 / "grown", one_process / "checkpoints" / "step-000001"),
+        resumed(assets, "sft", fsdp2 / "two", fsdp2 / "sft" / "checkpoints" / "step-000001"),
+        resumed(assets, "sft", fsdp2 / "grown", one_process / "checkpoints" / "step-000001"),
+        resumed(assets, "grpo", fsdp2 / "grpo_two", fsdp2 / "grpo" / "checkpoints" / "step-000001"),
     ]
     launches = [
         launch_args(config, free_port(), RUN_STAGES, json.dumps(commands[engine]))
@@ -138,7 +140,9 @@ def runs(assets, one_process, tmp_path_factory) -> dict[str, Path]:
 def shrunk(assets, runs) -> Path:
     """The FSDP2 SFT run's step-1 shards resumed by one process (2 -> 1 ranks)."""
     out = runs["fsdp2"] / "shrunk"
-    in_this_process(resumed_sft(assets, out, runs["fsdp2"] / "sft" / "checkpoints" / "step-000001"))
+    in_this_process(
+        resumed(assets, "sft", out, runs["fsdp2"] / "sft" / "checkpoints" / "step-000001")
+    )
     return out
 
 
@@ -196,6 +200,8 @@ def test_fsdp2_checkpoints_are_shards_and_the_export_whole(runs):
 def test_fsdp2_sharded_checkpoint_resumes_on_the_same_world_size_bitwise(runs):
     unbroken = rows(runs["fsdp2"] / "sft")
     assert rows(runs["fsdp2"] / "two") == unbroken[1:]  # steps 2 and 3, the same bits
+    # GRPO: the actor's shards and moments, the rollout's RNG, the loop's state
+    assert rows(runs["fsdp2"] / "grpo_two") == rows(runs["fsdp2"] / "grpo")[1:]
 
 
 def test_fsdp2_sharded_checkpoint_resumes_on_one_process(runs, shrunk):
