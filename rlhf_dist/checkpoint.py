@@ -4,6 +4,8 @@ Layout under <output_dir>/checkpoints/:
 
     step-000012/
       training.pt        fp32 weights + Adam moments + step of every trainable parameter
+      training/          the same under FSDP2, as torch.distributed.checkpoint shards
+                         (each rank writes its own; read back at any world size)
       trainer.pt         loop position, scheduler, KL controller, ... (plain data)
       rng-rank00000.pt   each rank's RNG states (python, numpy, torch)
       meta.json          world size, format version, step
@@ -22,6 +24,7 @@ import os
 import random
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +35,7 @@ from rlhf_dist.errors import ConfigError
 from rlhf_dist.files import atomic_write_text, fsync_dir, fsync_file
 
 FORMAT = 1
+SHARDS = "training"  # the sharded training state's directory in a checkpoint
 FAULT_ENV = "RLHF_DIST_FAULT"
 
 
@@ -119,8 +123,13 @@ def save_checkpoint(
     training_state: dict | None,
     trainer_state: dict,
     keep: int,
+    write_shards: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically under `root` (all ranks call); returns its path."""
+    """Write checkpoint `step` atomically under `root` (all ranks call); returns its path.
+
+    training_state: the gathered state (main process) written as training.pt, unless
+    `write_shards` is given: every rank then calls it on the checkpoint's `training/`
+    directory (FSDP2's shards, distributed.Runtime.sharded_state_writer)."""
     name = f"step-{step:06d}"
     final, tmp = root / name, root / f".tmp-{name}"
     if runtime.is_main:
@@ -128,8 +137,11 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     runtime.barrier()
     _save(rng_state(), tmp / f"rng-rank{runtime.rank:05d}.pt")
+    if write_shards is not None:
+        write_shards(tmp / SHARDS)
     if runtime.is_main:
-        _save(training_state, tmp / "training.pt")
+        if write_shards is None:
+            _save(training_state, tmp / "training.pt")
         maybe_fault("checkpoint", step)  # half-written: only the .tmp directory may exist
         _save(trainer_state, tmp / "trainer.pt")
         meta = {"format": FORMAT, "step": step, "world_size": runtime.world_size}
@@ -170,9 +182,18 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
 
 
 class Checkpoint:
-    """A loaded checkpoint: training state, trainer state and this rank's RNG."""
+    """A loaded checkpoint: training state, trainer state and this rank's RNG.
 
-    def __init__(self, path: Path, runtime: RankGroup):
+    A sharded checkpoint's training state (`training/`) is read by `read_shards` (the
+    runtime's read_training_state): whole, or None where the engine reads its own shards
+    after `prepare` (`shards`, FSDP2)."""
+
+    def __init__(
+        self,
+        path: Path,
+        runtime: RankGroup,
+        read_shards: Callable[[Path], dict | None] | None = None,
+    ):
         self.path = path
         self.meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
         if self.meta.get("format") != FORMAT:
@@ -180,7 +201,12 @@ class Checkpoint:
                 f"run.resume: {str(path)!r} has checkpoint format {self.meta.get('format')}, expected {FORMAT}"
             )
         self.step = int(self.meta["step"])
-        self.training = torch.load(path / "training.pt", weights_only=True, map_location="cpu")
+        self.shards = path / SHARDS if (path / SHARDS).is_dir() else None
+        self.training: dict | None = None
+        if self.shards is None:
+            self.training = torch.load(path / "training.pt", weights_only=True, map_location="cpu")
+        elif read_shards is not None:
+            self.training = read_shards(self.shards)
         self.trainer = torch.load(path / "trainer.pt", weights_only=True, map_location="cpu")
         self.same_world = self.meta["world_size"] == runtime.world_size
         self.runtime = runtime
@@ -197,7 +223,10 @@ class Checkpoint:
             self.runtime.seed_per_rank(seed + 7919 * self.step)
 
     def load_weights_into(self, module: torch.nn.Module) -> None:
-        """Copy the saved fp32 weights into an unprepared module (before partitioning)."""
+        """Copy the saved fp32 weights into an unprepared module (before partitioning);
+        nothing where the engine reads its shards after `prepare` (training is None)."""
+        if self.training is None:
+            return
         params = dict(module.named_parameters())
         missing = [n for n in self.training["params"] if n not in params]
         if missing:

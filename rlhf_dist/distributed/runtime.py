@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -254,9 +255,36 @@ class Runtime:
         return training_state.gather_training_state(self.backend, model, optimizer)
 
     def restore_optimizer_state(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict | None,
+        shards: Path | None = None,
     ) -> None:
+        """Put a checkpoint's optimizer state into a prepared model's optimizer: `state`
+        (read_training_state's or a consolidated checkpoint's) or, where that is None
+        under FSDP2, the DCP checkpoint `shards` read into the weights and moments."""
+        if state is None and shards is not None:
+            return training_state.load_sharded_state(self.backend, model, optimizer, shards)
+        assert state is not None, "a checkpoint's training state or its shards"
         return training_state.restore_optimizer_state(self.backend, model, optimizer, state)
+
+    def sharded_state_writer(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> Callable[[Path], None] | None:
+        """Under FSDP2, what writes the training state into a checkpoint's directory as
+        DCP shards (every rank calls it; training_state.save_sharded_state); None where
+        the state is gathered (gather_training_state) and written whole."""
+        if not training_state.writes_shards(self.backend):
+            return None
+        return lambda d: training_state.save_sharded_state(self.backend, model, optimizer, d)
+
+    def read_training_state(self, shards: Path) -> dict | None:
+        """A DCP checkpoint's training state read whole by this rank, before `prepare`;
+        None under FSDP2, which reads only its own shards after (restore_optimizer_state)."""
+        if training_state.writes_shards(self.backend):
+            return None
+        return training_state.read_full_state(shards)
 
     # ------------------------------------------------------------------ trackers
     def start_trackers(self, project: str, config: dict, init_kwargs: dict) -> None:

@@ -3,17 +3,27 @@
 Under ZeRO the weights, gradients, fp32 masters and Adam moments are partitioned over
 ranks; these functions gather them (every rank must call) or scatter them back, so a
 checkpoint written on N ranks resumes on M.
+
+Under FSDP2 nothing is gathered: torch.distributed.checkpoint (DCP) writes each rank's
+shards of the same entries (`params/NAME`, `exp_avg/NAME`, `exp_avg_sq/NAME`, `step`) and
+reads back into this run's shards whatever the world size that wrote them; any other
+engine (one process, ZeRO) reads such a checkpoint whole (`read_full_state`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlhf_dist.distributed import fsdp2
 from rlhf_dist.distributed.backend import Backend
+from rlhf_dist.errors import ConfigError
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def full_state_dict(backend: Backend, model: torch.nn.Module) -> dict | None:
@@ -177,3 +187,93 @@ def _scatter_fsdp2_state(
         for key in ("exp_avg", "exp_avg_sq"):
             moments[key] = torch.zeros_like(p)
             fsdp2.set_from_full(moments[key], state[key][name])
+
+
+def writes_shards(backend: Backend) -> bool:
+    """Whether this run's checkpoints are sharded (DCP): under FSDP2."""
+    return backend.engine == "fsdp2"
+
+
+def save_sharded_state(
+    backend: Backend, model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path
+) -> None:
+    """Write the FSDP2 training state under `directory` with DCP: every rank writes its
+    own shards of each trainable weight and Adam moment (files fsynced), nothing is
+    gathered; the step count once (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_entries(backend, model, optimizer), checkpoint_id=directory)
+
+
+def load_sharded_state(
+    backend: Backend, model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path
+) -> None:
+    """Read a DCP checkpoint into a prepared FSDP2 model's shards and its optimizer's
+    moments, in place (a collective). DCP reshards on load: each rank reads the parts of
+    the saved shards that overlap its own, whatever the world size that wrote them."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = _saved_entries(directory)
+    unknown = {k.split("/", 1)[1] for k in saved if k.startswith("params/")}
+    unknown -= {n for n, p in backend.unwrap(model).named_parameters() if p.requires_grad}
+    if unknown:
+        raise ConfigError(
+            f"run.resume: checkpoint has weights the model lacks, e.g. {sorted(unknown)[0]!r}"
+        )
+    inner = innermost_optimizer(optimizer)
+    if any(k.startswith("exp_avg/") for k in saved):
+        _materialise_adam_state(inner)
+    entries = _sharded_entries(backend, model, optimizer)
+    entries = {k: v for k, v in entries.items() if k in saved}
+    with torch.no_grad():  # in place into the parameters' local shards
+        dcp.load(entries, checkpoint_id=directory)
+    step = float(entries["step"])
+    for param_state in inner.state.values():
+        param_state["step"] = torch.tensor(step)
+
+
+def read_full_state(directory: Path) -> dict:
+    """A DCP checkpoint read whole by this process alone (no collective): the dict
+    gather_training_state returns, for an engine that does not shard the FSDP2 way."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    target = {
+        key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for key, m in _saved_entries(directory).items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(target, checkpoint_id=directory, no_dist=True)
+    state: dict[str, Any] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    state["step"] = int(target.pop("step"))
+    for key, value in target.items():
+        group, name = key.split("/", 1)
+        state[group][name] = value
+    return state
+
+
+def _saved_entries(directory: Path) -> dict[str, Any]:
+    """The entries of DCP checkpoint `directory`: key -> its storage metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    return dict(metadata.state_dict_metadata)
+
+
+def _sharded_entries(
+    backend: Backend, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """The DCP entries of an FSDP2 model and its optimizer: each trainable parameter
+    (a DTensor: this rank's shard of its whole shape) and its Adam moments where they
+    exist, by the names of the consolidated checkpoint; the step count as a 0-d tensor."""
+    inner = innermost_optimizer(optimizer)
+    entries = {"step": torch.tensor(_adam_step(inner))}
+    for name, p in backend.unwrap(model).named_parameters():
+        if not p.requires_grad:
+            continue
+        entries[f"params/{name}"] = p.detach()  # shares the parameter's storage
+        moments = inner.state.get(p, {})
+        entries |= {f"{k}/{name}": moments[k] for k in MOMENTS if k in moments}
+    return entries

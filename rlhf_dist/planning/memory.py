@@ -277,13 +277,19 @@ def kept_activations(
     checkpointing (non-reentrant, per layer) only each layer's input, h per token
     (Korthikanti et al. 2022, section 5, full recomputation); with LoRA each adapted
     linear's (n, r) intermediate (7 per layer at most); and the final norm's 3h plus the
-    scored positions' hidden states gathered for the head (h): 4h per token."""
+    scored positions' hidden states gathered for the head (h): 4h per token.
+
+    LoRA's base is frozen, and autograd keeps a tensor only for a gradient that is needed:
+    no RMSNorm keeps its normalised x for its (frozen) weight's gradient (h less for each
+    of the 2L + 1 norms), and the first layer's input (the frozen embedding's output) needs
+    no gradient, so its input norm keeps nothing (h less again): (2L + 2)h per token."""
     dense = layer_activation_elements(shape, seq_len, attention)
     sparse = sparse_layer_elements(shape, seq_len, attention) if shape.moe_layers else 0.0
     kept = (shape.layers - shape.moe_layers) * dense + shape.moe_layers * sparse
-    if checkpointing:
-        kept = shape.layers * shape.hidden
-    per_token = kept + shape.layers * 7 * lora_rank + 4 * shape.hidden
+    frozen_norms = (2 * shape.layers + 2) * shape.hidden if lora_rank else 0
+    if checkpointing:  # the layers keep only their inputs; the final norm still its x
+        kept, frozen_norms = shape.layers * shape.hidden, shape.hidden if lora_rank else 0
+    per_token = kept - frozen_norms + shape.layers * 7 * lora_rank + 4 * shape.hidden
     return batch * seq_len * per_token * act_bytes
 
 

@@ -83,7 +83,7 @@ class PreemptionFlag:
 def find_resume(cfg: Config, runtime: Runtime) -> Checkpoint | None:
     """The checkpoint this run continues from (run.resume), loaded; None for a fresh run."""
     path = find_checkpoint(cfg.run.resume, Path(cfg.run.output_dir))
-    return Checkpoint(path, runtime) if path else None
+    return Checkpoint(path, runtime, runtime.read_training_state) if path else None
 
 
 def safe_point(
@@ -133,13 +133,14 @@ def write_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict,
 ) -> None:
-    """Gather the world-size independent training state and write an atomic checkpoint."""
-    state = runtime.gather_training_state(model, optimizer)
+    """Write an atomic checkpoint of the world-size independent training state: gathered
+    whole, or under FSDP2 each rank's shards (distributed/training_state.py)."""
+    shards = runtime.sharded_state_writer(model, optimizer)
+    state = None if shards else runtime.gather_training_state(model, optimizer)
     # The effective config rides along, so a checkpoint says what produced it.
     trainer_state = trainer_state | {"config": to_dict(cfg)}
-    save_checkpoint(
-        runtime, out / "checkpoints", step, state, trainer_state, cfg.run.keep_checkpoints
-    )
+    keep = cfg.run.keep_checkpoints
+    save_checkpoint(runtime, out / "checkpoints", step, state, trainer_state, keep, shards)
 
 
 def make_optimizer(
@@ -237,9 +238,10 @@ def resume_into(
 ) -> None:
     """After `prepare`: restore optimizer moments, the schedule and this rank's RNG.
 
-    (The weights were copied in before `prepare` with ckpt.load_weights_into.)
+    (The weights were copied in before `prepare` with ckpt.load_weights_into; under FSDP2
+    a sharded checkpoint's weights are read here, into the shards, with the moments.)
     """
-    runtime.restore_optimizer_state(model, optimizer, ckpt.training)
+    runtime.restore_optimizer_state(model, optimizer, ckpt.training, ckpt.shards)
     scheduler.load_state_dict(ckpt.trainer["scheduler"])
     ckpt.restore_rng(seed)
 

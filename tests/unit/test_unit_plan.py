@@ -62,6 +62,26 @@ def test_kv_cache_and_layer_activations_by_hand():
     assert mem.layer_activation_elements(TINY, 7, "fused") == 40 + 4 + 32 + 2
 
 
+def test_lora_activations_by_hand():
+    # one token of TINY: 2 layers x 78 (10h + 2kd + 4f + a) + 4h = 172 elements; with LoRA
+    # r 1: 7 x 2 adapter intermediates, and the frozen norms keep (2L + 2)h = 24 less
+    assert mem.kept_activations(TINY, 1, 1, 1.0, "fused", False) == 172
+    assert mem.kept_activations(TINY, 1, 1, 1.0, "fused", False, lora_rank=1) == 172 - 24 + 14
+    # checkpointing: each layer's input (2h), the adapters', 4h less the final norm's h
+    assert mem.kept_activations(TINY, 1, 1, 1.0, "fused", True, lora_rank=1) == 8 + 14 + 16 - 4
+
+
+@pytest.mark.parametrize("rank", [1, 8, 64])
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-7b"])
+def test_lora_activations_differ_by_the_adapters_less_the_frozen_norms(name, rank):
+    shape = read_shape(str(SHAPES / name), "model.policy")
+    for rows, seq in ((1, 16), (3, 1024)):
+        full = mem.kept_activations(shape, rows, seq, 2.0, "fused", False)
+        lora = mem.kept_activations(shape, rows, seq, 2.0, "fused", False, rank)
+        per_token = 7 * shape.layers * rank - (2 * shape.layers + 2) * shape.hidden
+        assert lora - full == pytest.approx(rows * seq * 2.0 * per_token)
+
+
 @pytest.mark.parametrize("seq", [16, 128, 1024])
 def test_activations_grow_with_rows_and_shrink_with_checkpointing(seq):
     shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")

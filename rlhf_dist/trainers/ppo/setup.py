@@ -253,7 +253,7 @@ def build_models(
         train_dtype(m),
     )
     if ckpt:
-        runtime.restore_optimizer_state(model, optimizer, ckpt.training)
+        runtime.restore_optimizer_state(model, optimizer, ckpt.training, ckpt.shards)
     if not needs_reference(cfg):
         reference = None  # KL 0: the rollout takes the old log-probs as the reference's
     elif reference is None:
