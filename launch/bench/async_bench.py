@@ -915,7 +915,10 @@ def http_main(argv: list[str]) -> None:
 # means (k=4 partial - sync), paired by seed, with its standard error.
 #
 # Usage: bash launch/bench/async_tail.sh parity [--tasks demo arithmetic] [--seeds 0 1 2]
-#        [--iterations 20] [--kl-prompts 32] [--quick] [--out runs/bench/async_parity]
+#        [--iterations 20] [--demo-iterations N] [--kl-prompts 32] [--parallel] [--quick]
+#        [--out runs/bench/async_parity]
+# (--parallel: both modes train at once, each against its own server, so they share the
+# machine's load; the SFT policy and reward model already under OUT are kept.)
 # (--quick: the demos' smoke sizes, a check that the bench runs, not a measurement)
 
 PARITY_MODES = {
@@ -980,16 +983,34 @@ def parity_demo_seed(out: Path, seed: int, args, runtime) -> None:
     sft = run_eval(pipeline._with_output(evaluate, root / "eval_sft"), runtime)
     parity_record(out, {"task": "demo", "mode": "SFT", "seed": seed, "score": sft["gold_reward"],
                         "kl": 0.0, "seconds": 0.0, "staleness": 0.0, "switched": 0.0})  # fmt: skip
-    for mode in PARITY_MODES:
-        name = mode.replace("=", "").replace(" ", "_")
-        tree = copy.deepcopy(trees["grpo"])
-        tree["run"]["output_dir"] = str(root / name)
-        with tempfile.TemporaryDirectory() as tmp:
-            figures = parity_train(tree, root / "sft" / "final", Path(tmp), mode)
+    if args.demo_iterations:
+        trees["grpo"]["ppo"]["iterations"] = args.demo_iterations
+    trained = parity_modes(trees["grpo"], root, root / "sft" / "final", args.parallel)
+    for mode, figures in trained.items():
+        name = parity_name(mode)
         final = str(root / name / "final")
         ev = run_eval(pipeline._with_output(evaluate, root / f"eval_{name}", final), runtime)
         parity_record(out, {"task": "demo", "mode": mode, "seed": seed, "score": ev["gold_reward"],
                             "kl": ev["kl_to_ref"]} | figures)  # fmt: skip
+
+
+def parity_name(mode: str) -> str:
+    return mode.replace("=", "").replace(" ", "_")
+
+
+def parity_modes(grpo: dict, root: Path, policy: Path, parallel: bool) -> dict[str, dict]:
+    """Train the GRPO tree in every mode (root/<mode>), one after the other or, --parallel,
+    both at once (each its own server) -> each mode's figures (parity_train)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(mode: str) -> dict:
+        tree = copy.deepcopy(grpo)
+        tree["run"]["output_dir"] = str(root / parity_name(mode))
+        with tempfile.TemporaryDirectory() as tmp:
+            return parity_train(tree, policy, Path(tmp), mode)
+
+    with ThreadPoolExecutor(len(PARITY_MODES) if parallel else 1) as pool:
+        return dict(zip(PARITY_MODES, pool.map(one, PARITY_MODES)))
 
 
 def parity_arithmetic_trees(root: Path, policy: Path, seed: int, args) -> dict:
@@ -1014,12 +1035,8 @@ def parity_arithmetic_seed(out: Path, seed: int, args, runtime) -> None:
         parity_record(out, {"task": "arithmetic", "mode": "base", "seed": seed,
                             "score": base["score"], "kl": 0.0, "seconds": 0.0,
                             "staleness": 0.0, "switched": 0.0})  # fmt: skip
-    for mode in PARITY_MODES:
-        name = mode.replace("=", "").replace(" ", "_")
-        tree = copy.deepcopy(trees["grpo"])
-        tree["run"]["output_dir"] = str(root / name)
-        with tempfile.TemporaryDirectory() as tmp:
-            figures = parity_train(tree, policy, Path(tmp), mode)
+    for mode, figures in parity_modes(trees["grpo"], root, policy, args.parallel).items():
+        name = parity_name(mode)
         final = str(root / name / "final")
         ev = run_eval(pipeline._with_output(greedy, root / f"eval_{name}", final), runtime)
         kl = run_eval(pipeline._with_output(sampled, root / f"kl_{name}", final), runtime)
@@ -1054,6 +1071,10 @@ def parity_main(argv: list[str]) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=arithmetic_demo.ITERATIONS,
                         help="arithmetic GRPO iterations, both modes")  # fmt: skip
+    parser.add_argument("--demo-iterations", type=int, default=0,
+                        help="cut the text demo's GRPO iterations (its own: 60), both modes")  # fmt: skip
+    parser.add_argument("--parallel", action="store_true",
+                        help="train both modes at once (each its own server)")  # fmt: skip
     parser.add_argument("--kl-prompts", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="the demos' smoke sizes")
     parser.add_argument("--out", default="runs/bench/async_parity")
