@@ -918,7 +918,7 @@ def http_main(argv: list[str]) -> None:
 #        [--iterations 20] [--demo-iterations N] [--kl-prompts 32] [--parallel] [--quick]
 #        [--out runs/bench/async_parity]
 # (--parallel: both modes train at once, each against its own server, so they share the
-# machine's load; the SFT policy and reward model already under OUT are kept.)
+# machine's load; the SFT policy, reward model and SFT evaluation already under OUT are kept.)
 # (--quick: the demos' smoke sizes, a check that the bench runs, not a measurement)
 
 PARITY_MODES = {
@@ -976,11 +976,15 @@ def parity_demo_seed(out: Path, seed: int, args, runtime) -> None:
     root = out / "demo" / f"seed{seed}"
     files, models = pipeline.task_and_models(root, seed)  # deterministic per seed
     trees = pipeline.stage_configs(root, files, models, seed, args.quick, algorithm="grpo")
+    for tree in trees.values():  # one thread: this process shares the cores with the runs
+        tree["perf"] = {"num_threads": 1}
     if not (root / "rm" / "final").exists():  # a rerun into the same OUT keeps them
         train_sft(config_from_dict(trees["sft"]), runtime)
         train_reward_model(config_from_dict(trees["rm"]), runtime)
     evaluate = config_from_dict(trees["eval"])
-    sft = run_eval(pipeline._with_output(evaluate, root / "eval_sft"), runtime)
+    done = root / "eval_sft" / "summary.json"  # kept by a rerun, as the models are
+    sft = (json.loads(done.read_text()) if done.exists()
+           else run_eval(pipeline._with_output(evaluate, root / "eval_sft"), runtime))  # fmt: skip
     parity_record(out, {"task": "demo", "mode": "SFT", "seed": seed, "score": sft["gold_reward"],
                         "kl": 0.0, "seconds": 0.0, "staleness": 0.0, "switched": 0.0})  # fmt: skip
     if args.demo_iterations:
@@ -1016,6 +1020,8 @@ def parity_modes(grpo: dict, root: Path, policy: Path, parallel: bool) -> dict[s
 def parity_arithmetic_trees(root: Path, policy: Path, seed: int, args) -> dict:
     """The arithmetic demo's trees, GRPO cut to --iterations, and `kl`: the sampled pass."""
     trees = arithmetic_demo.arithmetic_stage_configs(root, policy, seed, args.quick)
+    for tree in trees.values():  # one thread: this process shares the cores with the runs
+        tree["perf"] = {"num_threads": 1}
     trees["grpo"]["ppo"]["iterations"] = args.iterations
     kl = copy.deepcopy(trees["eval"])
     kl["generation"].pop("top_k")  # sampled at the training temperature, 1
@@ -1030,11 +1036,6 @@ def parity_arithmetic_seed(out: Path, seed: int, args, runtime) -> None:
     policy, root = smollm2.build("shipped"), out / "arithmetic" / f"seed{seed}"
     trees = parity_arithmetic_trees(root, policy, seed, args)
     greedy, sampled = config_from_dict(trees["eval"]), config_from_dict(trees["kl"])
-    if seed == args.seeds[0]:  # greedy: the base model's accuracy is the same for every seed
-        base = run_eval(pipeline._with_output(greedy, out / "arithmetic" / "eval_base"), runtime)
-        parity_record(out, {"task": "arithmetic", "mode": "base", "seed": seed,
-                            "score": base["score"], "kl": 0.0, "seconds": 0.0,
-                            "staleness": 0.0, "switched": 0.0})  # fmt: skip
     for mode, figures in parity_modes(trees["grpo"], root, policy, args.parallel).items():
         name = parity_name(mode)
         final = str(root / name / "final")
@@ -1042,6 +1043,11 @@ def parity_arithmetic_seed(out: Path, seed: int, args, runtime) -> None:
         kl = run_eval(pipeline._with_output(sampled, root / f"kl_{name}", final), runtime)
         parity_record(out, {"task": "arithmetic", "mode": mode, "seed": seed,
                             "score": ev["score"], "kl": kl["kl_to_ref"]} | figures)  # fmt: skip
+    if seed == args.seeds[0]:  # greedy: the base model's accuracy is the same for every seed
+        base = run_eval(pipeline._with_output(greedy, out / "arithmetic" / "eval_base"), runtime)
+        parity_record(out, {"task": "arithmetic", "mode": "base", "seed": seed,
+                            "score": base["score"], "kl": 0.0, "seconds": 0.0,
+                            "staleness": 0.0, "switched": 0.0})  # fmt: skip
 
 
 def parity_summary(rows: list[dict]) -> None:
@@ -1088,7 +1094,7 @@ def parity_main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     print("task       mode         seed gold/acc      KL  seconds staleness switched")
     for seed in args.seeds:
-        runtime = Runtime(seed=seed)
+        runtime = Runtime(seed=seed, num_threads=1)  # the default, all cores, spin-waits
         for task_name in args.tasks:
             if task_name == "demo":
                 parity_demo_seed(out, seed, args, runtime)
