@@ -651,7 +651,7 @@ def tail_tree(
 ) -> dict:
     p = args.prompts
     return {
-        "run": {"output_dir": str(out / f"k{k}{'partial' if partial else ''}"), "seed": 0, "log_every": 1, "progress": False,
+        "run": {"output_dir": str(out / f"k{k}{'partial' if partial else ''}"), "seed": args.seed, "log_every": 1, "progress": False,
                 "checkpoint_every": 0, "histogram_every": 0, "samples_every": 1,
                 "num_samples": 4 * p},  # every trained row's length (tail_lengths)
         "model": {"policy": str(policy)},
@@ -695,51 +695,74 @@ def tail_lengths(run_dir: Path) -> tuple[list[int], dict[str, float]]:
     """Every trained row's response length over the run (samples.jsonl, all rows of every
     iteration) and the run's sampled side: rows and mean length of what came back from the
     servers (async/sampled_*, dropped rollouts included) and the rollouts dropped."""
-    lines = (run_dir / "samples.jsonl").read_text().splitlines()
-    trained = [int(json.loads(line)["length"]) for line in lines]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    trained = [int(s["length"]) for s in samples]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/total" in r]
     n = sum(r.get("async/sampled_rows", r["rollout/sequences"]) for r in rows)
     tokens = sum(r.get("async/sampled_rows", r["rollout/sequences"])
                  * r.get("async/sampled_len_mean", r["rollout/length"]) for r in rows)  # fmt: skip
     dropped = sum(r.get("rollout/stale_dropped", 0.0) for r in rows)
-    return trained, {"rows": n, "mean": tokens / max(n, 1.0), "dropped": dropped}
+    last = [s["prompt"].split()[-1] for s in samples]  # the word that sets the row's law
+    return trained, {"rows": n, "mean": tokens / max(n, 1.0), "dropped": dropped, "last": last}
+
+
+def tail_law(lengths: list[int], long_rows: list[bool], cap: int) -> tuple[float, float, float]:
+    """The task's exact length law for these rows against their lengths -> (its mean, the
+    one-sample KS statistic D, its asymptotic p-value). A response whose prompt ends on a
+    long word ends after each token with probability q = TAIL_LONG_EOS, else
+    TAIL_SHORT_EOS, so P(L <= x) = 1 - (1 - q)^x below the cap and 1 at it; the law of the
+    rows is the mean of theirs (lr 1e-6 leaves the starting policy's law in place)."""
+    n = len(lengths)
+    law = [sum(1 - (1 - (TAIL_LONG_EOS if r else TAIL_SHORT_EOS)) ** x if x < cap else 1.0
+               for r in long_rows) / n for x in range(1, cap + 1)]  # fmt: skip
+    empirical = [sum(v <= x for v in lengths) / n for x in range(1, cap + 1)]
+    d = max(abs(a - b) for a, b in zip(law, empirical))
+    return 1 + sum(1 - f for f in law[:-1]), d, ks_pvalue(n, d)
+
+
+def ks_pvalue(n: float, d: float) -> float:
+    """Q_KS(lambda) = 2 sum_j (-1)^(j-1) exp(-2 j^2 lambda^2), lambda = (sqrt(n) + 0.12 +
+    0.11 / sqrt(n)) d: the asymptotic p-value of a KS statistic d over n (effective) rows
+    (Numerical Recipes, 3rd ed., eq. 14.3.18-14.3.19; conservative with ties)."""
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    if lam < 1e-3:
+        return 1.0
+    q = 2 * sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 101))
+    return min(max(q, 0.0), 1.0)
 
 
 def ks_two_sample(a: list[int], b: list[int]) -> tuple[float, float]:
     """The two-sample Kolmogorov-Smirnov statistic D = max_x |F_a(x) - F_b(x)| (empirical
-    CDFs, right-continuous, so ties count on both sides at once) and its asymptotic p-value,
-    Q_KS(lambda) = 2 sum_j (-1)^(j-1) exp(-2 j^2 lambda^2), lambda = (sqrt(N) + 0.12 +
-    0.11 / sqrt(N)) D, N = n m / (n + m) (Numerical Recipes, 3rd ed., eq. 14.3.18-14.3.19).
-    With ties (integer lengths) the p-value is conservative."""
+    CDFs, right-continuous, so ties count on both sides at once) and its asymptotic p-value
+    over N = n m / (n + m) rows (ks_pvalue)."""
     import bisect
 
     xs, ys = sorted(a), sorted(b)
     cdf = lambda v, x: bisect.bisect_right(v, x) / len(v)  # noqa: E731
     d = max(abs(cdf(xs, x) - cdf(ys, x)) for x in set(xs) | set(ys))
-    ne = len(xs) * len(ys) / (len(xs) + len(ys))
-    lam = (math.sqrt(ne) + 0.12 + 0.11 / math.sqrt(ne)) * d
-    if lam < 1e-3:
-        return d, 1.0
-    q = 2 * sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 101))
-    return d, min(max(q, 0.0), 1.0)
+    return d, ks_pvalue(len(xs) * len(ys) / (len(xs) + len(ys)), d)
 
 
-def print_lengths(results: dict[str, dict]) -> None:
-    """Each mode's trained lengths (mean, p50, p90, max), its sampled side, and the KS test
-    of its trained lengths against the sync run's (the on-policy sample of the task)."""
+def print_lengths(results: dict[str, dict], long_words: set[str], cap: int) -> None:
+    """Each mode's trained lengths (mean, p50, p90, max), its sampled side, the KS test of
+    its trained lengths against the sync run's (the on-policy sample of the task) and
+    against the task's exact law for its rows (tail_law)."""
     print("response lengths over every iteration, tokens per row (trained: samples.jsonl; "
           "sampled: what the servers returned, async/sampled_*)")  # fmt: skip
     print(f"{'mode':<14} {'trained rows':>12} {'mean':>6} {'p50':>5} {'p90':>5} {'max':>4} "
-          f"{'sampled rows':>12} {'mean':>6} {'dropped':>7} {'KS D vs sync':>12} {'p':>6}")  # fmt: skip
+          f"{'sampled rows':>12} {'mean':>6} {'dropped':>7} {'KS D vs sync':>12} {'p':>6} "
+          f"{'law mean':>8} {'KS D vs law':>11} {'p':>6}")  # fmt: skip
     reference = results["sync"]["lengths"]
     for name, f in results.items():
-        v, side = f["lengths"], f["sampled"]
+        v, side = f["lengths"], f["sampled_side"]
         deciles = statistics.quantiles(v, n=10, method="inclusive")
         d, p = ks_two_sample(v, reference)
+        mean, d_law, p_law = tail_law(v, [w in long_words for w in side["last"]], cap)
         print(f"{name:<14} {len(v):12d} {statistics.mean(v):6.2f} {statistics.median(v):5.0f} "
               f"{deciles[8]:5.0f} {max(v):4d} {side['rows']:12.0f} {side['mean']:6.2f} "
-              f"{side['dropped']:7.0f} {d:12.3f} {p:6.3f}")  # fmt: skip
+              f"{side['dropped']:7.0f} {d:12.3f} {p:6.3f} {mean:8.2f} {d_law:11.3f} "
+              f"{p_law:6.3f}")  # fmt: skip
 
 
 def tail_main(argv: list[str]) -> None:
@@ -749,6 +772,7 @@ def tail_main(argv: list[str]) -> None:
     parser.add_argument("--new", type=int, default=256, help="max new tokens per response")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout (x4 samples)")
     parser.add_argument("--out", default="runs/bench/async_tail")
+    parser.add_argument("--seed", type=int, default=0, help="run.seed (the requests' seeds)")
     parser.add_argument("--modes", nargs="+", default=[m[0] for m in TAIL_MODES],
                         choices=[m[0] for m in TAIL_MODES],
                         help="a subset, for the lengths table alone (against sync); the last "
@@ -769,17 +793,20 @@ def tail_main(argv: list[str]) -> None:
                 tree = tail_tree(out, policy, prompts, url, args, k, partial)
                 results[name] = tail_figures(train(tree, Path(tmp), args.threads))
                 trained, sampled = tail_lengths(Path(tree["run"]["output_dir"]))
-                results[name] |= {"lengths": trained, "sampled": sampled}
+                results[name] |= {"lengths": trained, "sampled_side": sampled}
             finally:
                 server.terminate()
                 server.wait(timeout=60)
-    print_tail(args, results)
+    from transformers import AutoTokenizer
+
+    names = AutoTokenizer.from_pretrained(str(policy)).convert_ids_to_tokens(long_words)
+    print_tail(args, results, set(names))
 
 
 TAIL_MODES = (("sync", 0, False), ("k=1", 1, False), ("k=4", 4, False), ("k=4 partial", 4, True))
 
 
-def print_tail(args, results: dict[str, dict]) -> None:
+def print_tail(args, results: dict[str, dict], long_words: set[str]) -> None:
     print(f"heavy-tailed GRPO ({device()}): {args.prompts} x 4 responses of up to {args.new} "
           f"tokens, ~{TAIL_LONG_SHARE:.0%} of them ~8x the median; one trainer + one server, "
           f"{args.threads} thread(s) each; {args.iterations} iterations, first dropped")  # fmt: skip
@@ -793,7 +820,7 @@ def print_tail(args, results: dict[str, dict]) -> None:
               f"{results['k=4 partial']['switched']:.1%} of its rows switched version "
               "mid-response)")  # fmt: skip
     if "sync" in results:
-        print_lengths(results)
+        print_lengths(results, long_words, args.new)
     if not {"sync", "k=1", "k=4 partial"} <= set(results):
         return
     best = results["k=4 partial"]["tok/s"]
