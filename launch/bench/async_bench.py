@@ -8,7 +8,10 @@ async_tail.sh runs it (and installs the real SmolLM2 the first three need):
   routing  routing replay on a tiny Qwen3-MoE served in bf16 to an fp32 trainer: the
            sampler-vs-trainer log-prob gap and routing-flip rate with R3 against none
            (docs/moe.md, "Routing replay")
-  tail     trained tokens/s on heavy-tailed response lengths: sync, k = 1, k = 4
+  tail     trained tokens/s on heavy-tailed response lengths: sync, k = 1, k = 4, k = 4
+           partial; the trained lengths against the sync run's and the task's exact law
+  parity   do the text demo's GRPO and the arithmetic task learn as well with k = 4 and
+           partial rollouts as synchronously, seed by seed?
   http     request overhead of the servers' client: httpx (pooled) against urllib
 
 Usage: python launch/bench/async_bench.py MODE [ARGS...]   (each MODE's --help)
