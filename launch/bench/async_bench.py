@@ -8,7 +8,10 @@ async_tail.sh runs it (and installs the real SmolLM2 the first three need):
   routing  routing replay on a tiny Qwen3-MoE served in bf16 to an fp32 trainer: the
            sampler-vs-trainer log-prob gap and routing-flip rate with R3 against none
            (docs/moe.md, "Routing replay")
-  tail     trained tokens/s on heavy-tailed response lengths: sync, k = 1, k = 4
+  tail     trained tokens/s on heavy-tailed response lengths: sync, k = 1, k = 4, k = 4
+           partial; the trained lengths against the sync run's and the task's exact law
+  parity   do the text demo's GRPO and the arithmetic task learn as well with k = 4 and
+           partial rollouts as synchronously, seed by seed?
   http     request overhead of the servers' client: httpx (pooled) against urllib
 
 Usage: python launch/bench/async_bench.py MODE [ARGS...]   (each MODE's --help)
@@ -286,7 +289,7 @@ def one_seed(root: Path, seed: int, ranks: int) -> dict:
     from rlhf_dist.trainers.reward import train_reward_model
     from rlhf_dist.trainers.sft import train_sft
 
-    files, models = pipeline.task_and_models(root, seed)
+    files, models = pipeline.task_and_models(root, seed)  # deterministic per seed
     trees = pipeline.stage_configs(root, files, models, seed, quick=False, algorithm="ppo")
     runtime = Runtime(seed=seed)
     train_sft(config_from_dict(trees["sft"]), runtime)
@@ -571,7 +574,13 @@ def routing_main(argv: list[str]) -> None:
 # tis for k >= 1), k=4 partial (ppo.partial_rollouts: the syncs land while the server
 # generates; its staleness column is the trained tokens' mean, in versions, and the share
 # of rows whose version switched mid-response is printed under the table). The last line's
-# speed-ups are k=4 partial's.
+# speed-ups are k=4 partial's. Before it, the lengths table: every trained row's response
+# length (samples.jsonl with run.samples_every 1, all rows) over the whole run, its mean,
+# p50, p90 and max, the sampled side (rows and mean length the servers returned, dropped
+# rollouts included) and the two-sample KS statistic of each mode's trained lengths
+# against the sync run's with its asymptotic p-value (`ks_two_sample`): all modes draw the
+# same prompts in the same order, so the sync run's rows are the on-policy sample of the
+# task's lengths.
 #
 # Usage: bash launch/bench/async_tail.sh [tail] [--iterations 16] [--threads 1] [--new 256]
 #        [--prompts 8] [--out runs/bench/async_tail]
@@ -645,8 +654,9 @@ def tail_tree(
 ) -> dict:
     p = args.prompts
     return {
-        "run": {"output_dir": str(out / f"k{k}{'partial' if partial else ''}"), "seed": 0, "log_every": 1, "progress": False,
-                "checkpoint_every": 0, "histogram_every": 0, "samples_every": 0},
+        "run": {"output_dir": str(out / f"k{k}{'partial' if partial else ''}"), "seed": args.seed, "log_every": 1, "progress": False,
+                "checkpoint_every": 0, "histogram_every": 0, "samples_every": 1,
+                "num_samples": 4 * p},  # every trained row's length (tail_lengths)
         "model": {"policy": str(policy)},
         "data": {"train": str(prompts), "max_prompt_length": 8, "max_length": 8 + args.new},
         "generation": {"backend": "server", "server_urls": [url], "server_token_env": TOKEN_ENV,
@@ -684,6 +694,80 @@ def tail_figures(rows: list[dict]) -> dict[str, float]:
             "trained": weighed("trained"), "sampled": weighed("sampled")}  # fmt: skip
 
 
+def tail_lengths(run_dir: Path) -> tuple[list[int], dict[str, float]]:
+    """Every trained row's response length over the run (samples.jsonl, all rows of every
+    iteration) and the run's sampled side: rows and mean length of what came back from the
+    servers (async/sampled_*, dropped rollouts included) and the rollouts dropped."""
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    trained = [int(s["length"]) for s in samples]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "time/total" in r]
+    n = sum(r.get("async/sampled_rows", r["rollout/sequences"]) for r in rows)
+    tokens = sum(r.get("async/sampled_rows", r["rollout/sequences"])
+                 * r.get("async/sampled_len_mean", r["rollout/length"]) for r in rows)  # fmt: skip
+    dropped = sum(r.get("rollout/stale_dropped", 0.0) for r in rows)
+    last = [s["prompt"].split()[-1] for s in samples]  # the word that sets the row's law
+    return trained, {"rows": n, "mean": tokens / max(n, 1.0), "dropped": dropped, "last": last}
+
+
+def tail_law(lengths: list[int], long_rows: list[bool], cap: int) -> tuple[float, float, float]:
+    """The task's exact length law for these rows against their lengths -> (its mean, the
+    one-sample KS statistic D, its asymptotic p-value). A response whose prompt ends on a
+    long word ends after each token with probability q = TAIL_LONG_EOS, else
+    TAIL_SHORT_EOS, so P(L <= x) = 1 - (1 - q)^x below the cap and 1 at it; the law of the
+    rows is the mean of theirs (lr 1e-6 leaves the starting policy's law in place)."""
+    n = len(lengths)
+    law = [sum(1 - (1 - (TAIL_LONG_EOS if r else TAIL_SHORT_EOS)) ** x if x < cap else 1.0
+               for r in long_rows) / n for x in range(1, cap + 1)]  # fmt: skip
+    empirical = [sum(v <= x for v in lengths) / n for x in range(1, cap + 1)]
+    d = max(abs(a - b) for a, b in zip(law, empirical))
+    return 1 + sum(1 - f for f in law[:-1]), d, ks_pvalue(n, d)
+
+
+def ks_pvalue(n: float, d: float) -> float:
+    """Q_KS(lambda) = 2 sum_j (-1)^(j-1) exp(-2 j^2 lambda^2), lambda = (sqrt(n) + 0.12 +
+    0.11 / sqrt(n)) d: the asymptotic p-value of a KS statistic d over n (effective) rows
+    (Numerical Recipes, 3rd ed., eq. 14.3.18-14.3.19; conservative with ties)."""
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    if lam < 1e-3:
+        return 1.0
+    q = 2 * sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 101))
+    return min(max(q, 0.0), 1.0)
+
+
+def ks_two_sample(a: list[int], b: list[int]) -> tuple[float, float]:
+    """The two-sample Kolmogorov-Smirnov statistic D = max_x |F_a(x) - F_b(x)| (empirical
+    CDFs, right-continuous, so ties count on both sides at once) and its asymptotic p-value
+    over N = n m / (n + m) rows (ks_pvalue)."""
+    import bisect
+
+    xs, ys = sorted(a), sorted(b)
+    cdf = lambda v, x: bisect.bisect_right(v, x) / len(v)  # noqa: E731
+    d = max(abs(cdf(xs, x) - cdf(ys, x)) for x in set(xs) | set(ys))
+    return d, ks_pvalue(len(xs) * len(ys) / (len(xs) + len(ys)), d)
+
+
+def print_lengths(results: dict[str, dict], long_words: set[str], cap: int) -> None:
+    """Each mode's trained lengths (mean, p50, p90, max), its sampled side, the KS test of
+    its trained lengths against the sync run's (the on-policy sample of the task) and
+    against the task's exact law for its rows (tail_law)."""
+    print("response lengths over every iteration, tokens per row (trained: samples.jsonl; "
+          "sampled: what the servers returned, async/sampled_*)")  # fmt: skip
+    print(f"{'mode':<14} {'trained rows':>12} {'mean':>6} {'p50':>5} {'p90':>5} {'max':>4} "
+          f"{'sampled rows':>12} {'mean':>6} {'dropped':>7} {'KS D vs sync':>12} {'p':>6} "
+          f"{'law mean':>8} {'KS D vs law':>11} {'p':>6}")  # fmt: skip
+    reference = results["sync"]["lengths"]
+    for name, f in results.items():
+        v, side = f["lengths"], f["sampled_side"]
+        deciles = statistics.quantiles(v, n=10, method="inclusive")
+        d, p = ks_two_sample(v, reference)
+        mean, d_law, p_law = tail_law(v, [w in long_words for w in side["last"]], cap)
+        print(f"{name:<14} {len(v):12d} {statistics.mean(v):6.2f} {statistics.median(v):5.0f} "
+              f"{deciles[8]:5.0f} {max(v):4d} {side['rows']:12.0f} {side['mean']:6.2f} "
+              f"{side['dropped']:7.0f} {d:12.3f} {p:6.3f} {mean:8.2f} {d_law:11.3f} "
+              f"{p_law:6.3f}")  # fmt: skip
+
+
 def tail_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description="k-step staleness on heavy-tailed lengths")
     parser.add_argument("--iterations", type=int, default=16)
@@ -691,6 +775,11 @@ def tail_main(argv: list[str]) -> None:
     parser.add_argument("--new", type=int, default=256, help="max new tokens per response")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout (x4 samples)")
     parser.add_argument("--out", default="runs/bench/async_tail")
+    parser.add_argument("--seed", type=int, default=0, help="run.seed (the requests' seeds)")
+    parser.add_argument("--modes", nargs="+", default=[m[0] for m in TAIL_MODES],
+                        choices=[m[0] for m in TAIL_MODES],
+                        help="a subset, for the lengths table alone (against sync); the last "
+                        "line needs sync, k=1 and k=4 partial")  # fmt: skip
     args = parser.parse_args(argv)
     os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
     out = Path(args.out).resolve()
@@ -699,23 +788,28 @@ def tail_main(argv: list[str]) -> None:
     tail_prompts(prompts, policy, long_words)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, k, partial in TAIL_MODES:
+        for name, k, partial in (m for m in TAIL_MODES if m[0] in args.modes):
             port = free_port()
             server = start_server(policy, port, args.threads, Path(tmp))
             try:
                 url = f"http://127.0.0.1:{port}"
                 tree = tail_tree(out, policy, prompts, url, args, k, partial)
                 results[name] = tail_figures(train(tree, Path(tmp), args.threads))
+                trained, sampled = tail_lengths(Path(tree["run"]["output_dir"]))
+                results[name] |= {"lengths": trained, "sampled_side": sampled}
             finally:
                 server.terminate()
                 server.wait(timeout=60)
-    print_tail(args, results)
+    from transformers import AutoTokenizer
+
+    names = AutoTokenizer.from_pretrained(str(policy)).convert_ids_to_tokens(long_words)
+    print_tail(args, results, set(names))
 
 
 TAIL_MODES = (("sync", 0, False), ("k=1", 1, False), ("k=4", 4, False), ("k=4 partial", 4, True))
 
 
-def print_tail(args, results: dict[str, dict[str, float]]) -> None:
+def print_tail(args, results: dict[str, dict], long_words: set[str]) -> None:
     print(f"heavy-tailed GRPO ({device()}): {args.prompts} x 4 responses of up to {args.new} "
           f"tokens, ~{TAIL_LONG_SHARE:.0%} of them ~8x the median; one trainer + one server, "
           f"{args.threads} thread(s) each; {args.iterations} iterations, first dropped")  # fmt: skip
@@ -724,10 +818,14 @@ def print_tail(args, results: dict[str, dict[str, float]]) -> None:
     for name, f in results.items():
         print(f"{name:<14} {f['tok/s']:13.1f} {f['s/it']:11.2f} {f['staleness']:9.2f} "
               f"{f['trained']:11.2f} {f['sampled']:11.2f}")  # fmt: skip
-    print(
-        f"(k=4 partial: staleness in versions per trained token; "
-        f"{results['k=4 partial']['switched']:.1%} of its rows switched version mid-response)"
-    )
+    if "k=4 partial" in results:
+        print(f"(k=4 partial: staleness in versions per trained token; "
+              f"{results['k=4 partial']['switched']:.1%} of its rows switched version "
+              "mid-response)")  # fmt: skip
+    if "sync" in results:
+        print_lengths(results, long_words, args.new)
+    if not {"sync", "k=1", "k=4 partial"} <= set(results):
+        return
     best = results["k=4 partial"]["tok/s"]
     print(f"async_tail: speedup_vs_sync={best / results['sync']['tok/s']:.2f} "
           f"speedup_vs_k1={best / results['k=1']['tok/s']:.2f}")  # fmt: skip
@@ -820,8 +918,224 @@ def http_main(argv: list[str]) -> None:
             proc.wait(timeout=30)
 
 
+# ==============================================================================================
+# parity: does k = 4 with partial rollouts learn as the synchronous run does?
+# Learning parity of ppo.max_staleness = 4 with ppo.partial_rollouts (docs/serving.md,
+# "Learning parity"): two GRPO tasks, each trained twice per seed from the same starting
+# policy against a fresh `rlhf-dist serve` process (one thread each):
+# - sync: max_staleness 0, every rollout sampled by the weights it trains;
+# - k=4 partial: max_staleness 4, partial rollouts (updates land mid-response), the
+#   decoupled objective with tis (as the tail mode's k >= 1 modes).
+# Both modes set run.checkpoint_every 0 (a scheduled checkpoint drains the queue) and are
+# otherwise the task's own settings:
+# - demo: the text demo's GRPO stage (demo/pipeline.py stage_configs, --algorithm grpo: 16
+#   prompts x 4 samples, 60 iterations, the demo's reward model, KL 0.05 in the reward)
+#   from the seed's SFT policy and reward model, trained once per seed; held-out gold in
+#   [0, 1] and KL to the SFT policy (nats per response, sampled at the demo's 0.7), as the
+#   demo evaluates them;
+# - arithmetic: the arithmetic demo's GRPO stage (demo/arithmetic_demo.py, the real
+#   SmolLM2-135M, 8 prompts x 8 samples, 20 iterations unless --iterations cuts them for
+#   both modes alike); held-out accuracy under greedy decoding (the demo's 95 prompts) and
+#   KL to the base model (nats per response, sampled at temperature 1 on the first
+#   --kl-prompts held-out prompts: the greedy pass gives no KL).
+# Per run: the figures, the training wall seconds and, for k=4 partial, the trained tokens'
+# mean staleness in versions and the share of rows that switched version mid-response.
+# Each row is printed and appended to OUT/results.jsonl when its run ends; the summary
+# gives each mode's mean and seed-to-seed standard deviation and the difference of the
+# means (k=4 partial - sync), paired by seed, with its standard error.
+#
+# Usage: bash launch/bench/async_tail.sh parity [--tasks demo arithmetic] [--seeds 0 1 2]
+#        [--iterations 20] [--demo-iterations N] [--kl-prompts 32] [--parallel] [--quick]
+#        [--out runs/bench/async_parity]
+# (--parallel: both modes train at once, each against its own server, so they share the
+# machine's load; the SFT policy, reward model and SFT evaluation already under OUT are kept.)
+# (--quick: the demos' smoke sizes, a check that the bench runs, not a measurement)
+
+PARITY_MODES = {
+    "sync": {"max_staleness": 0},
+    "k=4 partial": {"max_staleness": 4, "partial_rollouts": True, "decoupled": True,
+                    "rollout_correction": "tis"},
+}  # fmt: skip
+
+
+def parity_served(tree: dict, out: Path, mode: str, url: str) -> dict:
+    """A task's GRPO tree trained in `mode` against the server at `url`, writing to out."""
+    tree = copy.deepcopy(tree)
+    tree["run"] |= {"output_dir": str(out), "progress": False, "checkpoint_every": 0}
+    tree["generation"] |= {"backend": "server", "server_urls": [url],
+                           "server_token_env": TOKEN_ENV}  # fmt: skip
+    tree["ppo"] |= PARITY_MODES[mode]
+    tree["perf"] = {"num_threads": 1}
+    return tree
+
+
+def parity_train(tree: dict, policy: Path, workdir: Path, mode: str) -> dict[str, float]:
+    """Train `tree` in `mode` against a fresh server of `policy` -> wall seconds, staleness."""
+    port = free_port()
+    server = start_server(policy, port, 1, workdir)
+    try:
+        out = Path(tree["run"]["output_dir"])
+        start = time.perf_counter()
+        rows = train(parity_served(tree, out, mode, f"http://127.0.0.1:{port}"), workdir, 1)
+        seconds = time.perf_counter() - start
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    stale = [r.get("rollout/token_staleness_mean", r.get("rollout/staleness_mean", 0.0))
+             for r in rows]  # fmt: skip
+    switched = [r.get("rollout/version_switched_rows", 0.0) for r in rows]
+    return {"seconds": seconds, "staleness": statistics.mean(stale),
+            "switched": statistics.mean(switched)}  # fmt: skip
+
+
+def parity_record(out: Path, row: dict) -> None:
+    """Print one run's row and append it to out/results.jsonl (kept if the bench is cut)."""
+    with (out / "results.jsonl").open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    print(f"{row['task']:<10} {row['mode']:<12} {row['seed']:>4} {row['score']:9.3f} "
+          f"{row['kl']:7.2f} {row['seconds']:8.0f} {row['staleness']:9.2f} "
+          f"{row['switched']:8.1%}", flush=True)  # fmt: skip
+
+
+def parity_demo_seed(out: Path, seed: int, args, runtime) -> None:
+    """The text demo: SFT and RM once, then GRPO sync and k=4 partial, each evaluated."""
+    from rlhf_dist.evaluate import run_eval
+    from rlhf_dist.trainers.reward import train_reward_model
+    from rlhf_dist.trainers.sft import train_sft
+
+    root = out / "demo" / f"seed{seed}"
+    files, models = pipeline.task_and_models(root, seed)  # deterministic per seed
+    trees = pipeline.stage_configs(root, files, models, seed, args.quick, algorithm="grpo")
+    for tree in trees.values():  # one thread: this process shares the cores with the runs
+        tree["perf"] = {"num_threads": 1}
+    if not (root / "rm" / "final").exists():  # a rerun into the same OUT keeps them
+        train_sft(config_from_dict(trees["sft"]), runtime)
+        train_reward_model(config_from_dict(trees["rm"]), runtime)
+    evaluate = config_from_dict(trees["eval"])
+    done = root / "eval_sft" / "summary.json"  # kept by a rerun, as the models are
+    sft = (json.loads(done.read_text()) if done.exists()
+           else run_eval(pipeline._with_output(evaluate, root / "eval_sft"), runtime))  # fmt: skip
+    parity_record(out, {"task": "demo", "mode": "SFT", "seed": seed, "score": sft["gold_reward"],
+                        "kl": 0.0, "seconds": 0.0, "staleness": 0.0, "switched": 0.0})  # fmt: skip
+    if args.demo_iterations:
+        trees["grpo"]["ppo"]["iterations"] = args.demo_iterations
+    trained = parity_modes(trees["grpo"], root, root / "sft" / "final", args.parallel)
+    for mode, figures in trained.items():
+        name = parity_name(mode)
+        final = str(root / name / "final")
+        ev = run_eval(pipeline._with_output(evaluate, root / f"eval_{name}", final), runtime)
+        parity_record(out, {"task": "demo", "mode": mode, "seed": seed, "score": ev["gold_reward"],
+                            "kl": ev["kl_to_ref"]} | figures)  # fmt: skip
+
+
+def parity_name(mode: str) -> str:
+    return mode.replace("=", "").replace(" ", "_")
+
+
+def parity_modes(grpo: dict, root: Path, policy: Path, parallel: bool) -> dict[str, dict]:
+    """Train the GRPO tree in every mode (root/<mode>), one after the other or, --parallel,
+    both at once (each its own server) -> each mode's figures (parity_train)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(mode: str) -> dict:
+        tree = copy.deepcopy(grpo)
+        tree["run"]["output_dir"] = str(root / parity_name(mode))
+        with tempfile.TemporaryDirectory() as tmp:
+            return parity_train(tree, policy, Path(tmp), mode)
+
+    with ThreadPoolExecutor(len(PARITY_MODES) if parallel else 1) as pool:
+        return dict(zip(PARITY_MODES, pool.map(one, PARITY_MODES)))
+
+
+def parity_arithmetic_trees(root: Path, policy: Path, seed: int, args) -> dict:
+    """The arithmetic demo's trees, GRPO cut to --iterations, and `kl`: the sampled pass."""
+    trees = arithmetic_demo.arithmetic_stage_configs(root, policy, seed, args.quick)
+    for tree in trees.values():  # one thread: this process shares the cores with the runs
+        tree["perf"] = {"num_threads": 1}
+    trees["grpo"]["ppo"]["iterations"] = args.iterations
+    kl = copy.deepcopy(trees["eval"])
+    kl["generation"].pop("top_k")  # sampled at the training temperature, 1
+    kl["eval"] |= {"num_prompts": args.kl_prompts, "reference": str(policy)}
+    return trees | {"kl": kl}
+
+
+def parity_arithmetic_seed(out: Path, seed: int, args, runtime) -> None:
+    """The arithmetic task: GRPO sync and k=4 partial from the base model, each evaluated."""
+    from rlhf_dist.evaluate import run_eval
+
+    policy, root = smollm2.build("shipped"), out / "arithmetic" / f"seed{seed}"
+    trees = parity_arithmetic_trees(root, policy, seed, args)
+    greedy, sampled = config_from_dict(trees["eval"]), config_from_dict(trees["kl"])
+    for mode, figures in parity_modes(trees["grpo"], root, policy, args.parallel).items():
+        name = parity_name(mode)
+        final = str(root / name / "final")
+        ev = run_eval(pipeline._with_output(greedy, root / f"eval_{name}", final), runtime)
+        kl = run_eval(pipeline._with_output(sampled, root / f"kl_{name}", final), runtime)
+        parity_record(out, {"task": "arithmetic", "mode": mode, "seed": seed,
+                            "score": ev["score"], "kl": kl["kl_to_ref"]} | figures)  # fmt: skip
+    if seed == args.seeds[0]:  # greedy: the base model's accuracy is the same for every seed
+        base = run_eval(pipeline._with_output(greedy, out / "arithmetic" / "eval_base"), runtime)
+        parity_record(out, {"task": "arithmetic", "mode": "base", "seed": seed,
+                            "score": base["score"], "kl": 0.0, "seconds": 0.0,
+                            "staleness": 0.0, "switched": 0.0})  # fmt: skip
+
+
+def parity_summary(rows: list[dict]) -> None:
+    """Per task: each mode's mean and seed-to-seed sd, and k=4 partial - sync paired by seed."""
+    print("task       figure  sync mean (sd)   k=4 partial mean (sd)  diff (paired se)  seeds")
+    for task_name in dict.fromkeys(r["task"] for r in rows):
+        by = {m: {r["seed"]: r for r in rows if r["task"] == task_name and r["mode"] == m}
+              for m in PARITY_MODES}  # fmt: skip
+        seeds = sorted(set(by["sync"]) & set(by["k=4 partial"]))
+        if not seeds:
+            continue
+        for figure in ("score", "kl"):
+            a = [by["sync"][s][figure] for s in seeds]
+            b = [by["k=4 partial"][s][figure] for s in seeds]
+            d = [y - x for x, y in zip(a, b)]
+            sd = lambda v: statistics.stdev(v) if len(v) > 1 else float("nan")  # noqa: E731
+            se = sd(d) / math.sqrt(len(d))
+            print(f"{task_name:<10} {figure:<7} {statistics.mean(a):6.3f} ({sd(a):5.3f})   "
+                  f"{statistics.mean(b):6.3f} ({sd(b):5.3f})        {statistics.mean(d):+6.3f} "
+                  f"({se:5.3f})   {len(seeds)}")  # fmt: skip
+
+
+def parity_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="learning parity: sync vs k=4 partial rollouts")
+    parser.add_argument("--tasks", nargs="+", default=["demo", "arithmetic"],
+                        choices=("demo", "arithmetic"))  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--iterations", type=int, default=arithmetic_demo.ITERATIONS,
+                        help="arithmetic GRPO iterations, both modes")  # fmt: skip
+    parser.add_argument("--demo-iterations", type=int, default=0,
+                        help="cut the text demo's GRPO iterations (its own: 60), both modes")  # fmt: skip
+    parser.add_argument("--parallel", action="store_true",
+                        help="train both modes at once (each its own server)")  # fmt: skip
+    parser.add_argument("--kl-prompts", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="the demos' smoke sizes")
+    parser.add_argument("--out", default="runs/bench/async_parity")
+    args = parser.parse_args(argv)
+    from rlhf_dist.distributed import Runtime
+
+    quiet_transformers()
+    torch.set_num_threads(1)
+    os.environ.setdefault(TOKEN_ENV, os.urandom(16).hex())
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print("task       mode         seed gold/acc      KL  seconds staleness switched")
+    for seed in args.seeds:
+        runtime = Runtime(seed=seed, num_threads=1)  # the default, all cores, spin-waits
+        for task_name in args.tasks:
+            if task_name == "demo":
+                parity_demo_seed(out, seed, args, runtime)
+            else:
+                parity_arithmetic_seed(out, seed, args, runtime)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    parity_summary([r for r in rows if r["mode"] in PARITY_MODES])
+
+
 MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main, "tail": tail_main,
-          "routing": routing_main, "http": http_main}  # fmt: skip
+          "routing": routing_main, "http": http_main, "parity": parity_main}  # fmt: skip
 
 
 def main() -> None:

@@ -15,6 +15,9 @@
 #   serve [OPTIONS]    a weight sync and a served rollout against in-process generation
 #   routing [OPTIONS]  a tiny Qwen3-MoE served in bf16 to an fp32 trainer: the sampler-vs-
 #                      trainer log-prob gap and routing-flip rate with ppo.routing_replay=r3
+#   parity [OPTIONS]   learning parity: the text demo's GRPO and the arithmetic task, sync
+#                      vs k = 4 with partial rollouts, per seed (--seeds 0 1 2, --tasks,
+#                      --iterations, --demo-iterations, --parallel)
 # Usage: [THREADS=1] [ITERATIONS=16] [OUT=runs/bench/async_tail] bash launch/bench/async_tail.sh [MODE] [OPTIONS]
 set -euo pipefail
 cd "$(dirname "$0")/../.."

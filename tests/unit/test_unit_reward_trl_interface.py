@@ -13,7 +13,13 @@ import torch
 
 from rlhf_dist.config import RewardFunctionError
 from rlhf_dist.data.inputs import registered
-from rlhf_dist.rewards.scoring import RewardFunction, Scorer, WeightedReward, trl_convention
+from rlhf_dist.rewards.scoring import (
+    SAMPLE_COLUMNS,
+    RewardFunction,
+    Scorer,
+    WeightedReward,
+    trl_convention,
+)
 
 PROMPTS = ["Say hi", [{"role": "user", "content": "Say bye"}]]
 RESPONSES = ["hi there", "bye"]
@@ -329,3 +335,19 @@ def test_a_missing_reward_model_path_in_the_list_is_one_line_before_torch(tmp_pa
     with pytest.raises(ConfigError, match=r"^reward\.functions: model path '.*no_rm' does not"):
         check_stage_inputs(cfg, "ppo")
     check_stage_inputs(cfg, "sft")  # a stage that reads no reward
+
+
+def test_sample_rows_carry_each_rows_trained_length_beside_its_extra_columns():
+    from rlhf_dist.rollout.batch import RolloutBatch
+    from rlhf_dist.trainers.ppo.stats import sample_rows
+
+    fields = {f.name: None for f in dataclasses.fields(RolloutBatch)}
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    fields |= {"response_mask": mask, "scores": torch.tensor([1.0, 0.5, 0.0])}
+    kl = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.5, 0.0, 0.0, 0.0], [0.0] * 4])
+    rows = sample_rows(["a", "b", "c"], ["x y z", "w", ""], RolloutBatch(**fields), kl,
+                       [{"chars": 5}, {}, {}])  # fmt: skip
+    assert [r["length"] for r in rows] == [3, 1, 0]  # the mask's true tokens, by hand
+    assert rows[0] == {"prompt": "a", "response": "x y z", "score": 1.0,
+                       "kl": pytest.approx(0.6), "length": 3, "chars": 5}  # fmt: skip
+    assert "length" in SAMPLE_COLUMNS  # log_extra cannot overwrite it

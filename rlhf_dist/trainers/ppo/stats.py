@@ -143,13 +143,17 @@ def sample_rows(
     extra: list[dict] | None = None,
 ) -> list[dict]:
     """The samples table's rows: prompt (conversations as readable text), response, score,
-    the response's summed KL (kl: (B, T) per-token), then each row's `extra` columns (the
-    ones its rewards logged with TRL's log_extra, Scorer.take_extra_columns)."""
+    the response's summed KL (kl: (B, T) per-token), its length (the trained tokens of
+    `response_mask`, (B, T): a run's length distribution, e.g. trained against sampled
+    with ppo.max_staleness), then each row's `extra` columns (the ones its rewards logged
+    with TRL's log_extra, Scorer.take_extra_columns)."""
     prompts = [prompt_text(p) for p in prompt_texts]
-    rows = zip(
-        prompts, texts, batch.scores.tolist(), kl.sum(1).tolist(), extra or [{}] * len(texts)
-    )
-    return [{"prompt": a, "response": b, "score": c, "kl": d, **e} for a, b, c, d, e in rows]
+    lengths = batch.response_mask.sum(1).tolist()
+    rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist(), lengths)
+    return [
+        {"prompt": a, "response": b, "score": c, "kl": d, "length": n, **e}
+        for (a, b, c, d, n), e in zip(rows, extra or [{}] * len(texts))
+    ]
 
 
 def gather_distributions(
