@@ -10,7 +10,8 @@ checkpoint resumes on a different number of ranks.
 Each process launch costs ~10 s of imports against ~0.5 s per iteration, so the kill
 points are spread over the runs: PPO is killed during a rollout and mid-update, GRPO while
 writing a checkpoint, SFT mid-update; one 1 -> 2 -> 1 ranks run is stopped by SIGTERM,
-then by a dead rank, then resumed to the end.
+then by a dead rank, then resumed to the end, its two ranks under ZeRO-3 and under FSDP2
+(the killed runs are one plain process: no engine).
 """
 
 from __future__ import annotations
