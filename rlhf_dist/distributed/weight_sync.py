@@ -14,7 +14,7 @@ on CUDA (tensors go GPU to GPU, as TRL's and verl's NCCL groups send them), else
 NCCL's wait(timeout) blocks the host until the broadcast ends or the timeout passes).
 
 Weights are announced and sent a bounded bucket at a time (`weight_buckets`); under ZeRO-3
-each bucket is gathered whole on its own (`whole_bucket`), never the whole model. Sizes
+or FSDP2 each bucket is gathered whole on its own (`whole_bucket`), never the whole model. Sizes
 come from `ds_numel` where a parameter has one, the full size of a ZeRO-3 partition (whose
 `numel()` is 0: trl PR#6386 sized buckets by it and gathered the whole model).
 """
@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from rlhf_dist.distributed import fsdp2
 from rlhf_dist.distributed.process_exit import note_group
 
 K = TypeVar("K")
@@ -197,15 +198,17 @@ def weight_buckets(
 
 
 @contextlib.contextmanager
-def whole_bucket(params: list[torch.Tensor]) -> Iterator[None]:
-    """The body reads whole tensors of `params`: under ZeRO-3 (parameters with ds_id) only
-    these are gathered, for its duration (a collective: every trainer rank enters with
-    the same list); elsewhere nothing happens."""
+def whole_bucket(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Context yielding the whole tensor of each of `params` (a collective where they are
+    sharded: every trainer rank enters with the same list). Under ZeRO-3 (parameters with
+    ds_id) the parameters themselves, only these gathered in place for the body's
+    duration; FSDP2's DTensor shards all-gathered into plain copies (fsdp2.full_tensor),
+    freed when the body drops them; other tensors as they are."""
     partitioned = [p for p in params if hasattr(p, "ds_id")]
     if not partitioned:
-        yield
+        yield [fsdp2.full_tensor(p.detach()) for p in params]
         return
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        yield
+        yield params

@@ -164,8 +164,8 @@ class ServerEngine:
 
     def load_weights(self, actor: torch.nn.Module) -> None:
         """Send `actor`'s weights to every server as a new version and check them. Every
-        trainer rank calls it together: under ZeRO-3 each bucket is gathered by all of them
-        (`whole_bucket`; the actor may stay partitioned), and rank 0 sends it."""
+        trainer rank calls it together: under ZeRO-3 or FSDP2 each bucket is gathered by all of
+        them (`whole_bucket`; the actor may stay sharded), and rank 0 sends it."""
         self.syncs += 1
         start = time.perf_counter()
         device = next(actor.parameters()).device
@@ -207,10 +207,11 @@ class ServerEngine:
         sending = self.is_main and not fault_active("skip_weight_sync", self.syncs)
         error = None
         for i, bucket in enumerate(buckets):
-            with whole_bucket([p for _, p in bucket]):
+            with whole_bucket([p for _, p in bucket]) as whole:
                 if sending and error is None:
                     try:
-                        self._send_bucket(bucket, final=i == len(buckets) - 1)
+                        keys = [key for key, _ in bucket]
+                        self._send_bucket(list(zip(keys, whole)), final=i == len(buckets) - 1)
                     except ServerError as e:
                         error = e
                     # RLHF_DIST_FAULT=weight_sync:N (tests): SIGKILLed after the first bucket

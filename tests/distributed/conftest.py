@@ -24,6 +24,37 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "accelerate_configs"
 
 
+# The two sharded engines a 2-rank test may run under (docs/distributed.md "Choosing the
+# engine"), each by its CPU accelerate config; `engines` parametrizes a test over them.
+ENGINES = {"zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
+# Set to 1, the variants that launch/test.sh leaves out run too (docs/distributed.md
+# "Which 2-rank tests run under both engines").
+ALL_ENGINES = "RLHF_DIST_TEST_ALL_ENGINES"
+
+
+def engines(*in_ci: str) -> list:
+    """pytest parameters `engine` = zero3, fsdp2 (ids the same). An engine not named in
+    `in_ci` runs only with RLHF_DIST_TEST_ALL_ENGINES=1; without it that variant is a
+    reported skip. ZeRO-3 always runs."""
+    opt_in = os.environ.get(ALL_ENGINES) == "1"
+    skip = pytest.mark.skip(reason=f"an opt-in engine variant: {ALL_ENGINES}=1 runs it")
+    return [
+        pytest.param(e, id=e, marks=() if e == "zero3" or e in in_ci or opt_in else skip)
+        for e in ENGINES
+    ]
+
+
+def two_machine_args(engine: str, port: int, machine_rank: int, *extra: str) -> list[str]:
+    """launch_args of one of two 'machines' on 127.0.0.1 (one rank each) under `engine`:
+    ZeRO-3's multi-node config (its standard launcher), or cpu_fsdp2.yaml with the
+    placement on the command line, as launch/slurm_engine.sh gives it."""
+    rank = ("--machine_rank", str(machine_rank))
+    if engine == "zero3":
+        return launch_args("cpu_zero3_2machines.yaml", port, *rank, *extra)
+    placement = ("--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1")
+    return launch_args(ENGINES[engine], port, *placement, *rank, *extra)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,10 +94,11 @@ def shm_buffers(port: int) -> list[Path]:
     return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
-def run_two_machines(config: str, command: list[str], timeout: float = 120.0) -> None:
-    """Two 'machines' (one process each) on 127.0.0.1 with machine ranks 0 and 1."""
+def run_two_machines(engine: str, command: list[str], timeout: float = 120.0) -> None:
+    """Two 'machines' (one process each) on 127.0.0.1 with machine ranks 0 and 1, under
+    `engine` (zero3 or fsdp2)."""
     port = free_port()
-    machines = [launch_args(config, port, "--machine_rank", str(rank), *command) for rank in (0, 1)]
+    machines = [two_machine_args(engine, port, rank, *command) for rank in (0, 1)]
     for rank, (returncode, out, err) in enumerate(run_all(machines, timeout, [{}, {}])):
         if returncode != 0:
             pytest.fail(f"machine {rank} exited {returncode}\n{(out + err)[-6000:]}")

@@ -6,9 +6,11 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import (
     REPO,
+    engines,
     free_port,
     launch_args,
     ppo_command,
@@ -96,14 +98,16 @@ def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(a
     assert not (out / "critic").exists()
 
 
-def test_lora_ppo_zero3_on_two_machines_on_localhost(assets, tmp_path):
+@pytest.mark.parametrize("engine", engines())
+def test_lora_ppo_on_two_machines_on_localhost(assets, engine, tmp_path):
     """The multi-node path (two 'machines' on 127.0.0.1, one rank each) with LoRA actor and
-    critic under ZeRO-3: one launch for both (each needs only one iteration)."""
+    critic under `engine` (FSDP2 opt-in: docs/distributed.md "Which 2-rank tests run under
+    both engines"): one launch for both (each needs only one iteration)."""
     out = tmp_path / "lora2m"
     command = ppo_command(
         assets, out, "ppo.iterations=1", "lora.enabled=true", "lora.critic=true", "lora.r=4"
     )
-    run_two_machines("cpu_zero3_2machines.yaml", command)
+    run_two_machines(engine, command)
     assert [r["step"] for r in metrics(out)] == [1]
     assert (out / "final" / "model.safetensors").exists()
     from peft import PeftModel

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, free_port, launch_args, run_launch
+from conftest import ENGINES, REPO, _env, engines, free_port, launch_args, run_launch
 
 RUN_COMMANDS = REPO / "tests" / "distributed" / "scripts" / "run_commands.py"
 
@@ -89,13 +89,14 @@ def test_dpo_zero3_two_ranks_matches_one_process(assets, one_process, tmp_path):
     assert (two / "final" / "model.safetensors").exists()
 
 
-def test_kto_lora_zero3_two_ranks_online_reference(assets, tmp_path):
+@pytest.mark.parametrize("engine", engines())  # FSDP2 opt-in (docs/distributed.md)
+def test_kto_lora_two_ranks_online_reference(assets, engine, tmp_path):
     out = tmp_path / "kto"
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(assets["files"].prefs_train.read_text().splitlines(True)[:128]))
     extra = ("lora.enabled=true", "lora.r=4", "kto.reference_logprobs=online", "kto.batch_size=64")
     extra += (f"data.train={pairs}",)
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command("kto", assets, out, *extra)))
+    run_launch(launch_args(ENGINES[engine], free_port(), *command("kto", assets, out, *extra)))
     rows = [r for r in metrics(out) if "kto/loss" in r]
     assert len(rows) == 4  # 128 pairs -> 256 examples / 64
     assert rows[0]["kto/kl"] == 0.0 and abs(rows[0]["kto/loss"] - 0.5) < 1e-5

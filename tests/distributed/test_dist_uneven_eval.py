@@ -1,12 +1,15 @@
-"""Evaluation that splits unevenly over 2 ZeRO-3 ranks finishes in every stage (issue 22).
+"""Evaluation that splits unevenly over 2 ranks finishes in every stage (issue 22), under
+ZeRO-3 and (opt-in, docs/distributed.md) FSDP2.
 
-Under ZeRO-3 every forward pass is a collective, so a forward-only loop whose ranks run
+Under ZeRO-3 every forward pass is a collective (under FSDP2 each forward of a trained
+model outside its whole-weights contexts), so a forward-only loop whose ranks run
 different numbers of passes hangs until distributed.timeout_s: `rlhf-dist sft` with a
 33-row data.eval in micro-batches of 8 did (17 rows = 3 passes on rank 0, 16 = 2 on rank 1)
 and lost its trained model. Every stage that evaluates or scores runs here in ONE launch
 (scripts/uneven_eval.py, one process group) on eval sets of odd size whose shares the
-micro-batch divides on neither rank, with frozen models partitioned, and a 120 s
-collective timeout: a hang fails the launch in two minutes, not thirty.
+micro-batch divides on neither rank, with frozen models partitioned (replicated under
+FSDP2, which partitions none), and a 120 s collective timeout: a hang fails the launch in
+two minutes, not thirty.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import REPO, free_port, launch_args, run_launch
+import pytest
+from conftest import ENGINES, REPO, engines, free_port, launch_args, run_launch
 
 SCRIPT = str(REPO / "tests" / "distributed" / "scripts" / "uneven_eval.py")
 TIMEOUT_S = 120  # distributed.timeout_s of the launch: a hang fails after this
@@ -28,7 +32,7 @@ def first_rows(src: Path, n: int, dst: Path) -> Path:
     return dst
 
 
-def stage_overrides(assets, root: Path) -> dict[str, list[str]]:
+def stage_overrides(assets, root: Path, frozen: str) -> dict[str, list[str]]:
     files = assets["files"]
     sft_train = first_rows(files.sft, 64, root / "sft_train.jsonl")
     sft_eval = first_rows(files.sft, 33, root / "sft_eval.jsonl")  # the 33-row case
@@ -36,7 +40,7 @@ def stage_overrides(assets, root: Path) -> dict[str, list[str]]:
     prefs_eval = first_rows(files.prefs_eval, 33, root / "prefs_eval.jsonl")
     prompts = first_rows(files.prompts, 33, root / "prompts.jsonl")
     policy, reward = assets["policy"], assets["reward"]
-    common = ["run.log_every=1", "perf.num_threads=1", "distributed.frozen_models=partition"]
+    common = ["run.log_every=1", "perf.num_threads=1", f"distributed.frozen_models={frozen}"]
 
     def trained(stage: str, data: list[str], *extra: str) -> list[str]:
         return [
@@ -90,14 +94,17 @@ def stage_overrides(assets, root: Path) -> dict[str, list[str]]:
     }
 
 
-def test_every_evaluating_stage_finishes_on_uneven_zero3_shares(assets, tmp_path):
-    stages = stage_overrides(assets, tmp_path)
+# FSDP2 opt-in: the lock-step loops are the same code under both engines (lockstep.py).
+@pytest.mark.parametrize("engine", engines())
+def test_every_evaluating_stage_finishes_on_uneven_shares(assets, engine, tmp_path):
+    frozen = "partition" if engine == "zero3" else "replicate"
+    stages = stage_overrides(assets, tmp_path, frozen)
     args = []
     for name, overrides in stages.items():
         path = tmp_path / f"{name}.overrides"
         path.write_text("\n".join(overrides) + "\n", encoding="utf-8")
         args.append(f"{name}={path}")
-    command = launch_args("cpu_zero3.yaml", free_port(), SCRIPT, str(TIMEOUT_S), *args)
+    command = launch_args(ENGINES[engine], free_port(), SCRIPT, str(TIMEOUT_S), *args)
     proc = run_launch(command, timeout=1500)
     for name in stages:
         assert proc.stdout.count(f"UNEVEN-EVAL-OK {name}") == 1, (name, proc.stdout[-3000:])
