@@ -135,6 +135,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "as a verifiers ToolEnv (rlhf_dist/demo/tool_verifiers.py; needs the verifiers package)",
     )
     demo.add_argument(
+        "--served",
+        action="store_true",
+        help="--task tool_use: GRPO's turns sampled by a `rlhf-dist serve` process started "
+        "for it, the tool run in this process (what ppo.max_staleness=k needs)",
+    )
+    demo.add_argument(
         "overrides",
         nargs="*",
         help="section.key=value overrides applied to every stage they concern "
@@ -320,11 +326,12 @@ def _run_demo(args: argparse.Namespace) -> int:
 
         if args.algorithm != "grpo":
             raise ConfigError("--task tool_use: runs with --algorithm grpo only")
-        endpoint = "verifiers" if args.verifiers else "function" if args.through_endpoint else ""
+        modes = {"verifiers": args.verifiers, "function": args.through_endpoint}
+        endpoint = next((m for m, on in (modes | {"served": args.served}).items() if on), "")
         run_tool_demo(args.output_dir, args.seed, args.quick, tuple(args.overrides), endpoint)
         return 0
-    if args.through_endpoint or args.verifiers:
-        raise ConfigError("--through-endpoint, --verifiers: with --task tool_use only")
+    if args.through_endpoint or args.verifiers or args.served:
+        raise ConfigError("--through-endpoint, --verifiers, --served: with --task tool_use only")
     if args.task == "vision":
         from rlhf_dist.demo.vision_demo import run_vision_demo
 

@@ -386,18 +386,18 @@ def _validate_rollout_correction(cfg: Config) -> None:
 
 
 def _validate_staleness(cfg: Config) -> None:
-    """ppo.max_staleness: rollout servers only, with the loop's plain rollout
-    or an environment through the endpoint (generation/prefetch.py)."""
+    """ppo.max_staleness: rollout servers only, with the loop's plain rollout or
+    multi-turn episodes (played here or through the endpoint; generation/prefetch.py)."""
     p, g = cfg.ppo, cfg.generation
     if p.partial_rollouts and not (p.max_staleness >= 1 and g.backend == "server"):
         raise ConfigError(
             "ppo.partial_rollouts: needs generation.backend=server and ppo.max_staleness >= 1 "
             "(updates land on servers that generate beside the update)"
         )
-    if p.partial_rollouts and g.environment_endpoint:
+    if p.partial_rollouts and (g.environment_endpoint or g.tools or g.environment):
         raise ConfigError(
-            "ppo.partial_rollouts: not with generation.environment_endpoint (an episode's "
-            "turns are checked to share one version); set false"
+            "ppo.partial_rollouts: not with multi-turn episodes (generation.tools / "
+            "environment: an episode's turns are checked to share one version); set false"
         )
     if not p.max_staleness:
         return
@@ -409,14 +409,6 @@ def _validate_staleness(cfg: Config) -> None:
     refused = (
         ("ppo.estimator", p.estimator == "online_dpo", "online_dpo"),
         ("ppo.dynamic_sampling", p.dynamic_sampling, "true"),
-        ("generation.tools", bool(g.tools), "set"),
-        # played in this process, turn by turn in step with the other ranks: nothing to
-        # overlap; through the endpoint the episodes run beside the update
-        (
-            "generation.environment",
-            bool(g.environment) and not g.environment_endpoint,
-            "set without generation.environment_endpoint",
-        ),
     )
     for name, on, value in refused:
         if on:

@@ -16,6 +16,9 @@ environment library would; the trainer trains on the ids the server recorded.
 `endpoint="verifiers"` (`--verifiers`): the environment is the task written as a
 verifiers ToolEnv (demo/tool_verifiers.py), which also supplies the GRPO prompts. The
 server batches the episodes' concurrent turns (serve.batch_window_ms).
+`endpoint="served"` (`--served`): the episodes and the tool stay in the trainer's process
+and every turn is sampled by the server (generation.backend=server), so that
+ppo.max_staleness=k plays the next k iterations' episodes while one trains.
 """
 
 from __future__ import annotations
@@ -150,6 +153,25 @@ def through_endpoint(tree: dict, url: str, environment: str = "function") -> dic
     return tree | {"generation": gen, "data": data}
 
 
+def served_turns(tree: dict, url: str) -> dict:
+    """The GRPO stage's tree with every turn sampled by the server at `url`; the episodes
+    and the tool stay in this process."""
+    gen = tree["generation"] | {
+        "backend": "server",
+        "server_urls": [url],
+        "server_token_env": TOKEN_ENV,
+    }
+    return tree | {"generation": gen}
+
+
+def grpo_with_server(tree: dict, url: str, endpoint: str) -> dict:
+    """The GRPO stage's tree for `endpoint` ("served": `served_turns`; an environment of
+    ENVIRONMENTS: `through_endpoint`) against the server at `url`."""
+    return (
+        served_turns(tree, url) if endpoint == "served" else through_endpoint(tree, url, endpoint)
+    )
+
+
 def run_tool_demo(
     output_dir: str,
     seed: int = 0,
@@ -159,7 +181,8 @@ def run_tool_demo(
 ) -> dict:
     """SFT -> GRPO with the tool -> eval of both; returns (and writes) DIR/summary.json.
     endpoint ("function" or "verifiers"): GRPO's environment talks to a rollout server's
-    chat endpoint (module doc); "": the tool runs in the trainer's episodes."""
+    chat endpoint; "served": the server samples the turns of the trainer's episodes
+    (module doc); "": the tool runs in the trainer's episodes, sampled in process."""
     from rlhf_dist.distributed import Runtime
     from rlhf_dist.models import quiet_transformers
     from rlhf_dist.trainers.ppo import train_ppo
@@ -178,11 +201,12 @@ def run_tool_demo(
     if endpoint:
         from rlhf_dist.distributed.weight_sync import free_port
 
-        runtime.print(
-            "== stage 2/3: GRPO, the environment driving a rollout server's chat endpoint"
-        )
+        how = "the environment driving a rollout server's chat endpoint"
+        if endpoint == "served":
+            how = "the lookup tool, every turn sampled by a rollout server"
+        runtime.print(f"== stage 2/3: GRPO, {how}")
         with served(root / "sft" / "final", root, free_port()) as url:
-            train_ppo(config_from_dict(through_endpoint(trees["grpo"], url, endpoint)), runtime)
+            train_ppo(config_from_dict(grpo_with_server(trees["grpo"], url, endpoint)), runtime)
     else:
         runtime.print("== stage 2/3: GRPO with the lookup tool")
         train_ppo(configs["grpo"], runtime)
@@ -207,7 +231,7 @@ def validated_configs(trees: dict, endpoint: str) -> dict:
     configs = {name: config_from_dict(tree) for name, tree in trees.items()}
     for name, cfg in configs.items():
         if name == "grpo" and endpoint:
-            cfg = config_from_dict(through_endpoint(trees[name], "http://127.0.0.1:1", endpoint))
+            cfg = config_from_dict(grpo_with_server(trees[name], "http://127.0.0.1:1", endpoint))
         validate(cfg, "ppo" if name == "grpo" else name)
     return configs
 

@@ -159,10 +159,12 @@ class Sampler(Protocol):
         ...
 
     def episodes(self, prompts: Prompts, play: Callable[[Any], Callable[[], list]]) -> list:
-        """The episodes of `prompts` an environment plays through the servers' endpoint
-        (generation.environment_endpoint), after `sync`: `play(prompts)` names them and
-        returns the work that plays them (rollout/endpoint.py `request`). Only samplers
-        with `servers()` play episodes."""
+        """The multi-turn episodes of `prompts` played against the servers, after `sync`:
+        an environment through their endpoint (generation.environment_endpoint,
+        rollout/endpoint.py `request`) or this process's tools and environments, every
+        turn a request to them (rollout/agent.py `request_episodes`). `play(prompts)` names
+        them and returns the work that plays them. Only samplers with `servers()` play
+        episodes."""
         ...
 
     def close(self) -> None:

@@ -22,9 +22,10 @@ main thread. A sync never changes weights under a running request. Two ways to k
   serves the requests queued after it. The servers need not wait for the trainer, the trainer
   waits only for the rollout it trains. Cost: up to k snapshots and one shadow actor.
 
-An environment that drives the policy through the chat endpoint (generation.environment_endpoint)
-is k steps off the same way: episodes() returns iteration i's episodes and starts the ones
-named ahead (the environment runs on the worker, its turns on the servers).
+Multi-turn episodes are k steps off the same way, an environment that drives the policy
+through the chat endpoint (generation.environment_endpoint) or this process's tools and
+environments: episodes() returns iteration i's episodes and starts the ones named ahead
+(the environment or the tools run on the worker, the turns on the servers).
 
 Every rollout carries the iteration whose weights sampled it and the servers' policy version
 then. One older than ppo.max_staleness is never trained on: it is dropped, counted, and the
@@ -352,11 +353,12 @@ class PrefetchingServer:
     def episodes(
         self, prompts: PromptBatch, play: Callable[[PromptBatch], Callable[[], list]]
     ) -> list:
-        """This iteration's episodes of `prompts` (generation.environment_endpoint), as
-        `generate` does a plain rollout: the ones played ahead, else played now; then the
-        ones `expect` named are started. `play(batch)` names the episodes on this thread
-        (their ids come from the checkpointed RNG) and returns the work that plays them
-        (rollout/endpoint.py `request`)."""
+        """This iteration's episodes of `prompts` (through the endpoint, or this process's
+        tools), as `generate` does a plain rollout: the ones played ahead, else played now;
+        then the ones `expect` named are started. `play(batch)` names the episodes on this
+        thread (their ids or seeds come from the checkpointed RNG) and returns the work
+        that plays them (rollout/endpoint.py `request`, rollout/agent.py
+        `request_episodes`)."""
         ready = self._ready(prompts.ids, prompts.mask, lambda ids, mask: play(prompts))
         # an environment's error or a server's, on any rank, stops every rank at once
         answer = self.server.together(ready.answers.result, errors=(ServerError, UserError))

@@ -316,19 +316,22 @@ class ServerEngine:
     def request(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, gen_cfg: Sampling,
         stop_ids: StopIds, media: RowMedia | None = None,
+        generator: torch.Generator | None = None,
     ) -> Callable[[], list[tuple[str, dict]]]:  # fmt: skip
         """The HTTP work of one rollout, not yet done: a callable that asks every server
         for its shard concurrently and returns [(url, answer)], raising ServerError. Only
         HTTP, no collective: it may run on another thread (ppo.max_staleness, prefetch.py).
-        The shards' seeds are drawn here, on the calling thread, from torch's global RNG.
-        A row's images travel as its pixel inputs (`pixel_specs`) when any row has some."""
+        The shards' seeds are drawn here, on the calling thread, from torch's global RNG,
+        or from `generator` (a multi-turn episode's turns on a worker thread: their own
+        stream, whatever the main thread draws meanwhile). A row's images travel as its
+        pixel inputs (`pixel_specs`) when any row has some."""
         rows = [r["prompt_token_ids"] for r in prompts_for_engine(prompt_ids, prompt_mask)]
         pixels = None
         if media is not None and media.joined() is not None:
             pixels = [pixel_specs(m) for m in media.rows]
         bounds = torch.linspace(0, len(rows), len(self.urls) + 1).round().long().tolist()
         shards = [(u, a, b) for u, a, b in zip(self.urls, bounds, bounds[1:]) if b > a]
-        seeds = sampling_seeds(len(shards)).tolist()
+        seeds = sampling_seeds(len(shards), generator=generator).tolist()
         sampling = {
             "max_new_tokens": gen_cfg.max_new_tokens, "min_new_tokens": gen_cfg.min_new_tokens,
             "temperature": gen_cfg.temperature, "top_k": gen_cfg.top_k, "top_p": gen_cfg.top_p,

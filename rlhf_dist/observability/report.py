@@ -592,7 +592,7 @@ def samples_html(samples: list[dict]) -> str:
         return -s if s is not None else math.inf
 
     ordered = sorted(samples, key=step)[:MAX_SAMPLES]  # stable: file order within a step
-    known = ["step", "prompt", "response", "score", "kl"]
+    known = ["step", "prompt", "prompt_index", "response", "score", "kl"]
     present = {k for row in ordered for k in row}
     columns = [c for c in known if c in present] + sorted(present - set(known))
     note = f"<p class='note'>{len(ordered)} of {len(samples)} samples.</p>"

@@ -241,7 +241,8 @@ class MetricsLogger:
                 )
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        """Rows {prompt, response, score, kl} -> samples.jsonl and a W&B / trackio table."""
+        """Rows {prompt, prompt_index, response, score, kl} -> samples.jsonl and a W&B /
+        trackio table."""
         if not self.runtime.is_main or not samples:
             return
         rows = [{"step": step, **{k: _plain(v) for k, v in s.items()}} for s in samples]

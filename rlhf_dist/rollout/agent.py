@@ -54,6 +54,7 @@ from rlhf_dist.models.vision import policy_vision
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rlhf_dist.generation.server import ServerEngine
     from rlhf_dist.rollout.batch import RolloutBatch
 
 V = TypeVar("V")
@@ -444,6 +445,45 @@ def run_episodes(
                 perf,
             )
     return episodes
+
+
+def request_episodes(
+    agent: Agent,
+    server: ServerEngine,
+    prompts: Sequence[Text],
+    columns: list[dict],
+    gen: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: Sequence[int],
+) -> Callable[[], list[Episode]]:
+    """The episodes of `prompts` played here, every turn sampled by the rollout servers
+    (`server`, synced), named now and played when the returned work runs: at once, or
+    with ppo.max_staleness on generation/prefetch.py's worker thread while the trainer
+    trains. No collective inside (the servers' answers are not awaited in step; the
+    ranks agree on failures around the whole work), so it may run on any thread. The
+    turns' seeds come from a generator seeded now from torch's global RNG (checkpointed:
+    a resumed run samples what the unbroken one did, whatever the main thread draws while
+    the work runs). Every turn must come back with the servers' version when the work
+    starts, else ServerError: nothing syncs while the episodes play, so every token of the
+    rollout is that version's. `agent` and `tokenizer` must be the work's own (copies: a
+    fast tokenizer is not shared across threads)."""
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.long))
+    pad = tokenizer.pad_token_id
+
+    def work() -> list[Episode]:
+        version, generator = server.version, torch.Generator().manual_seed(seed)
+
+        def turn(
+            ids: torch.Tensor, mask: torch.Tensor, turn_gen: GenerationConfig, stop: Sequence[int]
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            answers = server.request(ids, mask, turn_gen, stop, generator=generator)()
+            return server.responses(answers, version, pad, ids.device)
+
+        return run_episodes(
+            agent, None, None, prompts, gen, tokenizer, stop_ids, sampler=turn, columns=columns
+        )
+
+    return work
 
 
 def _throw_away(gen: GenerationConfig) -> GenerationConfig:

@@ -27,17 +27,22 @@ class PromptBatch:
     ids, mask: (B, P) left-padded token ids and their attention mask (1 on real tokens);
     texts: each prompt as its data row gave it (a text, or a list of messages); columns:
     each row's other columns (an answer, a task's metadata), which reward functions,
-    judges and environments read beside the prompt (docs/rewards.md)."""
+    judges and environments read beside the prompt (docs/rewards.md); index: each row's
+    prompt as its position among data.train's usable prompts (`PromptSet`), which
+    samples.jsonl logs as `prompt_index` (empty where the rows came from elsewhere)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
     texts: list[Text]
     columns: list[dict] = field(default_factory=list)
     media: RowMedia | None = None  # a vision run's pixel inputs per row (data/vision.py)
+    index: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.columns and len(self.columns) != len(self.texts):
             raise ValueError(f"{len(self.columns)} column rows for {len(self.texts)} prompts")
+        if self.index and len(self.index) != len(self.texts):
+            raise ValueError(f"{len(self.index)} prompt indices for {len(self.texts)} prompts")
 
     @classmethod
     def of(
@@ -52,7 +57,7 @@ class PromptBatch:
         if prompts.image_token_id is not None:  # a vision run
             images = tuple(prompts.images[i] for i in rows) if prompts.images else ()
             media = RowMedia(tuple(prompts.media[i] for i in rows), prompts.image_token_id, images)
-        return cls(ids.to(device), mask.to(device), texts, columns, media)
+        return cls(ids.to(device), mask.to(device), texts, columns, media, tuple(rows))
 
     def rows(self, s: slice) -> tuple[list[Text], list[dict]]:
         """(texts, columns) of the rows `s` (no columns: an empty dict per row)."""

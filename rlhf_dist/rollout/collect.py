@@ -9,6 +9,7 @@ scores (reward model at the last real token, or a Python reward function).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import time
@@ -104,6 +105,9 @@ class RolloutModels:
     # ppo.routing_replay of a mixture-of-experts actor (docs/moe.md): r2 records the
     # scoring forward's routing, r3 replays the sampler's (Samples.routing) in it
     routing_replay: str = "none"
+    # (agent, tokenizer) copies that episodes played through the servers use, maybe on
+    # generation/prefetch.py's worker thread (collect.py `_served_episodes` makes them)
+    worker_agent: tuple[agent_mod.Agent, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.sampler is None:
@@ -294,6 +298,8 @@ def _agent_episodes(
         perf=models.perf,
     )
     episodes, sampler = [], models.sampler
+    if sampler.servers() is not None:  # every turn on the servers, maybe played ahead
+        return _served_episodes(models, prompts, gen, tokenizer, eos)
     if sampler.from_actor:  # each turn decoded by the actor itself, a micro batch at a time
         with models.generation_context() as (actor, keep_in_step):
             for s in chunks:
@@ -313,6 +319,34 @@ def _agent_episodes(
         )
         sampler.sleep()  # GPU: free its memory for scoring and the update
     return episodes
+
+
+def _served_episodes(
+    models: RolloutModels,
+    prompts: PromptBatch,
+    gen: GenerationConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    eos: tuple[int, ...],
+) -> list[agent_mod.Episode]:
+    """Episodes of generation.tools / environment played by this process, every turn
+    sampled by the rollout servers: one sync, then the sampler's `episodes` (with
+    ppo.max_staleness, the ones played ahead by an earlier iteration's weights on its
+    worker, generation/prefetch.py; those `expect` named are started)."""
+    sampler, server = models.sampler, models.sampler.servers()
+    assert server is not None and isinstance(models.agent, agent_mod.Agent)
+    if models.worker_agent is None:  # the worker's own tokenizer (not shared across threads)
+        models.worker_agent = copy.deepcopy((models.agent, tokenizer))
+    agent, own_tokenizer = models.worker_agent
+    sampler.sync(prompts.ids, prompts.mask, gen, eos, tokenizer)  # a bucket at a time
+
+    def play(batch: PromptBatch) -> Callable[[], list[agent_mod.Episode]]:
+        texts, columns = batch.rows(slice(None))
+        return agent_mod.request_episodes(
+            agent, server, list(texts), columns, gen, own_tokenizer, eos
+        )
+
+    # a tool's error or a server's on one rank stops every rank at once
+    return sampler.episodes(prompts, play)
 
 
 def _sample(

@@ -69,4 +69,12 @@ def test_wandb_offline_and_tensorboard_hold_scalars_and_histograms(assets, tmp_p
     }
     assert all(sum(h["counts"]) == h["n"] for h in hists)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert samples and set(samples[0]) == {"step", "prompt", "response", "score", "kl", "length"}
+    assert samples and set(samples[0]) == {
+        "step",
+        "prompt",
+        "prompt_index",
+        "response",
+        "score",
+        "kl",
+        "length",
+    }

@@ -285,7 +285,16 @@ def test_grpo_with_a_tool_on_a_rollout_server(
 ):
     """Every turn sampled by `rlhf-dist serve` (generation.backend=server): the weights are
     synced once per rollout, the episodes call the tool, the served log-probs are the
-    trainer's own (the hf server scores with the trainer's forward), and the actor trains."""
+    trainer's own (the hf server scores with the trainer's forward), and the actor trains.
+    With ppo.max_staleness = k (1, then 2: deferred syncs) the tool episodes of the next k
+    iterations play in this process on the prefetch worker while the trainer trains, by
+    the servers holding the weights iteration max(c + 1, i - k) started with (c the last
+    checkpoint): the staleness and versions logged are exactly those, every turn came back
+    with that version (else ServerError), the sampler's log-probs are the trainer's
+    on-policy and not after an update, and the actor trains. At k = 1, killed in
+    iteration 3 with iteration 4's episodes playing and resumed from iteration 2's
+    checkpoint, the run logs the unbroken run's metrics (the servers' version aside): the
+    turns' seeds come from the checkpointed RNG, whichever thread plays them."""
     from serve_process import served
 
     files, policy = tool_sft
@@ -293,17 +302,46 @@ def test_grpo_with_a_tool_on_a_rollout_server(
     monkeypatch.setenv(env, token)
     tree = {"model": {"policy": str(policy)}, "perf": {"num_threads": 1},
             "distributed": {"timeout_s": 60}}  # fmt: skip
-    out = tmp_path / "grpo_server"
-    with served(tree, env, token) as url:
+
+    def run(name: str, k: int = 0, iterations: int = 2, **keys) -> list[dict]:
+        out = tmp_path / name
         run = grpo_tree(out, policy, files, backend="server", server_urls=[url],
                         server_token_env=env)  # fmt: skip
+        run["ppo"] |= {"iterations": iterations, "max_staleness": k}
+        run["run"] |= keys
         ppo.train_ppo(config_from_dict(run), runtime)
-    rows = read_jsonl(out / "metrics.jsonl")
-    assert [r["rollout/policy_version"] for r in rows] == [1, 2]  # one sync per rollout
-    assert all(r["rollout/turns"] > 1.0 for r in rows) and rows[0]["rollout/tool_calls"] > 0
-    assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
-    before, after = saved_state_dict(policy), saved_state_dict(out / "final")
-    assert any(not torch.equal(before[k], after[k]) for k in before)
+        rows = read_jsonl(out / "metrics.jsonl")
+        assert all(r["rollout/turns"] > 1.0 for r in rows) and rows[0]["rollout/tool_calls"] > 0
+        before, after = saved_state_dict(policy), saved_state_dict(out / "final")
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        return rows
+
+    with served(tree, env, token) as url:
+        rows = run("grpo_server")
+        assert [r["rollout/policy_version"] for r in rows] == [1, 2]  # one sync per rollout
+        assert all(r["rollout/sampler_logprob_absdiff"] < 1e-4 for r in rows)
+        k1 = {"checkpoint_every": 2}  # nothing requested across iteration 2's checkpoint
+        for k, keys, staleness, moved in ((1, k1, [0, 1, 0, 1], [0, 0, 2, 2]),
+                                          (2, {}, [0, 1, 2, 2], [0, 0, 0, 1])):  # fmt: skip
+            rows = run(f"k{k}", k, 4, **keys)
+            assert [r["rollout/staleness_max"] for r in rows] == staleness
+            v = rows[0]["rollout/policy_version"]
+            assert [r["rollout/policy_version"] - v for r in rows] == moved
+            gaps = [r["rollout/sampler_logprob_absdiff"] for r in rows]
+            assert [g > 1e-4 for g in gaps] == [s > 0 for s in staleness]  # stale: a gap
+            if k == 1:
+                unbroken = rows
+        with pytest.MonkeyPatch.context() as m:
+            rollouts = record_rollouts(m)
+            kill_at(m, ppo, "rollout", 3)
+            with pytest.raises(Killed):
+                run("k1_killed", 1, 4, **k1)
+        # SIGKILL ends the killed trainer's worker with it: here its queued work is cancelled
+        rollouts[-1][2].sampler.pool.shutdown(wait=True, cancel_futures=True)
+        resumed = run("k1_killed", 1, 4, resume="auto", **k1)
+        for row in (*resumed, *unbroken):
+            del row["rollout/policy_version"]
+        assert untimed(resumed) == untimed(unbroken)
 
 
 def openai_episode(client, prompt):

@@ -18,6 +18,10 @@ import torch
 
 from rlhf_dist.config import ConfigError, GenerationConfig, config_from_dict, validate
 from rlhf_dist.data.chat import CHATML_TOOLS_TEMPLATE
+from rlhf_dist.engine.decode import generate
+from rlhf_dist.errors import ServerError
+from rlhf_dist.generation.server import ServerEngine
+from rlhf_dist.generation.vllm import sampling_seeds
 from rlhf_dist.rollout import RolloutBatch
 from rlhf_dist.rollout import agent as agent_mod
 from rlhf_dist.rollout.agent import (
@@ -26,6 +30,7 @@ from rlhf_dist.rollout.agent import (
     ToolEnvironment,
     episode_batch,
     parse_tool_call,
+    request_episodes,
     run_episodes,
     run_tool,
     tool_schema,
@@ -684,3 +689,59 @@ def test_a_tool_calls_json_arguments_reach_the_template_as_a_dict(tok):
     )
     text = Chat(tok, qwen_like).render([message], generation_prompt=False)
     assert text == '{"name": "lookup", "arguments": {"key": "b"}}'
+
+
+class ScriptedServers:
+    """ServerEngine's `request` and `responses` (the real one) over a scripted policy: each
+    turn's seed recorded, answered under `version` (`bump`: a sync landing after the first
+    turn, which moves it)."""
+
+    partial, responses = False, ServerEngine.responses
+
+    def __init__(self, tok, bump: bool = False):
+        self.tok, self.bump, self.version, self.seeds = tok, bump, 3, []
+        self.model = Scripted(turn_policy(tok, [call_turn(tok), answer_turn(tok)]), len(tok))
+
+    def request(self, ids, mask, gen, stop_ids, generator=None):
+        seed = int(sampling_seeds(1, generator=generator)[0])
+
+        def ask():
+            self.seeds.append(seed)
+            out = generate(self.model, ids, mask, gen, self.tok, None, stop_ids).tolist()
+            answer = {
+                "version": self.version,
+                "responses": out,
+                "logprobs": [[0.0] * len(r) for r in out],
+            }
+            self.version += self.bump
+            return [("http://s", answer)]
+
+        return ask
+
+
+def test_episodes_played_through_the_servers_seed_their_turns_when_named(tok):
+    """agent.request_episodes (generation.backend=server; with ppo.max_staleness on the
+    prefetch worker): the turns' seeds come from a generator seeded when the episodes are
+    named, so what the main thread draws before they play changes nothing; every turn's
+    answers must carry the servers' version when the work starts, so a sync landing
+    mid-episode is a ServerError, not a rollout of two versions."""
+    agent, servers = make_agent(tok, {"lookup": lookup}), ScriptedServers(tok)
+
+    def played(draw_between: bool):
+        torch.manual_seed(0)
+        work = request_episodes(agent, servers, ["What is b?"], [{}], gen_cfg(), tok, stops(tok))
+        if draw_between:  # the main thread trains meanwhile
+            torch.rand(100)
+        servers.seeds = []
+        return work(), servers.seeds
+
+    [e], seeds = played(draw_between=False)
+    assert (e.turns, e.tool_calls, e.answer) == (2, 1, "It is value-b.")
+    assert len(set(seeds)) == 2 and played(draw_between=True)[1] == seeds
+    torch.manual_seed(0)
+    moving = ScriptedServers(tok, bump=True)
+    work = request_episodes(agent, moving, ["What is b?"], [{}], gen_cfg(), tok, stops(tok))
+    with pytest.raises(
+        ServerError, match="sampled with policy version 4, the trainer synced version 3"
+    ):
+        work()

@@ -139,10 +139,12 @@ def test_partial_rollouts_need_servers_k_ahead_and_one_trainer_process():
         ):
             validate(config_from_dict(tree), "ppo")
     endpoint = server | {"environment": "m:f", "environment_endpoint": True}
-    with pytest.raises(
-        ConfigError, match=r"^ppo.partial_rollouts: not with generation.environment_endpoint"
-    ):
-        validate(config_from_dict(_tree(endpoint, partial_rollouts=True, max_staleness=1)), "ppo")
+    for multi_turn in (endpoint, server | {"environment": "m:f"}):
+        with pytest.raises(
+            ConfigError, match=r"^ppo.partial_rollouts: not with multi-turn episodes"
+        ):
+            tree = _tree(multi_turn, partial_rollouts=True, max_staleness=1)
+            validate(config_from_dict(tree), "ppo")
     cfg = config_from_dict(_tree(server, partial_rollouts=True, max_staleness=1))
     validate(cfg, "ppo")
     assert cfg.ppo.partial_rollouts and not config_from_dict(_tree(server)).ppo.partial_rollouts

@@ -103,3 +103,23 @@ def test_the_endpoint_demos_grpo_config_plays_through_the_server(tmp_path, envir
     else:
         assert tree["data"]["train"] == str(files["prompts"])
     validate(config_from_dict(tree), "ppo")
+
+
+def test_the_served_demos_grpo_config_keeps_the_tool_here_and_runs_k_steps_off(tmp_path):
+    """demo --served: the GRPO stage's turns go to the server, the tool stays in the
+    trainer's episodes, and ppo.max_staleness (refused without a server) validates."""
+    from rlhf_dist.config import ConfigError, config_from_dict, validate
+    from rlhf_dist.demo import tool_demo
+    from rlhf_dist.demo.pipeline import with_overrides
+
+    files = {name: tmp_path / f"{name}.jsonl" for name in ("sft", "prompts", "eval_prompts")}
+    trees = tool_demo.tool_stage_configs(tmp_path, files, tmp_path / "p", 3, False)
+    trees = with_overrides(trees, ["ppo.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"^ppo.max_staleness: needs generation.backend=server"):
+        tool_demo.validated_configs(trees, "")
+    tree = tool_demo.grpo_with_server(trees["grpo"], "http://127.0.0.1:1", "served")
+    g = tree["generation"]
+    assert g["backend"] == "server" and g["tools"] == tool_demo.TOOLS
+    assert not g.get("environment_endpoint")
+    validate(config_from_dict(tree), "ppo")
+    assert tool_demo.validated_configs(trees, "served")["grpo"].ppo.max_staleness == 2

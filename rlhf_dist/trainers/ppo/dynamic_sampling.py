@@ -32,15 +32,17 @@ def rollout_until_full(
     group_size: int,
     max_rounds: int,
     pad_id: int,
-) -> tuple[RolloutBatch, list, list, dict]:
-    """(batch, response texts, prompt texts, statistics) of this rank after dynamic sampling.
+) -> tuple[RolloutBatch, list, list, dict, tuple[int, ...]]:
+    """(batch, response texts, prompt texts, statistics, the rows' prompt indices
+    (`PromptBatch.index`; () unless every round's prompts had them)) of this rank after
+    dynamic sampling.
 
     rollout(prompt_batch) -> (RolloutBatch, texts) with the final (pre-normalisation)
     scores; prompt_batch: this rank's prompts, n rows per prompt; more_prompts(round) -> the prompt batch of extra round 1, 2, ... (the same on
     a resumed run: docs/architecture.md section 7). The kept groups are the untied ones in
     sampling order (dynamic_sampling_selection).
     """
-    parts = [(*rollout(prompt_batch), list(prompt_batch.texts))]
+    parts = [(*rollout(prompt_batch), list(prompt_batch.texts), list(prompt_batch.index))]
     target = parts[0][0].scores.shape[0] // group_size
     tied = [tied_groups(parts[0][0].scores, group_size)]
     rounds = 0
@@ -48,7 +50,7 @@ def rollout_until_full(
         rounds += 1
         extra = more_prompts(rounds)
         batch, texts = rollout(extra)
-        parts.append((batch, texts, list(extra.texts)))
+        parts.append((batch, texts, list(extra.texts), list(extra.index)))
         tied.append(tied_groups(batch.scores, group_size))
     tied = torch.cat(tied).cpu()
     pick = dynamic_sampling_selection(tied, target)
@@ -56,6 +58,8 @@ def rollout_until_full(
     merged = concat_rollouts([part[0] for part in parts], pad_id)
     texts = [t for part in parts for t in part[1]]
     prompts = [t for part in parts for t in part[2]]
+    known = all(part[3] for part in parts)
+    prompt_index = [i for part in parts for i in part[3]] if known else []
     counts = torch.tensor(
         [float(tied.sum()), float(tied.numel()), float(tied[pick].sum()), float(target)],
         dtype=torch.float64,
@@ -70,7 +74,8 @@ def rollout_until_full(
     }
     index = rows.tolist()
     batch = merged.select(rows.to(merged.scores.device))
-    return batch, [texts[i] for i in index], [prompts[i] for i in index], stats
+    kept = tuple(prompt_index[i] for i in index) if known else ()
+    return batch, [texts[i] for i in index], [prompts[i] for i in index], stats, kept
 
 
 def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:

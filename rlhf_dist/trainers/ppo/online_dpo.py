@@ -226,5 +226,7 @@ def online_dpo_iteration(
         distributions = gather_distributions(runtime, batch, labels, kl)
     stats |= iteration_costs(runtime, run, ctl, (t0, t1, time.time()), rollout.seconds, mask, cfg)
     extra = run.scorer.take_extra_columns(rollout.prompt_texts, rollout.texts)  # log_extra's
-    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl, extra)
+    samples = sample_rows(
+        rollout.prompt_texts, rollout.texts, batch, kl, extra, rollout.prompt_index
+    )
     return IterationResult(stats, distributions, samples[: cfg.run.num_samples], ctl)

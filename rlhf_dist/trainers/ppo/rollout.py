@@ -27,14 +27,16 @@ from rlhf_dist.trainers.ppo.setup import PPORun
 @dataclass(frozen=True)
 class Rollout:
     """What step 2 gives: this rank's rollout batch (B rows), its response and prompt
-    texts, dynamic sampling's statistics ({} without it) and the seconds spent per
-    phase ("generate", "score")."""
+    texts, dynamic sampling's statistics ({} without it), the seconds spent per phase
+    ("generate", "score") and each row's prompt index (`PromptBatch.index`, () where
+    unknown)."""
 
     batch: RolloutBatch
     texts: list[str]
     prompt_texts: list
     sampling_stats: dict[str, float]
     seconds: dict[str, float]
+    prompt_index: tuple[int, ...] = ()
 
 
 def sample_rollout(
@@ -69,12 +71,14 @@ def sample_rollout(
 
     if not p.dynamic_sampling:
         batch, texts = rollout(prompt_batch)
-        return Rollout(batch, texts, prompt_batch.texts, {}, seconds)
+        return Rollout(batch, texts, prompt_batch.texts, {}, seconds, prompt_batch.index)
     assert more_prompts is not None, "dynamic sampling draws more prompts"
     n, pad = run.plan.samples_per_prompt, run.tokenizer.pad_token_id
     rounds = p.dynamic_sampling_max_rounds
-    filled = rollout_until_full(runtime, rollout, prompt_batch, more_prompts, n, rounds, pad)
-    return Rollout(*filled, seconds)
+    batch, texts, prompts, stats, index = rollout_until_full(
+        runtime, rollout, prompt_batch, more_prompts, n, rounds, pad
+    )
+    return Rollout(batch, texts, prompts, stats, seconds, index)
 
 
 def without_unscored_rows(batch: RolloutBatch, group_size: int) -> RolloutBatch:

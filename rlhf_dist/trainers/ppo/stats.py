@@ -141,19 +141,25 @@ def sample_rows(
     batch: RolloutBatch,
     kl: torch.Tensor,
     extra: list[dict] | None = None,
+    prompt_index: tuple[int, ...] = (),
 ) -> list[dict]:
-    """The samples table's rows: prompt (conversations as readable text), response, score,
-    the response's summed KL (kl: (B, T) per-token), its length (the trained tokens of
-    `response_mask`, (B, T): a run's length distribution, e.g. trained against sampled
-    with ppo.max_staleness), then each row's `extra` columns (the ones its rewards logged
-    with TRL's log_extra, Scorer.take_extra_columns)."""
+    """The samples table's rows: prompt (conversations as readable text), its index among
+    data.train's usable prompts when known (`prompt_index`, which names the prompt a
+    trained row came from), response, score, the response's summed KL (kl: (B, T)
+    per-token), its length (the trained tokens of `response_mask`, (B, T): a run's length
+    distribution, e.g. trained against sampled with ppo.max_staleness), then each row's
+    `extra` columns (the ones its rewards logged with TRL's log_extra,
+    Scorer.take_extra_columns)."""
     prompts = [prompt_text(p) for p in prompt_texts]
     lengths = batch.response_mask.sum(1).tolist()
     rows = zip(prompts, texts, batch.scores.tolist(), kl.sum(1).tolist(), lengths)
-    return [
+    out = [
         {"prompt": a, "response": b, "score": c, "kl": d, "length": n, **e}
         for (a, b, c, d, n), e in zip(rows, extra or [{}] * len(texts))
     ]
+    if prompt_index:
+        out = [{"prompt": r["prompt"], "prompt_index": i} | r for r, i in zip(out, prompt_index)]
+    return out
 
 
 def gather_distributions(
@@ -317,5 +323,7 @@ def iteration_result(
     stats |= iteration_costs(runtime, run, ctl, times, rollout.seconds, batch.response_mask, cfg)
     stats |= memory_plan_stats(runtime, planned or {}, measured)
     extra = run.scorer.take_extra_columns(rollout.prompt_texts, rollout.texts)  # log_extra's
-    samples = sample_rows(rollout.prompt_texts, rollout.texts, batch, kl, extra)
+    samples = sample_rows(
+        rollout.prompt_texts, rollout.texts, batch, kl, extra, rollout.prompt_index
+    )
     return IterationResult(stats, distributions, samples[: cfg.run.num_samples], ctl)

@@ -1,0 +1,149 @@
+"""Kill and resume with ppo.partial_rollouts (k = 2) against one real `rlhf-dist serve`
+process: a trainer stopped mid-generation (iteration 4's rollout being decoded while
+iteration 3's update trains), mid-update (after the first of iteration 3's two optimizer
+steps) or mid-sync (after the first bucket of iteration 3's weight sync, on the sync
+worker: the server is left holding a torn, never swapped-in update) is resumed with
+run.resume=auto from iteration 2's checkpoint. Partial rollouts are not reproduced bit
+for bit, so the test counts instead: every iteration is logged once, and every row of
+the schedule (each prompt of each iteration's global batch, samples_per_prompt times)
+was trained exactly once, by its prompt index in samples.jsonl; nothing is dropped and
+every rollout the resumed run requested was handed out once. The kills are tests/faults.py's
+in-process stand-ins for RLHF_DIST_FAULT's SIGKILL."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+
+import pytest
+from faults import Killed
+from serve_process import served
+
+from rlhf_dist.config import config_from_dict
+
+TOKEN = "test-token-partial-resume-93b1"
+ENV = "RLHF_DIST_TEST_PARTIAL_RESUME_TOKEN"
+ITERATIONS, PROMPTS, N = 4, 2, 4  # iterations, prompts per iteration, samples per prompt
+
+
+@pytest.fixture(scope="module")
+def server(task_env):
+    """A `rlhf-dist serve` process of the tiny policy on a free port, shared by every kill
+    point; its URL."""
+    tree = {"model": {"policy": str(task_env.policy)}, "serve": {"max_batch": 16},
+            "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60}}  # fmt: skip
+    with served(tree, ENV, TOKEN) as url:
+        yield url
+
+
+def _config(server, policy, out, task_env, data_cfg):
+    return config_from_dict(
+        {
+            "run": {"output_dir": str(out), "seed": 0, "log_every": 1, "checkpoint_every": 2,
+                    "samples_every": 1, "num_samples": PROMPTS * N},
+            "model": {"policy": str(policy)},
+            "data": data_cfg(train=str(task_env.files.prompts)),
+            # small buckets: a sync is several broadcasts, so one can stop half-way
+            "generation": {"max_new_tokens": 16, "temperature": 0.7, "backend": "server",
+                           "server_urls": [server], "server_token_env": ENV,
+                           "server_sync_bucket_mb": 0.05},
+            "reward": {"function": "rlhf_dist.demo.task:positive_word_reward"},
+            "ppo": {"iterations": ITERATIONS, "rollout_batch_size": PROMPTS,
+                    "samples_per_prompt": N, "rollout_micro_batch_size": 8, "ppo_epochs": 1,
+                    "minibatch_size": 4, "micro_batch_size": 4, "optim": {"lr": 1e-3},
+                    "kl_coef": 0.0, "estimator": "grpo", "max_staleness": 2,
+                    "partial_rollouts": True, "rollout_correction": "tis", "decoupled": True},
+            "distributed": {"timeout_s": 60},
+        }
+    )  # fmt: skip
+
+
+def _schedule(cfg) -> list[list[int]]:
+    """Each iteration's global batch of prompt indices, as the trainer draws it."""
+    from rlhf_dist.data.batching import global_batches
+    from rlhf_dist.models import tokenizer_for
+    from rlhf_dist.trainers.ppo.prompts import training_prompts
+
+    n = len(training_prompts(cfg, tokenizer_for(cfg, "policy")).ids)
+    batches = global_batches(n, PROMPTS, cfg.run.seed, epochs=10)
+    return [idx for _, idx in itertools.islice(batches, ITERATIONS)]
+
+
+@pytest.mark.parametrize(
+    "module, point",
+    [
+        ("rlhf_dist.trainers.ppo.recipe", "rollout"),  # mid-generation
+        ("rlhf_dist.trainers.ppo.update", "update"),  # mid-update
+        ("rlhf_dist.generation.server", "weight_sync"),  # mid-sync, on the sync worker
+    ],
+)
+def test_partial_rollouts_killed_and_resumed_train_every_sample_once(
+    module, point, server, sft_run, task_env, runtime, tmp_path, monkeypatch, data_cfg,
+    read_jsonl,
+):  # fmt: skip
+    import importlib
+
+    from rlhf_dist.generation import factory
+    from rlhf_dist.generation.prefetch import PrefetchingServer
+    from rlhf_dist.trainers.ppo import recipe as ppo_module
+
+    monkeypatch.setenv(ENV, TOKEN)
+    made: list[PrefetchingServer] = []
+    submitted: list[list] = []
+    handed: list[list] = []
+
+    class Recorded(PrefetchingServer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+            submitted.append([])
+            handed.append([])
+
+        def _submit(self, *args, **kwargs):
+            submitted[-1].append(super()._submit(*args, **kwargs))
+            return submitted[-1][-1]
+
+        def _ready(self, *args, **kwargs):
+            handed[-1].append(super()._ready(*args, **kwargs))
+            return handed[-1][-1]
+
+    monkeypatch.setattr(factory, "PrefetchingServer", Recorded)
+    cfg = _config(server, sft_run.out / "final", tmp_path / "run", task_env, data_cfg)
+    reached: list[int] = []
+
+    def fault(at: str, n: int) -> None:  # at iteration 3, or its sync (the third)
+        if at == point:
+            reached.append(n)
+            if n == 3:
+                raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(importlib.import_module(module), "maybe_fault", fault)
+        with pytest.raises(Killed):
+            ppo_module.train_ppo(cfg, runtime)
+    assert reached[-1] == 3
+    if point == "weight_sync":  # several buckets per sync: the kill left one half-sent
+        assert reached.count(1) > 1
+    # killed before iteration 3 was logged or checkpointed: the resume starts after 2
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    # SIGKILL ends the killed trainer's workers with it: here their queued work is cancelled
+    made[-1].pool.shutdown(wait=True, cancel_futures=True)
+    made[-1].sync_pool.shutdown(wait=True, cancel_futures=True)
+    ppo_module.train_ppo(
+        dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume="auto")), runtime
+    )
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))  # each iteration once
+    assert all(r["rollout/stale_dropped"] == 0 for r in rows)
+    assert all(r["async/trained_rows"] == PROMPTS * N for r in rows)
+    # every scheduled (iteration, prompt) trained N times: no sample lost, none twice
+    samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
+    trained = Counter((s["step"], s["prompt_index"]) for s in samples)
+    wanted = Counter({(it, i): N for it, idx in enumerate(_schedule(cfg), start=1) for i in idx})
+    assert trained == wanted
+    # the resumed run (iterations 3 and 4) handed out each rollout it requested, once
+    assert len(handed[-1]) == 2 and len({id(r) for r in handed[-1]}) == 2
+    assert {id(r) for r in submitted[-1]} == {id(r) for r in handed[-1]}
+    assert not made[-1].queue
