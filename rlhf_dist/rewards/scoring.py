@@ -214,7 +214,7 @@ TRL_ARGUMENTS = (
 )
 # the samples table's own columns (trainers/ppo/stats.py sample_rows), which log_extra
 # cannot overwrite
-SAMPLE_COLUMNS = ("step", "prompt", "response", "score", "kl", "length")
+SAMPLE_COLUMNS = ("step", "prompt", "prompt_index", "response", "score", "kl", "length")
 
 
 @dataclass(frozen=True)

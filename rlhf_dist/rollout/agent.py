@@ -474,9 +474,13 @@ def request_episodes(
         version, generator = server.version, torch.Generator().manual_seed(seed)
 
         def turn(
-            ids: torch.Tensor, mask: torch.Tensor, turn_gen: GenerationConfig, stop: Sequence[int]
+            ids: torch.Tensor,
+            mask: torch.Tensor,
+            gen: GenerationConfig,
+            stop_ids: Sequence[int],
+            media: RowMedia | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            answers = server.request(ids, mask, turn_gen, stop, generator=generator)()
+            answers = server.request(ids, mask, gen, stop_ids, media, generator)()
             return server.responses(answers, version, pad, ids.device)
 
         return run_episodes(
