@@ -480,7 +480,7 @@ def request_episodes(
             stop_ids: Sequence[int],
             media: RowMedia | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            answers = server.request(ids, mask, gen, stop_ids, media, generator)()
+            answers = server.request(ids, mask, gen, stop_ids, media=media, generator=generator)()
             return server.responses(answers, version, pad, ids.device)
 
         return run_episodes(

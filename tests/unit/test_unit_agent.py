@@ -702,7 +702,7 @@ class ScriptedServers:
         self.tok, self.bump, self.version, self.seeds = tok, bump, 3, []
         self.model = Scripted(turn_policy(tok, [call_turn(tok), answer_turn(tok)]), len(tok))
 
-    def request(self, ids, mask, gen, stop_ids, generator=None):
+    def request(self, ids, mask, gen, stop_ids, media=None, generator=None):
         seed = int(sampling_seeds(1, generator=generator)[0])
 
         def ask():
