@@ -41,7 +41,7 @@ def test_the_arithmetic_demo_runs_end_to_end_and_writes_its_summary(
 def test_the_arithmetic_demo_runs_with_grpo_only(tmp_path, capsys):
     from rlhf_dist.cli import main
 
-    argv = ["demo", "--task", "arithmetic", "--output-dir", str(tmp_path)]
+    argv = ["demo", "--task", "arithmetic", "--algorithm", "ppo", "--output-dir", str(tmp_path)]
     assert main(argv) == 2
     assert "--task arithmetic: runs with --algorithm grpo only" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
