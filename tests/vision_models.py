@@ -260,3 +260,19 @@ def image_episode(client: Any, prompt: Any, image: Any) -> None:
     reply = client.chat(first)["choices"][0]["message"]
     seen = {"role": "tool", "content": [data_url(colour_image("green", (56, 56))), question]}
     client.chat([*first, reply, seen])
+
+
+def assert_trained_language_only(before: dict, after: dict) -> None:
+    """Two state dicts of a vision-language policy (name -> tensor), before and after
+    training with its vision tower frozen: the language model changed, the vision tower and
+    projector did not."""
+    import torch
+
+    from rlhf_dist.models.vision import is_vision_part
+
+    assert set(before) == set(after)
+    vision = [k for k in before if is_vision_part(k)]
+    language = [k for k in before if not is_vision_part(k)]
+    assert vision and language
+    assert all(torch.equal(before[k], after[k]) for k in vision)
+    assert any(not torch.equal(before[k], after[k]) for k in language)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from vision_models import (
+    assert_trained_language_only,
     build_tiny_llava,
     build_tiny_qwen_vl,
     colour_image,
@@ -59,16 +60,6 @@ def vlm(request, llava, tmp_path_factory) -> tuple[Path, str, int]:
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
-
-
-def assert_trained_language_only(before: dict, after: dict) -> None:
-    """The language model changed; the vision tower and projector did not."""
-    assert set(before) == set(after)
-    vision = [k for k in before if is_vision_part(k)]
-    language = [k for k in before if not is_vision_part(k)]
-    assert vision and language
-    assert all(torch.equal(before[k], after[k]) for k in vision)
-    assert any(not torch.equal(before[k], after[k]) for k in language)
 
 
 def test_loads_through_image_text_to_text_with_its_vision_frozen(llava):
