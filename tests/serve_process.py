@@ -56,6 +56,14 @@ def served(
             assert token not in log.read_text(errors="replace")  # never in the server's output
 
 
+def served_tiny_policy(policy, token_env: str, token: str):
+    """`served` for a tiny test policy: batches of up to 16, one thread, a 60 s timeout;
+    a context manager giving the server's URL."""
+    tree = {"model": {"policy": str(policy)}, "serve": {"max_batch": 16},
+            "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60}}  # fmt: skip
+    return served(tree, token_env, token)
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
     from rlhf_dist.generation.server import wait_healthy
 

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 from faults import Killed
-from serve_process import served
+from serve_process import served_tiny_policy
 
 from rlhf_dist.config import config_from_dict
 
@@ -31,9 +31,7 @@ ITERATIONS, PROMPTS, N = 4, 2, 4  # iterations, prompts per iteration, samples p
 def server(task_env):
     """A `rlhf-dist serve` process of the tiny policy on a free port, shared by every kill
     point; its URL."""
-    tree = {"model": {"policy": str(task_env.policy)}, "serve": {"max_batch": 16},
-            "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60}}  # fmt: skip
-    with served(tree, ENV, TOKEN) as url:
+    with served_tiny_policy(task_env.policy, ENV, TOKEN) as url:
         yield url
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 from faults import Killed, kill_at, untimed
-from serve_process import served
+from serve_process import served_tiny_policy
 
 from rlhf_dist.config import config_from_dict
 
@@ -26,9 +26,7 @@ ENV = "RLHF_DIST_TEST_STALENESS_TOKEN"
 @pytest.fixture(scope="module")
 def server(task_env):
     """A `rlhf-dist serve` process of the tiny policy on a free port; its URL."""
-    tree = {"model": {"policy": str(task_env.policy)}, "serve": {"max_batch": 16},
-            "perf": {"num_threads": 1}, "distributed": {"timeout_s": 60}}  # fmt: skip
-    with served(tree, ENV, TOKEN) as url:
+    with served_tiny_policy(task_env.policy, ENV, TOKEN) as url:
         yield url
 
 
