@@ -185,23 +185,29 @@ def test_grpo_trains_on_served_image_rollouts(llava, server, tmp_path, monkeypat
     assert logged[0]["rollout/server_sync_gap"] < 1e-4
 
 
+def episode_grpo_config(llava, server, out, generation: dict) -> dict:
+    """One GRPO iteration of 4 prompts x 2 samples on the server's tiny LLaVA, episodes
+    played by `generation`'s environment keys."""
+    return {
+        "model": {"policy": str(llava)},
+        "ppo": {"iterations": 1, "rollout_batch_size": 4, "samples_per_prompt": 2,
+                "minibatch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-2}},
+        "generation": {"max_new_tokens": 4, "backend": "server", "server_urls": [server],
+                       "server_token_env": ENV, **generation},
+        "run": {"output_dir": str(out), "log_every": 1, "seed": 1},
+        "distributed": {"timeout_s": 60},
+    }  # fmt: skip
+
+
 def test_grpo_with_image_observations_on_served_turns(llava, server, tmp_path, monkeypatch):
     """In-process episodes whose observation is an image (vision_models.ImageObservation,
     docs/vision.md "Images from tools and environments"), each turn sampled by the server
     from the episode's ids so far and the pixel inputs of all its images so far."""
     monkeypatch.setenv(ENV, TOKEN)
     out = tmp_path / "grpo_episodes"
-    config = {
-        "model": {"policy": str(llava)},
-        "ppo": {"iterations": 1, "rollout_batch_size": 4, "samples_per_prompt": 2,
-                "minibatch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-2}},
-        "generation": {"max_new_tokens": 4, "backend": "server", "server_urls": [server],
-                       "server_token_env": ENV, "environment": "vision_models:ImageObservation",
-                       "max_turns": 2, "max_episode_tokens": 96,
-                       "stop_token_ids": every_other_word(llava)},
-        "run": {"output_dir": str(out), "log_every": 1, "seed": 1},
-        "distributed": {"timeout_s": 60},
-    }  # fmt: skip
+    config = episode_grpo_config(llava, server, out, {
+        "environment": "vision_models:ImageObservation", "max_turns": 2,
+        "max_episode_tokens": 96, "stop_token_ids": every_other_word(llava)})  # fmt: skip
     rlhf_dist.grpo(config, dataset=llava_rows(4, kind="grpo"), reward_fn=llava_colour_reward)
     [row] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["rollout/turns"] > 1.0 and row["rollout/tool_calls"] > 0
@@ -218,16 +224,8 @@ def test_grpo_with_an_endpoint_environment_whose_observation_is_an_image(
     served turns' log-probs (< 1e-4)."""
     monkeypatch.setenv(ENV, TOKEN)
     out = tmp_path / "grpo_endpoint"
-    config = {
-        "model": {"policy": str(llava)},
-        "ppo": {"iterations": 1, "rollout_batch_size": 4, "samples_per_prompt": 2,
-                "minibatch_size": 8, "micro_batch_size": 4, "optim": {"lr": 1e-2}},
-        "generation": {"max_new_tokens": 4, "backend": "server", "server_urls": [server],
-                       "server_token_env": ENV, "environment": "vision_models:image_episode",
-                       "environment_endpoint": True},
-        "run": {"output_dir": str(out), "log_every": 1, "seed": 1},
-        "distributed": {"timeout_s": 60},
-    }  # fmt: skip
+    config = episode_grpo_config(llava, server, out, {
+        "environment": "vision_models:image_episode", "environment_endpoint": True})  # fmt: skip
     rlhf_dist.grpo(config, dataset=llava_rows(4, kind="grpo"), reward_fn=llava_colour_reward)
     [row] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["rollout/turns"] == 2.0 and row["rollout/tool_calls"] == 1.0
