@@ -32,8 +32,34 @@
 # the script; CPU figures mean nothing for GPUs).
 #
 # Usage: bash launch/bench/gpu_suite.sh [OUT=runs/bench/gpu_suite] [ITERATIONS=5] [CASES="sync plain zero3 lora gc vllm grpo async plan"]
+#        [PLAN_PRECISIONS="fp32 autocast"]
+#
+# `bash launch/bench/gpu_suite.sh wheels [DIR=.whl]` (run here, where pip reaches PyPI) fills
+# DIR with what a loan's image lacks, as cp312 x86-64 wheels at launch/constraints.txt's pins:
+# DeepSpeed (its sdist built without ops), pydantic, datasets, TRL, FastAPI/uvicorn for the
+# async case's server, pyarrow 24 (datasets needs >= 24; 26 does not fit the 64 MiB carry),
+# and SmolLM2's tokenizer in DIR/tok for the grpo case. On the loan, carry DIR and run
+#   pip install --no-index --no-deps --target /tmp/site DIR/*.whl; PYTHONPATH=/tmp/site:$PWD \
+#   TOKENIZER=$PWD/DIR/tok bash launch/bench/gpu_suite.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+if [ "${1:-}" = wheels ]; then
+  DIR=${2:-.whl} PY=${PYTHON:-python3}
+  mkdir -p "$DIR/tok"
+  pin() { grep -i "^$1==" launch/constraints.txt | head -1; }
+  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" "$(pin deepspeed)"
+  names=(hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions datasets
+         dill multiprocess fsspec fastapi starlette uvicorn)
+  pins=(pyarrow==24.0.0 trl==1.16.0)
+  for n in "${names[@]}"; do pins+=("$(pin "$n")"); done
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$DIR" "${pins[@]}"
+  tok=$("$PY" -c "from rlhf_dist.demo import smollm2; print(smollm2.build())")
+  cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json "$tok"/chat_template.jinja "$DIR/tok/"
+  du -sh "$DIR"
+  exit 0
+fi
 OUT=${OUT:-runs/bench/gpu_suite}
 ITERATIONS=${ITERATIONS:-5}
 CASES=${CASES:-sync plain zero3 lora gc vllm grpo async plan}
@@ -127,7 +153,7 @@ fi
 if [ "$plan" = 1 ]; then
   # fp32 (measured on the first loan: within 7%), then bf16 autocast over fp32 weights, the
   # precision of a GPU run without DeepSpeed (its kept activations are the open question)
-  for precision in fp32 autocast; do
+  for precision in ${PLAN_PRECISIONS:-fp32 autocast}; do
     flag=() suffix=""
     [ "$precision" = autocast ] && flag=(--autocast) suffix=_autocast
     echo "== plan vs measured ($DEVICE, $precision)"
