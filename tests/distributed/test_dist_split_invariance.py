@@ -238,13 +238,17 @@ def test_gradient_and_checkpoint_optimizer_under_zero2(assets, one_rank, tmp_pat
 def test_gradient_split_invariant_under_fsdp2(assets, one_rank, tmp_path):
     """The same probe under FSDP2 (distributed/fsdp2.py), ONE launch: 2 ranks x 2
     micro-batches give one process's gradient with per-layer all-gathers, with gradient
-    checkpointing, with the weights whole for the step, and with LoRA adapters; ranks
-    generating different lengths do not hang. The other split cases exercise the trainers'
+    checkpointing, with the weights whole for the step, with LoRA adapters, and split by
+    columns under distributed.sequence_parallel_size=2 (full and LoRA); ranks generating
+    different lengths do not hang. The other split cases exercise the trainers'
     own arithmetic, the same under every engine: they run under ZeRO-3 only (suite budget,
     docs/distributed.md "Choosing the engine")."""
     variants = [variant("token_mean", 2), variant("checkpointing", 2, "--gradient-checkpointing")]
     variants += [variant("whole", 2, "--whole-weights")]
     variants += [variant("lora-critic_free", 2, "--critic-free", "--lora")]
+    # Ulysses (engine/sequence_parallel.py) over FSDP2's per-layer all-gathers
+    sp = ("--critic-free", "--sequence-parallel")
+    variants += [variant("sp", 2, *sp), variant("sp-lora", 2, *sp, "--lora")]
     variants += [f"--uneven-generation={assets['files'].prompts}"]
     fsdp2 = probe_two_ranks(assets, tmp_path / "fsdp2.pt", "cpu_fsdp2.yaml", *variants)
     assert set(fsdp2["checkpoint_optimizer"].values()) == {ADAMW}
@@ -253,6 +257,9 @@ def test_gradient_split_invariant_under_fsdp2(assets, one_rank, tmp_path):
         assert_same_gradients(grads, fsdp2["gradients"][name], 1e-4, f"2x2 FSDP2 {name}")
     lora = one_rank["gradients"]["lora-critic_free"]
     assert_same_gradients(lora, fsdp2["gradients"]["lora-critic_free"], 1e-4, "FSDP2 LoRA")
+    assert_same_gradients(lora, fsdp2["gradients"]["sp-lora"], 1e-4, "sp=2 FSDP2 LoRA")
+    plain = one_rank["gradients"]["token_mean-critic_free"]
+    assert_same_gradients(plain, fsdp2["gradients"]["sp"], 1e-4, "sp=2 FSDP2")
     assert fsdp2["uneven_widths"] == {True: [1, 16], False: [1, 16]}
 
 
