@@ -7,8 +7,9 @@ run.resume=auto from iteration 2's checkpoint. Partial rollouts are not reproduc
 for bit, so the test counts instead: every iteration is logged once, and every row of
 the schedule (each prompt of each iteration's global batch, samples_per_prompt times)
 was trained exactly once, by its prompt index in samples.jsonl; nothing is dropped and
-every rollout the resumed run requested was handed out once. The kills are tests/faults.py's
-in-process stand-ins for RLHF_DIST_FAULT's SIGKILL."""
+every rollout the resumed run requested was handed out once. The mid-generation kill is a
+real `rlhf-dist ppo` process SIGKILLed by RLHF_DIST_FAULT; the other two are tests/faults.py's
+in-process stand-ins for it (they also record what the prefetcher handed out)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,57 @@ def _schedule(cfg) -> list[list[int]]:
     return [idx for _, idx in itertools.islice(batches, ITERATIONS)]
 
 
+def _assert_killed_after_iteration_2(run, read_jsonl) -> None:
+    """Killed before iteration 3 was logged or checkpointed: the resume starts after 2."""
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000002"
+
+
+def _assert_trained_once(cfg, run, read_jsonl) -> None:
+    """Every iteration logged once, nothing dropped, and every scheduled (iteration,
+    prompt) trained N times by samples.jsonl's prompt index: no sample lost, none twice."""
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))
+    assert all(r["rollout/stale_dropped"] == 0 for r in rows)
+    assert all(r["async/trained_rows"] == PROMPTS * N for r in rows)
+    samples = read_jsonl(run / "samples.jsonl")
+    trained = Counter((s["step"], s["prompt_index"]) for s in samples)
+    wanted = Counter({(it, i): N for it, idx in enumerate(_schedule(cfg), start=1) for i in idx})
+    assert trained == wanted
+
+
+def test_partial_rollouts_sigkilled_mid_generation_train_every_sample_once(
+    server, sft_run, task_env, tmp_path, data_cfg, read_jsonl
+):
+    """`rlhf-dist ppo` SIGKILLed (RLHF_DIST_FAULT) at iteration 3's rollout, iteration 4's
+    partial rollout in flight on the server, then resumed by the same command with
+    run.resume=auto from iteration 2's checkpoint."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cfg = _config(server, sft_run.out / "final", tmp_path / "run", task_env, data_cfg)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(dataclasses.asdict(cfg)))
+
+    def run(*extra: str, fault: str = "") -> subprocess.CompletedProcess:
+        env = os.environ | {ENV: TOKEN, "OMP_NUM_THREADS": "1", "RLHF_DIST_FAULT": fault}
+        cmd = [sys.executable, "-m", "rlhf_dist", "ppo", "--config", str(path), *extra]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+    killed = run(fault="rollout:3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    _assert_killed_after_iteration_2(tmp_path / "run", read_jsonl)
+    resumed = run("run.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _assert_trained_once(cfg, tmp_path / "run", read_jsonl)
+
+
 @pytest.mark.parametrize(
     "module, point",
     [
-        ("rlhf_dist.trainers.ppo.recipe", "rollout"),  # mid-generation
         ("rlhf_dist.trainers.ppo.update", "update"),  # mid-update
         ("rlhf_dist.generation.server", "weight_sync"),  # mid-sync, on the sync worker
     ],
@@ -123,24 +171,14 @@ def test_partial_rollouts_killed_and_resumed_train_every_sample_once(
     assert reached[-1] == 3
     if point == "weight_sync":  # several buckets per sync: the kill left one half-sent
         assert reached.count(1) > 1
-    # killed before iteration 3 was logged or checkpointed: the resume starts after 2
-    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    _assert_killed_after_iteration_2(tmp_path / "run", read_jsonl)
     # SIGKILL ends the killed trainer's workers with it: here their queued work is cancelled
     made[-1].pool.shutdown(wait=True, cancel_futures=True)
     made[-1].sync_pool.shutdown(wait=True, cancel_futures=True)
     ppo_module.train_ppo(
         dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume="auto")), runtime
     )
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))  # each iteration once
-    assert all(r["rollout/stale_dropped"] == 0 for r in rows)
-    assert all(r["async/trained_rows"] == PROMPTS * N for r in rows)
-    # every scheduled (iteration, prompt) trained N times: no sample lost, none twice
-    samples = read_jsonl(tmp_path / "run" / "samples.jsonl")
-    trained = Counter((s["step"], s["prompt_index"]) for s in samples)
-    wanted = Counter({(it, i): N for it, idx in enumerate(_schedule(cfg), start=1) for i in idx})
-    assert trained == wanted
+    _assert_trained_once(cfg, tmp_path / "run", read_jsonl)
     # the resumed run (iterations 3 and 4) handed out each rollout it requested, once
     assert len(handed[-1]) == 2 and len({id(r) for r in handed[-1]}) == 2
     assert {id(r) for r in submitted[-1]} == {id(r) for r in handed[-1]}
