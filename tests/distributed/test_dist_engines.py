@@ -16,6 +16,7 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, free_port, launch_args, run_all
 
 ENGINES = {"zero3": "cpu_zero3.yaml", "fsdp2": "cpu_fsdp2.yaml"}
@@ -36,6 +37,7 @@ def stage_commands(assets, root: Path) -> dict[str, list[str]]:
     sft_rows = first_lines(files.sft, 48, root / "sft48.jsonl")
     pairs = first_lines(files.prefs_train, 32, root / "pairs32.jsonl")
     kto_pairs = first_lines(files.prefs_train, 16, root / "pairs16.jsonl")  # 32 examples
+    held_out = first_lines(files.prefs_eval, 16, root / "held_out16.jsonl")
     common = [f"model.policy={assets['policy']}", "perf.num_threads=1", "run.log_every=1"]
     sizes = {
         s: [f"{s}.batch_size=16", f"{s}.micro_batch_size=2", f"{s}.optim.lr=1e-3"]
@@ -51,8 +53,9 @@ def stage_commands(assets, root: Path) -> dict[str, list[str]]:
     return {
         "sft": ["sft", *common, f"data.train={sft_rows}", f"run.output_dir={root / 'sft'}",
                 *sizes["sft"], "run.checkpoint_every=1", "run.keep_checkpoints=3"],
-        "rm": ["rm", *common, f"data.train={pairs}", f"run.output_dir={root / 'rm'}",
-               *sizes["rm"]],
+        # with 16 held-out pairs: each rank evaluates 8, gathered for the summary
+        "rm": ["rm", *common, f"data.train={pairs}", f"data.eval={held_out}",
+               f"run.output_dir={root / 'rm'}", *sizes["rm"]],
         "dpo": ["dpo", *common, f"data.train={pairs}", f"run.output_dir={root / 'dpo'}",
                 *sizes["dpo"]],
         "kto": ["kto", *common, f"data.train={kto_pairs}", f"run.output_dir={root / 'kto'}",
@@ -185,6 +188,22 @@ def test_fsdp2_metrics_equal_zero3_metrics(runs, stage):
         assert one[GROUP_NORMS[0]] == one[GROUP_NORMS[1]] == pytest.approx(both, rel=1e-5)
         ends = [json.loads((runs[e] / "iterate" / "summary.json").read_text()) for e in ENGINES]
         assert_close(*[e["rounds"] for e in ends], "iterate summary", 1e-5, ("wall_seconds",))
+
+
+def test_zero3_sft_and_rm_export_trained_models(assets, runs):
+    """The ZeRO-3 launch's SFT export holds trained (gathered) weights, its RM gathered
+    both ranks' halves of the 16 held-out pairs and exports a reward model with its head."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    before = load_file(str(Path(assets["policy"]) / "model.safetensors"))
+    after = load_file(str(runs["zero3"] / "sft" / "final" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "SFT did not train"
+    rm = runs["zero3"] / "rm"
+    assert json.loads((rm / "summary.json").read_text())["eval_pairs"] == 16
+    model = AutoModelForSequenceClassification.from_pretrained(str(rm / "final"), num_labels=1)
+    assert model.score.weight.abs().sum() > 0
 
 
 def test_fsdp2_checkpoints_are_shards_and_the_export_whole(runs):

@@ -1,5 +1,6 @@
-"""Mixture-of-experts under 2-rank ZeRO-3 (docs/moe.md), three launches and one
-process at once (the "off" launch waits out its gloo timeout meanwhile):
+"""Mixture-of-experts under 2-rank ZeRO-3 (docs/moe.md), two launches and one process
+at once (the "off" launch waits out its gloo timeout meanwhile; the "on" launch runs the
+2-rank SFT after its probe, in the same processes):
 
 - a model whose experts are a module list, called only for the tokens routed to them,
   trains with its sparse block a ZeRO-3 leaf (models/moe.py); without that setting the
@@ -32,8 +33,9 @@ def sft_command(policy: str, data: str, out) -> list[str]:
 
 @pytest.fixture(scope="module")
 def launches(assets, tmp_path_factory):
-    """{name: (return code, output)} of the leaf probe on and off, and the SFT (Qwen3-MoE)
-    run in one process and on 2 ZeRO-3 ranks; and the root their files are under."""
+    """{name: (return code, output)} of the leaf probe on (then the SFT (Qwen3-MoE) run on
+    2 ZeRO-3 ranks, two/) and off, and the SFT run in one process (one/); and the root
+    their files are under."""
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -44,13 +46,12 @@ def launches(assets, tmp_path_factory):
     policy = tiny_moe("qwen3_moe", tokenizer, root)
     rows = root / "sft16.jsonl"  # 2 steps of 8
     rows.write_text("".join(assets["files"].sft.read_text().splitlines(True)[:16]))
+    two = json.dumps([sft_command(policy, str(rows), root / "two")[2:]])
     commands = {
-        mode: launch_args("cpu_zero3.yaml", free_port(), PROBE, str(root / mode), mode)
-        for mode in ("on", "off")
+        "on": launch_args("cpu_zero3.yaml", free_port(), PROBE, str(root / "on"), "on", two),
+        "off": launch_args("cpu_zero3.yaml", free_port(), PROBE, str(root / "off"), "off"),
+        "one": [sys.executable, *sft_command(policy, str(rows), root / "one")],
     }
-    commands["one"] = [sys.executable, *sft_command(policy, str(rows), root / "one")]
-    two = sft_command(policy, str(rows), root / "two")
-    commands["two"] = launch_args("cpu_zero3.yaml", free_port(), *two)
     results = run_all(list(commands.values()), 240.0, [{}] * len(commands))
     return {k: (rc, out + err) for k, (rc, out, err) in zip(commands, results)}, root
 
@@ -73,7 +74,7 @@ def test_dist_moe_module_list_experts_need_leaf_blocks(launches):
 
 def test_dist_moe_sft_zero3_two_ranks_equals_one_process(launches):
     results, root = launches
-    for name in ("one", "two"):
+    for name in ("one", "on"):  # the 2-rank SFT ran in the "on" launch
         assert results[name][0] == 0, results[name][1][-4000:]
     a, b = (
         [json.loads(line) for line in (root / d / "metrics.jsonl").read_text().splitlines()]

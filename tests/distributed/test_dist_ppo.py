@@ -1,4 +1,10 @@
-"""PPO, SFT and RM across 2 CPU ranks under DeepSpeed ZeRO-3, launched like a user would."""
+"""PPO across 2 CPU ranks under DeepSpeed ZeRO-3, launched like a user would. SFT and RM
+under ZeRO-3 (trained exports, the held-out pairs gathered from both ranks) are checked on
+the ZeRO-3 launch of test_dist_engines.py, which runs every stage.
+
+PPO with a critic and GRPO share ONE launch (scripts/run_stages.py: one process per rank
+runs both stages in turn, each with a numerical guard of its own; a launch is ~10 s of
+imports per rank), both with a NaN loss on rank 1 at their optimizer step 2."""
 
 from __future__ import annotations
 
@@ -29,17 +35,39 @@ def changed(before: dict, after: dict) -> bool:
     return any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_ppo_zero3_two_ranks_trains_aggregates_and_skips_a_one_rank_nan(assets, tmp_path):
+RUN_STAGES = str(REPO / "tests" / "distributed" / "scripts" / "run_stages.py")
+# GRPO with DAPO's dynamic sampling and a reward under which the groups of some prompts tie
+GRPO = (
+    "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4",
+    "reward.function=reward_fns_for_tests:ties_on_some_prompts",
+    "ppo.dynamic_sampling=true", "ppo.dynamic_sampling_max_rounds=2",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zero3(assets, tmp_path_factory) -> tuple[Path, int]:
+    """ONE 2-rank ZeRO-3 launch, RLHF_DIST_FAULT=nan:2@1: PPO with a critic and the update
+    fetching layer by layer (ppo/), then GRPO (grpo/) -> (their root, the launch's port)."""
+    root, port = tmp_path_factory.mktemp("zero3"), free_port()
+    commands = [
+        ppo_command(assets, root / "ppo", "perf.gather_for_training=never")[2:],
+        ppo_command(assets, root / "grpo", *GRPO)[2:],
+    ]
+    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "unit")])  # the reward's module
+    env = {"RLHF_DIST_FAULT": "nan:2@1", "PYTHONPATH": path}
+    run_launch(launch_args("cpu_zero3.yaml", port, RUN_STAGES, json.dumps(commands)), 240, env)
+    return root, port
+
+
+def test_ppo_zero3_two_ranks_trains_aggregates_and_skips_a_one_rank_nan(assets, zero3):
     """PPO with a critic under ZeRO-3, two micro-batches per rank per optimizer step, and
     a NaN loss on rank 1 at step 2 (the last of iteration 1): the skipped step's forwards
     leave ZeRO-3 prefetches in flight that only a backward would collect, and the next
     iteration's generation must not find them (guard.py, _release_zero3_params). The
     update fetches layer by layer here (perf.gather_for_training=never: the path
     of models whose full copy does not fit); every other ZeRO-3 run gathers it whole."""
-    out, port = tmp_path / "ppo", free_port()
-    layered = "perf.gather_for_training=never"
-    command = launch_args("cpu_zero3.yaml", port, *ppo_command(assets, out, layered))
-    run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1"})
+    root, port = zero3
+    out = root / "ppo"
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["guard/skipped_steps"] for r in rows] == [1, 1]
@@ -60,7 +88,7 @@ def test_ppo_zero3_two_ranks_trains_aggregates_and_skips_a_one_rank_nan(assets, 
     assert shm_buffers(port) == []
 
 
-def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(assets, tmp_path):
+def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(assets, zero3):
     """GRPO under ZeRO-3, and the numerical guard in the same launch: optimizer step 2 (of
     4, two per iteration, two micro-batches per rank each: the poisoned step's second
     forward still runs) has a NaN loss on rank 1 only, and both ranks must skip it
@@ -68,15 +96,7 @@ def test_grpo_zero3_two_ranks_builds_no_critic_trains_and_skips_a_one_rank_nan(a
     which the groups of some prompts tie: the ranks may drop different numbers of groups,
     yet run the same extra rounds (or ZeRO-3's collectives would hang) and each trains on
     a full batch."""
-    out = tmp_path / "grpo"
-    extra = (
-        "ppo.estimator=grpo", "ppo.rollout_batch_size=4", "ppo.samples_per_prompt=4",
-        "reward.function=reward_fns_for_tests:ties_on_some_prompts",
-        "ppo.dynamic_sampling=true", "ppo.dynamic_sampling_max_rounds=2",
-    )  # fmt: skip
-    command = launch_args("cpu_zero3.yaml", free_port(), *ppo_command(assets, out, *extra))
-    path = os.pathsep.join([str(REPO), str(REPO / "tests" / "unit")])  # the reward's module
-    run_launch(command, env={"RLHF_DIST_FAULT": "nan:2@1", "PYTHONPATH": path})
+    out = zero3[0] / "grpo"
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["guard/skipped_steps"] for r in rows] == [1, 1]
@@ -122,33 +142,3 @@ def test_lora_ppo_on_two_machines_on_localhost(assets, engine, tmp_path):
             adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=1e-4
         )
     assert abs(metrics(out)[0]["objective/kl"]) < 1e-4  # adapters start at zero: actor == reference
-
-
-def test_sft_then_rm_under_zero3(assets, tmp_path):
-    files = assets["files"]
-    sft, rm = tmp_path / "sft", tmp_path / "rm"
-    common = ["sft.epochs=1", "sft.batch_size=32", "sft.micro_batch_size=8", "sft.optim.lr=1e-3"]
-    sft_cmd = [
-        "-m",
-        "rlhf_dist",
-        "sft",
-        f"model.policy={assets['policy']}",
-        f"data.train={files.sft}",
-        f"run.output_dir={sft}",
-        *common,
-    ]
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *sft_cmd))
-    policy_before = load_file(str(Path(assets["policy"]) / "model.safetensors"))
-    assert changed(policy_before, load_file(str(sft / "final" / "model.safetensors")))
-    rm_cmd = [
-        "-m", "rlhf_dist", "rm", f"model.policy={sft / 'final'}", f"data.train={files.prefs_train}",
-        f"data.eval={files.prefs_eval}", f"run.output_dir={rm}",
-        "rm.epochs=1", "rm.batch_size=32", "rm.micro_batch_size=8", "rm.optim.lr=1e-3",
-    ]  # fmt: skip
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *rm_cmd))
-    summary = json.loads((rm / "summary.json").read_text())
-    assert summary["eval_pairs"] == 64  # both ranks' halves of the eval set were gathered
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(str(rm / "final"), num_labels=1)
-    assert model.score.weight.abs().sum() > 0

@@ -1,4 +1,7 @@
-"""DPO, ORPO and KTO across 2 CPU ranks under DeepSpeed ZeRO-3, launched like a user would."""
+"""DPO, ORPO and KTO across 2 CPU ranks under DeepSpeed ZeRO-3, launched like a user would:
+the three stages in ONE launch (scripts/run_stages.py, one process per rank running each
+stage's command in turn; a launch is ~10 s of imports per rank), compared with one
+process running DPO and ORPO."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 from conftest import ENGINES, REPO, _env, engines, free_port, launch_args, run_launch
 
 RUN_COMMANDS = REPO / "tests" / "distributed" / "scripts" / "run_commands.py"
+RUN_STAGES = str(REPO / "tests" / "distributed" / "scripts" / "run_stages.py")
 
 
 def command(stage: str, assets, out: Path, *extra: str) -> list[str]:
@@ -51,6 +55,29 @@ def orpo_extra(assets, root: Path) -> tuple[str, ...]:
     )  # fmt: skip
 
 
+def kto_extra(assets, root: Path) -> tuple[str, ...]:
+    """KTO with LoRA and its reference online: 64 pairs -> 128 examples, 4 steps of 32
+    (the launch's stages share DeepSpeed's batch settings: micro-batch 4, accumulation 4)."""
+    pairs = first_pairs(assets, root / "kto_pairs64.jsonl", 64)
+    return ("lora.enabled=true", "lora.r=4", "kto.reference_logprobs=online", f"data.train={pairs}")
+
+
+@pytest.fixture(scope="module")
+def zero3(assets, tmp_path_factory) -> Path:
+    """ONE 2-rank ZeRO-3 launch running DPO with a partitioned reference (dpo/), ORPO
+    (orpo/) and KTO with LoRA (kto/), one stage after another."""
+    root = tmp_path_factory.mktemp("zero3")
+    dpo = ("distributed.frozen_models=partition", *dpo_data(assets, root))
+    commands = [
+        command("dpo", assets, root / "dpo", *dpo)[2:],
+        command("dpo", assets, root / "orpo", *orpo_extra(assets, root))[2:],
+        command("kto", assets, root / "kto", *kto_extra(assets, root))[2:],
+    ]
+    launch = launch_args("cpu_zero3.yaml", free_port(), RUN_STAGES, json.dumps(commands))
+    run_launch(launch, timeout=360)
+    return root
+
+
 @pytest.fixture(scope="module")
 def one_process(assets, tmp_path_factory) -> Path:
     """The one-process runs the 2-rank DPO and ORPO launches are compared with (dpo/,
@@ -69,12 +96,10 @@ def one_process(assets, tmp_path_factory) -> Path:
     return root
 
 
-def test_dpo_zero3_two_ranks_matches_one_process(assets, one_process, tmp_path):
+def test_dpo_zero3_two_ranks_matches_one_process(zero3, one_process):
     """A partitioned reference scored in lock-step, then the same optimizer steps as one
     process with 8 micro-batches: losses and reward statistics agree to float rounding."""
-    two = tmp_path / "two"
-    extra = ("distributed.frozen_models=partition", *dpo_data(assets, tmp_path))
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command("dpo", assets, two, *extra)))
+    two = zero3 / "dpo"
     a, b = metrics(two), metrics(one_process / "dpo")
     steps = [r for r in a if "dpo/loss" in r]
     assert len(steps) == 2 and abs(steps[0]["dpo/loss"] - math.log(2)) < 1e-5
@@ -89,30 +114,11 @@ def test_dpo_zero3_two_ranks_matches_one_process(assets, one_process, tmp_path):
     assert (two / "final" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("engine", engines())  # FSDP2 opt-in (docs/distributed.md)
-def test_kto_lora_two_ranks_online_reference(assets, engine, tmp_path):
-    out = tmp_path / "kto"
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(assets["files"].prefs_train.read_text().splitlines(True)[:128]))
-    extra = ("lora.enabled=true", "lora.r=4", "kto.reference_logprobs=online", "kto.batch_size=64")
-    extra += (f"data.train={pairs}",)
-    run_launch(launch_args(ENGINES[engine], free_port(), *command("kto", assets, out, *extra)))
-    rows = [r for r in metrics(out) if "kto/loss" in r]
-    assert len(rows) == 4  # 128 pairs -> 256 examples / 64
-    assert rows[0]["kto/kl"] == 0.0 and abs(rows[0]["kto/loss"] - 0.5) < 1e-5
-    assert all(math.isfinite(r["kto/loss"]) and r["kto/kl"] >= 0 for r in rows)
-    assert (out / "final_adapter" / "adapter_config.json").is_file()
-    assert (out / "final" / "model.safetensors").is_file()
-
-
-def test_orpo_zero3_two_ranks_matches_one_process(assets, one_process, tmp_path):
+def test_orpo_zero3_two_ranks_matches_one_process(zero3, one_process):
     """Reference-free ORPO on 2 ZeRO-3 ranks (no reference table or model): the same
     steps as one process (its NLL a token sum over the chosen tokens of BOTH ranks), and
     the held-out evaluation scored in lock-step passes."""
-    two = tmp_path / "two"
-    extra = orpo_extra(assets, tmp_path)
-    run_launch(launch_args("cpu_zero3.yaml", free_port(), *command("dpo", assets, two, *extra)))
-    one = one_process / "orpo"
+    two, one = zero3 / "orpo", one_process / "orpo"
     a = [r for r in metrics(two) if "dpo/loss" in r]
     b = [r for r in metrics(one) if "dpo/loss" in r]
     assert len(a) == len(b) == 4
@@ -123,3 +129,20 @@ def test_orpo_zero3_two_ranks_matches_one_process(assets, one_process, tmp_path)
     assert summaries[0]["eval_pairs"] == 64
     assert abs(summaries[0]["eval_loss"] - summaries[1]["eval_loss"]) < 1e-3
     assert not (two / "reference_logprobs.json").exists()
+
+
+@pytest.mark.parametrize("engine", engines())  # FSDP2 opt-in (docs/distributed.md)
+def test_kto_lora_two_ranks_online_reference(assets, engine, request, tmp_path):
+    """Under ZeRO-3 the shared launch's KTO run; FSDP2 (opt-in) a launch of its own."""
+    if engine == "zero3":
+        out = request.getfixturevalue("zero3") / "kto"
+    else:
+        out = tmp_path / "kto"
+        stage = command("kto", assets, out, *kto_extra(assets, tmp_path))
+        run_launch(launch_args(ENGINES[engine], free_port(), *stage))
+    rows = [r for r in metrics(out) if "kto/loss" in r]
+    assert len(rows) == 4  # 64 pairs -> 128 examples / 32
+    assert rows[0]["kto/kl"] == 0.0 and abs(rows[0]["kto/loss"] - 0.5) < 1e-5
+    assert all(math.isfinite(r["kto/loss"]) and r["kto/kl"] >= 0 for r in rows)
+    assert (out / "final_adapter" / "adapter_config.json").is_file()
+    assert (out / "final" / "model.safetensors").is_file()

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGINES, engines, free_port, launch_args, ppo_command, run_launch
+from conftest import ENGINES, REPO, engines, free_port, launch_args, ppo_command, run_launch
 from faults import untimed
 from safetensors.torch import load_file
 from serve_process import served
 
 ENV, TOKEN = "RLHF_DIST_TEST_SERVER_TOKEN", "dist-test-token-51f0"
+RUN_STAGES = str(REPO / "tests" / "distributed" / "scripts" / "run_stages.py")
 
 
 def served_ppo(
@@ -28,10 +29,13 @@ def served_ppo(
     *extra: str,
     serve: dict | None = None,
     server_env: dict | None = None,
+    then: list[str] | None = None,
 ) -> dict:
     """2-rank PPO under `engine` (conftest.ppo_command + `extra`) against a fresh server of
     the tiny policy (`serve`: its serve keys; `server_env`: added to its environment),
-    synced in 50 KiB buckets -> the server's /health at the end."""
+    synced in 50 KiB buckets -> the server's /health at the end. `then`, another
+    `-m rlhf_dist STAGE ...` command, runs after it in the same launch (scripts/
+    run_stages.py: one process per rank for both, one round of imports)."""
     tree = {"model": {"policy": str(assets["policy"])}, "perf": {"num_threads": 1},
             "serve": serve or {}}  # fmt: skip
     with served(tree, ENV, TOKEN, server_env=server_env) as url:
@@ -40,8 +44,11 @@ def served_ppo(
             f"generation.server_token_env={ENV}", "generation.server_sync_bucket_mb=0.05",
             "distributed.timeout_s=60", *extra,
         )  # fmt: skip
+        timeout = 240
+        if then is not None:  # run_stages.py takes each command from its stage name on
+            command, timeout = [RUN_STAGES, json.dumps([command[2:], then[2:]])], 360
         run_launch(
-            launch_args(ENGINES[engine], free_port(), *command), timeout=240, env={ENV: TOKEN}
+            launch_args(ENGINES[engine], free_port(), *command), timeout=timeout, env={ENV: TOKEN}
         )
         with urllib.request.urlopen(url + "/health", timeout=10) as answer:
             return json.loads(answer.read())
@@ -84,9 +91,8 @@ def test_greedy_served_rollouts_give_the_colocated_runs_metrics(assets, engine, 
     own figures and the micro-batches' padding aside."""
     served_out, colocated_out = tmp_path / "served", tmp_path / "colocated"
     same = ("generation.top_k=1", "ppo.minibatch_size=16")
-    served_ppo(assets, served_out, engine, *same)
-    command = ppo_command(assets, colocated_out, *same)
-    run_launch(launch_args(ENGINES[engine], free_port(), *command), timeout=240)
+    # the colocated run in the served run's launch, after it (each stage seeded afresh)
+    served_ppo(assets, served_out, engine, *same, then=ppo_command(assets, colocated_out, *same))
     served_rows, colocated_rows = (
         untimed([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
         for out in (served_out, colocated_out)

@@ -3,7 +3,9 @@
 docs/architecture.md section 4: token sums are divided by the token count of the WHOLE global
 minibatch, so 1 rank x 1 micro-batch, 1 rank x 4 micro-batches and 2 ranks (ZeRO-3)
 x 2 micro-batches must give the same gradient, even with ragged response lengths that
-put different token counts on each rank and micro-batch.
+put different token counts on each rank and micro-batch. Splitting each sequence's columns
+over ranks (sequence parallelism) must give the same loss and gradient too: the DDP
+launch runs scripts/sp_probe.py after its own variant.
 """
 
 from __future__ import annotations
@@ -56,10 +58,10 @@ def probe_single(assets, out, *variants: str) -> dict:
     return torch.load(out)
 
 
-def probe_two_ranks(assets, out, config: str, *variants: str, cwd=REPO) -> dict:
+def probe_two_ranks(assets, out, config: str, *variants: str, cwd=REPO, timeout=180) -> dict:
     cmd = [PROBE, assets["policy"], assets["reward"], str(out), *variants]
     # Several variants share this launch: 3 minutes before it counts as a hang.
-    run_launch(launch_args(config, free_port(), *cmd), timeout=180, cwd=cwd)
+    run_launch(launch_args(config, free_port(), *cmd), timeout=timeout, cwd=cwd)
     return torch.load(out)
 
 
@@ -119,6 +121,19 @@ def zero3(assets, tmp_path_factory):
     return probe_two_ranks(assets, out, "cpu_zero3.yaml", *variants)
 
 
+@pytest.fixture(scope="module")
+def ddp(assets, tmp_path_factory) -> dict:
+    """ONE 2-rank DDP launch: token_mean by 2 micro-batches ("probe"), then in the same
+    process group every case of scripts/sp_probe.py at 2,048 tokens ("sp"; the tests of
+    distributed.sequence_parallel_size below)."""
+    root = tmp_path_factory.mktemp("ddp")
+    sp = f"--sequence-parallel-probe={root / 'sp.pt'}:2048"
+    probe = probe_two_ranks(
+        assets, root / "ddp.pt", "cpu_ddp.yaml", variant("token_mean", 2), sp, timeout=300
+    )
+    return {"probe": probe, "sp": torch.load(root / "sp.pt")}
+
+
 def assert_same_gradients(reference: dict, other: dict, tolerance: float, what: str) -> None:
     assert reference.keys() == other.keys()
     for name, g in reference.items():
@@ -126,8 +141,8 @@ def assert_same_gradients(reference: dict, other: dict, tolerance: float, what: 
         assert (other[name] - g).abs().max() / scale < tolerance, f"{what} differs at {name}"
 
 
-def test_gradient_same_for_1x1_1x4_2x2_zero3_and_2x2_ddp(assets, one_rank, zero3, tmp_path):
-    ddp = probe_two_ranks(assets, tmp_path / "ddp.pt", "cpu_ddp.yaml", variant("token_mean", 2))
+def test_gradient_same_for_1x1_1x4_2x2_zero3_and_2x2_ddp(one_rank, zero3, ddp):
+    ddp = ddp["probe"]
     # The checkpoint code reads the Adam state of the torch AdamW on every backend, not
     # Accelerate's wrapper nor DeepSpeed's ZeRO optimizer around it.
     for probe in (one_rank, zero3, ddp):
@@ -296,3 +311,24 @@ def test_all_reduce_gradient_reduction_equals_deepspeeds_reduce_scatter(zero3):
     """Over gloo, ZeRO-3's reduce-scatter of each gradient bucket is one all-reduce in
     place (zero3.reduce_gradients_by_all_reduce): bitwise the same partitions on 2 ranks."""
     assert zero3["reduce_max_diff"] == 0.0
+
+
+# distributed.sequence_parallel_size=2 on 2 CPU ranks (gloo, DDP) gives the loss and the
+# gradient of sequence_parallel_size=1, to 1e-5, for one optimizer step of SFT, DPO, KTO and
+# the GRPO update on 2K-token sequences, padded and packed, and the rollout's scoring gives
+# the same log-probs and entropies (docs/distributed.md "Sequence parallelism").
+# score: the rollout's scoring forwards; kto and score on padded rows only (sp_probe.py)
+SP_CASES = [(case, "padded") for case in ("sft", "dpo", "kto", "grpo", "score")]
+SP_CASES += [(case, "packed") for case in ("sft", "dpo", "grpo")]
+
+
+@pytest.mark.parametrize(("case", "layout"), SP_CASES)
+def test_sequence_parallel_gives_the_same_loss_and_gradient(ddp, case, layout):
+    one, two = ddp["sp"][f"{case}/sp1/{layout}"], ddp["sp"][f"{case}/sp2/{layout}"]
+    assert abs(two["loss"] - one["loss"]) <= 1e-5
+    assert one["tensors"].keys() == two["tensors"].keys()
+    for name, g in one["tensors"].items():
+        assert g.abs().max() > 0, name  # every weight gets a gradient: a real comparison
+        torch.testing.assert_close(two["tensors"][name], g, rtol=0, atol=1e-5, msg=name)
+        # and relative to the tensor's own size (some gradients are ~1e-4 here)
+        assert (two["tensors"][name] - g).norm() <= 1e-4 * g.norm(), name

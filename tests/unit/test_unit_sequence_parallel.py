@@ -2,7 +2,7 @@
 one runs the whole split path (rows shifted before the cut, the (R, 1, W, W) mask, the
 Ulysses attention function, packed rows) without a collective, so its log-probs and
 gradients must equal the plain forward's. The 2-rank split (n = 2) is
-tests/distributed/test_dist_sequence_parallel.py."""
+tests/distributed/test_dist_split_invariance.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Gradient of ONE PPO optimizer step on a fixed global minibatch of 8 sequences.
 
 Usage: grad_probe.py POLICY REWARD OUT VARIANT [VARIANT ...] [--uneven-generation=PROMPTS]
-  [--check-reduce]
+  [--check-reduce] [--sequence-parallel-probe=SP_OUT:LENGTH]
   VARIANT = NAME:MICRO_BATCH_SIZE[:FLAG...], FLAG one of --gradient-checkpointing,
   --aggregation=MODE, --critic-free, --whole-weights, --ratio-level=sequence,
   --policy-loss=cispo, --overlong-mask, --tokens=N, --packed, --cov-control=METHOD,
@@ -47,6 +47,8 @@ process group start-up less for the 2-rank tests. Under ZeRO-3 each variant also
 {"zero3": {NAME: {"fetches": weight-fetch collectives of the backward, "restored": hooks,
 F.linear and partitioning as before}}}; --check-reduce adds {"reduce_max_diff": ...}:
 zero3.py's all-reduce gradient reduction against DeepSpeed's reduce-scatter.
+--sequence-parallel-probe then runs sp_probe.py's cases at LENGTH tokens in the same
+process group (its result in SP_OUT): one launch for both under DDP.
 """
 
 import contextlib
@@ -386,6 +388,11 @@ def main():
     if runtime.is_main:
         torch.save(result, out)
     runtime.barrier()
+    for spec in (a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--sequence-par")):
+        from sp_probe import run  # this script's directory: the same launch, no second one
+
+        sp_out, _, length = spec.rpartition(":")
+        run(sp_out, int(length))
 
 
 if __name__ == "__main__":

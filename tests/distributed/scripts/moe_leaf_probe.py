@@ -2,9 +2,11 @@
 parameter partitioned: stage3_param_persistence_threshold 0), rank 0 on tokens that all
 route to expert 0, rank 1 on tokens that route to experts 1 and 2.
 
-Usage: moe_leaf_probe.py OUT on|off
+Usage: moe_leaf_probe.py OUT on|off [COMMANDS]
 on: the model goes through models/moe.py `prepare_moe` as loading does (its sparse
 block a ZeRO-3 leaf); off: it does not (DeepSpeed fetches each expert as it runs).
+COMMANDS, a JSON list of `rlhf-dist STAGE ARGS` argument lists, run after the probe in
+the same process group (scripts/run_stages.py), sparing a launch of their own.
 Each rank writes OUT.RANK: {"experts": experts its tokens chose, "losses": per step,
 "changed": whether the expert weights moved}. With off, rank 1 fetches one expert more
 than rank 0: the ranks' collectives no longer match (a hang or an error).
@@ -38,7 +40,10 @@ def main() -> None:
         lambda _m, _a, logits: seen.update(torch.topk(logits, 1).indices.flatten().tolist())
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    model, optimizer = runtime.prepare(model, optimizer, 4, 1, 1.0, "float32")
+    # micro-batch 2, accumulation 2: DeepSpeed's batch entries, filled at the first
+    # prepare, hold for every engine of the process, the SFT of COMMANDS's among them (the
+    # probe marks each step's end itself: one micro-batch per step)
+    model, optimizer = runtime.prepare(model, optimizer, 2, 2, 1.0, "float32")
     tokens = [0, 4, 8, 12] if runtime.rank == 0 else [1, 5, 2, 6]  # experts {0} / {1, 2}
     ids = torch.tensor([tokens * 2])
     losses = []
@@ -59,4 +64,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if len(sys.argv) > 3:
+        from run_stages import run  # this script's directory is on the path
+
+        for command in json.loads(sys.argv[3]):
+            run(command)
     sys.exit(end_process(0))

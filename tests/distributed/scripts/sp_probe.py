@@ -2,6 +2,7 @@
 distributed.sequence_parallel_size 1 and 2, padded and packed rows (perf.packed_sequences).
 
 Usage (2 ranks): accelerate launch ... sp_probe.py OUT [LENGTH]
+(or grad_probe.py ... --sequence-parallel-probe=OUT:LENGTH, after its own probes)
 Every rank builds the same tiny Llama (4 heads; 2 key/value heads, 1 for GRPO) and the same global
 batch of 4 sequences of up to LENGTH tokens (default 4096; ragged lengths, so ranks and
 micro-batches hold different token counts), takes its share as the trainers do, and runs
@@ -183,7 +184,12 @@ def score_case(runtime: Runtime, perf: PerfConfig, length: int) -> dict:
 
 
 def main():
-    out, length = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4096
+    run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4096)
+
+
+def run(out: str, length: int) -> None:
+    """Every case with sp 1 and 2 (Runtimes of its own), saved to `out` by rank 0; also
+    called by grad_probe.py's --sequence-parallel-probe in its process group."""
     quiet_transformers()
     runtimes = {
         "sp1": Runtime(seed=0, num_threads=1),

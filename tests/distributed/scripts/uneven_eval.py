@@ -1,12 +1,13 @@
 """Every stage that evaluates, in ONE 2-rank process group, on eval sets that split unevenly.
 
-Usage: uneven_eval.py TIMEOUT_S STAGE=OVERRIDES_FILE...
+Usage: uneven_eval.py TIMEOUT_S STAGE[/TAG]=OVERRIDES_FILE...
 Each STAGE (sft, rm, dpo, kto, eval, ppo) runs in turn on the same Runtime with the
 `section.key=value` lines of its overrides file, exactly as `rlhf-dist STAGE` would after
-parsing (load_config, validate, the stage's runner). The Runtime's collectives time out
-after TIMEOUT_S (distributed.timeout_s), so a rank left waiting for a forward pass that its
-peer never runs fails the launch in seconds instead of hanging. After each stage a line
-"UNEVEN-EVAL-OK <stage>" is printed; the test checks the lines and the outputs.
+parsing (load_config, validate, the stage's runner); a TAG tells apart two runs of one
+stage. The Runtime's collectives time out after TIMEOUT_S (distributed.timeout_s), so a
+rank left waiting for a forward pass that its peer never runs fails the launch in seconds
+instead of hanging. After each run a line "UNEVEN-EVAL-OK STAGE[/TAG]" is printed; the
+tests check the lines and the outputs.
 """
 
 import importlib
@@ -28,10 +29,11 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for item in stages:
         name, _, path = item.partition("=")
+        stage = name.partition("/")[0]
         overrides = Path(path).read_text(encoding="utf-8").split()
         cfg = load_config(None, overrides)
-        validate(cfg, name, world)
-        module_name, _, fn_name = RUNNERS[name].partition(":")
+        validate(cfg, stage, world)
+        module_name, _, fn_name = RUNNERS[stage].partition(":")
         getattr(importlib.import_module(module_name), fn_name)(cfg, runtime)
         runtime.print(f"UNEVEN-EVAL-OK {name}")
     runtime.close()
