@@ -136,3 +136,27 @@ def test_a_lora_update_under_fsdp2_gathers_no_layer_gradients():
     name = "gathered units (FSDP2)"
     assert full[name] - lora[name] == layer * (2 + 4)  # bf16 and fp32 gradients of a layer
     assert lora[name] == (root + 2 * layer) * 2
+
+
+def test_the_update_runs_each_prompt_once_where_the_forward_shares_prompts():
+    shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
+    fsdp2, zero3 = Hardware(8, 80 * GIB, fsdp2=True), Hardware(8, 80 * GIB, zero_stage=3)
+    # 16 prompts x 8 samples over 8 ranks: 2 prompts per rank, micro-batches of 4 rows
+    base = ("model.dtype=bfloat16", "reward.function=a:b", "model.gradient_checkpointing=false",
+            "ppo.rollout_batch_size=16", "ppo.samples_per_prompt=8", "ppo.micro_batch_size=4",
+            "data.max_prompt_length=256", "generation.max_new_tokens=512")  # fmt: skip
+
+    def activations(hw, *extra):
+        plan = build_plan(_cfg(*base, *extra, preset="grpo"), "ppo", Shapes(shape), hw)
+        return _terms(plan, "update")["activations"]
+
+    # a micro-batch's 4 rows hold at most the rank's 2 distinct prompts
+    shared = mem.shared_prompt_activations(shape, 4, 2, 256, 512, 2.0, "fused")
+    assert activations(fsdp2) == shared
+    whole = mem.kept_activations(shape, 4, 768, 2.0, "fused", False)
+    assert shared < whole
+    # ZeRO-3's partitioned weights and the switch off run whole rows (engine/forward.py
+    # shares_prompts), as does a recomputing forward
+    assert activations(zero3) == activations(fsdp2, "perf.shared_prompt_forward=false") == whole
+    ckpt = mem.kept_activations(shape, 4, 768, 2.0, "fused", True)
+    assert activations(fsdp2, "model.gradient_checkpointing=true") == ckpt
