@@ -221,6 +221,15 @@ def fsdp2_gathered(shape: ModelShape, compute_bytes: float, root_params: float, 
     return gathered + (layer * (compute_bytes + FP32) if training else 0.0)
 
 
+def fsdp2_root_gather(root_params: float, compute_bytes: float, rest: float) -> float:
+    """A no-grad pass's first all-gather of the root unit (generation's first decode step;
+    the root then stays gathered, not resharded after its forward): the all-gather's
+    output and the unsharded copy filled from it, 2 x root in the compute dtype, while no
+    layer is gathered and no KV cache exists yet. Counted by how much it exceeds `rest`,
+    the pass's other transients (the root with two layers, the prefill or KV cache)."""
+    return max(0.0, 2 * root_params * compute_bytes - rest)
+
+
 def frozen_weights(params: float, weight_bytes: float, partitioned_over: int) -> float:
     """A frozen (inference-only) model's weights on one rank: bytes per weight x params,
     divided over the ranks when partitioned like ZeRO-3 (1: replicated)."""

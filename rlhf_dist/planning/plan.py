@@ -468,6 +468,9 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
         terms += gathered_actor(cfg, shapes, hw)
     elif hw.fsdp2 and g.backend == "hf":  # the root unit whole, the layers one by one
         terms.append(fsdp2_units(cfg, shapes, hw, "ppo", training=False))
+        root = actor.lm_params() - actor.all_layer_params()
+        first = mem.fsdp2_root_gather(root, pr.compute, sum(b for _, b in terms))
+        terms.append(("the root unit's first all-gather (FSDP2)", first))
     elif hw.zero_stage == 3 and g.backend == "hf":
         terms.append(live_weights(actor, pr.compute))
     # LoRA generates with the adapters merged into copies of the adapted weights (whole

@@ -47,6 +47,13 @@ def test_fsdp2_gathered_units_by_hand():
     assert mem.fsdp2_gathered(TINY, 2.0, root, training=True) == (84 + 304) * 2 + 152 * 6
 
 
+def test_the_root_units_first_all_gather_by_hand():
+    # root 84 in bf16: its all-gather output and the unsharded copy, 2 x 84 x 2 = 336 bytes,
+    # counted by how much it exceeds the pass's other transients
+    assert mem.fsdp2_root_gather(84, 2.0, 300.0) == 36
+    assert mem.fsdp2_root_gather(84, 2.0, 400.0) == 0
+
+
 def test_sft_plan_under_fsdp2_by_hand():
     shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
     n, layer = shape.lm_params(), shape.layer_params()
@@ -83,6 +90,19 @@ def test_grpo_generation_under_fsdp2(gather):
         assert "gradients" not in gen  # freed by zero_grad(set_to_none) before the rollout
         root = shape.lm_params() - shape.layers * shape.layer_params()
         assert gen["gathered units (FSDP2)"] == (root + 2 * shape.layer_params()) * 2
+        # the peak is the larger moment: the root's first all-gather (2 x root) or later
+        # the root, two layers and the KV cache (here the larger; with short rollouts of
+        # one row at a time not)
+        short = _cfg("model.dtype=bfloat16", "reward.function=a:b", "generation.backend=hf",
+                     "perf.gather_for_generation=false", "ppo.rollout_micro_batch_size=1",
+                     "data.max_prompt_length=16", "generation.max_new_tokens=16", preset="grpo")  # fmt: skip
+        brief = _terms(build_plan(short, "ppo", Shapes(shape), Hardware(8, 80 * GIB, fsdp2=True)), "generation")  # fmt: skip
+        first = "the root unit's first all-gather (FSDP2)"
+        assert gen[first] == 0 < brief[first]
+        for terms in (gen, brief):
+            rest = sum(b for k, b in terms.items() if k in ("gathered units (FSDP2)", "KV cache + sampling", "prefill"))  # fmt: skip
+            resident = terms["weights"] + terms["optimizer states"]
+            assert sum(terms.values()) == pytest.approx(resident + max(2 * root * 2, rest))
 
 
 def test_frozen_models_are_replicated_under_fsdp2():
