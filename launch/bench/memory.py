@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -356,6 +357,9 @@ def plan_main(argv: list[str]) -> None:
 #
 # `--engine fsdp2` launches the same cells with accelerate_configs/cpu_fsdp2.yaml (issue 52):
 # the run's plan is then FSDP2's (Runtime.engine), against the same counted peaks.
+# `--probe` splits each cell's update peak (rank 0): the bytes held at every edge of the
+# model's and its decoder layers' forwards and backwards, and the bytes autograd saves per
+# forward and module (docs/distributed.md "Planning memory" cites it for FSDP2).
 
 
 ZERO3_VARIANTS = {
@@ -437,6 +441,91 @@ def bracket(module, attr: str, phase: str, record: dict) -> None:
     setattr(module, attr, wrapped)
 
 
+def probe_update(ppo_module, record: dict) -> None:
+    """--probe: the measured (second) ppo_update call also records where its peak lies, in
+    record["probe"]: the bytes held at each edge of the model's and every decoder layer's
+    forward and backward, with the most held since the edge before ("events"), and the
+    bytes autograd saves for backward in each forward of the model, per module, one count
+    per storage, parameters (FSDP2's gathered ones too) left out ("saved"). Each edge
+    restarts the allocator's peak, so the call's peak in record["update"] (`bracket`'s) is
+    made the largest of the edges' again."""
+    inner, calls = ppo_module.ppo_update, []
+
+    def wrapped(runtime, run, *args, **kwargs):
+        calls.append(None)
+        if len(calls) != 2:
+            return inner(runtime, run, *args, **kwargs)
+        events, saved = [], {}
+        try:
+            with probe_hooks(run.model, events, saved):
+                return inner(runtime, run, *args, **kwargs)
+        finally:
+            record["probe"] = {"events": events, "saved": {k: sum(v.values()) for k, v in saved.items()}}  # fmt: skip
+            start, last = record["update"][-1]
+            record["update"][-1] = (start, max([last] + [peak for _, _, peak in events]))
+
+    ppo_module.ppo_update = wrapped
+
+
+@contextmanager
+def probe_hooks(model, events: list, saved: dict):
+    """Forward hooks on the causal LM and its decoder layers (gradient hooks on their
+    input and output for the backward edges) and a saved-tensors hook, for `probe_update`."""
+    top = next(m for m in model.modules() if type(m).__name__.endswith("ForCausalLM"))
+    layers = [m for m in model.modules() if "DecoderLayer" in type(m).__name__]
+    names = {m: "layer " + n.rsplit(".", 1)[-1] for n, m in model.named_modules()} | {top: "model"}  # fmt: skip
+    where, count = ["outside"], [0]  # the module whose forward runs; the model's forwards
+
+    def edge(tag: str) -> None:
+        events.append((f"forward {count[0]}: {tag}", cpu_held(), cpu_peak()))
+        cpu_reset_peak()
+
+    def pre(module, args, kwargs):
+        name = names[module]
+        count[0] += name == "model"
+        where.append(name)
+        edge(f"{name} forward >")
+        x = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.requires_grad), None)  # fmt: skip
+        if x is not None:
+            x.register_hook(lambda g: edge(f"{name} backward <"))
+
+    def post(module, args, kwargs, out):
+        name = where.pop()
+        edge(f"{name} forward <")
+        y = out if torch.is_tensor(out) else out[0] if isinstance(out, tuple) else None
+        if y is not None and y.requires_grad:
+            y.register_hook(lambda g: edge(f"{name} backward >"))
+
+    def pack(t):
+        params = set()
+        for p in model.parameters():
+            with suppress(RuntimeError):  # a DTensor shard: not a tensor autograd saves
+                params.add(p.untyped_storage().data_ptr())
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(f"forward {count[0]}: {where[-1]}", {})[storage.data_ptr()] = storage.nbytes()  # fmt: skip
+        return t
+
+    handles = [h for m in [top, *layers] for h in (
+        m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)
+    )]  # fmt: skip
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def print_probe(probe: dict) -> None:
+    """Rank 0's --probe record: the edges (MiB held, the most since the edge before) and
+    the saved bytes per forward and module."""
+    for tag, held, peak in probe["events"]:
+        print(f"    {tag:<36} held {held / 2**20:7.2f}  peak since the edge before {peak / 2**20:7.2f}")  # fmt: skip
+    for key, nbytes in probe["saved"].items():
+        print(f"    saved for backward in {key:<28} {nbytes / 2**20:7.3f} MiB")
+
+
 def cell_main(args) -> None:
     """One launched rank: count allocations through a whole GRPO run; write this rank's
     plan and each phase's (held at start, peak) in the second iteration."""
@@ -465,6 +554,8 @@ def cell_main(args) -> None:
     bracket(collect, "_single_turn", "generation", record)
     bracket(collect, "_scoring_forwards", "scoring", record)
     bracket(ppo, "ppo_update", "update", record)
+    if args.probe:
+        probe_update(ppo, record)
     planned = {}
     stats = ppo_stats.memory_plan_stats
 
@@ -475,20 +566,22 @@ def cell_main(args) -> None:
     ppo_stats.memory_plan_stats = keep_plan
     api.grpo(reward_fn=zero3_reward, overrides=json.loads(args.cell))
     api.close()
+    probe = record.pop("probe", None)
     second = {phase: calls[1] for phase, calls in record.items()}
     rank = int(os.environ.get("RANK", "0"))
-    Path(f"{args.result}.{rank}").write_text(json.dumps({"planned": planned, "measured": second}))
+    result = {"planned": planned, "measured": second, "probe": probe}
+    Path(f"{args.result}.{rank}").write_text(json.dumps(result))
 
 
 # ------------------------------------------------------------------------------ the grid
-def run_cell(cell: list[str], result: Path, engine: str = "zero3") -> list[dict]:
+def run_cell(cell: list[str], result: Path, engine: str = "zero3", probe: bool = False) -> list[dict]:  # fmt: skip
     """Launch one cell on 2 CPU ranks under `engine` (zero3, fsdp2: its cpu_ accelerate
-    config); each rank's {"planned", "measured"}."""
+    config); each rank's {"planned", "measured", "probe"}."""
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(REPO / f"accelerate_configs/cpu_{engine}.yaml"),
         __file__, "plan-zero3", "--cell", json.dumps(cell), "--result", str(result),
-    ]  # fmt: skip
+    ] + (["--probe"] if probe else [])  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -510,6 +603,11 @@ def zero3_main(argv: list[str]) -> None:
         help="the launch config: cpu_zero3.yaml or cpu_fsdp2.yaml (the variants' gather "
         "for training is ZeRO-3's only)",
     )  # fmt: skip
+    ap.add_argument(
+        "--probe", action="store_true",
+        help="also print where the update's peak lies: bytes held at each layer's forward "
+        "and backward, and what autograd saves per forward (rank 0)",
+    )  # fmt: skip
     ap.add_argument("--cell", help=argparse.SUPPRESS)  # inside a launched rank
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -525,7 +623,7 @@ def zero3_main(argv: list[str]) -> None:
                 for variant in args.variants:
                     start = time.perf_counter()
                     cell = zero3_overrides(path, prompts, prompt, response, tmp / "run") + ZERO3_VARIANTS[variant]  # fmt: skip
-                    ranks = run_cell(cell, tmp / "result", args.engine)
+                    ranks = run_cell(cell, tmp / "result", args.engine, args.probe)
                     name = f"{size} P{prompt}+T{response} {variant}"
                     name += " (FSDP2)" if args.engine == "fsdp2" else ""
                     for phase in PHASES:
@@ -537,6 +635,8 @@ def zero3_main(argv: list[str]) -> None:
                                      "measured": got, "ratio": ratio})  # fmt: skip
                         print(f"{name:<30} {phase:<11} {plan / 2**20:>9.1f} "
                               f"{got[0] / 2**20:>9.1f} / {got[1] / 2**20:>8.1f} {ratio:>6.2f}")  # fmt: skip
+                    if args.probe:
+                        print_probe(ranks[0]["probe"])
                     held = " ".join(f"{p} {ranks[0]['measured'][p][0] / 2**20:.1f}" for p in PHASES)
                     print(f"{'':<30} rank 0 held at the start: {held} MiB ({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
     print(f"worst |plan / measured - 1| = {worst:.1%} over {len(rows)} cells x phases (measured: the larger rank)")  # fmt: skip

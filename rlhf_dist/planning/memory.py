@@ -221,6 +221,15 @@ def fsdp2_gathered(shape: ModelShape, compute_bytes: float, root_params: float, 
     return gathered + (layer * (compute_bytes + FP32) if training else 0.0)
 
 
+def fsdp2_root_gather(root_params: float, compute_bytes: float, rest: float) -> float:
+    """A no-grad pass's first all-gather of the root unit (generation's first decode step;
+    the root then stays gathered, not resharded after its forward): the all-gather's
+    output and the unsharded copy filled from it, 2 x root in the compute dtype, while no
+    layer is gathered and no KV cache exists yet. Counted by how much it exceeds `rest`,
+    the pass's other transients (the root with two layers, the prefill or KV cache)."""
+    return max(0.0, 2 * root_params * compute_bytes - rest)
+
+
 def frozen_weights(params: float, weight_bytes: float, partitioned_over: int) -> float:
     """A frozen (inference-only) model's weights on one rank: bytes per weight x params,
     divided over the ranks when partitioned like ZeRO-3 (1: replicated)."""
@@ -271,10 +280,12 @@ def kept_activations(
     attention: str,
     checkpointing: bool,
     lora_rank: int = 0,
+    attended: int = 0,
 ) -> float:
     """Bytes kept from forward to backward for one micro-batch of `batch` sequences of
-    `seq_len` tokens (n = b x s): L layers of `layer_activation_elements` each, or with
-    checkpointing (non-reentrant, per layer) only each layer's input, h per token
+    `seq_len` tokens (n = b x s), each attending over `attended` keys (0: `seq_len`; a
+    forward over a KV cache attends over more): L layers of `layer_activation_elements`
+    each, or with checkpointing (non-reentrant, per layer) only each layer's input, h per token
     (Korthikanti et al. 2022, section 5, full recomputation); with LoRA each adapted
     linear's (n, r) intermediate (7 per layer at most); and the final norm's 3h plus the
     scored positions' hidden states gathered for the head (h): 4h per token.
@@ -283,14 +294,38 @@ def kept_activations(
     no RMSNorm keeps its normalised x for its (frozen) weight's gradient (h less for each
     of the 2L + 1 norms), and the first layer's input (the frozen embedding's output) needs
     no gradient, so its input norm keeps nothing (h less again): (2L + 2)h per token."""
-    dense = layer_activation_elements(shape, seq_len, attention)
-    sparse = sparse_layer_elements(shape, seq_len, attention) if shape.moe_layers else 0.0
+    keys = attended or seq_len
+    dense = layer_activation_elements(shape, keys, attention)
+    sparse = sparse_layer_elements(shape, keys, attention) if shape.moe_layers else 0.0
     kept = (shape.layers - shape.moe_layers) * dense + shape.moe_layers * sparse
     frozen_norms = (2 * shape.layers + 2) * shape.hidden if lora_rank else 0
     if checkpointing:  # the layers keep only their inputs; the final norm still its x
         kept, frozen_norms = shape.layers * shape.hidden, shape.hidden if lora_rank else 0
     per_token = kept - frozen_norms + shape.layers * 7 * lora_rank + 4 * shape.hidden
     return batch * seq_len * per_token * act_bytes
+
+
+def shared_prompt_activations(
+    shape: ModelShape, rows: float, prompts: float, prompt_len: int, response_len: int,
+    act_bytes: float, attention: str, lora_rank: int = 0,
+) -> float:  # fmt: skip
+    """Bytes kept for backward by an update forward that runs each distinct prompt once
+    (perf.shared_prompt_forward; engine/forward.py `_shared_prompt_forward`): the `prompts`
+    (u) distinct prompts of P tokens with a KV cache, then the `rows` (b) responses of T
+    tokens over that cache. Both forwards keep `kept_activations` per token (u x P + b x T
+    tokens, not b x (P + T)); the responses' forward keeps besides, in each of the L
+    layers, the keys and values of every row's P cached positions expanded to all a heads
+    (a cache brings an attention mask, and with a mask transformers' sdpa path attends over
+    repeat_kv's copies): 2 x L x b x P x a d; and that (b, 1, T, P + T) additive mask in
+    the compute dtype, one for all layers."""
+    context = prompt_len + response_len
+    prompt = kept_activations(shape, prompts, prompt_len, act_bytes, attention, False, lora_rank)
+    response = kept_activations(
+        shape, rows, response_len, act_bytes, attention, False, lora_rank, context
+    )
+    cached = 2 * shape.layers * rows * prompt_len * shape.heads * shape.head_dim
+    mask = rows * response_len * context
+    return prompt + response + (cached + mask) * act_bytes
 
 
 def sequence_parallel_buffers(

@@ -10,7 +10,7 @@ is in `memory.py`; this module decides which terms a configuration has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlhf_dist.config import Config, sizes
 from rlhf_dist.planning import memory as mem
@@ -253,12 +253,14 @@ def resident(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, grads: bool)
 class Batch:
     """One forward/backward pass: `sequences` of `length` tokens, `scored` of them
     through the output head per sequence; `accumulates`: a step has several such passes
-    (so gradients exist through every pass but the first)."""
+    (so gradients exist through every pass but the first); `prompts`: PPO's distinct
+    prompts whose first length - scored columns the forward runs once (`update_prompts`)."""
 
     sequences: float
     length: int
     scored: int
     accumulates: bool
+    prompts: float = 0.0  # distinct prompts run once for all their rows (0: whole rows)
 
 
 def update_phase(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batch: Batch) -> list:
@@ -297,7 +299,11 @@ def activation_terms(cfg: Config, shapes: Shapes, hw: Hardware, stage: str, batc
     # distributed.sequence_parallel_size = n: each rank holds 1/n of every row's positions
     n = cfg.distributed.sequence_parallel_size
     b, s = batch.sequences / n, batch.length
-    terms = [("activations", mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r))]
+    kept = mem.kept_activations(model, b, s, pr.compute, attn, ckpt, lora_r)
+    if batch.prompts:  # each distinct prompt once, then the responses over its KV cache
+        P = s - batch.scored
+        kept = mem.shared_prompt_activations(model, b, batch.prompts, P, batch.scored, pr.compute, attn, lora_r)  # fmt: skip
+    terms = [("activations", kept)]
     if model.moe_layers and cfg.model.router_aux_loss_coef != 0:  # null: the model's, > 0
         terms.append(("router logits (MoE balance loss)", mem.router_logits_kept(model, b * s, pr.compute)))  # fmt: skip
     if n > 1:
@@ -462,6 +468,9 @@ def generation_terms(cfg: Config, shapes: Shapes, hw: Hardware, rows: int) -> li
         terms += gathered_actor(cfg, shapes, hw)
     elif hw.fsdp2 and g.backend == "hf":  # the root unit whole, the layers one by one
         terms.append(fsdp2_units(cfg, shapes, hw, "ppo", training=False))
+        root = actor.lm_params() - actor.all_layer_params()
+        first = mem.fsdp2_root_gather(root, pr.compute, sum(b for _, b in terms))
+        terms.append(("the root unit's first all-gather (FSDP2)", first))
     elif hw.zero_stage == 3 and g.backend == "hf":
         terms.append(live_weights(actor, pr.compute))
     # LoRA generates with the adapters merged into copies of the adapted weights (whole
@@ -522,6 +531,7 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
     length = cfg.data.max_prompt_length + g.max_new_tokens
     micro = sizes.micro_batch_size(p.micro_batch_size, minibatch, hw.gpus)
     batch = micro_batch(micro, p.micro_batch_tokens, length, g.max_new_tokens, minibatch // hw.gpus)
+    batch = replace(batch, prompts=update_prompts(cfg, shapes, hw, batch.sequences))
     awake = [vllm_share(cfg, shapes, hw)] if g.backend == "vllm" and not g.vllm_sleep else []
     base = resident(cfg, shapes, hw, "ppo", hw.zero_stage is not None)
     scoring = scoring_terms(cfg, shapes, hw, rows) if scores_a_model(cfg, shapes) else []
@@ -533,6 +543,26 @@ def ppo_phases(cfg: Config, shapes: Shapes, hw: Hardware) -> tuple[Phase, ...]:
         Phase("scoring", tuple(base + awake + gathered_actor(cfg, shapes, hw) + scoring + copies)),
         Phase("update", tuple(update_phase(cfg, shapes, hw, "ppo", batch) + awake)),
     )
+
+
+def update_prompts(cfg: Config, shapes: Shapes, hw: Hardware, rows: float) -> float:
+    """Distinct prompts an update micro-batch of `rows` sequences runs once
+    (perf.shared_prompt_forward, engine/forward.py `shares_prompts`): at most one per row
+    and the rank's prompts of the rollout (its rows are drawn from them in random order);
+    0 where the update runs whole rows: gradient checkpointing, ZeRO-3's partitioned
+    weights, packed rows (planned as padded ones), images, sequence parallelism, routing
+    replay (models/routing.py plain_path)."""
+    p = cfg.ppo
+    whole = (
+        not cfg.perf.shared_prompt_forward
+        or checkpointing(cfg, hw)
+        or hw.zero_stage == 3
+        or cfg.perf.packed_sequences
+        or shapes.vision is not None
+        or cfg.distributed.sequence_parallel_size > 1
+        or p.routing_replay != "none"
+    )
+    return 0.0 if whole else float(min(rows, max(1, p.rollout_batch_size // hw.gpus)))
 
 
 def gathered_actor(cfg: Config, shapes: Shapes, hw: Hardware) -> list:

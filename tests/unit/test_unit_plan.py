@@ -71,6 +71,36 @@ def test_lora_activations_by_hand():
     assert mem.kept_activations(TINY, 1, 1, 1.0, "fused", True, lora_rank=1) == 8 + 14 + 16 - 4
 
 
+def test_shared_prompt_activations_by_hand():
+    # perf.shared_prompt_forward: 1 distinct prompt of 3 tokens (3 x 172 elements, as
+    # above), then 4 responses of 5 tokens over its cache (20 x 172); that forward also
+    # keeps each row's 3 cached keys and values in both layers, expanded to a d = 4 (2 x 2 x
+    # 4 x 3 x 4 = 192), and the (4, 1, 5, 3 + 5) mask (160)
+    fused = mem.shared_prompt_activations(TINY, 4, 1, 3, 5, 1.0, "fused")
+    assert fused == 3 * 172 + 20 * 172 + 192 + 160
+    # eager: a response token's probabilities span the 8 keys, a prompt token's its 3
+    eager = mem.shared_prompt_activations(TINY, 4, 1, 3, 5, 1.0, "eager")
+    assert eager - fused == 2 * 2 * (3 * (3 - 1) + 20 * (8 - 1))
+
+
+@pytest.mark.parametrize("rank", [0, 16])
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-7b"])
+def test_sharing_prompts_keeps_each_prompt_once_plus_the_cache(name, rank):
+    shape = read_shape(str(SHAPES / name), "model.policy")
+    per_token = mem.kept_activations(shape, 1, 1, 2.0, "fused", False, rank)
+    for rows, P, T in ((8, 16, 32), (4, 512, 1024)):
+        whole = mem.kept_activations(shape, rows, P + T, 2.0, "fused", False, rank)
+        cache = 2 * shape.layers * rows * P * shape.heads * shape.head_dim + rows * T * (P + T)
+        shared = [
+            mem.shared_prompt_activations(shape, rows, u, P, T, 2.0, "fused", rank)
+            for u in range(1, rows + 1)
+        ]
+        # every row its own prompt: the whole rows' tokens, plus the cache the second keeps
+        assert shared[-1] == pytest.approx(whole + 2.0 * cache)
+        # each distinct prompt more: its P tokens once more
+        assert all(b - a == pytest.approx(P * per_token) for a, b in zip(shared, shared[1:]))
+
+
 @pytest.mark.parametrize("rank", [1, 8, 64])
 @pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-7b"])
 def test_lora_activations_differ_by_the_adapters_less_the_frozen_norms(name, rank):

@@ -47,6 +47,13 @@ def test_fsdp2_gathered_units_by_hand():
     assert mem.fsdp2_gathered(TINY, 2.0, root, training=True) == (84 + 304) * 2 + 152 * 6
 
 
+def test_the_root_units_first_all_gather_by_hand():
+    # root 84 in bf16: its all-gather output and the unsharded copy, 2 x 84 x 2 = 336 bytes,
+    # counted by how much it exceeds the pass's other transients
+    assert mem.fsdp2_root_gather(84, 2.0, 300.0) == 36
+    assert mem.fsdp2_root_gather(84, 2.0, 400.0) == 0
+
+
 def test_sft_plan_under_fsdp2_by_hand():
     shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
     n, layer = shape.lm_params(), shape.layer_params()
@@ -83,6 +90,19 @@ def test_grpo_generation_under_fsdp2(gather):
         assert "gradients" not in gen  # freed by zero_grad(set_to_none) before the rollout
         root = shape.lm_params() - shape.layers * shape.layer_params()
         assert gen["gathered units (FSDP2)"] == (root + 2 * shape.layer_params()) * 2
+        # the peak is the larger moment: the root's first all-gather (2 x root) or later
+        # the root, two layers and the KV cache (here the larger; with short rollouts of
+        # one row at a time not)
+        short = _cfg("model.dtype=bfloat16", "reward.function=a:b", "generation.backend=hf",
+                     "perf.gather_for_generation=false", "ppo.rollout_micro_batch_size=1",
+                     "data.max_prompt_length=16", "generation.max_new_tokens=16", preset="grpo")  # fmt: skip
+        brief = _terms(build_plan(short, "ppo", Shapes(shape), Hardware(8, 80 * GIB, fsdp2=True)), "generation")  # fmt: skip
+        first = "the root unit's first all-gather (FSDP2)"
+        assert gen[first] == 0 < brief[first]
+        for terms in (gen, brief):
+            rest = sum(b for k, b in terms.items() if k in ("gathered units (FSDP2)", "KV cache + sampling", "prefill"))  # fmt: skip
+            resident = terms["weights"] + terms["optimizer states"]
+            assert sum(terms.values()) == pytest.approx(resident + max(2 * root * 2, rest))
 
 
 def test_frozen_models_are_replicated_under_fsdp2():
@@ -136,3 +156,27 @@ def test_a_lora_update_under_fsdp2_gathers_no_layer_gradients():
     name = "gathered units (FSDP2)"
     assert full[name] - lora[name] == layer * (2 + 4)  # bf16 and fp32 gradients of a layer
     assert lora[name] == (root + 2 * layer) * 2
+
+
+def test_the_update_runs_each_prompt_once_where_the_forward_shares_prompts():
+    shape = read_shape(str(SHAPES / "llama3-8b"), "model.policy")
+    fsdp2, zero3 = Hardware(8, 80 * GIB, fsdp2=True), Hardware(8, 80 * GIB, zero_stage=3)
+    # 16 prompts x 8 samples over 8 ranks: 2 prompts per rank, micro-batches of 4 rows
+    base = ("model.dtype=bfloat16", "reward.function=a:b", "model.gradient_checkpointing=false",
+            "ppo.rollout_batch_size=16", "ppo.samples_per_prompt=8", "ppo.micro_batch_size=4",
+            "data.max_prompt_length=256", "generation.max_new_tokens=512")  # fmt: skip
+
+    def activations(hw, *extra):
+        plan = build_plan(_cfg(*base, *extra, preset="grpo"), "ppo", Shapes(shape), hw)
+        return _terms(plan, "update")["activations"]
+
+    # a micro-batch's 4 rows hold at most the rank's 2 distinct prompts
+    shared = mem.shared_prompt_activations(shape, 4, 2, 256, 512, 2.0, "fused")
+    assert activations(fsdp2) == shared
+    whole = mem.kept_activations(shape, 4, 768, 2.0, "fused", False)
+    assert shared < whole
+    # ZeRO-3's partitioned weights and the switch off run whole rows (engine/forward.py
+    # shares_prompts), as does a recomputing forward
+    assert activations(zero3) == activations(fsdp2, "perf.shared_prompt_forward=false") == whole
+    ckpt = mem.kept_activations(shape, 4, 768, 2.0, "fused", True)
+    assert activations(fsdp2, "model.gradient_checkpointing=true") == ckpt
