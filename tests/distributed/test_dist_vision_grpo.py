@@ -106,7 +106,9 @@ def stages(
     """The commands of the launch of `ranks` processes, each writing under `out`; with 2 the
     Qwen2-VL GRPO reference is partitioned too (a DeepSpeed engine, 1 rank has none)."""
     small = ["ppo.rollout_batch_size=4", "ppo.rollout_micro_batch_size=4"]
-    every = ["ppo.rollout_batch_size=8", "ppo.rollout_micro_batch_size=2", "ppo.minibatch_size=16"]
+    # one prompt per decode chunk: a rank's chunk of an image-less prompt meets the
+    # other rank's chunk with images
+    every = ["ppo.rollout_batch_size=4", "ppo.rollout_micro_batch_size=2"]
     turns = [
         "generation.environment=vision_models:ImageObservation",
         "generation.max_turns=2",
@@ -117,8 +119,10 @@ def stages(
     reference = ["ppo.kl_coef=0.05"] + ["distributed.frozen_models=partition"] * (ranks > 1)
     q, g = "qwen_colour_reward", files["grpo"]
     common = [f"model.policy={qwen}", "run.log_every=1", *PER_MODULE[1:]]
-    preference = ["dpo.batch_size=4", "dpo.micro_batch_size=2", "dpo.optim.lr=1e-2"]
-    sft = ["sft.batch_size=4", "sft.micro_batch_size=2", "sft.epochs=1", "sft.optim.lr=1e-2"]
+    # every stage of one DeepSpeed launch has the same micro-batch size and accumulation
+    # steps (the accelerate config's DeepSpeed file is filled once): 2 x 2 on 2 ranks
+    preference = ["dpo.batch_size=8", "dpo.micro_batch_size=2", "dpo.epochs=2", "dpo.optim.lr=1e-2"]
+    sft = ["sft.batch_size=8", "sft.micro_batch_size=2", "sft.epochs=2", "sft.optim.lr=1e-2"]
     return [
         grpo(llava, files["llava"], out / "llava", "llava_colour_reward", *small),
         grpo(qwen, g, out / "qwen", q, *every, *PER_MODULE, *reference),
