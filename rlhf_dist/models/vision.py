@@ -67,12 +67,13 @@ def freeze_vision(model: nn.Module) -> nn.Module:
 
 
 def keep_tower_in_step(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
-    """Under ZeRO-3's per-module fetching, every rank runs the vision tower of `model` (a
+    """Under ZeRO-3's per-module fetching or FSDP2's per-unit gathers, every rank runs the vision tower of `model` (a
     vision-language model loaded from `path`) in each forward where any rank's rows hold
     images: a rank without runs a blank image through it (distributed/zero3.py
-    `tower_in_step`). Without ZeRO-3, or with its weights whole, nothing changes."""
+    `tower_in_step`). On one process, or with the weights whole, nothing changes."""
     inner = getattr(model, model.base_model_prefix)
-    zero3.tower_in_step(inner, functools.partial(_blank_features, path, trust_remote_code))
+    blank = functools.partial(_blank_features, path, trust_remote_code)
+    zero3.tower_in_step(inner, blank, is_vision_part)
 
 
 def _blank_features(path: str, trust_remote_code: bool, model: nn.Module) -> Any:

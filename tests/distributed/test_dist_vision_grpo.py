@@ -20,12 +20,13 @@ One launch of each, shared by the asserts."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, launch_args, metrics_rows, run_all
+from conftest import ALL_ENGINES, ENGINES, REPO, free_port, launch_args, metrics_rows, run_all
 from safetensors.torch import load_file
 from vision_models import build_tiny_llava, build_tiny_qwen_vl, colour_image, every_other_word
 
@@ -135,6 +136,7 @@ def stages(
 
 
 NAMES = ("llava", "qwen", "lora", "turns", "sft", "dpo")
+ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
 
 
 @pytest.fixture(scope="module")
@@ -150,16 +152,15 @@ def runs(tmp_path_factory) -> dict:
         w: json.dumps(stages(llava, qwen, files, stops, work / w, n))
         for w, n in (("one", 1), ("two", 2))
     }
-    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     launches = [
         [sys.executable, str(STAGES), commands["one"]],
-        launch_args("cpu_zero3.yaml", free_port(), str(STAGES), commands["two"]),
+        launch_args(ENGINES["zero3"], free_port(), str(STAGES), commands["two"]),
     ]
-    for code, out, err in run_all(launches, 600, [env, env]):
+    for code, out, err in run_all(launches, 600, [ENV, ENV]):
         if code != 0:
             pytest.fail(f"exited {code}\n{(out + err)[-6000:]}")
     rows = {w: {n: metrics_rows(work / w / n) for n in NAMES} for w in ("one", "two")}
-    return rows | {"work": work, "qwen": qwen}
+    return rows | {"work": work, "qwen": qwen, "inputs": (llava, qwen, files, stops)}
 
 
 def compared(row: dict) -> list[str]:
@@ -170,15 +171,35 @@ def compared(row: dict) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("stage", NAMES)
-def test_two_ranks_give_the_one_rank_runs_metrics(runs, stage):
-    one, two = runs["one"][stage], runs["two"][stage]
+def assert_same_metrics(one: list[dict], two: list[dict]) -> None:
     assert one and [r["step"] for r in one] == [r["step"] for r in two]
     for a, b in zip(one, two):
         keys = compared(a)
         assert len(keys) > 5
         for k in keys:
             assert b[k] == pytest.approx(a[k], abs=1e-5, rel=1e-5), k
+
+
+@pytest.mark.parametrize("stage", NAMES)
+def test_two_ranks_give_the_one_rank_runs_metrics(runs, stage):
+    assert_same_metrics(runs["one"][stage], runs["two"][stage])
+
+
+@pytest.mark.skipif(
+    os.environ.get(ALL_ENGINES) != "1", reason=f"an opt-in engine variant: {ALL_ENGINES}=1 runs it"
+)
+def test_fsdp2_gives_the_one_rank_runs_metrics(runs):
+    """The Qwen2-VL stages under 2-rank FSDP2, whose units are Qwen-VL's vision blocks too
+    (per-unit gathers: a rank without images runs the blank tower), with the 1-rank
+    commands: the 1-rank run's metrics."""
+    work, names = runs["work"], ("qwen", "turns", "sft", "dpo")
+    commands = stages(*runs["inputs"], work / "fsdp2", 1)
+    picked = json.dumps([c for c, n in zip(commands, NAMES) if n in names])
+    launch = launch_args(ENGINES["fsdp2"], free_port(), str(STAGES), picked)
+    ((code, out, err),) = run_all([launch], 600, [ENV])
+    assert code == 0, (out + err)[-6000:]
+    for name in names:
+        assert_same_metrics(runs["one"][name], metrics_rows(work / "fsdp2" / name))
 
 
 def test_the_updates_moved_the_weights(runs):
