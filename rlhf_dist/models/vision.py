@@ -78,11 +78,15 @@ def keep_tower_in_step(model: nn.Module, path: str, trust_remote_code: bool = Fa
 
 def _blank_features(path: str, trust_remote_code: bool, model: nn.Module) -> Any:
     """The features of one blank image through `model`'s tower and projector
-    (`get_image_features`, with the pixel inputs the processor at `path` makes of it)."""
+    (`get_image_features`' pooled output, with the pixel inputs the processor at `path`
+    makes of it)."""
     device = next(model.parameters()).device
     media = _blank_media(path, trust_remote_code)
     inputs = {k: v.to(device) for k, v in media.items() if v.dim() > 0}  # per image only
-    return model.get_image_features(**inputs, return_dict=True)
+    out = model.get_image_features(**inputs, return_dict=True)
+    # the features the model scatters into its embeddings (the tower's last hidden states
+    # before the merger would add a backward path the ranks with images do not take)
+    return getattr(out, "pooler_output", out)
 
 
 @functools.cache

@@ -7,10 +7,11 @@ function of its prompt, its images and the weights alone; the 2-rank run then lo
 
 - LLaVA GRPO, one image per prompt in mixed sizes, the weights gathered for generation
   and for training (the defaults);
-- Qwen2-VL (M-RoPE) SFT, DPO and GRPO on rows with 0, 1 and 2 images of several sizes, so
-  that a rank's micro-batch may hold no image while the other's does, under ZeRO-3's
-  per-module fetching (perf.gather_for_generation=false, gather_for_training=never; the
-  GRPO reference partitioned too): the tower runs on every rank (zero3.tower_in_step);
+- Qwen2-VL (M-RoPE) SFT (the tower trained too), DPO and GRPO on rows with 0, 1 and 2
+  images of several sizes, so that a rank's micro-batch may hold no image while the
+  other's does, under ZeRO-3's per-module fetching (perf.gather_for_generation=false,
+  gather_for_training=never; the GRPO reference partitioned too): the tower runs on
+  every rank (zero3.tower_in_step);
 - Qwen2-VL GRPO with LoRA and gradient checkpointing: the adapters train, the base and the
   vision tower do not;
 - Qwen2-VL GRPO episodes whose tool returns an image (vision_models.ImageObservation).
@@ -28,7 +29,13 @@ import pytest
 import torch
 from conftest import ALL_ENGINES, ENGINES, REPO, free_port, launch_args, metrics_rows, run_all
 from safetensors.torch import load_file
-from vision_models import build_tiny_llava, build_tiny_qwen_vl, colour_image, every_other_word
+from vision_models import (
+    assert_trained_language_only,
+    build_tiny_llava,
+    build_tiny_qwen_vl,
+    colour_image,
+    every_other_word,
+)
 
 from rlhf_dist.models.vision import is_vision_part
 
@@ -124,6 +131,7 @@ def stages(
     # steps (the accelerate config's DeepSpeed file is filled once): 2 x 2 on 2 ranks
     preference = ["dpo.batch_size=8", "dpo.micro_batch_size=2", "dpo.epochs=2", "dpo.optim.lr=1e-2"]
     sft = ["sft.batch_size=8", "sft.micro_batch_size=2", "sft.epochs=2", "sft.optim.lr=1e-2"]
+    sft.append("model.freeze_vision=false")  # the blank tower's backward too
     return [
         grpo(llava, files["llava"], out / "llava", "llava_colour_reward", *small),
         grpo(qwen, g, out / "qwen", q, *every, *PER_MODULE, *reference),
@@ -136,6 +144,7 @@ def stages(
 
 
 NAMES = ("llava", "qwen", "lora", "turns", "sft", "dpo")
+WEIGHTS = "model.safetensors"
 ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
 
 
@@ -209,6 +218,18 @@ def test_the_updates_moved_the_weights(runs):
         # iteration 2 sampled with the updated weights: its entropy is not iteration 1's
         assert second["objective/entropy"] != pytest.approx(first["objective/entropy"], abs=1e-4)
     assert abs(runs["two"]["qwen"][0]["objective/kl"]) < 1e-6  # the partitioned reference
+
+
+def test_trained_and_frozen_weights_of_the_two_rank_runs(runs):
+    """The 2-rank exports: Qwen2-VL GRPO and DPO (tower frozen) trained the language model
+    only; SFT (model.freeze_vision=false) trained the tower too, its backward run on a
+    rank without images through the blank image."""
+    original = load_file(str(runs["qwen"] / "model.safetensors"))
+    two = runs["work"] / "two"
+    for stage in ("qwen", "dpo"):
+        assert_trained_language_only(original, load_file(str(two / stage / "final" / WEIGHTS)))
+    sft = load_file(str(two / "sft" / "final" / WEIGHTS))
+    assert any(not torch.equal(sft[k], t) for k, t in original.items() if is_vision_part(k))
 
 
 def test_image_episodes_reached_the_observation_on_both_ranks(runs):
