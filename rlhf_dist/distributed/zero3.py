@@ -232,13 +232,15 @@ def _before_forward(
 ) -> None:
     """`tower_in_step`'s pre-hook on the model: a one-shot pre-hook on its decoder that
     runs the blank image when another rank's forward has images and this one's has not."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
     # any: under FSDP2 the tower's patch embedding and merger sit in the root unit, whole
     # at this point, and only its blocks (units of their own) are gathered per forward
     tower = (p for name, p in model.named_parameters() if is_tower(name))
     if all(stays_whole(p) for p in tower):  # unsharded, or whole now
         return
-    import torch.distributed as dist
-
     ids = kwargs.get("input_ids")
     device = ids.device if ids is not None else kwargs["inputs_embeds"].device
     mine = kwargs.get("pixel_values") is not None
