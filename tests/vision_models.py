@@ -134,6 +134,16 @@ def llava_colour_reward(completions: list, image: list, **kwargs: object) -> lis
     return [len(t) * (1.0 if r else -1.0) for t, r in zip(texts, red)]
 
 
+def qwen_colour_reward(completions: list, images: list, **kwargs: object) -> list[float]:
+    """A reward reading TRL's `images` keyword (each row's list of PIL images, maybe empty):
+    the length of the completion's text times 1 + the row's mostly red images, less its
+    image count. Used as `vision_models:qwen_colour_reward` by the command line."""
+    assert len(images) == len(completions)
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    red = [sum(im.getpixel((0, 0))[0] > 128 for im in row) for row in images]
+    return [len(t) * (1.0 + r) - len(row) for t, r, row in zip(texts, red, images)]
+
+
 def colour_image(name: str, size: tuple[int, int] = (20, 20)):  # -> PIL.Image.Image
     """A plain image of colour `name` (COLOURS) and `size` (width, height)."""
     from PIL import Image

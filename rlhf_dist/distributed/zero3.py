@@ -20,11 +20,16 @@ so one optimizer step costs one collective whatever its number of micro-batches.
 
 Over gloo (CPU ranks) ZeRO-3's gradient reduce-scatter is also replaced by one all-reduce
 of the bucket where it lies (`reduce_gradients_by_all_reduce`).
+
+A vision-language model's tower runs only in forwards whose rows hold images; under
+per-module fetching (or FSDP2's per-unit gathers) every rank must run it when any rank
+does (`tower_in_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import weakref
@@ -190,6 +195,96 @@ def _remove_fetch_hooks(offload: Any) -> None:
     for hook in offload.forward_hooks + offload.backward_hooks:
         hook.remove()
     offload.forward_hooks, offload.backward_hooks = [], []
+
+
+def tower_in_step(
+    model: torch.nn.Module, blank: Callable[[torch.nn.Module], Any], is_tower: Callable[[str], bool]
+) -> None:
+    """Make every rank run the vision tower of `model` in a forward where any rank does.
+
+    model: a transformers vision-language model, the module whose forward takes
+    `pixel_values`, embeds the input ids, runs its tower on the images (if any) and then
+    its decoder (`model.get_decoder()`) on `inputs_embeds`. blank(model): the features of
+    one blank image through the tower and projector (tensors, in any nesting).
+    is_tower(name): whether parameter `name` of `model` is the tower's.
+
+    Under ZeRO-3's per-module fetching (and FSDP2's per-unit gathers: Qwen-VL's vision
+    blocks are units) each module's forward gathers its weights, a collective; a rank
+    whose rows hold no image skips the tower while its peers gather the tower's weights,
+    and the ranks hang on mismatched gathers. So at each forward the ranks agree (one
+    all-reduce of a flag) whether any of them has images; one without runs `blank` just
+    before its decoder, where its peers ran their towers (after the embeddings), and adds
+    0 x the features' sum to the decoder's `inputs_embeds`, so that a trained tower's
+    backward runs on every rank too (0 x a finite sum: the embeddings are unchanged).
+    While the tower's weights are whole (one process, a gathered rollout or training
+    step, `whole_weights`, fsdp2.whole_weights) it does nothing: ranks then run their
+    forwards independently and no collective may be added."""
+    hook = functools.partial(_before_forward, blank, is_tower)
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _before_forward(
+    blank: Callable[[torch.nn.Module], Any],
+    is_tower: Callable[[str], bool],
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> None:
+    """`tower_in_step`'s pre-hook on the model: a one-shot pre-hook on its decoder that
+    runs the blank image when another rank's forward has images and this one's has not."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    # any: under FSDP2 the tower's patch embedding and merger sit in the root unit, whole
+    # at this point, and only its blocks (units of their own) are gathered per forward
+    tower = (p for name, p in model.named_parameters() if is_tower(name))
+    if all(stays_whole(p) for p in tower):  # unsharded, or whole now
+        return
+    ids = kwargs.get("input_ids")
+    device = ids.device if ids is not None else kwargs["inputs_embeds"].device
+    mine = kwargs.get("pixel_values") is not None
+    flag = torch.tensor([float(mine)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if mine or not flag.item():
+        return
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    hook = functools.partial(_blank_before_decoder, blank, model, handles)
+    # first among the decoder's pre-hooks: before ZeRO-3's fetch hook records the decoder
+    # in its module trace, which must be the same on every rank (tower, then decoder)
+    decoder = model.get_decoder()
+    handles.append(decoder.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+
+
+def _blank_before_decoder(
+    blank: Callable[[torch.nn.Module], Any],
+    model: torch.nn.Module,
+    handles: list[torch.utils.hooks.RemovableHandle],
+    decoder: torch.nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> tuple[tuple, dict[str, Any]]:
+    """Run once: the blank image through the tower, its features' sum x 0 added to the
+    decoder's `inputs_embeds` (B, L, H) when the call names them."""
+    handles.pop().remove()
+    total = sum(t.float().sum() for t in _tensors(blank(model)))
+    if kwargs.get("inputs_embeds") is not None:
+        embeds = kwargs["inputs_embeds"]
+        kwargs = {**kwargs, "inputs_embeds": embeds + 0 * total.to(embeds.dtype)}
+    return args, kwargs
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in `value`: a tensor, or lists, tuples and dicts (a transformers
+    ModelOutput) of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 def reduce_gradients_by_all_reduce() -> None:

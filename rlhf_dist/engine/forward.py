@@ -264,10 +264,13 @@ def shares_prompts(lm: nn.Module, perf: PerfConfig) -> bool:
     perf.shared_prompt_forward, no gradient checkpointing (transformers turns the KV
     cache off under it in training) and, when gradients are recorded, no ZeRO-3
     partitioned weights (its gradient buckets take each parameter once per backward; a
-    second forward of the same modules hands them in twice: DeepSpeed asserts). The same
-    answer on every rank (config, grad mode and the engine only), so ZeRO-3 ranks run the
-    same number of forwards."""
-    if not perf.shared_prompt_forward:
+    second forward of the same modules hands them in twice: DeepSpeed asserts), and not a
+    vision-language model (equal prompt ids may hold different images; deciding by the
+    model, not by whether a batch has images, keeps a rank whose rows hold none at one
+    forward too). The same answer on every rank (config, grad mode and the engine only),
+    so ZeRO-3 ranks run the same number of forwards."""
+    vision = getattr(getattr(lm, "config", None), "vision_config", None) is not None
+    if not perf.shared_prompt_forward or vision:
         return False
     if getattr(lm, "is_gradient_checkpointing", False):
         return False

@@ -21,7 +21,7 @@ from rlhf_dist.data.chat import chat_for, stop_token_ids
 from rlhf_dist.engine.sequence_parallel import checkpoint_contexts
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.moe import prepare_moe
-from rlhf_dist.models.vision import freeze_vision, vision_config
+from rlhf_dist.models.vision import freeze_vision, keep_tower_in_step, vision_config
 
 if TYPE_CHECKING:  # transformers loads only where a model or tokenizer does
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -133,6 +133,7 @@ def load_causal_lm(
         model = _from_pretrained(AutoModelForImageTextToText, path, key, **kwargs)
         if getattr(source, "freeze_vision", True):
             freeze_vision(model)
+        keep_tower_in_step(model, path, kwargs["trust_remote_code"])
     prepare_moe(model, source, key)  # mixture-of-experts: sparse blocks as ZeRO-3 leaves
     return disable_dropout(model)
 

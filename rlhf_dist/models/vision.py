@@ -10,12 +10,14 @@ the data side carries generically (data/vision.py).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
 
 from rlhf_dist.config import Config
-from rlhf_dist.data.vision import VisionInputs, vision_inputs
+from rlhf_dist.data.vision import Media, VisionInputs, vision_inputs
+from rlhf_dist.distributed import zero3
 from rlhf_dist.errors import ConfigError
 
 # Names the vision encoder and the projector into the language model's embedding space go
@@ -62,6 +64,39 @@ def freeze_vision(model: nn.Module) -> nn.Module:
             f"(looked for modules named {', '.join(VISION_MODULES)})"
         )
     return model
+
+
+def keep_tower_in_step(model: nn.Module, path: str, trust_remote_code: bool = False) -> None:
+    """Under ZeRO-3's per-module fetching or FSDP2's per-unit gathers, every rank runs the vision tower of `model` (a
+    vision-language model loaded from `path`) in each forward where any rank's rows hold
+    images: a rank without runs a blank image through it (distributed/zero3.py
+    `tower_in_step`). On one process, or with the weights whole, nothing changes."""
+    inner = getattr(model, model.base_model_prefix)
+    blank = functools.partial(_blank_features, path, trust_remote_code)
+    zero3.tower_in_step(inner, blank, is_vision_part)
+
+
+def _blank_features(path: str, trust_remote_code: bool, model: nn.Module) -> Any:
+    """The features of one blank image through `model`'s tower and projector
+    (`get_image_features`' pooled output, with the pixel inputs the processor at `path`
+    makes of it)."""
+    device = next(model.parameters()).device
+    media = _blank_media(path, trust_remote_code)
+    inputs = {k: v.to(device) for k, v in media.items() if v.dim() > 0}  # per image only
+    out = model.get_image_features(**inputs, return_dict=True)
+    # the features the model scatters into its embeddings (the tower's last hidden states
+    # before the merger would add a backward path the ranks with images do not take)
+    return getattr(out, "pooler_output", out)
+
+
+@functools.cache
+def _blank_media(path: str, trust_remote_code: bool) -> Media:
+    """The pixel inputs of a black 56 x 56 image (Qwen-VL's smallest grid, 2 x 2 merged
+    patches; fixed-size families resize it) by the processor at `path`."""
+    from PIL import Image
+
+    vision = vision_inputs(load_processor(path, trust_remote_code), "model.policy")
+    return vision.image_tokens(Image.new("RGB", (56, 56)))[1]
 
 
 def language_model_modules(model: nn.Module, targets: tuple[str, ...]) -> list[str]:

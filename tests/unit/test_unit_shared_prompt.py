@@ -171,3 +171,13 @@ def test_no_sharing_with_gradients_under_zero3_partitioned_weights():
     with torch.no_grad():
         assert engine_forward.shares_prompts(lm, SHARED)  # scoring and generation share
         assert not engine_forward.shares_prompts(lm, WHOLE)
+
+
+def test_no_sharing_for_a_vision_language_model():
+    """Decided by the model, not by whether a batch holds images: under ZeRO-3 a rank whose
+    rows hold none must run as many forwards as one whose rows do."""
+    lm = tiny()
+    with torch.no_grad():
+        assert engine_forward.shares_prompts(lm, SHARED)
+        lm.config.vision_config = SimpleNamespace()  # what marks a vision-language config
+        assert not engine_forward.shares_prompts(lm, SHARED)
