@@ -946,12 +946,13 @@ def http_main(argv: list[str]) -> None:
 #
 # `--modes` trains other modes instead (PARITY_MODES: k = 1, 2, 4 with the same correction,
 # k = 4 with no correction or uncapped weights; the KL-vs-k sweep of docs/serving.md), and
-# `--kl-coef C` sets the text demo's ppo.kl_coef for every mode of the call (" kl=C" added to
-# the mode's name); the summary pairs sync with k=4 partial only.
+# `--kl-coef C` and `--ppo-epochs N` set the text demo's ppo.kl_coef and ppo.ppo_epochs for
+# every mode of the call (" kl=C", " epochs=N" added to the mode's name); the summary pairs
+# sync with k=4 partial only.
 #
 # Usage: bash launch/bench/async_tail.sh parity [--tasks demo arithmetic] [--seeds 0 1 2]
 #        [--iterations 20] [--demo-iterations N] [--kl-prompts 32] [--parallel] [--quick]
-#        [--modes sync "k=4 partial"] [--kl-coef C] [--out runs/bench/async_parity]
+#        [--modes sync "k=4 partial"] [--kl-coef C] [--ppo-epochs N] [--out runs/bench/async_parity]
 # (--parallel: two modes train at once, each against its own server, so they share the
 # machine's load; the SFT policy, reward model and SFT evaluation already under OUT are kept.)
 # (--quick: the demos' smoke sizes, a check that the bench runs, not a measurement)
@@ -978,7 +979,7 @@ def parity_served(tree: dict, out: Path, mode: str, url: str) -> dict:
     tree["run"] |= {"output_dir": str(out), "progress": False, "checkpoint_every": 0}
     tree["generation"] |= {"backend": "server", "server_urls": [url],
                            "server_token_env": TOKEN_ENV}  # fmt: skip
-    tree["ppo"] |= PARITY_MODES[mode.split(" kl=")[0]]
+    tree["ppo"] |= PARITY_MODES[mode.split(" kl=")[0].split(" epochs=")[0]]
     tree["perf"] = {"num_threads": 1}
     return tree
 
@@ -1035,6 +1036,8 @@ def parity_demo_seed(out: Path, seed: int, args, runtime) -> None:
         trees["grpo"]["ppo"]["iterations"] = args.demo_iterations
     if args.kl_coef is not None:
         trees["grpo"]["ppo"]["kl_coef"] = args.kl_coef
+    if args.ppo_epochs:
+        trees["grpo"]["ppo"]["ppo_epochs"] = args.ppo_epochs
     trained = parity_modes(trees["grpo"], root, root / "sft" / "final", args)
     for mode, figures in trained.items():
         name = parity_name(mode)
@@ -1055,6 +1058,7 @@ def parity_modes(grpo: dict, root: Path, policy: Path, args) -> dict[str, dict]:
     from concurrent.futures import ThreadPoolExecutor
 
     suffix = "" if args.kl_coef is None else f" kl={args.kl_coef:g}"
+    suffix += f" epochs={args.ppo_epochs}" if args.ppo_epochs else ""
     modes = [m + suffix for m in args.modes]
 
     def one(mode: str) -> dict:
@@ -1136,6 +1140,8 @@ def parity_main(argv: list[str]) -> None:
                         help="the modes each seed trains (the summary pairs sync and k=4 partial)")  # fmt: skip
     parser.add_argument("--kl-coef", type=float, default=None,
                         help="ppo.kl_coef of the text demo's runs (its own: 0.05)")  # fmt: skip
+    parser.add_argument("--ppo-epochs", type=int, default=0,
+                        help="ppo.ppo_epochs of the text demo's runs (its own: 4)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="the demos' smoke sizes")
     parser.add_argument("--out", default="runs/bench/async_parity")
     args = parser.parse_args(argv)
