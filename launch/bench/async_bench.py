@@ -944,18 +944,33 @@ def http_main(argv: list[str]) -> None:
 # gives each mode's mean and seed-to-seed standard deviation and the difference of the
 # means (k=4 partial - sync), paired by seed, with its standard error.
 #
+# `--modes` trains other modes instead (PARITY_MODES: k = 1, 2, 4 with the same correction,
+# k = 4 with no correction or uncapped weights; the KL-vs-k sweep of docs/serving.md), and
+# `--kl-coef C` and `--ppo-epochs N` set the text demo's ppo.kl_coef and ppo.ppo_epochs for
+# every mode of the call (" kl=C", " epochs=N" added to the mode's name); the summary pairs
+# sync with k=4 partial only.
+#
 # Usage: bash launch/bench/async_tail.sh parity [--tasks demo arithmetic] [--seeds 0 1 2]
 #        [--iterations 20] [--demo-iterations N] [--kl-prompts 32] [--parallel] [--quick]
-#        [--out runs/bench/async_parity]
-# (--parallel: both modes train at once, each against its own server, so they share the
+#        [--modes sync "k=4 partial"] [--kl-coef C] [--ppo-epochs N] [--out runs/bench/async_parity]
+# (--parallel: two modes train at once, each against its own server, so they share the
 # machine's load; the SFT policy, reward model and SFT evaluation already under OUT are kept.)
 # (--quick: the demos' smoke sizes, a check that the bench runs, not a measurement)
 
+OFF_POLICY = {"decoupled": True, "rollout_correction": "tis"}
 PARITY_MODES = {
     "sync": {"max_staleness": 0},
-    "k=4 partial": {"max_staleness": 4, "partial_rollouts": True, "decoupled": True,
-                    "rollout_correction": "tis"},
+    "k=4 partial": {"max_staleness": 4, "partial_rollouts": True} | OFF_POLICY,
+    # --modes: the KL-vs-k sweep (docs/serving.md, "Why k = 4 ends further from SFT")
+    "k=1": {"max_staleness": 1} | OFF_POLICY,
+    "k=2": {"max_staleness": 2} | OFF_POLICY,
+    "k=4": {"max_staleness": 4} | OFF_POLICY,
+    "k=4, no correction": {"max_staleness": 4, "decoupled": False, "rollout_correction": "none"},
+    "k=4 partial, no correction": {"max_staleness": 4, "partial_rollouts": True,
+                                   "decoupled": False, "rollout_correction": "none"},
+    "k=4, raw weights": {"max_staleness": 4, "decoupled": True, "rollout_correction": "none"},
 }  # fmt: skip
+PAIRED = ("sync", "k=4 partial")  # the summary's comparison
 
 
 def parity_served(tree: dict, out: Path, mode: str, url: str) -> dict:
@@ -964,7 +979,7 @@ def parity_served(tree: dict, out: Path, mode: str, url: str) -> dict:
     tree["run"] |= {"output_dir": str(out), "progress": False, "checkpoint_every": 0}
     tree["generation"] |= {"backend": "server", "server_urls": [url],
                            "server_token_env": TOKEN_ENV}  # fmt: skip
-    tree["ppo"] |= PARITY_MODES[mode]
+    tree["ppo"] |= PARITY_MODES[mode.split(" kl=")[0].split(" epochs=")[0]]
     tree["perf"] = {"num_threads": 1}
     return tree
 
@@ -1019,7 +1034,11 @@ def parity_demo_seed(out: Path, seed: int, args, runtime) -> None:
                         "kl": 0.0, "seconds": 0.0, "staleness": 0.0, "switched": 0.0})  # fmt: skip
     if args.demo_iterations:
         trees["grpo"]["ppo"]["iterations"] = args.demo_iterations
-    trained = parity_modes(trees["grpo"], root, root / "sft" / "final", args.parallel)
+    if args.kl_coef is not None:
+        trees["grpo"]["ppo"]["kl_coef"] = args.kl_coef
+    if args.ppo_epochs:
+        trees["grpo"]["ppo"]["ppo_epochs"] = args.ppo_epochs
+    trained = parity_modes(trees["grpo"], root, root / "sft" / "final", args)
     for mode, figures in trained.items():
         name = parity_name(mode)
         final = str(root / name / "final")
@@ -1029,13 +1048,18 @@ def parity_demo_seed(out: Path, seed: int, args, runtime) -> None:
 
 
 def parity_name(mode: str) -> str:
-    return mode.replace("=", "").replace(" ", "_")
+    return mode.replace("=", "").replace(",", "").replace(" ", "_")
 
 
-def parity_modes(grpo: dict, root: Path, policy: Path, parallel: bool) -> dict[str, dict]:
-    """Train the GRPO tree in every mode (root/<mode>), one after the other or, --parallel,
-    both at once (each its own server) -> each mode's figures (parity_train)."""
+def parity_modes(grpo: dict, root: Path, policy: Path, args) -> dict[str, dict]:
+    """Train the GRPO tree in every mode of --modes (root/<mode>, " kl=C" appended with
+    --kl-coef C), one after the other or, --parallel, two at once (each its own server)
+    -> each mode's figures (parity_train)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    suffix = "" if args.kl_coef is None else f" kl={args.kl_coef:g}"
+    suffix += f" epochs={args.ppo_epochs}" if args.ppo_epochs else ""
+    modes = [m + suffix for m in args.modes]
 
     def one(mode: str) -> dict:
         tree = copy.deepcopy(grpo)
@@ -1043,8 +1067,8 @@ def parity_modes(grpo: dict, root: Path, policy: Path, parallel: bool) -> dict[s
         with tempfile.TemporaryDirectory() as tmp:
             return parity_train(tree, policy, Path(tmp), mode)
 
-    with ThreadPoolExecutor(len(PARITY_MODES) if parallel else 1) as pool:
-        return dict(zip(PARITY_MODES, pool.map(one, PARITY_MODES)))
+    with ThreadPoolExecutor(2 if args.parallel else 1) as pool:
+        return dict(zip(modes, pool.map(one, modes)))
 
 
 def parity_arithmetic_trees(root: Path, policy: Path, seed: int, args) -> dict:
@@ -1066,7 +1090,7 @@ def parity_arithmetic_seed(out: Path, seed: int, args, runtime) -> None:
     policy, root = smollm2.build("shipped"), out / "arithmetic" / f"seed{seed}"
     trees = parity_arithmetic_trees(root, policy, seed, args)
     greedy, sampled = config_from_dict(trees["eval"]), config_from_dict(trees["kl"])
-    for mode, figures in parity_modes(trees["grpo"], root, policy, args.parallel).items():
+    for mode, figures in parity_modes(trees["grpo"], root, policy, args).items():
         name = parity_name(mode)
         final = str(root / name / "final")
         ev = run_eval(pipeline._with_output(greedy, root / f"eval_{name}", final), runtime)
@@ -1085,7 +1109,7 @@ def parity_summary(rows: list[dict]) -> None:
     print("task       figure  sync mean (sd)   k=4 partial mean (sd)  diff (paired se)  seeds")
     for task_name in dict.fromkeys(r["task"] for r in rows):
         by = {m: {r["seed"]: r for r in rows if r["task"] == task_name and r["mode"] == m}
-              for m in PARITY_MODES}  # fmt: skip
+              for m in PAIRED}  # fmt: skip
         seeds = sorted(set(by["sync"]) & set(by["k=4 partial"]))
         if not seeds:
             continue
@@ -1112,6 +1136,12 @@ def parity_main(argv: list[str]) -> None:
     parser.add_argument("--parallel", action="store_true",
                         help="train both modes at once (each its own server)")  # fmt: skip
     parser.add_argument("--kl-prompts", type=int, default=32)
+    parser.add_argument("--modes", nargs="+", default=list(PAIRED), choices=list(PARITY_MODES),
+                        help="the modes each seed trains (the summary pairs sync and k=4 partial)")  # fmt: skip
+    parser.add_argument("--kl-coef", type=float, default=None,
+                        help="ppo.kl_coef of the text demo's runs (its own: 0.05)")  # fmt: skip
+    parser.add_argument("--ppo-epochs", type=int, default=0,
+                        help="ppo.ppo_epochs of the text demo's runs (its own: 4)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="the demos' smoke sizes")
     parser.add_argument("--out", default="runs/bench/async_parity")
     args = parser.parse_args(argv)
@@ -1131,7 +1161,7 @@ def parity_main(argv: list[str]) -> None:
             else:
                 parity_arithmetic_seed(out, seed, args, runtime)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    parity_summary([r for r in rows if r["mode"] in PARITY_MODES])
+    parity_summary([r for r in rows if r["mode"] in PAIRED])
 
 
 MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main, "tail": tail_main,

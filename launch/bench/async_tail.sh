@@ -17,7 +17,8 @@
 #                      trainer log-prob gap and routing-flip rate with ppo.routing_replay=r3
 #   parity [OPTIONS]   learning parity: the text demo's GRPO and the arithmetic task, sync
 #                      vs k = 4 with partial rollouts, per seed (--seeds 0 1 2, --tasks,
-#                      --iterations, --demo-iterations, --parallel)
+#                      --iterations, --demo-iterations, --parallel; --modes, --kl-coef,
+#                      --ppo-epochs: the KL-vs-k sweep)
 # Usage: [THREADS=1] [ITERATIONS=16] [OUT=runs/bench/async_tail] bash launch/bench/async_tail.sh [MODE] [OPTIONS]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
