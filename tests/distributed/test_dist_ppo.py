@@ -55,7 +55,8 @@ def zero3(assets, tmp_path_factory) -> tuple[Path, int]:
     ]
     path = os.pathsep.join([str(REPO), str(REPO / "tests" / "unit")])  # the reward's module
     env = {"RLHF_DIST_FAULT": "nan:2@1", "PYTHONPATH": path}
-    run_launch(launch_args("cpu_zero3.yaml", port, RUN_STAGES, json.dumps(commands)), 240, env)
+    # two stages in one launch: twice a single stage's time limit (a hang detector)
+    run_launch(launch_args("cpu_zero3.yaml", port, RUN_STAGES, json.dumps(commands)), 480, env)
     return root, port
 
 
