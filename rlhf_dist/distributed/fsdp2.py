@@ -61,6 +61,13 @@ def check_fsdp_config() -> None:
             "fsdp_activation_checkpointing (accelerate config): use the run config's "
             "model.gradient_checkpointing=true instead (one switch for every engine)"
         )
+    if offloads_params() and not torch.cuda.is_available():
+        # CPUOffloadPolicy pins host memory for copies to an accelerator: with none, torch
+        # stops in every rank's first forward ("Cannot access accelerator device").
+        raise ConfigError(
+            "fsdp_offload_params (accelerate config): offloads a GPU's shards to CPU memory, "
+            "and these ranks run on the CPU already; set it to false"
+        )
 
 
 def layer_classes(model: torch.nn.Module) -> set[type]:

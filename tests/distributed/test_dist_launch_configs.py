@@ -80,12 +80,14 @@ def shipped_fsdp_configs() -> list[dict]:
         ("FSDP_VERSION", "1", "fsdp_version"),
         ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading"),
         ("FSDP_ACTIVATION_CHECKPOINTING", "true", "fsdp_activation_checkpointing"),
+        ("FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params"),  # on CPU ranks
     ],
 )
 def test_fsdp_settings_this_engine_does_not_do_are_one_line(monkeypatch, variable, value, key):
     for config in shipped_fsdp_configs():  # the shipped configs pass as written
         fsdp = config["fsdp_config"]
         assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_cpu_ram_efficient_loading"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU ranks
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
     fsdp2.check_fsdp_config()
