@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 import traceback
 
 from rlhf_dist.config import Config  # the section names for --help (config is torch-free)
@@ -285,6 +286,9 @@ def _run_stage(name: str, args: argparse.Namespace) -> int:
     return 0
 
 
+DUPLICATE_ERROR_GRACE_S = 3.0
+
+
 def _duplicate_error() -> bool:
     """True on every rank but a machine's first while no process group exists yet.
 
@@ -387,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         if not _duplicate_error():
             message = " ".join(str(e).split())  # one line, whatever the message held
             print(f"rlhf-dist {args.command}: error: {message}", file=sys.stderr)
+        else:
+            # The launcher stops every rank once one exits: leave the machine's first rank,
+            # which meets the same error about now, the time to print the line.
+            time.sleep(DUPLICATE_ERROR_GRACE_S)
         return 2
     except TrainingDiverged as e:
         print(f"rlhf-dist {args.command}: stopped: {e}", file=sys.stderr)

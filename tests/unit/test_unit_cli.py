@@ -195,3 +195,21 @@ def test_a_reader_that_stops_early_is_not_an_error(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert first.startswith(b"run:") and err == ""
+
+
+def test_a_machines_other_ranks_stay_silent_and_leave_the_first_time_to_print(tmp_path):
+    """Before the process group exists every rank meets the same mistake: one line per
+    machine, from its first rank. The others print nothing and wait the grace period
+    (cli.DUPLICATE_ERROR_GRACE_S) before exiting, since the launcher stops every rank once
+    one exits, and the first rank could be stopped before it printed."""
+    import time
+
+    from rlhf_dist import cli
+
+    args = ["sft", "ppo.kl_coeff=0.1"]
+    start = time.monotonic()
+    other = run_cli(*args, cwd=tmp_path, env={"LOCAL_RANK": "1", "RANK": "1"})
+    assert other.returncode == 2 and other.stderr == "", other.stderr
+    assert time.monotonic() - start >= cli.DUPLICATE_ERROR_GRACE_S
+    first = run_cli(*args, cwd=tmp_path, env={"LOCAL_RANK": "0", "RANK": "2"})
+    assert "ppo.kl_coeff" in assert_one_line_error(first)
