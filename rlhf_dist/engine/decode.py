@@ -28,7 +28,6 @@ from rlhf_dist.engine.forward import (
     prompt_cache,
     shares_prompts,
 )
-from rlhf_dist.engine.packing import position_ids_from
 from rlhf_dist.engine.sampling import Sampling, Streams, sample_next
 
 if TYPE_CHECKING:
@@ -138,8 +137,8 @@ def generate(
         start = _last_positions(model, prompt_ids, mask, media)
         image = _image_token(model)
         return _decode(
-            model, logits, cache, (prompt_ids, mask), start, gen_cfg, keep_in_step, eos, pad,
-            streams, watch, image,
+            model, logits, cache, (prompt_ids, mask, media), start, gen_cfg, keep_in_step, eos,
+            pad, streams, watch, image,
         )  # fmt: skip
 
 
@@ -166,7 +165,7 @@ def _decode(
     model: nn.Module,
     logits: torch.Tensor,
     cache: dict[str, Any],
-    prompt: tuple[torch.Tensor, torch.Tensor],
+    prompt: tuple[torch.Tensor, torch.Tensor, Media | None],
     position: torch.Tensor,
     gen_cfg: Sampling,
     keep_in_step: KeepInStep | None,
@@ -177,9 +176,10 @@ def _decode(
     image: int | None = None,
 ) -> torch.Tensor:
     """`generate`'s loop from the prefill's last logits (B, V), KV cache, prompt (ids, mask
-    (B, P)) and last positions (`_last_positions`): (B, T) sampled ids, PAD after a row's
-    stop token or its `image` token (`_image_token`, never fed); eos: (S,) stop ids."""
-    prompt_ids, mask = prompt
+    (B, P), pixel inputs or None) and last positions (`_last_positions`): (B, T) sampled
+    ids, PAD after a row's stop token or its `image` token (`_image_token`, never fed);
+    eos: (S,) stop ids."""
+    prompt_ids, mask, media = prompt
     finished = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     steps, more = gen_cfg.max_new_tokens, True  # more: this rank still samples
     tokens: list[torch.Tensor] = []
@@ -204,8 +204,13 @@ def _decode(
         if watch is not None and more and watch.swapped(len(tokens)):
             # new weights at this step boundary: the old KV cache would mix them with the
             # old ones, so the prompt and every token so far are run again (a new cache)
-            sofar = torch.cat([prompt_ids, torch.stack(tokens, dim=1)], dim=1)
-            out = _step(model, sofar, mask, position_ids_from(mask), {})
+            # (a prefill: the images and M-RoPE positions too; a sampled image token, never
+            # fed, is PAD there as in `feed`)
+            sofar = torch.stack(tokens, dim=1)
+            if image is not None:
+                sofar = torch.where(sofar == image, pad, sofar)
+            sofar = torch.cat([prompt_ids, sofar], dim=1)
+            out = prompt_cache(model, sofar, mask, False, media)[0]
         else:
             out = _step(model, feed[:, None], mask, position, cache)
         logits, cache = out.logits[:, -1], cache_of(out)

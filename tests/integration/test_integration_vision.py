@@ -27,7 +27,7 @@ from vision_models import (
 )
 
 import rlhf_dist
-from rlhf_dist.config import Config, GenerationConfig, ModelConfig
+from rlhf_dist.config import Config, GenerationConfig, ModelConfig, PerfConfig
 from rlhf_dist.errors import ConfigError
 from rlhf_dist.models.vision import is_vision_part
 
@@ -213,6 +213,68 @@ def test_the_decode_loop_never_feeds_a_sampled_image_token(vlm, monkeypatch):
     assert out.shape == (3, 5) and int(out[0, 1]) == image
     assert (out[0, 2:] == tok.pad_token_id).all()
     assert len(fed) == 5 and all(not (ids == image).any() for ids in fed[1:])
+
+
+def test_a_weight_swap_mid_response_reruns_the_prompt_with_its_images(vlm, monkeypatch):
+    """A served partial rollout whose weights change after the second token (a `StepWatch`
+    swap) recomputes the KV cache of the prompt and the tokens so far with the prompts'
+    images and positions (a sampled image token PAD there, as never fed): each token's
+    sampled log-prob is its own weights' whole-sequence forward with the images."""
+    import copy
+
+    from rlhf_dist.engine import decode
+    from rlhf_dist.engine.forward import token_logprobs
+    from rlhf_dist.models import load_causal_lm
+    from rlhf_dist.models.vision import policy_vision
+
+    path, placeholder, scale = vlm
+    torch.manual_seed(0)
+    model = load_causal_lm(str(path), "model.policy", "float32", ModelConfig(policy=str(path)))
+    vision = policy_vision(Config(model=ModelConfig(policy=str(path))))
+    assert vision is not None
+    old, tok, image = copy.deepcopy(model), vision.processor.tokenizer, vision.image_token_id
+    sample, steps = decode.sample_next, []
+
+    def forced(*args, **kwargs):  # row 0's second token is the image token
+        steps.append(token := sample(*args, **kwargs))
+        return token.index_fill(0, torch.tensor([0]), image) if len(steps) == 2 else token
+
+    class Swap:  # the new weights land after the second token
+        logps: list[torch.Tensor] = []
+
+        def sampled(self, logits, token):
+            self.logps.append(torch.log_softmax(logits.float(), -1).gather(1, token[:, None]))
+
+        def swapped(self, tokens):
+            if tokens == 2:
+                g = torch.Generator().manual_seed(1)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.randn(p.shape, generator=g))
+            return tokens == 2
+
+    monkeypatch.setattr(decode, "sample_next", forced)
+    prompt_ids, prompt_mask, pixels = prompts(vision, placeholder, scale)
+    gen = GenerationConfig(max_new_tokens=5, min_new_tokens=5, temperature=1.0)
+    watch, unpacked = Swap(), PerfConfig(packed_linears=False)  # as serving/partial.py decodes
+    out = decode.generate(
+        model, prompt_ids, prompt_mask, gen, tok, perf=unpacked, media=pixels, watch=watch
+    )
+    assert int(out[0, 1]) == image and len(watch.logps) == 5
+    sampled = torch.cat(watch.logps, 1)  # (3, 5)
+    # as the rollout does: a row ends at its image token (row 0 at token 1), cut before it
+    response, mask, done = decode.truncate_after_eos(out, tok.eos_token_id, tok.pad_token_id)
+    response, mask, _ = decode.cut_before(response, mask, done, image, tok.pad_token_id)
+    assert not mask[0, 1:].any() and mask[:, 2:].any()  # tokens after the swap count
+    ids, P = torch.cat([prompt_ids, response], 1), prompt_ids.shape[1]
+    attention = torch.cat([prompt_mask, mask.long()], 1)
+    with torch.no_grad():
+        before, _ = token_logprobs(old, ids, attention, mask, 1.0, False, P, media=pixels)
+        after, _ = token_logprobs(model, ids, attention, mask, 1.0, False, P, media=pixels)
+    sampled = sampled * mask
+    torch.testing.assert_close(sampled[:, :2], before[:, :2], atol=1e-4, rtol=0)
+    torch.testing.assert_close(sampled[:, 2:], after[:, 2:], atol=1e-4, rtol=0)
+    assert float((sampled[:, 2:] - before[:, 2:]).abs().max()) > 1e-3  # the swap mattered
 
 
 def test_sft_through_the_python_api_trains_the_language_model_only(vlm, tmp_path):
