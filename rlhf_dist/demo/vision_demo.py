@@ -2,8 +2,9 @@
 the shape in a generated image (demo/vision_task.py; docs/vision.md, "The vision demo").
 
 Steps: build the random model with its processor; held-out accuracy under greedy decoding;
-SFT on the small labelled subset (`vision_task.SFT_ROWS` rows), which teaches the answer
-format and part of the mapping; GRPO on many unlabelled prompts with `colour_reward`;
+SFT on rows labelled by a biased annotator (`vision_task.SWAPS`), which teaches the answer
+format, three colours and the annotator's swaps of the other three; GRPO on unlabelled
+prompts with `colour_reward`, which checks the truth;
 held-out accuracy after each stage and the GRPO policy's KL to the SFT policy, printed as
 the text demo prints its results. The vision tower is trained (`model.freeze_vision`
 false): it is random here, and frozen it caps what the task can reach.
@@ -23,15 +24,16 @@ from rlhf_dist.demo.pipeline import with_overrides
 HELD_OUT = 96  # held-out rows, every colour
 NEW_TOKENS = 3  # a colour word, <|im_end|>, one spare
 KL_SAMPLES = 4  # responses per held-out row in the KL estimate
+QUICK_SFT_ROWS = 32  # --quick: a smoke test of every stage
 
 
 def vision_stage_trees(root: Path, policy: Path, seed: int, quick: bool) -> dict[str, dict]:
-    """The SFT and GRPO config trees: SFT 7 epochs of the labelled rows in batches of 8,
-    GRPO 60 iterations of 8 prompts x 8 samples, lr 3e-4 (docs/vision.md: 1e-4 and 1e-3
-    gained less), 3 new tokens at temperature 1 (one colour word and the end of turn);
-    quick: 1 epoch and 2 iterations."""
+    """The SFT and GRPO config trees: SFT 6 epochs of the labelled rows in batches of 16,
+    GRPO 60 iterations of 8 prompts x 8 samples, lr 3e-4 (docs/vision.md: 1e-4 gained
+    less), 3 new tokens at temperature 1 (one colour word and the end of turn); quick: 1
+    epoch and 2 iterations."""
     model = {"policy": str(policy), "freeze_vision": False}
-    sft = {"batch_size": 8, "micro_batch_size": 8, "epochs": 1 if quick else 7}
+    sft = {"batch_size": 16, "micro_batch_size": 16, "epochs": 1 if quick else 6}
     ppo = {
         "iterations": 2 if quick else 60,
         "rollout_batch_size": 8,
@@ -152,13 +154,15 @@ def run_vision_demo(
     trees = with_overrides(vision_stage_trees(root, root / "base", seed, quick), overrides)
     held_out = task.held_out_rows(16 if quick else HELD_OUT)
     sft, grpo = root / "sft" / "final", root / "grpo" / "final"
-    s: dict[str, Any] = {"held_out_rows": len(held_out), "seconds": {}} | _settings(trees)
+    sft_rows = task.sft_rows(QUICK_SFT_ROWS if quick else task.SFT_ROWS)
+    s: dict[str, Any] = {"held_out_rows": len(held_out), "seconds": {}}
+    s |= _settings(trees, len(sft_rows))
     # 1. The random model and its held-out accuracy (chance: 1 / 6 colours).
     print(f"== vision demo: stage 1/3, the untrained model on {len(held_out)} held-out images")
     s["accuracy_base"] = greedy_accuracy(build_tiny_qwen_vl(root / "base", seed=seed), held_out)
     # 2. SFT on the small labelled subset: the answer format and part of the mapping.
-    print(f"== stage 2/3: SFT, {s['sft_steps']} steps on {task.SFT_ROWS} labelled rows")
-    rlhf_dist.sft(trees["sft"], dataset=task.sft_rows())
+    print(f"== stage 2/3: SFT, {s['sft_steps']} steps on {s['sft_rows']} labelled rows")
+    rlhf_dist.sft(trees["sft"], dataset=sft_rows)
     s["accuracy_sft"] = greedy_accuracy(sft, held_out)
     s["seconds"]["sft"] = round(time.time() - start, 1)
     # 3. GRPO on unlabelled prompts, the reward checking the colour; the KL it moved.
@@ -176,12 +180,13 @@ def run_vision_demo(
     return s
 
 
-def _settings(trees: dict[str, dict]) -> dict[str, int]:
-    """The stages' sizes the summary reports: SFT optimizer steps, GRPO iterations, and
+def _settings(trees: dict[str, dict], sft_rows: int) -> dict[str, int]:
+    """The stages' sizes the summary reports: SFT rows and optimizer steps, GRPO iterations, and
     prompts x samples per iteration."""
     sft, ppo = trees["sft"]["sft"], trees["grpo"]["ppo"]
     return {
-        "sft_steps": sft["epochs"] * -(-task.SFT_ROWS // sft["batch_size"]),
+        "sft_rows": sft_rows,
+        "sft_steps": sft["epochs"] * -(-sft_rows // sft["batch_size"]),
         "grpo_iterations": ppo["iterations"],
         "grpo_prompts": ppo["rollout_batch_size"],
         "grpo_samples": ppo["samples_per_prompt"],
@@ -200,7 +205,7 @@ def format_vision(s: dict[str, Any], root: Path) -> str:
             f"  ->  GRPO {s['accuracy_grpo']:.3f} ({gain:+.3f})",
             f"   KL to SFT     GRPO {s['kl_to_sft']:.2f} nats per response",
             f"   wall time     {s['wall_seconds']:.0f} s (SFT {s['sft_steps']} steps on "
-            f"{task.SFT_ROWS} labelled rows; GRPO {s['grpo_iterations']} iterations of "
+            f"{s['sft_rows']} labelled rows; GRPO {s['grpo_iterations']} iterations of "
             f"{s['grpo_prompts']} prompts x {s['grpo_samples']} samples)",
             f"   summary: {root / 'summary.json'}",
         ]

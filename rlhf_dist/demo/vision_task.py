@@ -11,11 +11,16 @@ the answer is in the pixels only. Rows come in TRL 1.16's vision formats:
   column and an `answer` column, as TRL's GRPOTrainer reads them; `colour_reward` scores
   completions in TRL's reward-function convention.
 
-Room for GRPO: SFT sees only a small labelled subset (`SFT_ROWS` rows) for a few steps. That
-teaches the answer format (one colour word) and part of the mapping; GRPO's prompts are many
-and unlabelled, and the reward teaches the rest. Every colour appears in the SFT rows: a colour
-SFT never shows as an answer gets almost no probability, so GRPO's samples would never name it
-and its reward could not teach it (docs/vision.md has the measurement). Seeds keep the splits
+Room for GRPO: the SFT labels come from an annotator with a systematic bias (`SWAPS`): a
+red shape is labelled "green", a blue one "yellow" and a purple one "orange" in `SWAP_RATE`
+of the rows, as human labels err in patterns. The swapped pairs are hues the tower tells
+apart easily, so what SFT learns is the annotator's bias, not a visual confusion: greedy
+decoding names the three swapped colours wrongly while their true names keep some
+probability. GRPO's reward checks the colour against the image's truth, so its samples
+that name the true colour are reinforced (docs/vision.md, "The vision demo", has the
+per-colour measurement, and why confusing neighbouring hues left too little to learn).
+Every colour is still an SFT answer: one never shown would get almost no probability and
+no reward could teach it. Seeds keep the splits
 apart: row i of a split is drawn from `split seed + i`, and the held-out split's seed is far
 from the others'.
 """
@@ -36,7 +41,11 @@ COLOURS = {
     "purple": (140, 40, 170),
     "orange": (240, 130, 10),
 }
-SFT_ROWS = 48  # the labelled subset the demo's SFT stage sees
+SFT_ROWS = 384  # the labelled rows the demo's SFT stage sees
+# The annotator's bias: a shape of a key's colour is labelled with the value in SWAP_RATE of
+# the SFT rows (the held-out and GRPO rows keep the truth).
+SWAPS = {"red": "green", "blue": "yellow", "purple": "orange"}
+SWAP_RATE = 0.6
 SHAPES = ("square", "circle", "triangle")
 QUESTION = "what colour is the shape ?"
 SIZES = ((56, 56), (56, 84), (84, 56), (84, 84), (112, 56))  # (width, height), multiples of 28
@@ -75,6 +84,13 @@ def _example(seed: int, colours: Sequence[str]) -> tuple[Image.Image, str]:
     return draw(colour, rng), colour
 
 
+def annotator_label(colour: str, seed: int, rate: float = SWAP_RATE) -> str:
+    """The SFT label of a `colour` shape in the row drawn from `seed`: SWAPS[colour] with
+    probability `rate` (a draw of its own, so the image is the same at any rate)."""
+    swapped = colour in SWAPS and random.Random(f"label-{seed}").random() < rate
+    return SWAPS[colour] if swapped else colour
+
+
 def _user_turn() -> dict[str, Any]:
     return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}
 
@@ -96,13 +112,18 @@ def held_out_rows(n: int) -> list[dict[str, Any]]:
 
 
 def sft_rows(
-    n: int = SFT_ROWS, seed: int = SFT_SEED, colours: Sequence[str] = tuple(COLOURS)
+    n: int = SFT_ROWS,
+    seed: int = SFT_SEED,
+    colours: Sequence[str] = tuple(COLOURS),
+    swap_rate: float = SWAP_RATE,
 ) -> list[dict[str, Any]]:
-    """`n` labelled SFT rows {messages, images}, colours drawn from `colours`."""
+    """`n` SFT rows {messages, images}, colours drawn from `colours`, labelled by the
+    annotator (`annotator_label`; swap_rate 0: the true colours)."""
     rows = []
     for i in range(n):
         image, colour = _example(seed + i, colours)
-        answer = {"role": "assistant", "content": [{"type": "text", "text": colour}]}
+        label = annotator_label(colour, seed + i, swap_rate)
+        answer = {"role": "assistant", "content": [{"type": "text", "text": label}]}
         rows.append({"messages": [_user_turn(), answer], "images": [image]})
     return rows
 
