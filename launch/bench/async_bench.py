@@ -138,16 +138,36 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train(tree: dict, workdir: Path, threads: int) -> list[dict]:
-    """Run the GRPO stage in its own process -> its metrics rows."""
+def train(tree: dict, workdir: Path, threads: int, kill_after: int = 0) -> list[dict]:
+    """Run the GRPO stage in its own process -> its metrics rows. kill_after > 0: SIGKILL
+    the process once its metrics log that iteration, then run it again with
+    run.resume=auto to the end (the rows: every iteration logged, the lost ones twice)."""
     config = workdir / f"{Path(tree['run']['output_dir']).name}.yaml"
     config.write_text(json.dumps(tree))
     here = str(Path(__file__).resolve().parent)  # chat_episode, for --environment
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "rlhf_dist", "ppo", "--config", str(config)]
+    metrics = Path(tree["run"]["output_dir"]) / "metrics.jsonl"
+    if kill_after:
+        process = subprocess.Popen(cmd, env=env)
+        steps = lambda: [r["step"] for r in iteration_rows(metrics)]  # noqa: E731
+        while process.poll() is None and max(steps(), default=0) < kill_after:
+            time.sleep(0.2)
+        process.kill()  # SIGKILL: no handler runs, nothing is flushed
+        if process.wait() != -9:
+            raise SystemExit(f"the trainer ended before iteration {kill_after}: not killed")
+        print(f"SIGKILLed after iteration {max(steps())}; resuming", file=sys.stderr)
+        resumed = copy.deepcopy(tree)
+        resumed["run"]["resume"] = "auto"
+        config.write_text(json.dumps(resumed))
     subprocess.run(cmd, env=env, check=True)
-    lines = (Path(tree["run"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()
+    return iteration_rows(metrics)
+
+
+def iteration_rows(metrics: Path) -> list[dict]:
+    """The iteration rows of a run's metrics.jsonl (none while it has none)."""
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
     return [r for r in map(json.loads, lines) if "time/total" in r]
 
 
@@ -941,14 +961,17 @@ def http_main(argv: list[str]) -> None:
 # Per run: the figures, the training wall seconds and, for k=4 partial, the trained tokens'
 # mean staleness in versions and the share of rows that switched version mid-response.
 # Each row is printed and appended to OUT/results.jsonl when its run ends; the summary
-# gives each mode's mean and seed-to-seed standard deviation and the difference of the
-# means (k=4 partial - sync), paired by seed, with its standard error.
+# gives, for each pair of PAIRS trained on the same seeds (sync vs k=4 partial; k=4 partial
+# with checkpoints vs the same killed and resumed), each mode's mean and seed-to-seed standard deviation and
+# the difference of the means, paired by seed, with its standard error.
 #
 # `--modes` trains other modes instead (PARITY_MODES: k = 1, 2, 4 with the same correction,
-# k = 4 with no correction or uncapped weights; the KL-vs-k sweep of docs/serving.md), and
-# `--kl-coef C` and `--ppo-epochs N` set the text demo's ppo.kl_coef and ppo.ppo_epochs for
-# every mode of the call (" kl=C", " epochs=N" added to the mode's name); the summary pairs
-# sync with k=4 partial only.
+# k = 4 with no correction or uncapped weights, the KL-vs-k sweep of docs/serving.md; "k=4
+# partial, checkpointed" and "k=4 partial, killed": checkpoints every N // 4 iterations, the
+# latter's trainer SIGKILLed some iterations after one and resumed with run.resume=auto
+# against the same server, `kill_plan`), and `--kl-coef C` and
+# `--ppo-epochs N` set the text demo's ppo.kl_coef and ppo.ppo_epochs for every mode of
+# the call (" kl=C", " epochs=N" added to the mode's name; such modes pair with nothing).
 #
 # Usage: bash launch/bench/async_tail.sh parity [--tasks demo arithmetic] [--seeds 0 1 2]
 #        [--iterations 20] [--demo-iterations N] [--kl-prompts 32] [--parallel] [--quick]
@@ -969,19 +992,33 @@ PARITY_MODES = {
     "k=4 partial, no correction": {"max_staleness": 4, "partial_rollouts": True,
                                    "decoupled": False, "rollout_correction": "none"},
     "k=4, raw weights": {"max_staleness": 4, "decoupled": True, "rollout_correction": "none"},
+    # k=4 partial with checkpoints, and the same with its trainer SIGKILLed mid-run and
+    # resumed, the server kept (`kill_plan`; the queue refills after each checkpoint)
+    "k=4 partial, checkpointed": {"max_staleness": 4, "partial_rollouts": True} | OFF_POLICY,
+    "k=4 partial, killed": {"max_staleness": 4, "partial_rollouts": True} | OFF_POLICY,
 }  # fmt: skip
-PAIRED = ("sync", "k=4 partial")  # the summary's comparison
+CHECKPOINTED, KILLED = "k=4 partial, checkpointed", "k=4 partial, killed"
+PAIRS = (("sync", "k=4 partial"), (CHECKPOINTED, KILLED))  # the summary's comparisons
 
 
 def parity_served(tree: dict, out: Path, mode: str, url: str) -> dict:
     """A task's GRPO tree trained in `mode` against the server at `url`, writing to out."""
     tree = copy.deepcopy(tree)
-    tree["run"] |= {"output_dir": str(out), "progress": False, "checkpoint_every": 0}
+    every = kill_plan(tree)[0] if mode.startswith((CHECKPOINTED, KILLED)) else 0
+    tree["run"] |= {"output_dir": str(out), "progress": False, "checkpoint_every": every}
     tree["generation"] |= {"backend": "server", "server_urls": [url],
                            "server_token_env": TOKEN_ENV}  # fmt: skip
     tree["ppo"] |= PARITY_MODES[mode.split(" kl=")[0].split(" epochs=")[0]]
     tree["perf"] = {"num_threads": 1}
     return tree
+
+
+def kill_plan(tree: dict) -> tuple[int, int]:
+    """(run.checkpoint_every, the iteration after which the trainer is SIGKILLed) of the
+    killed mode over ppo.iterations N: checkpoints every N // 4, killed half an interval
+    after the one at N // 2, so those iterations are lost and trained again (60: 15, 37)."""
+    every = max(1, tree["ppo"]["iterations"] // 4)
+    return every, 2 * every + max(1, every // 2)
 
 
 def parity_train(tree: dict, policy: Path, workdir: Path, mode: str) -> dict[str, float]:
@@ -991,7 +1028,9 @@ def parity_train(tree: dict, policy: Path, workdir: Path, mode: str) -> dict[str
     try:
         out = Path(tree["run"]["output_dir"])
         start = time.perf_counter()
-        rows = train(parity_served(tree, out, mode, f"http://127.0.0.1:{port}"), workdir, 1)
+        served = parity_served(tree, out, mode, f"http://127.0.0.1:{port}")
+        kill = kill_plan(tree)[1] if mode.startswith(KILLED) else 0
+        rows = train(served, workdir, 1, kill_after=kill)
         seconds = time.perf_counter() - start
     finally:
         server.terminate()
@@ -1105,23 +1144,22 @@ def parity_arithmetic_seed(out: Path, seed: int, args, runtime) -> None:
 
 
 def parity_summary(rows: list[dict]) -> None:
-    """Per task: each mode's mean and seed-to-seed sd, and k=4 partial - sync paired by seed."""
-    print("task       figure  sync mean (sd)   k=4 partial mean (sd)  diff (paired se)  seeds")
+    """Per task and pair of PAIRS (A, B) trained on the same seeds: each mode's mean and
+    seed-to-seed sd, and B - A paired by seed with its standard error."""
+    print("task       figure  A mean (sd)      B mean (sd)     B - A (paired se)  seeds  A -> B")
+    sd = lambda v: statistics.stdev(v) if len(v) > 1 else float("nan")  # noqa: E731
     for task_name in dict.fromkeys(r["task"] for r in rows):
-        by = {m: {r["seed"]: r for r in rows if r["task"] == task_name and r["mode"] == m}
-              for m in PAIRED}  # fmt: skip
-        seeds = sorted(set(by["sync"]) & set(by["k=4 partial"]))
-        if not seeds:
-            continue
-        for figure in ("score", "kl"):
-            a = [by["sync"][s][figure] for s in seeds]
-            b = [by["k=4 partial"][s][figure] for s in seeds]
-            d = [y - x for x, y in zip(a, b)]
-            sd = lambda v: statistics.stdev(v) if len(v) > 1 else float("nan")  # noqa: E731
-            se = sd(d) / math.sqrt(len(d))
-            print(f"{task_name:<10} {figure:<7} {statistics.mean(a):6.3f} ({sd(a):5.3f})   "
-                  f"{statistics.mean(b):6.3f} ({sd(b):5.3f})        {statistics.mean(d):+6.3f} "
-                  f"({se:5.3f})   {len(seeds)}")  # fmt: skip
+        mine = [r for r in rows if r["task"] == task_name]
+        for first, second in PAIRS:
+            by = {m: {r["seed"]: r for r in mine if r["mode"] == m} for m in (first, second)}
+            seeds = sorted(set(by[first]) & set(by[second]))
+            for figure in ("score", "kl") if seeds else ():
+                a = [by[first][s][figure] for s in seeds]
+                b = [by[second][s][figure] for s in seeds]
+                d = [y - x for x, y in zip(a, b)]
+                print(f"{task_name:<10} {figure:<7} {statistics.mean(a):6.3f} ({sd(a):5.3f})   "
+                      f"{statistics.mean(b):6.3f} ({sd(b):5.3f})   {statistics.mean(d):+6.3f} "
+                      f"({sd(d) / math.sqrt(len(d)):5.3f})   {len(seeds):>5}  {first} -> {second}")  # fmt: skip
 
 
 def parity_main(argv: list[str]) -> None:
@@ -1136,8 +1174,8 @@ def parity_main(argv: list[str]) -> None:
     parser.add_argument("--parallel", action="store_true",
                         help="train both modes at once (each its own server)")  # fmt: skip
     parser.add_argument("--kl-prompts", type=int, default=32)
-    parser.add_argument("--modes", nargs="+", default=list(PAIRED), choices=list(PARITY_MODES),
-                        help="the modes each seed trains (the summary pairs sync and k=4 partial)")  # fmt: skip
+    parser.add_argument("--modes", nargs="+", default=list(PAIRS[0]), choices=list(PARITY_MODES),
+                        help="the modes each seed trains (the summary pairs those of PAIRS)")  # fmt: skip
     parser.add_argument("--kl-coef", type=float, default=None,
                         help="ppo.kl_coef of the text demo's runs (its own: 0.05)")  # fmt: skip
     parser.add_argument("--ppo-epochs", type=int, default=0,
@@ -1161,7 +1199,7 @@ def parity_main(argv: list[str]) -> None:
             else:
                 parity_arithmetic_seed(out, seed, args, runtime)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    parity_summary([r for r in rows if r["mode"] in PAIRED])
+    parity_summary(rows)
 
 
 MODES_ = {"overlap": overlap_main, "demo": demo_main, "serve": serve_main, "tail": tail_main,
