@@ -160,7 +160,7 @@ def run_vision_demo(
     # 1. The random model and its held-out accuracy (chance: 1 / 6 colours).
     print(f"== vision demo: stage 1/3, the untrained model on {len(held_out)} held-out images")
     s["accuracy_base"] = greedy_accuracy(build_tiny_qwen_vl(root / "base", seed=seed), held_out)
-    # 2. SFT on the small labelled subset: the answer format and part of the mapping.
+    # 2. SFT on the annotator's rows: the format, three colours, the annotator's swaps.
     print(f"== stage 2/3: SFT, {s['sft_steps']} steps on {s['sft_rows']} labelled rows")
     rlhf_dist.sft(trees["sft"], dataset=sft_rows)
     s["accuracy_sft"] = greedy_accuracy(sft, held_out)
