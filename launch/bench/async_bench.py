@@ -141,7 +141,8 @@ def device() -> str:
 def train(tree: dict, workdir: Path, threads: int, kill_after: int = 0) -> list[dict]:
     """Run the GRPO stage in its own process -> its metrics rows. kill_after > 0: SIGKILL
     the process once its metrics log that iteration, then run it again with
-    run.resume=auto to the end (the rows: every iteration logged, the lost ones twice)."""
+    run.resume=auto to the end (the resume cuts the metrics back to its checkpoint, so the
+    rows log every iteration once)."""
     config = workdir / f"{Path(tree['run']['output_dir']).name}.yaml"
     config.write_text(json.dumps(tree))
     here = str(Path(__file__).resolve().parent)  # chat_episode, for --environment
@@ -1004,11 +1005,11 @@ PAIRS = (("sync", "k=4 partial"), (CHECKPOINTED, KILLED))  # the summary's compa
 def parity_served(tree: dict, out: Path, mode: str, url: str) -> dict:
     """A task's GRPO tree trained in `mode` against the server at `url`, writing to out."""
     tree = copy.deepcopy(tree)
-    every = kill_plan(tree)[0] if mode.startswith((CHECKPOINTED, KILLED)) else 0
+    every = kill_plan(tree)[0] if mode in (CHECKPOINTED, KILLED) else 0
     tree["run"] |= {"output_dir": str(out), "progress": False, "checkpoint_every": every}
     tree["generation"] |= {"backend": "server", "server_urls": [url],
                            "server_token_env": TOKEN_ENV}  # fmt: skip
-    tree["ppo"] |= PARITY_MODES[mode.split(" kl=")[0].split(" epochs=")[0]]
+    tree["ppo"] |= PARITY_MODES[mode]
     tree["perf"] = {"num_threads": 1}
     return tree
 
@@ -1029,7 +1030,7 @@ def parity_train(tree: dict, policy: Path, workdir: Path, mode: str) -> dict[str
         out = Path(tree["run"]["output_dir"])
         start = time.perf_counter()
         served = parity_served(tree, out, mode, f"http://127.0.0.1:{port}")
-        kill = kill_plan(tree)[1] if mode.startswith(KILLED) else 0
+        kill = kill_plan(tree)[1] if mode == KILLED else 0
         rows = train(served, workdir, 1, kill_after=kill)
         seconds = time.perf_counter() - start
     finally:
@@ -1098,16 +1099,15 @@ def parity_modes(grpo: dict, root: Path, policy: Path, args) -> dict[str, dict]:
 
     suffix = "" if args.kl_coef is None else f" kl={args.kl_coef:g}"
     suffix += f" epochs={args.ppo_epochs}" if args.ppo_epochs else ""
-    modes = [m + suffix for m in args.modes]
 
     def one(mode: str) -> dict:
         tree = copy.deepcopy(grpo)
-        tree["run"]["output_dir"] = str(root / parity_name(mode))
+        tree["run"]["output_dir"] = str(root / parity_name(mode + suffix))
         with tempfile.TemporaryDirectory() as tmp:
             return parity_train(tree, policy, Path(tmp), mode)
 
     with ThreadPoolExecutor(2 if args.parallel else 1) as pool:
-        return dict(zip(modes, pool.map(one, modes)))
+        return {m + suffix: f for m, f in zip(args.modes, pool.map(one, args.modes))}
 
 
 def parity_arithmetic_trees(root: Path, policy: Path, seed: int, args) -> dict:

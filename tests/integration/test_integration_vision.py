@@ -240,7 +240,8 @@ def test_a_weight_swap_mid_response_reruns_the_prompt_with_its_images(vlm, monke
         return token.index_fill(0, torch.tensor([0]), image) if len(steps) == 2 else token
 
     class Swap:  # the new weights land after the second token
-        logps: list[torch.Tensor] = []
+        def __init__(self):
+            self.logps: list[torch.Tensor] = []  # (B, 1) per step: the sampled token's
 
         def sampled(self, logits, token):
             self.logps.append(torch.log_softmax(logits.float(), -1).gather(1, token[:, None]))
